@@ -1,0 +1,28 @@
+"""llmcourse: a GPT-2 inference engine built from parts that learners write themselves.
+
+    >>> import llmcourse
+    >>> tok = llmcourse.get_tokenizer()
+    >>> model = llmcourse.load_model("path/to/gpt2-folder")             # doctest: +SKIP
+    >>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
+"""
+
+from .config import CheckpointError, GPT2Config
+from .loading import load_model, save_model
+from .model import GPT2, KVCache
+from .parts import PartError, Parts
+from .tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
+
+__all__ = [
+    "CheckpointError",
+    "EOT",
+    "EOT_ID",
+    "GPT2",
+    "GPT2Config",
+    "KVCache",
+    "PartError",
+    "Parts",
+    "StreamDecoder",
+    "get_tokenizer",
+    "load_model",
+    "save_model",
+]

@@ -1,0 +1,178 @@
+"""Load and save GPT-2 checkpoints in the format transformers' `save_pretrained` writes.
+
+A model folder holds `config.json` and `model.safetensors`. Keys may carry the `transformer.`
+prefix or not; `lm_head.weight`, when stored, must equal the tied `wte.weight`; the causal-mask
+buffers old checkpoints carry (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored. Anything else
+missing, extra or mis-shaped is refused with an error naming the tensor.
+
+    >>> model = load_model("path/to/folder")            # doctest: +SKIP
+    >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP  (Hugging Face cache)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .config import CheckpointError, GPT2Config
+from .model import GPT2
+from .parts import Parts
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+IGNORED_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
+
+
+def resolve_device(device: Union[str, torch.device] = "auto") -> torch.device:
+    """'auto' -> CUDA when present, else CPU; anything else must name an available device."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA GPU is available; use 'cpu' or 'auto'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device {str(device)!r} is not supported; use 'auto', 'cpu' or 'cuda'")
+    return device
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+
+
+def load_model(
+    source: Union[str, Path],
+    *,
+    device: Union[str, torch.device] = "auto",
+    dtype: Union[str, torch.dtype, None] = None,
+    parts: Optional[Parts] = None,
+) -> GPT2:
+    """A GPT-2 model from a local folder or a Hugging Face Hub name, ready for inference.
+
+    `source`: a folder with `config.json` + `model.safetensors`, or a Hub name such as 'gpt2',
+    'gpt2-medium', 'distilgpt2' (taken from the local Hugging Face cache; downloaded only if not
+    cached and a network is reachable). `dtype` defaults to float32.
+    """
+    device, dtype = resolve_device(device), resolve_dtype(dtype)
+    folder = resolve_source(source)
+    config = GPT2Config.from_json(folder / CONFIG_FILE)
+    state = read_weights(folder / WEIGHTS_FILE)
+    model = GPT2(config, parts)
+    model.load_state_dict(check_weights(state, model, folder / WEIGHTS_FILE))
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def resolve_source(source: Union[str, Path]) -> Path:
+    """The folder holding the checkpoint: `source` itself, or its snapshot in the Hub cache."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        for name in (CONFIG_FILE, WEIGHTS_FILE):
+            if not (path / name).is_file():
+                raise CheckpointError(
+                    f"{path} has no {name}; a model folder needs config.json and model.safetensors, "
+                    "as transformers' save_pretrained writes them"
+                )
+        return path
+    if path.exists() or not HUB_NAME.match(str(source)):
+        raise CheckpointError(f"{source!r} is neither a model folder nor a Hugging Face Hub model name")
+    return hub_snapshot(str(source))
+
+
+def hub_snapshot(name: str) -> Path:
+    """The cached snapshot of Hub model `name`, downloading it only if a network is reachable."""
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(
+            f"loading {name!r} from the Hugging Face Hub needs the package huggingface_hub "
+            "(pip install huggingface_hub), or pass a local model folder instead"
+        ) from None
+    files = [CONFIG_FILE, WEIGHTS_FILE]
+    try:
+        return Path(snapshot_download(name, allow_patterns=files, local_files_only=True))
+    except Exception:
+        pass  # not cached: try the network below
+    if os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False"):
+        reason = "HF_HUB_OFFLINE is set"
+    else:
+        try:
+            folder = Path(snapshot_download(name, allow_patterns=files, etag_timeout=10))
+            if all((folder / f).is_file() for f in files):
+                return folder
+            reason = f"the Hub repository has no {WEIGHTS_FILE}"
+        except Exception as err:  # no network, unknown repo, auth, ...
+            reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+    raise CheckpointError(
+        f"model {name!r} is not in the local Hugging Face cache and could not be downloaded ({reason}).\n"
+        f"  On a machine with a network: huggingface-cli download {name} {CONFIG_FILE} {WEIGHTS_FILE}\n"
+        "  then copy the cache (~/.cache/huggingface/hub) here, or pass a local model folder instead."
+    )
+
+
+def read_weights(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(
+            f"cannot read {path}: {err}. The file is corrupt or truncated; re-save or re-download it"
+        ) from None
+
+
+def check_weights(state: dict[str, torch.Tensor], model: GPT2, path: Path) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors renamed to the model's keys; refuses missing, extra or mis-shaped ones."""
+    renamed = {}
+    for key, tensor in state.items():
+        name = key.removeprefix("transformer.")
+        if IGNORED_BUFFER.match(name):
+            continue
+        renamed[name] = tensor
+    expected = model.state_dict()
+    head = renamed.pop("lm_head.weight", None)
+    cfg = model.config
+    summary = f"config.json: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, n_positions={cfg.n_positions}"
+    missing = [k for k in expected if k not in renamed]
+    if missing:
+        raise CheckpointError(f"{path}: missing tensor '{missing[0]}' ({len(missing)} missing in all; {summary})")
+    unexpected = [k for k in renamed if k not in expected]
+    if unexpected:
+        raise CheckpointError(
+            f"{path}: unexpected tensor '{unexpected[0]}' ({len(unexpected)} unexpected in all; {summary})"
+        )
+    for k, want in expected.items():
+        if renamed[k].shape != want.shape:
+            raise CheckpointError(
+                f"{path}: tensor '{k}' has shape {tuple(renamed[k].shape)}, but {summary} "
+                f"needs {tuple(want.shape)}"
+            )
+    if head is not None and not torch.equal(head.to(renamed["wte.weight"].dtype), renamed["wte.weight"]):
+        raise CheckpointError(
+            f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties its output head to the token "
+            "embedding and this engine needs them equal"
+        )
+    return {k: v.to(expected[k].dtype) for k, v in renamed.items()}
+
+
+def save_model(model: GPT2, folder: Union[str, Path]) -> Path:
+    """Write `config.json` + `model.safetensors` as transformers' `save_pretrained` does for GPT-2."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.config.to_json(folder / CONFIG_FILE)
+    tensors = {f"transformer.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
+    return folder

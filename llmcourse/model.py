@@ -1,0 +1,190 @@
+"""GPT-2, written as a composition of swappable parts, with a static KV cache.
+
+Parameter names are GPT-2's checkpoint keys (`wte`, `h.0.attn.c_attn`, `ln_f`, ...), and linear
+weights keep the checkpoint's [C_in, C_out] layout, so loading is a plain copy.
+
+    >>> model = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=8, n_positions=16, vocab_size=10))
+    >>> model(torch.tensor([[1, 2, 3]])).shape
+    torch.Size([1, 3, 10])
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from .config import GPT2Config
+from .parts import Parts
+
+
+class Affine(nn.Module):
+    """Weights of one GPT-2 linear layer (HF's `Conv1D`): y = x @ weight + bias."""
+
+    def __init__(self, n_in: int, n_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+
+class Norm(nn.Module):
+    """Weights of one layer norm."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(n))
+        self.bias = nn.Parameter(torch.zeros(n))
+
+
+class Table(nn.Module):
+    """An embedding table [N, C]."""
+
+    def __init__(self, n: int, dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n, dim))
+
+
+class Attention(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_attn = Affine(config.n_embd, 3 * config.n_embd)
+        self.c_proj = Affine(config.n_embd, config.n_embd)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.c_fc = Affine(config.n_embd, 4 * config.n_embd)
+        self.c_proj = Affine(4 * config.n_embd, config.n_embd)
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPT2Config):
+        super().__init__()
+        self.ln_1 = Norm(config.n_embd)
+        self.attn = Attention(config)
+        self.ln_2 = Norm(config.n_embd)
+        self.mlp = MLP(config)
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated for `max_len` positions.
+
+    Prefill writes the prompt's keys/values at positions [0, T); each decode step writes one more.
+    Nothing is reallocated while generating; `reorder` follows beams in beam search.
+
+        >>> cache = KVCache(GPT2Config(n_layer=1, n_head=2, n_embd=8), batch_size=1, max_len=4)
+        >>> cache.k.shape   # [n_layer, B, n_head, max_len, head_dim]
+        torch.Size([1, 1, 2, 4, 4])
+    """
+
+    def __init__(self, config: GPT2Config, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+        shape = (config.n_layer, batch_size, config.n_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.length = 0  # positions filled so far
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, H, T, D] after the filled positions; return all keys and values so far."""
+        end = self.length + k.shape[2]
+        self.k[layer, :, :, self.length : end] = k
+        self.v[layer, :, :, self.length : end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep batch rows `rows` (beam search: each surviving beam copies its parent's cache)."""
+        self.k = self.k.index_select(1, rows)
+        self.v = self.v.index_select(1, rows)
+
+
+class GPT2(nn.Module):
+    """GPT-2's language model: token ids [B, T] -> next-token logits [B, T, vocab_size]."""
+
+    def __init__(self, config: GPT2Config, parts: Optional[Parts] = None):
+        super().__init__()
+        self.config = config
+        self.parts = parts or Parts()
+        self.wte = Table(config.vocab_size, config.n_embd)
+        self.wpe = Table(config.n_positions, config.n_embd)
+        self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.ln_f = Norm(config.n_embd)
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
+    def init_weights(self, seed: int = 0) -> "GPT2":
+        """GPT-2's initialization (normal, std 0.02; residual projections scaled by 1/√(2·n_layer))."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif ".ln_" in name or name.startswith("ln_f"):
+                    p.fill_(1.0)
+                else:
+                    std = 0.02 / (2 * self.config.n_layer) ** 0.5 if name.endswith("c_proj.weight") else 0.02
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        return self
+
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None) -> KVCache:
+        return KVCache(
+            self.config, batch_size, max_len or self.config.n_positions, device=self.device, dtype=self.dtype
+        )
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        *,
+        position_ids: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        cache: Optional[KVCache] = None,
+        last_only: bool = False,
+    ) -> Tensor:
+        """Logits for each position of `input_ids` [B, T] -> [B, T, vocab_size] (T=1 if `last_only`).
+
+        With a `cache`, `input_ids` continue the cached positions, and their keys/values are added.
+        `attention_mask` [B, past + T] marks real tokens (1) and padding (0); `position_ids` [B, T]
+        default to past, past+1, ....
+        """
+        p, cfg = self.parts, self.config
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+        mask = None  # None = plain causal attention, the fused kernel's fast path
+        if attention_mask is not None:
+            key_pos = torch.arange(past + T, device=input_ids.device)
+            query_pos = key_pos[past:, None]
+            # A padding query sees only itself, so its row is never empty (no NaN) and never read.
+            mask = ((key_pos <= query_pos) & attention_mask[:, None, None, :].bool()) | (key_pos == query_pos)
+            # mask: [B, 1, T, past+T]
+
+        x = p.embedding(self.wte.weight, input_ids) + p.embedding(self.wpe.weight, position_ids)  # [B, T, C]
+        for i, block in enumerate(self.h):
+            a = p.layer_norm(x, block.ln_1.weight, block.ln_1.bias, cfg.layer_norm_epsilon)
+            qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
+            q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
+            if cache is not None:
+                k, v = cache.update(i, k, v)  # [B, H, past+T, D]
+            a = p.merge_heads(p.attention(q, k, v, mask))  # [B, T, C]
+            x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
+            m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
+            m = p.gelu(p.linear(m, block.mlp.c_fc.weight, block.mlp.c_fc.bias))  # [B, T, 4C]
+            x = x + p.linear(m, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+        if cache is not None:
+            cache.length += T
+        if last_only:
+            x = x[:, -1:]
+        x = p.layer_norm(x, self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)
+        return x @ self.wte.weight.T  # [B, T, vocab_size]; the head is tied to the token embedding
+
