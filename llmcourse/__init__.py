@@ -7,6 +7,7 @@
 """
 
 from .config import CheckpointError, GPT2Config
+from .generate import generate, generate_text, stream
 from .loading import load_model, save_model
 from .model import GPT2, KVCache
 from .parts import PartError, Parts
@@ -22,7 +23,10 @@ __all__ = [
     "PartError",
     "Parts",
     "StreamDecoder",
+    "generate",
+    "generate_text",
     "get_tokenizer",
     "load_model",
     "save_model",
+    "stream",
 ]

@@ -1,0 +1,312 @@
+"""Text generation: prefill the prompt into the KV cache, then decode one token at a time.
+
+Three entry points share one loop:
+
+- `generate(model, prompt_ids, ...)` -> new token ids (one prompt, or a batch of prompts of
+  different lengths, left-padded so that each row gets exactly the tokens it gets alone);
+- `stream(model, tokenizer, prompt, ...)` -> an iterator of text pieces as they are decoded;
+- `generate_text(model, tokenizer, prompt, ...)` -> the continuation as one string.
+
+Decoding settings (all keyword-only): `max_new_tokens`, `temperature` (0 = greedy, the default),
+`top_k`, `top_p`, `min_p`, `repetition_penalty` (same meaning and order as transformers),
+`num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None
+never stops), `seed` / `generator` (sampling is reproducible: the same seed gives the same text).
+`stream` and `generate_text` also take `stop`, strings that end the text (not included).
+
+    >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP
+    >>> for piece in stream(model, tok, "ROMEO:", temperature=0.8, seed=1): ...   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .model import GPT2
+from .sampling import SamplingSettings, next_token, process_logits
+from .tokenizer import EOT_ID, StreamDecoder
+
+PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+def generate(
+    model: GPT2,
+    prompt_ids: PromptIds,
+    *,
+    max_new_tokens: int = 64,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repetition_penalty: float = 1.0,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    eos_token_id: Optional[int] = EOT_ID,
+    seed: int = 0,
+    generator: Optional[torch.Generator] = None,
+) -> Union[list[int], list[list[int]]]:
+    """New token ids for one prompt (a list of ids) or for each prompt of a batch (a list of lists).
+
+    A row ends with `eos_token_id` (included) or after `max_new_tokens` tokens.
+
+        >>> generate(model, [15496, 995], max_new_tokens=3)   # doctest: +SKIP
+        [13, 314, 1101]
+    """
+    if isinstance(prompt_ids, torch.Tensor):
+        prompt_ids = prompt_ids.tolist()
+    single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
+    batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
+    settings = SamplingSettings(temperature, top_k, top_p, min_p, repetition_penalty)
+    check_request(model, batch, max_new_tokens, eos_token_id)
+    check_beams(num_beams, length_penalty, settings)
+    if num_beams > 1:
+        out = [
+            beam_search(model, p, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                        eos_token_id=eos_token_id, repetition_penalty=repetition_penalty)
+            for p in batch
+        ]
+    else:
+        out = [[] for _ in batch]
+        done = [False] * len(batch)
+        steps = decode_steps(model, batch, settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             generator=generator or new_generator(model, seed))
+        for tokens in steps:
+            for row, token in enumerate(tokens.tolist()):
+                if not done[row]:
+                    out[row].append(token)
+                    done[row] = token == eos_token_id
+    return out[0] if single else out
+
+
+def stream(
+    model: GPT2,
+    tokenizer,
+    prompt: str,
+    *,
+    stop: Sequence[str] = (),
+    max_new_tokens: int = 64,
+    num_beams: int = 1,
+    length_penalty: float = 1.0,
+    eos_token_id: Optional[int] = EOT_ID,
+    seed: int = 0,
+    generator: Optional[torch.Generator] = None,
+    **sampling,
+) -> Iterator[str]:
+    """Yield the continuation of `prompt` as text pieces, as soon as they are complete characters.
+
+    Stops at `eos_token_id` (not shown), `max_new_tokens`, or the first of the `stop` strings (the
+    text before it is the last thing yielded). Beam search yields its best sequence at the end.
+    """
+    ids = tokenizer.encode(prompt, allowed_special="all")
+    settings = SamplingSettings(**sampling)
+    check_request(model, [ids], max_new_tokens, eos_token_id)
+    check_beams(num_beams, length_penalty, settings)
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
+    if num_beams > 1:
+        tokens = iter(generate(model, ids, max_new_tokens=max_new_tokens, num_beams=num_beams,
+                               length_penalty=length_penalty, eos_token_id=eos_token_id, **sampling))
+    else:
+        steps = decode_steps(model, [ids], settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                             generator=generator or new_generator(model, seed))
+        tokens = (int(t) for t in steps)
+    yield from stop_at(decoded(tokens, tokenizer, eos_token_id), stop)
+
+
+def generate_text(model: GPT2, tokenizer, prompt: str, **settings) -> str:
+    """The continuation of `prompt` as one string; takes the same settings as `stream`."""
+    return "".join(stream(model, tokenizer, prompt, **settings))
+
+
+def decoded(tokens: Iterator[int], tokenizer, eos_token_id: Optional[int]) -> Iterator[str]:
+    """Text pieces for a stream of token ids, ending at EOS; never splits a UTF-8 character."""
+    decoder = StreamDecoder(tokenizer)
+    for token in tokens:
+        if token == eos_token_id:
+            break
+        if piece := decoder.push(token):
+            yield piece
+    if rest := decoder.flush():
+        yield rest
+
+
+def stop_at(pieces: Iterator[str], stop: Sequence[str]) -> Iterator[str]:
+    """Pass text pieces through until a stop string appears; hold back what may begin one."""
+    if not stop:
+        yield from pieces
+        return
+    pending = ""
+    for piece in pieces:
+        pending += piece
+        hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
+        if hits:
+            if head := pending[: min(hits)]:
+                yield head
+            return
+        keep = max((n for s in stop for n in range(1, len(s)) if pending.endswith(s[:n])), default=0)
+        if ready := pending[: len(pending) - keep]:
+            yield ready
+        pending = pending[len(pending) - keep :]
+    if pending:
+        yield pending
+
+
+def new_generator(model: GPT2, seed: int) -> torch.Generator:
+    return torch.Generator(device=model.device).manual_seed(seed)
+
+
+def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int]) -> None:
+    """Refuse prompts and lengths the model cannot run, saying what is allowed."""
+    cfg = model.config
+    if not batch:
+        raise ValueError("no prompts given: pass a list of token ids, or a list of such lists")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
+        raise ValueError(f"eos_token_id must be a token id in [0, {cfg.vocab_size}) or None, got {eos_token_id!r}")
+    for i, ids in enumerate(batch):
+        which = f"prompt {i}" if len(batch) > 1 else "the prompt"
+        if not ids:
+            raise ValueError(
+                f"{which} is empty: give at least one token (to start from nothing, use "
+                f"[{EOT_ID}], the <|endoftext|> token GPT-2 saw between documents)"
+            )
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"{which} holds {bad[0]!r}, not a token id in [0, {cfg.vocab_size})")
+        if len(ids) + max_new_tokens > cfg.n_positions:
+            room = cfg.n_positions - len(ids)
+            fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "shorten the prompt"
+            raise ValueError(
+                f"{which} has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: {len(ids) + max_new_tokens} "
+                f"positions, but the model has only n_positions={cfg.n_positions}; {fix}"
+            )
+
+
+def check_beams(num_beams: int, length_penalty: float, settings: SamplingSettings) -> None:
+    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
+        raise ValueError(f"num_beams must be an integer >= 1 (1 = no beam search), got {num_beams!r}")
+    if not isinstance(length_penalty, (int, float)) or not math.isfinite(length_penalty):
+        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
+    if num_beams > 1 and not settings.greedy:
+        raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
+
+
+@torch.inference_mode()
+def decode_steps(
+    model: GPT2,
+    batch: list[list[int]],
+    settings: SamplingSettings,
+    *,
+    max_new_tokens: int,
+    eos_token_id: Optional[int],
+    generator: Optional[torch.Generator],
+) -> Iterator[Tensor]:
+    """Yield the next token of every row [B], step by step (finished rows repeat `eos_token_id`).
+
+    Prompts of different lengths are left-padded; the attention mask hides the padding and the
+    position ids count only real tokens, so a row computes what it would alone.
+    """
+    device, B = model.device, len(batch)
+    longest = max(map(len, batch))
+    total = longest + max_new_tokens
+    input_ids = torch.zeros(B, longest, dtype=torch.long)
+    mask = torch.zeros(B, total, dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, longest - len(ids) :] = torch.tensor(ids)
+        mask[row, longest - len(ids) :] = 1  # generated positions are real tokens too
+    input_ids, mask = input_ids.to(device), mask.to(device)
+    padded = any(len(ids) < longest for ids in batch)
+    positions = (mask[:, :longest].cumsum(-1) - 1).clamp(min=0)  # [B, longest]
+
+    seen = None
+    if settings.repetition_penalty != 1.0:
+        seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
+        seen.scatter_(1, input_ids, mask[:, :longest].bool())  # only real tokens count, not padding
+    finished = torch.zeros(B, dtype=torch.bool, device=device)
+
+    cache = model.new_cache(B, total)
+    logits = model(input_ids, position_ids=positions, attention_mask=mask[:, :longest] if padded else None,
+                   cache=cache, last_only=True)[:, -1]  # [B, V]
+    next_pos = positions[:, -1:] + 1  # [B, 1]
+    for step in range(max_new_tokens):
+        token = next_token(logits, settings, seen, generator)  # [B]
+        if eos_token_id is not None:
+            token = token.masked_fill(finished, eos_token_id)
+            finished |= token == eos_token_id
+        yield token
+        if step == max_new_tokens - 1 or bool(finished.all()):
+            return
+        if seen is not None:
+            seen[torch.arange(B, device=device), token] = True
+        logits = model(token[:, None], position_ids=next_pos,
+                       attention_mask=mask[:, : cache.length + 1] if padded else None, cache=cache)[:, -1]
+        next_pos = next_pos + 1
+
+
+@torch.inference_mode()
+def beam_search(
+    model: GPT2,
+    prompt: list[int],
+    *,
+    num_beams: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    eos_token_id: Optional[int] = EOT_ID,
+    repetition_penalty: float = 1.0,
+) -> list[int]:
+    """The highest-scoring continuation found by beam search, as transformers computes it.
+
+    Each step extends every live beam by every token and keeps the 2·num_beams best candidates by
+    summed log-probability. Candidates ending in EOS (or at max_new_tokens) among the top num_beams
+    become finished hypotheses, scored sum_logprob / new_tokens ** length_penalty; the others, best
+    first, become the next live beams. Search stops when num_beams hypotheses are finished and the
+    best live beam, scored at its current length, cannot beat the worst of them.
+    """
+    device, V, K = model.device, model.config.vocab_size, num_beams
+    settings = SamplingSettings(repetition_penalty=repetition_penalty)
+    prompt_t = torch.tensor([prompt], device=device)
+    cache = model.new_cache(1, len(prompt) + max_new_tokens)
+    logits = model(prompt_t, cache=cache, last_only=True)[:, -1].expand(K, V)  # [K, V]
+    cache.reorder(torch.zeros(K, dtype=torch.long, device=device))
+    beams = [[] for _ in range(K)]  # tokens generated by each live beam
+    scores = torch.full((K,), -1e9, device=device)
+    scores[0] = 0.0  # all beams start equal: expand the first only, or they would pick the same tokens
+    finished: list[tuple[float, list[int]]] = []  # (score, tokens), best first, at most K
+
+    for step in range(max_new_tokens):
+        seen = None
+        if repetition_penalty != 1.0:
+            seen = torch.zeros(K, V, dtype=torch.bool, device=device)
+            seen[:, prompt_t[0]] = True
+            for row, tokens in enumerate(beams):
+                seen[row, tokens] = True
+        log_probs = process_logits(torch.log_softmax(logits.float(), dim=-1), settings, seen)  # [K, V]
+        total = (log_probs + scores[:, None]).view(-1)  # [K * V]
+        top_scores, top_index = torch.topk(total, 2 * K)
+        new_len, last_step = step + 1, step == max_new_tokens - 1
+        live = []  # (score, parent beam, token)
+        for rank, (s, index) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
+            parent, token = divmod(index, V)
+            if token == eos_token_id or last_step:
+                if rank < K:
+                    done_score = float(top_scores[rank] / new_len**length_penalty)
+                    finished.append((done_score, beams[parent] + [token]))
+            elif len(live) < K:
+                live.append((s, parent, token))
+        finished = sorted(finished, key=lambda f: -f[0])[:K]
+        if last_step or not live:
+            break
+        best_possible = live[0][0] / new_len**length_penalty
+        if len(finished) == K and best_possible <= finished[-1][0]:
+            break
+        parents = torch.tensor([p for _, p, _ in live], device=device)
+        cache.reorder(parents)
+        beams = [beams[p] + [t] for _, p, t in live]
+        scores = torch.tensor([s for s, _, _ in live], device=device)
+        tokens = torch.tensor([[t] for _, _, t in live], device=device)
+        logits = model(tokens, cache=cache)[:, -1]
+    return finished[0][1]

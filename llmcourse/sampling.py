@@ -1,0 +1,129 @@
+"""From next-token logits to a token: logits processors and the choice of the next token.
+
+The processors follow transformers' semantics and order: repetition penalty, then temperature,
+top-k, top-p and min-p. Each takes logits [B, V] and returns logits [B, V] with removed tokens
+set to -inf, so several compose.
+
+    >>> logits = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    >>> top_k(logits, 2)
+    tensor([[2., 1., -inf, -inf]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingSettings:
+    """How to pick each next token. temperature=0 means greedy (argmax).
+
+    top_k=0, top_p=1, min_p=0 and repetition_penalty=1 switch those processors off.
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+
+    def __post_init__(self):
+        if not _real(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not _real(self.top_p) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
+        if not _real(self.min_p) or not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
+        if not _real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(
+                f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), "
+                f"got {self.repetition_penalty!r}"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
+    """Make tokens already in the text less likely: positive logits / penalty, negative * penalty.
+
+    logits [B, V]; seen [B, V] bool, True for every token id present in that row's text so far.
+    """
+    penalized = torch.where(logits < 0, logits * penalty, logits / penalty)
+    return torch.where(seen, penalized, logits)
+
+
+def temperature(logits: Tensor, t: float) -> Tensor:
+    """Divide by t: t < 1 sharpens the distribution, t > 1 flattens it."""
+    return logits / t
+
+
+def top_k(logits: Tensor, k: int) -> Tensor:
+    """Keep the k highest logits (and any tied with the k-th), set the rest to -inf."""
+    k = min(k, logits.shape[-1])
+    kth = torch.topk(logits, k).values[..., -1:]  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def top_p(logits: Tensor, p: float) -> Tensor:
+    """Keep the smallest set of most likely tokens whose probabilities add up to more than p.
+
+    Works from the least likely token upwards: a token is removed while the cumulative
+    probability up to and including it stays <= 1 - p. The most likely token always stays.
+    """
+    sorted_logits, order = torch.sort(logits, descending=False)  # [B, V], ascending
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    remove_sorted = cumulative <= (1 - p)
+    remove_sorted[..., -1:] = False
+    remove = remove_sorted.scatter(1, order, remove_sorted)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def min_p(logits: Tensor, p: float) -> Tensor:
+    """Keep tokens whose probability is at least p times the most likely token's."""
+    probs = torch.softmax(logits, dim=-1)
+    remove = probs < p * probs.amax(dim=-1, keepdim=True)
+    remove.scatter_(-1, torch.topk(probs, 1, dim=-1).indices, False)
+    return logits.masked_fill(remove, float("-inf"))
+
+
+def process_logits(logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
+    """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
+
+    For greedy decoding only the repetition penalty matters: the others never change the argmax.
+    """
+    if settings.repetition_penalty != 1.0 and seen is not None:
+        logits = repetition_penalty(logits, seen, settings.repetition_penalty)
+    if settings.greedy:
+        return logits
+    if settings.temperature != 1.0:
+        logits = temperature(logits, settings.temperature)
+    if settings.top_k:
+        logits = top_k(logits, settings.top_k)
+    if settings.top_p < 1.0:
+        logits = top_p(logits, settings.top_p)
+    if settings.min_p:
+        logits = min_p(logits, settings.min_p)
+    return logits
+
+
+def next_token(
+    logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None, generator: Optional[torch.Generator] = None
+) -> Tensor:
+    """Choose one token per row. logits [B, V] -> token ids [B]."""
+    scores = process_logits(logits.float(), settings, seen)
+    if settings.greedy:
+        return scores.argmax(dim=-1)
+    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
