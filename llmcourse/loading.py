@@ -6,7 +6,7 @@ buffers old checkpoints carry (`h.N.attn.bias`, `h.N.attn.masked_bias`) are igno
 missing, extra or mis-shaped is refused with an error naming the tensor.
 
     >>> model = load_model("path/to/folder")            # doctest: +SKIP
-    >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP  (Hugging Face cache)
+    >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP
 """
 
 from __future__ import annotations
