@@ -30,9 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", required=True,
-                     help="a folder with config.json + model.safetensors, or a Hugging Face Hub name (e.g. gpt2) "
-                          "taken from the local cache")
+    gen.add_argument("--model", default="gpt2-shakespeare",
+                     help="a bundled model (gpt2-shakespeare, gpt2-shakespeare-draft), a folder with config.json + "
+                          "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache")
     gen.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
     gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
                      help="sampling temperature; 0 = greedy (always the most likely token)")

