@@ -127,3 +127,17 @@ def next_token(
     if settings.greedy:
         return scores.argmax(dim=-1)
     return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
+
+
+def top_k_next_tokens(logits: Tensor, k: int) -> list[tuple[int, float]]:
+    """The k most likely next tokens as (token id, probability), most likely first.
+
+    Probabilities are the softmax over all of `logits` [V]; equal probabilities list the smaller
+    token id first.
+
+        >>> [(token, round(p, 3)) for token, p in top_k_next_tokens(torch.tensor([0.0, 2.0, 1.0, 2.0]), 2)]
+        [(1, 0.399), (3, 0.399)]
+    """
+    probs = torch.softmax(logits.float(), dim=-1)
+    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
+    return [(int(i), float(p)) for i, p in zip(order[:k], sorted_probs[:k])]
