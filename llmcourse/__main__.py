@@ -1,6 +1,8 @@
-"""Command line: `python -m llmcourse generate [options] "PROMPT"` streams a continuation.
+"""Command line.
 
-    $ python -m llmcourse generate --model path/to/gpt2 --max-new-tokens 20 "Hello"
+    $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
+    $ python -m llmcourse progress [FOLDER]          # a learner's dashboard
+    $ python -m llmcourse release                    # regenerate chapters/ from solutions/
 """
 
 from __future__ import annotations
@@ -52,7 +54,43 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
     gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
+    prog = commands.add_parser("progress", help="your dashboard: which exercises pass, with points",
+                               description="Run the checks of every chapter notebook in FOLDER on your functions.")
+    prog.add_argument("folder", nargs="?", default="chapters", metavar="FOLDER",
+                      help="the folder holding NN_topic/NN_topic.ipynb notebooks")
+    commands.add_parser("release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
+                        description="Run `nbgrader generate_assignment NAME --force --no-db` for every chapter in "
+                                    "solutions/; run it in the course folder (where nbgrader_config.py is).")
     return parser
+
+
+def run_progress(args: argparse.Namespace) -> int:
+    from .learner import progress_report
+
+    try:
+        print(progress_report(args.folder))
+    except FileNotFoundError as err:
+        print(f"python -m llmcourse progress: error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def run_release() -> int:
+    import subprocess
+    from pathlib import Path
+
+    if not Path("nbgrader_config.py").is_file():
+        print("python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder",
+              file=sys.stderr)
+        return 2
+    for source in sorted(Path("solutions").glob("*/*.ipynb")):
+        name = source.parent.name
+        done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, "--force", "--no-db",
+                               "--log-level=WARN"])
+        if done.returncode:
+            return done.returncode
+        print(f"released chapters/{name}")
+    return 0
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -88,11 +126,15 @@ def run_generate(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
-        try:
+    try:
+        if args.command == "generate":
             return run_generate(args)
-        except KeyboardInterrupt:
-            return 130
+        if args.command == "progress":
+            return run_progress(args)
+        if args.command == "release":
+            return run_release()
+    except KeyboardInterrupt:
+        return 130
     parser.print_help()
     return 2
 

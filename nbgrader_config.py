@@ -1,0 +1,27 @@
+"""nbgrader for llmcourse: instructor notebooks in solutions/, student notebooks in chapters/.
+
+    nbgrader generate_assignment 01_tokenization --force     # one chapter
+    python -m llmcourse release                               # every chapter (what CI checks)
+"""
+
+c = get_config()  # noqa: F821 (provided by nbgrader)
+
+c.CourseDirectory.source_directory = "solutions"
+c.CourseDirectory.release_directory = "chapters"
+c.CourseDirectory.submitted_directory = "submitted"
+c.CourseDirectory.autograded_directory = "autograded"
+c.CourseDirectory.feedback_directory = "feedback"
+
+# Solution-only prose lives in plain markdown cells between <!-- BEGIN SOLUTION --> / <!-- END SOLUTION -->.
+c.ClearSolutions.enforce_metadata = False
+c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
+
+# Learners never see the hidden tests, not even in their feedback.
+c.GenerateFeedback.preprocessors = [
+    "nbgrader.preprocessors.GetGrades",
+    "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
+    "nbgrader.preprocessors.ClearHiddenTests",
+]
+
+# A check that hangs must not stall autograding a whole class.
+c.Execute.timeout = 300
