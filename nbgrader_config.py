@@ -12,8 +12,13 @@ c.CourseDirectory.submitted_directory = "submitted"
 c.CourseDirectory.autograded_directory = "autograded"
 c.CourseDirectory.feedback_directory = "feedback"
 
-# Solution-only prose lives in plain markdown cells between <!-- BEGIN SOLUTION --> / <!-- END SOLUTION -->.
+# Book-only prose (the link from a book page to its exercise notebook) lives in plain markdown cells
+# between <!-- BEGIN SOLUTION --> / <!-- END SOLUTION -->; the release shows this note in its place.
 c.ClearSolutions.enforce_metadata = False
+c.ClearSolutions.text_stub = (
+    "**This is the exercise notebook.** Write your code where it says `# YOUR CODE HERE` and run the "
+    "check cell below each exercise; `python -m llmcourse progress` shows your progress."
+)
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 
 # Learners never see the hidden tests, not even in their feedback.

@@ -86,7 +86,7 @@ def run_release() -> int:
     for source in sorted(Path("solutions").glob("*/*.ipynb")):
         name = source.parent.name
         done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, "--force", "--no-db",
-                               "--log-level=WARN"])
+                               "--log-level=ERROR"])
         if done.returncode:
             return done.returncode
         print(f"released chapters/{name}")
