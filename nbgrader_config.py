@@ -21,11 +21,13 @@ c.ClearSolutions.text_stub = (
 )
 c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedError()"}
 
-# Learners never see the hidden tests, not even in their feedback.
+# Learners never see the hidden tests, not even in their feedback: neither in the check cells nor in
+# the source lines a traceback would quote.
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
     "nbgrader.preprocessors.ClearHiddenTests",
+    "llmcourse.grading.ShortTracebacks",
 ]
 
 # A check that hangs must not stall autograding a whole class.
