@@ -1,0 +1,651 @@
+"""Checks for chapter 01, tokenization: byte-level BPE, from pair counts to GPT-2's encoder.
+
+Each check compares the learner's function with the engine's (`llmcourse.bpe`, and
+`llmcourse.tokenizer` for `bytes_to_unicode` and `StreamDecoder`) on fixed edge cases and seeded
+random inputs. When an answer is wrong, the message also says what was probably done wrong, worked
+out from the input and the wrong answer (merged overlapping pairs, broke a tie the other way,
+forgot `<|endoftext|>`, skipped the regex pre-split, decoded token by token, emitted half a
+character, ...).
+
+    >>> from llmcourse import bpe
+    >>> check_merge(bpe.merge)
+    ✓ merge — 32 cases
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+from .. import bpe
+from ..tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
+from .core import Case, CheckFailed, Forbidden, call_learner, short
+
+Verdict = Optional[tuple[str, str]]  # None if right, else (what is wrong, hint; "" = the case's own hint)
+
+NO_TIKTOKEN = [
+    Forbidden(f"tiktoken.Encoding.{method}", "tiktoken is the black box this chapter opens: use your own functions.")
+    for method in ("encode", "encode_ordinary", "encode_batch", "encode_ordinary_batch", "decode", "decode_bytes",
+                   "decode_batch", "decode_tokens_bytes", "decode_single_token_bytes")
+]
+NO_ENGINE_TOKENIZER = [
+    Forbidden("llmcourse.get_tokenizer", "Use the ranks or vocab you are given."),
+    Forbidden("llmcourse.tokenizer.get_tokenizer", "Use the ranks or vocab you are given."),
+]
+
+
+def _engine(name: str, instead: str) -> list[Forbidden]:
+    return [Forbidden(f"llmcourse.bpe.{name}", instead)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Running cases
+
+
+def _failure(name: str, description: str, problem: str, call: str, expected: Any, got: Any, hint: str) -> CheckFailed:
+    """The same message layout as `core.run_check`."""
+    hint = f"\n  hint: {hint}" if hint else ""
+    return CheckFailed(f"✗ {name} — {description}: {problem}\n"
+                       f"  input:    {call}\n"
+                       f"  expected: {short(expected)}\n"
+                       f"  got:      {short(got)}{hint}")
+
+
+def _run(
+    name: str,
+    fn: Callable,
+    cases: Iterable[Case],
+    judge: Callable[[Case, Any], Verdict],
+    *,
+    forbid: Sequence[Forbidden] = (),
+    error_hints: Optional[dict[str, str]] = None,
+) -> None:
+    """Like `core.run_check`, but `judge(case, got)` sees the input, so it can explain what went wrong.
+
+    `error_hints` adds a hint when the learner's function raises an error whose message contains a key.
+    """
+    __tracebackhide__ = True
+    if not callable(fn):
+        raise CheckFailed(f"✗ {name}: expected a function, got {short(fn)}")
+    count = 0
+    for case in cases:
+        try:
+            got = call_learner(name, fn, case.args, forbid=forbid)
+        except CheckFailed as err:
+            hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
+            if hint:
+                raise CheckFailed(f"{err}\n  hint: {hint}") from None
+            raise
+        verdict = judge(case, got)
+        if verdict:
+            problem, hint = verdict
+            call = f"{name}({', '.join(short(a, 200) for a in case.args)})"
+            raise _failure(name, case.description, problem, call, case.expected, got, hint or case.hint)
+        count += 1
+    print(f"✓ {name} — {count} case{'s' if count != 1 else ''}")
+
+
+class _Shown(dict):
+    """A big dict argument (GPT-2's ranks or vocab) that prints as a short label in messages."""
+
+    def __init__(self, data: dict, label: str):
+        super().__init__(data)
+        self.label = label
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+def _gpt2_ranks() -> _Shown:
+    return _Shown(bpe.gpt2_ranks(), "ranks")  # a fresh copy per check: a learner may modify it
+
+
+def _gpt2_vocab() -> _Shown:
+    return _Shown(bpe.gpt2_vocab(), "vocab")
+
+
+@functools.lru_cache(maxsize=None)
+def _trained_vocab(text: str, num_merges: int) -> dict[int, bytes]:
+    return bpe.build_vocab(bpe.train_bpe(text, num_merges))
+
+
+def _toy_ranks(text: str, num_merges: int) -> _Shown:
+    """Ranks of a small BPE trained on `text`: the 256 bytes, then one token per merge."""
+    vocab = _trained_vocab(text, num_merges)
+    learned = ", ".join(f"{vocab[i]!r}: {i}" for i in range(256, len(vocab)))
+    return _Shown({token: i for i, token in vocab.items()}, f"{{<256 single bytes>, {learned}}}")
+
+
+def _is_int_list(got: Any) -> Optional[str]:
+    """None if `got` is a list of Python ints, else what it is instead."""
+    if not isinstance(got, list):
+        return f"expected a list, got a {type(got).__name__}"
+    for i, item in enumerate(got):
+        if not isinstance(item, int) or isinstance(item, bool):
+            return f"item {i} should be an int, got {short(item, 60)} ({type(item).__name__})"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Random inputs
+
+# Pieces that exercise every branch of GPT-2's pre-split pattern and of UTF-8.
+TEXT_PIECES = [
+    "the", " the", "The", " THE", "hello", " world", "Caesar", " ambitious", "ing", " un", "'s", "'t", "'re", "'ve",
+    "'m", "'ll", "'d", "'S", " 2024", "1234567", "3.14", " ", "  ", "   ", "\n", "\n\n", "\t", " \n ", ",", ".", "!?",
+    " —", "--", "(", ")", ":", " #", "café", " naïve", "Straße", "中文", "日本語", "🦙", "🔥", "❤️", "👍🏽", "\u200b",
+    "\u00a0", "é", "x", "Q", " q", EOT,
+]
+
+
+def _random_text(rng: random.Random, max_pieces: int) -> str:
+    return "".join(rng.choice(TEXT_PIECES) for _ in range(rng.randint(1, max_pieces)))
+
+
+def _corpus_slice(rng: random.Random, max_chars: int) -> str:
+    text = bpe.CORPUS_FILE.read_text(encoding="utf-8")
+    length = rng.randint(1, max_chars)
+    start = rng.randrange(len(text) - length)
+    return text[start : start + length]
+
+
+# ----------------------------------------------------------------------------------------------
+# Pair counts and merge
+
+
+def _judge_pair_counts(case: Case, got: Any) -> Verdict:
+    expected = case.expected
+    if not isinstance(got, dict):
+        return f"expected a dict {{(id, id): count}}, got a {type(got).__name__}", ""
+    for pair, count in expected.items():
+        if pair not in got:
+            wrong_key = next((k for k in got if not isinstance(k, tuple)), None)
+            if wrong_key is not None:
+                return (f"the keys should be tuples (left id, right id), got {short(wrong_key, 60)}",
+                        "use the pair itself as the key: counts[(ids[i], ids[i + 1])]")
+            return f"the pair {pair} (count {count}) is missing", ""
+        if got[pair] != count:
+            return f"the pair {pair} should have count {count}, got {short(got[pair], 60)}", ""
+    extra = [pair for pair in got if pair not in expected]
+    if extra:
+        return (f"{short(extra[0], 60)} is not an adjacent pair of the input",
+                "count only (ids[i], ids[i + 1]) for i = 0 .. len(ids) - 2")
+    if list(got) != list(expected):
+        return ("the counts are right but the pairs are in a different order",
+                "keep the pairs in the order they first occur (a plain dict or a Counter does, if you do not "
+                "sort it): train_bpe breaks ties by that order")
+    return None
+
+
+def check_get_pair_counts(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """get_pair_counts(ids) -> {(left, right): count}, overlapping pairs included, in order of first occurrence."""
+    overlap = "count every adjacent pair, overlapping ones too: in [1, 1, 1] the pair (1, 1) starts at 0 and at 1"
+    last = "the last pair is (ids[-2], ids[-1]): does your loop stop one step early?"
+    fixed = [
+        ("an empty list has no pairs", [], ""),
+        ("a single id has no pairs", [7], "a list of n ids has n - 1 adjacent pairs"),
+        ("two ids, one pair", [1, 2], last),
+        ("overlapping pairs [1, 1, 1]", [1, 1, 1], overlap),
+        ("a run of one id", [4, 4, 4, 4, 4], overlap),
+        ("repeated pairs", [1, 2, 1, 2, 1, 2], ""),
+        ("order of first occurrence", [9, 3, 1, 2, 9, 3], "keep the pairs in the order they first occur"),
+        ("pairs are ordered: (1, 2) is not (2, 1)", [1, 2, 1], "a pair is (left, right): (1, 2) and (2, 1) differ"),
+        ("the bytes of 'hello world'", list("hello world".encode()), last),
+        ("ids above 255", [256, 300, 256, 300, 5], ""),
+    ]
+    cases = [Case(d, (ids,), bpe.get_pair_counts(ids), h) for d, ids, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        alphabet = rng.choice([2, 3, 5, 300])
+        ids = [rng.randrange(alphabet) for _ in range(rng.randint(0, 40))]
+        cases.append(Case(f"random ids #{i}", (ids,), bpe.get_pair_counts(ids)))
+    _run("get_pair_counts", fn, cases, _judge_pair_counts,
+         forbid=_engine("get_pair_counts", "Count the pairs yourself with a dict and a loop."))
+
+
+def _judge_merge(case: Case, got: Any) -> Verdict:
+    ids, pair, new_id = case.args
+    expected = case.expected
+    if not isinstance(got, list):
+        return f"expected a list, got a {type(got).__name__}", "build a new list and return it (not a tuple or a generator)"
+    if got == expected:
+        return None
+    if got == ids:
+        return "nothing was merged", "compare each (ids[i], ids[i + 1]) with the pair and append new_id where they match"
+    if len(got) < len(expected):
+        return (f"expected {len(expected)} ids, got {len(got)}: too many merges or ids lost",
+                "merges must not overlap: after merging ids[i] and ids[i + 1], continue at i + 2, so that "
+                "[1, 1, 1] becomes [9, 1]; and keep every id that is not merged")
+    if len(got) > len(expected):
+        return (f"expected {len(expected)} ids, got {len(got)}: some occurrences were not merged or ids were repeated",
+                "after a merge skip both ids (i += 2); don't forget a pair at the very end; append each "
+                "unmerged id exactly once")
+    return ("right length, wrong ids",
+            "scan left to right: in [1, 1, 1] the first (1, 1) wins, giving [9, 1], not [1, 9]")
+
+
+def check_merge(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """merge(ids, pair, new_id) -> new list with each occurrence of pair replaced, left to right, no overlaps."""
+    fixed = [
+        ("an empty list", [], (1, 2), 9, ""),
+        ("a single id", [1], (1, 2), 9, "with one id there is no pair: return [1]"),
+        ("exactly the pair", [1, 2], (1, 2), 9, ""),
+        ("overlapping pairs [1, 1, 1]", [1, 1, 1], (1, 1), 9,
+         "left to right, without overlaps: after merging positions 0 and 1, continue at 2"),
+        ("a run of four", [1, 1, 1, 1], (1, 1), 9, "two non-overlapping pairs: [9, 9]"),
+        ("a run of five", [1, 1, 1, 1, 1], (1, 1), 9, ""),
+        ("the pair at the end", [3, 4, 1, 2], (1, 2), 9, "does your loop look at the last pair?"),
+        ("the pair at the start", [1, 2, 3, 4], (1, 2), 9, ""),
+        ("the pair twice in a row", [5, 1, 2, 1, 2], (1, 2), 9, ""),
+        ("the pair is absent", [2, 1, 3], (1, 2), 9, "(2, 1) is not (1, 2): return the ids unchanged, as a new list"),
+        ("the last id is not merged", [1, 2, 1], (1, 2), 9, "keep the last id when it is not part of a merge"),
+        ("ids above 255", [256, 300, 256, 300, 256], (256, 300), 301, ""),
+    ]
+    cases = [Case(d, (ids, pair, new), bpe.merge(ids, pair, new), h) for d, ids, pair, new, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        alphabet = rng.choice([2, 3, 4])
+        ids = [rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
+        pair = (rng.randrange(alphabet), rng.randrange(alphabet))
+        cases.append(Case(f"random ids #{i}", (ids, pair, 256 + i), bpe.merge(ids, pair, 256 + i)))
+    _run("merge", fn, cases, _judge_merge, forbid=_engine("merge", "Write the loop yourself."))
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def _judge_train_bpe(case: Case, got: Any) -> Verdict:
+    text, num_merges = case.args
+    expected = case.expected
+    if not isinstance(got, dict):
+        return f"expected a dict {{(left id, right id): new id}}, got a {type(got).__name__}", ""
+    if got == expected:
+        return None
+    learned = sorted(got.items(), key=lambda item: item[1] if isinstance(item[1], int) else -1)
+    ids = list(text.encode("utf-8"))
+    for step, (pair, new_id) in enumerate(expected.items()):
+        if step >= len(learned):
+            return (f"expected {len(expected)} merges, got {len(got)}",
+                    "keep merging while any pair is left, even a pair that occurs only once; stop only after "
+                    "num_merges merges or when the text has become a single token")
+        got_pair, got_id = learned[step]
+        if got_id != new_id:
+            return (f"merge #{step} should create id {new_id}, got id {short(got_id, 40)}",
+                    "new ids are 256, 257, 258, ... in the order of the merges")
+        if got_pair != pair:
+            counts = bpe.get_pair_counts(ids)
+            best = counts[pair]
+            problem = f"merge #{step} (new id {new_id}) should join {pair} (count {best}), got {short(got_pair, 60)}"
+            if not isinstance(got_pair, tuple):
+                return problem, "the keys are tuples (left id, right id)"
+            if got_pair not in counts:
+                return problem, ("that pair does not occur at this point: apply each merge to the ids (ids = merge(...)) "
+                                 "and count the pairs again before choosing the next one")
+            if counts[got_pair] == best:
+                return problem, (f"a tie: both pairs occur {best} times. Break ties by the pair that occurs first in "
+                                 "the current ids: max(counts, key=counts.get) with counts in order of first occurrence")
+            return problem, f"{got_pair} occurs {counts[got_pair]} times, {pair} {best} times: pick the most frequent pair"
+        ids = bpe.merge(ids, pair, new_id)
+    return (f"expected {len(expected)} merges, got {len(got)}",
+            "stop after num_merges merges, or earlier when no pair is left")
+
+
+def check_train_bpe(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """train_bpe(text, num_merges) -> {(left, right): new id} learned from the UTF-8 bytes of text."""
+    count_one = "keep merging even when the most frequent pair occurs only once"
+    fixed = [
+        ("an empty text", "", 5, "no bytes, no pairs, no merges: return {}"),
+        ("one byte: no pairs", "a", 3, "stop when no pair is left"),
+        ("zero merges", "abab", 0, ""),
+        ("the classic example", "aaabdaaabac", 3, ""),
+        ("overlapping pairs", "aaaa", 3, "merge without overlaps: 'aaaa' becomes [256, 256], then [257]"),
+        ("pairs that occur once", "abcabd", 10, count_one),
+        ("more merges than pairs", "abc", 10, "after 'abc' becomes one token there is nothing left to merge: stop"),
+        ("a tie between two pairs", "cdab cdab", 2, "break ties by the pair that occurs first in the current ids"),
+        ("non-ASCII: é and — are two and three bytes", "café — café — cafés", 6,
+         "train on the UTF-8 bytes: list(text.encode('utf-8')), not on the characters"),
+        ("words and spaces", "the cat and the hat and the bat", 12, ""),
+    ]
+    cases = [Case(d, (text, n), bpe.train_bpe(text, n), h) for d, text, n, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        if i % 2:
+            text = "".join(rng.choice("ab ") for _ in range(rng.randint(0, 40)))  # ties and overlaps everywhere
+            n = rng.randint(0, 30)
+        else:
+            text = _corpus_slice(rng, 300)
+            n = rng.randint(1, 40)
+        cases.append(Case(f"random text #{i}", (text, n), bpe.train_bpe(text, n)))
+    _run("train_bpe", fn, cases, _judge_train_bpe,
+         forbid=_engine("train_bpe", "Build it from your get_pair_counts and merge."))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2's byte <-> character table
+
+
+def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """bytes_to_unicode() -> {byte: printable character}, GPT-2's table for writing bytes in vocab.bpe."""
+    __tracebackhide__ = True
+    name = "bytes_to_unicode"
+    if not callable(fn):
+        raise CheckFailed(f"✗ {name}: expected a function, got {short(fn)}")
+    forbid = [Forbidden("llmcourse.tokenizer.bytes_to_unicode", "Build the table yourself.")]
+    table = call_learner(name, fn, (), forbid=forbid)
+    reference = bytes_to_unicode()
+
+    def fail(description, problem, call, expected, got, hint):
+        return _failure(name, description, problem, call, expected, got, hint)
+
+    if not isinstance(table, dict):
+        raise fail("the table", f"expected a dict {{byte: character}}, got a {type(table).__name__}",
+                   "bytes_to_unicode()", "{33: '!', 34: '\"', ...}", table, "")
+    if set(table) != set(range(256)):
+        missing = [b for b in range(256) if b not in table]
+        raise fail("the keys", f"expected the 256 bytes 0..255 as keys, got {len(table)} keys"
+                   + (f", missing {missing[:5]}" if missing else ""), "set(bytes_to_unicode())",
+                   "{0, 1, ..., 255}", set(table), "the keys are ints 0..255, one per byte value")
+    hints = {
+        "printable": "bytes that are printable characters in Latin-1 ('!'..'~', '¡'..'¬', '®'..'ÿ') map to chr(byte)",
+        "other": "the other 68 bytes (controls, space, 127..160, 173) map to chr(256), chr(257), ... in byte order",
+    }
+    rng = random.Random(seed)
+    landmarks = [32, 10, 9, 0, 65, 33, 126, 127, 160, 161, 173, 174, 255]  # around the edges of the printable ranges
+    order = dict.fromkeys([*landmarks, *rng.sample(range(256), min(n_random, 256)), *range(256)])  # first ones first
+    for b in order:
+        if table[b] != reference[b]:
+            kind = "other" if reference[b] != chr(b) else "printable"
+            raise fail(f"byte {b} ({bytes([b])!r})", "the characters differ", f"bytes_to_unicode()[{b}]",
+                       reference[b], table[b], hints[kind])
+    print(f"✓ {name} — 256 bytes")
+
+
+# ----------------------------------------------------------------------------------------------
+# Encoding one chunk with ranks
+
+
+def _judge_encode_chunk(case: Case, got: Any) -> Verdict:
+    chunk, ranks = case.args
+    problem = _is_int_list(got)
+    if problem:
+        hint = "return the ranks of the parts (ints), not the parts: [ranks[part] for part in parts]" \
+            if isinstance(got, list) and got and isinstance(got[0], bytes) else ""
+        return problem, hint
+    if got == case.expected:
+        return None
+    token = {rank: part for part, rank in ranks.items()}
+    unknown = [i for i in got if i not in token]
+    if unknown:
+        return f"{unknown[0]} is not a rank in `ranks`", "every id you return must be ranks[part] for a part"
+    expected_parts = [token[i] for i in case.expected]
+    got_parts = [token[i] for i in got]
+    problem = f"expected the parts {short(expected_parts, 160)}, got {short(got_parts, 160)}"
+    if b"".join(got_parts) != chunk:
+        return problem, "the parts must join back to the input bytes: each merge joins two neighbouring parts"
+    if len(got) > len(case.expected):
+        return problem, ("some adjacent parts still join into a token in `ranks`: keep merging until no "
+                         "adjacent pair's concatenation is in ranks")
+    return problem, ("at each step merge the adjacent pair whose concatenation has the lowest rank "
+                     "(not the first pair you find, nor the longest token)")
+
+
+def check_bpe_encode_chunk(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """bpe_encode_chunk(chunk: bytes, ranks: {bytes: rank}) -> ranks of the parts, merging lowest rank first."""
+    gpt2 = _gpt2_ranks()
+    toy = _toy_ranks("aaabdaaabac", 3)
+    corpus = bpe.CORPUS_FILE.read_text(encoding="utf-8")
+    shakespeare = _toy_ranks(corpus, 60)
+    order = "merge the pair with the lowest rank first, not the first pair that is in ranks"
+    fixed = [
+        ("an empty chunk", b"", gpt2, "no bytes, no tokens: return []"),
+        ("one byte", b"a", gpt2, "a single byte is its own token: [ranks[b'a']]"),
+        ("a common word with its space", b" the", gpt2, ""),
+        ("a word that is one token", b"Hello", gpt2, ""),
+        ("a word of several tokens", b" SolidGoldMagikarp", gpt2, order),
+        ("a long word", b" incomprehensibilities", gpt2, order),
+        ("a run of one letter", b"aaaaaaaaaaa", gpt2, "identical pairs merge left to right, one at a time"),
+        ("digits", b"1234567", gpt2, ""),
+        ("the 4 UTF-8 bytes of an emoji", "🦙".encode(), gpt2, "work on bytes: a chunk may split inside a character"),
+        ("accented letters", " café".encode(), gpt2, ""),
+        ("bytes that are not valid UTF-8", b"\xff\xfe\x80", gpt2, "every single byte is in ranks"),
+        ("whitespace", b"\n\n\n", gpt2, ""),
+        ("toy ranks: the classic example", b"aaabdaaabac", toy, order),
+        ("toy ranks: a run", b"aaaaaaa", toy, order),
+        ("toy ranks: nothing to merge", b"bcd", toy, ""),
+        ("ranks trained on Antony's speech", b"honourable", shakespeare, order),
+    ]
+    cases = [Case(d, (chunk, ranks), bpe.bpe_encode_chunk(chunk, ranks), h) for d, chunk, ranks, h in fixed]
+    rng = random.Random(seed)
+    words = bpe.GPT2_SPLIT.findall(corpus)
+    for i in range(n_random):
+        kind = i % 4
+        if kind == 0:
+            chunk, ranks = rng.choice(words).encode(), gpt2
+        elif kind == 1:
+            chunk, ranks = _random_text(rng, 3).replace(EOT, "").encode(), gpt2
+        elif kind == 2:
+            chunk, ranks = bytes(rng.randrange(256) for _ in range(rng.randint(1, 8))), gpt2
+        else:
+            chunk, ranks = _corpus_slice(rng, 40).encode(), shakespeare
+        cases.append(Case(f"random chunk #{i}", (chunk, ranks), bpe.bpe_encode_chunk(chunk, ranks)))
+    _run("bpe_encode_chunk", fn, cases, _judge_encode_chunk,
+         forbid=[*_engine("bpe_encode_chunk", "Write the merge loop yourself."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER])
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2 encode and decode
+
+HARD_TEXTS = [
+    ("an empty text", "", ""),
+    ("two words", "Hello world", "each word is encoded separately, with its leading space"),
+    ("a leading space", " hello", "the space belongs to the word after it: ' hello' is one chunk"),
+    ("capitals", "HELLO Hello hello", ""),
+    ("runs of spaces", "   leading and trailing spaces   ",
+     "whitespace: the pattern \\s+(?!\\S) leaves the last space of a run to the next word; use "
+     "regex.findall(GPT2_SPLIT_PATTERN, text), exactly"),
+    ("tabs and newlines", "tabs\tand\nnew\r\nlines\n\n\n", ""),
+    ("contractions", "I'm sure you've seen they'll, she'd, we're, it's, I'M, YOU'VE",
+     "GPT-2's pattern splits off 's 't 're 've 'm 'll 'd (lower case only)"),
+    ("numbers", "1234567 + 2024 = 1236591; 3.14159, 1,000,000", ""),
+    ("accents and dashes", "naïve café, Straße, Œuvre — “quoted”",
+     "encode each chunk to UTF-8 bytes with chunk.encode('utf-8')"),
+    ("Chinese, Japanese, Korean", "中文分词测试，日本語のテキスト、한국어 텍스트", ""),
+    ("emoji", "Emoji: 🦙🔥👨‍👩‍👧‍👦 ❤️ 🇫🇷", ""),
+    ("code", "def f(x):\n    return x ** 2  # square\n", ""),
+    ("the special token alone", EOT,
+     f"split out {EOT} before the regex and give it the single id EOT_ID ({EOT_ID})"),
+    ("the special token between documents", f"the end{EOT}new document", f"{EOT} becomes the single id {EOT_ID}"),
+    ("two special tokens in a row", EOT + EOT, ""),
+    ("almost the special token", "<|endoftext|", "only the exact string <|endoftext|> is special"),
+    ("a long run of one letter", "a" * 100, ""),
+]
+
+
+def _without_presplit(text: str, ranks: dict) -> list[int]:
+    """What encode gives if the regex pre-split is skipped (for the hint)."""
+    ids = []
+    for i, piece in enumerate(text.split(EOT)):
+        if i:
+            ids.append(EOT_ID)
+        ids.extend(bpe.bpe_encode_chunk(piece.encode("utf-8"), ranks))
+    return ids
+
+
+def _judge_encode(case: Case, got: Any) -> Verdict:
+    text, ranks = case.args
+    expected = case.expected
+    problem = _is_int_list(got)
+    if problem:
+        return problem, ""
+    if got == expected:
+        return None
+    vocab = bpe.gpt2_vocab()
+    if EOT_ID in expected and EOT_ID not in got:
+        return (f"{EOT} should become the single id {EOT_ID}",
+                f"split the text on {EOT} first (text.split(EOT)), encode the pieces in between, and put EOT_ID "
+                "between them; ranks has no entry for it, it is a special token")
+    if got == _without_presplit(text, ranks):
+        return ("the tokens cross word boundaries",
+                "pre-split first: regex.findall(GPT2_SPLIT_PATTERN, text), then bpe_encode_chunk on each piece's "
+                "UTF-8 bytes. GPT-2 was trained that way, so its merges never join two words")
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
+
+    def show(ids: list[int]) -> str:
+        return f"{ids[at]} {vocab[ids[at]]!r}" if at < len(ids) and ids[at] in vocab else "nothing"
+
+    return (f"first difference at token #{at}: expected {show(expected)}, got {show(got)}",
+            case.hint or "print(regex.findall(GPT2_SPLIT_PATTERN, text)) and check each chunk with bpe_encode_chunk")
+
+
+def check_encode(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """encode(text, ranks) -> GPT-2's token ids: <|endoftext|> split out, regex pre-split, BPE on bytes."""
+    ranks = _gpt2_ranks()
+    cases = [Case(d, (text, ranks), bpe.encode(text, ranks=ranks), h) for d, text, h in HARD_TEXTS]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        text = _random_text(rng, 12) if i % 2 else _corpus_slice(rng, 200)
+        cases.append(Case(f"random text #{i}", (text, ranks), bpe.encode(text, ranks=ranks)))
+    _run("encode", fn, cases, _judge_encode,
+         forbid=[*_engine("encode", "Use your bpe_encode_chunk."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER],
+         error_hints={"bad escape \\p": "Python's `re` does not know \\p{L}: use the `regex` module (import regex)"})
+
+
+def _judge_decode(case: Case, got: Any) -> Verdict:
+    ids, vocab = case.args
+    if not isinstance(got, str):
+        return (f"expected a str, got a {type(got).__name__}",
+                "join the tokens' bytes, then turn them into text with .decode('utf-8', errors='replace')")
+    if got == case.expected:
+        return None
+    one_by_one = "".join(vocab[i].decode("utf-8", errors="replace") for i in ids)
+    if got == one_by_one or ("\ufffd" in got and "\ufffd" not in case.expected):
+        return ("broken characters (\ufffd) where the expected text has none",
+                "join the bytes of all the tokens first, then decode once: a character can be split across "
+                "tokens (🦙 is three tokens, and none of them is valid UTF-8 alone)")
+    return "the texts differ", ""
+
+
+def check_decode(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """decode(ids, vocab: {id: bytes}) -> text: the tokens' bytes joined, decoded as UTF-8 with errors='replace'."""
+    vocab = _gpt2_vocab()
+    fixed = [(d, bpe.encode(text), h) for d, text, h in HARD_TEXTS if text]
+    fixed += [
+        ("no tokens", [], "no tokens give ''"),
+        ("the three tokens of 🦙", [8582, 99, 247], "decode the joined bytes, not each token alone"),
+        ("half an emoji", [8582], "bytes that are not a whole character become '\\ufffd': errors='replace'"),
+        ("bytes that are never valid UTF-8", [bpe.gpt2_ranks()[b"\xff"], 40], "decode with errors='replace'"),
+    ]
+    cases = [Case(d, (ids, vocab), bpe.decode(ids, vocab), h) for d, ids, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        if i % 2:
+            ids = [rng.randrange(EOT_ID + 1) for _ in range(rng.randint(1, 12))]  # may cut characters anywhere
+        else:
+            ids = bpe.encode(_random_text(rng, 12))
+        cases.append(Case(f"random ids #{i}", (ids, vocab), bpe.decode(ids, vocab)))
+    _run("decode", fn, cases, _judge_decode,
+         forbid=[*_engine("decode", "Join the bytes from vocab yourself."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER],
+         error_hints={"UnicodeDecodeError": "some byte sequences are not valid UTF-8 (half a character, stray "
+                                            "bytes): decode with errors='replace'"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Streaming detokenizer
+
+
+class _VocabTokenizer:
+    """Lets the engine's StreamDecoder (written for a tiktoken.Encoding) read a plain vocab."""
+
+    def __init__(self, vocab: dict[int, bytes]):
+        self.vocab = vocab
+
+    def decode_single_token_bytes(self, token_id: int) -> bytes:
+        return self.vocab[token_id]
+
+
+def _engine_pieces(ids: list[int], vocab: dict[int, bytes]) -> list[str]:
+    decoder = StreamDecoder(_VocabTokenizer(vocab))
+    return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+
+def _is_utf8(data: bytes) -> bool:
+    try:
+        data.decode("utf-8")
+        return True
+    except UnicodeDecodeError:
+        return False
+
+
+def _judge_stream(case: Case, got: Any) -> Verdict:
+    ids, vocab = case.args
+    expected = case.expected
+    for k, piece in enumerate(got):
+        if not isinstance(piece, str):
+            call = f"push({ids[k]})" if k < len(ids) else "flush()"
+            return f"{call} returned a {type(piece).__name__}", "return a str every time ('' when nothing is complete yet)"
+    if "".join(got) != "".join(expected):
+        return ("all the pieces together should equal decoding the whole stream at once, "
+                "b''.join(bytes).decode('utf-8', errors='replace')",
+                "hold back only an unfinished character at the end of the buffer; at flush(), decode what is "
+                "left with errors='replace'")
+    if not _is_utf8(b"".join(vocab[i] for i in ids)):
+        return None  # invalid bytes: when each '\ufffd' comes out is up to you, as long as the total is right
+    so_far_expected, so_far_got = "", ""
+    for k, (want, have) in enumerate(zip(expected, got)):
+        so_far_expected += want
+        so_far_got += have
+        if so_far_got != so_far_expected:
+            call = f"push({ids[k]}) [bytes {vocab[ids[k]]!r}]" if k < len(ids) else "flush()"
+            problem = f"after {call} the text so far should be {so_far_expected!r}, got {so_far_got!r}"
+            if len(so_far_got) > len(so_far_expected):
+                return problem, ("you emitted half a character: if the buffer ends inside a character (a lead byte "
+                                 "0b11xxxxxx whose continuation bytes 0b10xxxxxx have not all arrived), keep those "
+                                 "bytes for the next push")
+            return problem, ("you held back text that was already complete: emit everything up to the start of "
+                             "the last, unfinished character")
+    return None
+
+
+def check_stream_decoder(cls, *, seed: int = 0, n_random: int = 20) -> None:
+    """StreamDecoder(vocab): push(token_id) -> newly complete text, flush() -> the rest; never half a character."""
+    if not callable(cls):
+        raise CheckFailed(f"✗ StreamDecoder: expected a class, got {short(cls)}")
+    vocab = _gpt2_vocab()
+
+    def stream(ids: list[int], vocab: dict[int, bytes]) -> list[Any]:
+        decoder = cls(vocab)
+        return [decoder.push(i) for i in ids] + [decoder.flush()]
+
+    stream.__name__ = "StreamDecoder"
+    ranks = bpe.gpt2_ranks()
+    texts = [("Hello world", ""), ("🦙", "🦙 is three tokens: b'\\xf0\\x9f', b'\\xa6', b'\\x99'"), ("I ❤ 🦙", ""),
+             ("naïve café", ""), ("中文分词", ""), ("👨‍👩‍👧‍👦 family", ""), ("a\nb  c", ""), (EOT + "x", "")]
+    fixed = [(f"push the ids of {text!r}, then flush()", bpe.encode(text), h) for text, h in texts]
+    fixed += [
+        ("no tokens, only flush()", [], "flush() with nothing left returns ''"),
+        ("the stream ends inside an emoji", [40, 8582, 99],
+         "at flush(), the unfinished character becomes '\\ufffd' (decode the rest with errors='replace')"),
+        ("a byte that is never valid UTF-8", [40, ranks[b"\xff"], 40], "invalid bytes become '\\ufffd'"),
+        ("a stray continuation byte", [40, ranks[b"\xa6"], 40], ""),
+        ("a lead byte followed by plain text", [ranks[b"\xe2"], 40, 41], ""),
+    ]
+    cases = [Case(d, (ids, vocab), _engine_pieces(ids, vocab), h) for d, ids, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        if i % 2:
+            ids = [rng.randrange(EOT_ID + 1) for _ in range(rng.randint(1, 10))]
+        else:
+            ids = bpe.encode(_random_text(rng, 10))
+        cases.append(Case(f"random stream #{i}", (ids, vocab), _engine_pieces(ids, vocab)))
+    forbid = [
+        Forbidden("codecs.getincrementaldecoder", "Find where the last complete character ends yourself."),
+        Forbidden("codecs.iterdecode", "Find where the last complete character ends yourself."),
+        Forbidden("codecs.utf_8_decode", "Use bytes.decode on the complete part only."),
+        Forbidden("encodings.utf_8.IncrementalDecoder", "Find where the last complete character ends yourself."),
+        Forbidden("llmcourse.tokenizer.StreamDecoder", "Write your own."),
+        Forbidden("llmcourse.StreamDecoder", "Write your own."),
+        *NO_TIKTOKEN,
+    ]
+    _run("StreamDecoder", stream, cases, _judge_stream, forbid=forbid)
