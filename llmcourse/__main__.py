@@ -3,6 +3,7 @@
     $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
     $ python -m llmcourse progress [FOLDER]          # a learner's dashboard
     $ python -m llmcourse release                    # regenerate chapters/ from solutions/
+    $ python -m llmcourse bench                      # engine vs transformers vs the roofline
 """
 
 from __future__ import annotations
@@ -61,7 +62,35 @@ def build_parser() -> argparse.ArgumentParser:
     commands.add_parser("release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
                         description="Run `nbgrader generate_assignment NAME --force --no-db` for every chapter in "
                                     "solutions/; run it in the course folder (where nbgrader_config.py is).")
+    bench = commands.add_parser(
+        "bench", help="benchmark the engine against transformers and this machine's roofline",
+        description="Measure decode and prefill speed (engine vs transformers, same weights), the roofline, the KV "
+                    "cache and batching; print a table and write bench.json and bench.png.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench.add_argument("--model", default="gpt2",
+                       help="'gpt2' (124M configuration, random weights: no download), 'tiny', or any --model of generate")
+    bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    bench.add_argument("--prompt-len", type=int, default=128, metavar="N", help="prompt length for decode")
+    bench.add_argument("--new-tokens", type=int, default=128, metavar="N", help="tokens to generate for decode")
+    bench.add_argument("--prefill-lens", type=int_list, default=[128, 512, 1024], metavar="N,N,...")
+    bench.add_argument("--contexts", type=int_list, default=[128, 512, 1024], metavar="N,N,...",
+                       help="context lengths for KV cache vs recompute")
+    bench.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 32], metavar="N,N,...")
+    bench.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved repeats; medians are reported")
+    bench.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and bench.png")
     return parser
+
+
+def int_list(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return values
 
 
 def run_progress(args: argparse.Namespace) -> int:
@@ -133,6 +162,10 @@ def main(argv: list[str] | None = None) -> int:
             return run_progress(args)
         if args.command == "release":
             return run_release()
+        if args.command == "bench":
+            from .bench import main as bench
+
+            return bench(args)
     except KeyboardInterrupt:
         return 130
     parser.print_help()
