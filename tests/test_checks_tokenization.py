@@ -217,6 +217,15 @@ class StreamDecoderReturningBytes(ManualStreamDecoder):
         return super().push(token_id).encode()
 
 
+def bytes_to_unicode_in_byte_order():
+    table, n = {}, 0
+    for b in range(256):  # right characters, but the keys in byte order
+        printable = 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255
+        table[b] = chr(b) if printable else chr(256 + n)
+        n += not printable
+    return table
+
+
 def bytes_to_unicode_offset_by_256():
     return {b: chr(b) if chr(b).isprintable() and b != 32 and b < 127 else chr(256 + b) for b in range(256)}
 
@@ -242,6 +251,7 @@ MISTAKES = [
     (check_stream_decoder, TokenByTokenStreamDecoder, r"'🦙'[\s\S]*emitted half a character"),
     (check_stream_decoder, SilentStreamDecoder, r"held back text that was already complete"),
     (check_stream_decoder, StreamDecoderReturningBytes, r"push\(\d+\) returned a bytes"),
+    (check_bytes_to_unicode, bytes_to_unicode_in_byte_order, r"order of the table[\s\S]*entry #0 is byte 0, expected byte 33"),
     (check_bytes_to_unicode, bytes_to_unicode_offset_by_256, r"byte 127[\s\S]*expected: 'ġ'[\s\S]*chr\(256\), chr\(257\)"),
 ]
 

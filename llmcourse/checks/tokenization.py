@@ -330,7 +330,11 @@ def check_train_bpe(fn, *, seed: int = 0, n_random: int = 10) -> None:
 
 
 def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
-    """bytes_to_unicode() -> {byte: printable character}, GPT-2's table for writing bytes in vocab.bpe."""
+    """bytes_to_unicode() -> {byte: printable character}, GPT-2's table for writing bytes in vocab.bpe.
+
+    Every byte is checked (the `n_random` random ones right after the landmark bytes, for a hint that
+    fits), and so is the order of the keys, which gives the single-byte tokens their ids.
+    """
     __tracebackhide__ = True
     name = "bytes_to_unicode"
     if not callable(fn):
@@ -362,7 +366,13 @@ def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
             kind = "other" if reference[b] != chr(b) else "printable"
             raise fail(f"byte {b} ({bytes([b])!r})", "the characters differ", f"bytes_to_unicode()[{b}]",
                        reference[b], table[b], hints[kind])
-    print(f"✓ {name} — 256 bytes")
+    if list(table) != list(reference):
+        at = next(k for k, (got, want) in enumerate(zip(table, reference)) if got != want)
+        raise fail("the order of the table", f"right characters, but entry #{at} is byte {list(table)[at]}, "
+                   f"expected byte {list(reference)[at]}", "list(bytes_to_unicode())", list(reference), list(table),
+                   "the order matters: GPT-2 numbers its 256 single-byte tokens in the order of this table. Insert "
+                   "the printable bytes first (33..126, 161..172, 174..255), then the others in increasing order")
+    print(f"✓ {name} — 256 bytes and their order")
 
 
 # ----------------------------------------------------------------------------------------------
