@@ -143,8 +143,13 @@ def _random_text(rng: random.Random, max_pieces: int) -> str:
     return "".join(rng.choice(TEXT_PIECES) for _ in range(rng.randint(1, max_pieces)))
 
 
+@functools.lru_cache(maxsize=1)
+def _corpus() -> str:
+    return bpe.CORPUS_FILE.read_text(encoding="utf-8")
+
+
 def _corpus_slice(rng: random.Random, max_chars: int) -> str:
-    text = bpe.CORPUS_FILE.read_text(encoding="utf-8")
+    text = _corpus()
     length = rng.randint(1, max_chars)
     start = rng.randrange(len(text) - length)
     return text[start : start + length]
@@ -408,7 +413,7 @@ def check_bpe_encode_chunk(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """bpe_encode_chunk(chunk: bytes, ranks: {bytes: rank}) -> ranks of the parts, merging lowest rank first."""
     gpt2 = _gpt2_ranks()
     toy = _toy_ranks("aaabdaaabac", 3)
-    corpus = bpe.CORPUS_FILE.read_text(encoding="utf-8")
+    corpus = _corpus()
     shakespeare = _toy_ranks(corpus, 60)
     order = "merge the pair with the lowest rank first, not the first pair that is in ranks"
     fixed = [
