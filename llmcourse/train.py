@@ -47,8 +47,8 @@ class Recipe:
 
 RECIPES = {
     "gpt2-shakespeare": Recipe(GPT2Config(n_layer=6, n_head=6, n_embd=192, n_positions=256), steps=1500),
-    "gpt2-shakespeare-draft": Recipe(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256), steps=700,
-                                     batch_size=8, lr=2e-3, distill=0.8),
+    "gpt2-shakespeare-draft": Recipe(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256), steps=500,
+                                     batch_size=8, lr=2e-3, warmup=50, distill=0.8),
 }
 
 
