@@ -123,8 +123,9 @@ def generate_text(model: GPT2, tokenizer, prompt: str, **settings) -> str:
 
 
 def decoded(tokens: Iterator[int], tokenizer, eos_token_id: Optional[int]) -> Iterator[str]:
-    """Text pieces for a stream of token ids, ending at EOS; never splits a UTF-8 character."""
-    decoder = StreamDecoder(tokenizer)
+    """Text pieces for a stream of token ids, ending at EOS; never splits a UTF-8 character.
+    A tokenizer may bring its own streaming decoder (`tokenizer.stream_decoder()`)."""
+    decoder = tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else StreamDecoder(tokenizer)
     for token in tokens:
         if token == eos_token_id:
             break

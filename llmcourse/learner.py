@@ -174,3 +174,44 @@ def learner_parts(folder: Path = Path("chapters"), *, notify: Callable[[str], No
     mine = {name: fn for name, fn in learner_functions(folder, notify=notify).items() if name in slots}
     notify(f"using your parts: {', '.join(sorted(mine)) or 'none yet'}")
     return Parts.with_overrides(**mine)
+
+
+class LearnerTokenizer:
+    """GPT-2's tokenizer made of the learner's chapter 01 functions — `encode(text, ranks)`,
+    `decode(ids, vocab)`, `StreamDecoder(vocab)` — and the engine's where one is not written yet.
+    It has what `generate_text` and `stream` use: `encode`, `decode`, `decode_single_token_bytes`,
+    `stream_decoder`."""
+
+    def __init__(self, functions: dict[str, Callable]):
+        from . import bpe
+        from .tokenizer import get_tokenizer
+
+        self.engine = get_tokenizer()
+        self.ranks, self.vocab = bpe.gpt2_ranks(), bpe.gpt2_vocab()
+        self.mine = {name: functions[name] for name in ("encode", "decode", "StreamDecoder") if name in functions}
+
+    def encode(self, text: str, allowed_special="all") -> list[int]:
+        if "encode" in self.mine:
+            return self.mine["encode"](text, self.ranks)
+        return self.engine.encode(text, allowed_special=allowed_special)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.mine["decode"](ids, self.vocab) if "decode" in self.mine else self.engine.decode(ids)
+
+    def decode_single_token_bytes(self, token: int) -> bytes:
+        return self.vocab[token]
+
+    def stream_decoder(self):
+        from .tokenizer import StreamDecoder
+
+        return self.mine["StreamDecoder"](self.vocab) if "StreamDecoder" in self.mine else StreamDecoder(self.engine)
+
+
+def learner_tokenizer(folder: Path = Path("chapters"), *, notify: Callable[[str], None] = print) -> LearnerTokenizer:
+    """A tokenizer using the learner's chapter 01 functions, for `generate_text` / `stream`.
+
+        >>> llmcourse.generate_text(load_model(), learner_tokenizer(), "ROMEO:")    # doctest: +SKIP
+    """
+    tokenizer = LearnerTokenizer(learner_functions(folder, notify=notify))
+    notify(f"tokenizer: yours for {', '.join(sorted(tokenizer.mine)) or 'nothing yet'}, the engine's for the rest")
+    return tokenizer

@@ -151,3 +151,21 @@ def test_learner_parts_plug_into_the_engine(tmp_path):
         mine = model(ids)
     assert torch.allclose(mine, reference, atol=1e-5)
     assert model.parts.gelu.__wrapped__.__globals__["CALLS"] == [1, 1]  # ran once per layer
+
+
+def test_learner_tokenizer_runs_generation_with_the_learners_chapter_01(tmp_path, small_pair):
+    from llmcourse import generate_text, get_tokenizer
+    from llmcourse.learner import learner_tokenizer
+
+    model = small_pair[0]
+    prompt = "ROMEO: 🦙 café"
+    notices = []
+    shutil.copytree(ROOT / "chapters" / "01_tokenization", tmp_path / "01_tokenization")
+    untouched = learner_tokenizer(tmp_path, notify=notices.append)
+    assert untouched.mine == {} and any("not written yet" in n for n in notices)
+    solved_copy("01_tokenization", tmp_path)
+    mine = learner_tokenizer(tmp_path, notify=notices.append)
+    assert set(mine.mine) == {"encode", "decode", "StreamDecoder"}
+    assert mine.encode(prompt) == get_tokenizer().encode(prompt)
+    expected = generate_text(model, get_tokenizer(), prompt, max_new_tokens=30, eos_token_id=None)
+    assert generate_text(model, mine, prompt, max_new_tokens=30, eos_token_id=None) == expected
