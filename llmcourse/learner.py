@@ -20,8 +20,10 @@ import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
+from . import bpe
 from .checks.core import CheckFailed, time_limit
 from .parts import Parts
+from .tokenizer import StreamDecoder, get_tokenizer
 
 STUB = "raise NotImplementedError"
 
@@ -183,9 +185,6 @@ class LearnerTokenizer:
     `stream_decoder`."""
 
     def __init__(self, functions: dict[str, Callable]):
-        from . import bpe
-        from .tokenizer import get_tokenizer
-
         self.engine = get_tokenizer()
         self.ranks, self.vocab = bpe.gpt2_ranks(), bpe.gpt2_vocab()
         self.mine = {name: functions[name] for name in ("encode", "decode", "StreamDecoder") if name in functions}
@@ -202,8 +201,6 @@ class LearnerTokenizer:
         return self.vocab[token]
 
     def stream_decoder(self):
-        from .tokenizer import StreamDecoder
-
         return self.mine["StreamDecoder"](self.vocab) if "StreamDecoder" in self.mine else StreamDecoder(self.engine)
 
 
