@@ -1,7 +1,6 @@
 """The Jupyter Book builds with zero warnings, and its chapter pages hold what a reader needs."""
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path

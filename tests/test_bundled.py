@@ -1,6 +1,5 @@
 """The models shipped in llmcourse/models: offline, deterministic, and as good as their cards say."""
 
-import json
 import os
 import re
 import subprocess

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from llmcourse import GPT2, GPT2Config, PartError, Parts
 from llmcourse.parts import attention, attention_with_softmax
 
-from .conftest import DEVICES, hf_twin, lively_model
+from .conftest import DEVICES, hf_twin
 
 TOLERANCE = 1e-4  # max abs difference of fp32 logits from transformers'
 

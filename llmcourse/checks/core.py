@@ -145,31 +145,53 @@ def equal(got: Any, expected: Any) -> Optional[str]:
     return None if got == expected else "the values differ"
 
 
+Verdict = Optional[tuple[str, str]]  # None if right, else (what is wrong, a hint; "" = the case's own hint)
+
+
+def failure(name: str, description: str, problem: str, call: str, expected: Any, got: Any, hint: str) -> CheckFailed:
+    """The message every check gives for a wrong answer."""
+    hint = f"\n  hint: {hint}" if hint else ""
+    return CheckFailed(f"✗ {name} — {description}: {problem}\n"
+                       f"  input:    {call}\n"
+                       f"  expected: {short(expected)}\n"
+                       f"  got:      {short(got)}{hint}")
+
+
 def run_check(
     name: str,
     fn: Callable,
     cases: Iterable[Case],
     *,
     compare: Callable[[Any, Any], Optional[str]] = equal,
+    judge: Optional[Callable[[Case, Any], Verdict]] = None,
     forbid: Sequence[Forbidden] = (),
+    error_hints: Optional[dict[str, str]] = None,
     seconds: float = 10.0,
 ) -> None:
-    """Run every case; raise CheckFailed at the first wrong one; print '✓ name — N cases'."""
+    """Run every case; raise CheckFailed at the first wrong one; print '✓ name — N cases'.
+
+    Answers are judged by `compare(got, expected)` -> None or what is wrong, or, when the verdict
+    needs the input too, by `judge(case, got)` -> Verdict. `error_hints` adds a hint when the
+    learner's function raises an error whose message contains one of its keys.
+    """
     __tracebackhide__ = True
     if not callable(fn):
         raise CheckFailed(f"✗ {name}: expected a function, got {short(fn)}")
+    if judge is None:
+        judge = lambda case, got: (problem, "") if (problem := compare(got, case.expected)) else None  # noqa: E731
     count = 0
     for case in cases:
-        got = call_learner(name, fn, case.args, forbid=forbid, seconds=seconds)
-        problem = compare(got, case.expected)
-        if problem:
-            shown = ", ".join(short(a, 200) for a in case.args)
-            hint = f"\n  hint: {case.hint}" if case.hint else ""
-            raise CheckFailed(
-                f"✗ {name} — {case.description}: {problem}\n"
-                f"  input:    {name}({shown})\n"
-                f"  expected: {short(case.expected)}\n"
-                f"  got:      {short(got)}{hint}"
-            )
+        try:
+            got = call_learner(name, fn, case.args, forbid=forbid, seconds=seconds)
+        except CheckFailed as err:
+            hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
+            if hint:
+                raise CheckFailed(f"{err}\n  hint: {hint}") from None
+            raise
+        verdict = judge(case, got)
+        if verdict:
+            problem, hint = verdict
+            call = f"{name}({', '.join(short(a, 200) for a in case.args)})"
+            raise failure(name, case.description, problem, call, case.expected, got, hint or case.hint)
         count += 1
     print(f"✓ {name} — {count} case{'s' if count != 1 else ''}")

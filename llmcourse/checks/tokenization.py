@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import functools
 import random
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Optional
 
 from .. import bpe
 from ..tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
-from .core import Case, CheckFailed, Forbidden, call_learner, short
+from .core import Case, CheckFailed, Forbidden, Verdict, call_learner, failure, run_check, short
 
-Verdict = Optional[tuple[str, str]]  # None if right, else (what is wrong, hint; "" = the case's own hint)
 
 NO_TIKTOKEN = [
     Forbidden(f"tiktoken.Encoding.{method}", "tiktoken is the black box this chapter opens: use your own functions.")
@@ -41,49 +40,6 @@ def _engine(name: str, instead: str) -> list[Forbidden]:
 
 # ----------------------------------------------------------------------------------------------
 # Running cases
-
-
-def _failure(name: str, description: str, problem: str, call: str, expected: Any, got: Any, hint: str) -> CheckFailed:
-    """The same message layout as `core.run_check`."""
-    hint = f"\n  hint: {hint}" if hint else ""
-    return CheckFailed(f"✗ {name} — {description}: {problem}\n"
-                       f"  input:    {call}\n"
-                       f"  expected: {short(expected)}\n"
-                       f"  got:      {short(got)}{hint}")
-
-
-def _run(
-    name: str,
-    fn: Callable,
-    cases: Iterable[Case],
-    judge: Callable[[Case, Any], Verdict],
-    *,
-    forbid: Sequence[Forbidden] = (),
-    error_hints: Optional[dict[str, str]] = None,
-) -> None:
-    """Like `core.run_check`, but `judge(case, got)` sees the input, so it can explain what went wrong.
-
-    `error_hints` adds a hint when the learner's function raises an error whose message contains a key.
-    """
-    __tracebackhide__ = True
-    if not callable(fn):
-        raise CheckFailed(f"✗ {name}: expected a function, got {short(fn)}")
-    count = 0
-    for case in cases:
-        try:
-            got = call_learner(name, fn, case.args, forbid=forbid)
-        except CheckFailed as err:
-            hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
-            if hint:
-                raise CheckFailed(f"{err}\n  hint: {hint}") from None
-            raise
-        verdict = judge(case, got)
-        if verdict:
-            problem, hint = verdict
-            call = f"{name}({', '.join(short(a, 200) for a in case.args)})"
-            raise _failure(name, case.description, problem, call, case.expected, got, hint or case.hint)
-        count += 1
-    print(f"✓ {name} — {count} case{'s' if count != 1 else ''}")
 
 
 class _Shown(dict):
@@ -205,7 +161,7 @@ def check_get_pair_counts(fn, *, seed: int = 0, n_random: int = 20) -> None:
         alphabet = rng.choice([2, 3, 5, 300])
         ids = [rng.randrange(alphabet) for _ in range(rng.randint(0, 40))]
         cases.append(Case(f"random ids #{i}", (ids,), bpe.get_pair_counts(ids)))
-    _run("get_pair_counts", fn, cases, _judge_pair_counts,
+    run_check("get_pair_counts", fn, cases, judge=_judge_pair_counts,
          forbid=_engine("get_pair_counts", "Count the pairs yourself with a dict and a loop."))
 
 
@@ -254,7 +210,7 @@ def check_merge(fn, *, seed: int = 0, n_random: int = 20) -> None:
         ids = [rng.randrange(alphabet) for _ in range(rng.randint(0, 30))]
         pair = (rng.randrange(alphabet), rng.randrange(alphabet))
         cases.append(Case(f"random ids #{i}", (ids, pair, 256 + i), bpe.merge(ids, pair, 256 + i)))
-    _run("merge", fn, cases, _judge_merge, forbid=_engine("merge", "Write the loop yourself."))
+    run_check("merge", fn, cases, judge=_judge_merge, forbid=_engine("merge", "Write the loop yourself."))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -326,7 +282,7 @@ def check_train_bpe(fn, *, seed: int = 0, n_random: int = 10) -> None:
             text = _corpus_slice(rng, 300)
             n = rng.randint(1, 40)
         cases.append(Case(f"random text #{i}", (text, n), bpe.train_bpe(text, n)))
-    _run("train_bpe", fn, cases, _judge_train_bpe,
+    run_check("train_bpe", fn, cases, judge=_judge_train_bpe,
          forbid=_engine("train_bpe", "Build it from your get_pair_counts and merge."))
 
 
@@ -349,7 +305,7 @@ def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
     reference = bytes_to_unicode()
 
     def fail(description, problem, call, expected, got, hint):
-        return _failure(name, description, problem, call, expected, got, hint)
+        return failure(name, description, problem, call, expected, got, hint)
 
     if not isinstance(table, dict):
         raise fail("the table", f"expected a dict {{byte: character}}, got a {type(table).__name__}",
@@ -448,7 +404,7 @@ def check_bpe_encode_chunk(fn, *, seed: int = 0, n_random: int = 20) -> None:
         else:
             chunk, ranks = _corpus_slice(rng, 40).encode(), shakespeare
         cases.append(Case(f"random chunk #{i}", (chunk, ranks), bpe.bpe_encode_chunk(chunk, ranks)))
-    _run("bpe_encode_chunk", fn, cases, _judge_encode_chunk,
+    run_check("bpe_encode_chunk", fn, cases, judge=_judge_encode_chunk,
          forbid=[*_engine("bpe_encode_chunk", "Write the merge loop yourself."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER])
 
 
@@ -528,7 +484,7 @@ def check_encode(fn, *, seed: int = 0, n_random: int = 20) -> None:
     for i in range(n_random):
         text = _random_text(rng, 12) if i % 2 else _corpus_slice(rng, 200)
         cases.append(Case(f"random text #{i}", (text, ranks), bpe.encode(text, ranks=ranks)))
-    _run("encode", fn, cases, _judge_encode,
+    run_check("encode", fn, cases, judge=_judge_encode,
          forbid=[*_engine("encode", "Use your bpe_encode_chunk."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER],
          error_hints={"bad escape \\p": "Python's `re` does not know \\p{L}: use the `regex` module (import regex)"})
 
@@ -566,7 +522,7 @@ def check_decode(fn, *, seed: int = 0, n_random: int = 20) -> None:
         else:
             ids = bpe.encode(_random_text(rng, 12))
         cases.append(Case(f"random ids #{i}", (ids, vocab), bpe.decode(ids, vocab)))
-    _run("decode", fn, cases, _judge_decode,
+    run_check("decode", fn, cases, judge=_judge_decode,
          forbid=[*_engine("decode", "Join the bytes from vocab yourself."), *NO_TIKTOKEN, *NO_ENGINE_TOKENIZER],
          error_hints={"UnicodeDecodeError": "some byte sequences are not valid UTF-8 (half a character, stray "
                                             "bytes): decode with errors='replace'"})
@@ -669,4 +625,4 @@ def check_stream_decoder(cls, *, seed: int = 0, n_random: int = 20) -> None:
         Forbidden("llmcourse.StreamDecoder", "Write your own."),
         *NO_TIKTOKEN,
     ]
-    _run("StreamDecoder", stream, cases, _judge_stream, forbid=forbid)
+    run_check("StreamDecoder", stream, cases, judge=_judge_stream, forbid=forbid)
