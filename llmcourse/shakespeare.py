@@ -85,18 +85,20 @@ def encode(text: str) -> np.ndarray:
     return np.array(get_tokenizer().encode(text, allowed_special={EOT}), dtype=np.uint16)
 
 
-def validation_tokens() -> torch.Tensor:
+def validation_tokens(path: Path = VALIDATION_FILE) -> torch.Tensor:
     """The held-out plays, tokenized: LongTensor [N]."""
-    return torch.from_numpy(encode(VALIDATION_FILE.read_text(encoding="utf-8")).astype(np.int64))
+    return torch.from_numpy(encode(Path(path).read_text(encoding="utf-8")).astype(np.int64))
 
 
 @torch.inference_mode()
-def validation_loss(model, tokens: torch.Tensor, context: int = EVAL_CONTEXT, batch_size: int = 16) -> float:
+def validation_loss(model, tokens: torch.Tensor, batch_size: int = 16) -> float:
     """Mean cross-entropy in nats/token of predicting each token from up to `context` before it.
 
     The token stream is cut into consecutive windows of context + 1 tokens (the last partial
-    window dropped); every window predicts its last `context` tokens.
+    window dropped), context = EVAL_CONTEXT or the model's n_positions if smaller; every window
+    predicts its last `context` tokens.
     """
+    context = min(EVAL_CONTEXT, model.config.n_positions)
     n = (len(tokens) - 1) // context
     windows = torch.stack([tokens[i * context : i * context + context + 1] for i in range(n)])  # [n, context+1]
     total = 0.0
@@ -107,20 +109,21 @@ def validation_loss(model, tokens: torch.Tensor, context: int = EVAL_CONTEXT, ba
     return total / (n * context)
 
 
-def unigram_loss(train: np.ndarray, val: torch.Tensor, vocab_size: int = EOT_ID + 1) -> float:
+def unigram_loss(train: np.ndarray, val: torch.Tensor, context: int = EVAL_CONTEXT, vocab_size: int = EOT_ID + 1) -> float:
     """Baseline: nats/token of the validation tokens under the training unigram frequencies
     (add-one smoothed), the best a model can do without looking at context."""
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0
     log_p = np.log(counts / counts.sum())
-    n = (len(val) - 1) // EVAL_CONTEXT * EVAL_CONTEXT  # the same positions validation_loss scores
+    n = (len(val) - 1) // context * context  # the same positions validation_loss scores
     targets = val[1 : n + 1].numpy()
     return float(-log_p[targets].mean())
 
 
 @torch.inference_mode()
-def acceptance_rate(target, draft, tokens: torch.Tensor, context: int = EVAL_CONTEXT, batch_size: int = 16) -> float:
+def acceptance_rate(target, draft, tokens: torch.Tensor, batch_size: int = 16) -> float:
     """Speculative decoding's α = E[Σ_x min(p(x), q(x))] over validation positions, p the target's
     next-token distribution and q the draft's: the chance that a draft token is accepted."""
+    context = min(EVAL_CONTEXT, target.config.n_positions, draft.config.n_positions)
     n = (len(tokens) - 1) // context
     windows = torch.stack([tokens[i * context : i * context + context] for i in range(n)])
     total = 0.0

