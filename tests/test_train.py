@@ -48,7 +48,7 @@ TINY = dataclasses.replace(RECIPES["gpt2-shakespeare"], config=GPT2Config(n_laye
 def test_training_is_deterministic_resumable_and_writes_a_loadable_model(tmp_path, corpus_cache):
     common = dict(cache=corpus_cache, recipe=TINY, validation_file=tmp_path / "val.txt")
     stats = train("gpt2-shakespeare", tmp_path / "a", **common)
-    again = train("gpt2-shakespeare", tmp_path / "b", **common)
+    train("gpt2-shakespeare", tmp_path / "b", **common)
     first, second = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
     assert all(torch.equal(first[k], second[k]) for k in first)
 
