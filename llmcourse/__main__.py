@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             return bench(args)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:  # the reader went away (e.g. `| head`): stop quietly
+        sys.stdout = None
+        return 0
     parser.print_help()
     return 2
 
