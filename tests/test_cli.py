@@ -60,5 +60,3 @@ def test_missing_model_is_one_clear_error(tmp_path):
     assert out.returncode == 1
     assert "neither a model folder nor a Hugging Face Hub model name" in out.stderr
     assert "Traceback" not in out.stderr
-    out = run("generate", "Hello")
-    assert out.returncode == 2 and "--model" in out.stderr
