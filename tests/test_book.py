@@ -45,7 +45,7 @@ def test_chapter_pages_are_executed_with_solutions_behind_toggles(book, name):
     assert "✓ " in html  # the checks ran and passed
     assert "tag_hide-input" in html  # solution code sits behind a toggle
     assert re.search(r'<img[^>]+src="[^"]+\.png"', html), "no figure on the page"
-    link = re.search(rf'href="([^"]*{name}\.ipynb)"', html)
+    link = re.search(rf'href="([^"]*_downloads/[^"]*{name}\.ipynb)"', html)
     assert link, "no link to the exercise notebook"
     target = (book / f"solutions/{name}" / link.group(1)).resolve()
     assert target.is_file() and b"NotImplementedError" in target.read_bytes()  # the student version
