@@ -12,6 +12,8 @@ Decoding settings (all keyword-only): `max_new_tokens`, `temperature` (0 = greed
 `num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None
 never stops), `seed` / `generator` (sampling is reproducible: the same seed gives the same text).
 `stream` and `generate_text` also take `stop`, strings that end the text (not included).
+`compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
+CUDA graph on a GPU (the first call compiles, which takes a while).
 
     >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP
     >>> for piece in stream(model, tok, "ROMEO:", temperature=0.8, seed=1): ...   # doctest: +SKIP
@@ -47,6 +49,7 @@ def generate(
     eos_token_id: Optional[int] = EOT_ID,
     seed: int = 0,
     generator: Optional[torch.Generator] = None,
+    compile: bool = False,
 ) -> Union[list[int], list[list[int]]]:
     """New token ids for one prompt (a list of ids) or for each prompt of a batch (a list of lists).
 
@@ -69,15 +72,10 @@ def generate(
             for p in batch
         ]
     else:
-        out = [[] for _ in batch]
-        done = [False] * len(batch)
         steps = decode_steps(model, batch, settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             generator=generator or new_generator(model, seed))
-        for tokens in steps:
-            for row, token in enumerate(tokens.tolist()):
-                if not done[row]:
-                    out[row].append(token)
-                    done[row] = token == eos_token_id
+                             generator=generator or new_generator(model, seed), compile=compile)
+        rows = torch.stack(list(steps), dim=1).tolist()  # one copy to the host, after the last step
+        out = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
     return out[0] if single else out
 
 
@@ -93,6 +91,7 @@ def stream(
     eos_token_id: Optional[int] = EOT_ID,
     seed: int = 0,
     generator: Optional[torch.Generator] = None,
+    compile: bool = False,
     **sampling,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` as text pieces, as soon as they are complete characters.
@@ -111,7 +110,7 @@ def stream(
                                length_penalty=length_penalty, eos_token_id=eos_token_id, **sampling))
     else:
         steps = decode_steps(model, [ids], settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             generator=generator or new_generator(model, seed))
+                             generator=generator or new_generator(model, seed), compile=compile)
         tokens = (int(t) for t in steps)
     # Checked above and returned (not yielded from here) so that bad input raises at the call.
     return stop_at(decoded(tokens, tokenizer, eos_token_id), stop)
@@ -197,6 +196,11 @@ def check_beams(num_beams: int, length_penalty: float, settings: SamplingSetting
         raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
 
 
+# A GPU runs ahead of Python; asking it whether every row has finished makes Python wait for it,
+# so the decode loop asks only every this many steps (finished rows just repeat EOS meanwhile).
+EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}
+
+
 @torch.inference_mode()
 def decode_steps(
     model: GPT2,
@@ -206,11 +210,13 @@ def decode_steps(
     max_new_tokens: int,
     eos_token_id: Optional[int],
     generator: Optional[torch.Generator],
+    compile: bool = False,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row [B], step by step (finished rows repeat `eos_token_id`).
 
     Prompts of different lengths are left-padded; the attention mask hides the padding and the
-    position ids count only real tokens, so a row computes what it would alone.
+    position ids count only real tokens, so a row computes what it would alone. The tokens stay
+    on the model's device: nothing in the loop waits for the GPU except the occasional EOS check.
     """
     device, B = model.device, len(batch)
     longest = max(map(len, batch))
@@ -229,24 +235,60 @@ def decode_steps(
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, input_ids, mask[:, :longest].bool())  # only real tokens count, not padding
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    check_every = EOS_CHECK_EVERY.get(device.type, 8)
 
     cache = model.new_cache(B, total)
     logits = model(input_ids, position_ids=positions, attention_mask=mask[:, :longest] if padded else None,
                    cache=cache, last_only=True)[:, -1]  # [B, V]
     next_pos = positions[:, -1:] + 1  # [B, 1]
+    slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
+    step_fn = compiled_decode_step(device) if compile else decode_step
     for step in range(max_new_tokens):
         token = next_token(logits, settings, seen, generator)  # [B]
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
         yield token
-        if step == max_new_tokens - 1 or bool(finished.all()):
+        if step == max_new_tokens - 1:
+            return
+        if eos_token_id is not None and step % check_every == check_every - 1 and bool(finished.all()):
             return
         if seen is not None:
             seen[torch.arange(B, device=device), token] = True
-        logits = model(token[:, None], position_ids=next_pos,
-                       attention_mask=mask[:, : cache.length + 1] if padded else None, cache=cache)[:, -1]
+        if compile:
+            logits = step_fn(model, token[:, None], next_pos, mask, cache, slot)
+            slot += 1
+            cache.length += 1
+        else:
+            logits = step_fn(model, token[:, None], next_pos, mask[:, : cache.length + 1] if padded else None, cache)
         next_pos = next_pos + 1
+
+
+def decode_step(model: GPT2, token: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor],
+                cache, slot: Optional[Tensor] = None) -> Tensor:
+    """Logits [B, V] after one more token per row, token [B, 1]; see `GPT2.forward` for `slot`."""
+    return model(token, position_ids=position_ids, attention_mask=attention_mask, cache=cache, slot=slot)[:, -1]
+
+
+_compiled: dict[str, object] = {}
+
+
+def compiled_decode_step(device: torch.device):
+    """`decode_step` compiled for fixed shapes; on CUDA also replayed as a CUDA graph (one launch
+    per step instead of hundreds). Compiled once per device type; torch recompiles by itself for a
+    new model, batch size or cache length."""
+    if device.type not in _compiled:
+        mode = "reduce-overhead" if device.type == "cuda" else "default"
+        _compiled[device.type] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
+    step = _compiled[device.type]
+    if device.type != "cuda":
+        return step
+
+    def cuda_step(*args):
+        torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may now be overwritten
+        return step(*args)
+
+    return cuda_step
 
 
 @torch.inference_mode()

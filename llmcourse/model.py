@@ -72,34 +72,48 @@ class KVCache:
     """Keys and values of every layer, preallocated for `max_len` positions.
 
     Prefill writes the prompt's keys/values at positions [0, T); each decode step writes one more.
-    Nothing is reallocated while generating; `reorder` follows beams in beam search.
+    Nothing is reallocated while generating; `reorder` follows beams in beam search. Each layer
+    has its own tensors (not slices of one), so a compiled step can write them in place.
 
         >>> cache = KVCache(GPT2Config(n_layer=1, n_head=2, n_embd=8), batch_size=1, max_len=4)
-        >>> cache.k.shape   # [n_layer, B, n_head, max_len, head_dim]
-        torch.Size([1, 1, 2, 4, 4])
+        >>> cache.k[0].shape   # layer 0: [B, n_head, max_len, head_dim]
+        torch.Size([1, 2, 4, 4])
     """
 
     def __init__(self, config: GPT2Config, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
-        shape = (config.n_layer, batch_size, config.n_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.length = 0  # positions filled so far
+        if device is not None and torch.device(device).type == "cuda":
+            for t in self.k + self.v:  # fixed addresses: a CUDA graph may write into them in place
+                torch._dynamo.mark_static_address(t)
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.k[0].shape[2]
 
-    def update(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k, v [B, H, T, D] after the filled positions; return all keys and values so far."""
+    def update(self, layer: int, k: Tensor, v: Tensor, slot: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        """Store k, v [B, H, T, D]; return the keys and values to attend to.
+
+        Without `slot`: after the filled positions, returning the filled part (its length grows).
+        With `slot` (a long tensor [T] of positions): there, returning the whole cache, so that
+        every step sees tensors of the same shape (what torch.compile and CUDA graphs need).
+        """
+        k_cache, v_cache = self.k[layer], self.v[layer]  # [B, H, max_len, D]
+        if slot is not None:
+            k_cache[:, :, slot] = k
+            v_cache[:, :, slot] = v
+            return k_cache, v_cache
         end = self.length + k.shape[2]
-        self.k[layer, :, :, self.length : end] = k
-        self.v[layer, :, :, self.length : end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+        k_cache[:, :, self.length : end] = k
+        v_cache[:, :, self.length : end] = v
+        return k_cache[:, :, :end], v_cache[:, :, :end]
 
     def reorder(self, rows: Tensor) -> None:
         """Keep batch rows `rows` (beam search: each surviving beam copies its parent's cache)."""
-        self.k = self.k.index_select(1, rows)
-        self.v = self.v.index_select(1, rows)
+        self.k = [t.index_select(0, rows) for t in self.k]
+        self.v = [t.index_select(0, rows) for t in self.v]
 
 
 class GPT2(nn.Module):
@@ -148,6 +162,7 @@ class GPT2(nn.Module):
         position_ids: Optional[Tensor] = None,
         attention_mask: Optional[Tensor] = None,
         cache: Optional[KVCache] = None,
+        slot: Optional[Tensor] = None,
         last_only: bool = False,
     ) -> Tensor:
         """Logits for each position of `input_ids` [B, T] -> [B, T, vocab_size] (T=1 if `last_only`).
@@ -155,19 +170,30 @@ class GPT2(nn.Module):
         With a `cache`, `input_ids` continue the cached positions, and their keys/values are added.
         `attention_mask` [B, past + T] marks real tokens (1) and padding (0); `position_ids` [B, T]
         default to past, past+1, ....
+
+        `slot` (a long tensor [1]) is the static-shape variant used by compiled decoding: the
+        tokens go to cache positions slot, slot+1, ... and attend to the whole cache through
+        `attention_mask` [B, cache.max_len] (0 for positions not yet written). `cache.length` is
+        then the caller's to advance; no shape or Python number changes from step to step.
         """
         p, cfg = self.parts, self.config
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
+        if slot is not None:
+            if cache is None or attention_mask is None or attention_mask.shape[1] != cache.max_len:
+                raise ValueError("slot needs a cache and an attention_mask over all cache.max_len positions")
+            past = slot
+        query_pos = past + torch.arange(T, device=input_ids.device)  # [T]
         if position_ids is None:
-            position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+            position_ids = query_pos.expand(B, T)
         mask = None  # None = plain causal attention, the fused kernel's fast path
         if attention_mask is not None:
-            key_pos = torch.arange(past + T, device=input_ids.device)
-            query_pos = key_pos[past:, None]
+            key_pos = torch.arange(attention_mask.shape[1], device=input_ids.device)
             # A padding query sees only itself, so its row is never empty (no NaN) and never read.
-            mask = ((key_pos <= query_pos) & attention_mask[:, None, None, :].bool()) | (key_pos == query_pos)
-            # mask: [B, 1, T, past+T]
+            mask = ((key_pos <= query_pos[:, None]) & attention_mask[:, None, None, :].bool()) | (
+                key_pos == query_pos[:, None]
+            )  # [B, 1, T, keys]
+        slots = query_pos if slot is not None else None
 
         x = p.embedding(self.wte.weight, input_ids) + p.embedding(self.wpe.weight, position_ids)  # [B, T, C]
         for i, block in enumerate(self.h):
@@ -175,16 +201,15 @@ class GPT2(nn.Module):
             qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
             q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
             if cache is not None:
-                k, v = cache.update(i, k, v)  # [B, H, past+T, D]
+                k, v = cache.update(i, k, v, slots)  # [B, H, keys, D]
             a = p.merge_heads(p.attention(q, k, v, mask))  # [B, T, C]
             x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
             m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
             m = p.gelu(p.linear(m, block.mlp.c_fc.weight, block.mlp.c_fc.bias))  # [B, T, 4C]
             x = x + p.linear(m, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
-        if cache is not None:
+        if cache is not None and slot is None:
             cache.length += T
         if last_only:
             x = x[:, -1:]
         x = p.layer_norm(x, self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)
         return x @ self.wte.weight.T  # [B, T, vocab_size]; the head is tied to the token embedding
-
