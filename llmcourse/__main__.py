@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
     gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
+    gen.add_argument("--compile", action="store_true",
+                     help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
+                          "compiling takes a while before the first token")
     prog = commands.add_parser("progress", help="your dashboard: which exercises pass, with points",
                                description="Run the checks of every chapter notebook in FOLDER on your functions.")
     prog.add_argument("folder", nargs="?", default="chapters", metavar="FOLDER",
@@ -79,6 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 32], metavar="N,N,...")
     bench.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved repeats; medians are reported")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
+    bench.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                       help="also measure decode with torch.compile (+ CUDA graphs on a GPU); auto = on a GPU only")
     bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and bench.png")
     return parser
 
@@ -123,14 +128,14 @@ def run_release() -> int:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .generate import stream
+    from .generate import CompileError, stream
     from .loading import load_model
     from .tokenizer import get_tokenizer
 
     settings = dict(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-        length_penalty=args.length_penalty, stop=args.stop, seed=args.seed,
+        length_penalty=args.length_penalty, stop=args.stop, seed=args.seed, compile=args.compile,
     )
     try:
         model = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -145,9 +150,13 @@ def run_generate(args: argparse.Namespace) -> int:
         return 1
     sys.stdout.write(first)
     sys.stdout.flush()
-    for piece in pieces:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    try:
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except CompileError as err:  # compiling starts at the second token, after the first is shown
+        print(f"\npython -m llmcourse generate: error: {err}", file=sys.stderr)
+        return 1
     sys.stdout.write("\n")
     return 0
 

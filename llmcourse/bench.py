@@ -7,7 +7,9 @@
 - the roofline: memory bandwidth and matmul throughput measured now, the bytes and FLOPs of one
   decode step, the bound they put on decode tokens/s, and the engine's fraction of it;
 - the KV cache: time per token at several context lengths, with the cache and with full recompute;
-- batching: decode tokens/s at several batch sizes (prefill excluded).
+- batching: decode tokens/s at several batch sizes (prefill excluded), against each one's roofline;
+- on a GPU (`--device cuda`, the default when there is one) every row runs there, and decode is
+  also measured with `torch.compile` + CUDA graphs (`--compile on` measures it on the CPU too).
 
 By default the model is GPT-2 124M's configuration with random weights in float32: the timings of
 a forward pass do not depend on the values of the weights, so no download is needed.
@@ -78,15 +80,26 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, r
     return 2 * size**3 / seconds
 
 
-def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step at batch 1: every weight once, plus the KV cache."""
+def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, batch: int = 1) -> tuple[float, float]:
+    """(bytes read, FLOPs) of one decode step for `batch` rows: every weight once, plus each row's
+    KV cache. The weights are shared by the rows; the cache and the arithmetic are not.
+
+        >>> decode_step_cost(GPT2Config(n_layer=1, n_head=1, n_embd=4, vocab_size=10), context=2, bytes_per_value=4)
+        (1248, 600)
+    """
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
     block_weights = L * (12 * C * C + 13 * C)  # c_attn, c_proj, c_fc, c_proj + biases + 2 layer norms
     head = V * C  # the tied embedding, read whole for the logits
-    kv = 2 * L * context * C  # every cached key and value
-    values = block_weights + 2 * C + head + kv + C  # + ln_f + the one position row used
-    flops = 2 * (block_weights + head) + 4 * L * context * C  # matrix-vector products + attention
+    kv = 2 * L * context * C  # every cached key and value of one row
+    values = block_weights + 2 * C + head + batch * (kv + C)  # + ln_f + each row's position row
+    flops = batch * (2 * (block_weights + head) + 4 * L * context * C)  # matrix-vector products + attention
     return values * bytes_per_value, flops
+
+
+def roofline(bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1) -> tuple[float, str]:
+    """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds)."""
+    memory, compute = bandwidth / step_bytes, matmul / step_flops
+    return batch * min(memory, compute), "memory" if memory < compute else "compute"
 
 
 def run(
@@ -101,10 +114,14 @@ def run(
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32),
     repeats: int = 3,
     with_transformers: bool = True,
+    compile: str = "auto",
     progress: Callable[[str], None] = print,
 ) -> dict:
     """Run every benchmark; return the figures as a dict (what `bench` writes as JSON)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
+    if compile not in ("auto", "on", "off"):
+        raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
+    compiled = compile == "on" or (compile == "auto" and dev.type == "cuda")
     if model_name in CONFIGS:
         model = GPT2(CONFIGS[model_name]).init_weights(0).to(dev, dt).eval().requires_grad_(False)
     else:
@@ -119,11 +136,16 @@ def run(
     hf = transformers_twin(model) if with_transformers else None
     results: dict = {"model": model_name, "config": cfg.__dict__, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
                      "threads": torch.get_num_threads(), "repeats": repeats}
+    if dev.type != "cuda":
+        results["cuda_skipped"] = ("no CUDA GPU on this machine" if not torch.cuda.is_available()
+                                   else f"--device {device} was asked for")
 
     # decode at batch 1
     progress("decode, batch 1")
     ids = prompt[0, :prompt_len].tolist()
     fns = {"engine": lambda: generate(model, ids, max_new_tokens=new_tokens, eos_token_id=None)}
+    if compiled:  # the warm-up call compiles (and on CUDA records the graph)
+        fns["engine_compiled"] = lambda: generate(model, ids, max_new_tokens=new_tokens, eos_token_id=None, compile=True)
     if hf is not None:
         hf_ids = prompt[:, :prompt_len].to(dev)
         fns["transformers"] = lambda: hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), do_sample=False,
@@ -147,11 +169,11 @@ def run(
     progress("roofline: bandwidth and matmul throughput")
     bandwidth, flops = measure_bandwidth(dev), measure_matmul(dev, dt)
     step_bytes, step_flops = decode_step_cost(cfg, prompt_len + new_tokens // 2, dt.itemsize)
-    bound = min(bandwidth / step_bytes, flops / step_flops)
+    bound, bound_is = roofline(bandwidth, flops, step_bytes, step_flops)
     results["roofline"] = {
         "bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9,
         "decode_step_MB": step_bytes / 1e6, "decode_step_GFLOP": step_flops / 1e9,
-        "bound_tokens_per_s": bound, "bound_is": "memory" if bandwidth / step_bytes < flops / step_flops else "compute",
+        "bound_tokens_per_s": bound, "bound_is": bound_is,
         "engine_fraction": results["decode"]["engine"] / bound,
     }
 
@@ -183,7 +205,10 @@ def run(
         rows = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
         seconds = interleaved({n: (lambda n=n: generate(model, rows, max_new_tokens=n, eos_token_id=None))
                                for n in (steps, 2 * steps)}, repeats, dev)
-        results["batching"][b] = b * steps / max(seconds[2 * steps] - seconds[steps], 1e-9)
+        speed = b * steps / max(seconds[2 * steps] - seconds[steps], 1e-9)
+        bound, bound_is = roofline(bandwidth, flops, *decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b), b)
+        results["batching"][b] = {"tokens_per_s": speed, "bound_tokens_per_s": bound, "bound_is": bound_is,
+                                  "fraction": speed / bound}
     return results
 
 
@@ -207,10 +232,13 @@ def ratios(r: dict) -> dict:
     if "transformers" in r["decode"]:
         out["decode_vs_transformers"] = r["decode"]["engine"] / r["decode"]["transformers"]
         out.update({f"prefill_{n}_vs_transformers": v["engine"] / v["transformers"] for n, v in r["prefill"].items()})
+    if "engine_compiled" in r["decode"]:
+        out["decode_compiled_vs_eager"] = r["decode"]["engine_compiled"] / r["decode"]["engine"]
     out["decode_roofline_fraction"] = r["roofline"]["engine_fraction"]
     out.update({f"kv_cache_speedup_{n}": v["speedup"] for n, v in r["kv_cache"].items()})
-    if 1 in r["batching"]:
-        out.update({f"batch_{b}_vs_batch_1": v / r["batching"][1] for b, v in r["batching"].items() if b != 1})
+    speed = {b: v["tokens_per_s"] for b, v in r["batching"].items()}
+    if 1 in speed:
+        out.update({f"batch_{b}_vs_batch_1": v / speed[1] for b, v in speed.items() if b != 1})
     return out
 
 
@@ -222,6 +250,9 @@ def table(r: dict) -> str:
         lines.append(f"  {label:<28} engine {engine:9.1f} {unit}{extra}")
     d = r["decode"]
     row("decode, batch 1", d["engine"], d.get("transformers"))
+    if "engine_compiled" in d:
+        graphs = " + CUDA graphs" if r["device"].startswith("cuda") else ""
+        row(f"  with torch.compile{graphs}", d["engine_compiled"], d.get("transformers"))
     for n, v in r["prefill"].items():
         row(f"prefill, {n} tokens", v["engine"], v.get("transformers"))
     rf = r["roofline"]
@@ -232,9 +263,14 @@ def table(r: dict) -> str:
     for n, v in r["kv_cache"].items():
         lines.append(f"  context {n:>5}: cached {v['cached_ms']:7.2f} ms/token, recompute {v['recompute_ms']:8.2f} "
                      f"ms/token, {v['speedup']:5.1f}x")
+    first = min(r["batching"], default=None)
     for b, v in r["batching"].items():
-        lines.append(f"  batch {b:>3}: {v:9.1f} tok/s ({v / r['batching'][min(r['batching'])]:4.1f}x batch "
-                     f"{min(r['batching'])})")
+        speed = v["tokens_per_s"]
+        lines.append(f"  batch {b:>3}: {speed:9.1f} tok/s ({speed / r['batching'][first]['tokens_per_s']:4.1f}x batch "
+                     f"{first}); {v['bound_is']} bound {v['bound_tokens_per_s']:.0f} tok/s, {v['fraction']:.0%} of it")
+    if "cuda_skipped" in r:
+        lines.append(f"  CUDA rows (all of the above on a GPU, and decode with torch.compile + CUDA graphs): "
+                     f"skipped, {r['cuda_skipped']}")
     return "\n".join(lines)
 
 
@@ -246,11 +282,13 @@ def plot(r: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     ax = axes[0]
-    labels = ["decode b=1"] + [f"prefill {n}" for n in r["prefill"]]
-    engine = [r["decode"]["engine"]] + [v["engine"] for v in r["prefill"].values()]
+    d = r["decode"]
+    compiled = ["engine_compiled"] if "engine_compiled" in d else []
+    labels = ["decode b=1"] + ["decode compiled"] * len(compiled) + [f"prefill {n}" for n in r["prefill"]]
+    engine = [d["engine"]] + [d[k] for k in compiled] + [v["engine"] for v in r["prefill"].values()]
     ax.bar([i - 0.2 for i in range(len(labels))], engine, 0.4, label="engine")
-    if "transformers" in r["decode"]:
-        ref = [r["decode"]["transformers"]] + [v["transformers"] for v in r["prefill"].values()]
+    if "transformers" in d:
+        ref = [d["transformers"]] * (1 + len(compiled)) + [v["transformers"] for v in r["prefill"].values()]
         ax.bar([i + 0.2 for i in range(len(labels))], ref, 0.4, label="transformers")
     ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_yscale("log")
@@ -272,11 +310,14 @@ def plot(r: dict, path: Path) -> None:
     ax.legend()
     ax = axes[3]
     bs = list(r["batching"])
-    ax.plot(bs, list(r["batching"].values()), "o-")
+    ax.plot(bs, [v["tokens_per_s"] for v in r["batching"].values()], "o-", label="engine")
+    ax.plot(bs, [v["bound_tokens_per_s"] for v in r["batching"].values()], "--", color="#999", label="roofline")
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode tokens/s")
     ax.set_title("batching")
+    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -292,7 +333,7 @@ def main(args: argparse.Namespace) -> int:
         results = run(model_name=args.model, device=args.device, dtype=args.dtype, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, prefill_lens=tuple(args.prefill_lens),
                       contexts=tuple(args.contexts), batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                      with_transformers=not args.no_transformers,
+                      with_transformers=not args.no_transformers, compile=args.compile,
                       progress=lambda s: (bar.set_postfix_str(s), bar.update()))
         bar.close()
     except ValueError as err:

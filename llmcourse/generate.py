@@ -64,7 +64,7 @@ def generate(
     batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
     settings = SamplingSettings(temperature, top_k, top_p, min_p, repetition_penalty)
     check_request(model, batch, max_new_tokens, eos_token_id)
-    check_beams(num_beams, length_penalty, settings)
+    check_beams(num_beams, length_penalty, settings, compile)
     if num_beams > 1:
         out = [
             beam_search(model, p, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
@@ -102,7 +102,7 @@ def stream(
     ids = tokenizer.encode(prompt, allowed_special="all")
     settings = SamplingSettings(**sampling)
     check_request(model, [ids], max_new_tokens, eos_token_id)
-    check_beams(num_beams, length_penalty, settings)
+    check_beams(num_beams, length_penalty, settings, compile)
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
     if num_beams > 1:
@@ -187,13 +187,16 @@ def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_
             )
 
 
-def check_beams(num_beams: int, length_penalty: float, settings: SamplingSettings) -> None:
+def check_beams(num_beams: int, length_penalty: float, settings: SamplingSettings, compile: bool = False) -> None:
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1 (1 = no beam search), got {num_beams!r}")
     if not isinstance(length_penalty, (int, float)) or not math.isfinite(length_penalty):
         raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
     if num_beams > 1 and not settings.greedy:
         raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
+    if num_beams > 1 and compile:
+        raise ValueError("compile=True applies to greedy decoding and sampling; beam search runs uncompiled, "
+                         "so use num_beams=1 or compile=False")
 
 
 # A GPU runs ahead of Python; asking it whether every row has finished makes Python wait for it,
@@ -256,7 +259,12 @@ def decode_steps(
         if seen is not None:
             seen[torch.arange(B, device=device), token] = True
         if compile:
-            logits = step_fn(model, token[:, None], next_pos, mask, cache, slot)
+            try:
+                logits = step_fn(model, token[:, None], next_pos, mask, cache, slot)
+            except torch._dynamo.exc.TorchDynamoException as err:
+                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                raise CompileError(f"torch.compile could not compile the decode step ({reason}); "
+                                   "generate without compile=True (--compile)") from err
             slot += 1
             cache.length += 1
         else:
@@ -268,6 +276,10 @@ def decode_step(model: GPT2, token: Tensor, position_ids: Tensor, attention_mask
                 cache, slot: Optional[Tensor] = None) -> Tensor:
     """Logits [B, V] after one more token per row, token [B, 1]; see `GPT2.forward` for `slot`."""
     return model(token, position_ids=position_ids, attention_mask=attention_mask, cache=cache, slot=slot)[:, -1]
+
+
+class CompileError(RuntimeError):
+    """torch.compile failed on this machine (e.g. no C++ compiler for the CPU backend)."""
 
 
 _compiled: dict[str, object] = {}
