@@ -59,7 +59,7 @@ def test_slot_needs_a_mask_over_the_whole_cache(model):
 )
 def test_static_decoding_gives_the_same_tokens(model, monkeypatch, settings):
     """The compile=True loop (static shapes, slot, full mask) run eagerly: padded batch, EOS, sampling."""
-    monkeypatch.setattr(generation, "compiled_decode_step", lambda device: decode_step)
+    monkeypatch.setattr(generation, "compiled_decode_step", lambda model: decode_step)
     free = generate(model, PROMPTS, max_new_tokens=24, eos_token_id=None, **settings)
     assert generate(model, PROMPTS, max_new_tokens=24, eos_token_id=None, compile=True, **settings) == free
     eos = free[1][6]
@@ -80,6 +80,18 @@ def test_compiled_decoding_equals_eager(model, device):
         model.to("cpu")
     assert compiled == eager
     assert again == eager
+
+
+def test_compiled_decoding_follows_changed_weights():
+    """On the CPU the weights are frozen into the compiled graph: changing them must not leave it stale."""
+    model = lively_model(SMALL, seed=4)
+    before = generate(model, PROMPTS[0], max_new_tokens=10, eos_token_id=None, compile=True)
+    with torch.no_grad():
+        model.h[0].mlp.c_fc.weight.mul_(-3)
+        model.h[1].attn.c_attn.weight.mul_(-2)
+    eager = generate(model, PROMPTS[0], max_new_tokens=10, eos_token_id=None)
+    assert eager != before  # the change matters
+    assert generate(model, PROMPTS[0], max_new_tokens=10, eos_token_id=None, compile=True) == eager
 
 
 class SyncCounter(TorchDispatchMode):
@@ -148,7 +160,7 @@ def test_a_failing_compiler_is_a_clear_error(model, monkeypatch):
         raise RuntimeError("no C++ compiler found")
 
     monkeypatch.setattr(generation, "compiled_decode_step",
-                        lambda device: torch.compile(decode_step, backend=broken_backend, fullgraph=True))
+                        lambda model: torch.compile(decode_step, backend=broken_backend, fullgraph=True))
     with pytest.raises(CompileError, match="could not compile the decode step.*without compile=True"):
         generate(model, PROMPTS[0], max_new_tokens=4, compile=True)
 
