@@ -82,8 +82,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 32], metavar="N,N,...")
     bench.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved repeats; medians are reported")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    bench.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
-                       help="also measure decode with torch.compile (+ CUDA graphs on a GPU); auto = on a GPU only")
+    bench.add_argument("--no-compile", action="store_true",
+                       help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
     bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and bench.png")
     return parser
 

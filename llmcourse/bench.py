@@ -2,14 +2,16 @@
 
 `python -m llmcourse bench` measures, in one run, with interleaved repeats and medians:
 
-- decode tokens/s at batch 1 (128-token prompt, 128 new tokens, greedy), engine vs transformers;
+- decode tokens/s at batch 1 (128-token prompt, 128 new tokens, greedy), engine vs transformers,
+  the engine both eager and with `compile=True` (torch.compile; on a GPU also CUDA graphs);
 - prefill tokens/s at several prompt lengths, engine vs transformers;
 - the roofline: memory bandwidth and matmul throughput measured now, the bytes and FLOPs of one
   decode step, the bound they put on decode tokens/s, and the engine's fraction of it;
 - the KV cache: time per token at several context lengths, with the cache and with full recompute;
-- batching: decode tokens/s at several batch sizes (prefill excluded), against each one's roofline;
-- on a GPU (`--device cuda`, the default when there is one) every row runs there, and decode is
-  also measured with `torch.compile` + CUDA graphs (`--compile on` measures it on the CPU too).
+- batching: decode tokens/s at several batch sizes (prefill excluded), eager and compiled, against
+  each one's roofline.
+
+On a GPU (`--device cuda`, the default when there is one) every row runs there.
 
 By default the model is GPT-2 124M's configuration with random weights in float32: the timings of
 a forward pass do not depend on the values of the weights, so no download is needed.
@@ -27,7 +29,7 @@ from typing import Callable
 import torch
 
 from .config import GPT2Config
-from .generate import generate
+from .generate import CompileError, generate
 from .loading import load_model, resolve_device, resolve_dtype, save_model
 from .model import GPT2
 
@@ -64,12 +66,13 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_bandwidth(device: torch.device, megabytes: int = 512, repeats: int = 5) -> float:
-    """Bytes per second moved by a large copy (read + write), far bigger than any cache."""
-    n = megabytes * 2**20 // 4
-    src, dst = torch.ones(n, device=device), torch.empty(n, device=device)
-    seconds = median_seconds(lambda: dst.copy_(src), repeats, device)
-    return 2 * n * 4 / seconds
+def measure_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second read from memory by summing a large array, as decode streams its weights.
+
+    The array must be far bigger than the last-level cache (480 MB on the course's machines)."""
+    x = torch.ones(megabytes * 2**20 // 4, device=device)
+    seconds = median_seconds(lambda: x.sum(), repeats, device)
+    return x.numel() * 4 / seconds
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -114,14 +117,11 @@ def run(
     batch_sizes: tuple[int, ...] = (1, 4, 16, 32),
     repeats: int = 3,
     with_transformers: bool = True,
-    compile: str = "auto",
+    compile: bool = True,
     progress: Callable[[str], None] = print,
 ) -> dict:
     """Run every benchmark; return the figures as a dict (what `bench` writes as JSON)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
-    if compile not in ("auto", "on", "off"):
-        raise ValueError(f"compile must be 'auto', 'on' or 'off', got {compile!r}")
-    compiled = compile == "on" or (compile == "auto" and dev.type == "cuda")
     if model_name in CONFIGS:
         model = GPT2(CONFIGS[model_name]).init_weights(0).to(dev, dt).eval().requires_grad_(False)
     else:
@@ -140,12 +140,20 @@ def run(
         results["cuda_skipped"] = ("no CUDA GPU on this machine" if not torch.cuda.is_available()
                                    else f"--device {device} was asked for")
 
+    def decode(rows, n: int, compiled: bool) -> Callable[[], object]:
+        return lambda: generate(model, rows, max_new_tokens=n, eos_token_id=None, compile=compiled)
+
     # decode at batch 1
-    progress("decode, batch 1")
+    progress("decode, batch 1" + (" (compiling)" if compile else ""))
     ids = prompt[0, :prompt_len].tolist()
-    fns = {"engine": lambda: generate(model, ids, max_new_tokens=new_tokens, eos_token_id=None)}
-    if compiled:  # the warm-up call compiles (and on CUDA records the graph)
-        fns["engine_compiled"] = lambda: generate(model, ids, max_new_tokens=new_tokens, eos_token_id=None, compile=True)
+    modes = {"engine": False}
+    if compile:
+        try:
+            decode(ids, new_tokens, True)()  # compiles (on CUDA also records the graph)
+            modes["engine_compiled"] = True
+        except CompileError as err:
+            results["compile_skipped"] = str(err)
+    fns = {name: decode(ids, new_tokens, compiled) for name, compiled in modes.items()}
     if hf is not None:
         hf_ids = prompt[:, :prompt_len].to(dev)
         fns["transformers"] = lambda: hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), do_sample=False,
@@ -174,7 +182,7 @@ def run(
         "bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9,
         "decode_step_MB": step_bytes / 1e6, "decode_step_GFLOP": step_flops / 1e9,
         "bound_tokens_per_s": bound, "bound_is": bound_is,
-        "engine_fraction": results["decode"]["engine"] / bound,
+        **{f"{name}_fraction": results["decode"][name] / bound for name in modes},
     }
 
     # KV cache vs recompute
@@ -203,12 +211,15 @@ def run(
     for b in batch_sizes:
         progress(f"batched decode, batch {b}")
         rows = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
-        seconds = interleaved({n: (lambda n=n: generate(model, rows, max_new_tokens=n, eos_token_id=None))
+        seconds = interleaved({(name, n): decode(rows, n, compiled) for name, compiled in modes.items()
                                for n in (steps, 2 * steps)}, repeats, dev)
-        speed = b * steps / max(seconds[2 * steps] - seconds[steps], 1e-9)
-        bound, bound_is = roofline(bandwidth, flops, *decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b), b)
-        results["batching"][b] = {"tokens_per_s": speed, "bound_tokens_per_s": bound, "bound_is": bound_is,
-                                  "fraction": speed / bound}
+        step_cost = decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b)
+        bound, bound_is = roofline(bandwidth, flops, *step_cost, b)
+        results["batching"][b] = {"bound_tokens_per_s": bound, "bound_is": bound_is}
+        for name in modes:
+            speed = b * steps / max(seconds[name, 2 * steps] - seconds[name, steps], 1e-9)
+            results["batching"][b][name] = speed
+            results["batching"][b][f"{name}_fraction"] = speed / bound
     return results
 
 
@@ -232,13 +243,17 @@ def ratios(r: dict) -> dict:
     if "transformers" in r["decode"]:
         out["decode_vs_transformers"] = r["decode"]["engine"] / r["decode"]["transformers"]
         out.update({f"prefill_{n}_vs_transformers": v["engine"] / v["transformers"] for n, v in r["prefill"].items()})
-    if "engine_compiled" in r["decode"]:
-        out["decode_compiled_vs_eager"] = r["decode"]["engine_compiled"] / r["decode"]["engine"]
+    compiled = "engine_compiled" in r["decode"]
+    if compiled and "transformers" in r["decode"]:
+        out["decode_compiled_vs_transformers"] = r["decode"]["engine_compiled"] / r["decode"]["transformers"]
     out["decode_roofline_fraction"] = r["roofline"]["engine_fraction"]
+    if compiled:
+        out["decode_compiled_roofline_fraction"] = r["roofline"]["engine_compiled_fraction"]
     out.update({f"kv_cache_speedup_{n}": v["speedup"] for n, v in r["kv_cache"].items()})
-    speed = {b: v["tokens_per_s"] for b, v in r["batching"].items()}
-    if 1 in speed:
-        out.update({f"batch_{b}_vs_batch_1": v / speed[1] for b, v in speed.items() if b != 1})
+    if 1 in r["batching"]:
+        for name, label in [("engine", ""), ("engine_compiled", "_compiled")][: 1 + compiled]:
+            one = r["batching"][1][name]
+            out.update({f"batch_{b}{label}_vs_batch_1": v[name] / one for b, v in r["batching"].items() if b != 1})
     return out
 
 
@@ -253,21 +268,26 @@ def table(r: dict) -> str:
     if "engine_compiled" in d:
         graphs = " + CUDA graphs" if r["device"].startswith("cuda") else ""
         row(f"  with torch.compile{graphs}", d["engine_compiled"], d.get("transformers"))
+    elif "compile_skipped" in r:
+        lines.append(f"  with torch.compile: skipped, {r['compile_skipped']}")
     for n, v in r["prefill"].items():
         row(f"prefill, {n} tokens", v["engine"], v.get("transformers"))
     rf = r["roofline"]
     lines.append(f"  roofline: bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; "
                  f"a decode step reads {rf['decode_step_MB']:.0f} MB and does {rf['decode_step_GFLOP']:.2f} GFLOP")
+    compiled = f", compiled {rf['engine_compiled_fraction']:.0%}" if "engine_compiled_fraction" in rf else ""
     lines.append(f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({rf['bound_is']}-bound); "
-                 f"the engine reaches {rf['engine_fraction']:.0%} of it")
+                 f"the engine reaches {rf['engine_fraction']:.0%} of it{compiled}")
     for n, v in r["kv_cache"].items():
         lines.append(f"  context {n:>5}: cached {v['cached_ms']:7.2f} ms/token, recompute {v['recompute_ms']:8.2f} "
                      f"ms/token, {v['speedup']:5.1f}x")
     first = min(r["batching"], default=None)
     for b, v in r["batching"].items():
-        speed = v["tokens_per_s"]
-        lines.append(f"  batch {b:>3}: {speed:9.1f} tok/s ({speed / r['batching'][first]['tokens_per_s']:4.1f}x batch "
-                     f"{first}); {v['bound_is']} bound {v['bound_tokens_per_s']:.0f} tok/s, {v['fraction']:.0%} of it")
+        speeds = [(label, v[name], r["batching"][first][name])
+                  for name, label in [("engine", "eager"), ("engine_compiled", "compiled")] if name in v]
+        lines.append(f"  batch {b:>3}: " + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})"
+                                                    for label, s, s1 in speeds)
+                     + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s")
     if "cuda_skipped" in r:
         lines.append(f"  CUDA rows (all of the above on a GPU, and decode with torch.compile + CUDA graphs): "
                      f"skipped, {r['cuda_skipped']}")
@@ -296,8 +316,11 @@ def plot(r: dict, path: Path) -> None:
     ax.set_title("engine (blue) vs transformers (orange)")
     ax = axes[1]
     rf = r["roofline"]
-    ax.bar(["roofline bound", "engine"], [rf["bound_tokens_per_s"], r["decode"]["engine"]], color=["#999", "C0"])
-    ax.set_title(f"decode vs the {rf['bound_is']} roofline ({rf['engine_fraction']:.0%})")
+    bars = {"roofline bound": rf["bound_tokens_per_s"], "engine": d["engine"]}
+    if compiled:
+        bars["compiled"] = d["engine_compiled"]
+    ax.bar(list(bars), list(bars.values()), color=["#999", "C0", "C2"][: len(bars)])
+    ax.set_title(f"decode, batch 1, vs the {rf['bound_is']} roofline")
     ax.set_ylabel("tokens/s")
     ax = axes[2]
     ctx = list(r["kv_cache"])
@@ -310,7 +333,9 @@ def plot(r: dict, path: Path) -> None:
     ax.legend()
     ax = axes[3]
     bs = list(r["batching"])
-    ax.plot(bs, [v["tokens_per_s"] for v in r["batching"].values()], "o-", label="engine")
+    ax.plot(bs, [v["engine"] for v in r["batching"].values()], "o-", label="engine")
+    if compiled:
+        ax.plot(bs, [v["engine_compiled"] for v in r["batching"].values()], "o-", color="C2", label="compiled")
     ax.plot(bs, [v["bound_tokens_per_s"] for v in r["batching"].values()], "--", color="#999", label="roofline")
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
@@ -333,7 +358,7 @@ def main(args: argparse.Namespace) -> int:
         results = run(model_name=args.model, device=args.device, dtype=args.dtype, prompt_len=args.prompt_len,
                       new_tokens=args.new_tokens, prefill_lens=tuple(args.prefill_lens),
                       contexts=tuple(args.contexts), batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                      with_transformers=not args.no_transformers, compile=args.compile,
+                      with_transformers=not args.no_transformers, compile=not args.no_compile,
                       progress=lambda s: (bar.set_postfix_str(s), bar.update()))
         bar.close()
     except ValueError as err:

@@ -12,7 +12,7 @@ def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "llmcourse", "bench", "--model", "tiny", "--prompt-len", "16", "--new-tokens", "8",
          "--prefill-lens", "16,32", "--contexts", "16,32", "--batch-sizes", "1,2", "--repeats", "1",
-         "--compile", "on", "--out", str(tmp_path)],
+         "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=300,
     )
     assert out.returncode == 0, out.stderr
@@ -26,10 +26,12 @@ def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path):
     numbers = [*r["decode"].values(), *(v for p in r["prefill"].values() for v in p.values()),
                r["roofline"]["bandwidth_GBps"], r["roofline"]["matmul_GFLOPs"], r["roofline"]["bound_tokens_per_s"],
                *(v["speedup"] for v in r["kv_cache"].values()),
-               *(v[k] for v in r["batching"].values() for k in ("tokens_per_s", "bound_tokens_per_s", "fraction"))]
+               *(v[k] for v in r["batching"].values()
+                 for k in ("engine", "engine_compiled", "bound_tokens_per_s", "engine_fraction", "engine_compiled_fraction"))]
     assert all(isinstance(x, float) and 0 < x < 1e12 for x in numbers)
-    assert {"decode_vs_transformers", "decode_compiled_vs_eager", "prefill_16_vs_transformers",
-            "decode_roofline_fraction", "kv_cache_speedup_32", "batch_2_vs_batch_1"} <= set(r["ratios"])
+    assert {"decode_vs_transformers", "decode_compiled_vs_transformers", "prefill_16_vs_transformers",
+            "decode_roofline_fraction", "decode_compiled_roofline_fraction", "kv_cache_speedup_32",
+            "batch_2_vs_batch_1", "batch_2_compiled_vs_batch_1"} <= set(r["ratios"])
     # the bound of a batch counts the weights once and each row's cache and arithmetic
     assert r["batching"]["2"]["bound_tokens_per_s"] > r["batching"]["1"]["bound_tokens_per_s"]
     png = (tmp_path / "bench.png").read_bytes()
