@@ -310,8 +310,9 @@ def compiled_decode_step(model: GPT2):
         return cuda_step
 
     # Frozen weights are copies: if this model's weights changed since (loaded, trained, moved),
-    # its graphs are stale, and torch does not notice. Start over.
-    weights = tuple((t.data_ptr(), t._version) for t in model.parameters())
+    # its graphs are stale, and torch does not notice. Start over. (Tensors created under
+    # inference_mode keep no version count; only their replacement is seen.)
+    weights = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in model.parameters())
     if _frozen.setdefault(id(model), weights) != weights:
         torch._dynamo.reset()
         _frozen.clear()
