@@ -16,7 +16,8 @@ def test_help_documents_every_option():
     out = run("generate", "--help")
     assert out.returncode == 0
     for option in ["--model", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
-                   "--repetition-penalty", "--num-beams", "--length-penalty", "--stop", "--seed", "--device", "--dtype"]:
+                   "--repetition-penalty", "--num-beams", "--length-penalty", "--stop", "--seed", "--device", "--dtype",
+                   "--compile"]:
         assert option in out.stdout, option
     assert "PROMPT" in out.stdout
 
@@ -41,6 +42,7 @@ def test_generates_from_a_folder_saved_by_transformers(tmp_path, tokenizer):
         (["--temperature", "-1"], "temperature must be a number >= 0"),
         (["--top-k", "x"], "argument --top-k: invalid int value: 'x'"),
         (["--num-beams", "2"], "with num_beams > 1 use temperature=0"),
+        (["--num-beams", "2", "--temperature", "0", "--compile"], "beam search runs uncompiled"),
         (["--max-new-tokens", "5000"], "lower max_new_tokens"),
         (["--dtype", "int3"], "argument --dtype: invalid choice"),
         (["--device", "tpu"], "device 'tpu' is not a device; use 'auto', 'cpu', 'cuda'"),
@@ -53,6 +55,14 @@ def test_bad_option_prints_one_line_and_exits_2(small_folder, args, message):
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stdout == ""
+
+
+def test_compiled_generation_prints_the_same_text():
+    """The bundled model, compiled (torch.compile on the CPU) and not: the same greedy text."""
+    args = ["generate", "--temperature", "0", "--max-new-tokens", "24", "--device", "cpu", "ROMEO:"]
+    plain, compiled = run(*args), run(*args, "--compile")
+    assert plain.returncode == 0 and compiled.returncode == 0, compiled.stderr
+    assert compiled.stdout == plain.stdout and len(plain.stdout) > 40
 
 
 def test_missing_model_is_one_clear_error(tmp_path):
