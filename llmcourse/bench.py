@@ -302,12 +302,12 @@ def plot(r: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     ax = axes[0]
     d = r["decode"]
-    compiled = ["engine_compiled"] if "engine_compiled" in d else []
-    labels = ["decode b=1"] + ["decode compiled"] * len(compiled) + [f"prefill {n}" for n in r["prefill"]]
-    engine = [d["engine"]] + [d[k] for k in compiled] + [v["engine"] for v in r["prefill"].values()]
+    compiled = "engine_compiled" in d
+    labels = ["decode b=1"] + ["decode compiled"] * compiled + [f"prefill {n}" for n in r["prefill"]]
+    engine = [d["engine"]] + [d["engine_compiled"]] * compiled + [v["engine"] for v in r["prefill"].values()]
     ax.bar([i - 0.2 for i in range(len(labels))], engine, 0.4, label="engine")
     if "transformers" in d:
-        ref = [d["transformers"]] * (1 + len(compiled)) + [v["transformers"] for v in r["prefill"].values()]
+        ref = [d["transformers"]] * (1 + compiled) + [v["transformers"] for v in r["prefill"].values()]
         ax.bar([i + 0.2 for i in range(len(labels))], ref, 0.4, label="transformers")
     ax.set_xticks(range(len(labels)), labels, rotation=20)
     ax.set_yscale("log")

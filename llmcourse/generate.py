@@ -249,7 +249,7 @@ def decode_steps(
                    cache=cache, last_only=True)[:, -1]  # [B, V]
     next_pos = positions[:, -1:] + 1  # [B, 1]
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
-    step_fn = compiled_decode_step(model) if compile else decode_step
+    compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
         token = next_token(logits, settings, seen, generator)  # [B]
         if eos_token_id is not None:
@@ -262,17 +262,12 @@ def decode_steps(
             return
         if seen is not None:
             seen[torch.arange(B, device=device), token] = True
-        if compile:
-            try:
-                logits = step_fn(model, token[:, None], next_pos, mask, cache, slot)
-            except torch._dynamo.exc.TorchDynamoException as err:
-                reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-                raise CompileError(f"torch.compile could not compile the decode step ({reason}); "
-                                   "generate without compile=True (--compile)") from err
+        if compiled_step is not None:  # static shapes: the whole mask, the slot as a tensor
+            logits = compiled_step(model, token[:, None], next_pos, mask, cache, slot)
             slot += 1
             cache.length += 1
         else:
-            logits = step_fn(model, token[:, None], next_pos, mask[:, : cache.length + 1] if padded else None, cache)
+            logits = decode_step(model, token[:, None], next_pos, mask[:, : cache.length + 1] if padded else None, cache)
         next_pos = next_pos + 1
 
 
@@ -295,34 +290,35 @@ def compiled_decode_step(model: GPT2):
     per step instead of hundreds). On the CPU the weights are frozen into the graph, which lets
     inductor prepack them for MKL: batched steps get faster (batch 1 is already memory-bound).
     Compiled once per device type; torch recompiles by itself for a new model, batch size or
-    cache length."""
+    cache length. A failure to compile raises `CompileError`."""
     device = model.device
     if device.type not in _compiled:
         mode = "reduce-overhead" if device.type == "cuda" else "default"
         _compiled[device.type] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
-    step = _compiled[device.type]
-    if device.type == "cuda":
+    compiled = _compiled[device.type]
+    if device.type == "cpu":
+        # Frozen weights are copies: if this model's weights changed since (loaded, trained, moved),
+        # its graphs are stale, and torch does not notice. Start over. (Tensors created under
+        # inference_mode keep no version count; only their replacement is seen.)
+        weights = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in model.parameters())
+        if _frozen.setdefault(id(model), weights) != weights:
+            torch._dynamo.reset()
+            _frozen.clear()
+            _frozen[id(model)] = weights
 
-        def cuda_step(*args):
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may now be overwritten
-            return step(*args)
+    def step(*args) -> Tensor:
+        try:
+            if device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may now be overwritten
+                return compiled(*args)
+            with torch._inductor.config.patch(freezing=True):  # read when compiling, at the first call
+                return compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CompileError(f"torch.compile could not compile the decode step ({reason}); "
+                               "generate without compile=True (--compile)") from err
 
-        return cuda_step
-
-    # Frozen weights are copies: if this model's weights changed since (loaded, trained, moved),
-    # its graphs are stale, and torch does not notice. Start over. (Tensors created under
-    # inference_mode keep no version count; only their replacement is seen.)
-    weights = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in model.parameters())
-    if _frozen.setdefault(id(model), weights) != weights:
-        torch._dynamo.reset()
-        _frozen.clear()
-        _frozen[id(model)] = weights
-
-    def cpu_step(*args):
-        with torch._inductor.config.patch(freezing=True):  # read when compiling, at the first call
-            return step(*args)
-
-    return cpu_step
+    return step
 
 
 @torch.inference_mode()

@@ -85,7 +85,7 @@ class KVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.length = 0  # positions filled so far
-        if device is not None and torch.device(device).type == "cuda":
+        if self.k[0].is_cuda:
             for t in self.k + self.v:  # fixed addresses: a CUDA graph may write into them in place
                 torch._dynamo.mark_static_address(t)
 
