@@ -1,0 +1,98 @@
+"""Refresh the stored outputs of solution notebooks, so that an unchanged notebook gives no diff.
+
+    python -m llmcourse.refresh                                        # every notebook in solutions/
+    python -m llmcourse.refresh solutions/00_pipeline/00_pipeline.ipynb
+
+Runs each notebook top to bottom in a fresh kernel started in the notebook's folder, then stores
+its outputs in one canonical form:
+
+- the pieces a cell printed one after another (a streamed text, a `print(..., flush=True)` loop)
+  are stored as one output per stream, not one per flush;
+- no execution timings or per-run metadata are recorded;
+- a cell tagged `machine-dependent` (timings and other measurements that differ from run to run)
+  keeps the outputs stored before, as long as its source is unchanged. The book executes every
+  page when it is built, so readers still see figures from the build.
+
+nbval compares the cells tagged `nbval-check-output` with these stored outputs.
+
+    >>> merge_streams([{"output_type": "stream", "name": "stdout", "text": "a"},
+    ...                {"output_type": "stream", "name": "stdout", "text": "b\\n"}])
+    [{'output_type': 'stream', 'name': 'stdout', 'text': 'ab\\n'}]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+MACHINE_DEPENDENT = "machine-dependent"
+
+
+def merge_streams(outputs: list) -> list:
+    """Consecutive outputs of the same stream (stdout or stderr) joined into one."""
+    merged: list = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (output["output_type"] == "stream" and previous is not None and previous["output_type"] == "stream"
+                and previous["name"] == output["name"]):
+            previous["text"] = "".join(previous["text"]) + "".join(output["text"])
+        else:
+            merged.append(output)
+    return merged
+
+
+def canonical(nb, stored) -> None:
+    """Put the freshly executed `nb` into its stored form; `stored` is the notebook as it was."""
+    before = {cell.get("id"): cell for cell in stored.cells}
+    for cell in nb.cells:
+        if cell.cell_type != "code":
+            continue
+        cell.metadata.pop("execution", None)
+        old = before.get(cell.get("id"))
+        if (MACHINE_DEPENDENT in cell.metadata.get("tags", []) and old is not None and old.source == cell.source
+                and old.get("outputs")):
+            cell.outputs = old.outputs
+        else:
+            cell.outputs = merge_streams(cell.outputs)
+
+
+def refresh(path: Path, timeout: int = 600) -> bool:
+    """Execute the notebook at `path` and store its canonical outputs; True if the file changed."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    stored = nbformat.reads(text, as_version=4)
+    nb = nbformat.reads(text, as_version=4)
+    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
+                   resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
+    canonical(nb, stored)
+    new = nbformat.writes(nb) + "\n"
+    path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m llmcourse.refresh", description=__doc__.split("\n\n")[0])
+    parser.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
+                        help="solution notebooks to refresh (default: every solutions/NN_topic/NN_topic.ipynb)")
+    args = parser.parse_args(argv)
+    paths = [Path(p) for p in args.notebooks] or sorted(
+        p for p in Path("solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
+    if not paths:
+        print("no notebooks to refresh: run this in the course folder (where solutions/ is) or name them",
+              file=sys.stderr)
+        return 2
+    for path in paths:
+        if not path.is_file():
+            print(f"no notebook {path}", file=sys.stderr)
+            return 2
+        changed = refresh(path)
+        print(f"{path}: {'outputs changed' if changed else 'unchanged'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
