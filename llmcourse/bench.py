@@ -13,6 +13,11 @@
 
 On a GPU (`--device cuda`, the default when there is one) every row runs there.
 
+The machine is recorded with the figures (CPU model, cores, last-level cache, and whether the
+model's weights fit in that cache): how close decode comes to the roofline, and how it compares with
+transformers, depend on it. A cache that holds most of the weights serves part of each step's reads
+faster than memory.
+
 By default the model is GPT-2 124M's configuration with random weights in float32: the timings of
 a forward pass do not depend on the values of the weights, so no download is needed.
 """
@@ -21,8 +26,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import platform
+import re
 import statistics
+import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -69,10 +81,91 @@ def sync(device: torch.device) -> None:
 def measure_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
     """Bytes per second read from memory by summing a large array, as decode streams its weights.
 
-    The array must be far bigger than the last-level cache (480 MB on the course's machines)."""
+    The array must be far bigger than the last-level cache: `run` passes at least 4x its size."""
     x = torch.ones(megabytes * 2**20 // 4, device=device)
     seconds = median_seconds(lambda: x.sum(), repeats, device)
     return x.numel() * 4 / seconds
+
+
+def parse_size(text: str) -> int | None:
+    """Bytes in a cache size as sysfs or lscpu write it.
+
+        >>> parse_size("49152K"), parse_size("48 MiB (1 instance)"), parse_size("1.5 MiB"), parse_size("?")
+        (50331648, 50331648, 1572864, None)
+    """
+    m = re.match(r"\s*([\d.]+)\s*([KMG]?)(i?B)?", text)
+    if not m:
+        return None
+    return int(float(m.group(1)) * 1024 ** " KMG".index(m.group(2) or " "))
+
+
+def last_level_cache() -> tuple[int, int] | None:
+    """(level, bytes of one instance) of the CPU's last-level cache, from sysfs or else lscpu; None if unknown."""
+    caches = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            kind = (index / "type").read_text().strip()
+            level, size = int((index / "level").read_text()), parse_size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+        if kind != "Instruction" and size:
+            caches.append((level, size))
+    if caches:
+        return max(caches)
+    try:
+        text = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for level in (4, 3, 2):  # "L3 cache: 48 MiB (1 instance)": the total over the instances
+        m = re.search(rf"^L{level} cache:\s*(.+?)(?:\((\d+) instances?\))?$", text, re.M)
+        if m and parse_size(m.group(1)):
+            return level, parse_size(m.group(1)) // int(m.group(2) or 1)
+    return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return " ".join(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+def machine(device: torch.device, weight_bytes: int) -> dict:
+    """What the figures depend on: the processor, its cores, its last-level cache, and whether the
+    model's weights fit in that cache (then part of each decode step's reads come from the cache,
+    not from memory, and decode can come closer to, or beyond, the memory roofline)."""
+    info: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+                  "weights_MB": weight_bytes / 1e6}
+    llc = last_level_cache()
+    info.update({"llc_level": llc[0], "llc_MB": llc[1] / 2**20} if llc else {"llc_level": None, "llc_MB": None})
+    if device.type == "cuda":  # on a GPU the weights stream from its memory through its L2
+        props = torch.cuda.get_device_properties(device)
+        l2 = getattr(props, "L2_cache_size", 0)
+        info.update({"gpu": props.name, "gpu_memory_GB": props.total_memory / 1e9,
+                     "llc_level": 2 if l2 else None, "llc_MB": l2 / 2**20 if l2 else None})
+    cache = info["llc_MB"]
+    info["weights_in_llc"] = None if cache is None else min(1.0, cache * 2**20 / weight_bytes)
+    info["weights_fit_in_llc"] = None if cache is None else cache * 2**20 >= weight_bytes
+    return info
+
+
+def describe_machine(m: dict) -> str:
+    """One line: the processor and how much of the model its last-level cache holds.
+
+        >>> describe_machine({"cpu": "Xeon", "cores": 2, "threads": 2, "weights_MB": 498.0, "llc_level": 3,
+        ...                   "llc_MB": 48.0, "weights_in_llc": 0.101, "weights_fit_in_llc": False})
+        'Xeon, 2 cores, 2 threads; L3 cache 48 MB: the 498 MB of weights do not fit (it holds 10% of them)'
+    """
+    where = m.get("gpu") or m["cpu"]
+    cores = "" if "gpu" in m else f", {m['cores']} cores, {m['threads']} threads"
+    if m["llc_MB"] is None:
+        return f"{where}{cores}; last-level cache unknown ({m['weights_MB']:.0f} MB of weights)"
+    fit = ("fit in it" if m["weights_fit_in_llc"]
+           else f"do not fit (it holds {m['weights_in_llc']:.0%} of them)")
+    return f"{where}{cores}; L{m['llc_level']} cache {m['llc_MB']:.0f} MB: the {m['weights_MB']:.0f} MB of weights {fit}"
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
@@ -134,8 +227,9 @@ def run(
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, cfg.vocab_size, (1, max(prefill_lens + (prompt_len,))), generator=g)
     hf = transformers_twin(model) if with_transformers else None
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied head counted once
     results: dict = {"model": model_name, "config": cfg.__dict__, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-                     "threads": torch.get_num_threads(), "repeats": repeats}
+                     "threads": torch.get_num_threads(), "repeats": repeats, "machine": machine(dev, weight_bytes)}
     if dev.type != "cuda":
         results["cuda_skipped"] = ("no CUDA GPU on this machine" if not torch.cuda.is_available()
                                    else f"--device {device} was asked for")
@@ -175,7 +269,8 @@ def run(
 
     # roofline
     progress("roofline: bandwidth and matmul throughput")
-    bandwidth, flops = measure_bandwidth(dev), measure_matmul(dev, dt)
+    cache_MB = results["machine"]["llc_MB"] or 0
+    bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, dt)
     step_bytes, step_flops = decode_step_cost(cfg, prompt_len + new_tokens // 2, dt.itemsize)
     bound, bound_is = roofline(bandwidth, flops, step_bytes, step_flops)
     results["roofline"] = {
@@ -236,32 +331,44 @@ def transformers_twin(model: GPT2):
         return GPT2LMHeadModel.from_pretrained(folder, dtype=model.dtype).to(model.device).eval()
 
 
+def by_size(d: dict) -> list[tuple[int, dict]]:
+    """The rows of a section keyed by a length or a batch size, in order; the keys are ints as `run`
+    returns them and strings once read back from JSON."""
+    return sorted((int(k), v) for k, v in d.items())
+
+
 def ratios(r: dict) -> dict:
     """The headline ratios the targets are stated in."""
     out = {}
-    if "transformers" in r["decode"]:
-        out["decode_vs_transformers"] = r["decode"]["engine"] / r["decode"]["transformers"]
-        out.update({f"prefill_{n}_vs_transformers": v["engine"] / v["transformers"] for n, v in r["prefill"].items()})
-    compiled = "engine_compiled" in r["decode"]
-    if compiled and "transformers" in r["decode"]:
-        out["decode_compiled_vs_transformers"] = r["decode"]["engine_compiled"] / r["decode"]["transformers"]
+    d = r["decode"]
+    if "transformers" in d:
+        out["decode_vs_transformers"] = d["engine"] / d["transformers"]
+        out.update({f"prefill_{n}_vs_transformers": v["engine"] / v["transformers"] for n, v in by_size(r["prefill"])})
+    compiled = "engine_compiled" in d
+    if compiled and "transformers" in d:
+        out["decode_compiled_vs_transformers"] = d["engine_compiled"] / d["transformers"]
     out["decode_roofline_fraction"] = r["roofline"]["engine_fraction"]
     if compiled:
         out["decode_compiled_roofline_fraction"] = r["roofline"]["engine_compiled_fraction"]
-    out.update({f"kv_cache_speedup_{n}": v["speedup"] for n, v in r["kv_cache"].items()})
-    if 1 in r["batching"]:
-        for name, label in [("engine", ""), ("engine_compiled", "_compiled")][: 1 + compiled]:
-            one = r["batching"][1][name]
-            out.update({f"batch_{b}{label}_vs_batch_1": v[name] / one for b, v in r["batching"].items() if b != 1})
+    out.update({f"kv_cache_speedup_{n}": v["speedup"] for n, v in by_size(r["kv_cache"])})
+    batching = dict(by_size(r["batching"]))
+    if 1 in batching:
+        for name, label in [("engine", ""), ("engine_compiled", "_compiled")]:
+            if name in batching[1]:
+                one = batching[1][name]
+                out.update({f"batch_{b}{label}_vs_batch_1": v[name] / one for b, v in batching.items() if b != 1})
     return out
 
 
 def table(r: dict) -> str:
     lines = [f"model {r['model']} ({r['config']['n_layer']} layers, {r['config']['n_embd']} wide), "
-             f"{r['device']}, {r['dtype']}, {r['threads']} threads, median of {r['repeats']}"]
+             f"{r['device']}, {r['dtype']}, {r['threads']} threads, median of {r['repeats']}",
+             "machine: " + (describe_machine(r["machine"]) if "machine" in r else "not recorded")]
+
     def row(label, engine, ref=None, unit="tok/s"):
         extra = f"   transformers {ref:9.1f} {unit}   ratio {engine / ref:5.2f}x" if ref else ""
         lines.append(f"  {label:<28} engine {engine:9.1f} {unit}{extra}")
+
     d = r["decode"]
     row("decode, batch 1", d["engine"], d.get("transformers"))
     if "engine_compiled" in d:
@@ -269,7 +376,7 @@ def table(r: dict) -> str:
         row(f"  with torch.compile{graphs}", d["engine_compiled"], d.get("transformers"))
     elif "compile_skipped" in r:
         lines.append(f"  with torch.compile: skipped, {r['compile_skipped']}")
-    for n, v in r["prefill"].items():
+    for n, v in by_size(r["prefill"]):
         row(f"prefill, {n} tokens", v["engine"], v.get("transformers"))
     rf = r["roofline"]
     lines.append(f"  roofline: bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; "
@@ -277,13 +384,14 @@ def table(r: dict) -> str:
     compiled = f", compiled {rf['engine_compiled_fraction']:.0%}" if "engine_compiled_fraction" in rf else ""
     lines.append(f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({rf['bound_is']}-bound); "
                  f"the engine reaches {rf['engine_fraction']:.0%} of it{compiled}")
-    for n, v in r["kv_cache"].items():
+    for n, v in by_size(r["kv_cache"]):
         lines.append(f"  context {n:>5}: cached {v['cached_ms']:7.2f} ms/token, recompute {v['recompute_ms']:8.2f} "
                      f"ms/token, {v['speedup']:5.1f}x")
-    first = min(r["batching"], default=None)
-    for b, v in r["batching"].items():
-        speeds = [(label, v[name], r["batching"][first][name])
-                  for name, label in [("engine", "eager"), ("engine_compiled", "compiled")] if name in v]
+    batching = by_size(r["batching"])
+    for b, v in batching:
+        first, v1 = batching[0]
+        speeds = [(label, v[name], v1[name]) for name, label in [("engine", "eager"), ("engine_compiled", "compiled")]
+                  if name in v]
         lines.append(f"  batch {b:>3}: " + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})"
                                                     for label, s, s1 in speeds)
                      + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s")
@@ -293,58 +401,127 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def plot(r: dict, path: Path) -> None:
+# One figure per measurement, each readable on a phone (about 400 px wide): large type, few ticks.
+FIGURES = {"decode": "bench_decode.png", "prefill": "bench_prefill.png", "kv_cache": "bench_kv_cache.png",
+           "batching": "bench_batching.png"}
+STYLE = {"font.size": 15, "axes.titlesize": 16, "axes.labelsize": 15, "xtick.labelsize": 14, "ytick.labelsize": 14,
+         "legend.fontsize": 13, "legend.frameon": False, "axes.spines.top": False, "axes.spines.right": False}
+FIGSIZE, DPI = (5.6, 4.2), 150  # 840 x 630 pixels
+ENGINE, COMPILED, TRANSFORMERS, ROOF = "C0", "C2", "C1", "#888"
+
+
+def short_machine(r: dict) -> str:
+    m = r.get("machine")
+    if not m:
+        return r["device"]
+    if "gpu" in m:
+        return m["gpu"]
+    cache = f", {m['llc_MB']:.0f} MB L{m['llc_level']}" if m.get("llc_MB") else ""
+    return f"{m['cores']} cores{cache}"
+
+
+def plot(r: dict, out: Path) -> list[Path]:
+    """Write one PNG per measurement (`FIGURES`) into the folder `out`; return their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator, NullLocator
 
-    fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
-    ax = axes[0]
-    d = r["decode"]
-    compiled = "engine_compiled" in d
-    labels = ["decode b=1"] + ["decode compiled"] * compiled + [f"prefill {n}" for n in r["prefill"]]
-    engine = [d["engine"]] + [d["engine_compiled"]] * compiled + [v["engine"] for v in r["prefill"].values()]
-    ax.bar([i - 0.2 for i in range(len(labels))], engine, 0.4, label="engine")
-    if "transformers" in d:
-        ref = [d["transformers"]] * (1 + compiled) + [v["transformers"] for v in r["prefill"].values()]
-        ax.bar([i + 0.2 for i in range(len(labels))], ref, 0.4, label="transformers")
-    ax.set_xticks(range(len(labels)), labels, rotation=20)
-    ax.set_yscale("log")
-    ax.set_ylabel("tokens/s")
-    ax.set_title("engine (blue) vs transformers (orange)")
-    ax = axes[1]
-    rf = r["roofline"]
-    bars = {"roofline bound": rf["bound_tokens_per_s"], "engine": d["engine"]}
-    if compiled:
-        bars["compiled"] = d["engine_compiled"]
-    ax.bar(list(bars), list(bars.values()), color=["#999", "C0", "C2"][: len(bars)])
-    ax.set_title(f"decode, batch 1, vs the {rf['bound_is']} roofline")
-    ax.set_ylabel("tokens/s")
-    ax = axes[2]
-    ctx = list(r["kv_cache"])
-    ax.plot(ctx, [v["cached_ms"] for v in r["kv_cache"].values()], "o-", label="KV cache")
-    ax.plot(ctx, [v["recompute_ms"] for v in r["kv_cache"].values()], "o-", label="recompute")
-    ax.set_xlabel("context length")
-    ax.set_ylabel("ms per new token")
-    ax.set_yscale("log")
-    ax.set_title("time per token")
-    ax.legend()
-    ax = axes[3]
-    bs = list(r["batching"])
-    ax.plot(bs, [v["engine"] for v in r["batching"].values()], "o-", label="engine")
-    if compiled:
-        ax.plot(bs, [v["engine_compiled"] for v in r["batching"].values()], "o-", color="C2", label="compiled")
-    ax.plot(bs, [v["bound_tokens_per_s"] for v in r["batching"].values()], "--", color="#999", label="roofline")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("batch size")
-    ax.set_ylabel("decode tokens/s")
-    ax.set_title("batching")
-    ax.legend()
+    def log_axis(ax, values):
+        """A log y axis with at most four plain-number ticks from 1, 2, 5, 10, 20, 50, ..."""
+        lo, hi = min(values), max(values)
+        ax.set_yscale("log")
+        ax.set_ylim(lo / 1.4, hi * 1.4)
+        ticks = [m * 10.0**k for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                 for m in (1, 2, 5) if lo / 1.4 <= m * 10.0**k <= hi * 1.4]
+        while len(ticks) > 4:
+            ticks = ticks[::2]
+        ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
+        ax.yaxis.set_minor_locator(NullLocator())
+
+    d, rf = r["decode"], r["roofline"]
+    paths = []
+    with plt.rc_context(STYLE):
+        # decode at batch 1: the bound, the engine, compiled, transformers; horizontal bars, values written on them
+        fig, ax = plt.subplots(figsize=FIGSIZE)
+        bars = [("roofline", rf["bound_tokens_per_s"], ROOF), ("engine", d["engine"], ENGINE)]
+        if "engine_compiled" in d:
+            bars.append(("compiled", d["engine_compiled"], COMPILED))
+        if "transformers" in d:
+            bars.append(("transformers", d["transformers"], TRANSFORMERS))
+        names, values, colors = zip(*bars[::-1])
+        ax.barh(names, values, color=colors)
+        for i, v in enumerate(values):
+            ax.text(v, i, f" {v:.0f}" if v >= 10 else f" {v:.1f}", va="center")
+        ax.set_xlim(0, max(values) * 1.25)
+        ax.xaxis.set_major_locator(MaxNLocator(3))
+        ax.set_xlabel("tokens/s")
+        ax.set_title(f"decode, batch 1\n{short_machine(r)}")
+        paths.append(save(fig, out / FIGURES["decode"]))
+
+        # prefill: engine vs transformers at each prompt length
+        fig, ax = plt.subplots(figsize=FIGSIZE)
+        prefill = by_size(r["prefill"])
+        xs = range(len(prefill))
+        two = "transformers" in d
+        width = 0.4 if two else 0.6
+        ax.bar([x - width / 2 * two for x in xs], [v["engine"] for _, v in prefill], width, color=ENGINE, label="engine")
+        if two:
+            ax.bar([x + width / 2 for x in xs], [v["transformers"] for _, v in prefill], width, color=TRANSFORMERS,
+                   label="transformers")
+        ax.set_xticks(list(xs), [str(n) for n, _ in prefill])
+        ax.yaxis.set_major_locator(MaxNLocator(4))
+        ax.set_ylim(0, 1.3 * max(x for _, v in prefill for x in v.values()))  # room for the legend
+        ax.set_xlabel("prompt length (tokens)")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("prefill")
+        ax.legend(loc="upper center", ncol=2)
+        paths.append(save(fig, out / FIGURES["prefill"]))
+
+        # the KV cache: time per new token against the context, with the cache and recomputing everything
+        fig, ax = plt.subplots(figsize=FIGSIZE)
+        kv = by_size(r["kv_cache"])
+        ctx = [n for n, _ in kv]
+        ax.plot(ctx, [v["recompute_ms"] for _, v in kv], "o-", color=TRANSFORMERS, lw=2.5, label="recompute")
+        ax.plot(ctx, [v["cached_ms"] for _, v in kv], "o-", color=ENGINE, lw=2.5, label="KV cache")
+        log_axis(ax, [v[k] for _, v in kv for k in ("cached_ms", "recompute_ms")])
+        ax.set_xticks(ctx if len(ctx) <= 4 else ctx[:: math.ceil(len(ctx) / 4)])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel("ms per new token")
+        ax.set_title("time per token")
+        ax.legend()
+        paths.append(save(fig, out / FIGURES["kv_cache"]))
+
+        # batching: decode tokens/s against the batch size, with each batch size's roofline
+        fig, ax = plt.subplots(figsize=FIGSIZE)
+        batching = by_size(r["batching"])
+        bs = [b for b, _ in batching]
+        ax.plot(bs, [v["bound_tokens_per_s"] for _, v in batching], "--", color=ROOF, lw=2.5, label="roofline")
+        shown = [v["bound_tokens_per_s"] for _, v in batching]
+        for name, label, color in [("engine_compiled", "compiled", COMPILED), ("engine", "eager", ENGINE)]:
+            if all(name in v for _, v in batching):
+                ax.plot(bs, [v[name] for _, v in batching], "o-", color=color, lw=2.5, label=label)
+                shown += [v[name] for _, v in batching]
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(bs, [str(b) for b in bs])
+        ax.xaxis.set_minor_locator(NullLocator())
+        log_axis(ax, shown)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("decode tokens/s")
+        ax.set_title("batching")
+        ax.legend()
+        paths.append(save(fig, out / FIGURES["batching"]))
+    return paths
+
+
+def save(fig, path: Path) -> Path:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=DPI)
     plt.close(fig)
+    return path
 
 
 def main(args: argparse.Namespace) -> int:
@@ -363,10 +540,25 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}")
         return 2
-    results["ratios"] = ratios(results)
-    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
-    plot(results, out / "bench.png")
-    print(table(results))
-    print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in results["ratios"].items()))
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
-    return 0
+    # The measurements are written first; nothing after them (the ratios, the table, the figures) may lose them.
+    path = out / "bench.json"
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    status = 0
+    for step in ("ratios", "table", "figures"):
+        try:
+            if step == "ratios":
+                results["ratios"] = ratios(results)
+                path.write_text(json.dumps(results, indent=2) + "\n")
+            elif step == "table":
+                print(table(results))
+                print("ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in results.get("ratios", {}).items()))
+            else:
+                figures = plot(results, out)
+                print(f"wrote {path} and {', '.join(str(f) for f in figures)}")
+        except Exception:  # a bug in reporting: show it, keep going, and fail at the end
+            sys.stdout.flush()
+            traceback.print_exc()
+            print(f"python -m llmcourse bench: error: could not produce the {step}; the measurements are in {path}",
+                  file=sys.stderr)
+            status = 1
+    return status
