@@ -1,23 +1,38 @@
-"""The Jupyter Book builds with zero warnings, and its chapter pages hold what a reader needs."""
+"""The Jupyter Book builds with zero warnings, and its pages hold what a reader needs: no grading
+internals, the exercise notebooks and the llmcourse wheel to download, maths that renders without a
+network, a menu that opens on a phone, streamed text that reads as text.
 
+The book is built once per session (a few minutes). The checks of what a browser shows run headless
+Chromium on the built files, offline, and are skipped where no Chromium is installed."""
+
+import html
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
+import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").is_file())
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def book(tmp_path_factory):
     out = tmp_path_factory.mktemp("book")
     jb = Path(sys.executable).with_name("jupyter-book")
     done = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
                           capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, f"book build failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    assert "WARNING:" not in done.stdout + done.stderr, (done.stdout + done.stderr)[-4000:]  # -W makes them errors too
+    log = done.stdout + done.stderr
+    sphinx_warnings = [line for line in log.splitlines() if "WARNING:" in line]  # not the kernel's "WARNING |"
+    assert not sphinx_warnings, "\n".join(sphinx_warnings)  # -W makes them errors too
     return out / "_build" / "html"
 
 
@@ -25,34 +40,266 @@ def page(book, rel):
     return (book / rel).read_text(encoding="utf-8")
 
 
-def text(html):
-    """What a reader reads: the page without its tags."""
-    return re.sub(r"<[^>]+>", "", html)
+def text(markup):
+    """What a reader reads: the page without its tags, entities decoded."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
+
+
+def notebook(path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def source(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+# ----------------------------------------------------------------------------------------------
+# What the pages say
 
 
 def test_landing_and_instructor_pages(book):
     landing = text(page(book, "intro.html"))
     assert "What you will build" in landing and "How grading works" in landing
+    assert "<this repository>" not in landing
+    assert "Python 3.11 or newer" in landing and "3.10" not in landing  # numpy 2.4 and transformers 5 need 3.11
     instructor = text(page(book, "instructor.html"))
     for command in ["nbgrader autograde", "nbgrader generate_feedback", "nbgrader export", "python -m llmcourse release"]:
         assert command in instructor
 
 
-@pytest.mark.parametrize("name", ["00_pipeline", "01_tokenization"])
+def test_python_floor_is_stated_as_packaged():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["requires-python"] == ">=3.11"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "Python 3.11" in readme and "3.10" not in readme
+    assert "download.pytorch.org/whl/cpu" in readme  # how to get the CPU-only torch
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
 def test_chapter_pages_are_executed_with_solutions_behind_toggles(book, name):
-    html = page(book, f"solutions/{name}/{name}.html")
-    assert "output traceback" not in html and "output error" not in html  # no cell failed
-    assert "✓ " in html  # the checks ran and passed
-    assert "tag_hide-input" in html  # solution code sits behind a toggle
-    assert re.search(r'<img[^>]+src="[^"]+\.png"', html), "no figure on the page"
-    link = re.search(rf'href="([^"]*_downloads/[^"]*{name}\.ipynb)"', html)
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    assert "output traceback" not in html_ and "output error" not in html_  # no cell failed
+    assert "✓ " in html_  # the checks ran and passed
+    assert "tag_hide-input" in html_  # solution code sits behind a toggle
+    assert re.search(r'<img[^>]+src="[^"]+\.png"', html_), "no figure on the page"
+    link = re.search(rf'href="([^"]*_downloads/[^"]*{name}\.ipynb)"', html_)
     assert link, "no link to the exercise notebook"
     target = (book / f"solutions/{name}" / link.group(1)).resolve()
     student = target.read_bytes()
     assert b"raise NotImplementedError()" in student and b"BEGIN SOLUTION" not in student  # the exercise version
 
 
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_pages_show_no_grading_internals(book, name):
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    for marker in ["BEGIN HIDDEN", "END HIDDEN", "HIDDEN TESTS", "BEGIN SOLUTION", "END SOLUTION"]:
+        assert marker not in html_, f"{marker!r} on the page"
+    shown = text(html_)
+    nb = notebook(ROOT / "solutions" / name / f"{name}.ipynb")
+    hidden = visible = solutions = 0
+    for cell in nb["cells"]:
+        grading = cell.get("metadata", {}).get("nbgrader", {})
+        src = source(cell)
+        if cell["cell_type"] != "code":
+            continue
+        if "BEGIN HIDDEN TESTS" in src:
+            before, rest = src.split("### BEGIN HIDDEN TESTS", 1)
+            secret, after = rest.split("### END HIDDEN TESTS", 1)
+            for line in secret.strip().splitlines():
+                if line.strip():
+                    assert line.strip() not in shown, f"hidden test on the page: {line.strip()!r}"
+                    hidden += 1
+            for line in (before + after).strip().splitlines():
+                assert line.strip() in shown, f"visible check missing from the page: {line.strip()!r}"
+                visible += 1
+        if grading.get("solution") and "BEGIN SOLUTION" in src:
+            body = src.split("### BEGIN SOLUTION", 1)[1].split("### END SOLUTION", 1)[0]
+            for line in body.strip().splitlines():
+                assert line.strip() in shown, f"solution code missing from the page: {line.strip()!r}"
+            solutions += 1
+    assert solutions, "no solution code found in the source notebook"
+    if hidden:
+        assert visible
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_download_button_gives_the_exercise_notebook(book, name):
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    link = re.search(r'href="([^"]*_sources/[^"]*\.ipynb)"[^>]*\n?[^>]*btn-download-source-button', html_)
+    assert link, "no download-source button"
+    served = (book / f"solutions/{name}" / link.group(1)).resolve()
+    assert served.read_bytes() == (ROOT / "chapters" / name / f"{name}.ipynb").read_bytes()
+    for leaked in [b"BEGIN SOLUTION", b"HIDDEN TESTS", b"### END SOLUTION"]:
+        assert leaked not in served.read_bytes()
+
+
+def test_stream_output_reads_as_text(book):
+    """Chapter 00 streams ~60 tokens with print(piece, end="", flush=True): one block of a few lines
+    on the page, not one token per line."""
+    html_ = page(book, "solutions/00_pipeline/00_pipeline.html")
+    cells = html_.split('<div class="cell ')
+    streamed = [c for c in cells if "llmcourse.stream(" in text(c) and 'class="output stream' in c]
+    assert len(streamed) == 1, "no streamed cell with an output on the page"
+    out = streamed[0].split('class="output stream', 1)[1]
+    shown = text(re.search(r"<pre>(.*?)</pre>", out, re.S).group(1)).strip("\n")
+    lines = shown.splitlines()
+    assert 2 <= len(lines) <= 20, f"{len(lines)} lines: {shown[:300]!r}"
+    assert max(len(line.split()) for line in lines) >= 4, shown
+
+
 def test_benchmarks_page_shows_the_figure(book):
-    html = page(book, "benchmarks.html")
-    assert "python -m llmcourse bench" in text(html) and "roofline" in text(html)
-    assert re.search(r'<img[^>]+src="[^"]*bench\.png"', html)
+    html_ = page(book, "benchmarks.html")
+    assert "python -m llmcourse bench" in text(html_) and "roofline" in text(html_)
+    assert re.search(r'<img[^>]+src="[^"]*bench\.png"', html_)
+
+
+# ----------------------------------------------------------------------------------------------
+# What a reader downloads to work offline
+
+
+def landing_links(book):
+    hrefs = re.findall(r'href="([^"]+)"', page(book, "intro.html"))
+    return {Path(h).name: (book / h) for h in hrefs if h.startswith("downloads/")}
+
+
+def test_landing_page_offers_chapters_zip_and_wheel(book):
+    links = landing_links(book)
+    assert "llmcourse-chapters.zip" in links, links
+    wheels = [name for name in links if name.endswith(".whl")]
+    assert len(wheels) == 1, links
+    for target in links.values():
+        assert target.is_file(), f"the landing page links to {target}, which the build lacks"
+    built = sorted(p.name for p in (book / "downloads").glob("*.whl"))
+    assert built == wheels  # the wheel the page names is the one this version builds
+    shown = text(page(book, "intro.html"))
+    assert f'pip install "{wheels[0]}[course]"' in shown and "jupyter lab chapters/" in shown
+
+
+def test_chapters_zip_holds_every_exercise_notebook(book):
+    with zipfile.ZipFile(book / "downloads" / "llmcourse-chapters.zip") as zf:
+        names = set(zf.namelist())
+        expected = {p.relative_to(ROOT).as_posix() for p in (ROOT / "chapters").glob("*/*.ipynb")}
+        assert expected and names == expected
+        for name in expected:
+            assert zf.read(name) == (ROOT / name).read_bytes()
+
+
+def test_wheel_holds_the_models_and_runs_alone(book, tmp_path):
+    (wheel,) = (book / "downloads").glob("llmcourse-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        names = set(zf.namelist())
+        for model in (ROOT / "llmcourse" / "models").iterdir():
+            for f in ["config.json", "model.safetensors"]:
+                assert f"llmcourse/models/{model.name}/{f}" in names
+                assert zf.read(f"llmcourse/models/{model.name}/{f}") == (model / f).read_bytes()
+        for data in (ROOT / "llmcourse" / "data").iterdir():
+            assert f"llmcourse/data/{data.name}" in names
+        assert not [n for n in names if "__pycache__" in n or n.endswith(".pyc")]
+        (meta,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        metadata = zf.read(meta).decode()
+        zf.extractall(tmp_path / "site")
+    assert "Requires-Python: >=3.11" in metadata
+    assert "Provides-Extra: course" in metadata
+    for need in ["jupyterlab", "ipywidgets", "matplotlib"]:  # what the chapter notebooks import besides llmcourse
+        assert re.search(rf"Requires-Dist: {need}\b.*extra == \"course\"", metadata), need
+    # The installed wheel alone (not this checkout) loads the bundled model and the tokenizer offline.
+    probe = ("import llmcourse, pathlib, sys; "
+             "assert pathlib.Path(llmcourse.__file__).is_relative_to(sys.argv[1]), llmcourse.__file__; "
+             "tok = llmcourse.get_tokenizer(); m = llmcourse.load_model('gpt2-shakespeare', device='cpu'); "
+             "print(llmcourse.generate_text(m, tok, 'ROMEO:', max_new_tokens=5))")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "site")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip()
+
+
+# ----------------------------------------------------------------------------------------------
+# What a browser shows (headless Chromium, offline)
+
+CHROMIUM = next((shutil.which(n) for n in ["chromium", "chromium-browser", "google-chrome"] if shutil.which(n)), None)
+needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed")
+
+
+def browse(book, rel, *, width=1400, probe=None):
+    """The DOM of page ``rel`` after its scripts ran, in headless Chromium with no network. ``probe``:
+    JavaScript run 1 s after load, whose JSON-able result comes back (from a copy of the page that
+    carries the probe, removed afterwards)."""
+    target = book / rel
+    if probe is not None:
+        script = ("<script>window.addEventListener('load', () => setTimeout(() => {"
+                  "let r; try { r = (() => { %s })(); } catch (e) { r = {error: String(e)}; }"
+                  "const p = document.createElement('pre'); p.id = 'llmcourse-probe';"
+                  "p.textContent = JSON.stringify(r); document.body.appendChild(p);"
+                  "}, 1000));</script></body>" % probe)
+        target = target.with_name(f"_probe_{target.name}")
+        target.write_text(page(book, rel).replace("</body>", script, 1), encoding="utf-8")
+    try:
+        with tempfile.TemporaryDirectory() as profile:
+            done = subprocess.run(
+                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND",  # offline
+                 f"--window-size={width},900", "--virtual-time-budget=8000", "--dump-dom", target.as_uri()],
+                capture_output=True, text=True, timeout=120)
+    finally:
+        if probe is not None:
+            target.unlink()
+    assert done.returncode == 0, done.stderr[-2000:]
+    dom = done.stdout
+    if probe is None:
+        return dom
+    found = re.search(r'<pre id="llmcourse-probe">(.*?)</pre>', dom, re.S)
+    assert found, "the probe did not run"
+    return json.loads(html.unescape(found.group(1)))
+
+
+def test_maths_uses_the_bundled_mathjax(book):
+    html_ = page(book, "solutions/00_pipeline/00_pipeline.html")
+    assert "cdn.jsdelivr" not in html_ and "mathjax@" not in html_
+    scripts = re.findall(r'<script[^>]+src="([^"]*mathjax[^"]*)"', html_, re.I)
+    assert len(scripts) == 1, scripts  # loaded once, from the build
+    local = (book / "solutions/00_pipeline" / scripts[0].split("?")[0]).resolve()
+    assert local.is_file() and local.is_relative_to(book.resolve())
+    assert (local.parent / "output/chtml/fonts/woff-v2/MathJax_Main-Regular.woff").is_file()
+    assert not re.search(r"<script[^>]+mathjax", page(book, "instructor.html"), re.I)  # no maths there, no MathJax
+
+
+@needs_chromium
+def test_maths_renders_offline(book):
+    dom = browse(book, "solutions/00_pipeline/00_pipeline.html")
+    assert dom.count("<mjx-container") >= 3
+    assert r"\(" not in text(dom) and r"\sum" not in text(dom)
+
+
+@needs_chromium
+def test_menu_opens_on_a_phone(book):
+    """At 400 px the ☰ button opens the chapter list (pydata-sphinx-theme needs navbar_persistent: [])."""
+    found = browse(book, "intro.html", width=400, probe="""
+        const buttons = [...document.querySelectorAll('button.primary-toggle')]
+            .filter(b => b.offsetParent !== null && b.getBoundingClientRect().width > 0);
+        if (!buttons.length) return {visible: 0};
+        buttons[0].click();
+        const dialog = document.querySelector('#pst-primary-sidebar-modal');
+        const links = dialog ? [...dialog.querySelectorAll('a')].map(a => a.textContent.trim()) : [];
+        return {visible: buttons.length, open: !!(dialog && dialog.open), links: links};
+    """)
+    assert found.get("visible"), found
+    assert found["open"], found
+    assert any("The pipeline" in link for link in found["links"]), found
+
+
+@needs_chromium
+def test_wide_tables_show_that_they_scroll_on_a_phone(book):
+    found = browse(book, "benchmarks.html", width=400, probe="""
+        return [...document.querySelectorAll('.pst-scrollable-table-container')].map(c => {
+            const s = getComputedStyle(c);
+            return {overflows: c.scrollWidth > c.clientWidth + 1, overflowX: s.overflowX,
+                    background: s.backgroundImage};
+        });
+    """)
+    wide = [t for t in found if t["overflows"]]
+    assert wide, f"no table overflows at 400 px: {found}"
+    for table in wide:
+        assert table["overflowX"] in ("auto", "scroll")
+        assert table["background"].count("radial-gradient") == 2, table  # the scroll shadows
