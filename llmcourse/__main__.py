@@ -1,7 +1,8 @@
 """Command line.
 
     $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
-    $ python -m llmcourse progress [FOLDER]          # a learner's dashboard
+    $ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
+    $ python -m llmcourse progress [PATH]            # a learner's dashboard
     $ python -m llmcourse release                    # regenerate chapters/ from solutions/
     $ python -m llmcourse bench                      # engine vs transformers vs the roofline
 """
@@ -9,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 
 from .config import CheckpointError
@@ -21,6 +23,26 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+TEMPERATURE = 0.8  # the command line samples by default (greedy with --num-beams > 1)
+
+# The library's keyword arguments and the flags that set them, to say errors in flag terms.
+FLAGS = {
+    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+    "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "num_beams": "--num-beams",
+    "length_penalty": "--length-penalty",
+}
+
+
+def in_flag_terms(message: str) -> str:
+    """A library error message with its keyword arguments named as the flags that set them:
+    'with num_beams > 1 use temperature=0' -> 'with --num-beams > 1 use --temperature 0'."""
+    message = message.replace("compile=True", "--compile").replace("or compile=False", "or leave out --compile")
+    for name, flag in FLAGS.items():
+        message = re.sub(rf"(?<![\w-]){name}=([^\s,;:)]+)", rf"{flag} \1", message)
+        message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
+    return message
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a bundled model (gpt2-shakespeare, gpt2-shakespeare-draft), a folder with config.json + "
                           "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache")
     gen.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
-    gen.add_argument("--temperature", type=float, default=0.8, metavar="T",
-                     help="sampling temperature; 0 = greedy (always the most likely token)")
+    gen.add_argument("--temperature", type=float, default=argparse.SUPPRESS, metavar="T",
+                     help=f"sampling temperature; 0 = greedy (always the most likely token) (default: {TEMPERATURE:g}, "
+                          "or 0 with --num-beams > 1: beam search is greedy)")
     gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off")
     gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
                      help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off")
@@ -47,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
                      help="> 1 makes tokens already in the text less likely; 1 = off")
     gen.add_argument("--num-beams", type=int, default=1, metavar="B",
-                     help="beam search with B beams (needs --temperature 0); 1 = off")
+                     help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off")
     gen.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
                      help="beam search: finished beams score sum(logprob) / length**L")
     gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
@@ -58,10 +81,20 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
                           "compiling takes a while before the first token")
-    prog = commands.add_parser("progress", help="your dashboard: which exercises pass, with points",
-                               description="Run the checks of every chapter notebook in FOLDER on your functions.")
-    prog.add_argument("folder", nargs="?", default="chapters", metavar="FOLDER",
-                      help="the folder holding NN_topic/NN_topic.ipynb notebooks")
+    gen.add_argument("--parts", metavar="FOLDER", default=argparse.SUPPRESS,
+                     help="run your own engine: your functions from the chapter notebooks in FOLDER (e.g. chapters/; "
+                          "the saved notebooks) wherever their checks pass, the engine's own elsewhere (notices on "
+                          "stderr say which)")
+    prog = commands.add_parser(
+        "progress", help="your dashboard: which exercises pass, with points",
+        description="Run the checks of your chapter notebooks on your functions. It reads the saved notebooks: save "
+                    "yours in JupyterLab first (Ctrl+S). It runs the setup cells, the exercise cells and every other "
+                    "cell that only defines things (imports, def, class, assignments), then each check.")
+    prog.add_argument("folder", nargs="?", default=None, metavar="PATH",
+                      help="your chapters folder (holding NN_topic/NN_topic.ipynb), one chapter's folder, or a "
+                           "notebook (default: ./chapters)")
+    prog.add_argument("-v", "--verbose", action="store_true",
+                      help="show each failing check's whole message (input, expected, got, hint)")
     commands.add_parser("release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
                         description="Run `nbgrader generate_assignment NAME --force --no-db` for every chapter in "
                                     "solutions/; run it in the course folder (where nbgrader_config.py is).")
@@ -99,10 +132,11 @@ def int_list(text: str) -> list[int]:
 
 
 def run_progress(args: argparse.Namespace) -> int:
-    from .learner import progress_report
+    from .learner import default_folder, progress_lines
 
     try:
-        print(progress_report(args.folder))
+        for line in progress_lines(default_folder() if args.folder is None else args.folder, verbose=args.verbose):
+            print(line, flush=True)
     except FileNotFoundError as err:
         print(f"python -m llmcourse progress: error: {err}", file=sys.stderr)
         return 2
@@ -132,22 +166,37 @@ def run_generate(args: argparse.Namespace) -> int:
     from .loading import load_model
     from .tokenizer import get_tokenizer
 
+    def fail(message: str, code: int) -> int:
+        print(f"python -m llmcourse generate: error: {message}", file=sys.stderr)
+        return code
+
+    if not args.prompt:
+        return fail('PROMPT is empty: give some text to continue, e.g. "ROMEO:" (to start from nothing, '
+                    'give "<|endoftext|>", the token GPT-2 saw between documents)', 2)
+    if any(not s for s in args.stop):
+        return fail("--stop needs a non-empty text", 2)
+    temperature = getattr(args, "temperature", 0.0 if args.num_beams > 1 else TEMPERATURE)
     settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
         length_penalty=args.length_penalty, stop=args.stop, seed=args.seed, compile=args.compile,
     )
     try:
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
-        pieces = stream(model, get_tokenizer(), args.prompt, **settings)
+        tokenizer, parts = get_tokenizer(), None
+        if hasattr(args, "parts"):
+            from .learner import your_parts_and_tokenizer
+
+            parts, tokenizer = your_parts_and_tokenizer(
+                args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True))
+        model = load_model(args.model, device=args.device, dtype=args.dtype, parts=parts)
+        pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
+    except FileNotFoundError as err:  # --parts names no chapters
+        return fail(f"--parts: {err}", 2)
     except ValueError as err:  # CheckpointError is a ValueError too
-        code = 1 if isinstance(err, CheckpointError) else 2
-        print(f"python -m llmcourse generate: error: {err}", file=sys.stderr)
-        return code
+        return fail(in_flag_terms(str(err)), 1 if isinstance(err, CheckpointError) else 2)
     except (TokenizerFileError, PartError) as err:
-        print(f"python -m llmcourse generate: error: {err}", file=sys.stderr)
-        return 1
+        return fail(str(err), 1)
     sys.stdout.write(first)
     sys.stdout.flush()
     try:
@@ -155,6 +204,9 @@ def run_generate(args: argparse.Namespace) -> int:
             sys.stdout.write(piece)
             sys.stdout.flush()
     except CompileError as err:  # compiling starts at the second token, after the first is shown
+        print(f"\npython -m llmcourse generate: error: {err}", file=sys.stderr)
+        return 1
+    except PartError as err:  # a part of yours (--parts) that fails on this input
         print(f"\npython -m llmcourse generate: error: {err}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")

@@ -12,6 +12,7 @@ missing, extra or mis-shaped is refused with an error naming the tensor.
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -88,6 +89,10 @@ def resolve_source(source: Union[str, Path]) -> Path:
     if str(source) in BUNDLED and not Path(source).is_dir():
         source = MODELS_DIR / str(source)
     path = Path(source).expanduser()
+    if not path.exists() and (guess := close_bundled_name(str(source))):
+        raise CheckpointError(
+            f"no bundled model {str(source)!r}; did you mean {guess!r}? (bundled: {', '.join(BUNDLED)})"
+        )
     if path.is_dir():
         for name in (CONFIG_FILE, WEIGHTS_FILE):
             if not (path / name).is_file():
@@ -99,6 +104,18 @@ def resolve_source(source: Union[str, Path]) -> Path:
     if path.exists() or not HUB_NAME.match(str(source)):
         raise CheckpointError(f"{source!r} is neither a model folder nor a Hugging Face Hub model name")
     return hub_snapshot(str(source))
+
+
+def close_bundled_name(name: str) -> Optional[str]:
+    """The bundled model `name` is probably a misspelling of, or None.
+
+    Hub names such as 'gpt2', 'gpt2-medium' or 'distilgpt2' are not close to any bundled name, and
+    names with an owner ('someone/gpt2-shakespeare') are always Hub names.
+    """
+    if name in BUNDLED or "/" in name:
+        return None
+    matches = difflib.get_close_matches(name.lower(), BUNDLED, n=1, cutoff=0.8)
+    return matches[0] if matches else None
 
 
 def hub_snapshot(name: str) -> Path:

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmcourse import CheckpointError, GPT2Config, load_model
-from llmcourse.loading import resolve_device, resolve_dtype
+from llmcourse.loading import close_bundled_name, resolve_device, resolve_dtype
 
 from .conftest import lively_model
 
@@ -154,6 +154,33 @@ def test_hub_name_not_cached_offline_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
     with pytest.raises(CheckpointError, match=r"(?s)'gpt2' is not in the local Hugging Face cache.*hf download gpt2.*local model folder"):
         load_model("gpt2", device="cpu")
+
+
+@pytest.mark.parametrize("name, meant", [("gpt2-shakespear", "gpt2-shakespeare"), ("shakespeare", "gpt2-shakespeare"),
+                                         ("GPT2-Shakespeare", "gpt2-shakespeare"), ("gpt2_shakespeare", "gpt2-shakespeare"),
+                                         ("gpt2-shakespeare-drft", "gpt2-shakespeare-draft")])
+def test_a_misspelt_bundled_name_says_what_was_meant(name, meant, monkeypatch):
+    monkeypatch.setattr("llmcourse.loading.hub_snapshot", lambda name: pytest.fail("went to the Hub"))
+    with pytest.raises(CheckpointError) as err:
+        load_model(name, device="cpu")
+    assert str(err.value) == (f"no bundled model {name!r}; did you mean {meant!r}? "
+                              "(bundled: gpt2-shakespeare, gpt2-shakespeare-draft)")
+
+
+def test_hub_names_and_folders_are_not_taken_for_misspellings(tmp_path, monkeypatch):
+    for name in ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2", "someone/gpt2-shakespeare",
+                 "gpt2-shakespeare", "gpt2-shakespeare-draft"]:
+        assert close_bundled_name(name) is None, name
+    asked = []
+    monkeypatch.setattr("llmcourse.loading.hub_snapshot", lambda name: asked.append(name) or pytest.skip("no hub"))
+    monkeypatch.chdir(tmp_path)
+    from llmcourse import save_model
+
+    save_model(lively_model(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=300)), "gpt2-shakespear")
+    assert load_model("gpt2-shakespear", device="cpu").config.n_embd == 16  # a folder of that name
+    with pytest.raises(pytest.skip.Exception):
+        load_model("gpt2-medium", device="cpu")
+    assert asked == ["gpt2-medium"]
 
 
 def test_device_and_dtype_errors():
