@@ -1,10 +1,19 @@
 """nbgrader for llmcourse: instructor notebooks in solutions/, student notebooks in chapters/.
 
-    nbgrader generate_assignment 01_tokenization --force     # one chapter
-    python -m llmcourse release                               # every chapter (what CI checks)
+The course directory is the repository root (this file's folder); instructor.md shows the commands.
+
+    python -m llmcourse release      # every chapter: nbgrader generate_assignment, recorded in gradebook.db
 """
 
+import warnings
+
 c = get_config()  # noqa: F821 (provided by nbgrader)
+
+# nbgrader's Gradebook.add_submission builds a student's submission and then adds it to the
+# session; SQLAlchemy 2 warns, three times per student, when a lazy load in between flushes the
+# session first. The next line adds the submission with all its grade rows (the grades are recorded:
+# tests/test_instructor_guide.py reads them back), so the warning is noise.
+warnings.filterwarnings("ignore", message=r"Object of type <Submitted\w+> not in session, add operation along")
 
 c.CourseDirectory.source_directory = "solutions"
 c.CourseDirectory.release_directory = "chapters"
@@ -23,11 +32,22 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 
 # Learners never see the hidden tests, not even in their feedback: neither in the check cells nor in
 # the source lines a traceback would quote.
+# (llmcourse.grading.ClearHiddenTests is nbgrader's, minus a spurious config warning.)
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
-    "nbgrader.preprocessors.ClearHiddenTests",
+    "llmcourse.grading.ClearHiddenTests",
     "llmcourse.grading.ShortTracebacks",
+]
+
+# nbgrader's autograde sanitizing steps, with OverwriteCells quiet about the hidden tests that the
+# release removed and autograde puts back (it warned once per check cell and student).
+c.Autograde.sanitize_preprocessors = [
+    "nbgrader.preprocessors.ClearOutput",
+    "nbgrader.preprocessors.DeduplicateIds",
+    "nbgrader.preprocessors.OverwriteKernelspec",
+    "llmcourse.grading.OverwriteCells",
+    "nbgrader.preprocessors.CheckCellMetadata",
 ]
 
 # A check that hangs must not stall autograding a whole class.

@@ -144,21 +144,9 @@ def run_progress(args: argparse.Namespace) -> int:
 
 
 def run_release() -> int:
-    import subprocess
-    from pathlib import Path
+    from .grading import release
 
-    if not Path("nbgrader_config.py").is_file():
-        print("python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder",
-              file=sys.stderr)
-        return 2
-    for source in sorted(Path("solutions").glob("*/*.ipynb")):
-        name = source.parent.name
-        done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, "--force", "--no-db",
-                               "--log-level=ERROR"])
-        if done.returncode:
-            return done.returncode
-        print(f"released chapters/{name}")
-    return 0
+    return release()
 
 
 def run_generate(args: argparse.Namespace) -> int:

@@ -1,11 +1,95 @@
-"""nbgrader additions for the course.
+"""nbgrader for the course: the release command and three preprocessors that `nbgrader_config.py` names.
 
-`ShortTracebacks` runs when feedback is generated: a failed check's traceback would print the
-check cell's source around the failing line — hidden tests included — so each error output is cut
-down to its last line, `CheckFailed: <the check's message>`, which is what a learner needs.
+`release` is `python -m llmcourse release`: it regenerates `chapters/` from `solutions/` with
+`nbgrader generate_assignment` and records each chapter's notebook in the gradebook
+(`gradebook.db`), which `nbgrader autograde` needs to find and grade the submissions.
+
+`OverwriteCells` (autograde) is nbgrader's, without its false alarm for hidden tests: the released
+check cell lacks the hidden tests, so its checksum never matches the one the gradebook stored for the
+source cell, and nbgrader warned "Attribute 'checksum' … has changed!" for every check cell of every
+student (jupyter/nbgrader#1961) before putting the hidden tests back. A check cell that differs
+from the source in any other way still gets the warning.
+
+`ClearHiddenTests` (feedback) is nbgrader's, with `display_data_priority` configurable: nbconvert's
+HTML exporter configures that option for every preprocessor, and nbgrader's base class declares it
+without `config=True`, hence "Config option display_data_priority not recognized by
+ClearHiddenTests" (nbgrader's own `GetGrades` does the same re-declaration).
+
+`ShortTracebacks` (feedback): a failed check's traceback would print the check cell's source around
+the failing line — hidden tests included — so each error output is cut down to its last line,
+`CheckFailed: <the check's message>`, which is what a learner needs.
 """
 
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
 from nbconvert.preprocessors import Preprocessor
+from nbformat import NotebookNode
+from nbgrader import preprocessors as nbgrader_preprocessors
+from nbgrader import utils
+from nbgrader.api import MissingEntry
+from traitlets import List
+
+
+def chapters(course: Path) -> list[str]:
+    """The chapters in `solutions/`: one folder per chapter, holding `<name>/<name>.ipynb`."""
+    folder = course / "solutions"
+    return sorted(p.name for p in folder.iterdir() if (p / f"{p.name}.ipynb").is_file()) if folder.is_dir() else []
+
+
+def release(course: Path = Path("."), err=sys.stderr) -> int:
+    """`nbgrader generate_assignment` for every chapter, recorded in the gradebook.
+
+    Each chapter's notebook is regenerated on its own (`--notebook`): nbgrader then neither deletes
+    the whole `chapters/<name>/` first nor refuses a chapter that already has submissions. If nbgrader
+    fails anyway, the previous release notebook is put back.
+    """
+    if not (course / "nbgrader_config.py").is_file():
+        print("python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder "
+              "(the repository root)", file=err)
+        return 2
+    for name in chapters(course):
+        target = course / "chapters" / name / f"{name}.ipynb"
+        previous = target.read_bytes() if target.is_file() else None
+        done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, f"--notebook={name}",
+                               "--force", "--log-level=ERROR"], cwd=course)
+        if done.returncode:
+            if previous is not None and not target.is_file():
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(previous)
+            print(f"python -m llmcourse release: error: nbgrader could not release {name} (see above); "
+                  f"chapters/{name} is as it was", file=err)
+            return done.returncode
+        print(f"released chapters/{name}")
+    return 0
+
+
+class OverwriteCells(nbgrader_preprocessors.OverwriteCells):
+    """nbgrader's OverwriteCells, quiet about a check cell whose only change is its removed hidden tests."""
+
+    def preprocess_cell(self, cell, resources, cell_index):
+        grade_id = cell.metadata.get("nbgrader", {}).get("grade_id")
+        if grade_id is not None and utils.is_locked(cell):
+            try:
+                source = self.gradebook.find_source_cell(grade_id, self.notebook_id, self.assignment_id)
+            except MissingEntry:
+                pass  # nbgrader reports it
+            else:
+                released = NotebookNode(cell_type=source.cell_type, source=source.source, metadata={})
+                ClearHiddenTests(parent=self)._remove_hidden_test_region(released)
+                if cell.source == released.source:
+                    cell.source = source.source  # what nbgrader would put back, minus the warning
+        return super().preprocess_cell(cell, resources, cell_index)
+
+
+class ClearHiddenTests(nbgrader_preprocessors.ClearHiddenTests):
+    """nbgrader's ClearHiddenTests, accepting the display_data_priority that nbconvert's exporters set."""
+
+    display_data_priority = List(nbgrader_preprocessors.ClearHiddenTests.display_data_priority.default_value,
+                                 config=True)
 
 
 class ShortTracebacks(Preprocessor):

@@ -1,84 +1,104 @@
-"""nbgrader's whole round trip in a scratch course: release, submit, autograde, feedback, export."""
+"""The course's nbgrader pieces (llmcourse.grading) one by one.
 
-import csv
+The whole round trip — release, autograde, feedback, export, as instructor.md says — is
+tests/test_instructor_guide.py.
+"""
+
+import io
 import json
+import logging
 import shutil
-import subprocess
-import sys
-from pathlib import Path
+from types import SimpleNamespace
 
-import pytest
+from nbformat import NotebookNode
 
-from .test_course import ROOT, solved_copy
+from llmcourse.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
 
-HALF = "01_tokenization"
+from .test_course import ROOT
 
-
-def nbgrader(course: Path, *args: str) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, "-m", "nbgrader", *args, "--log-level=ERROR"], cwd=course,
-                          capture_output=True, text=True, timeout=1200)
-    assert done.returncode == 0, f"nbgrader {' '.join(args)} failed:\n{done.stdout}\n{done.stderr}"
-    return done
+SOURCE = "check(f)\n### BEGIN HIDDEN TESTS\ncheck(f, seed=2026)\n### END HIDDEN TESTS"
+RELEASED = "check(f)"
 
 
-@pytest.fixture(scope="module")
-def graded_course(tmp_path_factory):
-    course = tmp_path_factory.mktemp("class")
-    shutil.copy(ROOT / "nbgrader_config.py", course)
-    shutil.copytree(ROOT / "solutions", course / "solutions")
-    submissions = {
-        ("solver", "00_pipeline"): lambda d: solved_copy("00_pipeline", d),
-        ("idle", "00_pipeline"): lambda d: solved_copy("00_pipeline", d, solve=0),
-        ("solver", HALF): lambda d: solved_copy(HALF, d),
-        ("halfway", HALF): lambda d: solved_copy(HALF, d, solve=len(exercises(HALF)) // 2),
-    }
-    for student in sorted({s for s, _ in submissions}):
-        nbgrader(course, "db", "student", "add", student)
-    for name in sorted({n for _, n in submissions}):
-        nbgrader(course, "generate_assignment", name, "--force")
-    for (student, name), make in submissions.items():
-        make(course / "submitted" / student)
-    for name in sorted({n for _, n in submissions}):
-        nbgrader(course, "autograde", name)
-        nbgrader(course, "generate_feedback", name)
-    nbgrader(course, "export")
-    with open(course / "grades.csv") as f:
-        grades = {(row["student_id"], row["assignment"]): row for row in csv.DictReader(f)}
-    return course, grades
+def check_cell(source):
+    return NotebookNode(cell_type="code", source=source, outputs=[], execution_count=None, metadata=NotebookNode(
+        nbgrader=NotebookNode(grade=True, solution=False, locked=True, points=1, grade_id="f_check")))
 
 
-def exercises(name):
-    cells = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())["cells"]
-    return [c for c in cells if c.get("metadata", {}).get("nbgrader", {}).get("grade")]
+class Gradebook:
+    """The two look-ups OverwriteCells makes, answered from the source cell above."""
+
+    def __init__(self):
+        self.source = check_cell(SOURCE)
+        from nbgrader.utils import compute_checksum
+
+        self.checksum = compute_checksum(self.source)
+
+    def find_source_cell(self, grade_id, notebook, assignment):
+        return SimpleNamespace(name=grade_id, source=SOURCE, cell_type="code", locked=True, checksum=self.checksum)
+
+    def find_graded_cell(self, grade_id, notebook, assignment):
+        return SimpleNamespace(max_score=1)
 
 
-def max_points(name):
-    return sum(c["metadata"]["nbgrader"]["points"] for c in exercises(name))
+def overwrite(source, caplog):
+    pp = OverwriteCells()
+    pp.gradebook, pp.notebook_id, pp.assignment_id = Gradebook(), "nb", "ch"
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        cell, _ = pp.preprocess_cell(check_cell(source), {}, 0)
+    return cell, [r.getMessage() for r in caplog.records]
 
 
-def test_solutions_get_full_points(graded_course):
-    _, grades = graded_course
-    for name in ["00_pipeline", HALF]:
-        row = grades[("solver", name)]
-        assert float(row["score"]) == float(row["max_score"]) == max_points(name)
+def test_autograde_puts_hidden_tests_back_without_a_false_alarm(caplog):
+    cell, warnings = overwrite(RELEASED, caplog)
+    assert cell.source == SOURCE and warnings == []
 
 
-def test_untouched_release_gets_zero(graded_course):
-    _, grades = graded_course
-    assert float(grades[("idle", "00_pipeline")]["score"]) == 0
+def test_autograde_still_reports_an_edited_check_cell(caplog):
+    cell, warnings = overwrite("pass  # the learner emptied the check", caplog)
+    assert cell.source == SOURCE
+    assert any("Attribute 'checksum' for cell f_check has changed" in w for w in warnings)
 
 
-def test_half_done_gets_partial_points(graded_course):
-    _, grades = graded_course
-    score = float(grades[("halfway", HALF)]["score"])
-    assert 0 < score < max_points(HALF)
+def test_clear_hidden_tests_accepts_the_exporters_display_priority(caplog):
+    from traitlets.config import Config
+
+    with caplog.at_level(logging.WARNING):
+        pp = ClearHiddenTests(config=Config({"NbConvertBase": {"display_data_priority": ["text/html"]}}))
+    assert pp.display_data_priority == ["text/html"]
+    assert not [r for r in caplog.records if "not recognized" in r.getMessage()]
+    cell, _ = pp.preprocess_cell(check_cell(SOURCE), {}, 0)
+    assert cell.source == RELEASED
 
 
-def test_feedback_shows_results_but_no_hidden_tests(graded_course):
-    course, _ = graded_course
-    for student, name in [("solver", "00_pipeline"), ("halfway", HALF)]:
-        html = (course / "feedback" / student / name / f"{name}.html").read_text()
-        assert "HIDDEN TESTS" not in html and "seed=2026" not in html
-        assert "Score" in html or "score" in html
-    failing = (course / "feedback" / "halfway" / HALF / f"{HALF}.html").read_text()
-    assert "not written yet" in failing  # the learner sees why a check failed
+def test_feedback_tracebacks_are_cut_to_the_checks_message():
+    cell = check_cell(SOURCE)
+    cell.outputs = [NotebookNode(output_type="error", ename="CheckFailed", evalue="f(2) should be 4, got 5",
+                                 traceback=["----", "check(f, seed=2026)  # a hidden line", "CheckFailed: ..."])]
+    cell, _ = ShortTracebacks().preprocess_cell(cell, {}, 0)
+    assert cell.outputs[0]["traceback"] == ["CheckFailed: f(2) should be 4, got 5"]
+
+
+def test_release_outside_a_course_is_one_clear_error(tmp_path):
+    err = io.StringIO()
+    assert release(tmp_path, err=err) == 2 and "no nbgrader_config.py here" in err.getvalue()
+
+
+def test_a_failed_release_leaves_the_chapter_as_it_was(tmp_path):
+    """nbgrader deletes the release before it fails (here: prose marked `solution` but not `grade`)."""
+    name = "00_pipeline"
+    shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
+    shutil.copytree(ROOT / "chapters" / name, tmp_path / "chapters" / name)
+    source = tmp_path / "solutions" / name / f"{name}.ipynb"
+    source.parent.mkdir(parents=True)
+    nb = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())
+    prose = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
+    prose["metadata"]["nbgrader"] = {"solution": True, "grade": False, "locked": False, "grade_id": "prose",
+                                     "schema_version": 3, "task": False}
+    source.write_text(json.dumps(nb))
+    err = io.StringIO()
+    assert release(tmp_path, err=err) != 0
+    assert f"chapters/{name} is as it was" in err.getvalue()
+    released = tmp_path / "chapters" / name / f"{name}.ipynb"
+    assert released.read_bytes() == (ROOT / "chapters" / name / f"{name}.ipynb").read_bytes()
