@@ -346,7 +346,8 @@ class ChapterRun:
             if ex.grade_id in self.grading:
                 return None
             self.grading.add(ex.grade_id)
-            self.results[ex.grade_id] = self._grade(ex)
+            with running():
+                self.results[ex.grade_id] = self._grade(ex)
             self.grading.discard(ex.grade_id)
         return self.results[ex.grade_id]
 
@@ -410,16 +411,36 @@ def run_chapter(path: PathLike, *, cell_seconds: float = CELL_SECONDS, check_sec
     deadline = time.monotonic() + chapter_seconds
     namespace: dict = {"__name__": "__learner__"}
     errors: dict[int, str] = {}
-    for cell in chapter.cells:
-        filename = cell_filename(chapter.path, cell.label)
-        problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline - time.monotonic()))
-        if problem is not None:
-            errors[id(cell)] = problem
+    with running():
+        for cell in chapter.cells:
+            filename = cell_filename(chapter.path, cell.label)
+            problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline - time.monotonic()))
+            if problem is not None:
+                errors[id(cell)] = problem
     return ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds)
+
+
+_running = [0]  # chapters being run now: a cell they run may not run the chapters again
+
+
+@contextlib.contextmanager
+def running():
+    _running[0] += 1
+    try:
+        yield
+    finally:
+        _running[0] -= 1
+
+
+def refuse_to_recurse() -> None:
+    if _running[0]:
+        raise RuntimeError("my_engine() and progress run your notebooks' cells; a cell they run cannot call them "
+                           "again (put the call in a cell that also prints or plots something)")
 
 
 def grade_chapter(path: PathLike, **limits) -> list[Result]:
     """Run one chapter's checks (their visible part) on the learner's functions."""
+    refuse_to_recurse()
     run = run_chapter(path, **limits)
     return [run.result(ex) for ex in run.chapter.exercises]
 
@@ -464,6 +485,7 @@ def learner_functions(folder: Optional[PathLike] = None, *, slots: Optional[tupl
     be used gets one notice saying why (the engine keeps its own there). None: every exercise,
     quietly.
     """
+    refuse_to_recurse()
     functions: dict[str, Callable] = {}
     for path in find_chapters(default_folder() if folder is None else folder):
         chapter = read_chapter(path)

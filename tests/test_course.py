@@ -377,3 +377,21 @@ def test_learner_tokenizer_runs_generation_with_the_learners_chapter_01(tmp_path
     assert mine.encode(prompt) == get_tokenizer().encode(prompt)
     expected = generate_text(model, get_tokenizer(), prompt, max_new_tokens=30, eos_token_id=None)
     assert generate_text(model, mine, prompt, max_new_tokens=30, eos_token_id=None) == expected
+
+
+def test_a_cell_calling_my_engine_is_not_run_again_by_it(tmp_path):
+    """`engine = my_engine()` alone in a cell only defines a name, so progress and my_engine run it;
+    it must not run the notebooks again (endlessly): that cell fails on its own, the rest is fine."""
+    path = notebook(
+        tmp_path, "05_topic",
+        ("setup", "from llmcourse.learner import my_engine"),
+        ("code", "engine = my_engine()"),
+        ("exercise", "fine", "def fine(x):\n    return x"),
+        ("check", "fine", "assert fine(1) == 1"),
+        ("exercise", "uses_engine", "def uses_engine():\n    return engine"),
+        ("check", "uses_engine", "assert uses_engine() is not None"),
+    )
+    got = statuses(path)
+    assert got["fine"] == ("passing", "")
+    assert got["uses_engine"][0] == "failing" and "cannot call them again" in got["uses_engine"][1]
+    assert "cell 2" in got["uses_engine"][1]
