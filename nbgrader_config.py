@@ -9,10 +9,11 @@ import warnings
 
 c = get_config()  # noqa: F821 (provided by nbgrader)
 
-# nbgrader's Gradebook.add_submission builds a student's submission and then adds it to the
-# session; SQLAlchemy 2 warns, three times per student, when a lazy load in between flushes the
-# session first. The next line adds the submission with all its grade rows (the grades are recorded:
-# tests/test_instructor_guide.py reads them back), so the warning is noise.
+# nbgrader's Gradebook.add_submission builds a student's submission, reads the chapter's notebooks
+# (a lazy load, which flushes the session), then adds the submission to the session. SQLAlchemy 2
+# warns, three times per student, that the flush could not yet add the half-built objects; the very
+# next statement adds them with all their grade rows (tests/test_instructor_guide.py reads the grades
+# back), so the warning is noise.
 warnings.filterwarnings("ignore", message=r"Object of type <Submitted\w+> not in session, add operation along")
 
 c.CourseDirectory.source_directory = "solutions"

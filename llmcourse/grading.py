@@ -88,8 +88,8 @@ class OverwriteCells(nbgrader_preprocessors.OverwriteCells):
 class ClearHiddenTests(nbgrader_preprocessors.ClearHiddenTests):
     """nbgrader's ClearHiddenTests, accepting the display_data_priority that nbconvert's exporters set."""
 
-    display_data_priority = List(nbgrader_preprocessors.ClearHiddenTests.display_data_priority.default_value,
-                                 config=True)
+    display_data_priority = List(nbgrader_preprocessors.ClearHiddenTests.display_data_priority.default_value).tag(
+        config=True)
 
 
 class ShortTracebacks(Preprocessor):
