@@ -1,41 +1,217 @@
-"""`python -m llmcourse bench` runs end to end on a tiny configuration (no timing assertions)."""
+"""`python -m llmcourse bench`: every documented command and option, run end to end as a user types
+it, on the tiny configuration (no timing assertions: only that the figures exist and are sane)."""
 
 import json
+import math
+import re
+import shlex
+import struct
 import subprocess
 import sys
+from pathlib import Path
 
-from llmcourse.bench import decode_step_cost, roofline
+import pytest
+
+from llmcourse import bench
+from llmcourse.bench import FIGURES, decode_step_cost, roofline
 from llmcourse.config import GPT2Config
 
+ROOT = Path(__file__).resolve().parent.parent
+# Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).
+TINY = ["--model", "tiny", "--prompt-len", "16", "--new-tokens", "8", "--prefill-lens", "16,32",
+        "--contexts", "16,32", "--batch-sizes", "1,2", "--repeats", "1"]
+# Every command line the end-to-end tests below run (before TINY and --out); `bench --help` must list
+# no option that none of them uses.
+OPTIONS_RUN = ["--no-compile --no-transformers --device cpu --dtype float16"]
+# Compiling takes 10-20 s per batch size: a compiled run measures batch 1 only (the same loop as batch 2).
+COMPILED_BATCHES = ["--batch-sizes", "1"]
 
-def test_bench_runs_end_to_end_on_a_tiny_model(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "llmcourse", "bench", "--model", "tiny", "--prompt-len", "16", "--new-tokens", "8",
-         "--prefill-lens", "16,32", "--contexts", "16,32", "--batch-sizes", "1,2", "--repeats", "1",
-         "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "decode, batch 1" in out.stdout and "ratio" in out.stdout and "roofline" in out.stdout
-    r = json.loads((tmp_path / "bench.json").read_text())
-    assert set(r["decode"]) == {"engine", "engine_compiled", "transformers"}
-    assert "with torch.compile" in out.stdout
+
+def documented_commands() -> list[str]:
+    """The `python -m llmcourse bench ...` commands that benchmarks.md and README.md show: the lines
+    of their bash blocks, and inline code, without the comments."""
+    commands = []
+    for page in ("benchmarks.md", "README.md"):
+        text = (ROOT / page).read_text()
+        for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+            commands += [line.split("#")[0].strip() for line in block.splitlines()
+                         if line.strip().startswith("python -m llmcourse bench")]
+        commands += re.findall(r"`(python -m llmcourse bench[^`]*)`", text)
+    return sorted(set(commands))
+
+
+def run_bench(command: str, out: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    args = shlex.split(command)
+    assert args[:4] == ["python", "-m", "llmcourse", "bench"], command
+    more = [] if "--no-compile" in args else COMPILED_BATCHES
+    done = subprocess.run([sys.executable, *args[1:], *TINY, *more, "--out", str(out)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
+    return done, json.loads((out / "bench.json").read_text())
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled: bool, transformers: bool,
+              dtype: str = "float32") -> None:
+    """The JSON, the table and the figures are all there, with sane numbers."""
+    assert r["device"] == "cpu" or r["device"].startswith("cuda")
+    assert r["dtype"] == dtype and r["model"] == "tiny" and r["config"]["n_layer"] == 2
+    # the machine the figures depend on, in the JSON and in the table's header
+    m = r["machine"]
+    assert m["cpu"] and m["cores"] >= 1 and m["threads"] >= 1 and 0 < m["weights_MB"] < 100
+    if Path("/sys/devices/system/cpu/cpu0/cache").is_dir() and r["device"] == "cpu":
+        assert m["llc_MB"] > 0 and m["llc_level"] >= 2 and m["weights_fit_in_llc"] in (True, False)
+    header = done.stdout.splitlines()[1]
+    assert header.startswith("machine: ") and m["cpu"] in header and "weights" in header
+    # the decode rows asked for, and only those
+    expected = {"engine"} | ({"engine_compiled"} if compiled else set()) | ({"transformers"} if transformers else set())
+    assert set(r["decode"]) == expected
+    assert bool(re.search(r"^ +with torch.compile", done.stdout, re.M)) == compiled
+    assert ("transformers" in done.stdout) == transformers
+    batches = {"1"} if compiled else {"1", "2"}
+    assert set(r["prefill"]) == {"16", "32"} and set(r["kv_cache"]) == {"16", "32"} and set(r["batching"]) == batches
+    names = ["engine", "engine_compiled"][: 1 + compiled]
+    speeds = [*r["decode"].values(), *(v for p in r["prefill"].values() for v in p.values()),
+              r["roofline"]["bound_tokens_per_s"],
+              *(v[k] for v in r["batching"].values() for k in ["bound_tokens_per_s", *names])]
+    assert all(isinstance(x, float) and math.isfinite(x) and 0 < x < 1e7 for x in speeds), speeds
+    others = [r["roofline"]["bandwidth_GBps"], r["roofline"]["matmul_GFLOPs"], r["roofline"]["decode_step_MB"],
+              *(r["roofline"][f"{n}_fraction"] for n in names),
+              *(v[k] for v in r["kv_cache"].values() for k in ("cached_ms", "recompute_ms", "speedup"))]
+    assert all(isinstance(x, float) and math.isfinite(x) and 0 < x < 1e6 for x in others), others
+    if not compiled:  # the bound of a batch counts the weights once and each row's cache and arithmetic
+        assert r["batching"]["2"]["bound_tokens_per_s"] > r["batching"]["1"]["bound_tokens_per_s"]
+    ratios = {"decode_roofline_fraction", "kv_cache_speedup_16", "kv_cache_speedup_32"}
+    ratios |= {"decode_compiled_roofline_fraction"} if compiled else {"batch_2_vs_batch_1"}
+    ratios |= {"decode_vs_transformers", "prefill_16_vs_transformers", "prefill_32_vs_transformers"} if transformers else set()
+    ratios |= {"decode_compiled_vs_transformers"} if compiled and transformers else set()
+    assert set(r["ratios"]) == ratios and all(0 < v < 1e7 for v in r["ratios"].values())
     if r["device"] == "cpu":
-        assert "CUDA rows" in out.stdout and "skipped" in out.stdout and r["cuda_skipped"]
-    assert set(r["prefill"]) == {"16", "32"} and set(r["kv_cache"]) == {"16", "32"} and set(r["batching"]) == {"1", "2"}
-    numbers = [*r["decode"].values(), *(v for p in r["prefill"].values() for v in p.values()),
-               r["roofline"]["bandwidth_GBps"], r["roofline"]["matmul_GFLOPs"], r["roofline"]["bound_tokens_per_s"],
-               *(v["speedup"] for v in r["kv_cache"].values()),
-               *(v[k] for v in r["batching"].values()
-                 for k in ("engine", "engine_compiled", "bound_tokens_per_s", "engine_fraction", "engine_compiled_fraction"))]
-    assert all(isinstance(x, float) and 0 < x < 1e12 for x in numbers)
-    assert {"decode_vs_transformers", "decode_compiled_vs_transformers", "prefill_16_vs_transformers",
-            "decode_roofline_fraction", "decode_compiled_roofline_fraction", "kv_cache_speedup_32",
-            "batch_2_vs_batch_1", "batch_2_compiled_vs_batch_1"} <= set(r["ratios"])
-    # the bound of a batch counts the weights once and each row's cache and arithmetic
-    assert r["batching"]["2"]["bound_tokens_per_s"] > r["batching"]["1"]["bound_tokens_per_s"]
-    png = (tmp_path / "bench.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+        assert "CUDA rows" in done.stdout and "skipped" in done.stdout and r["cuda_skipped"]
+    assert "decode, batch 1" in done.stdout and "roofline" in done.stdout and "error" not in done.stderr.lower()
+    # one figure per measurement, each big enough to be read at 400 px wide
+    for name in FIGURES.values():
+        width, height = png_size(out / name)
+        assert 600 <= width <= 1200 and 0.5 < height / width < 1, (name, width, height)
+        assert str(out / name) in done.stdout
+    assert not (out / "bench.png").exists()
+
+
+def test_the_documentation_shows_the_commands_tested_here():
+    assert documented_commands() == ["python -m llmcourse bench", "python -m llmcourse bench --no-compile"]
+
+
+@pytest.mark.parametrize("command", documented_commands())
+def test_documented_bench_command_runs_end_to_end(command, tmp_path):
+    """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""
+    done, r = run_bench(command, tmp_path)
+    check_run(done, r, tmp_path, compiled="--no-compile" not in command, transformers=True)
+
+
+@pytest.mark.parametrize("options", OPTIONS_RUN)
+def test_bench_options_run_end_to_end(options, tmp_path):
+    out = tmp_path / "a" / "new folder"  # --out creates it
+    done, r = run_bench(f"python -m llmcourse bench {options}", out)
+    dtype = re.search(r"--dtype (\w+)", options).group(1)
+    check_run(done, r, out, compiled=False, transformers="--no-transformers" not in options, dtype=dtype)
+    assert r["device"] == "cpu"
+
+
+def test_every_bench_option_is_run_by_a_test():
+    help_text = subprocess.run([sys.executable, "-m", "llmcourse", "bench", "--help"], capture_output=True,
+                               text=True, timeout=60).stdout
+    options = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", help_text)) - {"--help"}
+    assert {"--no-compile", "--no-transformers", "--out", "--device", "--dtype"} <= options
+    run = " ".join(documented_commands() + OPTIONS_RUN + TINY + COMPILED_BATCHES + ["--out"])
+    assert not {o for o in options if o not in run.split()}, "an option of `bench --help` that no test runs"
+
+
+def report(tmp_path, monkeypatch, results: dict, **failing) -> tuple[int, Path]:
+    """`bench.main` on canned measurements, with some of its reporting steps made to fail."""
+    import argparse
+
+    from llmcourse.__main__ import build_parser
+
+    monkeypatch.undo()  # the failures of an earlier call
+    measured = {k: v for k, v in results.items() if k != "ratios"}  # what `run` returns
+    monkeypatch.setattr(bench, "run", lambda **kw: json.loads(json.dumps(measured)))
+    for name in failing:
+        monkeypatch.setattr(bench, name, lambda *a, **kw: 1 / 0)
+    args = build_parser().parse_args(["bench", "--out", str(tmp_path)])
+    assert isinstance(args, argparse.Namespace)
+    return bench.main(args), tmp_path / "bench.json"
+
+
+def test_a_failing_table_or_figure_loses_no_measurement(tmp_path, monkeypatch, capsys):
+    results = json.loads((ROOT / "images" / "bench.json").read_text())
+    status, path = report(tmp_path, monkeypatch, results, plot=True)
+    out, err = capsys.readouterr()
+    assert status == 1 and "ZeroDivisionError" in err and f"the measurements are in {path}" in err
+    assert "decode, batch 1" in out  # the table was printed before the figures failed
+    assert json.loads(path.read_text())["decode"] == results["decode"]
+    status, path = report(tmp_path, monkeypatch, results, table=True, ratios=True)
+    out, err = capsys.readouterr()
+    assert status == 1 and err.count("could not produce") == 2
+    assert json.loads(path.read_text())["decode"] == results["decode"]
+    assert all((tmp_path / name).exists() for name in FIGURES.values())  # the figures still came
+
+
+@pytest.mark.parametrize("drop", ["engine_compiled", "transformers", "both"])
+def test_table_and_figures_without_compiled_or_transformers_rows(drop, tmp_path):
+    """The --no-compile crash: the figures read a compiled row that was never measured."""
+    r = json.loads((ROOT / "images" / "bench.json").read_text())
+    for name in ["engine_compiled", "transformers"] if drop == "both" else [drop]:
+        r["decode"].pop(name, None)
+        r["roofline"].pop(f"{name}_fraction", None)
+        for section in ("prefill", "batching"):
+            for v in r[section].values():
+                v.pop(name, None)
+                v.pop(f"{name}_fraction", None)
+    r.pop("ratios")
+    r["ratios"] = bench.ratios(r)
+    assert ("compiled" in bench.table(r)) == (drop == "transformers")
+    assert [p.name for p in bench.plot(r, tmp_path)] == list(FIGURES.values())
+
+
+def test_the_benchmarks_page_shows_the_figures_bench_writes():
+    """benchmarks.md shows every figure of images/bench.json, which is what `bench` writes today."""
+    page = (ROOT / "benchmarks.md").read_text()
+    shown = re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page)
+    assert shown == list(FIGURES.values())
+    r = json.loads((ROOT / "images" / "bench.json").read_text())
+    for name in shown:
+        assert png_size(ROOT / "images" / name)[0] >= 600
+    # the committed measurements have today's schema: the table and the figures read them
+    assert bench.table(r) and set(r["ratios"]) == set(bench.ratios(r))
+    # the page names the machine they come from
+    m = r["machine"]
+    assert f"{m['llc_MB']:.0f} MB" in page and f"{m['cores']} " in page
+
+
+def test_the_last_level_cache_is_found():
+    if not Path("/sys/devices/system/cpu/cpu0/cache").is_dir():
+        pytest.skip("no sysfs cache information here")
+    level, size = bench.last_level_cache()
+    assert level >= 2 and 2**20 <= size <= 2**34
+    m = bench.machine(bench.resolve_device("cpu"), 500 * 10**6)
+    assert m["llc_MB"] == size / 2**20 and m["weights_fit_in_llc"] == (size >= 500 * 10**6)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_matmul_throughput_is_measured_quickly_in_every_dtype(dtype):
+    """float16 products on a CPU without float16 arithmetic are slow: a 2048-wide one takes minutes."""
+    import time
+
+    import torch
+
+    start = time.perf_counter()
+    assert bench.measure_matmul(torch.device("cpu"), getattr(torch, dtype), repeats=1) > 0
+    assert time.perf_counter() - start < 20
 
 
 def test_decode_step_cost_of_gpt2_small():
