@@ -210,7 +210,8 @@ def untouched(source: str) -> bool:
     functions = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
     def stub(fn) -> bool:
-        body = fn.body[1:] if fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant) else fn.body
+        docstring = fn.body and isinstance(fn.body[0], ast.Expr) and isinstance(fn.body[0].value, ast.Constant)
+        body = fn.body[1:] if docstring else fn.body
         return len(body) == 1 and isinstance(body[0], ast.Raise) and "NotImplementedError" in ast.unparse(body[0])
 
     return all(stub(fn) for fn in functions)
@@ -300,21 +301,25 @@ def quietly():
 
 
 def run_code(source: str, filename: str, namespace: dict, seconds: float) -> Optional[str]:
-    """Run a cell's code; None if fine, else what went wrong (with the cell and line)."""
+    """Run a cell's code; None if fine, else what went wrong: a check's own message (CheckFailed), or
+    a phrase to follow the cell's name ('raised ValueError: ... (line)', 'was still running after 60 s')."""
     if seconds <= 0:
-        return "not run: the chapter's time ran out"
+        return "was not run: the chapter's time ran out"
     try:
         with quietly(), time_limit(seconds):
             exec(compile_cell(source, filename), namespace)
     except PASS_THROUGH:
         raise
     except TimeoutError:
-        return f"still running after {seconds:g} s (a loop that never ends?)"
+        return f"was still running after {seconds:g} s (a loop that never ends?)"
     except CheckFailed as err:
-        return str(err).strip()
+        return str(err).strip() or "✗ the check failed"
     except BaseException as err:  # also SystemExit and errors not derived from Exception (e.g. a Rust panic)
-        return describe_error(err)
+        return f"raised {describe_error(err)}"
     return None
+
+
+PHRASES = ("raised ", "was still running ", "was not run")
 
 
 @dataclasses.dataclass
@@ -355,17 +360,21 @@ class ChapterRun:
         name = self.chapter.name
         if untouched(ex.source):
             return Result(name, ex.grade_id, "not started", "", 0.0, ex.points)
-        if id(ex.cell) in self.errors:
-            message = f"your cell raised {self.errors[id(ex.cell)]}"
-            return Result(name, ex.grade_id, "failing", message, 0.0, ex.points, message)
-        filename = cell_filename(self.chapter.path, ex.check_cell.label)
-        problem = run_code(ex.check, filename, dict(self.namespace), min(self.check_seconds, self.remaining()))
-        if problem is None:
-            return Result(name, ex.grade_id, "passing", "", ex.points, ex.points)
+        problem = self.errors.get(id(ex.cell))
+        if problem is not None and not problem.startswith("was not run"):
+            message = f"your cell {problem}"
+            return Result(name, ex.grade_id, "failing", message.splitlines()[0], 0.0, ex.points, message)
+        if problem is None and self.remaining() > 0:
+            filename = cell_filename(self.chapter.path, ex.check_cell.label)
+            problem = run_code(ex.check, filename, dict(self.namespace), min(self.check_seconds, self.remaining()))
+            if problem is None:
+                return Result(name, ex.grade_id, "passing", "", ex.points, ex.points)
         if self.remaining() <= 0:
             message = (f"not checked: this chapter's cells and checks ran longer than the {self.seconds:g} s allowed "
                        "in all (a slow or endless loop in an earlier exercise?)")
             return Result(name, ex.grade_id, "failing", message, 0.0, ex.points, message)
+        if problem.startswith(PHRASES):
+            problem = f"the check {problem}"
         message = self.blame(ex, problem)
         return Result(name, ex.grade_id, "failing", message.splitlines()[0], 0.0, ex.points, message)
 
@@ -375,13 +384,13 @@ class ChapterRun:
     def dependencies(self, ex: Exercise) -> list[Cell]:
         """The other cells whose definitions `ex` or its check use, directly or through other definitions."""
         cells = self.chapter.cells
-        wanted, found = set(ex.cell.uses | ex.check_cell.uses), []
+        wanted, found = set(ex.cell.uses | ex.check_cell.uses), {id(ex.cell)}
         while True:
-            new = [c for c in cells if c not in found and c is not ex.cell and c.defines & wanted]
+            new = [c for c in cells if id(c) not in found and c.defines & wanted]
             if not new:
-                return [c for c in cells if c in found]
-            found += new
+                return [c for c in cells if id(c) in found and c is not ex.cell]
             for c in new:
+                found.add(id(c))
                 wanted |= c.uses
 
     def blame(self, ex: Exercise, problem: str) -> str:
@@ -391,7 +400,7 @@ class ChapterRun:
         for cell in self.dependencies(ex):
             needed = ", ".join(sorted(cell.defines & (ex.cell.uses | ex.check_cell.uses))) or ", ".join(sorted(cell.defines))
             if id(cell) in self.errors:
-                return f"it needs {needed} from the cell '{cell.label}', which raised {self.errors[id(cell)]}"
+                return f"it needs {needed} from the cell '{cell.label}', which {self.errors[id(cell)]}"
             other = exercises.get(id(cell))
             if other is not None and untouched(other.source):
                 return f"it uses {needed}, which is not written yet: write the exercise '{other.grade_id}' first"
