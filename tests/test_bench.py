@@ -85,7 +85,8 @@ def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled
               *(v[k] for v in r["kv_cache"].values() for k in ("cached_ms", "recompute_ms", "speedup"))]
     assert all(isinstance(x, float) and math.isfinite(x) and 0 < x < 1e6 for x in others), others
     if not compiled:  # the bound of a batch counts the weights once and each row's cache and arithmetic
-        assert r["batching"]["2"]["bound_tokens_per_s"] > r["batching"]["1"]["bound_tokens_per_s"]
+        one, two = r["batching"]["1"], r["batching"]["2"]
+        assert two["bound_tokens_per_s"] > one["bound_tokens_per_s"] or two["bound_is"] == "compute"
     ratios = {"decode_roofline_fraction", "kv_cache_speedup_16", "kv_cache_speedup_32"}
     ratios |= {"decode_compiled_roofline_fraction"} if compiled else {"batch_2_vs_batch_1"}
     ratios |= {"decode_vs_transformers", "prefill_16_vs_transformers", "prefill_32_vs_transformers"} if transformers else set()
