@@ -1,15 +1,33 @@
-"""Chapter 00's check: the reference passes, plausible mistakes fail with a specific message."""
+"""Chapter 00's check: a correct answer passes, plausible mistakes fail with a specific message."""
+
+import heapq
+import inspect
+import math
+import textwrap
 
 import pytest
 import torch
+from torch import topk as topk_imported_early  # an alias made before the check: still the black box
 
 from llmcourse.checks import CheckFailed, check_top_k_next_tokens
+from llmcourse.checks.core import Case, run_check
 from llmcourse.sampling import top_k_next_tokens
+
+ENGINE = top_k_next_tokens
+
+
+def copy_of(fn):
+    """The engine's function as a learner would have it: the same source, compiled in their notebook."""
+    namespace = dict(fn.__globals__, __name__="__learner__")
+    exec(compile(textwrap.dedent(inspect.getsource(fn)), "<learner's cell>", "exec"), namespace)
+    return namespace[fn.__name__]
 
 
 def test_reference_passes(capsys):
-    check_top_k_next_tokens(top_k_next_tokens)
-    assert capsys.readouterr().out == "✓ top_k_next_tokens — 26 cases\n"
+    reference = copy_of(top_k_next_tokens)
+    check_top_k_next_tokens(reference)
+    check_top_k_next_tokens(reference, seed=2026, n_random=60)  # the notebook's hidden test
+    assert capsys.readouterr().out == "✓ top_k_next_tokens — 30 cases\n✓ top_k_next_tokens — 70 cases\n"
 
 
 def stub(logits, k):
@@ -55,6 +73,70 @@ def uses_topk(logits, k):
     return [(int(i), float(v)) for v, i in zip(values, indices)]
 
 
+# -- almost right: only wide inputs tell them apart ---------------------------------------------
+
+
+def shifted_by_the_mean(logits, k):  # right for logits near their mean; exp overflows when the max is far above it
+    shifted = logits - logits.mean()
+    probs = shifted.exp() / shifted.exp().sum()
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+def shifted_by_the_min(logits, k):
+    shifted = logits - logits.min()
+    probs = shifted.exp() / shifted.exp().sum()
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+def in_half_precision(logits, k):  # fine to 3 digits, not to 4
+    probs = torch.softmax(logits.to(torch.bfloat16), -1)
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+# -- changes its input --------------------------------------------------------------------------
+
+
+def subtracts_in_place(logits, k):
+    logits -= logits.max()  # the caller's logits change
+    probs = logits.exp() / logits.exp().sum()
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+def sorts_in_place(logits, k):
+    probs = torch.softmax(logits, -1)
+    logits.copy_(probs)  # reuses the input as scratch space
+    order = torch.argsort(logits, descending=True, stable=True)
+    return [(int(i), float(logits[i])) for i in order[:k]]
+
+
+# -- the black box, reached another way ---------------------------------------------------------
+
+
+def topk_alias(logits, k):
+    values, indices = topk_imported_early(torch.softmax(logits, -1), k)
+    return [(int(i), float(v)) for v, i in zip(values, indices)]
+
+
+def topk_through_aten(logits, k):
+    values, indices = torch.ops.aten.topk(torch.softmax(logits, -1), k)
+    return [(int(i), float(v)) for v, i in zip(values, indices)]
+
+
+def engine_alias(logits, k):
+    return ENGINE(logits, k)
+
+
+def swallows_the_black_box_error(logits, k):
+    try:
+        return uses_topk(logits, k)
+    except Exception:  # the refusal is caught: the check still knows
+        return top_k_next_tokens_pure(logits, k)
+
+
 @pytest.mark.parametrize(
     "wrong, message",
     [
@@ -65,7 +147,16 @@ def uses_topk(logits, k):
         (ties_by_larger_id, r"ties list the smaller token id first"),
         (returns_logits, r"expected probability"),
         (tensor_items, r"token id should be a Python int"),
-        (uses_topk, r"called torch.Tensor.topk, the black box"),
+        (uses_topk, r"called torch\.Tensor\.topk \(that is torch\.topk\), the black box"),
+        (shifted_by_the_mean, r"far from the mean\)[\s\S]*got nan[\s\S]*subtract the max \(not the mean"),
+        (shifted_by_the_min, r"got nan"),
+        (in_half_precision, r"expected probability"),
+        (subtracts_in_place, r"changed its input `logits`[\s\S]*before the call[\s\S]*in-place operation"),
+        (sorts_in_place, r"changed its input `logits`"),
+        (topk_alias, r"called torch\.topk, the black box"),
+        (topk_through_aten, r"called torch\.ops\.aten\.topk \(that is torch\.topk\)"),
+        (engine_alias, r"called llmcourse\.sampling\.top_k_next_tokens, the black box"),
+        (swallows_the_black_box_error, r"called torch\.Tensor\.topk"),
     ],
 )
 def test_plausible_mistakes_are_rejected(wrong, message):
@@ -73,16 +164,50 @@ def test_plausible_mistakes_are_rejected(wrong, message):
         check_top_k_next_tokens(wrong)
 
 
-def test_a_differently_written_solution_passes():
-    def pure_python(logits, k):
-        values = logits.tolist()
-        top = max(values)
-        weights = [2.718281828459045 ** (v - top) for v in values]
-        total = sum(weights)
-        ranked = sorted(range(len(values)), key=lambda i: (-weights[i], i))
-        return [(i, weights[i] / total) for i in ranked[:k]]
+@pytest.mark.parametrize("wrong", [shifted_by_the_mean, shifted_by_the_min])
+def test_random_logits_alone_reach_far_enough(wrong):
+    """A hidden test is mostly random cases: they alone must tell an almost-right softmax apart."""
+    import llmcourse.checks.pipeline as pipeline
 
-    check_top_k_next_tokens(pure_python, seed=7, n_random=10)
+    g = torch.Generator().manual_seed(2026)
+    cases = []
+    for i in range(20):
+        what, logits, k = pipeline._random_logits(g, i)
+        cases.append(Case(f"random logits #{i} ({what})", (logits, k), top_k_next_tokens(logits, k)))
+    with pytest.raises(CheckFailed, match="random logits"):
+        run_check("top_k_next_tokens", wrong, cases, compare=pipeline._pairs_match)
+
+
+def top_k_next_tokens_pure(logits, k):
+    values = logits.tolist()
+    top = max(values)
+    weights = [math.exp(v - top) if v != -math.inf else 0.0 for v in values]
+    total = sum(weights)
+    ranked = sorted(range(len(values)), key=lambda i: (-weights[i], i))
+    return [(i, weights[i] / total) for i in ranked[:k]]
+
+
+def with_heapq(logits, k):
+    """Sort by logit (the same order as by probability), only the k largest, with heapq."""
+    values = logits.double()
+    probs = torch.softmax(values, -1)
+    best = heapq.nsmallest(k, range(len(values)), key=lambda i: (-values[i].item(), i))
+    return [(i, probs[i].item()) for i in best]
+
+
+def softmax_by_hand_on_a_copy(logits, k):
+    x = logits.clone()
+    x -= x.max()  # in place, but on a copy: fine
+    x = x.exp()
+    x /= x.sum()
+    order = sorted(range(x.numel()), key=lambda i: -x[i].item()) if x.numel() < 1000 else \
+        torch.argsort(x, descending=True, stable=True).tolist()
+    return [(int(i), float(x[i])) for i in order[:k]]
+
+
+@pytest.mark.parametrize("solution", [top_k_next_tokens_pure, with_heapq, softmax_by_hand_on_a_copy])
+def test_differently_written_solutions_pass(solution):
+    check_top_k_next_tokens(solution, seed=7, n_random=30)
 
 
 def test_a_hanging_solution_is_stopped():
@@ -90,7 +215,22 @@ def test_a_hanging_solution_is_stopped():
         while True:
             pass
 
-    from llmcourse.checks.core import Case, run_check
-
     with pytest.raises(CheckFailed, match="did not finish within 0.5 s"):
         run_check("top_k_next_tokens", hangs, [Case("any", (torch.zeros(3), 1), [])], seconds=0.5)
+
+
+def test_the_time_out_hint_is_about_this_exercise(monkeypatch):
+    import llmcourse.checks.pipeline as pipeline
+
+    def hangs(logits, k):
+        while True:
+            try:
+                sum(range(10**6))
+            except Exception:  # swallows everything an Exception can be: not the time-out
+                pass
+
+    real = pipeline.run_check
+    monkeypatch.setattr(pipeline, "run_check", lambda *a, **kw: real(*a, **{**kw, "seconds": 0.3}))
+    with pytest.raises(CheckFailed, match=r"did not finish within 0.3 s") as caught:
+        check_top_k_next_tokens(hangs)
+    assert "merge" not in str(caught.value) and "50,257" in str(caught.value)

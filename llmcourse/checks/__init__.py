@@ -1,16 +1,25 @@
 """Exercise checks: each compares a learner's function with the engine's.
 
+    >>> import torch
     >>> from llmcourse.checks import check_top_k_next_tokens
-    >>> from llmcourse.sampling import top_k_next_tokens
+    >>> def top_k_next_tokens(logits, k):
+    ...     probs = torch.softmax(logits.float(), dim=-1)
+    ...     order = torch.argsort(probs, descending=True, stable=True)
+    ...     return [(int(i), float(probs[i])) for i in order[:k]]
     >>> check_top_k_next_tokens(top_k_next_tokens)
-    ✓ top_k_next_tokens — 26 cases
+    ✓ top_k_next_tokens — 30 cases
+
+What every check gets from the shared machinery (order-aware comparison, inputs that must not
+change, black boxes caught however they are reached, nestable time limits, bounded messages) is
+described in `llmcourse.checks.core`.
 """
 
-from .core import Case, CheckFailed, Forbidden, run_check
+from .core import NOT_ENFORCEABLE, Case, CheckFailed, Forbidden, ForbiddenCall, run_check, time_limit
 from .pipeline import check_top_k_next_tokens
 from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
                            check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)
 
-__all__ = ["Case", "CheckFailed", "Forbidden", "check_top_k_next_tokens", "run_check",
+__all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE", "check_top_k_next_tokens",
+           "run_check", "time_limit",
            "check_get_pair_counts", "check_merge", "check_train_bpe", "check_bytes_to_unicode",
            "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder"]

@@ -10,9 +10,12 @@ import torch
 from ..sampling import top_k_next_tokens
 from .core import Case, Forbidden, run_check
 
+SORT_YOURSELF = "Turn the logits into probabilities, then sort the token ids by probability."
 NO_TOPK = [
-    Forbidden("torch.topk", "Turn the logits into probabilities, then sort the token ids by probability."),
-    Forbidden("torch.Tensor.topk", "Turn the logits into probabilities, then sort the token ids by probability."),
+    Forbidden("torch.topk", SORT_YOURSELF),  # every route: torch.topk, Tensor.topk, torch.ops.aten.topk, ...
+    Forbidden("llmcourse.sampling.top_k_next_tokens", "Write your own."),
+    Forbidden("llmcourse.sampling.top_k", SORT_YOURSELF),
+    Forbidden("transformers", SORT_YOURSELF),
 ]
 
 
@@ -40,8 +43,55 @@ def _case(description: str, logits: torch.Tensor, k: int, hint: str = "") -> Cas
     return Case(description, (logits, k), top_k_next_tokens(logits, k), hint)
 
 
+def _unambiguous(logits: torch.Tensor, k: int, expected: list[tuple[int, float]]) -> bool:
+    """True if every correct implementation must give `expected`'s tokens: they are the exact order
+    (by logit, then by id), and no two of the first k + 1 logits are so close (without being equal),
+    or so improbable, that rounding in float32 could reorder them."""
+    values, order = torch.sort(logits.double(), descending=True, stable=True)  # stable: ties by id
+    x = dict(zip(order[: k + 1].tolist(), values[: k + 1].tolist()))
+    order = list(x)
+    if [token for token, _ in expected] != order[:k]:
+        return False
+    top = x[order[0]]
+    if any(x[i] != -math.inf and top - x[i] > 60 for i in order[:k]):  # exp() of that underflows in float32
+        return False
+    return all(not 0 < x[a] - x[b] < 1e-3 for a, b in zip(order[: k + 1], order[1 : k + 1]))
+
+
+def _random_logits(g: torch.Generator, i: int) -> tuple[str, torch.Tensor, int]:
+    """Logits of several shapes: GPT-2's vocabulary, far from their mean, with many ties, far from 0,
+    in float64 and with masked (-inf) tokens; k from 1 to the whole vocabulary."""
+    def randint(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+
+    kind = i % 5
+    vocab = 50257 if kind == 0 else randint(2, 300)
+    k = randint(1, min(vocab, 12)) if randint(0, 3) or vocab > 300 else randint(1, vocab)
+    if kind == 0:
+        what, logits = "GPT-2's vocabulary", torch.randn(vocab, generator=g) * 3
+    elif kind == 1:  # most tokens far below a few: the mean is far below the max
+        cluster = randint(1, min(vocab, 12))
+        logits = torch.randn(vocab, generator=g) * 5 - float(randint(100, 3000))
+        logits[torch.randperm(vocab, generator=g)[:cluster]] = torch.randn(cluster, generator=g) * 3
+        k = randint(1, cluster)
+        what = "far from their mean"
+    elif kind == 2:  # few distinct values: many ties
+        what, logits = "many ties", torch.randint(-4, 5, (vocab,), generator=g).float() * 0.5
+    elif kind == 3:  # a large offset and spread
+        offset = float(randint(-5000, 5000))
+        what, logits = f"offset {offset:g}", torch.randn(vocab, generator=g) * [0.1, 3.0, 20.0][randint(0, 2)] + offset
+    else:  # float64, some tokens masked
+        logits = (torch.randn(vocab, generator=g) * 4).float().double()
+        masked = torch.rand(vocab, generator=g) < 0.3
+        masked[int(torch.argmax(logits))] = False
+        what, logits = "float64, some -inf", logits.masked_fill(masked, -math.inf)
+    return f"{what}, vocabulary {vocab}, k={k}", logits, k
+
+
 def check_top_k_next_tokens(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """top_k_next_tokens(logits [V], k) -> [(token id, probability), ...], most likely first."""
+    max_not_mean = "softmax(x) = softmax(x - c) for any c: subtract the max (not the mean, not the min), so that " \
+                   "every exponent is <= 0 and exp() cannot overflow"
     cases = [
         _case("a small example", torch.tensor([2.0, 1.0, 0.5, -1.0]), 2),
         _case("k = 1 is the greedy choice", torch.tensor([0.1, 3.0, -2.0]), 1),
@@ -53,11 +103,22 @@ def check_top_k_next_tokens(fn, *, seed: int = 0, n_random: int = 20) -> None:
               "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() finite"),
         _case("very negative logits", torch.tensor([-1000.0, -1001.0, -1003.0]), 3,
               "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() from underflowing to 0/0"),
+        _case("a vocabulary of one token", torch.tensor([0.5]), 1, "one token has probability 1"),
+        _case("two likely tokens far above the rest (far from the mean)",
+              torch.cat([torch.full((98,), -300.0), torch.tensor([5.0, 4.0])]), 2, max_not_mean),
+        _case("masked tokens: logits of -inf have probability 0",
+              torch.tensor([1.0, -math.inf, 2.0, -math.inf, 0.5]), 4,
+              "exp(-inf) is 0: those tokens come last, smaller id first"),
+        _case("k larger than 10", torch.linspace(3.0, -3.0, 30).flip(0), 25, ""),
     ]
     g = torch.Generator().manual_seed(seed)
-    for i in range(n_random):
-        vocab = 50257 if i % 5 == 0 else int(torch.randint(2, 200, (1,), generator=g))
-        k = int(torch.randint(1, min(vocab, 10) + 1, (1,), generator=g))
-        logits = torch.randn(vocab, generator=g) * 3
-        cases.append(_case(f"random logits #{i} (vocabulary {vocab}, k={k})", logits, k))
-    run_check("top_k_next_tokens", fn, cases, compare=_pairs_match, forbid=NO_TOPK)
+    attempts = 0
+    while len(cases) < 10 + n_random and attempts < 20 * (n_random + 1):
+        attempts += 1
+        what, logits, k = _random_logits(g, len(cases) - 10)
+        case = _case(f"random logits #{len(cases) - 10} ({what})", logits, k)
+        if _unambiguous(logits, k, case.expected):
+            cases.append(case)
+    run_check("top_k_next_tokens", fn, cases, compare=_pairs_match, forbid=NO_TOPK,
+              timeout_hint="look for a loop that never ends; a sort written by hand that compares every pair "
+                           "(O(V²)) is far too slow for 50,257 tokens: use torch.argsort or sorted()")
