@@ -234,3 +234,12 @@ def test_the_time_out_hint_is_about_this_exercise(monkeypatch):
     with pytest.raises(CheckFailed, match=r"did not finish within 0.3 s") as caught:
         check_top_k_next_tokens(hangs)
     assert "merge" not in str(caught.value) and "50,257" in str(caught.value)
+
+
+def test_the_notebook_solution_passes_every_check(capsys):
+    from pathlib import Path
+
+    from .test_checks_tokenization import run_notebook_checks
+
+    out = run_notebook_checks(Path(__file__).parents[1] / "solutions/00_pipeline/00_pipeline.ipynb", capsys)
+    assert out.count("✓") == 2, out

@@ -411,6 +411,11 @@ def _resolve(target: str) -> tuple[Any, str]:
         for name in parts[split:-1]:
             owner = getattr(owner, name)
         return owner, parts[-1]
+    if hasattr(builtins, parts[0]):  # 'str.upper', 'bytes.decode'
+        owner = getattr(builtins, parts[0])
+        for name in parts[1:-1]:
+            owner = getattr(owner, name)
+        return (owner, parts[-1]) if len(parts) > 1 else (builtins, parts[0])
     raise ValueError(f"cannot resolve {target!r}")
 
 
@@ -1002,7 +1007,7 @@ def run_check(
                     raise
                 except BaseException as err:
                     raise CheckFailed(f"✗ {name} — {case.description}: the check could not compare your answer "
-                                      f"with the expected one ({type(err).__name__}: {short(str(err), 200)})\n"
+                                      f"with the expected one ({type(err).__name__}: {str(err)[:200]})\n"
                                       f"  input:    {show(case.args)}\n"
                                       f"  expected: {short(case.expected)}\n"
                                       f"  got:      {short(got)}") from None
