@@ -138,7 +138,9 @@ def machine(device: torch.device, weight_bytes: int) -> dict:
     model's weights fit in that cache (then part of each decode step's reads come from the cache,
     not from memory, and decode can come closer to, or beyond, the memory roofline)."""
     info: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                  "weights_MB": weight_bytes / 1e6}
+                  "weights_MB": weight_bytes / 1e6,
+                  # other work on the machine slows every row; on a shared machine, say how busy it was
+                  "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
     llc = last_level_cache()
     info.update({"llc_level": llc[0], "llc_MB": llc[1] / 2**20} if llc else {"llc_level": None, "llc_MB": None})
     if device.type == "cuda":  # on a GPU the weights stream from its memory through its L2
@@ -165,15 +167,25 @@ def describe_machine(m: dict) -> str:
         return f"{where}{cores}; last-level cache unknown ({m['weights_MB']:.0f} MB of weights)"
     fit = ("fit in it" if m["weights_fit_in_llc"]
            else f"do not fit (it holds {m['weights_in_llc']:.0%} of them)")
-    return f"{where}{cores}; L{m['llc_level']} cache {m['llc_MB']:.0f} MB: the {m['weights_MB']:.0f} MB of weights {fit}"
+    load = f"; load average {m['load_average']:.1f} at the start" if m.get("load_average") is not None else ""
+    return (f"{where}{cores}; L{m['llc_level']} cache {m['llc_MB']:.0f} MB: the {m['weights_MB']:.0f} MB of weights "
+            f"{fit}{load}")
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square matrix product."""
-    a, b = torch.randn(size, size, device=device, dtype=dtype), torch.randn(size, size, device=device, dtype=dtype)
+    """FLOP/s of a large square matrix product, at most `size` wide.
+
+    The size doubles from 256 while a product takes under 50 ms: on a CPU without native float16
+    arithmetic a 2048-wide float16 product takes minutes."""
+    n = 256
+    while True:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        if n >= size or median_seconds(lambda: a @ b, 1, device) > 0.05:
+            break
+        n *= 2
     a @ b
     seconds = median_seconds(lambda: a @ b, repeats, device)
-    return 2 * size**3 / seconds
+    return 2 * n**3 / seconds
 
 
 def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, batch: int = 1) -> tuple[float, float]:
@@ -311,7 +323,10 @@ def run(
         results["batching"][b] = {"bound_tokens_per_s": bound, "bound_is": bound_is}
         for name, compiled in modes.items():  # one after the other: their weights compete for the cache
             seconds = interleaved({n: decode(rows, n, compiled) for n in (steps, 2 * steps)}, repeats, dev)
-            speed = b * steps / max(seconds[2 * steps] - seconds[steps], 1e-9)
+            if seconds[2 * steps] > seconds[steps]:
+                speed = b * steps / (seconds[2 * steps] - seconds[steps])
+            else:  # noise larger than the difference (a tiny model): count the prefill in, an underestimate
+                speed = b * 2 * steps / seconds[2 * steps]
             results["batching"][b][name] = speed
             results["batching"][b][f"{name}_fraction"] = speed / bound
     return results
