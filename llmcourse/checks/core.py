@@ -857,12 +857,30 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
     if changed:
         index, before = changed
         value = args[index]
-        raise CheckFailed(f"✗ {call} changed its input `{inputs.name(index)}`: your function must not change "
+        name = inputs.name(index)
+        raise CheckFailed(f"✗ {call} changed its input `{name}`: your function must not change "
                           f"its arguments (the caller still needs them).\n"
-                          f"  before the call: {short(before)}\n"
-                          f"  after the call:  {short(value)}\n"
+                          f"{_describe_change(name, before, value)}\n"
                           f"  hint: {_modify_hint(value)}")
     return result
+
+
+def _describe_change(name: str, before: Any, after: Any) -> str:
+    """Two lines: what the argument was and what it became (for a dict, the first entry that changed)."""
+    if isinstance(before, dict) and isinstance(after, dict):
+        for key, value in before.items():
+            if key not in after:
+                return f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n  after the call:  it is gone"
+            if not _unchanged(after[key], _snapshot(value)):
+                return (f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n"
+                        f"  after the call:  {name}[{short(key, 60)}] is {short(after[key], 80)}")
+        added = next((key for key in after if key not in before), _MISSING)
+        if added is not _MISSING:
+            return (f"  before the call: {name} had no key {short(added, 60)}\n"
+                    f"  after the call:  {name}[{short(added, 60)}] is {short(after[added], 80)}")
+        return (f"  before the call: the keys in the order {short(list(before), 120)}\n"
+                f"  after the call:  the keys in the order {short(list(after), 120)}")
+    return f"  before the call: {short(before)}\n  after the call:  {short(after)}"
 
 
 # ----------------------------------------------------------------------------------------------
