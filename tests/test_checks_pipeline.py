@@ -243,3 +243,16 @@ def test_the_notebook_solution_passes_every_check(capsys):
 
     out = run_notebook_checks(Path(__file__).parents[1] / "solutions/00_pipeline/00_pipeline.ipynb", capsys)
     assert out.count("✓") == 2, out
+
+
+def test_transformers_helpers_are_black_boxes_too():
+    warper = pytest.importorskip("transformers").TopKLogitsWarper  # imported before, as in a notebook
+
+    def with_a_warper(logits, k):
+        kept = warper(top_k=k)(None, logits[None])[0]
+        probs = torch.softmax(kept, -1)
+        order = torch.argsort(probs, descending=True, stable=True)
+        return [(int(i), float(probs[i])) for i in order[:k]]
+
+    with pytest.raises(CheckFailed, match=r"called transformers\.generation\.logits_process\.TopKLogitsWarper"):
+        check_top_k_next_tokens(with_a_warper)

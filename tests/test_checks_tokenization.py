@@ -24,6 +24,10 @@ from llmcourse.checks import (CheckFailed, check_bpe_encode_chunk, check_bytes_t
 from llmcourse.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
 from llmcourse.tokenizer import bytes_to_unicode as engine_table_imported_early
 
+tokenizers = pytest.importorskip("tokenizers")  # Hugging Face's (a dependency of transformers): a black box too
+import tokenizers.decoders  # noqa: E402
+import tokenizers.pre_tokenizers  # noqa: E402
+
 
 def copy_of(fn):
     """The engine's function as a learner would have it: the same source, compiled in their notebook.
@@ -676,6 +680,27 @@ class SubclassedEngineStreamDecoder(llmcourse.tokenizer.StreamDecoder):
         super().__init__(type("Vocab", (), {"decode_single_token_bytes": lambda _, i: vocab[i]})())
 
 
+def tokenizers_byte_level():
+    from tokenizers.pre_tokenizers import ByteLevel  # imported before the check (at the top of this file)
+
+    return ByteLevel
+
+
+class DecodeStreamDecoder:
+    """Hugging Face's streaming decoder (imported before the check, as a notebook would)."""
+
+    def __init__(self, vocab):
+        from tokenizers.decoders import DecodeStream  # imported before the check (at the top of this file)
+
+        self.stream = DecodeStream(skip_special_tokens=False)
+
+    def push(self, token_id):
+        return self.stream.step(None, token_id) or ""
+
+    def flush(self):
+        return ""
+
+
 BLACK_BOXES = [
     (check_encode, lambda text, ranks: TOKENIZER.encode(text, allowed_special="all"),
      r"called tiktoken\.core\.Encoding\.encode \(part of tiktoken\)"),
@@ -691,6 +716,9 @@ BLACK_BOXES = [
     (check_bytes_to_unicode, lambda: dict(engine_table_imported_early()), r"called llmcourse\.tokenizer\.bytes_to_unicode"),
     (check_bpe_encode_chunk, lambda chunk, ranks: bpe.encode(chunk.decode("utf-8", "replace")),
      r"called llmcourse\.bpe\.encode"),
+    (check_bytes_to_unicode, lambda: dict(zip(range(256), tokenizers_byte_level().alphabet())),
+     r"called ByteLevel\.alphabet \(part of tokenizers\)"),
+    (check_stream_decoder, DecodeStreamDecoder, r"called DecodeStream\.step \(part of tokenizers\)"),
     (check_stream_decoder, IncrementalStreamDecoder, r"called codecs\.getincrementaldecoder"),
     (check_stream_decoder, AliasedIncrementalStreamDecoder, r"called codecs\.getincrementaldecoder"),
     (check_stream_decoder, LookupStreamDecoder, r"called codecs\.BufferedIncrementalDecoder"),

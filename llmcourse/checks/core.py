@@ -474,12 +474,26 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
             for name, module in list(sys.modules.items()):
                 if module is None or not (name == target or name.startswith(target + ".")):
                     continue
+                native = str(getattr(module, "__file__", "") or "").endswith((".so", ".pyd"))
                 for value in list(vars(module).values()):
-                    if isinstance(value, type) and value.__module__ in ("builtins", None) \
-                            and getattr(builtins, value.__name__, None) is not value:
-                        rules.classes[value] = rule  # C classes that do not say where they live (tiktoken's CoreBPE)
-                    elif isinstance(value, types.BuiltinFunctionType) and (
-                            (getattr(value, "__module__", None) or target) + ".").startswith(target + "."):
+                    home = getattr(value, "__module__", None)
+                    # defined in the package, or (an extension module's classes may say 'builtins') by this
+                    # extension module itself -- not a type a Python module imported (types.ModuleType, ...)
+                    ours = (home or "").startswith(target + ".") or home == target or \
+                        (native and home in ("builtins", None) and getattr(builtins, getattr(value, "__name__", ""),
+                                                                          None) is not value
+                         and not any(value is v for v in vars(types).values()))
+                    if not ours:
+                        continue
+                    if isinstance(value, type):
+                        # its instances' C methods, and its static C functions (tiktoken's CoreBPE, the
+                        # Rust classes of `tokenizers`, which may not say where they live)
+                        rules.classes[value] = rule
+                        for member in list(vars(value).values()):
+                            if isinstance(member, staticmethod) and isinstance(member.__func__, types.BuiltinFunctionType):
+                                rules.builtins[id(member.__func__)] = rule
+                                rules.keep.append(member.__func__)
+                    elif isinstance(value, types.BuiltinFunctionType):
                         rules.builtins[id(value)] = rule
                         rules.keep.append(value)
             continue
@@ -497,14 +511,15 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
     return rules
 
 
-_compiled: dict[tuple, _Rules] = {}
+_compiled: dict[tuple, tuple[int, _Rules]] = {}  # rules -> (len(sys.modules) then, compiled)
 
 
 def _rules_for(forbid: Sequence[Forbidden]) -> _Rules:
-    key = tuple(forbid)
-    if key not in _compiled:
-        _compiled[key] = _compile(forbid)
-    return _compiled[key]
+    key, modules = tuple(forbid), len(sys.modules)  # a newly imported package brings new classes to look at
+    cached = _compiled.get(key)
+    if cached is None or cached[0] != modules:
+        cached = _compiled[key] = (modules, _compile(forbid))
+    return cached[1]
 
 
 def _message(rule: Forbidden, reached: str) -> str:
@@ -620,7 +635,7 @@ class forbidding:
                 found = self._named(arg, name, owner)
                 if found is not None:
                     self.refuse(*found)
-            if self.rules.classes:
+            if self.rules.classes and owner is not None:
                 rule = self._type_rule(owner if isinstance(owner, type) else type(owner))
                 if rule is not None:
                     self.refuse(rule, _c_name(arg))
@@ -660,7 +675,8 @@ def _c_name(arg: Any) -> str:
     elif owner is not None:
         where = type(owner).__name__
     else:
-        where = getattr(arg, "__module__", None) or "?"
+        qualname = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "?")
+        return f"{getattr(arg, '__module__', None)}.{qualname}" if getattr(arg, "__module__", None) else qualname
     return f"{where}.{getattr(arg, '__name__', '?')}"
 
 
