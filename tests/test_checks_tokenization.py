@@ -875,3 +875,12 @@ def test_reference_encode_is_fast_on_a_few_kilobytes():
     ids = bpe.encode(text)
     assert time.perf_counter() - start < 1.0
     assert ids == get_tokenizer().encode(text)
+
+
+def test_a_table_that_breaks_when_read_is_reported():
+    class Table(dict):
+        def __getitem__(self, key):
+            raise RuntimeError("lazy table failed")
+
+    with pytest.raises(CheckFailed, match=r"could not compare your answer[\s\S]*lazy table failed"):
+        check_bytes_to_unicode(lambda: Table({b: chr(b) for b in range(256)}))

@@ -1003,6 +1003,7 @@ def run_check(
     may_modify: Union[bool, Collection[Union[int, str]]] = False,
     timeout_hint: str = "",
     show_call: Optional[Callable[[tuple], str]] = None,
+    success: Optional[str] = None,
 ) -> None:
     """Run every case; raise CheckFailed at the first wrong one; print '✓ name — N cases'.
 
@@ -1012,7 +1013,8 @@ def run_check(
     error whose message contains one of its keys. Each call may take `seconds`, the whole check
     `total_seconds`. No argument may change unless `may_modify` is True or names it (by position or
     parameter name). `timeout_hint` says what to look for when a call does not finish; `show_call`
-    writes a call for messages (default `name(arg, ...)`).
+    writes a call for messages (default `name(arg, ...)`); `success` replaces the line printed at
+    the end. A judge may also raise CheckFailed itself, with a message of its own.
     """
     __tracebackhide__ = True
     if not callable(fn):
@@ -1057,5 +1059,5 @@ def run_check(
         hint = f"\n  hint: {timeout_hint}" if timeout_hint else ""
         raise CheckFailed(f"✗ {name}: the check stopped after {total_seconds:g} s in total, with {count}{of} cases "
                           f"done (each was right): your function is too slow.{hint}") from None
-    print(f"✓ {name} — {count} case{'s' if count != 1 else ''}")
+    print(success or f"✓ {name} — {count} case{'s' if count != 1 else ''}")
 

@@ -31,7 +31,7 @@ from typing import Any, Optional
 
 from .. import bpe
 from ..tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
-from .core import Case, CheckFailed, Forbidden, Verdict, call_learner, failure, run_check, short
+from .core import Case, CheckFailed, Forbidden, Verdict, failure, run_check, short
 
 
 NO_TIKTOKEN = [Forbidden("tiktoken", "tiktoken is the black box this chapter opens: use your own functions.")]
@@ -399,27 +399,10 @@ def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
     Every byte is checked (the `n_random` random ones right after the landmark bytes, for a hint that
     fits), and so is the order of the keys, which gives the single-byte tokens their ids.
     """
-    __tracebackhide__ = True
     name = "bytes_to_unicode"
-    if not callable(fn):
-        raise CheckFailed(f"✗ {name}: expected a function, got {short(fn)}")
     forbid = [Forbidden("llmcourse.tokenizer.bytes_to_unicode", "Build the table yourself."),
               Forbidden("llmcourse.tokenizer.load_mergeable_ranks", "Build the table yourself."), *NO_LIBRARIES]
-    table = call_learner(name, fn, (), forbid=forbid,
-                         timeout_hint="look for a loop that never ends: 256 bytes need one loop over range(256)")
     reference = bytes_to_unicode()
-
-    def fail(description, problem, call, expected, got, hint):
-        return failure(name, description, problem, call, expected, got, hint)
-
-    if not isinstance(table, dict):
-        raise fail("the table", f"expected a dict {{byte: character}}, got a {type(table).__name__}",
-                   "bytes_to_unicode()", "{33: '!', 34: '\"', ...}", table, "")
-    if set(table) != set(range(256)) or any(type(k) is not int for k in table):
-        missing = [b for b in range(256) if b not in table]
-        raise fail("the keys", f"expected the 256 bytes 0..255 as keys, got {len(table)} keys"
-                   + (f", missing {missing[:5]}" if missing else ""), "set(bytes_to_unicode())",
-                   "{0, 1, ..., 255}", set(table), "the keys are ints 0..255, one per byte value")
     hints = {
         "printable": "bytes that are printable characters in Latin-1 ('!'..'~', '¡'..'¬', '®'..'ÿ') map to chr(byte)",
         "other": "the other 68 bytes (controls, space, 127..160, 173) map to chr(256), chr(257), ... in byte order",
@@ -427,18 +410,36 @@ def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
     rng = random.Random(seed)
     landmarks = [32, 10, 9, 0, 65, 33, 126, 127, 160, 161, 173, 174, 255]  # around the edges of the printable ranges
     order = dict.fromkeys([*landmarks, *rng.sample(range(256), min(n_random, 256)), *range(256)])  # first ones first
-    for b in order:
-        if type(table[b]) is not str or table[b] != reference[b]:
-            kind = "other" if reference[b] != chr(b) else "printable"
-            raise fail(f"byte {b} ({bytes([b])!r})", "the characters differ", f"bytes_to_unicode()[{b}]",
-                       reference[b], table[b], hints[kind])
-    if list(table) != list(reference):
-        at = next(k for k, (got, want) in enumerate(zip(table, reference)) if got != want)
-        raise fail("the order of the table", f"right characters, but entry #{at} is byte {list(table)[at]}, "
-                   f"expected byte {list(reference)[at]}", "list(bytes_to_unicode())", list(reference), list(table),
-                   "the order matters: GPT-2 numbers its 256 single-byte tokens in the order of this table. Insert "
-                   "the printable bytes first (33..126, 161..172, 174..255), then the others in increasing order")
-    print(f"✓ {name} — 256 bytes and their order")
+
+    def fail(description, problem, call, expected, got, hint):
+        return failure(name, description, problem, call, expected, got, hint)
+
+    def judge(case: Case, table: Any) -> Verdict:  # raises its own messages: each names the entry it looks at
+        if not isinstance(table, dict):
+            raise fail("the table", f"expected a dict {{byte: character}}, got a {type(table).__name__}",
+                       "bytes_to_unicode()", "{33: '!', 34: '\"', ...}", table, "")
+        if set(table) != set(range(256)) or any(type(k) is not int for k in table):
+            missing = [b for b in range(256) if b not in table]
+            raise fail("the keys", f"expected the 256 bytes 0..255 as keys, got {len(table)} keys"
+                       + (f", missing {missing[:5]}" if missing else ""), "set(bytes_to_unicode())",
+                       "{0, 1, ..., 255}", set(table), "the keys are ints 0..255, one per byte value")
+        for b in order:
+            if type(table[b]) is not str or table[b] != reference[b]:
+                kind = "other" if reference[b] != chr(b) else "printable"
+                raise fail(f"byte {b} ({bytes([b])!r})", "the characters differ", f"bytes_to_unicode()[{b}]",
+                           reference[b], table[b], hints[kind])
+        if list(table) != list(reference):
+            at = next(k for k, (got, want) in enumerate(zip(table, reference)) if got != want)
+            raise fail("the order of the table", f"right characters, but entry #{at} is byte {list(table)[at]}, "
+                       f"expected byte {list(reference)[at]}", "list(bytes_to_unicode())", list(reference),
+                       list(table), "the order matters: GPT-2 numbers its 256 single-byte tokens in the order of "
+                       "this table. Insert the printable bytes first (33..126, 161..172, 174..255), then the others "
+                       "in increasing order")
+        return None
+
+    run_check(name, fn, [Case("the table", (), reference)], judge=judge, forbid=forbid,
+              timeout_hint="look for a loop that never ends: 256 bytes need one loop over range(256)",
+              success=f"✓ {name} — 256 bytes and their order")
 
 
 # ----------------------------------------------------------------------------------------------
