@@ -1,0 +1,46 @@
+"""README.md's commands and its Python example run exactly as written."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+# Commands the README shows that other tests run (bench: test_bench.py; pytest: CI itself) or that
+# need a network (pip).
+ELSEWHERE = ("python -m llmcourse bench", "python -m pytest", "pip ", "python3 -m venv")
+
+
+def blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def commands() -> list[str]:
+    lines = [line.split("  #")[0].strip() for block in blocks("bash") for line in block.splitlines()]
+    return [line for line in lines if line.startswith("python -m llmcourse") and not line.startswith(ELSEWHERE)]
+
+
+def test_the_readme_shows_the_learners_commands():
+    shown = commands()
+    assert 'python -m llmcourse generate "ROMEO:"' in shown
+    assert 'python -m llmcourse generate --parts chapters/ "ROMEO:"' in shown
+
+
+@pytest.mark.parametrize("command", commands())
+def test_readme_command_runs_as_written(command):
+    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+    assert done.returncode == 0, done.stderr
+    assert len(done.stdout.strip()) > 20, done.stdout
+
+
+def test_readme_python_example_runs(capsys):
+    example = next(block for block in blocks("python") if "import llmcourse" in block)
+    namespace: dict = {"__name__": "readme"}
+    exec(compile(example, "README.md", "exec"), namespace)
+    assert isinstance(namespace["text"], str) and len(namespace["ids"]) == 2
+    assert capsys.readouterr().out.strip()
