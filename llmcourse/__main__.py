@@ -96,8 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
     prog.add_argument("-v", "--verbose", action="store_true",
                       help="show each failing check's whole message (input, expected, got, hint)")
     commands.add_parser("release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
-                        description="Run `nbgrader generate_assignment NAME --force --no-db` for every chapter in "
-                                    "solutions/; run it in the course folder (where nbgrader_config.py is).")
+                        description="Run `nbgrader generate_assignment NAME --notebook=NAME --force` for every chapter "
+                                    "in solutions/, recording each in the gradebook so that `nbgrader autograde` "
+                                    "finds it; run it in the course folder (where nbgrader_config.py is).")
     bench = commands.add_parser(
         "bench", help="benchmark the engine against transformers and this machine's roofline",
         description="Measure decode and prefill speed (engine vs transformers, same weights), the roofline, the KV "

@@ -10,8 +10,9 @@ its outputs in one canonical form:
   are stored as one output per stream, not one per flush;
 - no execution timings or per-run metadata are recorded;
 - a cell tagged `machine-dependent` (timings and other measurements that differ from run to run)
-  keeps the outputs stored before, as long as its source is unchanged. The book executes every
-  page when it is built, so readers still see figures from the build.
+  keeps the outputs stored before, as long as its source is the one that made them (the cell's
+  metadata `outputs_of` holds a hash of that source). The book executes every page when it is
+  built, so readers still see figures from the build.
 
 nbval compares the cells tagged `nbval-check-output` with these stored outputs.
 
@@ -23,6 +24,7 @@ nbval compares the cells tagged `nbval-check-output` with these stored outputs.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -42,6 +44,10 @@ def merge_streams(outputs: list) -> list:
     return merged
 
 
+def source_hash(source: str) -> str:
+    return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
+
+
 def canonical(nb, stored) -> None:
     """Put the freshly executed `nb` into its stored form; `stored` is the notebook as it was."""
     before = {cell.get("id"): cell for cell in stored.cells}
@@ -49,12 +55,14 @@ def canonical(nb, stored) -> None:
         if cell.cell_type != "code":
             continue
         cell.metadata.pop("execution", None)
+        cell.outputs = merge_streams(cell.outputs)
+        if MACHINE_DEPENDENT not in cell.metadata.get("tags", []):
+            cell.metadata.pop("outputs_of", None)
+            continue
         old = before.get(cell.get("id"))
-        if (MACHINE_DEPENDENT in cell.metadata.get("tags", []) and old is not None and old.source == cell.source
-                and old.get("outputs")):
+        if old is not None and old.get("outputs") and old.metadata.get("outputs_of") == source_hash(cell.source):
             cell.outputs = old.outputs
-        else:
-            cell.outputs = merge_streams(cell.outputs)
+        cell.metadata["outputs_of"] = source_hash(cell.source)
 
 
 def refresh(path: Path, timeout: int = 600) -> bool:

@@ -43,9 +43,14 @@ def test_machine_dependent_cells_keep_their_outputs_until_their_source_changes()
     for cell in fresh.cells:
         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="new"),
                         nbformat.v4.new_output("stream", name="stdout", text="\n")]
-    canonical(fresh, stored)
-    assert [o["text"] for o in fresh.cells[0].outputs] == ["old\n"]
+    canonical(fresh, stored)  # the stored outputs were made by an unknown source: the new ones are kept
+    assert [o["text"] for o in fresh.cells[0].outputs] == ["new\n"]
     assert [o["text"] for o in fresh.cells[1].outputs] == ["new\n"]
+
+    stored = nbformat.reads(nbformat.writes(fresh), as_version=4)
+    stored.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="old\n")]
+    canonical(fresh, stored)  # same source as the one that made the stored outputs: they stay
+    assert [o["text"] for o in fresh.cells[0].outputs] == ["old\n"]
 
     fresh.cells[0].source = "print(time.perf_counter())"
     fresh.cells[0].outputs = [nbformat.v4.new_output("stream", name="stdout", text="new\n")]
