@@ -444,14 +444,15 @@ def plot(r: dict, out: Path) -> list[Path]:
     from matplotlib.ticker import MaxNLocator, NullLocator
 
     def log_axis(ax, values):
-        """A log y axis with at most four plain-number ticks from 1, 2, 5, 10, 20, 50, ..."""
-        lo, hi = min(values), max(values)
+        """A log y axis with two to four plain-number ticks, evenly spaced: 1-2-5, 1-3 or powers of 10."""
+        lo, hi = min(values) / 1.4, max(values) * 1.4
         ax.set_yscale("log")
-        ax.set_ylim(lo / 1.4, hi * 1.4)
-        ticks = [m * 10.0**k for k in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
-                 for m in (1, 2, 5) if lo / 1.4 <= m * 10.0**k <= hi * 1.4]
-        while len(ticks) > 4:
-            ticks = ticks[::2]
+        ax.set_ylim(lo, hi)
+        for subs in [(1, 2, 5), (1, 3), (1,)]:
+            ticks = [m * 10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                     for m in subs if lo <= m * 10.0**k <= hi]
+            if len(ticks) <= 4:
+                break
         ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
         ax.yaxis.set_minor_locator(NullLocator())
 
