@@ -102,7 +102,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench", help="benchmark the engine against transformers and this machine's roofline",
         description="Measure decode and prefill speed (engine vs transformers, same weights), the roofline, the KV "
-                    "cache and batching; print a table and write bench.json and bench.png.",
+                    "cache and batching; print a table and write bench.json and one figure per measurement "
+                    "(bench_*.png).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench.add_argument("--model", default="gpt2",
                        help="'gpt2' (124M configuration, random weights: no download), 'tiny', or any --model of generate")
@@ -118,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
     bench.add_argument("--no-compile", action="store_true",
                        help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
-    bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and bench.png")
+    bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)")
     return parser
 
 

@@ -147,10 +147,11 @@ def test_stream_output_reads_as_text(book):
     assert max(len(line.split()) for line in lines) >= 4, shown
 
 
-def test_benchmarks_page_shows_the_figure(book):
+def test_benchmarks_page_shows_the_figures(book):
     html_ = page(book, "benchmarks.html")
     assert "python -m llmcourse bench" in text(html_) and "roofline" in text(html_)
-    assert re.search(r'<img[^>]+src="[^"]*bench\.png"', html_)
+    shown = set(re.findall(r'<img[^>]+src="[^"]*(bench_\w+)\.png"', html_))
+    assert shown >= {"bench_decode", "bench_prefill", "bench_kv_cache", "bench_batching"}, shown
 
 
 # ----------------------------------------------------------------------------------------------
