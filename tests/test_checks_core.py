@@ -12,8 +12,10 @@ from math import factorial as factorial_imported_early
 import pytest
 import torch
 
-from llmcourse.checks.core import (Case, CheckFailed, Forbidden, ForbiddenCall, TimeUp, call_learner, equal,
-                                   forbidding, run_check, short, time_limit)
+from llmcourse.checks.core import Case, CheckFailed, call_learner, equal, run_check
+from llmcourse.checks.forbid import Forbidden, ForbiddenCall, forbidding
+from llmcourse.checks.limits import TimeUp, time_limit
+from llmcourse.checks.show import short
 
 # -- order-aware comparison ---------------------------------------------------------------------
 

@@ -14,7 +14,9 @@ change, black boxes caught however they are reached, nestable time limits, bound
 described in `llmcourse.checks.core`.
 """
 
-from .core import NOT_ENFORCEABLE, Case, CheckFailed, Forbidden, ForbiddenCall, run_check, time_limit
+from .core import Case, CheckFailed, run_check
+from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
+from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
 from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
                            check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)

@@ -8,7 +8,8 @@ from typing import Any, Optional
 import torch
 
 from ..sampling import top_k_next_tokens
-from .core import Case, Forbidden, run_check
+from .core import Case, run_check
+from .forbid import Forbidden
 
 SORT_YOURSELF = "Turn the logits into probabilities, then sort the token ids by probability."
 NO_TOPK = [

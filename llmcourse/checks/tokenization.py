@@ -31,7 +31,9 @@ from typing import Any, Optional
 
 from .. import bpe
 from ..tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
-from .core import Case, CheckFailed, Forbidden, Verdict, failure, run_check, short
+from .core import Case, CheckFailed, Verdict, failure, run_check
+from .forbid import Forbidden
+from .show import short
 
 
 NO_TIKTOKEN = [Forbidden("tiktoken", "tiktoken is the black box this chapter opens: use your own functions.")]

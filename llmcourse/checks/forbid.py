@@ -1,0 +1,354 @@
+"""`forbidding`: black boxes (`Forbidden`) the learner's function may not call, caught however reached.
+
+The targets are compiled into rules (code objects, C functions, classes, modules, torch names) that
+one profile function (`sys.setprofile`) compares with every call while the learner's code runs.
+`NOT_ENFORCEABLE` lists what no in-process watch can catch.
+"""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+import types
+from typing import Any, Optional, Sequence
+
+import torch
+
+from . import limits
+
+NOT_ENFORCEABLE = [
+    "answers computed before the check runs and reused inside the function (a table built in another "
+    "cell, a precomputed result, data such as `ranks` or `vocab`)",
+    "work done in another thread or process (threading, multiprocessing, concurrent.futures, subprocess)",
+    "C code reached from C without passing through Python (the internals of an allowed C function; "
+    "ctypes / cffi)",
+    "a cached result of another library's function (functools.lru_cache / cache) that was computed "
+    "before the check: the cache answers without running code the check can see",
+    "a copy of a black box's source code pasted or exec'd as the learner's own",
+    "anything not on the exercise's list (other libraries' sorting or selection, e.g. numpy.argpartition, "
+    "heapq.nlargest, sorted)",
+]
+
+
+class ForbiddenCall(RuntimeError):
+    """The learner's function called the black box its exercise replaces."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Forbidden:
+    """A black box the learner's function may not call, however it reaches it; `instead` says what to do.
+
+    `target` is
+    - a function or method: 'llmcourse.bpe.merge', 'codecs.getincrementaldecoder', 'torch.topk'
+      (a torch function forbids every torch function of that name: torch.topk, Tensor.topk,
+      torch.ops.aten.topk, ...);
+    - a class: 'llmcourse.tokenizer.StreamDecoder', 'tiktoken._tiktoken.CoreBPE' (constructing it or
+      calling any of its methods, in subclasses too);
+    - a module or package: 'tiktoken', 'transformers' (any function defined in it, even if it is
+      imported only during the call).
+    """
+
+    target: str
+    instead: str = ""
+
+
+@dataclasses.dataclass
+class _Rules:
+    """Forbidden targets compiled into what the watch compares, fast."""
+
+    codes: dict = dataclasses.field(default_factory=dict)  # id(code object) -> rule
+    builtins: dict = dataclasses.field(default_factory=dict)  # id(C function) -> rule
+    classes: dict = dataclasses.field(default_factory=dict)  # class -> rule (C methods on its instances)
+    methods: dict = dataclasses.field(default_factory=dict)  # C method name -> [(class, rule)]
+    modules: dict = dataclasses.field(default_factory=dict)  # module prefix -> rule
+    torch_names: dict = dataclasses.field(default_factory=dict)  # torch function name -> rule
+    caches: list = dataclasses.field(default_factory=list)  # lru_cache wrappers to clear at the start
+    keep: list = dataclasses.field(default_factory=list)  # keeps the objects whose ids are used alive
+
+
+def _resolve(target: str) -> tuple[Any, str]:
+    """'torch.Tensor.topk' -> (torch.Tensor, 'topk'); the object that owns the attribute."""
+    parts = target.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            owner = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:-1]:
+            owner = getattr(owner, name)
+        return owner, parts[-1]
+    if hasattr(builtins, parts[0]):  # 'str.upper', 'bytes.decode'
+        owner = getattr(builtins, parts[0])
+        for name in parts[1:-1]:
+            owner = getattr(owner, name)
+        return (owner, parts[-1]) if len(parts) > 1 else (builtins, parts[0])
+    raise ValueError(f"cannot resolve {target!r}")
+
+
+def _is_module(target: str) -> bool:
+    if target in sys.modules:
+        return isinstance(sys.modules[target], types.ModuleType)
+    try:
+        return importlib.util.find_spec(target) is not None
+    except (ImportError, ValueError, AttributeError):
+        return False
+
+
+def _add_function(rules: _Rules, fn: Any, rule: Forbidden) -> None:
+    seen = 0
+    while fn is not None and seen < 10:
+        seen += 1
+        if isinstance(fn, functools._lru_cache_wrapper):
+            rules.caches.append(fn)
+        if isinstance(fn, (staticmethod, classmethod)):
+            fn = fn.__func__
+        if isinstance(fn, property):
+            for part in (fn.fget, fn.fset, fn.fdel):
+                _add_function(rules, part, rule)
+            return
+        code = getattr(fn, "__code__", None)
+        if isinstance(code, types.CodeType):
+            rules.codes[id(code)] = rule
+            rules.keep.append(code)
+        elif isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+            rules.builtins[id(fn)] = rule
+            rules.keep.append(fn)
+        elif isinstance(fn, (types.MethodDescriptorType, types.ClassMethodDescriptorType)):
+            rules.methods.setdefault(fn.__name__, []).append((fn.__objclass__, rule))
+        fn = getattr(fn, "__wrapped__", None)
+
+
+def _add_class(rules: _Rules, cls: type, rule: Forbidden) -> None:
+    rules.classes[cls] = rule
+    for klass in cls.__mro__:
+        if klass is object or klass.__module__ == "builtins" and klass is not cls:
+            continue
+        for value in vars(klass).values():
+            if callable(value) or isinstance(value, (staticmethod, classmethod, property)):
+                _add_function(rules, value, rule)
+
+
+def _compile(forbid: Sequence[Forbidden]) -> _Rules:
+    rules = _Rules()
+    for rule in forbid:
+        target = rule.target
+        if target.startswith("torch.") and not _is_module(target):
+            rules.torch_names[target.rsplit(".", 1)[1]] = rule  # every route: torch.X, Tensor.X, torch.ops.aten.X
+            continue
+        if _is_module(target):
+            rules.modules[target] = rule
+            for name, module in list(sys.modules.items()):
+                if module is None or not (name == target or name.startswith(target + ".")):
+                    continue
+                native = str(getattr(module, "__file__", "") or "").endswith((".so", ".pyd"))
+                for value in list(vars(module).values()):
+                    home = getattr(value, "__module__", None)
+                    # defined in the package, or (an extension module's classes may say 'builtins') by this
+                    # extension module itself -- not a type a Python module imported (types.ModuleType, ...)
+                    ours = (home or "").startswith(target + ".") or home == target or \
+                        (native and home in ("builtins", None) and getattr(builtins, getattr(value, "__name__", ""),
+                                                                          None) is not value
+                         and not any(value is v for v in vars(types).values()))
+                    if not ours:
+                        continue
+                    if isinstance(value, type):
+                        # its instances' C methods, and its static C functions (tiktoken's CoreBPE, the
+                        # Rust classes of `tokenizers`, which may not say where they live)
+                        rules.classes[value] = rule
+                        for member in list(vars(value).values()):
+                            if isinstance(member, staticmethod) and isinstance(member.__func__, types.BuiltinFunctionType):
+                                rules.builtins[id(member.__func__)] = rule
+                                rules.keep.append(member.__func__)
+                    elif isinstance(value, types.BuiltinFunctionType):
+                        rules.builtins[id(value)] = rule
+                        rules.keep.append(value)
+            continue
+        try:
+            owner, name = _resolve(target)
+            obj = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
+        except (ValueError, AttributeError, ImportError):
+            continue  # not installed: nothing to call
+        if isinstance(obj, type):
+            _add_class(rules, obj, rule)
+        else:
+            _add_function(rules, obj, rule)
+            if isinstance(owner, type) and not isinstance(obj, (staticmethod, classmethod)):
+                _add_function(rules, getattr(owner, name), rule)
+    return rules
+
+
+_compiled: dict[tuple, tuple[int, _Rules]] = {}  # rules -> (len(sys.modules) then, compiled)
+
+
+def _rules_for(forbid: Sequence[Forbidden]) -> _Rules:
+    key, modules = tuple(forbid), len(sys.modules)  # a newly imported package brings new classes to look at
+    cached = _compiled.get(key)
+    if cached is None or cached[0] != modules:
+        cached = _compiled[key] = (modules, _compile(forbid))
+    return cached[1]
+
+
+def _message(rule: Forbidden, reached: str) -> str:
+    via = "" if reached == rule.target else f" ({'part of ' if _is_module(rule.target) else 'that is '}{rule.target})"
+    return (f"your function called {reached}{via}, the black box this exercise asks you to write yourself. "
+            f"{rule.instead}").rstrip()
+
+
+_MISSING = object()
+
+
+def _torch_op_calls() -> set[int]:
+    """Ids of the code objects that run `torch.ops.aten.X(...)` and `torch.ops.aten.X.default(...)`."""
+    ids = set()
+    for cls in (torch._ops.OpOverload, torch._ops.OpOverloadPacket):
+        code = getattr(getattr(cls, "__call__", None), "__code__", None)
+        if code is not None:
+            ids.add(id(code))
+    return ids
+
+
+_OP_CALLS = _torch_op_calls()
+
+
+class forbidding:
+    """`with forbidding(rules):` — calls to the forbidden black boxes raise ForbiddenCall.
+
+    A profile function (`sys.setprofile`) sees every Python frame that starts and every C function
+    called from Python, so it catches a black box however the learner reached it. Whatever the
+    learner does with the error, `violation` keeps the first one's message, so a check fails even
+    when the learner's code caught it. If another profiler is running (e.g. `%prun`), it is left
+    alone and nothing is watched.
+    """
+
+    def __init__(self, forbid: Sequence[Forbidden]):
+        rules = _rules_for(forbid) if forbid else _Rules()
+        self.rules = rules
+        self.codes, self.builtins = rules.codes, rules.builtins
+        self.names = {**{name: None for name in rules.methods}, **{name: None for name in rules.torch_names}}
+        self.by_module = bool(rules.modules)
+        self.module_rules: dict = {}  # module name -> rule or None, filled as modules are seen
+        self.type_rules: dict = {}  # class -> rule or None, filled as classes are seen
+        self.violation: Optional[str] = None
+        self.profiling = False
+
+    def refuse(self, rule: Forbidden, reached: str):
+        message = _message(rule, reached)
+        if self.violation is None:
+            self.violation = message
+        raise ForbiddenCall(message)
+
+    def _module_rule(self, module: Optional[str]) -> Optional[Forbidden]:
+        rule = self.module_rules.get(module, _MISSING)
+        if rule is _MISSING:
+            rule = None
+            if module:
+                for prefix, candidate in self.rules.modules.items():
+                    if module == prefix or module.startswith(prefix + "."):
+                        rule = candidate
+                        break
+            self.module_rules[module] = rule
+        return rule
+
+    def _type_rule(self, cls: type) -> Optional[Forbidden]:
+        rule = self.type_rules.get(cls, _MISSING)
+        if rule is _MISSING:
+            classes = self.rules.classes
+            rule = next((classes[k] for k in getattr(cls, "__mro__", (cls,)) if k in classes), None)
+            self.type_rules[cls] = rule
+        return rule
+
+    def _named(self, arg: Any, name: str, owner: Any) -> Optional[tuple[Forbidden, str]]:
+        """A C function or method whose name is forbidden: torch's X (torch.X, Tensor.X), or a C method."""
+        rules = self.rules
+        for cls, rule in rules.methods.get(name, ()):
+            if isinstance(owner, cls):
+                return rule, f"{type(owner).__name__}.{name}"
+        rule = rules.torch_names.get(name)
+        if rule is not None:
+            if isinstance(owner, torch.Tensor):
+                return rule, f"torch.Tensor.{name}"
+            module = getattr(arg, "__module__", None) or ""
+            objclass = getattr(arg, "__objclass__", None)
+            if module.startswith("torch") or (isinstance(owner, type) and owner.__module__.startswith("torch")) or \
+                    (objclass is not None and objclass.__module__.startswith("torch")):
+                return rule, f"torch.{name}"
+        return None
+
+    def _profile(self, frame, event, arg):
+        if event == "call":
+            code = frame.f_code
+            key = id(code)
+            rule = self.codes.get(key)
+            if rule is not None:
+                self.refuse(rule, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
+            if key in _OP_CALLS and self.rules.torch_names:  # torch.ops.aten.X(...)
+                op = str(frame.f_locals.get("self", ""))  # 'aten.topk' or 'aten.topk.default'
+                parts = op.split(".")
+                if len(parts) > 1 and parts[1] in self.rules.torch_names:
+                    self.refuse(self.rules.torch_names[parts[1]], f"torch.ops.{parts[0]}.{parts[1]}")
+            if self.by_module:
+                module = frame.f_globals.get("__name__")
+                rule = self._module_rule(module)
+                if rule is not None:
+                    self.refuse(rule, f"{module}.{code.co_qualname}")
+        elif event == "c_call":
+            rule = self.builtins.get(id(arg))
+            if rule is not None:
+                self.refuse(rule, _c_name(arg))
+            owner = getattr(arg, "__self__", None)
+            name = getattr(arg, "__name__", None)
+            if name in self.names:
+                found = self._named(arg, name, owner)
+                if found is not None:
+                    self.refuse(*found)
+            if self.rules.classes and owner is not None:
+                rule = self._type_rule(owner if isinstance(owner, type) else type(owner))
+                if rule is not None:
+                    self.refuse(rule, _c_name(arg))
+            if self.by_module:
+                rule = self._module_rule(getattr(arg, "__module__", None))
+                if rule is not None:
+                    self.refuse(rule, _c_name(arg))
+
+    def __enter__(self) -> "forbidding":
+        rules = self.rules
+        for cache in rules.caches:
+            cache.cache_clear()  # a cached answer would come back without running code the watch sees
+        if rules.codes or rules.builtins or rules.classes or rules.methods or rules.modules or rules.torch_names:
+            if sys.getprofile() is None:  # another profiler (e.g. %prun) is running: leave it alone
+                sys.setprofile(self._profile)
+                self.profiling = True
+        return self
+
+    def __exit__(self, kind, err, tb) -> bool:
+        limits._critical += 1
+        try:
+            if self.profiling:
+                sys.setprofile(None)
+                self.profiling = False
+        finally:
+            limits._critical -= 1
+        return False
+
+
+def _c_name(arg: Any) -> str:
+    owner = getattr(arg, "__self__", None)
+    if isinstance(owner, types.ModuleType):
+        where = owner.__name__.lstrip("_")  # _codecs.utf_8_decode is codecs.utf_8_decode
+    elif isinstance(owner, type):
+        where = owner.__name__
+    elif owner is not None:
+        where = type(owner).__name__
+    else:
+        qualname = getattr(arg, "__qualname__", None) or getattr(arg, "__name__", "?")
+        return f"{getattr(arg, '__module__', None)}.{qualname}" if getattr(arg, "__module__", None) else qualname
+    return f"{where}.{getattr(arg, '__name__', '?')}"
+
+
+# Restoring the profile function is restoring state: a time-out that falls due meanwhile waits for the next tick.
+limits._DEFER.update(f.__code__ for f in (forbidding.__enter__, forbidding.__exit__))

@@ -1,0 +1,152 @@
+"""`short`: a readable repr of bounded length, for the messages of checks."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict, defaultdict
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+_DICT_REPRS = (dict.__repr__, Counter.__repr__, defaultdict.__repr__, OrderedDict.__repr__)
+_RUN = 6  # this many equal items in a row or more are shown as a repetition
+
+
+def short(value: Any, limit: int = 300) -> str:
+    """A readable repr of at most `limit` characters, for messages.
+
+    Long strings, bytes and lists keep their start and end; runs of one character or item are
+    written as a repetition; tensors show shape, dtype and their first values.
+
+        >>> short(b"ab" + bytes(97))
+        "b'ab' + b'\\\\x00' * 97"
+        >>> short(list(range(1000)), 60)
+        '[0, 1, 2, 3, ... (+992 more) ..., 996, 997, 998, 999]'
+    """
+    try:
+        text = _short(value, max(limit, 20))
+    except Exception:  # a learner's object whose repr fails
+        text = f"<{type(value).__name__} object>"
+    return text if len(text) <= limit else text[: max(limit - 4, 1)] + " ..."
+
+
+def _short(value: Any, budget: int) -> str:
+    if isinstance(value, torch.Tensor):
+        flat = value.detach().flatten()
+        n = flat.numel()
+        shown = flat[: min(n, 64)].tolist()
+        if value.is_floating_point():
+            shown = [_Float(v) for v in shown]
+        values = _short_items(shown, budget // 2, "[", "]", total=n) if value.dim() else repr(value.item())
+        return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, values={values})"
+    if isinstance(value, (str, bytes, bytearray)):
+        return _short_text(bytes(value) if isinstance(value, bytearray) else value, budget)
+    if type(value) in (list, tuple):
+        open_, close = ("[", "]") if isinstance(value, list) else ("(", ")")
+        if isinstance(value, tuple) and len(value) == 1:
+            return f"({_short(value[0], budget - 3)},)"
+        return _short_items(value, budget, open_, close)
+    if type(value) in (set, frozenset):
+        return _short_items(list(value), budget, "{", "}") if value else repr(value)
+    if isinstance(value, dict) and type(value).__repr__ in _DICT_REPRS:  # not a dict with a repr of its own
+        return _short_dict(value, budget)
+    text = repr(value)
+    return text if len(text) <= budget else text[: budget - 4] + " ..."
+
+
+class _Float(float):
+    def __repr__(self) -> str:
+        return f"{float(self):.6g}"
+
+
+def _short_text(value: Union[str, bytes], budget: int) -> str:
+    if len(value) > 20_000:  # only the ends can be shown: don't look at the middle
+        keep = max((budget - 30) // 2, 8)
+        head, tail = value[: 2 * keep], value[-2 * keep :]
+        hidden = len(value) - len(head) - len(tail)
+        return _fit([_runs_text(head)], [_runs_text(tail)], hidden, budget, " + ", "", "")
+    text = _runs_text(value)
+    if len(text) <= budget:
+        return text
+    keep = max((budget - 30) // 2, 8)
+    hidden = len(value) - 2 * keep
+    return _fit([_runs_text(value[:keep])], [_runs_text(value[-keep:])], hidden, budget, " + ", "", "")
+
+
+def _runs_text(value: Union[str, bytes]) -> str:
+    """repr(value), with runs of one character written as 'x' * n."""
+    runs = []  # (piece, count)
+    i = 0
+    while i < len(value):
+        j = i
+        while j < len(value) and value[j] == value[i]:
+            j += 1
+        if j - i >= _RUN:
+            runs.append((value[i : i + 1], j - i))
+        elif runs and runs[-1][1] == 1:
+            runs[-1] = (runs[-1][0] + value[i:j], 1)
+        else:
+            runs.append((value[i:j], 1))
+        i = j
+    pieces = [repr(piece) if count == 1 else f"{piece!r} * {count}" for piece, count in runs]
+    return " + ".join(pieces) if pieces else repr(value)
+
+
+def _item_parts(items: Sequence, each: int) -> list[str]:
+    groups: list[list] = []  # [item, count]
+    for item in items:
+        try:
+            same = bool(groups) and type(groups[-1][0]) is type(item) and bool(groups[-1][0] == item)
+        except Exception:
+            same = False
+        if same:
+            groups[-1][1] += 1
+        else:
+            groups.append([item, 1])
+    parts = []
+    for item, count in groups:
+        text = _short(item, each)
+        parts.extend([f"*[{text}] * {count}"] if count >= _RUN else [text] * count)
+    return parts
+
+
+def _fit(head: list[str], tail: list[str], hidden: int, budget: int, sep: str, open_: str, close: str) -> str:
+    """open_ + as many of head's first and tail's last parts as fit + '... (+n more) ...' + close."""
+    if not hidden and len(open_ + sep.join(head + tail) + close) <= budget:
+        return open_ + sep.join(head + tail) + close
+    shown_head, shown_tail, used = [], [], len(open_) + len(close) + 24
+    parts = len(head) + len(tail)
+    for k in range(parts):  # alternate from both ends while they fit
+        take_head = (k % 2 == 0 and len(shown_head) < len(head)) or len(shown_tail) >= len(tail)
+        part = head[len(shown_head)] if take_head else tail[len(tail) - 1 - len(shown_tail)]
+        if used + len(part) + len(sep) > budget and (shown_head or shown_tail):
+            break
+        (shown_head if take_head else shown_tail).append(part)
+        used += len(part) + len(sep)
+    more = hidden + parts - len(shown_head) - len(shown_tail)
+    middle = [f"... (+{more} more) ..."] if more else []
+    return open_ + sep.join([*shown_head, *middle, *reversed(shown_tail)]) + close
+
+
+def _short_items(items: Sequence, budget: int, open_: str, close: str, total: Optional[int] = None) -> str:
+    total = len(items) if total is None else total
+    each = max(budget // max(min(len(items), 10), 1) - 2, 24)
+    if len(items) > 200:  # only the ends can be shown: don't look at the middle
+        head, tail = _item_parts(items[:100], each), _item_parts(items[-100:], each)
+        return _fit(head, tail, total - 200, budget, ", ", open_, close)
+    parts = _item_parts(items, each)
+    if total > len(items):
+        return _fit(parts, [], total - len(items), budget, ", ", open_, close)
+    return _fit(parts, [], 0, budget, ", ", open_, close)
+
+
+def _short_dict(value: dict, budget: int) -> str:
+    parts, used = [], 2
+    for k, (key, item) in enumerate(value.items()):
+        part = f"{_short(key, 40)}: {_short(item, 60)}"
+        if used + len(part) + 2 > budget - 20 and k < len(value) - 1:
+            parts.append(f"... (+{len(value) - k} more)")
+            break
+        parts.append(part)
+        used += len(part) + 2
+    inner = "{" + ", ".join(parts) + "}"
+    return inner if type(value) is dict else f"{type(value).__name__}({inner})"
