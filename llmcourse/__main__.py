@@ -134,7 +134,7 @@ def int_list(text: str) -> list[int]:
 
 
 def run_progress(args: argparse.Namespace) -> int:
-    from .learner import default_folder, progress_lines
+    from .progress import default_folder, progress_lines
 
     try:
         for line in progress_lines(default_folder() if args.folder is None else args.folder, verbose=args.verbose):

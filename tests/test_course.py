@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from nbgrader.validator import Validator
 
-from llmcourse.learner import (grade_chapter, learner_functions, learner_parts, learner_tokenizer, my_engine,
-                               progress_report, read_chapter)
+from llmcourse.learner import learner_functions, learner_parts, learner_tokenizer, my_engine
+from llmcourse.progress import grade_chapter, progress_report, read_chapter
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = sorted((ROOT / "solutions").glob("*/*.ipynb"))
