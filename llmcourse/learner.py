@@ -182,7 +182,8 @@ def your_parts_and_tokenizer(folder: Optional[PathLike] = None, *,
     parts = Parts.with_overrides(**{n: f for n, f in functions.items() if n in PART_SLOTS})
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = sorted(n for n in functions if n in PART_SLOTS) + sorted(tokenizer.mine)
-    notify(f"your engine: yours: {', '.join(yours) or 'nothing yet'}; the engine's own for the rest")
+    notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
+           else "your engine: the engine's own parts (none of yours is used yet)")
     return parts, tokenizer
 
 

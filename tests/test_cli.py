@@ -118,14 +118,14 @@ def test_parts_runs_your_engine_with_one_notice_per_unwritten_slot(small_folder,
         "01_tokenization: encode is not written yet; the engine's encode runs instead",
         "01_tokenization: decode is not written yet; the engine's decode runs instead",
         "01_tokenization: stream_decoder is not written yet; the engine's StreamDecoder runs instead",
-        "your engine: yours: nothing yet; the engine's own for the rest",
+        "your engine: the engine's own parts (none of yours is used yet)",
     ]
     from .test_course import solved_copy
 
     solved_copy("01_tokenization", tmp_path)
     solved = run("generate", "--parts", str(tmp_path / "01_tokenization"), *args)
     assert solved.returncode == 0 and solved.stdout == out.stdout, solved.stderr
-    assert solved.stderr.splitlines() == ["your engine: yours: StreamDecoder, decode, encode; the engine's own for the rest"]
+    assert solved.stderr.splitlines() == ["your engine: your StreamDecoder, decode, encode, the engine's own for the rest"]
     missing = run("generate", "--parts", str(tmp_path / "nope"), *args)
     assert missing.returncode == 2 and "--parts: no folder" in missing.stderr and missing.stderr.count("\n") == 1
 
