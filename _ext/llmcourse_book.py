@@ -31,6 +31,8 @@ from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util import logging
 
+from llmcourse.refresh import merge_streams
+
 logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,15 +76,7 @@ def coalesce_streams(outputs):
     """Merge consecutive stream outputs of the same name by plain concatenation, as Jupyter shows
     them (a token-by-token ``print(piece, end="", flush=True)`` reads as one text), then apply
     backspaces and carriage returns like myst-nb does."""
-    merged = []
-    for output in outputs or []:
-        if output["output_type"] == "stream":
-            last = merged[-1] if merged else None
-            if last is not None and last["output_type"] == "stream" and last["name"] == output["name"]:
-                last["text"] += output["text"]
-                continue
-            output = output.copy()
-        merged.append(output)
+    merged = [output.copy() if output["output_type"] == "stream" else output for output in merge_streams(outputs)]
     for output in merged:
         if output["output_type"] == "stream":
             text = output["text"]

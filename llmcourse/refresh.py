@@ -32,13 +32,15 @@ MACHINE_DEPENDENT = "machine-dependent"
 
 
 def merge_streams(outputs: list) -> list:
-    """Consecutive outputs of the same stream (stdout or stderr) joined into one."""
+    """Consecutive outputs of the same stream (stdout or stderr) joined into one, as Jupyter shows
+    them; the outputs given are not changed. (The book's extension merges the same way.)"""
     merged: list = []
-    for output in outputs:
+    for output in outputs or []:
         previous = merged[-1] if merged else None
         if (output["output_type"] == "stream" and previous is not None and previous["output_type"] == "stream"
                 and previous["name"] == output["name"]):
-            previous["text"] = "".join(previous["text"]) + "".join(output["text"])
+            merged[-1] = previous.copy()
+            merged[-1]["text"] = "".join(previous["text"]) + "".join(output["text"])
         else:
             merged.append(output)
     return merged
