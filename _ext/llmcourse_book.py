@@ -10,6 +10,8 @@
   and ends it with a newline, which turns a token-by-token stream into one token per line.
 - The build offers what a reader needs to work offline: ``downloads/llmcourse-chapters.zip`` (the
   exercise notebooks) and the ``llmcourse`` wheel (the engine, its checks, the bundled models).
+- Interactive figures (``llmcourse.figures.show``) are Plotly figures: pages that hold one load the
+  plotly.js that ships in the plotly package, copied into the build, so they work offline.
 - Static files from ``_ext/static/`` (not the book's ``_static/``, whose every .js jupyter-book loads on
   every page): ``llmcourse.css`` (wide tables show that they scroll on narrow screens) and MathJax 3.2.2
   (``mathjax/``: ``es5/tex-chtml-full.js`` and its CHTML fonts from the npm package, Apache-2.0), which
@@ -39,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STATIC = Path(__file__).resolve().parent / "static"
 DOWNLOADS = "downloads"                    # folder of the HTML output that holds the reader's downloads
 CHAPTERS_ZIP = "llmcourse-chapters.zip"
+PLOTLY_JS = "plotly.min.js"
 
 _HIDDEN = re.compile(r"^[^\n]*BEGIN HIDDEN TESTS[^\n]*\n.*?^[^\n]*END HIDDEN TESTS[^\n]*(\n|$)", re.M | re.S)
 _SOLUTION_MARKER = re.compile(r"^[^\n]*(BEGIN|END) SOLUTION[^\n]*(\n|$)", re.M)
@@ -154,11 +157,24 @@ def _on_build_finished(app: Sphinx, exception) -> None:
             served.unlink(missing_ok=True)
         elif served.exists():
             shutil.copyfile(release, served)
+    shutil.copyfile(plotly_js(), outdir / "_static" / PLOTLY_JS)
     # What a reader downloads to do the exercises offline.
     dest = outdir / DOWNLOADS
     dest.mkdir(exist_ok=True)
     build_chapters_zip(dest)
     build_wheel(dest)
+
+
+def plotly_js() -> Path:
+    """plotly.js as bundled in the installed plotly package (the version its Python side writes for)."""
+    import plotly
+
+    return Path(plotly.__file__).parent / "package_data" / PLOTLY_JS
+
+
+def _on_html_page_context(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
+    if "Plotly.newPlot" in context.get("body", ""):
+        app.add_js_file(PLOTLY_JS)  # this page only: Sphinx resets the list after each page
 
 
 def _on_config_inited(app: Sphinx, config) -> None:
@@ -169,6 +185,7 @@ def setup(app: Sphinx) -> dict:
     _patch_myst_nb()
     app.connect("config-inited", _on_config_inited)
     app.connect("source-read", _on_source_read)
+    app.connect("html-page-context", _on_html_page_context)
     app.connect("build-finished", _on_build_finished)
     app.add_css_file("llmcourse.css")
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

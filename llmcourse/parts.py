@@ -91,6 +91,16 @@ def attention_with_softmax(
     return softmax(scores, dim=-1) @ v
 
 
+def attention_causal_by_default(
+    q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, attention: Callable
+) -> Tensor:
+    """A plugged-in `attention` reads mask=None as "attend everywhere", like torch's; the model's None
+    means causal, so the model's call is given the causal mask explicitly."""
+    if mask is None:
+        mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
+    return attention(q, k, v, mask)
+
+
 class PartError(RuntimeError):
     """A plugged-in part raised, or returned something the engine cannot use."""
 
@@ -156,6 +166,8 @@ class Parts:
 
     The fused `attention` computes its own softmax; when `softmax` is swapped in but `attention`
     is not, the engine switches to the written-out attention so that the swapped-in softmax runs.
+    A swapped-in `attention(q, k, v, mask=None)` takes None to mean no mask, like
+    `F.scaled_dot_product_attention`: the model always gives it the (causal) mask.
     """
 
     embedding: Callable = embedding
@@ -181,7 +193,9 @@ class Parts:
             if not callable(fn):
                 raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
         parts = {name: guarded(name, fn) for name, fn in overrides.items()}
-        if "softmax" in parts and "attention" not in parts:
+        if "attention" in parts:
+            parts["attention"] = functools.partial(attention_causal_by_default, attention=parts["attention"])
+        elif "softmax" in parts:
             parts["attention"] = functools.partial(attention_with_softmax, softmax=parts["softmax"])
         return cls(**parts)
 

@@ -115,6 +115,34 @@ def test_swapped_parts_give_the_same_logits(small_pair):
     assert Parts.with_overrides(gelu=my_gelu).overridden() == ["gelu"]
 
 
+def test_swapped_in_attention_reads_no_mask_as_no_mask(small_pair):
+    """A learner's attention follows torch's convention (mask=None: attend everywhere); the model gives
+    it the causal mask, so the logits stay those of GPT-2, with and without padding."""
+    model = small_pair[0]
+    calls = []
+
+    def plain_attention(q, k, v, mask=None):
+        calls.append(mask is None)
+        scores = q @ k.transpose(-2, -1) / q.shape[-1] ** 0.5
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        return my_softmax(scores) @ v
+
+    ids = torch.randint(0, 50257, (2, 12), generator=torch.Generator().manual_seed(7))
+    padding = torch.ones(2, 12, dtype=torch.long)
+    padding[1, :4] = 0
+    with torch.inference_mode():
+        reference = [model(ids), model(ids, attention_mask=padding)]
+        model.parts = Parts.with_overrides(attention=plain_attention)
+        try:
+            swapped = [model(ids), model(ids, attention_mask=padding)]
+        finally:
+            model.parts = Parts()
+    assert calls and not any(calls)
+    for mine, theirs in zip(swapped, reference):
+        assert (mine - theirs).abs().max().item() < 1e-3
+
+
 def test_written_out_attention_equals_fused():
     g = torch.Generator().manual_seed(6)
     q, k, v = (torch.randn(2, 3, 7, 8, generator=g) for _ in range(3))
