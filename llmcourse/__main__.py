@@ -95,10 +95,12 @@ def build_parser() -> argparse.ArgumentParser:
                            "notebook (default: ./chapters)")
     prog.add_argument("-v", "--verbose", action="store_true",
                       help="show each failing check's whole message (input, expected, got, hint)")
-    commands.add_parser("release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
-                        description="Run `nbgrader generate_assignment NAME --notebook=NAME --force` for every chapter "
-                                    "in solutions/, recording each in the gradebook so that `nbgrader autograde` "
-                                    "finds it; run it in the course folder (where nbgrader_config.py is).")
+    release = commands.add_parser(
+        "release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
+        description="Run `nbgrader generate_assignment NAME --notebook=NAME --force` for every chapter in solutions/ "
+                    "(or the chapters named), recording each in the gradebook so that `nbgrader autograde` finds it; "
+                    "run it in the course folder (where nbgrader_config.py is).")
+    release.add_argument("names", nargs="*", metavar="NN_topic", help="only these chapters (default: all)")
     bench = commands.add_parser(
         "bench", help="benchmark the engine against transformers and this machine's roofline",
         description="Measure decode and prefill speed (engine vs transformers, same weights), the roofline, the KV "
@@ -145,10 +147,10 @@ def run_progress(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_release() -> int:
+def run_release(names: list[str]) -> int:
     from .grading import release
 
-    return release()
+    return release(names=names or None)
 
 
 def run_generate(args: argparse.Namespace) -> int:
@@ -212,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "progress":
             return run_progress(args)
         if args.command == "release":
-            return run_release()
+            return run_release(args.names)
         if args.command == "bench":
             from .bench import main as bench
 

@@ -40,8 +40,8 @@ def chapters(course: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if (p / f"{p.name}.ipynb").is_file()) if folder.is_dir() else []
 
 
-def release(course: Path = Path("."), err=sys.stderr) -> int:
-    """`nbgrader generate_assignment` for every chapter, recorded in the gradebook.
+def release(course: Path = Path("."), err=sys.stderr, names: list[str] | None = None) -> int:
+    """`nbgrader generate_assignment` for every chapter (or those in `names`), recorded in the gradebook.
 
     Each chapter's notebook is regenerated on its own (`--notebook`): nbgrader then neither deletes
     the whole `chapters/<name>/` first nor refuses a chapter that already has submissions. If nbgrader
@@ -51,7 +51,13 @@ def release(course: Path = Path("."), err=sys.stderr) -> int:
         print("python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder "
               "(the repository root)", file=err)
         return 2
-    for name in chapters(course):
+    known = chapters(course)
+    unknown = sorted(set(names or []) - set(known))
+    if unknown:
+        print(f"python -m llmcourse release: error: no chapter {', '.join(unknown)} in solutions/ "
+              f"(the chapters: {', '.join(known)})", file=err)
+        return 2
+    for name in names or known:
         target = course / "chapters" / name / f"{name}.ipynb"
         previous = target.read_bytes() if target.is_file() else None
         done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, f"--notebook={name}",
