@@ -224,12 +224,12 @@ needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium instal
 
 def browse(book, rel, *, width=1400, probe=None):
     """The DOM of page ``rel`` after its scripts ran, in headless Chromium with no network. ``probe``:
-    JavaScript run 1 s after load, whose JSON-able result comes back (from a copy of the page that
-    carries the probe, removed afterwards)."""
+    JavaScript run 1 s after load, whose JSON-able result (or what the promise it returns resolves to)
+    comes back (from a copy of the page that carries the probe, removed afterwards)."""
     target = book / rel
     if probe is not None:
-        script = ("<script>window.addEventListener('load', () => setTimeout(() => {"
-                  "let r; try { r = (() => { %s })(); } catch (e) { r = {error: String(e)}; }"
+        script = ("<script>window.addEventListener('load', () => setTimeout(async () => {"
+                  "let r; try { r = await (async () => { %s })(); } catch (e) { r = {error: String(e)}; }"
                   "const p = document.createElement('pre'); p.id = 'llmcourse-probe';"
                   "p.textContent = JSON.stringify(r); document.body.appendChild(p);"
                   "}, 1000));</script></body>" % probe)
@@ -253,6 +253,56 @@ def browse(book, rel, *, width=1400, probe=None):
     found = re.search(r'<pre id="llmcourse-probe">(.*?)</pre>', dom, re.S)
     assert found, "the probe did not run"
     return json.loads(html.unescape(found.group(1)))
+
+
+INTERACTIVE = [name for name in CHAPTERS if name >= "02"]  # from chapter 02 on, every chapter has some
+
+PLOTLY_PROBE = """
+    const figures = [...document.querySelectorAll('.plotly-graph-div')];
+    const found = [];
+    for (const gd of figures) {
+        const svg = () => [...gd.querySelectorAll('.main-svg')].map(s => s.innerHTML).join('');
+        const controls = [...(gd.layout.updatemenus || []).flatMap(m => m.buttons || []),
+                          ...(gd.layout.sliders || []).flatMap(s => s.steps || [])];
+        const r = {id: gd.id, drawn: svg().length > 0, traces: gd.data.length, controls: controls.length,
+                   width: gd.getBoundingClientRect().width, page: document.documentElement.clientWidth};
+        if (controls.length > 1) {  // what a click on the last menu entry or slider step runs, in the page
+            const before = svg();
+            const last = controls[controls.length - 1];
+            await Plotly[last.method](gd, ...last.args);
+            await new Promise(done => setTimeout(done, 300));
+            r.changed = svg() !== before;
+        }
+        found.push(r);
+    }
+    return {plotly: typeof Plotly, figures: found};
+"""
+
+
+@needs_chromium
+@pytest.mark.parametrize("width", [1400, 400])
+@pytest.mark.parametrize("name", INTERACTIVE)
+def test_interactive_figures_work_offline_without_a_kernel(book, name, width):
+    """The chapter's Plotly figures draw from the bundled plotly.js with no network, fit the page, and
+    their menus and sliders change what is drawn (client-side: a static page has no kernel)."""
+    found = browse(book, f"solutions/{name}/{name}.html", width=width, probe=PLOTLY_PROBE)
+    assert found.get("plotly") == "object", found
+    figures = found["figures"]
+    assert figures, "no interactive figure on the page"
+    for figure in figures:
+        assert figure["drawn"] and figure["traces"] > 0, figure
+        assert figure["width"] <= figure["page"], figure
+        if figure["controls"] > 1:
+            assert figure["changed"], figure
+    assert any(figure["controls"] > 1 for figure in figures), "no figure has a menu or a slider"
+
+
+def test_pages_load_plotly_only_where_needed(book):
+    for name in CHAPTERS:
+        scripts = re.findall(r'<script[^>]+src="([^"]*plotly[^"]*)"', page(book, f"solutions/{name}/{name}.html"))
+        assert len(scripts) == (1 if name in INTERACTIVE else 0), (name, scripts)
+    assert "plotly" not in page(book, "intro.html")
+    assert (book / "_static" / "plotly.min.js").stat().st_size > 1_000_000
 
 
 def test_maths_uses_the_bundled_mathjax(book):

@@ -102,3 +102,16 @@ def test_a_failed_release_leaves_the_chapter_as_it_was(tmp_path):
     assert f"chapters/{name} is as it was" in err.getvalue()
     released = tmp_path / "chapters" / name / f"{name}.ipynb"
     assert released.read_bytes() == (ROOT / "chapters" / name / f"{name}.ipynb").read_bytes()
+
+
+def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
+    shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
+    for name in ["00_pipeline", "01_tokenization"]:
+        shutil.copytree(ROOT / "solutions" / name, tmp_path / "solutions" / name)
+    err = io.StringIO()
+    assert release(tmp_path, err=err, names=["00_pipeline"]) == 0, err.getvalue()
+    released = tmp_path / "chapters" / "00_pipeline" / "00_pipeline.ipynb"
+    assert released.read_bytes() == (ROOT / "chapters" / "00_pipeline" / "00_pipeline.ipynb").read_bytes()
+    assert not (tmp_path / "chapters" / "01_tokenization").exists()
+    assert release(tmp_path, err=err, names=["01_tokenisation"]) == 2
+    assert "no chapter 01_tokenisation in solutions/ (the chapters: 00_pipeline, 01_tokenization)" in err.getvalue()
