@@ -1,0 +1,397 @@
+"""Checks for chapter 02, embeddings and positions: `embedding`, `embed`, `sinusoidal_positions`, `rope`.
+
+Each compares the learner's function with the engine's (`llmcourse.parts.embedding`,
+`llmcourse.positions`) on fixed edge cases and seeded random ones, and when an answer is wrong it
+also tries the usual mistakes on the same input: if one of them gives the learner's answer, the
+message names it.
+
+    >>> def embedding(weight, ids):
+    ...     return weight[ids]
+    >>> check_embedding(embedding)
+    ✓ embedding — 20 cases
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import positions
+from ..parts import embedding as engine_embedding
+from .core import Case, Verdict, run_check
+from .forbid import Forbidden
+from .tensors import tensor_problem
+
+LOOK_IT_UP = "Index the rows yourself: weight[ids] picks row ids[b, t] for every position."
+NO_EMBEDDING = [
+    Forbidden("torch.nn.functional.embedding", LOOK_IT_UP),
+    Forbidden("torch.nn.Embedding", LOOK_IT_UP),
+    Forbidden("torch.embedding", LOOK_IT_UP),  # every route: torch.embedding, torch.ops.aten.embedding, ...
+    Forbidden("torch.embedding_bag", LOOK_IT_UP),
+    Forbidden("llmcourse.parts.embedding", "Write your own."),
+    Forbidden("llmcourse.model", "Write your own."),
+    Forbidden("transformers", LOOK_IT_UP),
+]
+NO_POSITIONS = [
+    Forbidden("llmcourse.positions", "Write your own."),
+    Forbidden("transformers", "Write your own: it is a few lines of torch."),
+]
+
+Mistake = tuple[Callable[..., Tensor], str]  # (a wrong implementation, the hint for it)
+
+
+def _judge(mistakes: Sequence[Mistake], tolerance: Callable[[Case], tuple[float, float]]):
+    """A judge: `tensor_problem` with the case's tolerance; for a wrong answer, the hint of the first
+    mistake that gives the same answer on that input."""
+    def judge(case: Case, got: Any) -> Verdict:
+        atol, rtol = tolerance(case)
+        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
+        if problem is None:
+            return None
+        for wrong, hint in mistakes:
+            try:
+                theirs = wrong(*case.args)
+            except Exception:
+                continue
+            if tensor_problem(got, theirs, atol=atol, rtol=rtol) is None:
+                return problem, hint
+        return problem, ""
+    return judge
+
+
+def _exact(case: Case) -> tuple[float, float]:
+    return 0.0, 0.0
+
+
+def _far_from_zero(g: torch.Generator, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """Random values of a random spread, shifted away from 0 (some cases)."""
+    scale = float(torch.tensor([0.02, 1.0, 30.0])[torch.randint(0, 3, (1,), generator=g)])
+    shift = float(torch.randint(-50, 51, (1,), generator=g)) if torch.rand(1, generator=g) < 0.4 else 0.0
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + shift).to(dtype)
+
+
+def _randint(g: torch.Generator, low: int, high: int) -> int:
+    return int(torch.randint(low, high + 1, (1,), generator=g))
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: embedding(weight, ids)
+
+
+def _table(n: int, c: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """Row r is r + 0.01·[0, 1, ..., c-1]: a row's values say which row it is."""
+    return (torch.arange(n, dtype=torch.float64)[:, None] + 0.01 * torch.arange(c, dtype=torch.float64)).to(dtype)
+
+
+EMBEDDING_MISTAKES: list[Mistake] = [
+    (lambda weight, ids: weight[ids.flatten()],
+     "keep the shape of ids: the result is ids.shape + (C,), e.g. [B, T] ids give [B, T, C]"),
+    (lambda weight, ids: weight[ids - 1],
+     "ids count from 0: id 0 is row 0 (weight[0]), not row 1"),
+    (lambda weight, ids: weight[ids[:1]].expand(*ids.shape, -1) if ids.dim() > 1 else weight[ids],
+     "every row of the batch has its own ids: look up ids[b] for each b, not ids[0] for all"),
+    (lambda weight, ids: weight.float()[ids],
+     "keep weight's dtype: a float64 table gives float64 rows (no .float())"),
+]
+
+
+def _embedding_case(description: str, weight: Tensor, ids: Tensor, hint: str = "") -> Case:
+    return Case(description, (weight, ids), engine_embedding(weight, ids), hint)
+
+
+def check_embedding(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """embedding(weight [N, C], ids (long, any shape, e.g. [B, T])) -> [*ids.shape, C]: the rows of weight."""
+    w = _table(6, 3)
+    cases = [
+        _embedding_case("a small example", w, torch.tensor([[2, 0, 5]])),
+        _embedding_case("ids of one dimension [T] give [T, C]", w, torch.tensor([1, 4])),
+        _embedding_case("a batch of two rows with different ids", w, torch.tensor([[1, 2, 3], [5, 4, 0]]),
+                        "look up every row of the batch"),
+        _embedding_case("the same id several times", w, torch.tensor([[3, 3, 3, 3]])),
+        _embedding_case("the first and the last row", w, torch.tensor([[0], [5]])),
+        _embedding_case("a single id, shape [1, 1]", w, torch.tensor([[4]])),
+        _embedding_case("ids of three dimensions [2, 2, 3]", w, torch.tensor([[[0, 1, 2], [3, 4, 5]],
+                                                                              [[5, 5, 0], [1, 1, 2]]])),
+        _embedding_case("float64 weights stay float64", _table(5, 4, torch.float64), torch.tensor([[4, 0], [2, 3]]),
+                        "float64 in, float64 out"),
+        _embedding_case("GPT-2's vocabulary (50257 rows), the last id", _table(50257, 4),
+                        torch.tensor([[0, 50256, 13, 50256]])),
+        _embedding_case("negative and large values in the table", torch.tensor([[-1e4, 2.5], [7.0, -0.001], [1e6, -3e5]]),
+                        torch.tensor([[2, 0], [1, 2]])),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        n, c = _randint(g, 1, 3000), _randint(g, 1, 48)
+        dims = _randint(g, 1, 3)
+        shape = tuple(_randint(g, 1, 6) for _ in range(dims))
+        dtype = torch.float64 if i % 3 == 2 else torch.float32
+        weight = _far_from_zero(g, (n, c), dtype)
+        ids = torch.randint(0, n, shape, generator=g)
+        cases.append(_embedding_case(f"random #{i} ({n} rows of {c}, ids {list(shape)}, {dtype})", weight, ids))
+    run_check("embedding", fn, cases, judge=_judge(EMBEDDING_MISTAKES, _exact), forbid=NO_EMBEDDING,
+              timeout_hint="index the table with all the ids at once: weight[ids] (a Python loop over "
+                           "50,257 rows or over every id is too slow)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: embed(wte, wpe, input_ids, position_ids=None)
+
+
+def reference_embed(wte: Tensor, wpe: Tensor, input_ids: Tensor, position_ids: Optional[Tensor] = None) -> Tensor:
+    """GPT-2's input: token embedding + position embedding, [B, T] ids -> [B, T, C]."""
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[-1]).expand_as(input_ids)  # [B, T]: 0 .. T-1 in every row
+    return engine_embedding(wte, input_ids) + engine_embedding(wpe, position_ids)
+
+
+def _default_positions(input_ids: Tensor) -> Tensor:
+    return torch.arange(input_ids.shape[-1]).expand_as(input_ids)
+
+
+EMBED_MISTAKES: list[Mistake] = [
+    (lambda wte, wpe, ids, pos=None: wte[ids] + wpe[_default_positions(ids)],
+     "use position_ids when they are given: with left padding or a cache, a row's positions are not 0, 1, 2, ..."),
+    (lambda wte, wpe, ids, pos=None: wte[ids] + wpe[(pos if pos is not None else _default_positions(ids)) + 1],
+     "positions count from 0: the first token is at position 0 (wpe[0])"),
+    (lambda wte, wpe, ids, pos=None: wte[ids] + wpe[_default_positions(ids) + 1],
+     "positions count from 0: the first token is at position 0 (wpe[0])"),
+    (lambda wte, wpe, ids, pos=None: wte[ids] + wpe[(pos if pos is not None else _default_positions(ids))[0]],
+     "every row has its own positions: use position_ids[b] for row b, not position_ids[0] for all"),
+    (lambda wte, wpe, ids, pos=None: torch.cat([wte[ids], wpe[pos if pos is not None else _default_positions(ids)]], -1),
+     "add the two embeddings (same size C), do not concatenate them"),
+    (lambda wte, wpe, ids, pos=None: wte[ids],
+     "add the position embedding wpe[position_ids] to the token embedding"),
+]
+
+
+def _embed_case(description: str, wte: Tensor, wpe: Tensor, ids: Tensor, pos: Optional[Tensor],
+                hint: str = "") -> Case:
+    return Case(description, (wte, wpe, ids, pos), reference_embed(wte, wpe, ids, pos), hint)
+
+
+def _embed_tolerance(case: Case) -> tuple[float, float]:
+    return 0.0, 1e-6  # a sum of two rows: any order of the same additions gives the same numbers
+
+
+def check_embed(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """embed(wte [V, C], wpe [P, C], input_ids [B, T], position_ids [B, T] or None) -> [B, T, C]."""
+    wte = _table(10, 4)
+    wpe = 100 * _table(8, 4)  # positions in the hundreds, tokens in the units: a sum shows both
+    cases = [
+        _embed_case("a small example, position_ids=None (positions 0, 1, 2)", wte, wpe, torch.tensor([[3, 1, 4]]), None,
+                    "position_ids=None means 0, 1, ..., T-1 in every row"),
+        _embed_case("a batch of two, position_ids=None", wte, wpe, torch.tensor([[3, 1, 4, 1], [5, 9, 2, 6]]), None),
+        _embed_case("explicit position_ids 0..T-1", wte, wpe, torch.tensor([[7, 7]]), torch.tensor([[0, 1]])),
+        _embed_case("left padding: each row has its own position_ids", wte, wpe,
+                    torch.tensor([[0, 0, 5, 3], [2, 7, 5, 3]]), torch.tensor([[0, 0, 0, 1], [0, 1, 2, 3]]),
+                    "row 0 has two padding tokens, so its first real token is at position 0"),
+        _embed_case("decoding one token at position 6 (and 2 in the other row)", wte, wpe,
+                    torch.tensor([[9], [4]]), torch.tensor([[6], [2]]),
+                    "with a cache, the new token's position is how many tokens came before it"),
+        _embed_case("float64 tables stay float64", wte.double(), wpe.double(), torch.tensor([[1, 2], [3, 4]]),
+                    torch.tensor([[5, 6], [0, 1]]), "float64 in, float64 out"),
+        _embed_case("the last position of the table", wte, wpe, torch.tensor([[1, 2, 3]]), torch.tensor([[5, 6, 7]])),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        v, p, c = _randint(g, 2, 2000), _randint(g, 2, 300), _randint(g, 1, 32)
+        b, t = _randint(g, 1, 4), _randint(g, 1, min(p, 12))
+        dtype = torch.float64 if i % 3 == 2 else torch.float32
+        wte, wpe = _far_from_zero(g, (v, c), dtype), _far_from_zero(g, (p, c), dtype)
+        ids = torch.randint(0, v, (b, t), generator=g)
+        if i % 2:
+            pos = None
+        else:  # each row starts at its own offset (left padding clamps to 0; a cache shifts everything)
+            start = torch.randint(-3, p - t + 1, (b, 1), generator=g)
+            pos = (start + torch.arange(t)).clamp(min=0)
+        what = "position_ids=None" if pos is None else "own position_ids per row"
+        cases.append(_embed_case(f"random #{i} (batch {b}, {t} tokens, C={c}, {what}, {dtype})", wte, wpe, ids, pos))
+    run_check("embed", fn, cases, judge=_judge(EMBED_MISTAKES, _embed_tolerance), forbid=NO_EMBEDDING)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: sinusoidal_positions(n_positions, dim, base=10000.0)
+
+
+def _sinusoid(n_positions: int, dim: int, base: float, exponent: Callable[[Tensor], Tensor],
+              first=torch.sin, second=torch.cos, interleaved: bool = True) -> Tensor:
+    """The encoding with a choice of exponent, order and layout: the right one and the usual mistakes."""
+    p = torch.arange(n_positions, dtype=torch.float64)[:, None]  # [P, 1]
+    angle = p / base ** exponent(torch.arange(dim // 2, dtype=torch.float64))  # [P, dim/2]
+    if interleaved:
+        return torch.stack([first(angle), second(angle)], dim=-1).flatten(1).float()
+    return torch.cat([first(angle), second(angle)], dim=-1).float()
+
+
+def _sin_args(args: tuple) -> tuple[int, int, float]:
+    n, dim, *rest = args
+    return n, dim, rest[0] if rest else 10000.0
+
+
+SINUSOIDAL_MISTAKES: list[Mistake] = [
+    (lambda *a: _sinusoid(*_sin_args(a), lambda i: 2 * i / _sin_args(a)[1], interleaved=False),
+     "interleave them as in the paper: sin in the even columns 0, 2, 4, ..., cos in the odd ones (the layout "
+     "with all sines first, then all cosines, is RoPE's half-split, not this encoding)"),
+    (lambda *a: _sinusoid(*_sin_args(a), lambda i: i / _sin_args(a)[1]),
+     "the exponent is 2i/dim, where i counts the (sin, cos) pairs: column 2i and 2i+1 share base^(2i/dim)"),
+    (lambda *a: _sinusoid(*_sin_args(a), lambda i: 2 * i / _sin_args(a)[1], torch.cos, torch.sin),
+     "sin goes in the even columns (2i) and cos in the odd ones (2i+1): row 0 is [0, 1, 0, 1, ...]"),
+    (lambda *a: _sinusoid(*_sin_args(a), lambda i: 2 * i / _sin_args(a)[1]).double(),
+     "return float32, whatever you computed in (.float())"),
+    (lambda *a: _sinusoid(_sin_args(a)[0], _sin_args(a)[1], 10000.0, lambda i: 2 * i / _sin_args(a)[1]),
+     "use the base you are given (the default 10000 is only the default)"),
+]
+
+
+def _sinusoidal_case(description: str, *args, hint: str = "") -> Case:
+    return Case(description, args, positions.sinusoidal_positions(*args), hint)
+
+
+def _sinusoidal_tolerance(case: Case) -> tuple[float, float]:
+    # sin(p·w) computed in float32 is off by about p·1e-7: allowed (the paper's encoding is float32)
+    return 1e-6 + 3e-7 * case.args[0], 0.0
+
+
+def check_sinusoidal_positions(fn, *, seed: int = 0, n_random: int = 8) -> None:
+    """sinusoidal_positions(n_positions, dim, base=10000.0) -> float32 [n_positions, dim]."""
+    cases = [
+        _sinusoidal_case("one position, dim 2 (position 0 is [sin 0, cos 0])", 1, 2,
+                         hint="row p is [sin(p·w0), cos(p·w0), sin(p·w1), cos(p·w1), ...]"),
+        _sinusoidal_case("4 positions, dim 4", 4, 4),
+        _sinusoidal_case("dim 2: one pair, angle = position", 5, 2, hint="with dim 2, column 0 is sin(p), column 1 cos(p)"),
+        _sinusoidal_case("8 positions, dim 16", 8, 16),
+        _sinusoidal_case("base 100", 6, 8, 100.0, hint="the base is an argument: use it"),
+        _sinusoidal_case("base 2", 10, 6, 2.0),
+        _sinusoidal_case("GPT-2's size: 1024 positions, dim 768", 1024, 768),
+        _sinusoidal_case("no positions: shape [0, dim]", 0, 4),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        n, dim = _randint(g, 1, 2048), 2 * _randint(g, 1, 96)
+        if i % 2:
+            base = float(torch.tensor([10.0, 1000.0, 10000.0, 1e5, 5e5])[_randint(g, 0, 4)])
+            cases.append(_sinusoidal_case(f"random #{i} ({n} positions, dim {dim}, base {base:g})", n, dim, base))
+        else:
+            cases.append(_sinusoidal_case(f"random #{i} ({n} positions, dim {dim})", n, dim))
+    run_check("sinusoidal_positions", fn, cases, judge=_judge(SINUSOIDAL_MISTAKES, _sinusoidal_tolerance),
+              forbid=NO_POSITIONS, timeout_hint="compute all positions and frequencies at once with tensors "
+                                                "(an outer product), not in a Python loop over every entry")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: rope(x, position_ids, base=10000.0)
+
+
+def _rope_args(args: tuple) -> tuple[Tensor, Tensor, float]:
+    x, pos, *rest = args
+    return x, pos, rest[0] if rest else 10000.0
+
+
+def _rope_interleaved(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
+    """GPT-J / the original RoFormer: pairs (2i, 2i+1) — a different layout from Llama's checkpoints."""
+    cos, sin = positions.rope_cos_sin(pos, x.shape[-1], base, x.dtype)
+    d = x.shape[-1] // 2
+    cos, sin = cos[:, None, :, :d], sin[:, None, :, :d]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+def _rope_with(x: Tensor, pos: Tensor, base: float, *, sign: int = 1, exponent_step: int = 2,
+               angle_dtype: Optional[torch.dtype] = None) -> Tensor:
+    """Half-split RoPE with a chosen sign of rotate_half, exponent and precision of the angles."""
+    d = x.shape[-1]
+    dtype = angle_dtype or torch.float64
+    inv_freq = 1.0 / base ** (torch.arange(0, d // 2, dtype=dtype) * exponent_step / d)
+    angle = pos[..., None].to(dtype) * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)[:, None]  # [B, 1, T, D]
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1) * sign
+    return x * angle.cos().to(x.dtype) + rotated * angle.sin().to(x.dtype)
+
+
+ROPE_MISTAKES: list[Mistake] = [
+    (lambda *a: _rope_interleaved(*_rope_args(a)),
+     "use the half-split layout of Llama/Qwen checkpoints: dimension i is paired with i + D/2 (rotate_half), "
+     "not with its neighbour i + 1 (that is GPT-J's interleaved layout)"),
+    (lambda *a: _rope_with(*_rope_args(a), sign=-1),
+     "rotate_half(x) = cat(-x2, x1): the minus goes on the second half; with cat(x2, -x1) every pair turns "
+     "the other way"),
+    (lambda *a: _rope_with(*_rope_args(a), exponent_step=1),
+     "the speeds are base^(-2i/D) for i = 0 .. D/2-1, i.e. 1 / base^(arange(0, D, 2) / D) (step 2 over D)"),
+    (lambda *a: positions.rope(_rope_args(a)[0], torch.arange(a[0].shape[-2]).expand(a[0].shape[0], -1),
+                               _rope_args(a)[2]),
+     "use position_ids: rows of a batch may start at different positions (left padding), and a decoded token "
+     "sits at position past_length, not 0"),
+    (lambda *a: _rope_with(*_rope_args(a), angle_dtype=torch.float32),
+     "compute the angles (inv_freq and position × inv_freq) in float64 (or in x's dtype when it is float64): "
+     "in float32 an angle of 1000 radians is off by about 3e-5, which a float64 input must not lose. "
+     "torch.arange(...) is float32 unless you pass dtype="),
+    (lambda *a: positions.rope(_rope_args(a)[0].float(), *_rope_args(a)[1:]),
+     "return x's dtype: float64 in, float64 out"),
+    (lambda *a: a[0].clone(),
+     "rotate x: out = x·cos + rotate_half(x)·sin, with the angles of each token's position"),
+]
+
+
+def _rope_case(description: str, x: Tensor, pos: Tensor, *base: float, hint: str = "") -> Case:
+    return Case(description, (x, pos, *base), positions.rope(x, pos, *base), hint)
+
+
+def _rope_tolerance(case: Case) -> tuple[float, float]:
+    """float32: an answer whose angles are float32 is allowed (transformers computes them so); its
+    error grows with the position. float64: only float64 rounding."""
+    x, pos = case.args[0], case.args[1]
+    big = float(x.abs().max()) if x.numel() else 0.0
+    far = float(pos.abs().max()) if pos.numel() else 0.0
+    if x.dtype == torch.float64:
+        return 1e-10 * (1 + big) * (1 + far / 1000), 0.0
+    return 1e-5 * (1 + big) + 5e-7 * far * big, 0.0
+
+
+def check_rope(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """rope(x [B, H, T, D], position_ids [B, T], base=10000.0) -> [B, H, T, D], rotated (half-split layout)."""
+    fixed = torch.Generator().manual_seed(1234)
+
+    def rand(*shape, dtype=torch.float32):
+        return torch.randn(shape, generator=fixed, dtype=torch.float64).to(dtype)
+
+    unit = torch.zeros(1, 1, 4, 2)
+    unit[..., 0] = 1.0
+    cases = [
+        _rope_case("D = 2: one pair, turned by its position in radians", unit, torch.tensor([[0, 1, 2, 3]]),
+                   hint="with D = 2 the single pair (x0, x1) is turned by the angle p (speed base^0 = 1)"),
+        _rope_case("position 0 changes nothing", rand(1, 2, 1, 8), torch.tensor([[0]]),
+                   hint="angle 0: cos = 1, sin = 0"),
+        _rope_case("a small example, D = 8", rand(1, 1, 3, 8), torch.tensor([[0, 1, 2]])),
+        _rope_case("batch 2, 3 heads, D = 64, left padding (each row its own positions)", rand(2, 3, 5, 64),
+                   torch.tensor([[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]),
+                   hint="row b uses position_ids[b]; every head of a row uses the same positions"),
+        _rope_case("decoding one token at position 1000, D = 128", rand(1, 2, 1, 128), torch.tensor([[1000]])),
+        _rope_case("base 500000 (Llama 3), D = 64", rand(1, 2, 4, 64), torch.tensor([[3, 4, 5, 6]]), 500000.0,
+                   hint="the base is an argument: use it"),
+        _rope_case("base 1e6 (Qwen2), D = 128, rows at different offsets", rand(2, 1, 3, 128),
+                   torch.tensor([[10, 11, 12], [200, 201, 202]]), 1e6),
+        _rope_case("float64 stays float64, positions up to 4096", rand(2, 2, 3, 16, dtype=torch.float64),
+                   torch.tensor([[0, 1, 2], [4094, 4095, 4096]]), hint="float64 in, float64 out"),
+        _rope_case("float64 at position 100000 (angles must be float64 too)", rand(1, 1, 2, 8, dtype=torch.float64),
+                   torch.tensor([[100000, 100001]])),
+        _rope_case("values far from 0", 1000 * rand(1, 2, 3, 8) + 500, torch.tensor([[5, 6, 7]])),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        b, h, t = _randint(g, 1, 3), _randint(g, 1, 4), _randint(g, 1, 7)
+        d = [2, 4, 6, 8, 32, 64, 80, 96, 128][_randint(g, 0, 8)]
+        dtype = torch.float64 if i % 3 == 2 else torch.float32
+        far = 100000 if dtype == torch.float64 else 3000
+        start = torch.randint(0, far, (b, 1), generator=g)
+        pos = start + torch.arange(t)  # [B, T]: each row at its own offset
+        x = _far_from_zero(g, (b, h, t, d), dtype)
+        what = f"batch {b}, {h} heads, {t} tokens, D={d}, {dtype}"
+        if i % 2:
+            base = float(torch.tensor([10000.0, 500000.0, 1e6, 100.0])[_randint(g, 0, 3)])
+            cases.append(_rope_case(f"random #{i} ({what}, base {base:g})", x, pos, base))
+        else:
+            cases.append(_rope_case(f"random #{i} ({what})", x, pos))
+    run_check("rope", fn, cases, judge=_judge(ROPE_MISTAKES, _rope_tolerance), forbid=NO_POSITIONS)
