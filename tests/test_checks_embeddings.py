@@ -1,0 +1,455 @@
+"""Chapter 02's checks: the references pass, stubs and plausible mistakes fail with a message that
+says what is wrong, other correct ways of writing each exercise pass, black boxes and endless loops
+are stopped, and the notebook's own solutions pass every check."""
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.functional import embedding as embedding_imported_early
+
+import llmcourse.parts
+from llmcourse import positions
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
+
+NOTEBOOK = Path(__file__).parents[1] / "solutions/02_embeddings/02_embeddings.ipynb"
+
+
+# -- correct answers, as a learner would write them (not the engine's functions: those are black boxes)
+
+
+def embedding(weight, ids):
+    return weight[ids]
+
+
+def embed(wte, wpe, input_ids, position_ids=None):
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return embedding(wte, input_ids) + embedding(wpe, position_ids)
+
+
+def sinusoidal_positions(n_positions, dim, base=10000.0):
+    position = torch.arange(n_positions, dtype=torch.float64)[:, None]
+    angle = position / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    pe = torch.zeros(n_positions, dim, dtype=torch.float64)
+    pe[:, 0::2], pe[:, 1::2] = angle.sin(), angle.cos()
+    return pe.float()
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope(x, position_ids, base=10000.0):
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = position_ids[..., None].double() * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
+
+
+REFERENCES = [(check_embedding, embedding), (check_embed, embed),
+              (check_sinusoidal_positions, sinusoidal_positions), (check_rope, rope)]
+IDS = [check.__name__ for check, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, capsys):
+    check(reference)
+    check(reference, seed=7, n_random=60)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+@pytest.mark.parametrize("check, reference", REFERENCES, ids=IDS)
+def test_visible_checks_are_fast(check, reference, capsys):
+    start = time.perf_counter()
+    check(reference)
+    assert time.perf_counter() - start < 3
+
+
+def stub(*args):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check", [c for c, _ in REFERENCES], ids=IDS)
+def test_stub_is_not_written_yet(check):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(stub)
+
+
+# -- plausible mistakes, each rejected with a message that names it -------------------------------
+
+
+def embedding_flat(weight, ids):
+    return weight[ids.flatten()]
+
+
+def embedding_from_one(weight, ids):
+    return weight[ids - 1]
+
+
+def embedding_first_row_only(weight, ids):  # right for a batch of one
+    return torch.stack([weight[i] for i in ids[0].tolist()])[None].expand(*ids.shape, -1) if ids.dim() == 2 \
+        else weight[ids]
+
+
+def embedding_float32(weight, ids):  # right unless the table is float64
+    return weight.float()[ids]
+
+
+def embedding_columns(weight, ids):
+    return weight.T[:, ids]
+
+
+def embed_ignores_position_ids(wte, wpe, input_ids, position_ids=None):
+    return wte[input_ids] + wpe[torch.arange(input_ids.shape[1])]
+
+
+def embed_positions_from_one(wte, wpe, input_ids, position_ids=None):
+    if position_ids is None:
+        position_ids = torch.arange(1, input_ids.shape[1] + 1).expand_as(input_ids)
+    return wte[input_ids] + wpe[position_ids]
+
+
+def embed_concatenates(wte, wpe, input_ids, position_ids=None):
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return torch.cat([wte[input_ids], wpe[position_ids]], dim=-1)
+
+
+def embed_row_zero_positions(wte, wpe, input_ids, position_ids=None):  # right unless rows differ
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1])[None]
+    return wte[input_ids] + wpe[position_ids[0]]
+
+
+def sinusoidal_half_split(n_positions, dim, base=10000.0):
+    angle = torch.arange(n_positions)[:, None] / base ** (torch.arange(0, dim, 2) / dim)
+    return torch.cat([angle.sin(), angle.cos()], dim=-1)
+
+
+def sinusoidal_exponent_i(n_positions, dim, base=10000.0):
+    angle = torch.arange(n_positions)[:, None] / base ** (torch.arange(dim // 2) / dim)
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1)
+
+
+def sinusoidal_swapped(n_positions, dim, base=10000.0):
+    angle = torch.arange(n_positions)[:, None] / base ** (torch.arange(0, dim, 2) / dim)
+    return torch.stack([angle.cos(), angle.sin()], dim=-1).flatten(1)
+
+
+def sinusoidal_float64(n_positions, dim, base=10000.0):
+    return sinusoidal_positions(n_positions, dim, base).double()
+
+
+def sinusoidal_ignores_base(n_positions, dim, base=10000.0):
+    return sinusoidal_positions(n_positions, dim)
+
+
+def rope_interleaved(x, position_ids, base=10000.0):  # GPT-J / RoFormer layout
+    d = x.shape[-1]
+    angle = position_ids[..., None].double() / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    cos, sin = angle.cos().to(x.dtype)[:, None], angle.sin().to(x.dtype)[:, None]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1).flatten(-2)
+
+
+def rope_wrong_sign(x, position_ids, base=10000.0):
+    d = x.shape[-1]
+    angle = position_ids[..., None].double() / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * angle.cos().to(x.dtype) + torch.cat([x2, -x1], dim=-1) * angle.sin().to(x.dtype)
+
+
+def rope_exponent_i(x, position_ids, base=10000.0):
+    d = x.shape[-1]
+    angle = position_ids[..., None].double() / base ** (torch.arange(d // 2, dtype=torch.float64) / d)
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
+
+
+def rope_ignores_position_ids(x, position_ids, base=10000.0):
+    T = x.shape[-2]
+    return rope(x, torch.arange(T).expand(x.shape[0], T), base)
+
+
+def rope_float32_angles(x, position_ids, base=10000.0):  # right for float32 input; loses float64 precision
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2) / d)  # float32
+    angle = position_ids[..., None].float() * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    return x * angle.cos() + rotate_half(x) * angle.sin()  # float32 cos·float64 x promotes to float64
+
+
+def rope_returns_float32(x, position_ids, base=10000.0):
+    return rope(x.float(), position_ids, base)
+
+
+def rope_ignores_base(x, position_ids, base=10000.0):
+    return rope(x, position_ids)
+
+
+def rope_first_row_positions(x, position_ids, base=10000.0):  # right unless rows differ
+    return rope(x, position_ids[:1].expand_as(position_ids), base)
+
+
+MISTAKES = [
+    (check_embedding, embedding_flat, r"expected shape \(1, 3, 3\), got \(3, 3\)[\s\S]*keep the shape of ids"),
+    (check_embedding, embedding_from_one, r"the values differ[\s\S]*ids count from 0"),
+    (check_embedding, embedding_first_row_only, r"a batch of two rows[\s\S]*not ids\[0\] for all"),
+    (check_embedding, embedding_float32, r"float64 weights[\s\S]*expected dtype torch.float64, got torch.float32"),
+    (check_embedding, embedding_columns, r"raised IndexError|expected shape"),
+    (check_embed, embed_ignores_position_ids, r"left padding[\s\S]*use position_ids when they are given"),
+    (check_embed, embed_positions_from_one, r"a small example[\s\S]*positions count from 0"),
+    (check_embed, embed_concatenates, r"expected shape \(1, 3, 4\), got \(1, 3, 8\)[\s\S]*do not concatenate"),
+    (check_embed, embed_row_zero_positions, r"left padding[\s\S]*use position_ids\[b\] for row b"),
+    (check_sinusoidal_positions, sinusoidal_half_split, r"4 positions, dim 4[\s\S]*interleave them as in the paper"),
+    (check_sinusoidal_positions, sinusoidal_exponent_i, r"4 positions, dim 4[\s\S]*the exponent is 2i/dim"),
+    (check_sinusoidal_positions, sinusoidal_swapped, r"one position[\s\S]*sin goes in the even columns"),
+    (check_sinusoidal_positions, sinusoidal_float64, r"expected dtype torch.float32, got torch.float64"),
+    (check_sinusoidal_positions, sinusoidal_ignores_base, r"base 100[\s\S]*use the base you are given"),
+    (check_rope, rope_interleaved, r"a small example, D = 8[\s\S]*half-split layout[\s\S]*GPT-J"),
+    (check_rope, rope_wrong_sign, r"D = 2[\s\S]*the minus goes on the second half"),
+    (check_rope, rope_exponent_i, r"a small example, D = 8[\s\S]*base\^\(-2i/D\)"),
+    (check_rope, rope_ignores_position_ids, r"left padding[\s\S]*use position_ids"),
+    (check_rope, rope_float32_angles, r"float64 stays float64[\s\S]*compute the angles[\s\S]*in float64"),
+    (check_rope, rope_returns_float32, r"expected dtype torch.float64, got torch.float32"),
+    (check_rope, rope_ignores_base, r"base 500000[\s\S]*the base is an argument"),
+    (check_rope, rope_first_row_positions, r"left padding[\s\S]*row b uses position_ids\[b\]"),
+    (check_rope, lambda x, position_ids, base=10000.0: x.clone(), r"D = 2[\s\S]*rotate x: out = x·cos"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", MISTAKES,
+                         ids=[getattr(w, "__name__", "?") for _, w, _ in MISTAKES])
+def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check(wrong)
+
+
+def test_a_float32_only_mistake_passes_every_float32_case(capsys):
+    """rope_float32_angles is what transformers does for float32: only float64 cases may reject it."""
+    with pytest.raises(CheckFailed, match="float64"):
+        check_rope(rope_float32_angles)
+    x = torch.randn(2, 3, 4, 64)
+    pos = torch.tensor([[0, 1, 2, 3], [2000, 2001, 2002, 2003]])
+    assert (rope_float32_angles(x, pos) - positions.rope(x, pos)).abs().max() < 1e-3
+
+
+# -- correct answers written differently ------------------------------------------------------------
+
+
+def embedding_one_hot(weight, ids):
+    return F.one_hot(ids, weight.shape[0]).to(weight.dtype) @ weight
+
+
+def embedding_index_select(weight, ids):
+    return torch.index_select(weight, 0, ids.reshape(-1)).reshape(*ids.shape, weight.shape[1])
+
+
+def embed_broadcast(wte, wpe, input_ids, position_ids=None):
+    positions_ = wpe[: input_ids.shape[1]][None] if position_ids is None else wpe[position_ids]
+    return wte[input_ids] + positions_
+
+
+def sinusoidal_float32_loop(n_positions, dim, base=10000.0):
+    """Written from the paper in float32, column by column."""
+    pe = torch.zeros(n_positions, dim)
+    p = torch.arange(n_positions, dtype=torch.float32)
+    for i in range(dim // 2):
+        w = 1.0 / base ** (2 * i / dim)
+        pe[:, 2 * i] = torch.sin(p * w)
+        pe[:, 2 * i + 1] = torch.cos(p * w)
+    return pe
+
+
+def sinusoidal_exp_log(n_positions, dim, base=10000.0):
+    """The annotated transformer's form: exp(-2i·ln(base)/dim)."""
+    div = torch.exp(torch.arange(0, dim, 2).float() * (-torch.log(torch.tensor(base)) / dim))
+    angle = torch.arange(n_positions).float()[:, None] * div
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).reshape(n_positions, dim)
+
+
+def rope_complex(x, position_ids, base=10000.0):
+    """Meta's complex-number form, on the half-split pairs (x[i], x[i + D/2])."""
+    d = x.shape[-1]
+    real = torch.float64
+    inv_freq = base ** (-torch.arange(0, d, 2, dtype=real) / d)
+    angle = position_ids[..., None].to(real) * inv_freq  # [B, T, D/2]
+    turn = torch.polar(torch.ones_like(angle), angle)[:, None]  # [B, 1, T, D/2]
+    x1, x2 = x.to(real).chunk(2, dim=-1)
+    z = torch.complex(x1, x2) * turn
+    return torch.cat([z.real, z.imag], dim=-1).to(x.dtype)
+
+
+def rope_hf_style_in_x_dtype(x, position_ids, base=10000.0):
+    """As transformers writes it, but with the angles in x's dtype (float32 for float32: allowed)."""
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=x.dtype) / d)
+    freqs = position_ids[..., None].to(x.dtype) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    return x * cos + rotate_half(x) * sin
+
+
+def rope_matrix(x, position_ids, base=10000.0):
+    """An explicit D×D rotation matrix per position."""
+    B, H, T, D = x.shape
+    half = D // 2
+    inv_freq = base ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = position_ids[..., None].double() * inv_freq  # [B, T, D/2]
+    R = torch.zeros(B, T, D, D, dtype=torch.float64)
+    i = torch.arange(half)
+    R[..., i, i] = angle.cos()
+    R[..., i + half, i + half] = angle.cos()
+    R[..., i, i + half] = -angle.sin()
+    R[..., i + half, i] = angle.sin()
+    return torch.einsum("btij,bhtj->bhti", R, x.double()).to(x.dtype)
+
+
+ALTERNATIVES = [
+    (check_embedding, embedding_one_hot),
+    (check_embedding, embedding_index_select),
+    (check_embed, embed_broadcast),
+    (check_sinusoidal_positions, sinusoidal_float32_loop),
+    (check_sinusoidal_positions, sinusoidal_exp_log),
+    (check_rope, rope_complex),
+    (check_rope, rope_hf_style_in_x_dtype),
+    (check_rope, rope_matrix),
+]
+
+
+@pytest.mark.parametrize("check, alternative", ALTERNATIVES, ids=[a.__name__ for _, a in ALTERNATIVES])
+def test_correct_alternative_passes(check, alternative, capsys):
+    check(alternative)
+    check(alternative, seed=101, n_random=30)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- black boxes, however reached ------------------------------------------------------------------
+
+
+class LookupModule(torch.nn.Embedding):
+    pass
+
+
+def embedding_through_module(weight, ids):
+    table = LookupModule(*weight.shape)
+    table.weight.data = weight
+    return table(ids).detach()
+
+
+BLACK_BOXES = [
+    (check_embedding, lambda weight, ids: F.embedding(ids, weight), r"called torch\.(nn\.functional\.)?embedding"),
+    (check_embedding, lambda weight, ids: embedding_imported_early(ids, weight),
+     r"called torch\.(nn\.functional\.)?embedding"),
+    (check_embedding, lambda weight, ids: torch.embedding(weight, ids), r"called torch\.embedding"),
+    (check_embedding, lambda weight, ids: torch.ops.aten.embedding(weight, ids), r"called .*embedding"),
+    (check_embedding, embedding_through_module, r"called torch\.(nn\.(modules\.sparse\.)?Embedding|embedding)"),
+    (check_embedding, lambda weight, ids: llmcourse.parts.embedding(weight, ids), r"called llmcourse\.parts\.embedding"),
+    (check_embed, lambda wte, wpe, ids, pos=None: F.embedding(ids, wte) + wpe[: ids.shape[1]],
+     r"called torch\.(nn\.functional\.)?embedding"),
+    (check_sinusoidal_positions, lambda n, dim, base=10000.0: positions.sinusoidal_positions(n, dim, base),
+     r"called llmcourse\.positions\.sinusoidal_positions"),
+    (check_rope, lambda x, pos, base=10000.0: positions.rope(x, pos, base), r"called llmcourse\.positions\.rope"),
+    (check_rope, lambda x, pos, base=10000.0: x * 0 + positions.rotate_half(x), r"called llmcourse\.positions"),
+    (check_rope, lambda x, pos, base=10000.0: sys.modules["transformers.models.llama.modeling_llama"]
+     .apply_rotary_pos_emb(x, x, *positions.rope_cos_sin(pos, x.shape[-1], base, x.dtype))[0],
+     r"called (transformers|llmcourse\.positions)"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", BLACK_BOXES,
+                         ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(BLACK_BOXES)])
+def test_black_box_is_rejected_however_it_is_reached(check, wrong, message):
+    pytest.importorskip("transformers.models.llama.modeling_llama")
+    with pytest.raises(CheckFailed, match=message):
+        check(wrong)
+
+
+def test_the_engine_still_works_after_a_check_that_forbids_it():
+    with pytest.raises(CheckFailed):
+        check_embedding(lambda weight, ids: F.embedding(ids, weight))
+    assert sys.getprofile() is None
+    assert torch.equal(llmcourse.parts.embedding(torch.eye(3), torch.tensor([[2]])), torch.tensor([[[0.0, 0, 1]]]))
+
+
+# -- crashes, hangs, wrong types ------------------------------------------------------------------
+
+
+def test_a_function_that_raises_is_reported_with_its_line():
+    def rope_bad_shapes(x, position_ids, base=10000.0):
+        angle = position_ids * base  # [B, T]: misses the D/2 axis
+        return x * angle.cos()
+
+    with pytest.raises(CheckFailed, match=r"rope\(.*\) raised RuntimeError[\s\S]*at line"):
+        check_rope(rope_bad_shapes)
+
+
+def test_a_wrong_type_is_reported():
+    with pytest.raises(CheckFailed, match=r"expected a torch\.Tensor of shape \(1, 3, 3\), got \["):
+        check_embedding(lambda weight, ids: weight[ids].tolist())
+
+
+def test_an_endless_loop_is_stopped(monkeypatch):
+    import llmcourse.checks.embeddings as module
+
+    real = module.run_check
+    monkeypatch.setattr(module, "run_check", lambda *a, **kw: real(*a, **{**kw, "seconds": 0.5}))
+
+    def embedding_forever(weight, ids):
+        while True:
+            pass
+
+    with pytest.raises(CheckFailed, match=r"did not finish within 0.5 s[\s\S]*weight\[ids\]"):
+        check_embedding(embedding_forever)
+
+
+def test_changing_the_input_is_reported():
+    def rope_in_place(x, position_ids, base=10000.0):
+        out = rope(x, position_ids, base)
+        x.mul_(0)
+        return out
+
+    with pytest.raises(CheckFailed, match=r"changed its input `x`"):
+        check_rope(rope_in_place)
+
+
+# -- the notebook's own solutions pass every check, hidden parts included -------------------------
+
+
+def notebook_cells(path):
+    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    setup, solutions, checks = [], [], []
+    for cell in cells:
+        if cell["cell_type"] != "code":
+            continue
+        meta = cell.get("metadata", {})
+        grading = meta.get("nbgrader", {})
+        source = "".join(cell["source"])
+        if "setup" in meta.get("tags", []):
+            setup.append(source)
+        elif grading.get("solution") and not grading.get("grade"):
+            solutions.append(source.replace("### BEGIN SOLUTION", "").replace("### END SOLUTION", ""))
+        elif grading.get("grade") and "check_" in source:
+            checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
+    return setup, solutions, checks
+
+
+def test_the_notebook_solutions_pass_every_check(capsys):
+    setup, solutions, checks = notebook_cells(NOTEBOOK)
+    assert len(solutions) == len(checks) == 4
+    namespace = {"__name__": "__learner__"}
+    for source in [*setup, *solutions]:
+        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    capsys.readouterr()
+    for source in checks:
+        exec(compile(source, f"{NOTEBOOK}:check", "exec"), namespace)
+    assert capsys.readouterr().out.count("✓") == 8
