@@ -1,0 +1,657 @@
+"""Checks for chapter 03, attention: softmax, the causal mask, scaled dot-product attention, heads,
+GPT-2's multi-head self-attention and tiled attention with an online softmax.
+
+Each check compares the learner's function with the engine's (`llmcourse.parts`,
+`llmcourse.tiled_attention`), computed in float64 and returned in the input's dtype, on fixed edge
+cases and seeded random ones: batch > 1, several heads, float64, odd sizes, masks of every shape,
+values far from 0. When an answer is wrong, the message also names the mistake when the wrong
+answer is exactly what a known mistake gives (no max shift, dividing by d instead of √d, the mask
+inverted or applied after the softmax, heads split in the wrong order, the running sum not
+rescaled, ...).
+
+    >>> def causal_mask(n_query, n_key):
+    ...     query_pos = torch.arange(n_key - n_query, n_key)
+    ...     return torch.arange(n_key)[None, :] <= query_pos[:, None]
+    >>> check_causal_mask(causal_mask)
+    ✓ causal_mask — 27 cases
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .. import parts
+from .core import Case, Verdict, run_check
+from .forbid import Forbidden
+from .tensors import tensor_problem
+
+OWN_SOFTMAX = "Write the softmax yourself: subtract the max, exponentiate, divide by the sum."
+SOFTMAX_FAMILY = [
+    Forbidden("torch.softmax", OWN_SOFTMAX),  # every route: torch.softmax, Tensor.softmax, F.softmax, aten
+    Forbidden("torch._softmax", OWN_SOFTMAX),
+    Forbidden("torch.special.special_softmax", OWN_SOFTMAX),
+    Forbidden("torch.log_softmax", OWN_SOFTMAX),
+    Forbidden("torch.special.special_log_softmax", OWN_SOFTMAX),
+    Forbidden("torch.logsumexp", "The max shift is the point of this exercise: subtract the max yourself."),
+    Forbidden("llmcourse.parts.softmax", OWN_SOFTMAX),
+]
+OWN_ATTENTION = "Write it yourself from your softmax: scores = q @ kᵀ / √d, mask, softmax, @ v."
+NO_ATTENTION = [
+    *[Forbidden(f.target, "Use your own softmax.") for f in SOFTMAX_FAMILY],
+    Forbidden("torch.nn.functional.scaled_dot_product_attention", OWN_ATTENTION),
+    Forbidden("torch.nn.functional.multi_head_attention_forward", OWN_ATTENTION),
+    Forbidden("llmcourse.parts.attention", OWN_ATTENTION),
+    Forbidden("llmcourse.parts.attention_with_softmax", OWN_ATTENTION),
+    Forbidden("llmcourse.tiled_attention", OWN_ATTENTION),
+    Forbidden("transformers", OWN_ATTENTION),
+]
+OWN_PARTS = "Use your own functions from this chapter (attention, split_heads, merge_heads, causal_mask)."
+
+
+def _tolerance(dtype: torch.dtype, loose: bool = False) -> tuple[float, float]:
+    """(atol, rtol): float64 answers must be float64-accurate, so a float32 detour is caught."""
+    if dtype == torch.float64:
+        return 1e-10, 1e-10
+    return (1e-5, 1e-4) if loose else (1e-6, 1e-5)
+
+
+def _same(got: Any, alternative: Tensor) -> bool:
+    return isinstance(got, Tensor) and got.shape == alternative.shape and got.dtype == alternative.dtype and \
+        bool(torch.isclose(got.detach(), alternative, rtol=1e-4, atol=1e-5, equal_nan=True).all())
+
+
+Variant = tuple[Callable[..., Any], str]  # (a known mistake, computing what it returns; the hint that names it)
+
+
+def _diagnosis(got: Any, args: tuple, variants: Sequence[Variant], expected: Tensor) -> str:
+    """The hint of the first known mistake whose answer `got` is (and the right answer is not)."""
+    for mistake, hint in variants:
+        try:
+            alternative = mistake(*args)
+        except Exception:
+            continue
+        if _same(got, alternative) and not _same(expected, alternative):
+            return hint
+    if expected.dtype == torch.float64 and _same(got, expected):
+        return "your answer has float32 accuracy: compute in the input's dtype (no .float(), no float32 constants)"
+    return ""
+
+
+def _judge(variants: Sequence[Variant] = (), loose: bool = False) -> Callable[[Case, Any], Verdict]:
+    def judge(case: Case, got: Any) -> Verdict:
+        atol, rtol = _tolerance(case.expected.dtype, loose)
+        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
+        return (problem, _diagnosis(got, case.args, variants, case.expected)) if problem else None
+
+    return judge
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, Tensor):
+        dtype = str(value.dtype).replace("torch.", "")
+        return f"<{dtype} {list(value.shape)}>"
+    return repr(value)
+
+
+def _show(name: str, *names: str) -> Callable[[tuple], str]:
+    """Writes a call with tensors as <dtype [shape]> (their values are in expected/got)."""
+    return lambda args: f"{name}({', '.join(f'{n}={_describe(a)}' for n, a in zip(names, args))})"
+
+
+def _in_float64(fn: Callable[..., Tensor], *args: Any) -> Tensor:
+    """fn on float64 copies of the floating-point arguments, returned in the first one's dtype."""
+    dtype = next(a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point())
+    wide = [a.double() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+    return fn(*wide).to(dtype)
+
+
+def _randint(g: torch.Generator, low: int, high: int) -> int:
+    """A random int in [low, high]."""
+    return int(torch.randint(low, high + 1, (1,), generator=g))
+
+
+def _choice(g: torch.Generator, options: Sequence) -> Any:
+    return options[_randint(g, 0, len(options) - 1)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Softmax
+
+
+def _shift_by(x: Tensor, dim: int, how: str) -> Tensor:
+    shift = {"none": lambda: torch.zeros_like(x), "max": lambda: x.amax(dim, keepdim=True),
+             "mean": lambda: x.mean(dim, keepdim=True),
+             "min": lambda: x.amin(dim, keepdim=True), "global": lambda: x.max()}[how]()
+    e = torch.exp(x - shift)
+    return e / e.sum(dim, keepdim=True)
+
+
+SOFTMAX_MISTAKES: list[Variant] = [
+    (lambda x, dim=-1: _shift_by(x, dim, "none"),
+     "exp(x) overflows to inf for x above ~88 (float32) and inf / inf is nan: subtract each row's max first "
+     "(softmax(x) = softmax(x - c) for any c)"),
+    (lambda x, dim=-1: _shift_by(x, dim, "mean"),
+     "subtract the max, not the mean: x - mean can still be large and positive, and exp() overflows"),
+    (lambda x, dim=-1: _shift_by(x, dim, "min"),
+     "subtract the max, not the min: x - min is >= 0 and exp() of it overflows"),
+    (lambda x, dim=-1: _shift_by(x, dim, "global"),
+     "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
+     "global max underflows to 0 / 0"),
+    (lambda x, dim=-1: _shift_by(x, 0 if dim % x.dim() == x.dim() - 1 else -1, "max"),
+     "normalise along `dim`, the argument, not always the last dimension: use keepdim=True so the max and the "
+     "sum broadcast back along the same dimension"),
+]
+
+
+def _softmax_case(description: str, x: Tensor, dim: int = -1, hint: str = "") -> Case:
+    return Case(description, (x, dim), _in_float64(lambda t, d: torch.softmax(t, d), x, dim), hint)
+
+
+def _random_logits(g: torch.Generator, i: int) -> tuple[str, Tensor, int]:
+    ndim = _randint(g, 1, 4)
+    shape = tuple(_randint(g, 1, 7) for _ in range(ndim))
+    dim = _randint(g, -ndim, ndim - 1)
+    dtype = _choice(g, [torch.float32, torch.float64])
+    scale = _choice(g, [0.1, 1.0, 10.0, 1000.0, 1e4])
+    x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    # each slice along `dim` gets its own offset: far from 0, and far from the other slices
+    offset_shape = list(shape)
+    offset_shape[dim] = 1
+    x = x + (torch.rand(offset_shape, generator=g, dtype=torch.float64) - 0.5) * _choice(g, [0.0, 200.0, 2e4])
+    if i % 3 == 2:  # some -inf, never a whole slice
+        masked = torch.rand(shape, generator=g) < 0.4
+        keep = torch.nn.functional.one_hot(x.argmax(dim), shape[dim]).bool().movedim(-1, dim)
+        x = x.masked_fill(masked & ~keep, -math.inf)
+    return f"shape {list(shape)}, dim={dim}, {str(dtype)[6:]}, scale {scale:g}", x.to(dtype), dim
+
+
+def check_softmax(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """softmax(x, dim=-1) -> exp(x) / sum(exp(x)) along dim, for any shape and dim, in x's dtype."""
+    inf = math.inf
+    max_shift = "subtract the max along `dim` before exp(): every exponent is then <= 0"
+    cases = [
+        _softmax_case("a small row", torch.tensor([1.0, 2.0, 3.0])),
+        _softmax_case("each row of a matrix sums to 1", torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]])),
+        _softmax_case("logits of +1e4 (exp overflows without the max shift)",
+                      torch.tensor([[1e4, 0.0, -1e4], [1e4, 1e4 - 1, 1e4 - 2]]), hint=max_shift),
+        _softmax_case("logits of -1e4 (exp underflows to 0 / 0 without the max shift)",
+                      torch.tensor([[-1e4, -1e4 - 1, -1e4 - 3]]), hint=max_shift),
+        _softmax_case("rows of -inf except one entry (masked scores)",
+                      torch.tensor([[-inf, 3.0, -inf], [-inf, -inf, -2.0], [0.0, -inf, -inf]]),
+                      hint="exp(-inf) = 0: a masked entry gets probability 0; the max of each row is finite here"),
+        _softmax_case("causal scores: -inf above the diagonal",
+                      torch.tensor([[2.0, 0.0], [1.0, 3.0]]).masked_fill(torch.tensor([[False, True], [False, False]]),
+                                                                      -inf)),
+        _softmax_case("rows far apart (the max of the whole tensor is far above the second row)",
+                      torch.tensor([[0.0, 1.0, 2.0], [-1000.0, -1001.0, -999.0]]),
+                      hint="subtract each row's own max (keepdim=True), not the max of the whole tensor"),
+        _softmax_case("float64 in, float64 out", torch.tensor([[0.1, 0.2, 0.3], [3.0, -3.0, 1e-3]], dtype=torch.float64)),
+        _softmax_case("float64 logits of ±700", torch.tensor([[700.0, 699.0, -700.0]], dtype=torch.float64), hint=max_shift),
+        _softmax_case("dim=0: each column sums to 1", torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 2.0, -3.0, 5.0],
+                                                                    [2.0, 2.0, 0.0, -1.0]]), 0),
+        _softmax_case("dim=1 of a 3-D tensor", torch.arange(24.0).reshape(2, 3, 4).sin() * 5, 1),
+        _softmax_case("dim=-2", torch.arange(12.0).reshape(3, 4).cos() * 3, -2),
+        _softmax_case("one element", torch.tensor([[-5.0]])),
+        _softmax_case("equal logits give a uniform distribution", torch.full((2, 5), 7.0)),
+        _softmax_case("attention scores [B, H, T, T]", (torch.arange(2 * 3 * 4 * 4.0).reshape(2, 3, 4, 4) * 1.7).sin() * 30),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        what, x, dim = _random_logits(g, i)
+        cases.append(_softmax_case(f"random logits #{i} ({what})", x, dim))
+    run_check("softmax", fn, cases, judge=_judge(SOFTMAX_MISTAKES), forbid=SOFTMAX_FAMILY, seconds=5, total_seconds=30,
+              show_call=lambda args: f"softmax({_show_tensor(args[0])}, dim={args[1]})")
+
+
+def _show_tensor(x: Tensor) -> str:
+    """Small tensors in full (they are the input a learner needs to see), large ones as <dtype [shape]>."""
+    if x.numel() <= 12:
+        values = ", ".join(f"{v:g}" for v in x.flatten().tolist())
+        return f"tensor of shape {list(x.shape)} {str(x.dtype)[6:]} [{values}]"
+    return _describe(x)
+
+
+# ----------------------------------------------------------------------------------------------
+# The causal mask
+
+
+CAUSAL_MISTAKES: list[Variant] = [
+    (lambda nq, nk: torch.arange(nk)[None, :] < torch.arange(nk - nq, nk)[:, None],
+     "off by one: a query may also see its own position (key j <= query position i, not <)"),
+    (lambda nq, nk: torch.arange(nk)[None, :] >= torch.arange(nk - nq, nk)[:, None],
+     "that is the upper triangle: True must be where the key is at or BEFORE the query's position (the past)"),
+    (lambda nq, nk: torch.arange(nk)[None, :] <= torch.arange(nq)[:, None],
+     "the queries are the LAST n_query positions: query i sits at position n_key - n_query + i"),
+    (lambda nq, nk: parts.causal_mask(nq, nk).float(),
+     "return a bool tensor (True = may attend): a comparison such as `a <= b` gives one"),
+    (lambda nq, nk: ~parts.causal_mask(nq, nk),
+     "the mask is inverted: True must mean 'may attend'"),
+]
+
+
+def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """causal_mask(n_query, n_key) -> bool [n_query, n_key], True where query i may see key j."""
+    def case(nq: int, nk: int, description: str, hint: str = "") -> Case:
+        return Case(description, (nq, nk), parts.causal_mask(nq, nk), hint)
+
+    cases = [
+        case(1, 1, "one position sees itself"),
+        case(3, 3, "prefill of 3 tokens: the lower triangle, diagonal included"),
+        case(6, 6, "prefill of 6 tokens"),
+        case(1, 5, "decode: one new query after 4 cached positions sees all 5 keys",
+             "query i sits at position n_key - n_query + i"),
+        case(3, 7, "a chunk of 3 queries at the end of 7 positions", "query i sits at position n_key - n_query + i"),
+        case(2, 9, "2 queries at the end of 9 positions"),
+        case(7, 8, "7 queries at the end of 8 positions"),
+    ]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(n_random):
+        nk = _randint(g, 1, 40)
+        nq = _choice(g, [nk, 1, _randint(g, 1, nk)])
+        cases.append(case(nq, nk, f"random #{i}: n_query={nq}, n_key={nk}"))
+    run_check("causal_mask", fn, cases, judge=_judge(CAUSAL_MISTAKES), forbid=[
+        Forbidden("llmcourse.parts.causal_mask", "Write it yourself: compare key positions with query positions."),
+    ], seconds=5, total_seconds=20)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scaled dot-product attention
+
+
+def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, scale: Optional[float] = None,
+               fill: float = -math.inf, after: bool = False) -> Tensor:
+    """Attention written out; the keyword arguments make the known mistakes."""
+    scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)  # [B, H, Tq, Tk]
+    if mask is not None and not after:
+        scores = scores.masked_fill(~mask, fill)
+    probs = torch.softmax(scores, dim=-1)
+    if mask is not None and after:
+        probs = probs * mask
+    return probs @ v
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """The expected answer: the engine's fused attention (None = no mask), in float64."""
+    return _in_float64(lambda *a: torch.nn.functional.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
+                       q, k, v, mask)
+
+
+def _first_row_mask(q, k, v, mask=None):
+    return _attention(q, k, v, None if mask is None else mask[:1] if mask.dim() == 4 else mask)
+
+
+ATTENTION_MISTAKES: list[Variant] = [
+    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / q.shape[-1]),
+     "scale the scores by 1/√d (d = q.shape[-1], the head dimension), not 1/d"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1.0),
+     "divide the scores by √d (d = q.shape[-1]): without it softmax saturates as d grows"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / math.sqrt(k.shape[-2])),
+     "scale by √d where d is the head dimension q.shape[-1], not the number of keys"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, None if mask is None else ~mask),
+     "the mask is inverted: True means 'may attend', so fill the scores where the mask is False (~mask)"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, mask, after=True),
+     "apply the mask before the softmax (scores where mask is False -> -inf); multiplying the probabilities by "
+     "the mask afterwards leaves rows that no longer sum to 1"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, mask, fill=0.0),
+     "fill masked scores with -inf (or a very negative number), not 0: exp(0) = 1 still gives them weight"),
+    (lambda q, k, v, mask=None: _attention(q, k, v, parts.causal_mask(q.shape[-2], k.shape[-2]) if mask is None
+                                           else mask),
+     "mask=None means no mask at all: every query attends to every key (the caller passes the causal mask)"),
+    (_first_row_mask, "use the whole mask: each batch item has its own padding (do not index mask[0] or drop a "
+                      "dimension; masked_fill broadcasts a [B, 1, 1, Tk] mask by itself)"),
+]
+
+
+def _random_mask(g: torch.Generator, kind: int, B: int, H: int, Tq: int, Tk: int) -> tuple[str, Optional[Tensor]]:
+    """None, a causal [Tq, Tk], a padding [B, 1, 1, Tk] or a random [B, H, Tq, Tk] mask; no row all False."""
+    if kind == 0:
+        return "no mask", None
+    if kind == 1:
+        return "causal mask [Tq, Tk]", parts.causal_mask(Tq, Tk)
+    if kind == 2:
+        valid = torch.rand(B, 1, 1, Tk, generator=g) < 0.6
+        valid[..., _randint(g, 0, Tk - 1)] = True
+        return "padding mask [B, 1, 1, Tk]", valid
+    mask = torch.rand(B, H, Tq, Tk, generator=g) < 0.5
+    mask[..., -1] |= ~mask.any(-1)
+    return "random mask [B, H, Tq, Tk]", mask
+
+
+def _attention_case(description: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
+                    hint: str = "") -> Case:
+    return Case(description, (q, k, v, mask), reference_attention(q, k, v, mask), hint)
+
+
+def _qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, Dv: Optional[int] = None, *,
+         scale: float = 1.0, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+    q = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64) * scale
+    k = torch.randn(B, H, Tk, D, generator=g, dtype=torch.float64) * scale
+    v = torch.randn(B, H, Tk, Dv or D, generator=g, dtype=torch.float64) * 3 + 1
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """attention(q, k, v, mask=None) -> softmax(q kᵀ / √d, masked) v, [B, H, Tq, Dv]."""
+    g = torch.Generator().manual_seed(seed)
+    pad = torch.tensor([[True, True, True, False, False], [True, True, True, True, True], [False, True, True, True, False]])
+    cases = [
+        _attention_case("one query, two keys, no mask", torch.tensor([[[[1.0, 0.0]]]]),
+                        torch.tensor([[[[2.0, 0.0], [0.0, 2.0]]]]), torch.tensor([[[[10.0], [20.0]]]]),
+                        hint="scores = [2, 0] / √2; weights = softmax(scores); out = weights @ v"),
+        _attention_case("mask=None attends everywhere", *_qkv(g, 1, 1, 4, 4, 8)),
+        _attention_case("a causal mask [T, T]", *_qkv(g, 1, 2, 5, 5, 8), parts.causal_mask(5, 5)),
+        _attention_case("head dimension 64 (the scale 1/√d matters)", *_qkv(g, 1, 2, 4, 6, 64), parts.causal_mask(4, 6)),
+        _attention_case("batch of 3, each with its own padding mask [B, 1, 1, Tk]", *_qkv(g, 3, 2, 5, 5, 4),
+                        pad[:, None, None, :], "masked_fill broadcasts the mask; keep its batch dimension"),
+        _attention_case("decode: one query, 7 keys, mask [1, 7]", *_qkv(g, 2, 2, 1, 7, 8), parts.causal_mask(1, 7)),
+        _attention_case("3 queries at the end of 7 keys, causal mask [3, 7]", *_qkv(g, 1, 3, 3, 7, 8),
+                        parts.causal_mask(3, 7), "Tq and Tk differ: use q.shape[-2] and k.shape[-2], not one T"),
+        _attention_case("values with another last dimension (Dv=5, D=4)", *_qkv(g, 2, 1, 3, 4, 4, 5),
+                        hint="the output has v's last dimension: [B, H, Tq, Dv]"),
+        _attention_case("float64 in, float64 out", *_qkv(g, 2, 2, 4, 4, 8, dtype=torch.float64), parts.causal_mask(4, 4)),
+        _attention_case("a random mask per head [B, H, Tq, Tk]", *_qkv(g, 2, 3, 4, 6, 8), *_random_mask(g, 3, 2, 3, 4, 6)[1:]),
+        _attention_case("scores far from 0 (q and k ×20)", *_qkv(g, 1, 2, 5, 5, 16, scale=20.0), parts.causal_mask(5, 5),
+                        "your softmax must be the stable one"),
+    ]
+    for i in range(n_random):
+        B, H, D = _randint(g, 1, 3), _randint(g, 1, 4), _choice(g, [1, 3, 8, 16, 64])
+        Tk = _randint(g, 1, 12)
+        Tq = _choice(g, [Tk, 1, _randint(g, 1, Tk)])
+        Dv = _choice(g, [D, D, _randint(g, 1, 9)])
+        dtype = _choice(g, [torch.float32, torch.float64])
+        scale = _choice(g, [0.5, 1.0, 5.0])
+        what, mask = _random_mask(g, i % 4, B, H, Tq, Tk)
+        q, k, v = _qkv(g, B, H, Tq, Tk, D, Dv, scale=scale, dtype=dtype)
+        cases.append(_attention_case(f"random #{i} (B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, Dv={Dv}, "
+                                     f"{str(dtype)[6:]}, {what})", q, k, v, mask))
+    run_check("attention", fn, cases, judge=_judge(ATTENTION_MISTAKES, loose=True), forbid=NO_ATTENTION,
+              seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Heads
+
+
+SPLIT_MISTAKES: list[Variant] = [
+    (lambda x, n: x.reshape(x.shape[0], n, x.shape[1], x.shape[2] // n),
+     "view(B, n_head, T, D) mixes positions into heads: view as (B, T, n_head, D), then transpose(1, 2)"),
+    (lambda x, n: x.reshape(x.shape[0], x.shape[1], x.shape[2] // n, n).permute(0, 3, 1, 2),
+     "head h holds channels h·D … (h+1)·D - 1 (consecutive), not every n_head-th channel: view as "
+     "(B, T, n_head, D)"),
+    (lambda x, n: x.reshape(-1, n, x.shape[2] // n).transpose(0, 1).reshape(x.shape[0], n, x.shape[1], -1),
+     "keep the batch dimension apart: view as (B, T, n_head, D) and transpose(1, 2); reshaping B·T rows mixes "
+     "batch items"),
+]
+MERGE_MISTAKES: list[Variant] = [
+    (lambda x: x.reshape(x.shape[0], x.shape[2], -1),
+     "transpose back first: x.transpose(1, 2) is [B, T, H, D]; then reshape to [B, T, H·D]"),
+    (lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1),
+     "head h's channels go to h·D … (h+1)·D - 1 (consecutive): transpose(1, 2), not a permute that puts heads last"),
+    (lambda x: x.transpose(0, 2).reshape(x.shape[2], x.shape[0], -1).transpose(0, 1),
+     "keep the batch dimension first: x.transpose(1, 2).reshape(B, T, H * D)"),
+]
+
+
+def _distinct(g: torch.Generator, shape: tuple, dtype: torch.dtype) -> Tensor:
+    """Values that are all different (any permutation shows), far from 0."""
+    n = math.prod(shape)
+    return (torch.randperm(n, generator=g).to(torch.float64) + torch.rand(n, generator=g, dtype=torch.float64)) \
+        .reshape(shape).to(dtype)
+
+
+def _head_shapes(g: torch.Generator, n_random: int) -> list[tuple[str, tuple[int, int, int], int, torch.dtype]]:
+    shapes = [("one position, one batch item", (1, 1, 6), 2, torch.float32),
+              ("batch 1, 4 positions, 3 heads of 2", (1, 4, 6), 3, torch.float32),
+              ("batch 2, 5 positions, 2 heads of 4", (2, 5, 8), 2, torch.float32),
+              ("batch 3, one head (n_head=1)", (3, 4, 6), 1, torch.float32),
+              ("heads of one channel (n_head=C)", (2, 3, 4), 4, torch.float32),
+              ("float64", (2, 3, 12), 3, torch.float64),
+              ("GPT-2's sizes: 12 heads of 64", (2, 7, 768), 12, torch.float32)]
+    for i in range(n_random):
+        n_head, D = _randint(g, 1, 8), _randint(g, 1, 9)
+        B, T = _randint(g, 1, 4), _randint(g, 1, 9)
+        dtype = _choice(g, [torch.float32, torch.float64])
+        shapes.append((f"random #{i}", (B, T, n_head * D), n_head, dtype))
+    return shapes
+
+
+def check_split_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """split_heads(x [B, T, C], n_head) -> [B, n_head, T, C // n_head]; head h holds channels h·D … (h+1)·D - 1."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for what, shape, n_head, dtype in _head_shapes(g, n_random):
+        x = _distinct(g, shape, dtype)
+        cases.append(Case(f"{what}: B={shape[0]}, T={shape[1]}, C={shape[2]}, n_head={n_head}", (x, n_head),
+                          parts.split_heads(x, n_head).contiguous()))
+    run_check("split_heads", fn, cases, judge=_judge(SPLIT_MISTAKES), forbid=[
+        Forbidden("llmcourse.parts.split_heads", "Write it yourself with view and transpose."),
+    ], seconds=5, total_seconds=20, show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})")
+
+
+def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """merge_heads(x [B, H, T, D]) -> [B, T, H·D], the inverse of split_heads."""
+    g = torch.Generator().manual_seed(seed)
+    cases = []
+    for what, (B, T, C), n_head, dtype in _head_shapes(g, n_random):
+        x = _distinct(g, (B, n_head, T, C // n_head), dtype)
+        cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), parts.merge_heads(x)))
+    run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=[
+        Forbidden("llmcourse.parts.merge_heads", "Write it yourself with transpose and reshape."),
+    ], seconds=5, total_seconds=20, show_call=lambda args: f"merge_heads(x={_describe(args[0])})")
+
+
+# ----------------------------------------------------------------------------------------------
+# GPT-2's multi-head self-attention
+
+
+def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head, *, order=(0, 1, 2),
+                    causal=True, proj=True, heads_first=False):
+    """GPT-2's attention from the engine's parts; the keyword arguments make the known mistakes."""
+    C = x.shape[-1]
+    qkv = x @ c_attn_weight + c_attn_bias  # [B, T, 3C]
+    if heads_first:
+        q, k, v = parts.split_heads(qkv, n_head).chunk(3, dim=-1)  # [B, H, T, 3D] cut in three: wrong
+    else:
+        q, k, v = (parts.split_heads(t, n_head) for t in qkv.split(C, dim=-1))  # [B, H, T, D]
+        q, k, v = ((q, k, v)[i] for i in order)
+    T = x.shape[1]
+    mask = parts.causal_mask(T, T) if causal else None
+    out = parts.merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # [B, T, C]
+    return out @ c_proj_weight + c_proj_bias if proj else out
+
+
+def reference_self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    """The expected answer, in float64, returned in x's dtype."""
+    return _in_float64(_self_attention, x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
+
+
+SELF_ATTENTION_MISTAKES: list[Variant] = [
+    (functools.partial(_self_attention, order=(1, 0, 2)),
+     "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, dim=-1)"),
+    (functools.partial(_self_attention, order=(0, 2, 1)),
+     "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, dim=-1)"),
+    (functools.partial(_self_attention, causal=False),
+     "GPT-2's attention is causal: pass causal_mask(T, T) to attention (None means no mask)"),
+    (functools.partial(_self_attention, proj=False),
+     "finish with the output projection: merged @ c_proj_weight + c_proj_bias"),
+    (functools.partial(_self_attention, heads_first=True),
+     "split qkv into q, k, v (along the last dim, C each) first, then split each into heads"),
+]
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_layer() -> tuple[Tensor, ...]:
+    """Layer 0's attention weights of the bundled model, and n_head."""
+    from ..loading import load_model
+
+    model = load_model("gpt2-shakespeare", device="cpu", dtype=torch.float32)
+    attn = model.h[0].attn
+    return (attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone(),
+            attn.c_proj.weight.detach().clone(), attn.c_proj.bias.detach().clone(), model.config.n_head)
+
+
+def _random_layer(g: torch.Generator, C: int, n_head: int, dtype: torch.dtype) -> tuple:
+    w = lambda *shape, s=1.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype)  # noqa: E731
+    return w(C, 3 * C, s=C ** -0.5), w(3 * C, s=0.5), w(C, C, s=C ** -0.5), w(C, s=0.5), n_head
+
+
+def _self_attention_case(description: str, x: Tensor, layer: tuple, hint: str = "") -> Case:
+    return Case(description, (x, *layer), reference_self_attention(x, *layer), hint)
+
+
+def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """self_attention(x [B, T, C], c_attn_weight [C, 3C], c_attn_bias [3C], c_proj_weight [C, C],
+    c_proj_bias [C], n_head) -> [B, T, C]: GPT-2's causal multi-head self-attention."""
+    g = torch.Generator().manual_seed(seed)
+    bundled = _bundled_layer()
+    C = bundled[0].shape[0]
+    x = lambda *shape, dtype=torch.float32: (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)  # noqa: E731
+    cases = [
+        _self_attention_case("one position, 2 heads", x(1, 1, 4), _random_layer(g, 4, 2, torch.float32)),
+        _self_attention_case("3 positions, 2 heads of 3", x(1, 3, 6), _random_layer(g, 6, 2, torch.float32)),
+        _self_attention_case("batch 2, 5 positions, 3 heads", x(2, 5, 12), _random_layer(g, 12, 3, torch.float32)),
+        _self_attention_case("float64 in, float64 out", x(2, 4, 8, dtype=torch.float64),
+                             _random_layer(g, 8, 2, torch.float64)),
+        _self_attention_case(f"the bundled model's layer 0 (C={C}, {bundled[-1]} heads), 9 positions", x(1, 9, C), bundled),
+        _self_attention_case("the bundled model's layer 0, batch 3", x(3, 6, C), bundled),
+    ]
+    for i in range(n_random):
+        n_head, D = _randint(g, 1, 4), _randint(g, 1, 8)
+        B, T = _randint(g, 1, 3), _randint(g, 1, 10)
+        dtype = _choice(g, [torch.float32, torch.float64])
+        cases.append(_self_attention_case(f"random #{i}: B={B}, T={T}, C={n_head * D}, n_head={n_head}, "
+                                          f"{str(dtype)[6:]}", x(B, T, n_head * D, dtype=dtype),
+                                          _random_layer(g, n_head * D, n_head, dtype)))
+    run_check("self_attention", fn, cases, judge=_judge(SELF_ATTENTION_MISTAKES, loose=True), forbid=[
+        *NO_ATTENTION,
+        Forbidden("llmcourse.parts", OWN_PARTS),
+        Forbidden("llmcourse.model", OWN_PARTS),
+        Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
+    ], seconds=5, total_seconds=30, show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias",
+                                                    "c_proj_weight", "c_proj_bias", "n_head"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Tiled attention with an online softmax
+
+
+def _scaled_scores(q: Tensor, k: Tensor, causal: bool) -> Tensor:
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, Tq, Tk]
+    if causal:
+        scores = scores.masked_fill(~parts.causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+    return scores
+
+
+def reference_tiled(q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True) -> tuple[Tensor, Tensor]:
+    """The expected (out, lse): plain attention and torch.logsumexp of its scores, in float64."""
+    def both(q, k, v):
+        scores = _scaled_scores(q, k, causal)
+        return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
+
+    out, lse = both(q.double(), k.double(), v.double())
+    return out.to(q.dtype), lse.to(q.dtype)
+
+
+def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=True):
+    """Tiled attention with a known mistake: the accumulator not rescaled, or the causal offset forgotten."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    shift = Tk - Tq if offset else 0
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in range(0, Tk, block_size):
+        s = q @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            key_pos = k0 + torch.arange(s.shape[-1])
+            s = s.masked_fill(key_pos[None, :] > shift + torch.arange(Tq)[:, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        r = torch.exp(m - m_new).nan_to_num(0.0) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new).nan_to_num(0.0)
+        l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : k0 + block_size], m_new
+    return acc / l
+
+
+TILED_OUT_MISTAKES: list[Variant] = [
+    (functools.partial(_tiled_mistake, rescale=False),
+     "when a block raises the running max from m to m_new, multiply both the running sum l and the accumulator "
+     "by exp(m - m_new) before adding the block's terms"),
+    (functools.partial(_tiled_mistake, offset=False),
+     "with Tq < Tk the queries are the LAST Tq positions: query i is at position Tk - Tq + i, and sees keys "
+     "0 .. Tk - Tq + i"),
+    (lambda q, k, v, block_size=64, causal=True: reference_tiled(q, k, v, block_size, not causal)[0],
+     "causal=True masks the future (key position > query position), causal=False masks nothing"),
+]
+
+
+def _judge_tiled(case: Case, got: Any) -> Verdict:
+    out, lse = case.expected
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"expected a tuple (out, lse), got {type(got).__name__}" + (
+            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""), "return out, lse"
+    atol, rtol = _tolerance(out.dtype, loose=True)
+    problem = tensor_problem(got[0], out, atol=atol, rtol=rtol)
+    if problem:
+        return f"out: {problem}", _diagnosis(got[0], case.args, TILED_OUT_MISTAKES, out)
+    problem = tensor_problem(got[1], lse, atol=atol, rtol=rtol)
+    if problem:
+        q, k, causal = case.args[0].double(), case.args[1].double(), case.args[4]
+        scores = _scaled_scores(q, k, causal)
+        if _same(got[1], (lse.double() - scores.amax(-1)).to(lse.dtype)):
+            hint = "lse = m + log(l): add the running max m back to the log of the running sum l"
+        elif _same(got[1], torch.logsumexp(scores * math.sqrt(q.shape[-1]), -1).to(lse.dtype)):
+            hint = "lse is of the SCALED scores (q·k / √d), the ones the softmax uses"
+        else:
+            hint = "lse is the log-sum-exp of each query row's scaled, masked scores: m + log(l) at the end"
+        return f"lse: {problem}", hint
+    return None
+
+
+def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool = False) -> None:
+    """tiled_attention(q, k, v, block_size=64, causal=True) -> (out [B, H, Tq, Dv], lse [B, H, Tq])."""
+    g = torch.Generator().manual_seed(seed)
+
+    def case(description: str, q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool = True,
+             hint: str = "") -> Case:
+        return Case(description, (q, k, v, block_size, causal), reference_tiled(q, k, v, block_size, causal), hint)
+
+    # keys whose scores grow along the sequence: the running max changes in every block
+    q_up = torch.ones(1, 1, 6, 4)
+    k_up = torch.arange(12.0).repeat_interleave(4).reshape(1, 1, 12, 4)
+    v_up = torch.arange(12.0 * 3).reshape(1, 1, 12, 3).cos() * 5
+    cases = [
+        case("one block (block_size >= T)", *_qkv(g, 1, 1, 6, 6, 4), 64),
+        case("blocks of 4 over 16 positions", *_qkv(g, 1, 2, 16, 16, 8), 4),
+        case("scores growing along the keys: the max changes in every block", q_up, k_up, v_up, 3, False,
+             "each new block raises the max: rescale l and the accumulator by exp(m_old - m_new)"),
+        case("the same, causal", q_up, k_up, v_up, 3),
+        case("a block size that does not divide T (13 positions, blocks of 5)", *_qkv(g, 1, 1, 13, 13, 8), 5,
+             hint="the last block is shorter: slice k[:, :, k0 : k0 + block_size], do not assume block_size rows"),
+        case("causal=False", *_qkv(g, 2, 2, 10, 10, 8), 4, False),
+        case("decode: 1 query, 11 keys, causal", *_qkv(g, 1, 2, 1, 11, 8), 4),
+        case("5 queries at the end of 12 keys, causal, blocks of 4", *_qkv(g, 1, 1, 5, 12, 8), 4),
+        case("block_size=1", *_qkv(g, 1, 1, 5, 5, 4), 1),
+        case("float64 in, float64 out", *_qkv(g, 2, 1, 9, 9, 8, dtype=torch.float64), 4),
+        case("batch 2, 3 heads, scores far from 0", *_qkv(g, 2, 3, 20, 20, 16, scale=6.0), 8),
+        case("values with another last dimension (Dv=3)", *_qkv(g, 1, 1, 7, 7, 4, 3), 3),
+    ]
+    for i in range(n_random):
+        B, H, D = _randint(g, 1, 2), _randint(g, 1, 3), _choice(g, [4, 8, 16, 64])
+        Tk = _randint(g, 1, 130)
+        Tq = _choice(g, [Tk, Tk, 1, _randint(g, 1, Tk)])
+        block = _choice(g, [1, 3, 16, 32, 64, _randint(g, 2, 70)]) if Tk < 40 else _choice(g, [16, 32, 64, _randint(g, 8, 70)])
+        dtype = _choice(g, [torch.float32, torch.float64])
+        causal = _choice(g, [True, True, False])
+        cases.append(case(f"random #{i}: B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, block_size={block}, "
+                          f"causal={causal}, {str(dtype)[6:]}",
+                          *_qkv(g, B, H, Tq, Tk, D, scale=_choice(g, [1.0, 3.0]), dtype=dtype), block, causal))
+    if long:
+        cases.append(case("GPT-2's context: 1024 positions, 64 per block", *_qkv(g, 1, 1, 1024, 1024, 64), 64))
+    run_check("tiled_attention", fn, cases, judge=_judge_tiled, forbid=[
+        *NO_ATTENTION,
+        Forbidden("llmcourse.tiled_attention", "Write the loop over blocks yourself."),
+    ], seconds=10, total_seconds=60, show_call=_show("tiled_attention", "q", "k", "v", "block_size", "causal"))

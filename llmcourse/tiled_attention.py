@@ -1,0 +1,84 @@
+"""Tiled attention with an online softmax (the FlashAttention forward), and the memory traffic it saves.
+
+Plain attention builds the whole score matrix S = QKᵀ/√D [Tq, Tk], its softmax P, then P V. The
+tiled version walks over blocks of keys and values and keeps, per query row, only a running
+maximum `m`, a running denominator `l` and an accumulator `acc` of the weighted values. When a new
+block raises the maximum, the old `l` and `acc` are rescaled by exp(m_old - m_new), so at the end
+acc / l is exactly softmax(S) V, and m + log(l) is the row's log-sum-exp — what a backward pass
+(or a split over several devices) needs. On a GPU each block lives in on-chip memory and S is never
+written to main memory; here, in PyTorch, the loop shows the arithmetic.
+
+    >>> q, k, v = torch.randn(3, 1, 2, 10, 8).unbind(0)
+    >>> out, lse = tiled_attention(q, k, v, block_size=4)
+    >>> out.shape, lse.shape
+    (torch.Size([1, 2, 10, 8]), torch.Size([1, 2, 10]))
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def tiled_attention(q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True) -> tuple[Tensor, Tensor]:
+    """Attention over blocks of `block_size` queries and keys: (out [B, H, Tq, Dv], lse [B, H, Tq]).
+
+    q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv]. With `causal`, the queries are the last Tq of
+    the Tk positions (query i sits at position Tk - Tq + i and sees keys 0 .. Tk - Tq + i).
+    lse is the log-sum-exp of each row of the scaled (and masked) scores.
+    """
+    B, H, Tq, D = q.shape
+    Tk = k.shape[-2]
+    scale = 1.0 / math.sqrt(D)
+    offset = Tk - Tq  # position of query 0 among the keys
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)  # [B, H, Tq, Dv]
+    lse = torch.empty(B, H, Tq, dtype=q.dtype, device=q.device)
+    for q0 in range(0, Tq, block_size):
+        q_blk = q[:, :, q0 : q0 + block_size]  # [B, H, Bq, D]
+        rows = q_blk.shape[-2]
+        m = torch.full((B, H, rows, 1), -math.inf, dtype=q.dtype, device=q.device)  # running max
+        l = torch.zeros(B, H, rows, 1, dtype=q.dtype, device=q.device)  # running sum of exp(s - m)
+        acc = torch.zeros(B, H, rows, v.shape[-1], dtype=q.dtype, device=q.device)  # running sum of exp(s - m) v
+        last_key = offset + q0 + rows if causal else Tk  # keys at or after this are masked for every row
+        for k0 in range(0, last_key, block_size):
+            s = q_blk @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) * scale  # [B, H, Bq, Bk]
+            if causal:
+                query_pos = offset + q0 + torch.arange(rows, device=q.device)
+                key_pos = k0 + torch.arange(s.shape[-1], device=q.device)
+                s = s.masked_fill(key_pos[None, :] > query_pos[:, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees key 0
+            rescale = torch.exp(m - m_new)  # exp(-inf) = 0 on the first block
+            p = torch.exp(s - m_new)  # [B, H, Bq, Bk]
+            l = l * rescale + p.sum(dim=-1, keepdim=True)
+            acc = acc * rescale + p @ v[:, :, k0 : k0 + block_size]
+            m = m_new
+        out[:, :, q0 : q0 + rows] = acc / l
+        lse[:, :, q0 : q0 + rows] = (m + torch.log(l)).squeeze(-1)
+    return out, lse
+
+
+def attention_io_bytes(seq_len: int, n_layer: int, n_head: int, head_dim: int, *, batch_size: int = 1,
+                       bytes_per_value: int = 2, block_rows: int = 128) -> dict[str, int]:
+    """Bytes of main-memory traffic of attention in one forward pass over `seq_len` tokens, all layers.
+
+    - scores: what a plain implementation moves for its score matrices, 4·T² values per head and
+      layer: QKᵀ writes S, the softmax reads S and writes P (scale and mask fused into it), P V reads P.
+    - qkv_out: q, k, v read once and out written once (4·T·D values), which every version moves.
+    - lse: the tiled version's extra output, one float32 per query row.
+    - kv_rereads: the tiled version reads k and v once per block of `block_rows` queries, so
+      ceil(T / block_rows) - 1 more times than once (on a GPU mostly served by its L2 cache).
+
+    The tiled version moves qkv_out + lse + kv_rereads and no scores at all.
+
+        >>> attention_io_bytes(1024, 12, 12, 64)["scores"]  # GPT-2 124M, 1024 tokens, fp16
+        1207959552
+    """
+    T, heads = seq_len, batch_size * n_layer * n_head
+    return {
+        "scores": heads * 4 * T * T * bytes_per_value,
+        "qkv_out": heads * 4 * T * head_dim * bytes_per_value,
+        "lse": heads * T * 4,
+        "kv_rereads": heads * (math.ceil(T / block_rows) - 1) * 2 * T * head_dim * bytes_per_value,
+    }
