@@ -302,6 +302,9 @@ ATTENTION_MISTAKES: list[Variant] = [
     (lambda q, k, v, mask=None: _attention(q, k, v, parts.causal_mask(q.shape[-2], k.shape[-2]) if mask is None
                                            else mask),
      "mask=None means no mask at all: every query attends to every key (the caller passes the causal mask)"),
+    (lambda q, k, v, mask=None: _attention(q, k[..., -q.shape[-2]:, :], v[..., -q.shape[-2]:, :],
+                                           None if mask is None else mask[..., -q.shape[-2]:]),
+     "Tq and Tk differ: every query attends to all Tk keys (use k.shape[-2] for the keys, q.shape[-2] for the queries)"),
     (_first_row_mask, "use the whole mask: each batch item has its own padding (do not index mask[0] or drop a "
                       "dimension; masked_fill broadcasts a [B, 1, 1, Tk] mask by itself)"),
 ]

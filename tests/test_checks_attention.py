@@ -1,0 +1,747 @@
+"""Chapter 03's checks: references pass, stubs and plausible mistakes fail with a message that names the
+mistake, other correct ways of writing each exercise pass, black boxes are refused however reached,
+and bugs that show only for batch > 1, for a padding mask or for float64 are caught."""
+
+import json
+import math
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_early
+
+import llmcourse.parts
+from llmcourse import tiled_attention as engine_tiled_module
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention,
+                                        check_softmax, check_split_heads, check_tiled_attention,
+                                        reference_self_attention)
+from llmcourse.parts import softmax as engine_softmax_imported_early
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / "solutions" / "03_attention" / "03_attention.ipynb"
+
+
+# -- references, written as a learner would ------------------------------------------------------
+
+
+def softmax(x, dim=-1):
+    e = torch.exp(x - x.amax(dim=dim, keepdim=True))
+    return e / e.sum(dim=dim, keepdim=True)
+
+
+def causal_mask(n_query, n_key):
+    return torch.arange(n_key)[None, :] <= torch.arange(n_key - n_query, n_key)[:, None]
+
+
+def attention(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores) @ v
+
+
+def split_heads(x, n_head):
+    B, T, C = x.shape
+    return x.view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def merge_heads(x):
+    B, H, T, D = x.shape
+    return x.transpose(1, 2).reshape(B, T, H * D)
+
+
+def self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
+
+
+def tiled_attention(q, k, v, block_size=64, causal=True, *, rescale=True, with_max=True, offset=True):
+    """One loop over key blocks for all queries at once; the keywords make the known mistakes."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    query_pos = (Tk - Tq if offset else 0) + torch.arange(Tq)
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in range(0, Tk, block_size):
+        s = q @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        scale = torch.exp(m - m_new).nan_to_num(0.0) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new).nan_to_num(0.0)  # a block entirely in a row's future
+        l, acc, m = l * scale + p.sum(-1, keepdim=True), acc * scale + p @ v[:, :, k0 : k0 + block_size], m_new
+    return acc / l, ((m if with_max else 0) + torch.log(l)).squeeze(-1)
+
+
+REFERENCES = [
+    (check_softmax, softmax),
+    (check_causal_mask, causal_mask),
+    (check_attention, attention),
+    (check_split_heads, split_heads),
+    (check_merge_heads, merge_heads),
+    (check_self_attention, self_attention),
+    (check_tiled_attention, tiled_attention),
+]
+IDS = [check.__name__ for check, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, capsys):
+    check(reference)
+    check(reference, seed=7, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_tiled_reference_passes_the_long_case(capsys):
+    check_tiled_attention(tiled_attention, n_random=0, long=True)
+    assert "✓ tiled_attention" in capsys.readouterr().out
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check, reference", REFERENCES, ids=IDS)
+def test_stub_is_not_written_yet(check, reference):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(stub)
+
+
+# -- plausible mistakes, each rejected with a message that names it -------------------------------
+
+
+def softmax_without_max_shift(x, dim=-1):
+    e = torch.exp(x)
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_minus_mean(x, dim=-1):
+    e = torch.exp(x - x.mean(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_minus_min(x, dim=-1):
+    e = torch.exp(x - x.amin(dim, keepdim=True))
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_global_max(x, dim=-1):
+    e = torch.exp(x - x.max())
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_last_dim_only(x, dim=-1):
+    return softmax(x, -1)
+
+
+def softmax_in_float32(x, dim=-1):
+    return softmax(x.float(), dim).to(x.dtype)
+
+
+def softmax_without_keepdim(x, dim=-1):
+    e = torch.exp(x - x.amax(dim).unsqueeze(-1))  # right only when dim is the last one
+    return e / e.sum(dim).unsqueeze(-1)
+
+
+def causal_mask_strict(n_query, n_key):
+    return torch.arange(n_key)[None, :] < torch.arange(n_key - n_query, n_key)[:, None]
+
+
+def causal_mask_upper(n_query, n_key):
+    return torch.arange(n_key)[None, :] >= torch.arange(n_key - n_query, n_key)[:, None]
+
+
+def causal_mask_float(n_query, n_key):
+    return causal_mask(n_query, n_key).float()
+
+
+def causal_mask_without_offset(n_query, n_key):
+    return torch.ones(n_query, n_key, dtype=torch.bool).tril()
+
+
+def _scores(q, k):
+    return q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+
+
+def attention_scaled_by_d(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1) / q.shape[-1]
+    return softmax(scores if mask is None else scores.masked_fill(~mask, -math.inf)) @ v
+
+
+def attention_unscaled(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1)
+    return softmax(scores if mask is None else scores.masked_fill(~mask, -math.inf)) @ v
+
+
+def attention_mask_inverted(q, k, v, mask=None):
+    scores = _scores(q, k)
+    return softmax(scores if mask is None else scores.masked_fill(mask, -math.inf)) @ v
+
+
+def attention_mask_after_softmax(q, k, v, mask=None):
+    probs = softmax(_scores(q, k))
+    return (probs if mask is None else probs * mask) @ v
+
+
+def attention_mask_with_zero(q, k, v, mask=None):
+    scores = _scores(q, k)
+    return softmax(scores if mask is None else scores.masked_fill(~mask, 0.0)) @ v
+
+
+def attention_causal_by_default(q, k, v, mask=None):
+    return attention(q, k, v, causal_mask(q.shape[-2], k.shape[-2]) if mask is None else mask)
+
+
+def attention_first_batch_mask(q, k, v, mask=None):
+    """Wrong only for a per-batch (padding) mask with batch > 1."""
+    return attention(q, k, v, mask[:1] if mask is not None and mask.dim() == 4 else mask)
+
+
+def attention_in_float32(q, k, v, mask=None):
+    return attention(q.float(), k.float(), v.float(), mask)
+
+
+def attention_float32_inside(q, k, v, mask=None):
+    """Wrong only for float64: right dtype, float32 accuracy."""
+    return attention(q.float(), k.float(), v.float(), mask).to(q.dtype)
+
+
+def attention_square_only(q, k, v, mask=None):
+    """Assumes Tq == Tk and builds its own mask from T."""
+    T = q.shape[-2]
+    return attention(q, k[..., -T:, :], v[..., -T:, :], None if mask is None else mask[..., -T:])
+
+
+def split_heads_without_transpose(x, n_head):
+    B, T, C = x.shape
+    return x.view(B, n_head, T, C // n_head)
+
+
+def split_heads_interleaved(x, n_head):
+    B, T, C = x.shape
+    return x.view(B, T, C // n_head, n_head).permute(0, 3, 1, 2)
+
+
+def split_heads_mixing_batches(x, n_head):
+    """Wrong only for batch > 1: reshapes B·T rows into heads across batch items."""
+    B, T, C = x.shape
+    return x.reshape(B * T, n_head, C // n_head).transpose(0, 1).reshape(B, n_head, T, C // n_head)
+
+
+def merge_heads_without_transpose(x):
+    B, H, T, D = x.shape
+    return x.reshape(B, T, H * D)
+
+
+def merge_heads_interleaved(x):
+    B, H, T, D = x.shape
+    return x.permute(0, 2, 3, 1).reshape(B, T, H * D)
+
+
+def merge_heads_mixing_batches(x):
+    """Wrong only for batch > 1."""
+    B, H, T, D = x.shape
+    return x.transpose(0, 2).reshape(T, B, H * D).transpose(0, 1)
+
+
+def self_attention_kqv(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    k, q, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
+
+
+def self_attention_not_causal(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    C = x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    return merge_heads(attention(q, k, v)) @ c_proj_weight + c_proj_bias
+
+
+def self_attention_without_c_proj(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    return merge_heads(attention(q, k, v, causal_mask(T, T)))
+
+
+def self_attention_heads_first(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T = x.shape[1]
+    q, k, v = split_heads(x @ c_attn_weight + c_attn_bias, n_head).chunk(3, dim=-1)
+    return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
+
+
+def tiled_without_rescale(q, k, v, block_size=64, causal=True):
+    return tiled_attention(q, k, v, block_size, causal, rescale=False)
+
+
+def tiled_lse_without_max(q, k, v, block_size=64, causal=True):
+    return tiled_attention(q, k, v, block_size, causal, with_max=False)
+
+
+def tiled_without_offset(q, k, v, block_size=64, causal=True):
+    return tiled_attention(q, k, v, block_size, causal, offset=False)
+
+
+def tiled_dropping_the_last_block(q, k, v, block_size=64, causal=True):
+    """Off by one in the last block: only whole blocks are visited."""
+    full = (k.shape[-2] // block_size) * block_size or block_size
+    return tiled_attention(q, k[..., :full, :], v[..., :full, :], block_size, causal, offset=False) \
+        if k.shape[-2] == q.shape[-2] else tiled_attention(q, k, v, block_size, causal)
+
+
+def tiled_lse_unscaled(q, k, v, block_size=64, causal=True):
+    out, _ = tiled_attention(q, k, v, block_size, causal)
+    _, lse = tiled_attention(q * math.sqrt(q.shape[-1]), k, v, block_size, causal)
+    return out, lse
+
+
+def tiled_returning_out_only(q, k, v, block_size=64, causal=True):
+    return tiled_attention(q, k, v, block_size, causal)[0]
+
+
+MISTAKES = [
+    (check_softmax, softmax_without_max_shift, r"got nan or inf[\s\S]*overflows to inf[\s\S]*subtract each row's max"),
+    (check_softmax, softmax_minus_mean, r"got nan or inf[\s\S]*subtract the max, not the mean"),
+    (check_softmax, softmax_minus_min, r"got nan or inf[\s\S]*subtract the max, not the min"),
+    (check_softmax, softmax_global_max, r"rows far apart[\s\S]*not the max of the whole tensor"),
+    (check_softmax, softmax_last_dim_only, r"dim=0[\s\S]*normalise along `dim`"),
+    (check_softmax, softmax_in_float32, r"float64[\s\S]*float32 accuracy"),
+    (check_softmax, softmax_without_keepdim, r"dim=0[\s\S]*(normalise along `dim`|keepdim)"),
+    (check_causal_mask, causal_mask_strict, r"one position sees itself[\s\S]*off by one"),
+    (check_causal_mask, causal_mask_upper, r"upper triangle"),
+    (check_causal_mask, causal_mask_float, r"expected dtype torch.bool, got torch.float32[\s\S]*bool tensor"),
+    (check_causal_mask, causal_mask_without_offset, r"decode[\s\S]*the queries are the LAST n_query positions"),
+    (check_attention, attention_scaled_by_d, r"1/√d[\s\S]*not 1/d"),
+    (check_attention, attention_unscaled, r"divide the scores by √d"),
+    (check_attention, attention_mask_inverted, r"the mask is inverted"),
+    (check_attention, attention_mask_after_softmax, r"apply the mask before the softmax"),
+    (check_attention, attention_mask_with_zero, r"not 0: exp\(0\) = 1"),
+    (check_attention, attention_causal_by_default, r"mask=None means no mask"),
+    (check_attention, attention_first_batch_mask, r"batch of 3[\s\S]*use the whole mask"),
+    (check_attention, attention_in_float32, r"expected dtype torch.float64, got torch.float32"),
+    (check_attention, attention_float32_inside, r"float64[\s\S]*float32 accuracy"),
+    (check_attention, attention_square_only, r"Tq and Tk differ"),
+    (check_split_heads, split_heads_without_transpose, r"view\(B, n_head, T, D\) mixes positions"),
+    (check_split_heads, split_heads_interleaved, r"consecutive"),
+    (check_split_heads, split_heads_mixing_batches, r"batch 2[\s\S]*keep the batch dimension apart"),
+    (check_merge_heads, merge_heads_without_transpose, r"transpose back first"),
+    (check_merge_heads, merge_heads_interleaved, r"consecutive"),
+    (check_merge_heads, merge_heads_mixing_batches, r"batch 2[\s\S]*keep the batch dimension first"),
+    (check_self_attention, self_attention_kqv, r"\[q \| k \| v\][\s\S]*in that order"),
+    (check_self_attention, self_attention_not_causal, r"GPT-2's attention is causal"),
+    (check_self_attention, self_attention_without_c_proj, r"output projection"),
+    (check_self_attention, self_attention_heads_first, r"split qkv into q, k, v[\s\S]*first"),
+    (check_tiled_attention, tiled_without_rescale, r"out: [\s\S]*multiply both the running sum l and the accumulator"),
+    (check_tiled_attention, tiled_lse_without_max, r"lse: [\s\S]*add the running max m back"),
+    (check_tiled_attention, tiled_without_offset, r"out: [\s\S]*the queries are the LAST Tq positions"),
+    (check_tiled_attention, tiled_dropping_the_last_block, r"does not divide T[\s\S]*out: [\s\S]*the last block is shorter"),
+    (check_tiled_attention, tiled_lse_unscaled, r"lse: [\s\S]*SCALED scores"),
+    (check_tiled_attention, tiled_returning_out_only, r"expected a tuple \(out, lse\), got Tensor"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", MISTAKES, ids=[w.__name__ for _, w, _ in MISTAKES])
+def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
+    with pytest.raises(CheckFailed, match=message) as caught:
+        check(wrong)
+    text = str(caught.value)
+    if "raised" not in text:  # a wrong answer (not an error) shows input, expected and got
+        assert "input:" in text and "expected:" in text and "got:" in text
+
+
+def test_every_exercise_has_three_mistakes():
+    counts = {check.__name__: 0 for check, _ in REFERENCES}
+    for check, _, _ in MISTAKES:
+        counts[check.__name__] += 1
+    assert min(counts.values()) >= 3, counts
+
+
+# -- correct, but written differently -----------------------------------------------------------
+
+
+def softmax_with_division_by_max_exp(x, dim=-1):
+    shifted = x - torch.max(x, dim=dim, keepdim=True).values
+    e = shifted.exp()
+    return e / torch.sum(e, dim=dim, keepdim=True)
+
+
+def softmax_moving_dim_last(x, dim=-1):
+    y = x.movedim(dim, -1)
+    e = torch.exp(y - y.max(-1, keepdim=True).values)
+    return (e / e.sum(-1, keepdim=True)).movedim(-1, dim)
+
+
+def causal_mask_with_tril(n_query, n_key):
+    return torch.ones(n_key, n_key, dtype=torch.bool).tril()[n_key - n_query :]
+
+
+def causal_mask_with_triu(n_query, n_key):
+    return ~torch.ones(n_query, n_key, dtype=torch.bool).triu(n_key - n_query + 1)
+
+
+def attention_with_einsum_and_where(q, k, v, mask=None):
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    if mask is not None:
+        scores = torch.where(mask, scores, torch.tensor(-1e30, dtype=scores.dtype))  # very negative, not -inf
+    return torch.einsum("bhqk,bhkd->bhqd", softmax(scores, dim=-1), v)
+
+
+def attention_scaling_q_first(q, k, v, mask=None):
+    scores = (q / math.sqrt(q.shape[-1])) @ k.mT
+    if mask is not None:
+        scores = scores + torch.zeros_like(scores).masked_fill(~mask, -math.inf)
+    return softmax(scores, -1) @ v
+
+
+def split_heads_with_unflatten(x, n_head):
+    return x.unflatten(-1, (n_head, -1)).permute(0, 2, 1, 3)
+
+
+def split_heads_by_slicing(x, n_head):
+    D = x.shape[-1] // n_head
+    return torch.stack([x[..., h * D : (h + 1) * D] for h in range(n_head)], dim=1)
+
+
+def merge_heads_with_cat(x):
+    return torch.cat(x.unbind(1), dim=-1)
+
+
+def merge_heads_contiguous_view(x):
+    B, H, T, D = x.shape
+    return x.permute(0, 2, 1, 3).contiguous().view(B, T, H * D)
+
+
+def self_attention_with_chunk_and_addmm(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    B, T, C = x.shape
+    qkv = torch.addmm(c_attn_bias, x.reshape(B * T, C), c_attn_weight).view(B, T, 3 * C)
+    q, k, v = (split_heads_with_unflatten(t, n_head) for t in qkv.chunk(3, dim=-1))
+    out = merge_heads_with_cat(attention_with_einsum_and_where(q, k, v, causal_mask_with_tril(T, T)))
+    return torch.addmm(c_proj_bias, out.reshape(B * T, C), c_proj_weight).view(B, T, C)
+
+
+def tiled_with_query_blocks(q, k, v, block_size=64, causal=True):
+    """The notebook's shape: query blocks outside, key blocks inside, stopping at the diagonal."""
+    return engine_tiled_copy(q, k, v, block_size, causal)
+
+
+def tiled_with_a_list_of_blocks(q, k, v, block_size=64, causal=True):
+    """Keeps log-space running sums instead of l: lse directly, out rescaled at the end."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    query_pos = Tk - Tq + torch.arange(Tq)
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in range(0, Tk, block_size):
+        s = q @ k[:, :, k0 : k0 + block_size].mT / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+        m = s.amax(-1)
+        m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
+        block_lse = m_safe + torch.log(torch.exp(s - m_safe[..., None]).sum(-1))
+        new_lse = torch.logaddexp(lse, block_lse)
+        out = out * torch.exp(lse - new_lse)[..., None].nan_to_num(0.0) + \
+            torch.exp(s - new_lse[..., None]) @ v[:, :, k0 : k0 + block_size]
+        lse = new_lse
+    return out, lse
+
+
+def _compile_as_learner(source_fn):
+    import inspect
+    import textwrap
+
+    namespace = {"torch": torch, "math": math, "Tensor": torch.Tensor, "__name__": "__learner__"}
+    exec(compile(textwrap.dedent(inspect.getsource(source_fn)), "<learner's cell>", "exec"), namespace)
+    return namespace[source_fn.__name__]
+
+
+engine_tiled_copy = _compile_as_learner(engine_tiled_module.tiled_attention)
+
+ALTERNATIVES = [
+    (check_softmax, softmax_with_division_by_max_exp),
+    (check_softmax, softmax_moving_dim_last),
+    (check_causal_mask, causal_mask_with_tril),
+    (check_causal_mask, causal_mask_with_triu),
+    (check_attention, attention_with_einsum_and_where),
+    (check_attention, attention_scaling_q_first),
+    (check_split_heads, split_heads_with_unflatten),
+    (check_split_heads, split_heads_by_slicing),
+    (check_merge_heads, merge_heads_with_cat),
+    (check_merge_heads, merge_heads_contiguous_view),
+    (check_self_attention, self_attention_with_chunk_and_addmm),
+    (check_tiled_attention, tiled_with_query_blocks),
+    (check_tiled_attention, tiled_with_a_list_of_blocks),
+]
+
+
+@pytest.mark.parametrize("check, alternative", ALTERNATIVES, ids=[a.__name__ for _, a in ALTERNATIVES])
+def test_correct_alternative_passes(check, alternative, capsys):
+    check(alternative)
+    check(alternative, seed=11, n_random=30)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- black boxes, however they are reached ---------------------------------------------------------
+
+
+def softmax_torch(x, dim=-1):
+    return torch.softmax(x, dim)
+
+
+def softmax_functional(x, dim=-1):
+    return F.softmax(x, dim=dim)
+
+
+def softmax_method(x, dim=-1):
+    return x.softmax(dim)
+
+
+def softmax_special(x, dim=-1):
+    return torch.special.softmax(x, dim)
+
+
+def softmax_module(x, dim=-1):
+    return torch.nn.Softmax(dim=dim)(x)
+
+
+def softmax_from_log_softmax(x, dim=-1):
+    return torch.log_softmax(x, dim).exp()
+
+
+def softmax_from_logsumexp(x, dim=-1):
+    return torch.exp(x - torch.logsumexp(x, dim, keepdim=True))
+
+
+def softmax_engine(x, dim=-1):
+    return engine_softmax_imported_early(x, dim)
+
+
+def softmax_aten(x, dim=-1):
+    return torch.ops.aten._softmax(x, dim, False)
+
+
+def causal_mask_engine(n_query, n_key):
+    return llmcourse.parts.causal_mask(n_query, n_key)
+
+
+def attention_sdpa(q, k, v, mask=None):
+    return sdpa_imported_early(q, k, v, attn_mask=mask)
+
+
+def attention_engine(q, k, v, mask=None):
+    return llmcourse.parts.attention(q, k, v, mask)
+
+
+def attention_with_torch_softmax(q, k, v, mask=None):
+    scores = _scores(q, k)
+    return torch.softmax(scores if mask is None else scores.masked_fill(~mask, -math.inf), -1) @ v
+
+
+def split_heads_engine(x, n_head):
+    return llmcourse.parts.split_heads(x, n_head)
+
+
+def merge_heads_engine(x):
+    return llmcourse.parts.merge_heads(x)
+
+
+def self_attention_engine_parts(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    qkv = llmcourse.parts.linear(x, c_attn_weight, c_attn_bias)
+    q, k, v = (split_heads(t, n_head) for t in qkv.split(C, dim=-1))
+    return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
+
+
+def self_attention_multihead_module(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    B, T, C = x.shape
+    mha = torch.nn.MultiheadAttention(C, n_head, batch_first=True, dtype=x.dtype)
+    return mha(x, x, x, need_weights=False)[0]
+
+
+def tiled_engine(q, k, v, block_size=64, causal=True):
+    return engine_tiled_module.tiled_attention(q, k, v, block_size, causal)
+
+
+def tiled_with_torch_softmax_and_logsumexp(q, k, v, block_size=64, causal=True):
+    scores = _scores(q, k)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+    return torch.softmax(scores, -1) @ v, torch.logsumexp(scores, -1)
+
+
+BLACK_BOXES = [
+    (check_softmax, softmax_torch, r"called torch.softmax"),
+    (check_softmax, softmax_functional, r"called torch.Tensor.softmax|called torch.nn.functional.softmax"),
+    (check_softmax, softmax_method, r"called torch.Tensor.softmax"),
+    (check_softmax, softmax_special, r"called torch.special_softmax"),
+    (check_softmax, softmax_module, r"softmax"),
+    (check_softmax, softmax_from_log_softmax, r"log_softmax"),
+    (check_softmax, softmax_from_logsumexp, r"called torch.logsumexp"),
+    (check_softmax, softmax_engine, r"llmcourse.parts.softmax|torch.softmax"),
+    (check_softmax, softmax_aten, r"_softmax"),
+    (check_causal_mask, causal_mask_engine, r"llmcourse.parts.causal_mask"),
+    (check_attention, attention_sdpa, r"scaled_dot_product_attention"),
+    (check_attention, attention_engine, r"llmcourse.parts.attention|scaled_dot_product_attention"),
+    (check_attention, attention_with_torch_softmax, r"called torch.softmax[\s\S]*Use your own softmax"),
+    (check_split_heads, split_heads_engine, r"llmcourse.parts.split_heads"),
+    (check_merge_heads, merge_heads_engine, r"llmcourse.parts.merge_heads"),
+    (check_self_attention, self_attention_engine_parts, r"llmcourse.parts"),
+    (check_self_attention, self_attention_multihead_module, r"MultiheadAttention|multi_head_attention_forward|scaled_dot_product_attention"),
+    (check_tiled_attention, tiled_engine, r"llmcourse.tiled_attention"),
+    (check_tiled_attention, tiled_with_torch_softmax_and_logsumexp, r"called torch.softmax"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", BLACK_BOXES, ids=[w.__name__ for _, w, _ in BLACK_BOXES])
+def test_black_box_is_rejected_however_it_is_reached(check, wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check(wrong)
+
+
+def test_the_engine_still_works_after_a_check_that_forbids_it():
+    with pytest.raises(CheckFailed):
+        check_attention(attention_engine)
+    q = torch.randn(1, 1, 3, 4)
+    assert llmcourse.parts.attention(q, q, q).shape == (1, 1, 3, 4)
+
+
+# -- broken functions: errors, hangs, wrong shapes and types -------------------------------------
+
+
+def attention_that_raises(q, k, v, mask=None):
+    scores = q @ k.transpose(-2, -1)
+    return scores @ v.transpose(-2, -1)  # a transpose too many
+
+
+def attention_wrong_shape(q, k, v, mask=None):
+    return softmax(_scores(q, k))  # the weights, not the output
+
+
+def attention_returning_numpy(q, k, v, mask=None):
+    return attention(q, k, v, mask).numpy()
+
+
+def softmax_that_changes_its_input(x, dim=-1):
+    x -= x.amax(dim, keepdim=True)
+    e = x.exp()
+    return e / e.sum(dim, keepdim=True)
+
+
+def softmax_that_hangs(x, dim=-1):
+    while True:
+        pass
+
+
+def test_an_error_names_the_line_and_the_call():
+    with pytest.raises(CheckFailed, match=r"attention\(q=<float32 \[1, 1, 1, 2\]>[\s\S]*raised RuntimeError[\s\S]*at line"):
+        check_attention(attention_that_raises)
+
+
+def test_a_wrong_shape_is_named():
+    with pytest.raises(CheckFailed, match=r"expected shape \(1, 1, 1, 1\), got \(1, 1, 1, 2\)"):
+        check_attention(attention_wrong_shape)
+
+
+def test_a_wrong_type_is_named():
+    with pytest.raises(CheckFailed, match=r"expected a torch.Tensor of shape"):
+        check_attention(attention_returning_numpy)
+
+
+def test_changing_the_input_is_rejected():
+    with pytest.raises(CheckFailed, match=r"changed its input `x`"):
+        check_softmax(softmax_that_changes_its_input)
+
+
+def test_endless_loop_is_stopped(monkeypatch):
+    import llmcourse.checks.attention as checks
+
+    real = checks.run_check
+    monkeypatch.setattr(checks, "run_check", lambda *a, **kw: real(*a, **{**kw, "seconds": 0.5}))
+    with pytest.raises(CheckFailed, match=r"did not finish within 0.5 s"):
+        check_softmax(softmax_that_hangs)
+
+
+# -- the notebook's own solutions pass every check, hidden parts included -------------------------
+
+
+def notebook_cells(path):
+    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
+    setup, solutions, checks = [], [], []
+    for cell in cells:
+        if cell["cell_type"] != "code":
+            continue
+        meta = cell.get("metadata", {})
+        grading = meta.get("nbgrader", {})
+        source = "".join(cell["source"])
+        if "setup" in meta.get("tags", []):
+            setup.append(source)
+        elif grading.get("solution") and not grading.get("grade"):
+            solutions.append(source.replace("### BEGIN SOLUTION", "").replace("### END SOLUTION", ""))
+        elif grading.get("grade") and "check_" in source:
+            checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
+    return setup, solutions, checks
+
+
+def test_the_notebook_solutions_pass_every_check(capsys):
+    setup, solutions, checks = notebook_cells(NOTEBOOK)
+    namespace = {"__name__": "__learner__"}
+    for source in [*setup, *solutions]:
+        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    capsys.readouterr()
+    for source in checks:
+        exec(compile(source, f"{NOTEBOOK}:check", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert out.count("✓") == 14, out
+
+
+# -- the references against independent implementations -----------------------------------------
+
+
+def test_reference_self_attention_equals_transformers_gpt2_attention():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+
+    config = transformers.GPT2Config(n_embd=24, n_head=4, n_positions=32, attn_pdrop=0.0, resid_pdrop=0.0)
+    config._attn_implementation = "eager"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf = GPT2Attention(config, layer_idx=0).eval().double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.3)
+        x = torch.randn(3, 9, 24, generator=g, dtype=torch.float64)
+        causal = torch.zeros(9, 9, dtype=torch.float64).masked_fill(~causal_mask(9, 9), -math.inf)
+        theirs = hf(x, attention_mask=causal[None, None])[0]  # transformers' model builds this additive mask
+    weights = (hf.c_attn.weight, hf.c_attn.bias, hf.c_proj.weight, hf.c_proj.bias)
+    assert torch.allclose(reference_self_attention(x, *weights, 4), theirs, atol=1e-12)
+    assert torch.allclose(self_attention(x, *weights, 4), theirs, atol=1e-12)
+
+
+def test_reference_self_attention_is_the_engines_layer():
+    from llmcourse import load_model
+
+    model = load_model("gpt2-shakespeare", device="cpu")
+    block, cfg = model.h[2], model.config
+    x = torch.randn(2, 11, cfg.n_embd, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        qkv = model.parts.linear(x, block.attn.c_attn.weight, block.attn.c_attn.bias)
+        q, k, v = (model.parts.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))
+        engine = model.parts.linear(model.parts.merge_heads(model.parts.attention(q, k, v)),
+                                    block.attn.c_proj.weight, block.attn.c_proj.bias)
+        ours = reference_self_attention(x, block.attn.c_attn.weight, block.attn.c_attn.bias, block.attn.c_proj.weight,
+                                        block.attn.c_proj.bias, cfg.n_head)
+    assert (ours - engine).abs().max() < 1e-5
+
+
+def test_learner_parts_run_the_model_like_the_engine():
+    from llmcourse import Parts, load_model
+
+    model = load_model("gpt2-shakespeare", device="cpu")
+    ids = torch.tensor([[464, 1110, 286, 262, 3329, 11, 290]])
+    with torch.no_grad():
+        engine = model(ids)
+        model.parts = Parts.with_overrides(softmax=softmax, attention=attention, split_heads=split_heads,
+                                           merge_heads=merge_heads)
+        mine = model(ids)
+    assert (mine - engine).abs().max() < 1e-4
