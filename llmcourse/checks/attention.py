@@ -131,7 +131,10 @@ def _shift_by(x: Tensor, dim: int, how: str) -> Tensor:
     return e / e.sum(dim, keepdim=True)
 
 
-SOFTMAX_MISTAKES: list[Variant] = [
+SOFTMAX_MISTAKES: list[Variant] = [  # the global max first: where it is right, the others are not named
+    (lambda x, dim=-1: _shift_by(x, dim, "global"),
+     "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
+     "global max underflows to 0 / 0"),
     (lambda x, dim=-1: _shift_by(x, dim, "none"),
      "exp(x) overflows to inf for x above ~88 (float32) and inf / inf is nan: subtract each row's max first "
      "(softmax(x) = softmax(x - c) for any c)"),
@@ -139,9 +142,6 @@ SOFTMAX_MISTAKES: list[Variant] = [
      "subtract the max, not the mean: x - mean can still be large and positive, and exp() overflows"),
     (lambda x, dim=-1: _shift_by(x, dim, "min"),
      "subtract the max, not the min: x - min is >= 0 and exp() of it overflows"),
-    (lambda x, dim=-1: _shift_by(x, dim, "global"),
-     "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
-     "global max underflows to 0 / 0"),
     (lambda x, dim=-1: _shift_by(x, 0 if dim % x.dim() == x.dim() - 1 else -1, "max"),
      "normalise along `dim`, the argument, not always the last dimension: use keepdim=True so the max and the "
      "sum broadcast back along the same dimension"),
@@ -373,7 +373,8 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
         cases.append(_attention_case(f"random #{i} (B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, Dv={Dv}, "
                                      f"{str(dtype)[6:]}, {what})", q, k, v, mask))
     run_check("attention", fn, cases, judge=_judge(ATTENTION_MISTAKES, loose=True), forbid=NO_ATTENTION,
-              seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
+              error_hints={"is not written yet": "attention calls your softmax: if attention is written, write "
+                                                 "softmax (exercise 1) first"}, seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -535,7 +536,8 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
         Forbidden("llmcourse.parts", OWN_PARTS),
         Forbidden("llmcourse.model", OWN_PARTS),
         Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
-    ], seconds=5, total_seconds=30, show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias",
+    ], error_hints={"is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
+                                          "merge_heads (and attention your softmax): write those first"}, seconds=5, total_seconds=30, show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias",
                                                     "c_proj_weight", "c_proj_bias", "n_head"))
 
 
