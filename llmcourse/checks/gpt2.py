@@ -498,6 +498,16 @@ def _block_no_c_proj(x, w, n_head, eps=1e-5):
     return x + _mlp_of(P.layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
 
 
+def _block_heads_reshaped(x, w, n_head, eps=1e-5):
+    h = P.layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps)
+    B, T, C = h.shape
+    qkv = P.linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"])
+    q, k, v = (t.reshape(B, n_head, T, C // n_head) for t in qkv.split(C, dim=-1))
+    a = P.attention(q, k, v, P.causal_mask(T, T)).reshape(B, T, C)
+    x = x + P.linear(a, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+    return x + _mlp_of(P.layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
+
+
 BLOCK_MISTAKES = [
     ("GPT-2 is pre-LN: normalize the input of each sub-layer and add its output to the unnormalized x — "
      "x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)) — not layer_norm(x + attn(x))", _block_post_ln),
@@ -511,6 +521,8 @@ BLOCK_MISTAKES = [
     ("attention must be causal: pass causal_mask(T, T) to attention, so that position t sees only positions "
      "0..t", _block_not_causal),
     ("after merging the heads, project with attn.c_proj (a linear layer) before adding to x", _block_no_c_proj),
+    ("a reshape of [B, T, C] to [B, H, T, D] mixes positions and heads: use split_heads (a view to [B, T, H, D], "
+     "then a transpose) and merge_heads", _block_heads_reshaped),
 ]
 
 
@@ -701,7 +713,7 @@ def check_gpt2_forward(fn, *, seed: int = 0, n_random: int = 2, gpt2_124m: bool 
                       GPT2Config(n_layer=2, n_head=4, n_embd=16, **tiny), 3, 5, seed + 1,
                       hint="each row of input_ids is one sequence; positions are 0..T-1 in every row"),
         _forward_case("12 layers (like GPT-2 small), n_embd 8", GPT2Config(n_layer=12, n_head=2, n_embd=8, **tiny),
-                      2, 3, seed + 2, hint="the blocks run in the order h.0, h.1, ..., h.11"),
+                      2, 3, seed + 2),
         _forward_case("float64 weights", GPT2Config(n_layer=1, n_head=2, n_embd=8, **tiny), 2, 4, seed + 3,
                       torch.float64, "float64 in, float64 out"),
     ]
