@@ -649,3 +649,16 @@ def test_the_notebook_solutions_pass_every_check(capsys):
 
     out = run_notebook_checks(NOTEBOOK, capsys)
     assert out.count("✓") == 14, out
+
+
+def test_an_unwritten_exercise_that_is_called_is_named():
+    def gelu_stub(x):
+        raise NotImplementedError()
+
+    def mlp_with_stub(x, w1, b1, w2, b2):
+        return linear(gelu_stub(linear(x, w1, b1)), w2, b2)
+
+    with pytest.raises(CheckFailed, match=r"raised RuntimeError: it calls gelu_stub, which is not written yet"):
+        check_mlp(mlp_with_stub)
+    with pytest.raises(CheckFailed, match=r"gpt2_forward is not written yet"):
+        check_gpt2_forward(stub)

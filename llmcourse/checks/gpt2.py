@@ -20,11 +20,13 @@ The engine's own functions are the black boxes: passing `llmcourse.parts.gelu` i
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
 import shutil
 import tempfile
+import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
@@ -103,6 +105,25 @@ def _tensor_judge(tolerances: dict, mistakes: Sequence[Mistake] = ()) -> Callabl
         return problem, ""
 
     return judge
+
+
+def _unwritten_helper(fn: Callable) -> Callable:
+    """fn, where a NotImplementedError raised by a function it calls (a stub of another exercise) says which
+    one, rather than that fn itself is not written yet."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except NotImplementedError as err:
+            frames = traceback.extract_tb(err.__traceback__)  # this wrapper, fn, then whatever fn called
+            if len(frames) > 2 and frames[1].name != frames[-1].name:
+                problem = RuntimeError(f"it calls {frames[-1].name}, which is not written yet: write that exercise "
+                                       "first (its check must pass)")
+                raise problem.with_traceback(err.__traceback__) from None  # points at the learner's lines
+            raise
+
+    return call
 
 
 def _desc(t: Tensor) -> str:
@@ -426,7 +447,7 @@ def check_mlp(fn, *, seed: int = 0, n_random: int = 4) -> None:
     ]
     for i in range(n_random):
         cases.append(case(f"random #{i}", [1 + i % 2, 2 + i, (8, 12, 64)[i % 3]], (torch.float32, torch.float64)[i % 2]))
-    run_check("mlp", fn, cases, judge=_tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
+    run_check("mlp", _unwritten_helper(fn), cases, judge=_tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
               show_call=_show_mlp, seconds=5, total_seconds=20)
 
 
@@ -583,7 +604,7 @@ def check_block(fn, *, seed: int = 0, n_random: int = 3) -> None:
         C = n_head * rng.choice([4, 8, 16])
         cases.append(case(f"random #{i}: C = {C}, {n_head} heads", rng.randint(1, 3), rng.randint(2, 9), C, n_head,
                           (torch.float32, torch.float64)[i % 2]))
-    run_check("block", fn, cases, judge=_tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
+    run_check("block", _unwritten_helper(fn), cases, judge=_tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
               show_call=_show_block, seconds=10, total_seconds=30)
 
 
@@ -729,7 +750,7 @@ def check_gpt2_forward(fn, *, seed: int = 0, n_random: int = 2, gpt2_124m: bool 
     judge = _judge_forward(FORWARD_TOLERANCES)
     if transformers:
         judge = _also_transformers(judge)
-    run_check("gpt2_forward", fn, cases, judge=judge, forbid=COMPOSED, show_call=_show_forward, seconds=20,
+    run_check("gpt2_forward", _unwritten_helper(fn), cases, judge=judge, forbid=COMPOSED, show_call=_show_forward, seconds=20,
               total_seconds=60)
 
 
