@@ -78,7 +78,7 @@ def _matches(got: Any, candidate: Any) -> bool:
         return False
     got, candidate = got.detach().double(), candidate.detach().double()
     scale = candidate.abs().nan_to_num(0, 0, 0).max().item() if candidate.numel() else 0.0
-    return bool(torch.isclose(got, candidate, rtol=1e-4, atol=1e-5 * max(scale, 1.0), equal_nan=True).all())
+    return bool(torch.isclose(got, candidate, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True).all())
 
 
 Mistake = tuple[str, Callable]  # (hint, a function computing the mistaken answer from the case's args)
