@@ -14,7 +14,10 @@ change, black boxes caught however they are reached, nestable time limits, bound
 described in `llmcourse.checks.core`.
 """
 
+from .attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention, check_softmax,
+                        check_split_heads, check_tiled_attention)
 from .core import Case, CheckFailed, run_check
+from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
@@ -24,4 +27,7 @@ from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check
 __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE", "check_top_k_next_tokens",
            "run_check", "time_limit",
            "check_get_pair_counts", "check_merge", "check_train_bpe", "check_bytes_to_unicode",
-           "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder"]
+           "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder",
+           "check_embedding", "check_embed", "check_sinusoidal_positions", "check_rope",
+           "check_softmax", "check_causal_mask", "check_attention", "check_split_heads", "check_merge_heads",
+           "check_self_attention", "check_tiled_attention"]
