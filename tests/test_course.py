@@ -395,3 +395,25 @@ def test_a_cell_calling_my_engine_is_not_run_again_by_it(tmp_path):
     assert got["fine"] == ("passing", "")
     assert got["uses_engine"][0] == "failing" and "cannot call them again" in got["uses_engine"][1]
     assert "cell 2" in got["uses_engine"][1]
+
+
+def test_the_solved_chapters_02_to_04_run_the_engine_on_every_part(tmp_path):
+    """Chapters 02–04 solved as their solutions solve them: every slot of the engine is the learner's,
+    the logits stay within 1e-4 of the engine's own and greedy decoding gives the same tokens."""
+    import torch
+
+    import llmcourse
+    from llmcourse.learner import PART_SLOTS
+
+    for name in ("02_embeddings", "03_attention", "04_gpt2"):
+        solved_copy(name, tmp_path)
+    notices = []
+    parts = learner_parts(tmp_path, notify=notices.append)
+    assert sorted(parts.overridden()) == sorted(PART_SLOTS), notices
+    engine = llmcourse.load_model(device="cpu")
+    mine = llmcourse.load_model(device="cpu", parts=parts)
+    prompt = llmcourse.get_tokenizer().encode("ROMEO:\nWhat light through yonder window breaks?")
+    with torch.inference_mode():
+        difference = (mine(torch.tensor([prompt])) - engine(torch.tensor([prompt]))).abs().max().item()
+    assert difference < 1e-4
+    assert llmcourse.generate(mine, prompt, max_new_tokens=40) == llmcourse.generate(engine, prompt, max_new_tokens=40)

@@ -18,6 +18,8 @@ from .attention import (check_attention, check_causal_mask, check_merge_heads, c
                         check_split_heads, check_tiled_attention)
 from .core import Case, CheckFailed, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
+from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
+                   check_load_gpt2_checkpoint, check_mlp)
 from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
@@ -30,4 +32,6 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder",
            "check_embedding", "check_embed", "check_sinusoidal_positions", "check_rope",
            "check_softmax", "check_causal_mask", "check_attention", "check_split_heads", "check_merge_heads",
-           "check_self_attention", "check_tiled_attention"]
+           "check_self_attention", "check_tiled_attention",
+           "check_layer_norm", "check_gelu", "check_linear", "check_mlp", "check_block", "check_gpt2_forward",
+           "check_load_gpt2_checkpoint"]
