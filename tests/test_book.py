@@ -81,7 +81,7 @@ def test_chapter_pages_are_executed_with_solutions_behind_toggles(book, name):
     assert "output traceback" not in html_ and "output error" not in html_  # no cell failed
     assert "✓ " in html_  # the checks ran and passed
     assert "tag_hide-input" in html_  # solution code sits behind a toggle
-    assert re.search(r'<img[^>]+src="[^"]+\.png"', html_), "no figure on the page"
+    assert re.search(r'<img[^>]+src="[^"]+\.png"|class="plotly-graph-div"', html_), "no figure on the page"
     link = re.search(rf'href="([^"]*_downloads/[^"]*{name}\.ipynb)"', html_)
     assert link, "no link to the exercise notebook"
     target = (book / f"solutions/{name}" / link.group(1)).resolve()
@@ -222,30 +222,45 @@ CHROMIUM = next((shutil.which(n) for n in ["chromium", "chromium-browser", "goog
 needs_chromium = pytest.mark.skipif(CHROMIUM is None, reason="no Chromium installed")
 
 
+SMALLEST_WINDOW = 500  # headless Chromium lays pages out at least this wide, whatever --window-size says
+
+
 def browse(book, rel, *, width=1400, probe=None):
     """The DOM of page ``rel`` after its scripts ran, in headless Chromium with no network. ``probe``:
     JavaScript run 1 s after load, whose JSON-able result (or what the promise it returns resolves to)
-    comes back (from a copy of the page that carries the probe, removed afterwards)."""
+    comes back (from a copy of the page that carries the probe, removed afterwards). A phone's width
+    (below 500 px) needs a probe: the page is then shown in a frame that wide, as a phone would."""
     target = book / rel
+    made = []
     if probe is not None:
         script = ("<script>window.addEventListener('load', () => setTimeout(async () => {"
                   "let r; try { r = await (async () => { %s })(); } catch (e) { r = {error: String(e)}; }"
-                  "const p = document.createElement('pre'); p.id = 'llmcourse-probe';"
-                  "p.textContent = JSON.stringify(r); document.body.appendChild(p);"
+                  "const top = window.top.document, p = top.createElement('pre'); p.id = 'llmcourse-probe';"
+                  "p.textContent = JSON.stringify(r); top.body.appendChild(p);"
                   "}, 1000));</script></body>" % probe)
         target = target.with_name(f"_probe_{target.name}")
         target.write_text(page(book, rel).replace("</body>", script, 1), encoding="utf-8")
+        made.append(target)
+    if width < SMALLEST_WINDOW:
+        assert probe is not None, "a phone-width page can only be probed"
+        frame = target.with_name(f"_phone_{target.name}")
+        frame.write_text(f'<html><body style="margin:0"><iframe src="{target.name}" '
+                         f'style="width:{width}px;height:900px;border:0"></iframe></body></html>', encoding="utf-8")
+        made.append(frame)
+        target = frame
     try:
         with tempfile.TemporaryDirectory() as profile:
             done = subprocess.run(
                 [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND",  # offline
-                 f"--window-size={width},900", "--virtual-time-budget=8000", "--dump-dom", target.as_uri()],
+                 "--allow-file-access-from-files",  # the probe in a phone-width frame writes to the page around it
+                 f"--window-size={max(width, SMALLEST_WINDOW)},900", "--virtual-time-budget=8000", "--dump-dom",
+                 target.as_uri()],
                 capture_output=True, text=True, timeout=120)
     finally:
-        if probe is not None:
-            target.unlink()
+        for path in made:
+            path.unlink()
     assert done.returncode == 0, done.stderr[-2000:]
     dom = done.stdout
     if probe is None:
@@ -265,7 +280,8 @@ PLOTLY_PROBE = """
         const controls = [...(gd.layout.updatemenus || []).flatMap(m => m.buttons || []),
                           ...(gd.layout.sliders || []).flatMap(s => s.steps || [])];
         const r = {id: gd.id, drawn: svg().length > 0, traces: gd.data.length, controls: controls.length,
-                   width: gd.getBoundingClientRect().width, page: document.documentElement.clientWidth};
+                   width: gd.getBoundingClientRect().width, page: document.documentElement.clientWidth,
+                   window: window.innerWidth};
         if (controls.length > 1) {  // what a click on the last menu entry or slider step runs, in the page
             const before = svg();
             const last = controls[controls.length - 1];
@@ -290,6 +306,7 @@ def test_interactive_figures_work_offline_without_a_kernel(book, name, width):
     figures = found["figures"]
     assert figures, "no interactive figure on the page"
     for figure in figures:
+        assert figure["window"] == width, figure
         assert figure["drawn"] and figure["traces"] > 0, figure
         assert figure["width"] <= figure["page"], figure
         if figure["controls"] > 1:
