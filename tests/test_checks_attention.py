@@ -2,7 +2,6 @@
 mistake, other correct ways of writing each exercise pass, black boxes are refused however reached,
 and bugs that show only for batch > 1, for a padding mask or for float64 are caught."""
 
-import json
 import math
 import warnings
 from pathlib import Path
@@ -19,6 +18,7 @@ from llmcourse.checks.attention import (check_attention, check_causal_mask, chec
                                         check_softmax, check_split_heads, check_tiled_attention,
                                         reference_self_attention)
 from llmcourse.parts import softmax as engine_softmax_imported_early
+from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / "solutions" / "03_attention" / "03_attention.ipynb"
@@ -664,33 +664,8 @@ def test_endless_loop_is_stopped(monkeypatch):
 # -- the notebook's own solutions pass every check, hidden parts included -------------------------
 
 
-def notebook_cells(path):
-    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
-    setup, solutions, checks = [], [], []
-    for cell in cells:
-        if cell["cell_type"] != "code":
-            continue
-        meta = cell.get("metadata", {})
-        grading = meta.get("nbgrader", {})
-        source = "".join(cell["source"])
-        if "setup" in meta.get("tags", []):
-            setup.append(source)
-        elif grading.get("solution") and not grading.get("grade"):
-            solutions.append(source.replace("### BEGIN SOLUTION", "").replace("### END SOLUTION", ""))
-        elif grading.get("grade") and "check_" in source:
-            checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
-    return setup, solutions, checks
-
-
 def test_the_notebook_solutions_pass_every_check(capsys):
-    setup, solutions, checks = notebook_cells(NOTEBOOK)
-    namespace = {"__name__": "__learner__"}
-    for source in [*setup, *solutions]:
-        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
-    capsys.readouterr()
-    for source in checks:
-        exec(compile(source, f"{NOTEBOOK}:check", "exec"), namespace)
-    out = capsys.readouterr().out
+    out = run_notebook_checks(NOTEBOOK, capsys)
     assert out.count("✓") == 14, out
 
 

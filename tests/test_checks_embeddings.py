@@ -2,7 +2,6 @@
 says what is wrong, other correct ways of writing each exercise pass, black boxes and endless loops
 are stopped, and the notebook's own solutions pass every check."""
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -16,6 +15,7 @@ import llmcourse.parts
 from llmcourse import positions
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
+from tests.notebook_checks import run_notebook_checks
 
 NOTEBOOK = Path(__file__).parents[1] / "solutions/02_embeddings/02_embeddings.ipynb"
 
@@ -425,31 +425,6 @@ def test_changing_the_input_is_reported():
 # -- the notebook's own solutions pass every check, hidden parts included -------------------------
 
 
-def notebook_cells(path):
-    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
-    setup, solutions, checks = [], [], []
-    for cell in cells:
-        if cell["cell_type"] != "code":
-            continue
-        meta = cell.get("metadata", {})
-        grading = meta.get("nbgrader", {})
-        source = "".join(cell["source"])
-        if "setup" in meta.get("tags", []):
-            setup.append(source)
-        elif grading.get("solution") and not grading.get("grade"):
-            solutions.append(source.replace("### BEGIN SOLUTION", "").replace("### END SOLUTION", ""))
-        elif grading.get("grade") and "check_" in source:
-            checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
-    return setup, solutions, checks
-
-
 def test_the_notebook_solutions_pass_every_check(capsys):
-    setup, solutions, checks = notebook_cells(NOTEBOOK)
-    assert len(solutions) == len(checks) == 4
-    namespace = {"__name__": "__learner__"}
-    for source in [*setup, *solutions]:
-        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
-    capsys.readouterr()
-    for source in checks:
-        exec(compile(source, f"{NOTEBOOK}:check", "exec"), namespace)
-    assert capsys.readouterr().out.count("✓") == 8
+    out = run_notebook_checks(NOTEBOOK, capsys)
+    assert out.count("✓") == 8, out  # 4 exercises, visible and hidden parts

@@ -20,6 +20,7 @@ from llmcourse.checks.gpt2 import (BLOCK_KEYS, block_weights, check_block, check
                                    checkpoint_folders, hf_logits, lively_state_dict, reference_block,
                                    reference_checkpoint, reference_forward)
 from llmcourse.parts import attention, causal_mask, embedding, merge_heads, split_heads
+from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOK = ROOT / "solutions/04_gpt2/04_gpt2.ipynb"
@@ -645,8 +646,6 @@ def test_the_bundled_model_runs_in_the_learners_forward():
 
 
 def test_the_notebook_solutions_pass_every_check(capsys):
-    from tests.test_checks_tokenization import run_notebook_checks
-
     out = run_notebook_checks(NOTEBOOK, capsys)
     assert out.count("✓") == 14, out
 

@@ -12,6 +12,7 @@ from torch import topk as topk_imported_early  # an alias made before the check:
 from llmcourse.checks import CheckFailed, check_top_k_next_tokens
 from llmcourse.checks.core import Case, run_check
 from llmcourse.sampling import top_k_next_tokens
+from tests.notebook_checks import run_notebook_checks
 
 ENGINE = top_k_next_tokens
 
@@ -238,8 +239,6 @@ def test_the_time_out_hint_is_about_this_exercise(monkeypatch):
 
 def test_the_notebook_solution_passes_every_check(capsys):
     from pathlib import Path
-
-    from .test_checks_tokenization import run_notebook_checks
 
     out = run_notebook_checks(Path(__file__).parents[1] / "solutions/00_pipeline/00_pipeline.ipynb", capsys)
     assert out.count("✓") == 2, out

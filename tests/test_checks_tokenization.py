@@ -4,7 +4,6 @@ endless loops are stopped."""
 
 import codecs
 import inspect
-import json
 import sys
 import textwrap
 from codecs import getincrementaldecoder as incremental_decoder_imported_early
@@ -23,6 +22,7 @@ from llmcourse.checks import (CheckFailed, check_bpe_encode_chunk, check_bytes_t
                               check_train_bpe)
 from llmcourse.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
 from llmcourse.tokenizer import bytes_to_unicode as engine_table_imported_early
+from tests.notebook_checks import run_notebook_checks
 
 tokenizers = pytest.importorskip("tokenizers")  # Hugging Face's (a dependency of transformers): a black box too
 import tokenizers.decoders  # noqa: E402
@@ -816,35 +816,6 @@ def test_not_callable_is_rejected():
 
 
 # -- the notebook's own solutions pass every check, hidden parts included -------------------------
-
-
-def notebook_cells(path):
-    cells = json.loads(Path(path).read_text(encoding="utf-8"))["cells"]
-    setup, solutions, checks = [], [], []
-    for cell in cells:
-        if cell["cell_type"] != "code":
-            continue
-        meta = cell.get("metadata", {})
-        grading = meta.get("nbgrader", {})
-        source = "".join(cell["source"])
-        if "setup" in meta.get("tags", []):
-            setup.append(source)
-        elif grading.get("solution") and not grading.get("grade"):
-            solutions.append(source.replace("### BEGIN SOLUTION", "").replace("### END SOLUTION", ""))
-        elif grading.get("grade") and "check_" in source:
-            checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
-    return setup, solutions, checks
-
-
-def run_notebook_checks(path, capsys):
-    setup, solutions, checks = notebook_cells(path)
-    namespace = {"__name__": "__learner__"}
-    for source in [*setup, *solutions]:
-        exec(compile(source, str(path), "exec"), namespace)
-    capsys.readouterr()
-    for source in checks:
-        exec(compile(source, f"{path}:check", "exec"), namespace)
-    return capsys.readouterr().out
 
 
 def test_the_notebook_solutions_pass_every_check(capsys):
