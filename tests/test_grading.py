@@ -1,15 +1,21 @@
 """The course's nbgrader pieces (llmcourse.grading) one by one.
 
 The whole round trip — release, autograde, feedback, export, as instructor.md says — is
-tests/test_instructor_guide.py.
+tests/test_instructor_guide.py for chapter 01; every other chapter is graded end to end here too.
 """
 
+import csv
 import io
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
 from nbformat import NotebookNode
 
 from llmcourse.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
@@ -115,3 +121,31 @@ def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
     assert not (tmp_path / "chapters" / "01_tokenization").exists()
     assert release(tmp_path, err=err, names=["01_tokenisation"]) == 2
     assert "no chapter 01_tokenisation in solutions/ (the chapters: 00_pipeline, 01_tokenization)" in err.getvalue()
+
+
+OTHER_CHAPTERS = [name for name in sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb"))
+                  if name != "01_tokenization"]  # tests/test_instructor_guide.py grades chapter 01 as the guide says
+
+
+@pytest.mark.parametrize("name", OTHER_CHAPTERS)
+def test_every_chapter_round_trips_through_nbgrader(tmp_path, name):
+    """Release, collect a solved notebook, autograde (hidden tests included), export: every point of the
+    chapter. (That an untouched release passes no check is test_course's Validator(invert=True).)"""
+    from .test_course import solved_copy
+    from .test_instructor_guide import points
+
+    shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
+    shutil.copytree(ROOT / "solutions" / name, tmp_path / "solutions" / name)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's tools
+    steps = [[sys.executable, "-m", "llmcourse", "release", name], None,
+             [sys.executable, "-m", "nbgrader", "autograde", name, "--log-level=ERROR"],
+             [sys.executable, "-m", "nbgrader", "export", "--log-level=ERROR"]]
+    for step in steps:
+        if step is None:  # the student hands in the notebook
+            solved_copy(name, tmp_path / "submitted" / "ada")
+            continue
+        done = subprocess.run(step, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, f"{' '.join(step[1:])} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    with open(tmp_path / "grades.csv") as f:
+        grades = {row["student_id"]: row for row in csv.DictReader(f)}
+    assert float(grades["ada"]["score"]) == float(grades["ada"]["max_score"]) == points(name)
