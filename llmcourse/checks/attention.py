@@ -28,7 +28,7 @@ from torch import Tensor
 from .. import parts
 from .core import Case, Verdict, run_check
 from .forbid import Forbidden
-from .tensors import tensor_problem
+from .tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
 OWN_SOFTMAX = "Write the softmax yourself: subtract the max, exponentiate, divide by the sum."
 SOFTMAX_FAMILY = [
@@ -60,35 +60,8 @@ def _tolerance(dtype: torch.dtype, loose: bool = False) -> tuple[float, float]:
     return (1e-5, 1e-4) if loose else (1e-6, 1e-5)
 
 
-def _same(got: Any, alternative: Tensor) -> bool:
-    return isinstance(got, Tensor) and got.shape == alternative.shape and got.dtype == alternative.dtype and \
-        bool(torch.isclose(got.detach(), alternative, rtol=1e-4, atol=1e-5, equal_nan=True).all())
-
-
-Variant = tuple[Callable[..., Any], str]  # (a known mistake, computing what it returns; the hint that names it)
-
-
-def _diagnosis(got: Any, args: tuple, variants: Sequence[Variant], expected: Tensor) -> str:
-    """The hint of the first known mistake whose answer `got` is (and the right answer is not)."""
-    for mistake, hint in variants:
-        try:
-            alternative = mistake(*args)
-        except Exception:
-            continue
-        if _same(got, alternative) and not _same(expected, alternative):
-            return hint
-    if expected.dtype == torch.float64 and _same(got, expected):
-        return "your answer has float32 accuracy: compute in the input's dtype (no .float(), no float32 constants)"
-    return ""
-
-
-def _judge(variants: Sequence[Variant] = (), loose: bool = False) -> Callable[[Case, Any], Verdict]:
-    def judge(case: Case, got: Any) -> Verdict:
-        atol, rtol = _tolerance(case.expected.dtype, loose)
-        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
-        return (problem, _diagnosis(got, case.args, variants, case.expected)) if problem else None
-
-    return judge
+def _judge(mistakes: Sequence[Mistake] = (), loose: bool = False) -> Callable[[Case, Any], Verdict]:
+    return tensor_judge(lambda case: _tolerance(case.expected.dtype, loose), mistakes)
 
 
 def _describe(value: Any) -> str:
@@ -101,13 +74,6 @@ def _describe(value: Any) -> str:
 def _show(name: str, *names: str) -> Callable[[tuple], str]:
     """Writes a call with tensors as <dtype [shape]> (their values are in expected/got)."""
     return lambda args: f"{name}({', '.join(f'{n}={_describe(a)}' for n, a in zip(names, args))})"
-
-
-def _in_float64(fn: Callable[..., Tensor], *args: Any) -> Tensor:
-    """fn on float64 copies of the floating-point arguments, returned in the first one's dtype."""
-    dtype = next(a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point())
-    wide = [a.double() if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
-    return fn(*wide).to(dtype)
 
 
 def _randint(g: torch.Generator, low: int, high: int) -> int:
@@ -131,7 +97,7 @@ def _shift_by(x: Tensor, dim: int, how: str) -> Tensor:
     return e / e.sum(dim, keepdim=True)
 
 
-SOFTMAX_MISTAKES: list[Variant] = [  # the global max first: where it is right, the others are not named
+SOFTMAX_MISTAKES: list[Mistake] = [  # the global max first: where it is right, the others are not named
     (lambda x, dim=-1: _shift_by(x, dim, "global"),
      "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
      "global max underflows to 0 / 0"),
@@ -149,7 +115,7 @@ SOFTMAX_MISTAKES: list[Variant] = [  # the global max first: where it is right, 
 
 
 def _softmax_case(description: str, x: Tensor, dim: int = -1, hint: str = "") -> Case:
-    return Case(description, (x, dim), _in_float64(lambda t, d: torch.softmax(t, d), x, dim), hint)
+    return Case(description, (x, dim), in_float64(lambda t, d: torch.softmax(t, d), x, dim), hint)
 
 
 def _random_logits(g: torch.Generator, i: int) -> tuple[str, Tensor, int]:
@@ -220,7 +186,7 @@ def _show_tensor(x: Tensor) -> str:
 # The causal mask
 
 
-CAUSAL_MISTAKES: list[Variant] = [
+CAUSAL_MISTAKES: list[Mistake] = [
     (lambda nq, nk: torch.arange(nk)[None, :] < torch.arange(nk - nq, nk)[:, None],
      "off by one: a query may also see its own position (key j <= query position i, not <)"),
     (lambda nq, nk: torch.arange(nk)[None, :] >= torch.arange(nk - nq, nk)[:, None],
@@ -277,7 +243,7 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     """The expected answer: the engine's fused attention (None = no mask), in float64."""
-    return _in_float64(lambda *a: torch.nn.functional.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
+    return in_float64(lambda *a: torch.nn.functional.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
                        q, k, v, mask)
 
 
@@ -285,7 +251,7 @@ def _first_row_mask(q, k, v, mask=None):
     return _attention(q, k, v, None if mask is None else mask[:1] if mask.dim() == 4 else mask)
 
 
-ATTENTION_MISTAKES: list[Variant] = [
+ATTENTION_MISTAKES: list[Mistake] = [
     (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / q.shape[-1]),
      "scale the scores by 1/√d (d = q.shape[-1], the head dimension), not 1/d"),
     (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1.0),
@@ -381,7 +347,7 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
 # Heads
 
 
-SPLIT_MISTAKES: list[Variant] = [
+SPLIT_MISTAKES: list[Mistake] = [
     (lambda x, n: x.reshape(x.shape[0], n, x.shape[1], x.shape[2] // n),
      "view(B, n_head, T, D) mixes positions into heads: view as (B, T, n_head, D), then transpose(1, 2)"),
     (lambda x, n: x.reshape(x.shape[0], x.shape[1], x.shape[2] // n, n).permute(0, 3, 1, 2),
@@ -391,7 +357,7 @@ SPLIT_MISTAKES: list[Variant] = [
      "keep the batch dimension apart: view as (B, T, n_head, D) and transpose(1, 2); reshaping B·T rows mixes "
      "batch items"),
 ]
-MERGE_MISTAKES: list[Variant] = [
+MERGE_MISTAKES: list[Mistake] = [
     (lambda x: x.reshape(x.shape[0], x.shape[2], -1),
      "transpose back first: x.transpose(1, 2) is [B, T, H, D]; then reshape to [B, T, H·D]"),
     (lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1),
@@ -471,10 +437,10 @@ def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n
 
 def reference_self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
     """The expected answer, in float64, returned in x's dtype."""
-    return _in_float64(_self_attention, x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
+    return in_float64(_self_attention, x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
 
 
-SELF_ATTENTION_MISTAKES: list[Variant] = [
+SELF_ATTENTION_MISTAKES: list[Mistake] = [
     (functools.partial(_self_attention, order=(1, 0, 2)),
      "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, dim=-1)"),
     (functools.partial(_self_attention, order=(0, 2, 1)),
@@ -581,7 +547,7 @@ def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=
     return acc / l
 
 
-TILED_OUT_MISTAKES: list[Variant] = [
+TILED_OUT_MISTAKES: list[Mistake] = [
     (functools.partial(_tiled_mistake, rescale=False),
      "when a block raises the running max from m to m_new, multiply both the running sum l and the accumulator "
      "by exp(m - m_new) before adding the block's terms"),
@@ -601,14 +567,14 @@ def _judge_tiled(case: Case, got: Any) -> Verdict:
     atol, rtol = _tolerance(out.dtype, loose=True)
     problem = tensor_problem(got[0], out, atol=atol, rtol=rtol)
     if problem:
-        return f"out: {problem}", _diagnosis(got[0], case.args, TILED_OUT_MISTAKES, out)
+        return f"out: {problem}", diagnose(got[0], case.args, TILED_OUT_MISTAKES, out, atol=atol, rtol=rtol)
     problem = tensor_problem(got[1], lse, atol=atol, rtol=rtol)
     if problem:
         q, k, causal = case.args[0].double(), case.args[1].double(), case.args[4]
         scores = _scaled_scores(q, k, causal)
-        if _same(got[1], (lse.double() - scores.amax(-1)).to(lse.dtype)):
+        if same_answer(got[1], (lse.double() - scores.amax(-1)).to(lse.dtype)):
             hint = "lse = m + log(l): add the running max m back to the log of the running sum l"
-        elif _same(got[1], torch.logsumexp(scores * math.sqrt(q.shape[-1]), -1).to(lse.dtype)):
+        elif same_answer(got[1], torch.logsumexp(scores * math.sqrt(q.shape[-1]), -1).to(lse.dtype)):
             hint = "lse is of the SCALED scores (q·k / √d), the ones the softmax uses"
         else:
             hint = "lse is the log-sum-exp of each query row's scaled, masked scores: m + log(l) at the end"

@@ -13,16 +13,16 @@ message names it.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
 from .. import positions
 from ..parts import embedding as engine_embedding
-from .core import Case, Verdict, run_check
+from .core import Case, run_check
 from .forbid import Forbidden
-from .tensors import tensor_problem
+from .tensors import Mistake, tensor_judge
 
 LOOK_IT_UP = "Index the rows yourself: weight[ids] picks row ids[b, t] for every position."
 NO_EMBEDDING = [
@@ -38,28 +38,6 @@ NO_POSITIONS = [
     Forbidden("llmcourse.positions", "Write your own."),
     Forbidden("transformers", "Write your own: it is a few lines of torch."),
 ]
-
-Mistake = tuple[Callable[..., Tensor], str]  # (a wrong implementation, the hint for it)
-
-
-def _judge(mistakes: Sequence[Mistake], tolerance: Callable[[Case], tuple[float, float]]):
-    """A judge: `tensor_problem` with the case's tolerance; for a wrong answer, the hint of the first
-    mistake that gives the same answer on that input."""
-    def judge(case: Case, got: Any) -> Verdict:
-        atol, rtol = tolerance(case)
-        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
-        if problem is None:
-            return None
-        for wrong, hint in mistakes:
-            try:
-                theirs = wrong(*case.args)
-            except Exception:
-                continue
-            if tensor_problem(got, theirs, atol=atol, rtol=rtol) is None:
-                return problem, hint
-        return problem, ""
-    return judge
-
 
 def _exact(case: Case) -> tuple[float, float]:
     return 0.0, 0.0
@@ -130,7 +108,7 @@ def check_embedding(fn, *, seed: int = 0, n_random: int = 10) -> None:
         weight = _far_from_zero(g, (n, c), dtype)
         ids = torch.randint(0, n, shape, generator=g)
         cases.append(_embedding_case(f"random #{i} ({n} rows of {c}, ids {list(shape)}, {dtype})", weight, ids))
-    run_check("embedding", fn, cases, judge=_judge(EMBEDDING_MISTAKES, _exact), forbid=NO_EMBEDDING,
+    run_check("embedding", fn, cases, judge=tensor_judge(_exact, EMBEDDING_MISTAKES), forbid=NO_EMBEDDING,
               timeout_hint="index the table with all the ids at once: weight[ids] (a Python loop over "
                            "50,257 rows or over every id is too slow)")
 
@@ -208,7 +186,7 @@ def check_embed(fn, *, seed: int = 0, n_random: int = 10) -> None:
             pos = (start + torch.arange(t)).clamp(min=0)
         what = "position_ids=None" if pos is None else "own position_ids per row"
         cases.append(_embed_case(f"random #{i} (batch {b}, {t} tokens, C={c}, {what}, {dtype})", wte, wpe, ids, pos))
-    run_check("embed", fn, cases, judge=_judge(EMBED_MISTAKES, _embed_tolerance), forbid=NO_EMBEDDING)
+    run_check("embed", fn, cases, judge=tensor_judge(_embed_tolerance, EMBED_MISTAKES), forbid=NO_EMBEDDING)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,7 +253,7 @@ def check_sinusoidal_positions(fn, *, seed: int = 0, n_random: int = 8) -> None:
             cases.append(_sinusoidal_case(f"random #{i} ({n} positions, dim {dim}, base {base:g})", n, dim, base))
         else:
             cases.append(_sinusoidal_case(f"random #{i} ({n} positions, dim {dim})", n, dim))
-    run_check("sinusoidal_positions", fn, cases, judge=_judge(SINUSOIDAL_MISTAKES, _sinusoidal_tolerance),
+    run_check("sinusoidal_positions", fn, cases, judge=tensor_judge(_sinusoidal_tolerance, SINUSOIDAL_MISTAKES),
               forbid=NO_POSITIONS, timeout_hint="compute all positions and frequencies at once with tensors "
                                                 "(an outer product), not in a Python loop over every entry")
 
@@ -395,4 +373,4 @@ def check_rope(fn, *, seed: int = 0, n_random: int = 10) -> None:
             cases.append(_rope_case(f"random #{i} ({what}, base {base:g})", x, pos, base))
         else:
             cases.append(_rope_case(f"random #{i} ({what})", x, pos))
-    run_check("rope", fn, cases, judge=_judge(ROPE_MISTAKES, _rope_tolerance), forbid=NO_POSITIONS)
+    run_check("rope", fn, cases, judge=tensor_judge(_rope_tolerance, ROPE_MISTAKES), forbid=NO_POSITIONS)

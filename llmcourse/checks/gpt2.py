@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -39,7 +39,7 @@ from ..model import GPT2
 from .core import Case, Verdict, run_check
 from .forbid import Forbidden
 from .show import short
-from .tensors import tensor_problem
+from .tensors import in_float64, same_answer, tensor_judge, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -68,45 +68,6 @@ COMPOSED = [*ENGINE_PARTS, *NO_LAYER_NORM, *NO_GELU, *NO_LIBRARIES]
 # Comparing tensors, and guessing the mistake
 
 
-def _tolerance(expected: Tensor, tolerances: dict) -> tuple[float, float]:
-    return tolerances[torch.float64 if expected.dtype == torch.float64 else torch.float32]
-
-
-def _matches(got: Any, candidate: Any) -> bool:
-    """Whether `got` is (nearly) what a known mistake gives: the same shape and values (NaN = NaN)."""
-    if not isinstance(got, Tensor) or not isinstance(candidate, Tensor) or got.shape != candidate.shape:
-        return False
-    got, candidate = got.detach().double(), candidate.detach().double()
-    scale = candidate.abs().nan_to_num(0, 0, 0).max().item() if candidate.numel() else 0.0
-    return bool(torch.isclose(got, candidate, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True).all())
-
-
-Mistake = tuple[str, Callable]  # (hint, a function computing the mistaken answer from the case's args)
-
-
-def _tensor_judge(tolerances: dict, mistakes: Sequence[Mistake] = ()) -> Callable[[Case, Any], Verdict]:
-    """A judge: `tensor_problem` with the tolerance of the expected dtype, and the hint of the first known
-    mistake the wrong answer matches."""
-
-    def judge(case: Case, got: Any) -> Verdict:
-        atol, rtol = _tolerance(case.expected, tolerances)
-        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
-        if problem is None:
-            return None
-        if isinstance(got, Tensor) and got.shape == case.expected.shape and got.dtype == case.expected.dtype:
-            for hint, mistake in mistakes:
-                try:
-                    with torch.no_grad():
-                        candidate = mistake(*case.args)
-                except Exception:
-                    continue
-                if _matches(got, candidate):
-                    return problem, hint
-        return problem, ""
-
-    return judge
-
-
 def _unwritten_helper(fn: Callable) -> Callable:
     """fn, where a NotImplementedError raised by a function it calls (a stub of another exercise) says which
     one, rather than that fn itself is not written yet."""
@@ -128,17 +89,6 @@ def _unwritten_helper(fn: Callable) -> Callable:
 
 def _desc(t: Tensor) -> str:
     return f"tensor {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
-
-
-def _exact(fn: Callable, *args, dtype: torch.dtype) -> Tensor:
-    """fn on float64 copies of the tensor args, cast back to `dtype`: the answer without rounding noise."""
-    def wide(a):
-        if isinstance(a, dict):
-            return {k: wide(v) for k, v in a.items()}
-        return a.double() if isinstance(a, Tensor) and a.is_floating_point() else a
-
-    with torch.no_grad():
-        return fn(*map(wide, args)).to(dtype)
 
 
 def _randn(g: torch.Generator, *shape: int, dtype=torch.float32) -> Tensor:
@@ -182,16 +132,16 @@ def _layer_norm_dim1(x, weight, bias, eps):
 
 
 LAYER_NORM_MISTAKES = [
-    ("use the biased variance, mean((x - mean)²) over the C features, as GPT-2 does: x.var(-1, unbiased=False); "
-     "torch's var() divides by C - 1 by default", _layer_norm_unbiased),
-    ("eps goes inside the square root: (x - mean) / sqrt(var + eps), not / (sqrt(var) + eps)", _layer_norm_eps_outside),
-    ("add eps to the variance before the square root: it matters when the variance is small", _layer_norm_no_eps),
-    ("after normalizing, scale by weight and shift by bias: x̂ * weight + bias", _layer_norm_no_bias),
-    ("after normalizing, scale by weight and shift by bias: x̂ * weight + bias", _layer_norm_no_weight),
-    ("mean(x²) - mean(x)² loses all precision when the values are far from their mean (here around 1000): "
-     "subtract the mean first, then average the squares", _layer_norm_one_pass),
-    ("normalize over the last dimension (the C features of each position), dim=-1, whatever the number of "
-     "leading dimensions", _layer_norm_dim1),
+    (_layer_norm_unbiased, "use the biased variance, mean((x - mean)²) over the C features, as GPT-2 does: x.var(-1, unbiased=False); "
+     "torch's var() divides by C - 1 by default"),
+    (_layer_norm_eps_outside, "eps goes inside the square root: (x - mean) / sqrt(var + eps), not / (sqrt(var) + eps)"),
+    (_layer_norm_no_eps, "add eps to the variance before the square root: it matters when the variance is small"),
+    (_layer_norm_no_bias, "after normalizing, scale by weight and shift by bias: x̂ * weight + bias"),
+    (_layer_norm_no_weight, "after normalizing, scale by weight and shift by bias: x̂ * weight + bias"),
+    (_layer_norm_one_pass, "mean(x²) - mean(x)² loses all precision when the values are far from their mean (here around 1000): "
+     "subtract the mean first, then average the squares"),
+    (_layer_norm_dim1, "normalize over the last dimension (the C features of each position), dim=-1, whatever the number of "
+     "leading dimensions"),
 ]
 LAYER_NORM_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9)}
 
@@ -202,7 +152,7 @@ def _show_layer_norm(args: tuple) -> str:
 
 
 def _layer_norm_case(description: str, x: Tensor, weight: Tensor, bias: Tensor, eps: float, hint: str = "") -> Case:
-    return Case(description, (x, weight, bias, eps), _exact(P.layer_norm, x, weight, bias, eps, dtype=x.dtype), hint)
+    return Case(description, (x, weight, bias, eps), in_float64(P.layer_norm, x, weight, bias, eps), hint)
 
 
 def check_layer_norm(fn, *, seed: int = 0, n_random: int = 10) -> None:
@@ -242,7 +192,7 @@ def check_layer_norm(fn, *, seed: int = 0, n_random: int = 10) -> None:
         C = shape[-1]
         cases.append(_layer_norm_case(f"random #{i}: {str(dtype)[6:]}, values {center:g} ± {spread:g}, eps {eps:g}",
                                       x, 1 + _randn(g, C, dtype=dtype), _randn(g, C, dtype=dtype), eps))
-    run_check("layer_norm", fn, cases, judge=_tensor_judge(LAYER_NORM_TOLERANCES, LAYER_NORM_MISTAKES),
+    run_check("layer_norm", fn, cases, judge=tensor_judge(LAYER_NORM_TOLERANCES, LAYER_NORM_MISTAKES),
               forbid=[*NO_LAYER_NORM, *ENGINE_PARTS[:1]], show_call=_show_layer_norm, seconds=5, total_seconds=30)
 
 
@@ -271,13 +221,13 @@ def _gelu_no_root(x):
 
 
 GELU_MISTAKES = [
-    ("this is GELU's exact (erf) form, 0.5·x·(1 + erf(x/√2)); GPT-2 uses the tanh approximation "
-     "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) — they differ by up to about 5e-4", _gelu_erf),
-    ("this is the sigmoid approximation x·σ(1.702x); GPT-2 uses the tanh one: "
-     "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))", _gelu_sigmoid),
-    ("the formula starts with 0.5·x", _gelu_no_half),
-    ("the cubic coefficient is 0.044715 (not 0.44715)", _gelu_coefficient),
-    ("the factor in front is √(2/π) ≈ 0.7979, the square root of 2/π", _gelu_no_root),
+    (_gelu_erf, "this is GELU's exact (erf) form, 0.5·x·(1 + erf(x/√2)); GPT-2 uses the tanh approximation "
+     "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))) — they differ by up to about 5e-4"),
+    (_gelu_sigmoid, "this is the sigmoid approximation x·σ(1.702x); GPT-2 uses the tanh one: "
+     "0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))"),
+    (_gelu_no_half, "the formula starts with 0.5·x"),
+    (_gelu_coefficient, "the cubic coefficient is 0.044715 (not 0.44715)"),
+    (_gelu_no_root, "the factor in front is √(2/π) ≈ 0.7979, the square root of 2/π"),
 ]
 GELU_TOLERANCES = {torch.float32: (1e-6, 1e-5), torch.float64: (1e-10, 1e-9)}
 
@@ -288,7 +238,7 @@ def check_gelu(fn, *, seed: int = 0, n_random: int = 6) -> None:
     f64 = torch.float64
 
     def case(description, x, hint=""):
-        return Case(description, (x,), _exact(P.gelu, x, dtype=x.dtype), hint)
+        return Case(description, (x,), in_float64(P.gelu, x), hint)
 
     cases = [
         case("a few values", torch.tensor([-3.0, -1.0, -0.5, 0.0, 0.5, 1.0, 3.0])),
@@ -309,7 +259,7 @@ def check_gelu(fn, *, seed: int = 0, n_random: int = 6) -> None:
         shape = [rng.randint(1, 4) for _ in range(1 + i % 3)]
         cases.append(case(f"random #{i}: {str(dtype)[6:]} {shape}, spread {10 ** (i % 3 - 1):g}",
                           _randn(g, *shape, dtype=dtype) * 10 ** (i % 3 - 1)))
-    run_check("gelu", fn, cases, judge=_tensor_judge(GELU_TOLERANCES, GELU_MISTAKES),
+    run_check("gelu", fn, cases, judge=tensor_judge(GELU_TOLERANCES, GELU_MISTAKES),
               forbid=[*NO_GELU, *ENGINE_PARTS[1:2]], seconds=5, total_seconds=20,
               show_call=lambda args: f"gelu({short(args[0], 90)})")
 
@@ -331,10 +281,10 @@ def _linear_no_bias(x, weight, bias):
 
 
 LINEAR_MISTAKES = [
-    ("GPT-2 stores the weight as [C_in, C_out] (HF's Conv1D): the answer is x @ weight + bias, with no transpose "
-     "(nn.Linear's layout [C_out, C_in] is the other one)", _linear_transposed),
-    ("multiply first, then add the bias: x @ weight + bias", _linear_bias_first),
-    ("add the bias: x @ weight + bias", _linear_no_bias),
+    (_linear_transposed, "GPT-2 stores the weight as [C_in, C_out] (HF's Conv1D): the answer is x @ weight + bias, with no transpose "
+     "(nn.Linear's layout [C_out, C_in] is the other one)"),
+    (_linear_bias_first, "multiply first, then add the bias: x @ weight + bias"),
+    (_linear_no_bias, "add the bias: x @ weight + bias"),
 ]
 LINEAR_TOLERANCES = {torch.float32: (1e-4, 1e-5), torch.float64: (1e-10, 1e-10)}
 
@@ -353,7 +303,7 @@ def check_linear(fn, *, seed: int = 0, n_random: int = 8) -> None:
         dtype = dtype or x.dtype
         c_in = x.shape[-1]
         weight, bias = _randn(g, c_in, c_out, dtype=dtype), _randn(g, c_out, dtype=dtype)
-        return Case(description, (x, weight, bias), _exact(P.linear, x, weight, bias, dtype=dtype), hint)
+        return Case(description, (x, weight, bias), in_float64(P.linear, x, weight, bias), hint)
 
     cases = [
         case("2-D x [3, 4], weight [4, 5]", _randn(g, 3, 4), 5, "weight is [C_in, C_out]: x @ weight has shape [3, 5]"),
@@ -373,7 +323,7 @@ def check_linear(fn, *, seed: int = 0, n_random: int = 8) -> None:
         shape = [rng.randint(1, 3) for _ in range(rng.randint(0, 3))] + [rng.choice([1, 3, 8, 64, 192])]
         cases.append(case(f"random #{i}: {str(dtype)[6:]}", _randn(g, *shape, dtype=dtype) * rng.choice([0.1, 1, 10]),
                           rng.choice([1, 4, shape[-1], 3 * shape[-1]])))
-    run_check("linear", fn, cases, judge=_tensor_judge(LINEAR_TOLERANCES, LINEAR_MISTAKES), error_hints={
+    run_check("linear", fn, cases, judge=tensor_judge(LINEAR_TOLERANCES, LINEAR_MISTAKES), error_hints={
         "cannot be multiplied": "weight is [C_in, C_out] (GPT-2's Conv1D layout): x [..., C_in] @ weight gives "
                                 "[..., C_out], no transpose; add the bias after the product",
         "values to unpack": "x may have any number of leading dimensions ([C_in], [T, C_in], [B, T, C_in], ...): "
@@ -411,11 +361,11 @@ def _mlp_no_gelu(x, w1, b1, w2, b2):
 
 
 MLP_MISTAKES = [
-    ("the GELU goes between the two layers: c_proj(gelu(c_fc(x))), not after c_proj", _mlp_gelu_last),
-    ("GPT-2's activation is GELU (your `gelu`), not ReLU", _mlp_relu),
-    ("GPT-2's GELU is the tanh approximation (your `gelu`), not the erf form", _mlp_erf),
-    ("both layers have a bias: use your `linear(x, weight, bias)`", _mlp_no_bias),
-    ("apply your `gelu` to the output of c_fc", _mlp_no_gelu),
+    (_mlp_gelu_last, "the GELU goes between the two layers: c_proj(gelu(c_fc(x))), not after c_proj"),
+    (_mlp_relu, "GPT-2's activation is GELU (your `gelu`), not ReLU"),
+    (_mlp_erf, "GPT-2's GELU is the tanh approximation (your `gelu`), not the erf form"),
+    (_mlp_no_bias, "both layers have a bias: use your `linear(x, weight, bias)`"),
+    (_mlp_no_gelu, "apply your `gelu` to the output of c_fc"),
 ]
 COMPOSED_TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-9, 1e-9)}
 
@@ -439,7 +389,7 @@ def check_mlp(fn, *, seed: int = 0, n_random: int = 4) -> None:
         C = shape[-1]
         x = _randn(g, *shape, dtype=dtype) * 2
         args = (x, *_layer_weights(g, C, 4 * C, dtype), *_layer_weights(g, 4 * C, C, dtype))
-        return Case(description, args, _exact(reference_mlp, *args, dtype=dtype), hint)
+        return Case(description, args, in_float64(reference_mlp, *args), hint)
 
     cases = [
         case("x [1, 3, 4]: C = 4, hidden 16", [1, 3, 4]),
@@ -448,7 +398,7 @@ def check_mlp(fn, *, seed: int = 0, n_random: int = 4) -> None:
     ]
     for i in range(n_random):
         cases.append(case(f"random #{i}", [1 + i % 2, 2 + i, (8, 12, 64)[i % 3]], (torch.float32, torch.float64)[i % 2]))
-    run_check("mlp", _unwritten_helper(fn), cases, judge=_tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
+    run_check("mlp", _unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
               show_call=_show_mlp, seconds=5, total_seconds=20)
 
 
@@ -531,20 +481,19 @@ def _block_heads_reshaped(x, w, n_head, eps=1e-5):
 
 
 BLOCK_MISTAKES = [
-    ("GPT-2 is pre-LN: normalize the input of each sub-layer and add its output to the unnormalized x — "
-     "x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)) — not layer_norm(x + attn(x))", _block_post_ln),
-    ("each sub-layer adds to the residual stream: x = x + attn(ln_1(x)), then x = x + mlp(ln_2(x))",
-     _block_one_residual),
-    ("add the attention's output to x (the residual connection): x = x + attn(ln_1(x))", _block_no_attention_residual),
-    ("ln_2 normalizes the stream *after* the attention was added: x = x + attn(ln_1(x)); then mlp(ln_2(x)) with "
-     "that new x", _block_ln2_on_input),
-    ("the MLP reads ln_2 of the stream after attention (GPT-2 runs the two sub-layers one after the other, "
-     "not in parallel)", _block_parallel),
-    ("attention must be causal: pass causal_mask(T, T) to attention, so that position t sees only positions "
-     "0..t", _block_not_causal),
-    ("after merging the heads, project with attn.c_proj (a linear layer) before adding to x", _block_no_c_proj),
-    ("a reshape of [B, T, C] to [B, H, T, D] mixes positions and heads: use split_heads (a view to [B, T, H, D], "
-     "then a transpose) and merge_heads", _block_heads_reshaped),
+    (_block_post_ln, "GPT-2 is pre-LN: normalize the input of each sub-layer and add its output to the unnormalized x — "
+     "x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)) — not layer_norm(x + attn(x))"),
+    (_block_one_residual, "each sub-layer adds to the residual stream: x = x + attn(ln_1(x)), then x = x + mlp(ln_2(x))"),
+    (_block_no_attention_residual, "add the attention's output to x (the residual connection): x = x + attn(ln_1(x))"),
+    (_block_ln2_on_input, "ln_2 normalizes the stream *after* the attention was added: x = x + attn(ln_1(x)); then mlp(ln_2(x)) with "
+     "that new x"),
+    (_block_parallel, "the MLP reads ln_2 of the stream after attention (GPT-2 runs the two sub-layers one after the other, "
+     "not in parallel)"),
+    (_block_not_causal, "attention must be causal: pass causal_mask(T, T) to attention, so that position t sees only positions "
+     "0..t"),
+    (_block_no_c_proj, "after merging the heads, project with attn.c_proj (a linear layer) before adding to x"),
+    (_block_heads_reshaped, "a reshape of [B, T, C] to [B, H, T, D] mixes positions and heads: use split_heads (a view to [B, T, H, D], "
+     "then a transpose) and merge_heads"),
 ]
 
 
@@ -591,7 +540,7 @@ def check_block(fn, *, seed: int = 0, n_random: int = 3) -> None:
         x = _randn(g, B, T, C, dtype=dtype)
         w = _Weights(block_weights(C, seed=int(torch.randint(1 << 30, (1,), generator=g)), dtype=dtype),
                      f"<weights of one block, C={C}>")
-        return Case(description, (x, w, n_head, 1e-5), _exact(reference_block, x, w, n_head, 1e-5, dtype=dtype), hint)
+        return Case(description, (x, w, n_head, 1e-5), in_float64(reference_block, x, w, n_head, 1e-5), hint)
 
     cases = [
         case("one position (T = 1), C = 8, 2 heads", 1, 1, 8, 2),
@@ -605,7 +554,7 @@ def check_block(fn, *, seed: int = 0, n_random: int = 3) -> None:
         C = n_head * rng.choice([4, 8, 16])
         cases.append(case(f"random #{i}: C = {C}, {n_head} heads", rng.randint(1, 3), rng.randint(2, 9), C, n_head,
                           (torch.float32, torch.float64)[i % 2]))
-    run_check("block", _unwritten_helper(fn), cases, judge=_tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
+    run_check("block", _unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
               show_call=_show_block, seconds=10, total_seconds=30)
 
 
@@ -670,13 +619,12 @@ def _forward_reversed(sd, ids, n_head, eps=1e-5):
 
 
 FORWARD_MISTAKES = [
-    ("apply the final layer norm ln_f before the head", lambda sd, ids, h, eps=1e-5:
-        reference_forward(sd, ids, h, eps, final_norm=False)),
-    ("add the position embeddings: x = wte[ids] + wpe[0, 1, ..., T-1]", lambda sd, ids, h, eps=1e-5:
-        reference_forward(sd, ids, h, eps, positions=False)),
-    ("run the blocks in order h.0, h.1, ..., h.11: sorting the keys as strings puts h.10 before h.2",
-     _forward_string_order),
-    ("run the blocks in order h.0, h.1, ... (not reversed)", _forward_reversed),
+    (lambda sd, ids, h, eps=1e-5:
+        reference_forward(sd, ids, h, eps, final_norm=False), "apply the final layer norm ln_f before the head"),
+    (lambda sd, ids, h, eps=1e-5:
+        reference_forward(sd, ids, h, eps, positions=False), "add the position embeddings: x = wte[ids] + wpe[0, 1, ..., T-1]"),
+    (_forward_string_order, "run the blocks in order h.0, h.1, ..., h.11: sorting the keys as strings puts h.10 before h.2"),
+    (_forward_reversed, "run the blocks in order h.0, h.1, ... (not reversed)"),
 ]
 
 
@@ -686,7 +634,7 @@ def _show_forward(args: tuple) -> str:
 
 
 def _judge_forward(tolerances: dict) -> Callable[[Case, Any], Verdict]:
-    base = _tensor_judge(tolerances, FORWARD_MISTAKES)
+    base = tensor_judge(tolerances, FORWARD_MISTAKES)
 
     def judge(case: Case, got: Any) -> Verdict:
         verdict = base(case, got)
@@ -696,7 +644,7 @@ def _judge_forward(tolerances: dict) -> Callable[[Case, Any], Verdict]:
         B, T = ids.shape
         if isinstance(got, Tensor) and got.shape == case.expected.shape and B > 1 and T > 1:
             rows = [reference_forward(sd, ids[b : b + 1], n_head, eps) for b in range(B)]
-            if _matches(got[:1], rows[0]) and not _matches(got, torch.cat(rows)):
+            if same_answer(got[:1], rows[0]) and not same_answer(got, torch.cat(rows)):
                 return verdict[0], ("the first sequence is right but not the others: each row of input_ids is its "
                                     "own sequence, with positions 0..T-1 (torch.arange(T), not numel())")
         return verdict[0], ("check the tied head — logits = ln_f(x) @ wte.weight.T, GPT-2 has no separate lm_head — "

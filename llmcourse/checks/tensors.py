@@ -12,7 +12,7 @@ off, where, and whether NaN or inf appeared (the classic sign of an unstable sof
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -73,3 +73,87 @@ def tensors_close(atol: float = 1e-5, rtol: float = 1e-5) -> Callable[[Any, torc
         True
     """
     return lambda got, expected: tensor_problem(got, expected, atol=atol, rtol=rtol)
+
+
+# ----------------------------------------------------------------------------------------------
+# Naming the mistake: a wrong answer compared with what known wrong implementations give
+
+Mistake = tuple[Callable[..., Any], str]  # (a known wrong implementation, the hint that names the mistake)
+Tolerance = Union[dict, Callable[[Any], tuple[float, float]]]  # {dtype: (atol, rtol)}, or case -> (atol, rtol)
+
+FLOAT32_ACCURACY = "your answer has float32 accuracy: compute in the input's dtype (no .float(), no float32 constants)"
+
+
+def same_answer(got: Any, candidate: Any) -> bool:
+    """Whether `got` is what `candidate` is: tensors of one shape whose values agree to about 1e-4,
+    relative to the candidate's largest value (NaN = NaN). The dtype does not matter here."""
+    if not isinstance(got, torch.Tensor) or not isinstance(candidate, torch.Tensor) or got.shape != candidate.shape:
+        return False
+    if got.dtype == torch.bool or candidate.dtype == torch.bool:
+        return got.dtype == candidate.dtype and torch.equal(got, candidate)
+    got, candidate = got.detach().double(), candidate.detach().double()
+    scale = candidate.abs().nan_to_num(0, 0, 0).max().item() if candidate.numel() else 0.0
+    return bool(torch.isclose(got, candidate, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True).all())
+
+
+def diagnose(got: Any, args: tuple, mistakes: Sequence[Mistake], expected: torch.Tensor, *,
+             atol: float, rtol: float) -> str:
+    """The hint of the first known mistake whose answer on `args` is `got` and is wrong there (not within
+    atol/rtol of `expected`); for float64 work done in float32, FLOAT32_ACCURACY; else ''."""
+    for mistake, hint in mistakes:
+        try:
+            with torch.no_grad():
+                candidate = mistake(*args)
+        except Exception:  # a mistake that cannot run on this input names nothing
+            continue
+        if same_answer(got, candidate) and tensor_problem(candidate, expected, atol=atol, rtol=rtol) is not None:
+            return hint
+    if expected.dtype == torch.float64 and isinstance(got, torch.Tensor) and got.dtype == torch.float64 \
+            and same_answer(got, expected):
+        return FLOAT32_ACCURACY
+    return ""
+
+
+def tensor_judge(tolerance: Tolerance, mistakes: Sequence[Mistake] = ()) -> Callable:
+    """A `judge` for `run_check`: `tensor_problem` with the tolerance of the expected dtype (or of the
+    case), and the hint of the known mistake the wrong answer is, if any.
+
+        >>> judge = tensor_judge({torch.float32: (1e-6, 1e-5)}, [(lambda x: 2 * x, "double, not square")])
+        >>> from llmcourse.checks.core import Case
+        >>> judge(Case("x = 2", (torch.tensor([2.0]),), torch.tensor([4.0])), torch.tensor([4.0])) is None
+        True
+        >>> judge(Case("x = 3", (torch.tensor([3.0]),), torch.tensor([9.0])), torch.tensor([6.0]))[1]
+        'double, not square'
+    """
+    def judge(case, got: Any):
+        if callable(tolerance):
+            atol, rtol = tolerance(case)
+        else:
+            atol, rtol = tolerance[torch.float64 if case.expected.dtype == torch.float64 else torch.float32]
+        problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
+        return None if problem is None else (problem, diagnose(got, case.args, mistakes, case.expected,
+                                                               atol=atol, rtol=rtol))
+
+    return judge
+
+
+def in_float64(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """fn on float64 copies of the floating-point tensors in `args` (also inside dicts), returned in the
+    first one's dtype: the expected answer without float32 rounding.
+
+        >>> in_float64(lambda x: x / 3, torch.tensor([1.0])).dtype
+        torch.float32
+    """
+    def wide(a):
+        if isinstance(a, dict):
+            return {k: wide(v) for k, v in a.items()}
+        return a.double() if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+
+    def first_dtype(a):
+        if isinstance(a, dict):
+            return next(filter(None, map(first_dtype, a.values())), None)
+        return a.dtype if isinstance(a, torch.Tensor) and a.is_floating_point() else None
+
+    dtype = next(filter(None, map(first_dtype, args)))
+    with torch.no_grad():
+        return fn(*map(wide, args)).to(dtype)
