@@ -174,13 +174,15 @@ def run_generate(args: argparse.Namespace) -> int:
         length_penalty=args.length_penalty, stop=args.stop, seed=args.seed, compile=args.compile,
     )
     try:
-        tokenizer, parts = get_tokenizer(), None
+        tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
-            from .learner import your_parts_and_tokenizer
+            from .learner import your_pieces
 
-            parts, tokenizer = your_parts_and_tokenizer(
-                args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True))
-        model = load_model(args.model, device=args.device, dtype=args.dtype, parts=parts)
+            yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True))
+            tokenizer = yours.tokenizer
+        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        if yours is not None:
+            yours.install(model)
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from .model import GPT2
-from .sampling import SamplingSettings, next_token, process_logits
+from .sampling import SamplingSettings
 from .tokenizer import EOT_ID, StreamDecoder
 
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -244,14 +244,14 @@ def decode_steps(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
 
-    cache = model.new_cache(B, total)
+    cache = model.new_cache(B, total, compiled=compile)
     logits = model(input_ids, position_ids=positions, attention_mask=mask[:, :longest] if padded else None,
                    cache=cache, last_only=True)[:, -1]  # [B, V]
     next_pos = positions[:, -1:] + 1  # [B, 1]
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
-        token = next_token(logits, settings, seen, generator)  # [B]
+        token = model.sampler.next_token(logits, settings, seen, generator)  # [B]
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
@@ -358,7 +358,7 @@ def beam_search(
             seen[:, prompt_t[0]] = True
             for row, tokens in enumerate(beams):
                 seen[row, tokens] = True
-        log_probs = process_logits(torch.log_softmax(logits.float(), dim=-1), settings, seen)  # [K, V]
+        log_probs = model.sampler.process(torch.log_softmax(logits.float(), dim=-1), settings, seen)  # [K, V]
         total = (log_probs + scores[:, None]).view(-1)  # [K * V]
         top_scores, top_index = torch.topk(total, 2 * K)
         new_len, last_step = step + 1, step == max_new_tokens - 1

@@ -16,14 +16,17 @@ import dataclasses
 from typing import Callable, Iterator, NamedTuple, Optional
 
 from . import bpe
-from .parts import Parts
+from .parts import GuardedCache, Parts
+from .sampling import Sampler
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
                        read_chapter, refuse_to_recurse, run_chapter)
 from .tokenizer import StreamDecoder, get_tokenizer
 
 PART_SLOTS = tuple(f.name for f in dataclasses.fields(Parts))
+SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
+CACHE_SLOTS = ("KVCache",)
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
-ENGINE_SLOTS = PART_SLOTS + TOKENIZER_SLOTS  # the functions the engine can take from a learner
+ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + TOKENIZER_SLOTS  # what the engine can take from a learner
 
 Notify = Callable[[str], None]
 
@@ -174,21 +177,37 @@ def learner_tokenizer(folder: Optional[PathLike] = None, *, notify: Notify = pri
     return tokenizer
 
 
-def your_parts_and_tokenizer(folder: Optional[PathLike] = None, *,
-                             notify: Notify = print) -> tuple[Parts, LearnerTokenizer]:
-    """What `my_engine` (and `generate --parts`) runs: your parts and tokenizer, with one notice for each
-    exercise with a slot that is not used, and one line saying what is yours."""
+class Pieces(NamedTuple):
+    """Everything of a learner's that the engine runs: model parts, sampler, KV cache class, tokenizer."""
+
+    parts: Parts
+    sampler: Sampler
+    cache_class: Callable
+    tokenizer: LearnerTokenizer
+
+    def install(self, model) -> None:
+        """Put the parts, the sampler and the cache class into `model` (an `llmcourse.GPT2`)."""
+        model.parts, model.sampler, model.cache_class = self.parts, self.sampler, self.cache_class
+
+
+def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Pieces:
+    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache and tokenizer, with
+    one notice for each exercise with a slot that is not used, and one line saying what is yours."""
+    from .model import KVCache
+
     functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify)
     parts = Parts.with_overrides(**{n: f for n, f in functions.items() if n in PART_SLOTS})
+    sampler = Sampler.with_overrides(**{n: f for n, f in functions.items() if n in SAMPLER_SLOTS})
+    cache_class = GuardedCache.of(functions["KVCache"]) if "KVCache" in functions else KVCache
     tokenizer = LearnerTokenizer(functions, notify=notify)
-    yours = sorted(n for n in functions if n in PART_SLOTS) + sorted(tokenizer.mine)
+    yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
            else "your engine: the engine's own parts (none of yours is used yet)")
-    return parts, tokenizer
+    return Pieces(parts, sampler, cache_class, tokenizer)
 
 
 class Engine(NamedTuple):
-    """Your engine: `model` (an `llmcourse.GPT2` with your parts) and `tokenizer` (yours, see
+    """Your engine: `model` (an `llmcourse.GPT2` with your parts, sampler and KV cache) and `tokenizer` (yours, see
     `LearnerTokenizer`); `model, tokenizer = my_engine()` unpacks it."""
 
     model: "object"
@@ -210,7 +229,8 @@ class Engine(NamedTuple):
 def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", device="auto", dtype=None,
               notify: Notify = print) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
-    `llmcourse.Parts`, and chapter 01's encode, decode and StreamDecoder) whose check passes. The
+    `llmcourse.Parts`, the sampler's functions of `llmcourse.sampling.Sampler`, chapter 06's KVCache,
+    and chapter 01's encode, decode and StreamDecoder) whose check passes. The
     engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's
@@ -224,9 +244,8 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
     from .loading import load_model
     from .model import GPT2
 
-    parts, tokenizer = your_parts_and_tokenizer(folder, notify=notify)
-    if isinstance(model, GPT2):
-        model.parts = parts
-    else:
-        model = load_model(model, device=device, dtype=dtype, parts=parts)
-    return Engine(model, tokenizer)
+    pieces = your_pieces(folder, notify=notify)
+    if not isinstance(model, GPT2):
+        model = load_model(model, device=device, dtype=dtype)
+    pieces.install(model)
+    return Engine(model, pieces.tokenizer)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .config import GPT2Config
 from .parts import Parts
+from .sampling import Sampler
 
 
 class Affine(nn.Module):
@@ -123,6 +124,8 @@ class GPT2(nn.Module):
         super().__init__()
         self.config = config
         self.parts = parts or Parts()
+        self.sampler = Sampler()  # how generation picks each next token (a learner's may be swapped in)
+        self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
         self.wte = Table(config.vocab_size, config.n_embd)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -150,10 +153,10 @@ class GPT2(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
-    def new_cache(self, batch_size: int, max_len: Optional[int] = None) -> KVCache:
-        return KVCache(
-            self.config, batch_size, max_len or self.config.n_positions, device=self.device, dtype=self.dtype
-        )
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, *, compiled: bool = False) -> KVCache:
+        """An empty cache of `self.cache_class`; the engine's own for a compiled step (it writes at a slot)."""
+        cls = KVCache if compiled else self.cache_class
+        return cls(self.config, batch_size, max_len or self.config.n_positions, device=self.device, dtype=self.dtype)
 
     def forward(
         self,

@@ -129,35 +129,60 @@ def _float_dtype(args: tuple) -> torch.dtype:
     return next(a.dtype for a in args if isinstance(a, Tensor) and a.is_floating_point())
 
 
-def guarded(name: str, fn: Callable) -> Callable:
-    """Wrap a plugged-in part so its failures are reported in the engine's terms."""
+def _expected_output(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
+    return _expected_shape(name, args), _float_dtype(args)
+
+
+def _describe(args: tuple) -> str:
+    return ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
+
+
+def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _expected_output) -> Callable:
+    """Wrap a plugged-in function so its failures are reported in the engine's terms.
+
+    `expect(name, args)` gives the (shape, dtype) it must return; a long result must hold token ids
+    (in [0, V) for logits [..., V]).
+    """
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        shapes = ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
         where = getattr(fn, "__qualname__", repr(fn))
         try:
             out = fn(*args, **kwargs)
         except Exception as err:
             raise PartError(
                 f"part '{name}' ({where}) raised {type(err).__name__}: {err}\n"
-                f"  called with: {shapes}\n  hint: run the check for '{name}' in its chapter to debug it"
+                f"  called with: {_describe(args)}\n  hint: run the check for '{name}' in its chapter to debug it"
             ) from err
-        expected = _expected_shape(name, args)
+        shape, dtype = expect(name, args)
         if not isinstance(out, Tensor):
             raise PartError(
                 f"part '{name}' ({where}) returned {type(out).__name__}, expected a torch.Tensor of "
-                f"shape {expected}\n  called with: {shapes}"
+                f"shape {shape}\n  called with: {_describe(args)}"
             )
-        dtype = _float_dtype(args)
-        if tuple(out.shape) != expected or out.dtype != dtype:
+        if tuple(out.shape) != shape or out.dtype != dtype:
             raise PartError(
                 f"part '{name}' ({where}) returned shape {tuple(out.shape)} dtype {out.dtype}, "
-                f"expected shape {expected} dtype {dtype}\n  called with: {shapes}"
+                f"expected shape {shape} dtype {dtype}\n  called with: {_describe(args)}"
+            )
+        if dtype == torch.long and out.numel() and not (0 <= int(out.min()) and int(out.max()) < args[0].shape[-1]):
+            raise PartError(
+                f"part '{name}' ({where}) returned token ids {out.tolist()}, expected ids in "
+                f"[0, {args[0].shape[-1]})\n  called with: {_describe(args)}"
             )
         return out
 
     return call
+
+
+def check_overrides(cls, overrides: dict) -> None:
+    """Refuse names that are not slots of `cls` (Parts, Sampler) and values that are not functions."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    for name, fn in overrides.items():
+        if name not in names:
+            raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
+        if not callable(fn):
+            raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,12 +211,7 @@ class Parts:
             >>> Parts.with_overrides(gelu=lambda x: x * torch.sigmoid(1.702 * x)).gelu.__name__
             '<lambda>'
         """
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name, fn in overrides.items():
-            if name not in names:
-                raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
-            if not callable(fn):
-                raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
+        check_overrides(cls, overrides)
         parts = {name: guarded(name, fn) for name, fn in overrides.items()}
         if "attention" in parts:
             parts["attention"] = functools.partial(attention_causal_by_default, attention=parts["attention"])
@@ -202,3 +222,81 @@ class Parts:
     def overridden(self) -> list[str]:
         """Names of the parts that are not the engine's own."""
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
+
+
+class GuardedCache:
+    """A learner's KV cache class in the engine, checked at every step: what `update` returns, and
+    that it writes in place (the per-layer tensors are never reallocated).
+
+    The learner's class has the engine's interface: `Cache(config, batch_size, max_len, *, device,
+    dtype)` with lists `k`, `v` of [B, n_head, max_len, head_dim] tensors, `length`, and
+    `update(layer, k, v)`; `GuardedCache.of(Cache)` is what `model.cache_class` then holds.
+    """
+
+    def __init__(self, cls: type, config, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
+        self.where = getattr(cls, "__qualname__", repr(cls))
+        self.shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.cache = self._call("__init__", cls, config, batch_size, max_len, device=device, dtype=dtype)
+        for name in ("k", "v"):
+            tensors = getattr(self.cache, name, None)
+            if not isinstance(tensors, list) or len(tensors) != config.n_layer or any(
+                    not isinstance(t, Tensor) or tuple(t.shape) != self.shape or t.dtype != dtype for t in tensors):
+                self._fail("__init__", f"cache.{name} must be a list of {config.n_layer} tensors (one per layer) "
+                                       f"of shape {self.shape} and dtype {dtype}")
+        self._remember_addresses()
+
+    @classmethod
+    def of(cls, learner_class: type) -> Callable:
+        """A factory with the engine's KVCache signature that guards `learner_class`."""
+        return functools.partial(cls, learner_class)
+
+    def _call(self, method: str, fn: Callable, *args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            self._fail(method, f"raised {type(err).__name__}: {err}", err)
+
+    def _fail(self, method: str, problem: str, cause: Optional[Exception] = None):
+        raise PartError(f"part 'KVCache' ({self.where}.{method}) {problem}\n"
+                        "  hint: run the check for 'KVCache' in chapter 06 to debug it") from cause
+
+    def _remember_addresses(self) -> None:
+        self.addresses = [t.data_ptr() for t in self.cache.k + self.cache.v]
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self.cache.length = value
+
+    @property
+    def max_len(self) -> int:
+        return self.shape[2]
+
+    def update(self, layer: int, k: Tensor, v: Tensor, slot: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        if slot is not None:
+            raise PartError("a compiled decode step writes the cache at a slot, which only the engine's KVCache does")
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise PartError(f"the cache holds {self.max_len} positions; {end} were asked for")
+        out = self._call("update", self.cache.update, layer, k, v)
+        expected = (*self.shape[:2], end, self.shape[3])
+        if not (isinstance(out, tuple) and len(out) == 2 and all(
+                isinstance(t, Tensor) and tuple(t.shape) == expected for t in out)):
+            got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in out] \
+                if isinstance(out, tuple) else type(out).__name__
+            self._fail("update", f"returned {got}, expected (keys, values), each of shape {expected}: "
+                                 f"the {end} positions filled so far")
+        if [t.data_ptr() for t in self.cache.k + self.cache.v] != self.addresses:
+            self._fail("update", "reallocated the cache: write the new keys and values into the preallocated "
+                                 "tensors in place (cache.k[layer][:, :, start:end] = k)")
+        return out
+
+    def reorder(self, rows: Tensor) -> None:
+        """Keep batch rows `rows` (beam search), as the engine's KVCache does."""
+        self.cache.k = [t.index_select(0, rows) for t in self.cache.k]
+        self.cache.v = [t.index_select(0, rows) for t in self.cache.v]
+        self.shape = (len(rows), *self.shape[1:])
+        self._remember_addresses()

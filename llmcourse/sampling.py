@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -99,34 +99,99 @@ def min_p(logits: Tensor, p: float) -> Tensor:
     return logits.masked_fill(remove, float("-inf"))
 
 
-def process_logits(logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
-    """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
+def greedy(logits: Tensor) -> Tensor:
+    """The most likely token of each row (the lowest id among ties). logits [B, V] -> ids [B]."""
+    return logits.argmax(dim=-1)
 
-    For greedy decoding only the repetition penalty matters: the others never change the argmax.
+
+def sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
+    """Draw one token per row from softmax(logits) (-inf = never). logits [B, V] -> ids [B].
+
+        >>> sample(torch.tensor([[0.0, float("-inf")]]), torch.Generator().manual_seed(0))
+        tensor([0])
     """
-    if settings.repetition_penalty != 1.0 and seen is not None:
-        logits = repetition_penalty(logits, seen, settings.repetition_penalty)
-    if settings.greedy:
+    probs = torch.softmax(logits, dim=-1)  # [B, V]
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+    """The functions that turn logits into the next token: the processors, `greedy` and `sample`.
+
+    `Sampler()` holds the engine's own; `Sampler.with_overrides(top_k=my_top_k)` swaps some for a
+    learner's, guarded like the model's parts. A model's generation uses `model.sampler`.
+
+        >>> Sampler().next_token(torch.tensor([[1.0, 3.0, 2.0]]), SamplingSettings())
+        tensor([1])
+    """
+
+    repetition_penalty: Callable = repetition_penalty
+    temperature: Callable = temperature
+    top_k: Callable = top_k
+    top_p: Callable = top_p
+    min_p: Callable = min_p
+    greedy: Callable = greedy
+    sample: Callable = sample
+
+    @classmethod
+    def with_overrides(cls, **overrides: Callable) -> "Sampler":
+        """The engine's sampler with some functions replaced, each guarded (see `parts.guarded`)."""
+        from .parts import check_overrides, guarded
+
+        check_overrides(cls, overrides)
+        return cls(**{name: guarded(name, fn, _expected_output) for name, fn in overrides.items()})
+
+    def overridden(self) -> list[str]:
+        """Names of the functions that are not the engine's own."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
+
+    def process(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
+        """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
+
+        For greedy decoding only the repetition penalty matters: the others never change the argmax.
+        """
+        if settings.repetition_penalty != 1.0 and seen is not None:
+            logits = self.repetition_penalty(logits, seen, settings.repetition_penalty)
+        if settings.greedy:
+            return logits
+        if settings.temperature != 1.0:
+            logits = self.temperature(logits, settings.temperature)
+        if settings.top_k:
+            logits = self.top_k(logits, settings.top_k)
+        if settings.top_p < 1.0:
+            logits = self.top_p(logits, settings.top_p)
+        if settings.min_p:
+            logits = self.min_p(logits, settings.min_p)
         return logits
-    if settings.temperature != 1.0:
-        logits = temperature(logits, settings.temperature)
-    if settings.top_k:
-        logits = top_k(logits, settings.top_k)
-    if settings.top_p < 1.0:
-        logits = top_p(logits, settings.top_p)
-    if settings.min_p:
-        logits = min_p(logits, settings.min_p)
-    return logits
+
+    def next_token(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None,
+                   generator: Optional[torch.Generator] = None) -> Tensor:
+        """Choose one token per row. logits [B, V] -> token ids [B]."""
+        scores = self.process(logits.float(), settings, seen)
+        return self.greedy(scores) if settings.greedy else self.sample(scores, generator)
+
+
+def _expected_output(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
+    """The shape and dtype each sampler function must return: ids [B] for a choice, else logits' own."""
+    logits = args[0]
+    if name in ("greedy", "sample"):
+        return tuple(logits.shape[:-1]), torch.long
+    return tuple(logits.shape), logits.dtype
+
+
+ENGINE_SAMPLER = Sampler()
+
+
+def process_logits(logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
+    """The engine's processors in transformers' order; see `Sampler.process`."""
+    return ENGINE_SAMPLER.process(logits, settings, seen)
 
 
 def next_token(
     logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None, generator: Optional[torch.Generator] = None
 ) -> Tensor:
-    """Choose one token per row. logits [B, V] -> token ids [B]."""
-    scores = process_logits(logits.float(), settings, seen)
-    if settings.greedy:
-        return scores.argmax(dim=-1)
-    return torch.multinomial(torch.softmax(scores, dim=-1), 1, generator=generator).squeeze(-1)
+    """The engine's choice of one token per row; see `Sampler.next_token`. logits [B, V] -> ids [B]."""
+    return ENGINE_SAMPLER.next_token(logits, settings, seen, generator)
 
 
 def top_k_next_tokens(logits: Tensor, k: int) -> list[tuple[int, float]]:

@@ -307,7 +307,9 @@ def test_a_part_failing_its_check_is_not_used(tmp_path):
 def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pair):
     """Chapters 00 and 01 untouched, plus a gelu: one notice per unwritten slot exercise (none for
     exercises without a slot), and the engine runs, the same text as the engine's own."""
+    import llmcourse
     from llmcourse import generate_text, get_tokenizer
+    from llmcourse.sampling import Sampler
 
     for name in ("00_pipeline", "01_tokenization"):
         shutil.copytree(ROOT / "chapters" / name, tmp_path / name)
@@ -325,7 +327,7 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
         ]
         mine = engine.generate_text("ROMEO: 🦙", max_new_tokens=20, eos_token_id=None)
     finally:
-        model.parts = __import__("llmcourse").Parts()
+        model.parts, model.sampler, model.cache_class = llmcourse.Parts(), Sampler(), llmcourse.KVCache
     assert mine == generate_text(model, get_tokenizer(), "ROMEO: 🦙", max_new_tokens=20, eos_token_id=None)
 
 

@@ -1,0 +1,179 @@
+"""A learner's sampler and KV cache inside the engine: `Sampler.with_overrides`, `model.cache_class`
+and the guard that checks a learner's cache at every step (chapters 05 and 06 plug into these)."""
+
+import pytest
+import torch
+
+import llmcourse
+from llmcourse import GPT2, GPT2Config, KVCache, PartError
+from llmcourse.parts import GuardedCache
+from llmcourse.sampling import Sampler, SamplingSettings
+
+from .conftest import lively_model
+
+CONFIG = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=97)
+PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 60, 11, 1]]
+SAMPLED = dict(temperature=0.9, top_k=40, top_p=0.95, min_p=0.02, repetition_penalty=1.3, seed=3, eos_token_id=None)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return lively_model(CONFIG, seed=1)
+
+
+# A learner's functions, written differently from the engine's but with the same answers.
+
+def my_top_k(logits, k):
+    kth = logits.sort(dim=-1, descending=True).values[:, min(k, logits.shape[-1]) - 1 : min(k, logits.shape[-1])]
+    return torch.where(logits >= kth, logits, torch.full_like(logits, float("-inf")))
+
+
+def my_top_p(logits, p):
+    probs, order = logits.softmax(-1).sort(dim=-1)  # ascending
+    remove = probs.cumsum(-1) <= 1 - p
+    remove[:, -1] = False
+    return logits.masked_fill(torch.zeros_like(remove).scatter(1, order, remove), float("-inf"))
+
+
+def my_min_p(logits, p):
+    probs = logits.softmax(-1)
+    return logits.masked_fill(probs < p * probs.max(-1, keepdim=True).values, float("-inf"))
+
+
+def my_repetition_penalty(logits, seen, penalty):
+    return torch.where(seen & (logits > 0), logits / penalty, torch.where(seen, logits * penalty, logits))
+
+
+MINE = dict(
+    temperature=lambda logits, t: logits * (1 / t),
+    top_k=my_top_k, top_p=my_top_p, min_p=my_min_p, repetition_penalty=my_repetition_penalty,
+    greedy=lambda logits: logits.max(dim=-1).indices,
+    sample=lambda logits, generator: torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0],
+)
+
+
+class MyCache:
+    """A learner's KV cache: the engine's interface, written independently."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0
+
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length : end].copy_(k)
+        self.v[layer][:, :, self.length : end].copy_(v)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class GrowingCache(MyCache):
+    """Wrong: a new, longer tensor every step (torch.cat) instead of writing in place."""
+
+    def update(self, layer, k, v):
+        self.k[layer] = torch.cat([self.k[layer][:, :, : self.length], k], dim=2)
+        self.v[layer] = torch.cat([self.v[layer][:, :, : self.length], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+
+class WholeBufferCache(MyCache):
+    """Wrong: returns all max_len positions, so attention would also see the zeros not yet written."""
+
+    def update(self, layer, k, v):
+        super().update(layer, k, v)
+        return self.k[layer], self.v[layer]
+
+
+def with_pieces(model, sampler=None, cache_class=None):
+    twin = GPT2(model.config)
+    twin.load_state_dict(model.state_dict())
+    if sampler is not None:
+        twin.sampler = sampler
+    if cache_class is not None:
+        twin.cache_class = cache_class
+    return twin.eval()
+
+
+@pytest.mark.parametrize("settings", [dict(eos_token_id=None), SAMPLED, dict(temperature=1.3, seed=11, eos_token_id=None)], ids=["greedy", "all", "plain"])
+def test_a_learners_sampler_and_cache_give_the_engines_tokens(model, settings):
+    theirs = with_pieces(model, Sampler.with_overrides(**MINE), GuardedCache.of(MyCache))
+    assert sorted(theirs.sampler.overridden()) == sorted(MINE)
+    expected = llmcourse.generate(model, PROMPTS, max_new_tokens=20, **settings)
+    assert llmcourse.generate(theirs, PROMPTS, max_new_tokens=20, **settings) == expected
+    assert any(len(set(row)) > 3 for row in expected)  # the comparison is between varied texts
+
+
+def test_beam_search_runs_on_a_learners_cache(model):
+    theirs = with_pieces(model, cache_class=GuardedCache.of(MyCache))
+    settings = dict(max_new_tokens=12, num_beams=3, eos_token_id=None)
+    assert llmcourse.generate(theirs, PROMPTS[1], **settings) == llmcourse.generate(model, PROMPTS[1], **settings)
+
+
+def test_a_biased_sampler_changes_the_text(model):
+    """The swap is real: a learner's sampler that picks differently gives different text."""
+    biased = with_pieces(model, Sampler.with_overrides(sample=lambda logits, g: logits.argmax(-1)))
+    assert llmcourse.generate(biased, PROMPTS[0], max_new_tokens=20, **SAMPLED) != \
+        llmcourse.generate(model, PROMPTS[0], max_new_tokens=20, **SAMPLED)
+
+
+@pytest.mark.parametrize("cache, message", [
+    (GrowingCache, r"reallocated the cache: write the new keys and values into the preallocated tensors in place"),
+    (WholeBufferCache, r"returned \[\(1, 2, 8, 16\), \(1, 2, 8, 16\)\], expected \(keys, values\), each of "
+                       r"shape \(1, 2, 3, 16\): the 3 positions filled so far"),
+])
+def test_a_wrong_cache_is_stopped_with_a_clear_error(model, cache, message):
+    theirs = with_pieces(model, cache_class=GuardedCache.of(cache))
+    with pytest.raises(PartError, match=r"part 'KVCache' \(" + cache.__qualname__ + r"\.update\) " + message):
+        llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=5, eos_token_id=None)
+
+
+def test_a_cache_that_raises_or_has_the_wrong_layout_is_named():
+    class Raises(MyCache):
+        def update(self, layer, k, v):
+            raise IndexError("boom")
+
+    class OneTensor(MyCache):
+        def __init__(self, config, batch_size, max_len, **kw):
+            super().__init__(config, batch_size, max_len, **kw)
+            self.k = self.k[0]
+
+    with pytest.raises(PartError, match=r"Raises\.update\) raised IndexError: boom\n  hint: run the check for 'KVCache'"):
+        GuardedCache(Raises, CONFIG, 1, 8).update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
+    with pytest.raises(PartError, match=r"cache\.k must be a list of 2 tensors \(one per layer\) of shape \(1, 2, 8, 16\)"):
+        GuardedCache(OneTensor, CONFIG, 1, 8)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (dict(sample=lambda logits, g: logits.argmax(-1).int()), r"part 'sample' \(<lambda>\) returned shape \(1,\) dtype torch.int32, expected shape \(1,\) dtype torch.int64"),
+    (dict(sample=lambda logits, g: logits.argmax(-1) + 1000), r"part 'sample' \(<lambda>\) returned token ids \[\d+\], expected ids in \[0, 97\)"),
+    (dict(top_k=lambda logits, k: logits[:, :k]), r"part 'top_k' \(<lambda>\) returned shape \(1, 40\) dtype torch.float32, expected shape \(1, 97\)"),
+    (dict(temperature=lambda logits, t: 1 / 0), r"part 'temperature' \(<lambda>\) raised ZeroDivisionError"),
+])
+def test_a_wrong_sampler_function_is_named(model, fn, message):
+    theirs = with_pieces(model, Sampler.with_overrides(**fn))
+    with pytest.raises(PartError, match=message):
+        llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=3, **SAMPLED)
+
+
+def test_unknown_sampler_slots_are_refused():
+    with pytest.raises(ValueError, match=r"unknown part 'topk'; the parts are: greedy, min_p, repetition_penalty"):
+        Sampler.with_overrides(topk=lambda logits, k: logits)
+
+
+def test_compiled_decoding_keeps_the_engines_cache(model):
+    """A compiled step writes the cache at a slot tensor, which only the engine's KVCache does."""
+    theirs = with_pieces(model, cache_class=GuardedCache.of(MyCache))
+    assert type(theirs.new_cache(1, 8, compiled=True)) is KVCache
+    assert isinstance(theirs.new_cache(1, 8), GuardedCache)
+
+
+def test_the_engine_sampler_is_a_sampler():
+    """The engine's own sample/next_token as samplers: frequencies over many seeded draws."""
+    probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
+    settings = SamplingSettings(temperature=1.0, top_p=0.8)  # keeps 0.4, 0.25, 0.2 (0.85 > 0.8)
+    g = torch.Generator().manual_seed(0)
+    draws = Sampler().next_token(probs.log().expand(20000, 6), settings, generator=g)
+    freq = torch.bincount(draws, minlength=6) / draws.numel()
+    expected = torch.tensor([0.4, 0.25, 0.2, 0, 0, 0]) / 0.85
+    assert (freq - expected).abs().sum() / 2 < 0.01  # total variation; ~0.004 expected from sampling noise
