@@ -44,3 +44,25 @@ def test_readme_python_example_runs(capsys):
     exec(compile(example, "README.md", "exec"), namespace)
     assert isinstance(namespace["text"], str) and len(namespace["ids"]) == 2
     assert capsys.readouterr().out.strip()
+
+
+def test_readme_slot_examples_run_as_written():
+    """The snippets that swap in a learner's parts, sampler functions and cache run as written, here
+    with stand-ins that compute what the engine's own do: the engine then gives the same tokens."""
+    import llmcourse
+    from llmcourse import parts, sampling
+
+    snippets = [block for block in blocks("python") if "with_overrides" in block or "cache_class" in block]
+    assert len(snippets) == 2
+    model = llmcourse.load_model(device="cpu")
+    prompt = llmcourse.get_tokenizer().encode("ROMEO:")
+    settings = dict(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=2)
+    expected = llmcourse.generate(model, prompt, **settings)
+    stand_ins = {"llmcourse": llmcourse, "model": model, "my_gelu": parts.gelu, "my_softmax": parts.softmax,
+                 "my_top_p": sampling.top_p, "my_sample": sampling.sample, "MyKVCache": llmcourse.KVCache}
+    for snippet in snippets:
+        exec(compile(snippet, "README.md", "exec"), stand_ins)
+    # a swapped-in softmax brings the written-out attention that calls it
+    assert model.parts.overridden() == ["gelu", "softmax", "attention"] and model.sampler.overridden() == ["top_p", "sample"]
+    assert isinstance(model.new_cache(1, 4), parts.GuardedCache)
+    assert llmcourse.generate(model, prompt, **settings) == expected
