@@ -1,0 +1,598 @@
+"""Checks for chapter 06, the KV cache: the preallocated cache, attention of one new token over it,
+the prefill + decode loop, and the cache-size formula.
+
+Each check compares the learner's code with the engine's (`llmcourse.model.KVCache`, a full
+recompute of the model for every token, the formula) on fixed edge cases and seeded random ones:
+batch > 1, float64, several layers, writes of several positions, a cache whose unused positions
+hold stale values. A cache is also checked for *how* it works: its tensors are allocated once and
+written in place (their `data_ptr()` never changes, and `update` returns views of them), and the
+loop makes one cache for the whole generation, prefills the prompt once and feeds one token per step.
+
+    >>> import torch
+    >>> def kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
+    ...     return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+    >>> check_kv_cache_bytes(kv_cache_bytes)
+    ✓ kv_cache_bytes — 18 cases
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..config import GPT2Config
+from ..model import GPT2, KVCache as EngineKVCache
+from .core import Case, Verdict, equal, run_check
+from .failed import CheckFailed
+from .forbid import Forbidden
+from .show import short
+from .tensors import in_float64, tensor_judge, tensor_problem
+
+# ----------------------------------------------------------------------------------------------
+# Black boxes
+
+ENGINE_CACHE = Forbidden("llmcourse.model.KVCache", "The engine's KVCache is what yours is compared with: write your own "
+                                                    "(torch.zeros and slicing are all it needs).")
+NO_ATTENTION = [
+    Forbidden("torch.nn.functional.scaled_dot_product_attention",
+              "F.scaled_dot_product_attention is the black box this exercise opens: scores, softmax, weighted sum."),
+    Forbidden("torch.nn.functional.multi_head_attention_forward", "Write the attention yourself."),
+    Forbidden("llmcourse.parts.attention", "The engine's attention is the black box here: write it with @ and softmax."),
+    Forbidden("llmcourse.tiled_attention", "The engine's attention is the black box here: write it with @ and softmax."),
+]
+NO_ENGINE_LOOP = [
+    Forbidden("llmcourse.generate", "The engine's generation loop is what yours is compared with: write the loop "
+                                    "with model(ids, cache=cache)."),
+    Forbidden("transformers", "transformers' generate is what yours is compared with: write the loop yourself."),
+]
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Run torch on one thread: tiny models gain nothing from more, and on a busy machine two threads that
+    wait for each other make a 1 ms forward pass take 50 ms."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _desc(t: Tensor) -> str:
+    return f"tensor {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def _randn(g: torch.Generator, *shape: int, dtype=torch.float32) -> Tensor:
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: KVCache
+
+
+@dataclasses.dataclass
+class Write:
+    """What one `update(layer, k, v)` did."""
+
+    step: int
+    layer: int
+    start: int  # cache.length when it was called
+    T: int
+    keys: Any = None  # what it returned (copies), or the exception it raised
+    values: Any = None
+    length_after: int = 0
+    views: bool = True  # the returned tensors share the cache's storage
+    moved: str = ""  # which cache tensor was replaced by another one, if any
+
+
+@dataclasses.dataclass
+class Trace:
+    """Everything a run of a cache did, to compare with the engine's run on the same input."""
+
+    problem: str = ""  # what is wrong with the cache as built (attributes, shapes, shared tensors)
+    writes: list = dataclasses.field(default_factory=list)
+    contents: list = dataclasses.field(default_factory=list)  # the k and v tensors of every layer at the end
+    refused: Optional[str] = None  # the error of a write past max_len (None: not refused)
+
+    def __repr__(self) -> str:
+        if self.problem:
+            return self.problem
+        shapes = ", ".join(f"{list(w.keys.shape)}" for w in self.writes if isinstance(w.keys, Tensor) and w.layer == 0)
+        return f"update returned keys of shape {shapes} (layer 0){'; refused a write past max_len' if self.refused else ''}"
+
+
+def _storage(t: Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int, dtype: torch.dtype) -> str:
+    """What is wrong with a new cache's attributes, or ''."""
+    for name in ("k", "v", "length", "max_len", "update"):
+        if not hasattr(cache, name):
+            return f"the new cache has no attribute `{name}`"
+    shape = (batch_size, config.n_head, max_len, config.head_dim)
+    for name in ("k", "v"):
+        tensors = getattr(cache, name)
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != config.n_layer:
+            return (f"cache.{name} should be a list of {config.n_layer} tensors (one per layer), got "
+                    f"{short(tensors, 80)}")
+        for i, t in enumerate(tensors):
+            if not isinstance(t, Tensor):
+                return f"cache.{name}[{i}] should be a tensor, got {short(t, 80)}"
+            if tuple(t.shape) != shape:
+                grow = " — preallocate all max_len positions once, in __init__ (a cache grown with torch.cat " \
+                       "copies everything it holds at every step)" if t.dim() == 4 and t.shape[2] != max_len else ""
+                return f"cache.{name}[{i}] has shape {tuple(t.shape)}, expected [B, n_head, max_len, head_dim] = {shape}{grow}"
+            if t.dtype != dtype:
+                return f"cache.{name}[{i}] has dtype {t.dtype}, expected {dtype}: use the dtype argument"
+            if bool(t.any()):
+                return f"cache.{name}[{i}] should start as zeros (torch.zeros)"
+    tensors = [*cache.k, *cache.v]
+    names = [f"k[{i}]" for i in range(config.n_layer)] + [f"v[{i}]" for i in range(config.n_layer)]
+    seen: dict[int, str] = {}
+    for name, t in zip(names, tensors):
+        if _storage(t) in seen:
+            return (f"cache.{seen[_storage(t)]} and cache.{name} are the same tensor (or share memory): every layer "
+                    f"needs its own keys and its own values, or one layer overwrites another's (a list made with "
+                    f"[torch.zeros(...)] * n_layer repeats one tensor; make a new one for each)")
+        seen[_storage(t)] = name
+    if cache.length != 0:
+        return f"a new cache should have length 0 (no positions filled yet), got {short(cache.length, 40)}"
+    if cache.max_len != max_len:
+        return f"cache.max_len should be {max_len} (the max_len argument), got {short(cache.max_len, 40)}"
+    return ""
+
+
+def _run_cache(cls, config: GPT2Config, batch_size: int, max_len: int, dtype: torch.dtype, steps: list) -> Trace:
+    """Build cls(config, batch_size, max_len, device='cpu', dtype=dtype) and run the engine's protocol on it:
+    each step calls update(layer, k, v) for every layer, then advances cache.length by T."""
+    cache = cls(config, batch_size, max_len, device="cpu", dtype=dtype)
+    trace = Trace(problem=_structure_problem(cache, config, batch_size, max_len, dtype))
+    if trace.problem:
+        return trace
+    pointers = [(t.data_ptr(), t.untyped_storage().data_ptr()) for t in [*cache.k, *cache.v]]
+    for step, layers in enumerate(steps):
+        start, T = cache.length, layers[0][0].shape[2]
+        for layer, (k, v) in enumerate(layers):
+            write = Write(step, layer, start, T)
+            trace.writes.append(write)
+            if start + T > max_len:  # the last step of an overflow case: it must be refused
+                try:
+                    cache.update(layer, k, v)
+                except Exception as err:  # noqa: BLE001 - any clear error will do
+                    trace.refused = f"{type(err).__name__}: {err}"
+                return trace
+            keys, values = cache.update(layer, k, v)
+            write.keys, write.values = keys, values
+            if isinstance(keys, Tensor) and isinstance(values, Tensor):
+                write.views = _storage(keys) == _storage(cache.k[layer]) and _storage(values) == _storage(cache.v[layer])
+                write.keys, write.values = keys.clone(), values.clone()
+            write.length_after = cache.length
+            now = [(t.data_ptr(), t.untyped_storage().data_ptr()) for t in [*cache.k, *cache.v]]
+            moved = [i for i, (a, b) in enumerate(zip(pointers, now)) if a != b]
+            if moved:
+                i = moved[0]
+                write.moved = f"k[{i}]" if i < config.n_layer else f"v[{i - config.n_layer}]"
+        cache.length += T
+    trace.contents = [t.clone() for t in [*cache.k, *cache.v]]
+    return trace
+
+
+def _judge_cache(case: Case, got: Trace) -> Verdict:
+    expected: Trace = case.expected
+    if not isinstance(got, Trace):  # cannot happen: the trace is made by the check
+        return "the check could not follow your cache", ""
+    if got.problem:
+        return got.problem, ""
+    for mine, theirs in zip(got.writes, expected.writes):
+        at = f"step {mine.step} (cache.length {mine.start}, T = {mine.T}), update(layer={mine.layer}, k, v)"
+        if theirs.keys is None:  # the write past max_len
+            if got.refused is None:
+                return (f"{at} writes past max_len = {case.args[2]} and was not refused",
+                        "raise an error (e.g. ValueError('cache full: ...')) when length + T > max_len, rather "
+                        "than dropping positions or growing the cache")
+            return None
+        if mine.length_after != mine.start:
+            return (f"{at} changed cache.length from {mine.start} to {short(mine.length_after, 40)}",
+                    "update must not advance length: every layer writes the same positions [length, length + T), "
+                    "and the model does cache.length += T after the last layer")
+        if mine.moved:
+            return (f"{at} replaced cache.{mine.moved} by a new tensor (its data_ptr() changed)",
+                    "write in place into the preallocated tensor, e.g. self.k[layer][:, :, start:end] = k; "
+                    "never assign a new tensor (torch.cat, clone) to self.k[layer]")
+        for what, g, e in (("keys", mine.keys, theirs.keys), ("values", mine.values, theirs.values)):
+            if isinstance(g, Tensor) and isinstance(e, Tensor) and g.dim() == 4 and g.shape[2] != e.shape[2]:
+                hint = (f"return only the filled positions, self.{what[0]}[layer][:, :, :length + T]: the other "
+                        f"{g.shape[2] - e.shape[2]} positions are zeros the new token would attend to") \
+                    if g.shape[2] == case.args[2] else \
+                    f"return the positions [0, length + T) = [0, {e.shape[2]}): the cached ones and the new ones"
+                return f"{at} returned {what} of shape {tuple(g.shape)}, expected {tuple(e.shape)}", hint
+            problem = tensor_problem(g, e, atol=0, rtol=0)
+            if problem:
+                return f"{at} returned wrong {what}: {problem}", \
+                    "write k and v at positions [length, length + T) of this layer's tensors, then return positions " \
+                    "[0, length + T)"
+        if not mine.views:
+            return (f"{at} returned copies, not views of the cache",
+                    "return slices such as self.k[layer][:, :, :end] (a view: no copy); .clone() or torch.cat "
+                    "copies the whole cache at every layer of every step")
+    if got.refused is None and expected.refused is not None:
+        return "a write past max_len was not refused", "raise an error when length + T > max_len"
+    for i, (g, e) in enumerate(zip(got.contents, expected.contents)):
+        problem = tensor_problem(g, e, atol=0, rtol=0)
+        if problem:
+            return f"after all steps, the cache's tensor #{i} holds wrong values: {problem}", \
+                "write into the cache's own tensors (in place), not into a copy of them"
+    return None
+
+
+def _cache_steps(g: torch.Generator, config: GPT2Config, batch_size: int, chunks: list[int], dtype) -> list:
+    H, D = config.n_head, config.head_dim
+    return [[(_randn(g, batch_size, H, T, D, dtype=dtype) * 3 + 1, _randn(g, batch_size, H, T, D, dtype=dtype) * 3 - 1)
+             for _ in range(config.n_layer)] for T in chunks]
+
+
+def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
+    """KVCache(config, batch_size, max_len, *, device=None, dtype=torch.float32): per-layer tensors k, v
+    [B, n_head, max_len, head_dim] allocated once; update(layer, k, v) writes in place at [length, length + T)
+    and returns the views [0, length + T); the caller advances length."""
+    if not isinstance(cls, type):
+        raise CheckFailed(f"✗ KVCache: expected a class, got {short(cls)}")
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def case(description, config, batch_size, max_len, chunks, dtype=torch.float32, hint=""):
+        steps = _cache_steps(g, config, batch_size, chunks, dtype)
+        args = (config, batch_size, max_len, dtype, steps)
+        return Case(description, args, _run_cache(EngineKVCache, *args), hint)
+
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=8)
+    cases = [
+        case("one layer, prefill 3 positions", GPT2Config(n_layer=1, n_head=2, n_embd=8), 1, 5, [3],
+             hint="update returns the keys and values of positions [0, 3), written at [0, 3)"),
+        case("two layers: prefill 3, then one token", cfg, 1, 6, [3, 1],
+             hint="both layers write positions [length, length + T); only the model advances length"),
+        case("prefill, then 3 decode steps up to max_len", cfg, 1, 6, [3, 1, 1, 1]),
+        case("batch of 2, float64", GPT2Config(n_layer=3, n_head=3, n_embd=12), 2, 7, [4, 1, 2], f64,
+             "float64 in, float64 out: make the tensors with the dtype argument"),
+        case("a write past max_len", cfg, 1, 4, [3, 2],
+             hint="length 3 + T 2 > max_len 4: the cache is full and must say so (raise an error)"),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        n_head = rng.choice([1, 2, 3, 4])
+        config = GPT2Config(n_layer=rng.randint(1, 4), n_head=n_head, n_embd=n_head * rng.choice([1, 4, 5, 8]))
+        chunks = [rng.randint(1, 6)] + [1] * rng.randint(1, 5) + [rng.randint(1, 3)] * rng.randint(0, 1)
+        max_len = sum(chunks) + rng.randint(0, 3)
+        dtype = (torch.float32, f64)[i % 2]
+        cases.append(case(f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
+                          f"{str(dtype)[6:]}, T = {chunks}", config, rng.randint(1, 3), max_len, chunks, dtype))
+
+    def show(args: tuple) -> str:
+        config, batch_size, max_len, dtype, steps = args
+        Ts = [layers[0][0].shape[2] for layers in steps]
+        return (f"cache = KVCache(GPT2Config(n_layer={config.n_layer}, n_head={config.n_head}, "
+                f"n_embd={config.n_embd}), batch_size={batch_size}, max_len={max_len}, dtype={dtype}); "
+                f"steps of T = {Ts}: each calls cache.update(layer, k, v) for every layer, k and v "
+                f"[{batch_size}, {config.n_head}, T, {config.head_dim}], then cache.length += T")
+
+    run_check("KVCache", lambda *args: _run_cache(cls, *args), cases, judge=_judge_cache, forbid=[ENGINE_CACHE],
+              show_call=show, seconds=5, total_seconds=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: cached_attention
+
+
+def reference_cached_attention(q: Tensor, k_cache: Tensor, v_cache: Tensor, length: int) -> Tensor:
+    """Attention of q [B, H, 1, D] over the first `length` positions of k_cache, v_cache [B, H, max_len, D]."""
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]  # [B, H, length, D]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [B, H, 1, length]
+    return torch.softmax(scores, dim=-1) @ v  # [B, H, 1, D]
+
+
+def _all_positions(q, k_cache, v_cache, length):
+    return reference_cached_attention(q, k_cache, v_cache, k_cache.shape[2])
+
+
+def _one_short(q, k_cache, v_cache, length):
+    if length < 2:
+        raise ValueError
+    return reference_cached_attention(q, k_cache, v_cache, length - 1)
+
+
+def _one_long(q, k_cache, v_cache, length):
+    return reference_cached_attention(q, k_cache, v_cache, length + 1)
+
+
+def _no_scale(q, k_cache, v_cache, length):
+    return reference_cached_attention(q * math.sqrt(q.shape[-1]), k_cache, v_cache, length)
+
+
+def _scale_by_d(q, k_cache, v_cache, length):
+    return reference_cached_attention(q / math.sqrt(q.shape[-1]), k_cache, v_cache, length)
+
+
+def _softmax_over_queries(q, k_cache, v_cache, length):
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-2) @ v
+
+
+CACHED_ATTENTION_MISTAKES = [
+    (_all_positions, "attend to the first `length` positions only: k_cache[:, :, :length]; the positions after them "
+                     "are not written yet (zeros, or stale values of an earlier sequence)"),
+    (_one_short, "off by one: the new token's own key is already in the cache, at position length - 1, so attend to "
+                 "positions [0, length) — k_cache[:, :, :length]"),
+    (_one_long, "off by one: attend to positions [0, length) — k_cache[:, :, :length], not length + 1"),
+    (_no_scale, "divide the scores by √D (D = head_dim = q.shape[-1]) before the softmax"),
+    (_scale_by_d, "divide the scores by √D, not by D"),
+    (_softmax_over_queries, "take the softmax over the keys (the last dimension, dim=-1)"),
+]
+CACHED_ATTENTION_TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-9)}
+
+
+def _show_cached_attention(args: tuple) -> str:
+    q, k_cache, v_cache, length = args
+    return f"cached_attention(q={_desc(q)}, k_cache={_desc(k_cache)}, v_cache={_desc(v_cache)}, length={length})"
+
+
+def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """cached_attention(q, k_cache, v_cache, length): q [B, H, 1, D] attends to positions [0, length) -> [B, H, 1, D]."""
+    g = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def case(description, B, H, D, max_len, length, dtype=torch.float32, scale=1.0, stale=True, hint=""):
+        q = _randn(g, B, H, 1, D, dtype=dtype) * scale
+        k_cache = _randn(g, B, H, max_len, D, dtype=dtype) * scale
+        v_cache = _randn(g, B, H, max_len, D, dtype=dtype) * 3 + 5
+        if not stale:  # positions not written yet are zeros, as in a new cache
+            k_cache[:, :, length:] = 0
+            v_cache[:, :, length:] = 0
+        expected = in_float64(reference_cached_attention, q, k_cache, v_cache, length)
+        return Case(description, (q, k_cache, v_cache, length), expected, hint)
+
+    cases = [
+        case("one filled position", 1, 1, 4, 3, 1, stale=False,
+             hint="with one key the softmax weight is 1: the answer is v_cache[:, :, 0:1]"),
+        case("a new cache: the positions after length are zeros", 1, 2, 8, 10, 6, stale=False),
+        case("stale values after length (an earlier, longer sequence)", 1, 2, 8, 10, 6,
+             hint="only positions [0, length) belong to this sequence"),
+        case("the cache is full (length = max_len)", 2, 3, 4, 5, 5),
+        case("batch of 3, float64", 3, 2, 16, 9, 7, f64, hint="float64 in, float64 out"),
+        case("large scores (q and k × 30)", 2, 2, 8, 6, 4, scale=30.0,
+             hint="a stable softmax (subtract the max, or torch.softmax) keeps large scores finite"),
+        case("head_dim 64, as in GPT-2", 1, 2, 64, 12, 11, f64),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        max_len = rng.randint(1, 40)
+        dtype = (torch.float32, f64)[i % 2]
+        cases.append(case(f"random #{i}: {str(dtype)[6:]}", rng.randint(1, 3), rng.randint(1, 4),
+                          rng.choice([1, 3, 8, 32, 64]), max_len, rng.randint(1, max_len), dtype,
+                          scale=rng.choice([0.1, 1.0, 5.0]), stale=rng.random() < 0.7))
+    run_check("cached_attention", fn, cases, judge=tensor_judge(CACHED_ATTENTION_TOLERANCES, CACHED_ATTENTION_MISTAKES),
+              forbid=NO_ATTENTION, show_call=_show_cached_attention, seconds=5, total_seconds=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: generate_greedy
+
+
+def decisive_model(seed: int, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 32, n_positions: int = 64,
+                   vocab_size: int = 97, dtype: torch.dtype = torch.float32) -> GPT2:
+    """A tiny random GPT-2 whose next-token argmaxes are clear (its embedding scaled up: a near-tie could
+    make a cached and a full forward pass, equal up to rounding, pick different tokens)."""
+    config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_embd, n_positions=n_positions, vocab_size=vocab_size)
+    model = GPT2(config).init_weights(seed)
+    with torch.no_grad():
+        model.wte.weight.mul_(60)  # std 1.2: logits far apart
+        model.wpe.weight.mul_(30)
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def full_recompute(model: GPT2, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Greedy tokens with no cache: the whole sequence through the model for every new token."""
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids], device=model.device), last_only=True)[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+def recording_cache(base: type = EngineKVCache) -> type:
+    """A subclass of the engine's cache that records every cache made and every write (to see how a loop
+    uses it), and refuses a write past max_len with a message that says so."""
+
+    class Recorded(base):
+        made: list = []  # every cache made with this class
+
+        def __init__(self, config, batch_size, max_len, **kwargs):
+            super().__init__(config, batch_size, max_len, **kwargs)
+            self.writes: list[tuple[int, int]] = []  # (length, T) of every layer-0 write
+            self.pointers = [t.data_ptr() for t in [*self.k, *self.v]]
+            self.args = (batch_size, max_len, kwargs.get("dtype", torch.float32))
+            Recorded.made.append(self)
+
+        def update(self, layer, k, v, slot=None):
+            if slot is None and self.length + k.shape[2] > self.max_len:
+                raise ValueError(f"the cache is full: {k.shape[2]} more position(s) at length {self.length}, but "
+                                 f"max_len is {self.max_len}")
+            if layer == 0:
+                self.writes.append((self.length, k.shape[2]))
+            return super().update(layer, k, v, slot)
+
+    Recorded.__name__ = Recorded.__qualname__ = "KVCache"
+    Recorded.made = []
+    return Recorded
+
+
+@dataclasses.dataclass
+class Run:
+    tokens: Any
+    caches: list  # the recorded caches made during the call
+
+
+def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: int) -> Run:
+    cache_class = recording_cache()
+    tokens = fn(model, list(prompt_ids), max_new_tokens, cache_class)
+    return Run(tokens, cache_class.made)
+
+
+def _loop_problem(case: Case, got: Run) -> Verdict:
+    model, prompt, n, = case.args
+    P, expected = len(prompt), case.expected
+    tokens = got.tokens
+    if isinstance(tokens, Tensor):
+        return f"expected a list of {n} ints, got a tensor {list(tokens.shape)}", "return a list: tensor.tolist()"
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        return f"expected a list of {n} ints (the new token ids), got {short(tokens, 80)}", \
+            "int(logits.argmax()) is a Python int"
+    if len(tokens) != n:
+        return (f"expected {n} new tokens, got {len(tokens)}",
+                "max_new_tokens counts the generated tokens only (not the prompt): the prefill gives the first, "
+                "each decode step one more")
+    if not got.caches:
+        return "the loop made no cache with cache_class", \
+            "make one cache with cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, " \
+            "dtype=model.dtype) and pass it to every model(..., cache=cache) call"
+    if len(got.caches) > 1:
+        return (f"the loop made {len(got.caches)} caches; one is enough",
+                "make the cache once, before the loop: a new cache each step forgets every position and makes the "
+                "model recompute them")
+    cache = got.caches[0]
+    if cache.args[2] != model.dtype:
+        return (f"the cache has dtype {cache.args[2]}, the model {model.dtype}",
+                "make the cache with dtype=model.dtype (float64 model, float64 cache)")
+    if [t.data_ptr() for t in [*cache.k, *cache.v]] != cache.pointers:
+        return "the cache's tensors were replaced during the loop", "let the model write into the cache; do not assign cache.k or cache.v"
+    writes = cache.writes
+    wrong = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+    steps = ", ".join(f"{T} at {start}" for start, T in writes[:8]) + (", ..." if len(writes) > 8 else "")
+    seen = f"the model received (tokens at cache position): {steps}"
+    if not writes or writes[0] != (0, P):
+        if writes and writes[0] == (0, P - 1):
+            return (f"the prefill put {P - 1} of the {P} prompt tokens in the cache ({seen})",
+                    "prefill the whole prompt, model(prompt, cache=cache): the logits of its last position give "
+                    "the first new token")
+        return f"the prefill should put the {P} prompt tokens at positions [0, {P}) in one call ({seen})", \
+            "call model(torch.tensor([prompt_ids]), cache=cache) once, before the loop"
+    later = writes[1:]
+    if any(T != 1 for _, T in later):
+        return (f"each decode step should feed one token ({seen})",
+                "after the prefill the cache holds every earlier position: feed only the newest token, "
+                "model(torch.tensor([[token]]), cache=cache) — feeding the whole sequence again writes its positions twice")
+    if wrong is not None:
+        return (f"token {wrong} differs from the full recompute's: expected {expected[wrong]}, got {tokens[wrong]}",
+                "each step feeds the token just chosen and takes the argmax of the last position's logits")
+    if len(later) > n:
+        return f"{len(later)} decode steps for {n} tokens ({seen})", "the prefill gives the first token: n - 1 steps remain"
+    return None
+
+
+def check_generate_greedy(fn, *, seed: int = 0, n_random: int = 2, bundled: bool = False) -> None:
+    """generate_greedy(model, prompt_ids, max_new_tokens, cache_class): the prefill + decode loop; the tokens of a
+    full recompute, with one cache, the prompt prefilled once and one token per step."""
+    if not callable(fn):
+        raise CheckFailed(f"✗ generate_greedy: expected a function, got {short(fn)}")
+    with one_thread():
+        _check_generate_greedy(fn, seed, n_random, bundled)
+
+
+def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
+    rng = random.Random(seed)
+
+    def case(description, model, prompt, n, hint=""):
+        return Case(description, (model, prompt, n), full_recompute(model, prompt, n), hint)
+
+    tiny = decisive_model(seed)
+    V = tiny.config.vocab_size
+    cases = [
+        case("a one-token prompt, one new token", tiny, [5], 1,
+             hint="the prefill alone gives the first token: no decode step is needed"),
+        case("a one-token prompt, 6 new tokens", tiny, [5], 6),
+        case("a 7-token prompt, 10 new tokens", tiny, [rng.randrange(V) for _ in range(7)], 10),
+        case("float64, 3 layers of 4 heads", decisive_model(seed + 1, n_layer=3, n_head=4, dtype=torch.float64),
+             [rng.randrange(V) for _ in range(5)], 8, "make the cache in the model's dtype"),
+        case("filling all 64 positions", tiny, [rng.randrange(V) for _ in range(40)], 24),
+    ]
+    for i in range(n_random):
+        model = decisive_model(seed + 10 + i, n_layer=rng.randint(1, 3), n_head=rng.choice([1, 2, 4]))
+        P = rng.randint(1, 30)
+        cases.append(case(f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt", model,
+                          [rng.randrange(V) for _ in range(P)], rng.randint(1, 64 - P)))
+    if bundled:
+        from ..loading import load_model
+        from ..tokenizer import get_tokenizer
+
+        model = load_model("gpt2-shakespeare", device="cpu")
+        cases.append(case("the bundled model, 'ROMEO:'", model, get_tokenizer().encode("ROMEO:"), 20))
+
+    def show(args: tuple) -> str:
+        model, prompt, n = args
+        c = model.config
+        what = f"GPT2(n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, {str(model.dtype)[6:]})"
+        return f"generate_greedy({what}, prompt_ids={short(prompt, 60)}, max_new_tokens={n}, cache_class=KVCache)"
+
+    run_check("generate_greedy", lambda model, prompt, n: _run_loop(fn, model, prompt, n), cases, judge=_loop_problem,
+              forbid=NO_ENGINE_LOOP, show_call=show, may_modify=True, seconds=10, total_seconds=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: kv_cache_bytes
+
+
+def reference_kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
+    return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+
+
+def _judge_bytes(case: Case, got: Any) -> Verdict:
+    problem = equal(got, case.expected, rel_tol=1e-9, abs_tol=0)
+    if problem is None:
+        return None
+    if isinstance(got, (int, float)) and not isinstance(got, bool) and case.expected:
+        ratio = got / case.expected
+        n_layer, n_kv_head, head_dim, positions, batch, bytes_per_value = case.args
+        hints = {0.5: "count both the keys and the values: the factor 2", 8.0: "bytes, not bits: bytes_per_value "
+                 "is already in bytes (2 for fp16)", 1 / 8: "bytes, not bits: do not divide by 8"}
+        hint = next((h for r, h in hints.items() if math.isclose(ratio, r)), "")
+        if not hint and batch != 1 and math.isclose(ratio, 1 / batch):
+            hint = "every sequence of the batch has its own cache: multiply by batch"
+        if not hint and bytes_per_value != 1 and math.isclose(ratio, 1 / bytes_per_value):
+            hint = "multiply by bytes_per_value"
+        if not hint and ratio < 1e-3:
+            hint = "return bytes (not KB, MB or GB)"
+        return "the number of bytes is wrong", hint
+    return problem, ""
+
+
+def check_kv_cache_bytes(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2) = 2·L·H_kv·D·T·B·bytes."""
+    fixed = [
+        ("one layer, one head, one position, head_dim 1", (1, 1, 1, 1, 1, 2), "one key and one value of 2 bytes"),
+        ("GPT-2 124M, 1024 positions, fp16", (12, 12, 64, 1024, 1, 2), ""),
+        ("GPT-2 1.5B, 1024 positions, fp16", (48, 25, 64, 1024, 1, 2), ""),
+        ("Llama-3-8B (8 KV heads), 8192 positions, fp16", (32, 8, 128, 8192, 1, 2), ""),
+        ("Llama-3-70B (8 KV heads), 8192 positions, int8", (80, 8, 128, 8192, 1, 1), "int8: one byte per value"),
+        ("a batch of 4, fp32", (12, 12, 64, 512, 4, 4), "each sequence of the batch has its own keys and values"),
+        ("4-bit values (half a byte)", (32, 8, 128, 4096, 2, 0.5), "bytes_per_value may be a fraction"),
+        ("no positions yet", (12, 12, 64, 0, 1, 2), ""),
+    ]
+    cases = [Case(d, args, reference_kv_cache_bytes(*args), h) for d, args, h in fixed]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        args = (rng.randint(1, 96), rng.choice([1, 2, 4, 8, 12, 16, 25, 32, 64]), rng.choice([32, 64, 80, 128, 256]),
+                rng.randint(1, 131072), rng.randint(1, 64), rng.choice([1, 2, 4]))
+        cases.append(Case(f"random #{i}", args, reference_kv_cache_bytes(*args)))
+
+    def show(args: tuple) -> str:
+        names = ("n_layer", "n_kv_head", "head_dim", "positions", "batch", "bytes_per_value")
+        return "kv_cache_bytes(" + ", ".join(f"{n}={a}" for n, a in zip(names, args)) + ")"
+
+    run_check("kv_cache_bytes", fn, cases, judge=_judge_bytes, show_call=show, seconds=2, total_seconds=10)
