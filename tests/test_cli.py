@@ -16,6 +16,19 @@ def run(*args):
     return subprocess.run([sys.executable, "-m", "llmcourse", *args], capture_output=True, text=True, timeout=120)
 
 
+def run_here(capsys, *args):
+    """The command line's `main` in this process (no 3 s interpreter start): exit code, stdout, stderr.
+    The other tests run it as a user does, in a process of its own."""
+    from llmcourse.__main__ import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exit:  # argparse's own errors
+        code = exit.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
 def test_help_documents_every_option():
     out = run("generate", "--help")
     assert out.returncode == 0
@@ -64,12 +77,12 @@ PARAMETER = re.compile(r"(?<![-\w])(max_new_tokens|temperature|top_k|top_p|min_p
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
-def test_bad_option_prints_one_line_in_flag_terms_and_exits_2(small_folder, args, message):
-    out = run("generate", "--model", str(small_folder), *args, "Hello")
-    assert out.returncode == 2
-    assert out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr and out.stdout == ""
-    assert not PARAMETER.search(out.stderr), "errors name the flags, not Python's keyword arguments"
+def test_bad_option_prints_one_line_in_flag_terms_and_exits_2(small_folder, args, message, capsys):
+    code, out, err = run_here(capsys, "generate", "--model", str(small_folder), *args, "Hello")
+    assert code == 2
+    assert err.count("\n") == 1 and message in err, err
+    assert "Traceback" not in err and out == ""
+    assert not PARAMETER.search(err), "errors name the flags, not Python's keyword arguments"
 
 
 def test_an_empty_prompt_gets_a_hint_the_command_line_can_take(small_folder):
