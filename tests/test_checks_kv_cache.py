@@ -1,0 +1,511 @@
+"""Chapter 06's checks: the reference passes, stubs and plausible mistakes fail with a message that says
+what is wrong, other correct ways of writing each exercise pass, black boxes are refused; and the
+check-side references agree with torch's fused attention and with the engine's generation."""
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmcourse
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.kv_cache import (check_cached_attention, check_generate_greedy, check_kv_cache,
+                                       check_kv_cache_bytes, decisive_model, full_recompute, one_thread,
+                                       recording_cache, reference_cached_attention)
+from llmcourse.model import KVCache as EngineKVCache
+from llmcourse.parts import attention
+from tests.notebook_checks import run_notebook_checks
+
+ROOT = Path(__file__).parents[1]
+NOTEBOOK = ROOT / "solutions/06_kv_cache/06_kv_cache.ipynb"
+
+
+# -- references, written as a learner would ---------------------------------------------------------
+
+
+class KVCache:
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length = 0
+        self.max_len = max_len
+
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"the cache is full: {end} > {self.max_len}")
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def cached_attention(q, k_cache, v_cache, length):
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+@torch.no_grad()
+def generate_greedy(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
+    logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
+    tokens = [int(logits.argmax())]
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(model(torch.tensor([[tokens[-1]]]), cache=cache)[0, -1].argmax()))
+    return tokens
+
+
+def kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
+    return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+
+
+REFERENCES = [
+    (check_kv_cache, KVCache, dict(n_random=12)),
+    (check_cached_attention, cached_attention, dict(n_random=40)),
+    (check_generate_greedy, generate_greedy, dict(n_random=4, bundled=True)),
+    (check_kv_cache_bytes, kv_cache_bytes, dict(n_random=40)),
+]
+IDS = [check.__name__ for check, _, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference, hidden", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
+    check(reference)
+    check(reference, seed=101, **hidden)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_notebook_solutions_pass_their_checks(capsys):
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 8
+
+
+class StubCache:
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        raise NotImplementedError()
+
+    def update(self, layer, k, v):
+        raise NotImplementedError()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check, fn", [(check_kv_cache, StubCache), (check_cached_attention, stub),
+                                       (check_generate_greedy, stub), (check_kv_cache_bytes, stub)], ids=IDS)
+def test_stub_is_not_written_yet(check, fn):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(fn)
+
+
+def fails(check, fn, pattern, **kwargs):
+    with pytest.raises(CheckFailed) as err:
+        check(fn, **kwargs)
+    assert re.search(pattern, str(err.value), re.S), str(err.value)
+    return str(err.value)
+
+
+# -- KVCache: mistakes ------------------------------------------------------------------------------
+
+
+class CatCache(KVCache):
+    """Grows with torch.cat: nothing preallocated."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        shape = (batch_size, config.n_head, 0, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length, self.max_len = 0, max_len
+
+    def update(self, layer, k, v):
+        self.k[layer] = torch.cat([self.k[layer], k], dim=2)
+        self.v[layer] = torch.cat([self.v[layer], v], dim=2)
+        return self.k[layer], self.v[layer]
+
+
+class CatIntoPreallocated(KVCache):
+    """Preallocated, but each update builds a new tensor and assigns it."""
+
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError("full")
+        rest = self.k[layer][:, :, end:]
+        self.k[layer] = torch.cat([self.k[layer][:, :, :self.length], k, rest], dim=2)
+        self.v[layer] = torch.cat([self.v[layer][:, :, :self.length], v, self.v[layer][:, :, end:]], dim=2)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class AdvancingCache(KVCache):
+    def update(self, layer, k, v):
+        keys, values = super().update(layer, k, v)
+        self.length += k.shape[2]  # the second layer then writes after the first one's positions
+        return keys, values
+
+
+class WholeBufferCache(KVCache):
+    def update(self, layer, k, v):
+        super().update(layer, k, v)
+        return self.k[layer], self.v[layer]  # attends to max_len - length zeros
+
+
+class OneLayerTensorCache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        self.k = [torch.zeros_like(self.k[0])] * config.n_layer  # one tensor, n_layer times
+        self.v = [torch.zeros_like(self.v[0])] * config.n_layer
+
+
+class SharedKVCache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        self.v = self.k
+
+
+class CopyingCache(KVCache):
+    def update(self, layer, k, v):
+        keys, values = super().update(layer, k, v)
+        return keys.clone(), values.clone()
+
+
+class SilentlyFullCache(KVCache):
+    def update(self, layer, k, v):
+        room = self.max_len - self.length
+        k, v = k[:, :, :room], v[:, :, :room]  # drops what does not fit
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Float32Cache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device)  # ignores dtype
+
+
+class NoBatchCache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, 1, max_len, device=device, dtype=dtype)
+
+
+class OffByOneCache(KVCache):
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end - 1], self.v[layer][:, :, :end - 1]
+
+
+class EngineSubclass(EngineKVCache):
+    def update(self, layer, k, v):
+        return super().update(layer, k, v)
+
+
+KV_CACHE_MISTAKES = [
+    (CatCache, r"has shape \(1, 1?2?, 0, 4\).*preallocate all max_len positions"),
+    (CatIntoPreallocated, r"replaced cache\.k\[0\] by a new tensor.*write in place"),
+    (AdvancingCache, r"changed cache\.length from 0 to 3.*must not advance length"),
+    (WholeBufferCache, r"returned keys of shape \(1, 2, 5, 4\), expected \(1, 2, 3, 4\).*return only the filled"),
+    (OneLayerTensorCache, r"cache\.k\[0\] and cache\.k\[1\] are the same tensor"),
+    (SharedKVCache, r"cache\.k\[0\] and cache\.v\[0\] are the same tensor"),
+    (CopyingCache, r"returned copies, not views"),
+    (SilentlyFullCache, r"writes past max_len = 4 and was not refused.*raise an error"),
+    (Float32Cache, r"has dtype torch\.float32, expected torch\.float64"),
+    (NoBatchCache, r"has shape \(1, 3, 7, 4\), expected .* \(2, 3, 7, 4\)"),
+    (OffByOneCache, r"returned keys of shape \(1, 2, 2, 4\), expected \(1, 2, 3, 4\)"),
+    (EngineSubclass, r"llmcourse\.model\.KVCache.*write your own"),
+]
+
+
+@pytest.mark.parametrize("cls, pattern", KV_CACHE_MISTAKES, ids=[c.__name__ for c, _ in KV_CACHE_MISTAKES])
+def test_kv_cache_mistakes_are_named(cls, pattern):
+    fails(check_kv_cache, cls, pattern)
+
+
+class OneBlockCache:
+    """Correct, written differently: one tensor for everything, k and v views of it; index_copy_; max_len a property."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        self.kv = torch.zeros(config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim,
+                              device=device, dtype=dtype)
+        self.k = [self.kv[i, 0] for i in range(config.n_layer)]
+        self.v = [self.kv[i, 1] for i in range(config.n_layer)]
+        self.length = 0
+
+    @property
+    def max_len(self):
+        return self.kv.shape[4]
+
+    def update(self, layer, k, v):
+        T = k.shape[2]
+        if self.length + T > self.max_len:
+            raise IndexError("no room left in the cache")
+        where = torch.arange(self.length, self.length + T)
+        self.k[layer].index_copy_(2, where, k)
+        self.v[layer].index_copy_(2, where, v)
+        return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
+
+
+def test_kv_cache_alternative_passes(capsys):
+    check_kv_cache(OneBlockCache)
+    check_kv_cache(OneBlockCache, seed=101, n_random=12)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_kv_cache_that_raises_or_hangs_gets_a_clear_message():
+    class Raising(KVCache):
+        def update(self, layer, k, v):
+            return self.k[layer][:, :, self.length + k.shape[2]] + k  # an index, not a slice
+
+    fails(check_kv_cache, Raising, r"raised RuntimeError.*at line \d+ in update")
+
+    class Hanging(KVCache):
+        def update(self, layer, k, v):
+            while True:
+                pass
+
+    fails(check_kv_cache, Hanging, r"did not finish within 2 s")
+    fails(check_kv_cache, lambda *a: None, r"expected a class")
+
+
+# -- cached_attention: mistakes ---------------------------------------------------------------------
+
+
+def attention_all_positions(q, k_cache, v_cache, length):
+    return torch.softmax(q @ k_cache.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v_cache
+
+
+def attention_one_short(q, k_cache, v_cache, length):
+    return cached_attention(q, k_cache, v_cache, length - 1)
+
+
+def attention_no_scale(q, k_cache, v_cache, length):
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    return torch.softmax(q @ k.transpose(-2, -1), dim=-1) @ v
+
+
+def attention_unstable(q, k_cache, v_cache, length):
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    e = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))  # overflows for large scores
+    return e / e.sum(-1, keepdim=True) @ v
+
+
+def attention_in_float32(q, k_cache, v_cache, length):
+    return cached_attention(q.float(), k_cache.float(), v_cache.float(), length).to(q.dtype)
+
+
+def attention_first_row(q, k_cache, v_cache, length):
+    k, v = k_cache[0, :, :length], v_cache[0, :, :length]  # batch row 0 for everyone
+    return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-1) @ v
+
+
+def attention_fused(q, k_cache, v_cache, length):
+    return F.scaled_dot_product_attention(q, k_cache[:, :, :length], v_cache[:, :, :length])
+
+
+def attention_engine(q, k_cache, v_cache, length):
+    return attention(q, k_cache[:, :, :length], v_cache[:, :, :length])
+
+
+CACHED_ATTENTION_MISTAKES = [
+    (attention_all_positions, r"attend to the first `length` positions only"),
+    (attention_one_short, r"off by one: the new token's own key is already in the cache"),
+    (attention_no_scale, r"divide the scores by √D"),
+    (attention_unstable, r"got nan or inf.*stable softmax"),
+    (attention_in_float32, r"float32 accuracy"),
+    (attention_first_row, r"the cache is full.*the values differ"),
+    (attention_fused, r"scaled_dot_product_attention is the black box"),
+    (attention_engine, r"engine's attention is the black box"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", CACHED_ATTENTION_MISTAKES, ids=[f.__name__ for f, _ in CACHED_ATTENTION_MISTAKES])
+def test_cached_attention_mistakes_are_named(fn, pattern):
+    fails(check_cached_attention, fn, pattern)
+
+
+def cached_attention_einsum(q, k_cache, v_cache, length):
+    k, v = k_cache.narrow(2, 0, length), v_cache.narrow(2, 0, length)
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k) * q.shape[-1] ** -0.5
+    weights = torch.exp(scores - scores.amax(-1, keepdim=True))
+    return torch.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdim=True), v)
+
+
+def test_cached_attention_alternative_passes(capsys):
+    check_cached_attention(cached_attention_einsum)
+    check_cached_attention(cached_attention_einsum, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_reference_cached_attention_is_the_last_row_of_fused_attention():
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 3, 9, 16, generator=g, dtype=torch.float64) for _ in range(3))
+    fused = F.scaled_dot_product_attention(q, k, v, is_causal=True)[:, :, -1:]
+    cache = torch.randn(2, 2, 3, 20, 16, generator=g, dtype=torch.float64)
+    cache[0, :, :, :9], cache[1, :, :, :9] = k, v
+    assert torch.allclose(reference_cached_attention(q[:, :, -1:], cache[0], cache[1], 9), fused, atol=1e-12)
+
+
+# -- generate_greedy: mistakes ----------------------------------------------------------------------
+
+
+def new_cache(model, cache_class, size):
+    return cache_class(model.config, 1, size, device=model.device, dtype=model.dtype)
+
+
+@torch.no_grad()
+def loop_forgets_last_prompt_token(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = new_cache(model, cache_class, len(prompt_ids) + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids[:-1]]), cache=cache)[0, -1] if len(prompt_ids) > 1 else None
+    token = prompt_ids[-1] if logits is None else int(logits.argmax())
+    tokens = []
+    for _ in range(max_new_tokens):
+        logits = model(torch.tensor([[token]]), cache=cache)[0, -1]
+        token = int(logits.argmax())
+        tokens.append(token)
+    return tokens
+
+
+@torch.no_grad()
+def loop_refeeds_everything(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = new_cache(model, cache_class, 4 * (len(prompt_ids) + max_new_tokens) ** 2)
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        ids.append(int(model(torch.tensor([ids]), cache=cache)[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def loop_new_cache_each_step(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    ids = list(prompt_ids)
+    for _ in range(max_new_tokens):
+        cache = new_cache(model, cache_class, len(ids))
+        ids.append(int(model(torch.tensor([ids]), cache=cache)[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+@torch.no_grad()
+def loop_one_token_too_many(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = new_cache(model, cache_class, len(prompt_ids) + max_new_tokens + 1)
+    logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
+    tokens = [int(logits.argmax())]
+    for _ in range(max_new_tokens):
+        tokens.append(int(model(torch.tensor([[tokens[-1]]]), cache=cache)[0, -1].argmax()))
+    return tokens
+
+
+@torch.no_grad()
+def loop_without_cache(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    return full_recompute(model, prompt_ids, max_new_tokens)
+
+
+@torch.no_grad()
+def loop_float32_cache(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens)  # default dtype
+    logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
+    tokens = [int(logits.argmax())]
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(model(torch.tensor([[tokens[-1]]]), cache=cache)[0, -1].argmax()))
+    return tokens
+
+
+def loop_returns_tensor(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    return torch.tensor(generate_greedy(model, prompt_ids, max_new_tokens, cache_class))
+
+
+def loop_engine(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    return llmcourse.generate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=None)
+
+
+LOOP_MISTAKES = [
+    (loop_forgets_last_prompt_token, r"the prefill put \d+ of the \d+ prompt tokens in the cache"),
+    (loop_refeeds_everything, r"each decode step should feed one token.*writes its positions twice"),
+    (loop_new_cache_each_step, r"the loop made \d+ caches; one is enough"),
+    (loop_one_token_too_many, r"expected 1 new tokens, got 2.*max_new_tokens counts the generated tokens"),
+    (loop_without_cache, r"made no cache with cache_class"),
+    (loop_float32_cache, r"make the cache with dtype=model\.dtype"),
+    (loop_returns_tensor, r"got a tensor.*tolist"),
+    (loop_engine, r"engine's generation loop is what yours is compared with"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", LOOP_MISTAKES, ids=[f.__name__ for f, _ in LOOP_MISTAKES])
+def test_generate_greedy_mistakes_are_named(fn, pattern):
+    fails(check_generate_greedy, fn, pattern)
+
+
+@torch.inference_mode()
+def generate_greedy_feeds_last_token(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Correct, written differently: feeds every token back (the last step is wasted), last_only logits."""
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
+    ids = torch.tensor([prompt_ids])
+    tokens = []
+    for _ in range(max_new_tokens):
+        ids = model(ids, cache=cache, last_only=True).argmax(-1)  # [1, 1]
+        tokens.append(ids.item())
+    return tokens
+
+
+def test_generate_greedy_alternative_passes(capsys):
+    check_generate_greedy(generate_greedy_feeds_last_token)
+    assert capsys.readouterr().out.count("✓") == 1
+
+
+def test_check_models_have_decisive_argmaxes():
+    """A near-tie could let a cached and a full pass, equal up to rounding, pick different tokens."""
+    with one_thread(), torch.no_grad():
+        for seed in (0, 1, 10, 11, 101, 102, 111, 112, 113, 114):
+            model = decisive_model(seed)
+            ids = torch.arange(60)[None] % model.config.vocab_size
+            top2 = model(ids).topk(2, dim=-1).values
+            assert (top2[..., 0] - top2[..., 1]).min() > 1e-3
+
+
+def test_full_recompute_equals_the_engine_and_the_cache_records_its_use():
+    with one_thread():
+        model = decisive_model(5, n_layer=3)
+        prompt = [3, 1, 4, 1, 5]
+        assert full_recompute(model, prompt, 12) == llmcourse.generate(model, prompt, max_new_tokens=12,
+                                                                        eos_token_id=None)
+        cache_class = recording_cache()
+        generate_greedy(model, prompt, 4, cache_class)
+        assert len(cache_class.made) == 1 and cache_class.made[0].writes == [(0, 5), (5, 1), (6, 1), (7, 1)]
+
+
+# -- kv_cache_bytes: mistakes -----------------------------------------------------------------------
+
+
+BYTES_MISTAKES = [
+    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+     n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value, r"the factor 2"),
+    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+     2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value * 8, r"bytes, not bits"),
+    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+     2 * n_layer * n_kv_head * head_dim * positions * bytes_per_value, r"multiply by batch"),
+    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+     2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value / 2**30, r"return bytes \(not KB"),
+    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+     2 * n_layer * n_kv_head * head_dim * positions * batch * 2, r"multiply by bytes_per_value"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", BYTES_MISTAKES, ids=["no_factor_2", "bits", "no_batch", "gib", "fp16_always"])
+def test_kv_cache_bytes_mistakes_are_named(fn, pattern):
+    fails(check_kv_cache_bytes, fn, pattern)
+
+
+def test_kv_cache_bytes_alternative_passes(capsys):
+    check_kv_cache_bytes(lambda *sizes: math.prod((2, *sizes)) if len(sizes) == 6 else math.prod((2, *sizes, 2)))
+    check_kv_cache_bytes(lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
+                         2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_kv_cache_bytes_matches_the_engine_cache():
+    config = llmcourse.GPT2Config(n_layer=3, n_head=4, n_embd=32)
+    cache = EngineKVCache(config, 2, 10, dtype=torch.float16)
+    size = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    assert size == kv_cache_bytes(3, 4, 8, 10, batch=2, bytes_per_value=2)
