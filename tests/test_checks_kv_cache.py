@@ -14,7 +14,7 @@ import llmcourse
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.kv_cache import (check_cached_attention, check_generate_greedy, check_kv_cache,
                                        check_kv_cache_bytes, decisive_model, full_recompute, one_thread,
-                                       recording_cache, reference_cached_attention)
+                                       recording_cache, reference_cached_attention, smallest_margin)
 from llmcourse.model import KVCache as EngineKVCache
 from llmcourse.parts import attention
 from tests.notebook_checks import run_notebook_checks
@@ -412,6 +412,17 @@ def loop_float32_cache(model, prompt_ids, max_new_tokens, cache_class=KVCache):
     return tokens
 
 
+@torch.no_grad()
+def loop_feeds_the_prompt_token(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    cache = new_cache(model, cache_class, len(prompt_ids) + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
+    tokens = [int(logits.argmax())]
+    while len(tokens) < max_new_tokens:
+        logits = model(torch.tensor([[prompt_ids[-1]]]), cache=cache)[0, -1]  # not the token just chosen
+        tokens.append(int(logits.argmax()))
+    return tokens
+
+
 def loop_returns_tensor(model, prompt_ids, max_new_tokens, cache_class=KVCache):
     return torch.tensor(generate_greedy(model, prompt_ids, max_new_tokens, cache_class))
 
@@ -427,6 +438,7 @@ LOOP_MISTAKES = [
     (loop_one_token_too_many, r"expected 1 new tokens, got 2.*max_new_tokens counts the generated tokens"),
     (loop_without_cache, r"made no cache with cache_class"),
     (loop_float32_cache, r"make the cache with dtype=model\.dtype"),
+    (loop_feeds_the_prompt_token, r"token \d differs from the full recompute's.*feeds the token just chosen"),
     (loop_returns_tensor, r"got a tensor.*tolist"),
     (loop_engine, r"engine's generation loop is what yours is compared with"),
 ]
@@ -454,14 +466,19 @@ def test_generate_greedy_alternative_passes(capsys):
     assert capsys.readouterr().out.count("✓") == 1
 
 
-def test_check_models_have_decisive_argmaxes():
-    """A near-tie could let a cached and a full pass, equal up to rounding, pick different tokens."""
-    with one_thread(), torch.no_grad():
-        for seed in (0, 1, 10, 11, 101, 102, 111, 112, 113, 114):
-            model = decisive_model(seed)
-            ids = torch.arange(60)[None] % model.config.vocab_size
-            top2 = model(ids).topk(2, dim=-1).values
-            assert (top2[..., 0] - top2[..., 1]).min() > 1e-3
+def test_check_models_continue_in_varied_and_decisive_ways():
+    """Tokens that vary (a model that repeats its input would let a loop that feeds the wrong token pass), and
+    a clear best token at most steps (the check keeps only prompts where every step's gap is >= 2e-3)."""
+    with one_thread():
+        decisive = 0
+        for seed in range(8):
+            model = decisive_model(seed, n_layer=1 + seed % 3)
+            prompt = [(7 * seed + 13 * i) % 97 for i in range(1 + seed * 3)]
+            tokens = full_recompute(model, prompt, 30)
+            assert len(set(tokens)) >= 5, tokens
+            decisive += smallest_margin(model, prompt, tokens) >= 2e-3
+            assert tokens == llmcourse.generate(model, prompt, max_new_tokens=30, eos_token_id=None)
+        assert decisive >= 4
 
 
 def test_full_recompute_equals_the_engine_and_the_cache_records_its_use():
