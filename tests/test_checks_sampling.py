@@ -1,0 +1,531 @@
+"""Chapter 05's checks: the notebook's solutions pass, stubs and plausible mistakes fail with a message
+that says what is wrong, other correct ways of writing each exercise pass, the engine's functions and
+transformers are refused, and the references the checks use equal transformers' logits processors."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import llmcourse.sampling as S
+from llmcourse.checks import CheckFailed
+from llmcourse.checks import sampling as C
+from llmcourse.tokenizer import EOT_ID, StreamDecoder
+from tests.notebook_checks import notebook_cells, run_notebook_checks
+
+NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions/05_sampling/05_sampling.ipynb"
+INF = float("inf")
+
+
+@pytest.fixture(scope="module")
+def nb():
+    """The notebook's solutions, defined as a learner's notebook defines them."""
+    setup, solutions, _ = notebook_cells(NOTEBOOK)
+    namespace = {"__name__": "__learner__"}
+    for source in [*setup, *solutions]:
+        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    return namespace
+
+
+def learner(namespace, source, name):
+    """A function written in a learner's notebook (its globals: the notebook's solutions)."""
+    scope = dict(namespace)
+    exec(compile(source, "<learner's cell>", "exec"), scope)
+    return scope[name]
+
+
+def fails(check, fn, pattern, **kwargs):
+    with pytest.raises(CheckFailed, match=pattern):
+        check(fn, **kwargs)
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+CHECKS = ["temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty", "sample", "next_token",
+          "beam_search", "stream_text"]
+
+
+def test_the_notebook_passes_its_checks(capsys):
+    out = run_notebook_checks(NOTEBOOK, capsys)
+    assert out.count("✓") == 2 * len(CHECKS), out
+
+
+@pytest.mark.parametrize("name", CHECKS)
+def test_stubs_fail(name):
+    fails(getattr(C, f"check_{name}"), stub, "is not written yet")
+
+
+@pytest.mark.parametrize("name", ["temperature", "top_k", "top_p", "min_p", "repetition_penalty", "greedy", "sample"])
+def test_the_engines_own_functions_are_refused(name):
+    fails(getattr(C, f"check_{name}"), getattr(S, name), "black box")
+
+
+def test_transformers_is_refused():
+    from transformers import TopKLogitsWarper
+
+    fails(C.check_top_k, lambda logits, k: TopKLogitsWarper(k)(None, logits.clone()), "black box")
+
+
+def test_a_next_token_that_uses_the_engines_is_refused():
+    fails(C.check_next_token, lambda logits, settings, seen=None, generator=None:
+          S.next_token(logits, settings, seen, generator), "black box")
+
+
+# ----------------------------------------------------------------------------------------------
+# Processors
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def temperature(logits, t):\n    return logits * t", "do not multiply"),
+    ("def temperature(logits, t):\n    return torch.softmax(logits / t, dim=-1)", "not probabilities"),
+    ("def temperature(logits, t):\n    logits /= t\n    return logits", "changed its input"),
+    ("def temperature(logits, t):\n    return logits.float() / t", "float64 in, float64 out"),
+])
+def test_temperature_mistakes(nb, source, pattern):
+    fails(C.check_temperature, learner(nb, source, "temperature"), pattern)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def greedy(logits):\n    return logits.argmax(dim=0)", "expected shape"),
+    ("def greedy(logits):\n    return logits.max(dim=-1).values", "token ids"),
+    ("def greedy(logits):\n    return logits.argmax(dim=-1, keepdim=True)", "1-d tensor"),
+    ("def greedy(logits):\n    V = logits.shape[-1]\n    return V - 1 - logits.flip(-1).argmax(dim=-1)",
+     "a tie: the lowest id wins"),
+])
+def test_greedy_mistakes(nb, source, pattern):
+    fails(C.check_greedy, learner(nb, source, "greedy"), pattern)
+
+
+TOP_K_STRICT = """
+def top_k(logits, k):
+    k = min(k, logits.shape[-1])
+    index = torch.topk(logits, k).indices
+    return torch.full_like(logits, float("-inf")).scatter(-1, index, logits.gather(-1, index))
+"""
+
+
+@pytest.mark.parametrize("source, pattern", [
+    (TOP_K_STRICT, "ties with the k-th are kept.*\n(.*\n)*.*hint: keep every token tied"),
+    ("def top_k(logits, k):\n    kth = torch.topk(logits, k).values[:, -1:]\n"
+     "    return logits.masked_fill(logits < kth, float('-inf'))", "k may be larger than the vocabulary"),
+    ("def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    kth = torch.topk(logits, k).values[:, -1:]\n"
+     "    return logits.masked_fill(logits < kth, 0.0)", "must be -inf"),
+    ("def top_k(logits, k):\n    kth = torch.sort(logits.flatten(), descending=True).values[min(k, logits.shape[-1]) - 1]\n"
+     "    return logits.masked_fill(logits < kth, float('-inf'))", "not of the whole batch"),
+    ("def top_k(logits, k):\n    k = min(k + 1, logits.shape[-1])\n    kth = torch.topk(logits, k).values[:, -1:]\n"
+     "    return logits.masked_fill(logits < kth, float('-inf'))", "expected 2 tokens kept"),
+])
+def test_top_k_mistakes(nb, source, pattern):
+    fails(C.check_top_k, learner(nb, source, "top_k"), pattern)
+
+
+TOP_P_DESCENDING = """
+def top_p(logits, p):
+    probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    before = probs.cumsum(dim=-1) - probs          # probability of the more likely tokens
+    keep = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before < p)
+    return logits.masked_fill(~keep, float("-inf"))
+"""
+TOP_P_TOO_FEW = """
+def top_p(logits, p):
+    probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    keep_sorted = probs.cumsum(dim=-1) <= p
+    keep_sorted[:, 0] = True
+    keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+    return logits.masked_fill(~keep, float("-inf"))
+"""
+TOP_P_SWAPPED = """
+def top_p(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1)
+    remove_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) <= p
+    remove_sorted[:, -1] = False
+    return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), float("-inf"))
+"""
+TOP_P_LOGITS = """
+def top_p(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1)
+    remove_sorted = sorted_logits.cumsum(dim=-1) <= 1 - p
+    remove_sorted[:, -1] = False
+    return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), float("-inf"))
+"""
+TOP_P_NO_SCATTER = """
+def top_p(logits, p):
+    sorted_logits, order = torch.sort(logits, dim=-1)
+    remove_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) <= 1 - p
+    remove_sorted[:, -1] = False
+    return logits.masked_fill(remove_sorted, float("-inf"))   # forgot to put it back in vocabulary order
+"""
+
+
+def test_top_p_descending_is_accepted(nb):
+    C.check_top_p(learner(nb, TOP_P_DESCENDING, "top_p"))
+    C.check_top_p(learner(nb, TOP_P_DESCENDING, "top_p"), seed=101, n_random=30)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    (TOP_P_TOO_FEW, "one token too few"),
+    (TOP_P_SWAPPED, "expected 2 tokens kept: \\[0, 1\\], got 1 kept"),
+    (TOP_P_LOGITS, "tokens kept"),
+    (TOP_P_NO_SCATTER, "tokens kept"),
+])
+def test_top_p_mistakes(nb, source, pattern):
+    fails(C.check_top_p, learner(nb, source, "top_p"), pattern)
+
+
+MIN_P_LOG = """
+def min_p(logits, p):
+    # probability >= p * max probability  <=>  logit >= max logit + log(p)
+    return logits.masked_fill(logits < logits.amax(dim=-1, keepdim=True) + math.log(p), float("-inf"))
+"""
+
+
+def test_min_p_in_log_space_is_accepted(nb):
+    C.check_min_p(learner(nb, MIN_P_LOG, "min_p"))
+    C.check_min_p(learner(nb, MIN_P_LOG, "min_p"), seed=101, n_random=30)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def min_p(logits, p):\n    return logits.masked_fill(torch.softmax(logits, -1) < p, float('-inf'))",
+     "LARGEST probability of its row"),
+    ("def min_p(logits, p):\n    return logits.masked_fill(logits < p * logits.amax(-1, keepdim=True), float('-inf'))",
+     "compare probabilities"),
+    ("def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
+     "    return logits.masked_fill(probs < p * probs.max(), float('-inf'))", "each row has its own"),
+    ("def min_p(logits, p):\n    probs = logits.exp() / logits.exp().sum(-1, keepdim=True)\n"
+     "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))", "large logits"),
+])
+def test_min_p_mistakes(nb, source, pattern):
+    fails(C.check_min_p, learner(nb, source, "min_p"), pattern)
+
+
+def test_repetition_penalty_with_a_mask_product_is_accepted(nb):
+    source = ("def repetition_penalty(logits, seen, penalty):\n"
+              "    factor = torch.where(logits > 0, torch.full_like(logits, 1 / penalty), torch.full_like(logits, penalty))\n"
+              "    return torch.where(seen, logits * factor, logits)")
+    C.check_repetition_penalty(learner(nb, source, "repetition_penalty"), seed=101, n_random=30)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits * penalty, logits)",
+     "MORE likely"),
+    ("def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits / penalty, logits)",
+     "negative logit is multiplied"),
+    ("def repetition_penalty(logits, seen, penalty):\n"
+     "    return torch.where(~seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)",
+     "that ARE in the text"),
+    ("def repetition_penalty(logits, seen, penalty):\n"
+     "    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)\n"
+     "    return logits", "changed its input"),
+])
+def test_repetition_penalty_mistakes(nb, source, pattern):
+    fails(C.check_repetition_penalty, learner(nb, source, "repetition_penalty"), pattern)
+
+
+# ----------------------------------------------------------------------------------------------
+# Samplers
+
+SAMPLE_INVERSE_CDF = """
+def sample(logits, generator):
+    cdf = torch.softmax(logits.double(), dim=-1).cumsum(dim=-1)          # [B, V]
+    u = torch.rand(logits.shape[0], 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(-1).clamp(max=logits.shape[-1] - 1)
+"""
+SAMPLE_GUMBEL = """
+def sample(logits, generator):
+    u = torch.rand(logits.shape, generator=generator, dtype=torch.float64).clamp(min=1e-300)
+    return torch.argmax(logits.double() - torch.log(-torch.log(u)), dim=-1)
+"""
+
+
+@pytest.mark.parametrize("source", [SAMPLE_INVERSE_CDF, SAMPLE_GUMBEL])
+def test_other_correct_samplers_are_accepted(nb, source):
+    fn = learner(nb, source, "sample")
+    C.check_sample(fn)
+    C.check_sample(fn, seed=101, n_random=8)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def sample(logits, generator):\n    return torch.argmax(logits, dim=-1)", "chi-square"),
+    ("def sample(logits, generator):\n    probs = logits - logits.amin(-1, keepdim=True)\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "did not|chi-square|raised"),
+    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1) ** 2\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square"),
+    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=0)\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square"),
+    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)",
+     "squeeze"),
+    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)",
+     "seeded alike"),
+    ("def sample(logits, generator):\n    g = torch.Generator().manual_seed(0)\n"
+     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(-1)", "seeded 7 and 8"),
+    ("def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "probability is 0"),
+])
+def test_sample_mistakes(nb, source, pattern):
+    fails(C.check_sample, learner(nb, source, "sample"), pattern)
+
+
+NEXT_TOKEN = """
+def next_token(logits, settings, seen=None, generator=None):
+    steps = [("repetition_penalty", lambda x: repetition_penalty(x, seen, settings.repetition_penalty)
+              if seen is not None and settings.repetition_penalty != 1 else x),
+             ("temperature", lambda x: temperature(x, settings.temperature) if settings.temperature else x),
+             ("top_k", lambda x: top_k(x, settings.top_k) if settings.top_k else x),
+             ("top_p", lambda x: top_p(x, settings.top_p) if settings.top_p < 1 else x),
+             ("min_p", lambda x: min_p(x, settings.min_p) if settings.min_p else x)]
+    order = ORDER
+    for name in order:
+        logits = dict(steps)[name](logits)
+    if settings.temperature == 0:
+        return GREEDY
+    return sample(logits, generator)
+"""
+RIGHT = '["repetition_penalty", "temperature", "top_k", "top_p", "min_p"]'
+
+
+def next_token_variant(nb, order=RIGHT, greedy="greedy(logits)"):
+    return learner(nb, NEXT_TOKEN.replace("ORDER", order).replace("GREEDY", greedy), "next_token")
+
+
+def test_next_token_written_differently_is_accepted(nb):
+    C.check_next_token(next_token_variant(nb), seed=101, n_random=8)
+
+
+@pytest.mark.parametrize("order, greedy, pattern", [
+    ('["repetition_penalty", "top_p", "temperature", "top_k", "min_p"]', "greedy(logits)", "temperature 0.5 before top-p"),
+    ('["repetition_penalty", "min_p", "temperature", "top_k", "top_p"]', "greedy(logits)", "temperature 2 before min-p"),
+    ('["repetition_penalty", "temperature", "top_p", "top_k", "min_p"]', "greedy(logits)", "top-k 3 before top-p"),
+    ('["temperature", "top_k", "repetition_penalty", "top_p", "min_p"]', "greedy(logits)", "repetition penalty before"),
+])
+def test_next_token_order_mistakes(nb, order, greedy, pattern):
+    fails(C.check_next_token, next_token_variant(nb, order, greedy), pattern)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    # the repetition penalty forgotten when greedy
+    ("def next_token(logits, settings, seen=None, generator=None):\n"
+     "    if settings.temperature == 0:\n        return greedy(logits)\n"
+     "    return sample(temperature(logits, settings.temperature), generator)", "repetition penalty first"),
+    # sampling from logits, not their softmax
+    ("def next_token(logits, settings, seen=None, generator=None):\n"
+     "    if seen is not None and settings.repetition_penalty != 1:\n"
+     "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+     "    if settings.temperature == 0:\n        return greedy(logits)\n"
+     "    x = temperature(logits, settings.temperature)\n"
+     "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
+     "    probs = (x - x.amax(-1, keepdim=True)).clamp(min=-30) + 30\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square|probability is 0"),
+    # divides by zero at temperature 0
+    ("def next_token(logits, settings, seen=None, generator=None):\n"
+     "    return sample(temperature(logits, settings.temperature), generator)", "expected|raised"),
+])
+def test_next_token_mistakes(nb, source, pattern):
+    fails(C.check_next_token, learner(nb, source, "next_token"), pattern)
+
+
+def test_next_token_that_calls_an_unwritten_exercise_says_which(nb):
+    fn = next_token_variant(dict(nb, sample=stub))
+    fails(C.check_next_token, fn, "it calls stub, which is not written yet")
+
+
+def test_a_sampler_that_hangs_is_stopped(nb):
+    fails(C.check_sample, learner(nb, "def sample(logits, generator):\n    while True:\n        pass", "sample"),
+          "did not finish")
+
+
+# ----------------------------------------------------------------------------------------------
+# Beam search
+
+BEAM = """
+def beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, eos_token_id=None):
+    beams = [list(prompt_ids)] * num_beams
+    scores = torch.full((num_beams,), FIRST)
+    scores[0] = 0.0
+    finished = []
+    for step in range(max_new_tokens):
+        with torch.no_grad():
+            log_probs = torch.log_softmax(model(torch.tensor(beams))[:, -1].float(), dim=-1)
+        V = log_probs.shape[-1]
+        top, index = torch.topk((scores[:, None] + log_probs).flatten(), 2 * num_beams)
+        n, last = step + 1, step == max_new_tokens - 1
+        live = []
+        for rank, (score, i) in enumerate(zip(top.tolist(), index.tolist())):
+            beam, token = divmod(i, V)
+            if token == eos_token_id or last:
+                if rank < RANK:
+                    finished.append((FINAL, beams[beam] + [token]))
+            elif len(live) < num_beams:
+                live.append((score, beams[beam] + [token]))
+        finished = sorted(finished, key=lambda f: -f[0])[:num_beams]
+        if last or not live or STOP:
+            break
+        if len(finished) == num_beams and live[0][0] / n**length_penalty <= finished[-1][0]:
+            break
+        beams = [tokens for _, tokens in live]
+        scores = torch.tensor([score for score, _ in live])
+    return finished[0][1][len(prompt_ids):]
+"""
+BEAM_RIGHT = dict(FIRST='float("-inf")', RANK="num_beams", FINAL="score / n**length_penalty", STOP="False")
+
+
+def beam_variant(nb, **changes):
+    source = BEAM
+    for key, value in {**BEAM_RIGHT, **changes}.items():
+        source = source.replace(key, value)
+    return learner(nb, source, "beam_search")
+
+
+def test_beam_search_written_differently_is_accepted(nb):
+    C.check_beam_search(beam_variant(nb), seed=101, n_random=6)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(FINAL="score"), "length_penalty"),
+    (dict(FIRST="0.0"), "expand only the first"),
+    (dict(STOP="bool(finished)"), "keep searching until num_beams beams are finished"),
+    (dict(FINAL="score / (n + len(prompt_ids))**length_penalty"), "length_penalty"),
+])
+def test_beam_search_mistakes(nb, changes, pattern):
+    fails(C.check_beam_search, beam_variant(nb, **changes), pattern)
+
+
+def test_beam_search_that_returns_a_tensor_is_told(nb):
+    fn = learner(nb, "def beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, "
+                     "eos_token_id=None):\n    return torch.tensor(BEAM(model, prompt_ids, num_beams, max_new_tokens, "
+                     "length_penalty, eos_token_id))", "beam_search")
+    fn.__globals__["BEAM"] = nb["beam_search"]
+    fails(C.check_beam_search, fn, "a list of token ids")
+
+
+# ----------------------------------------------------------------------------------------------
+# The generation loop
+
+STREAM = """
+def stream_text(model, tokenizer, prompt, settings, max_new_tokens, eos_token_id=EOT_ID, stop=(), seed=0):
+    ids = tokenizer.encode(prompt, allowed_special="all")
+    generator = torch.Generator().manual_seed(seed)
+    seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
+    seen[0, ids] = True
+    decoder = StreamDecoder(tokenizer)
+    text, shown = "", 0
+    for _ in range(STEPS):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[:, -1]
+        token = int(next_token(logits, settings, seen, generator))
+        EOS_EARLY
+        ids.append(token)
+        seen[0, token] = True
+        piece = PUSH
+        text += piece
+        EOS_LATE
+        cut = min([i for i in (FIND) if i >= 0], default=-1)
+        if cut >= 0:
+            yield text[shown:cut]
+            return
+        safe = len(text) - max([n for s in stop for n in range(1, len(s)) if text.endswith(s[:n])], default=0)
+        if safe > shown:
+            yield text[shown:safe]
+            shown = safe
+    text += decoder.flush()
+    cut = min([i for i in (text.find(s) for s in stop) if i >= 0], default=len(text))
+    if cut > shown:
+        yield text[shown:cut]
+"""
+STREAM_RIGHT = dict(STEPS="max_new_tokens", EOS_EARLY="if token == eos_token_id:\n            break",
+                    EOS_LATE="", PUSH="decoder.push(token)", FIND="text.find(s) for s in stop")
+
+
+def stream_variant(nb, **changes):
+    source = STREAM
+    for key, value in {**STREAM_RIGHT, **changes}.items():
+        source = source.replace(key, value)
+    return learner(nb, source, "stream_text")
+
+
+def test_stream_text_written_differently_is_accepted(nb):
+    C.check_stream_text(stream_variant(nb), seed=101, n_random=2)
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(EOS_EARLY="", EOS_LATE="if token == eos_token_id:\n            break"), "EOS ends the text"),
+    (dict(STEPS="max_new_tokens - 1"), "max_new_tokens = 3"),
+    (dict(STEPS="max_new_tokens + 1"), "max_new_tokens = 3"),
+    (dict(PUSH="tokenizer.decode([token])"), "unfinished UTF-8 character"),
+    (dict(FIND="(text.find(s) if s in piece else -1) for s in stop"), "a stop string spread over two tokens"),
+])
+def test_stream_text_mistakes(nb, changes, pattern):
+    fails(C.check_stream_text, stream_variant(nb, **changes), pattern)
+
+
+def test_stream_text_that_does_not_stream_is_told(nb):
+    fn = learner(nb, "def stream_text(*args, **kwargs):\n    yield ''.join(STREAM(*args, **kwargs))", "stream_text")
+    fn.__globals__["STREAM"] = nb["stream_text"]
+    fails(C.check_stream_text, fn, "came in one piece")
+
+
+# ----------------------------------------------------------------------------------------------
+# The checks' references against transformers, on the checks' own random cases (ties included)
+
+
+def captured_cases(check, monkeypatch):
+    seen = []
+
+    def capture(name, fn, cases, **kwargs):
+        seen.extend(cases)
+
+    monkeypatch.setattr(C, "run_check", capture)
+    check(lambda *a: None, seed=101, n_random=30)
+    return seen
+
+
+@pytest.mark.parametrize("name, warper", [("top_k", "TopKLogitsWarper"), ("top_p", "TopPLogitsWarper"),
+                                          ("min_p", "MinPLogitsWarper")])
+def test_expected_answers_equal_transformers(monkeypatch, name, warper):
+    import transformers
+
+    cases = captured_cases(getattr(C, f"check_{name}"), monkeypatch)
+    assert len(cases) >= 30
+    ties = 0
+    for case in cases:
+        logits, value = case.args
+        theirs = getattr(transformers, warper)(value)(None, logits.clone())
+        assert torch.equal(case.expected > -INF, theirs > -INF), case.description
+        assert torch.equal(case.expected[case.expected > -INF], logits[case.expected > -INF])
+        ties += any(len(set(row.tolist())) < len(row) for row in logits)
+    assert ties >= 10  # the cases have ties
+
+
+def test_repetition_penalty_expected_answers_equal_transformers(monkeypatch):
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    for case in captured_cases(C.check_repetition_penalty, monkeypatch):
+        logits, seen, penalty = case.args
+        for row in range(logits.shape[0]):
+            ids = torch.nonzero(seen[row]).flatten()[None]
+            if ids.numel() == 0:
+                continue
+            theirs = RepetitionPenaltyLogitsProcessor(penalty)(ids, logits[row : row + 1].clone())
+            assert torch.equal(theirs[0], case.expected[row]), case.description
+
+
+def test_the_frequency_test_catches_a_small_bias_and_passes_the_truth():
+    probs = torch.tensor([[0.5, 0.3, 0.2]])
+    g = torch.Generator().manual_seed(0)
+    right = torch.multinomial(probs.expand(3000, 3), 1, generator=g).squeeze(-1)
+    assert C.frequency_problem(right, probs) is None
+    biased = torch.multinomial(torch.tensor([[0.57, 0.27, 0.16]]).expand(3000, 3), 1, generator=g).squeeze(-1)
+    assert "chi-square" in C.frequency_problem(biased, probs)
+
+
+def test_scripted_model_steers_the_engine_and_the_loop_alike():
+    tok = __import__("llmcourse").get_tokenizer()
+    script = tok.encode(" to be or not")
+    model = C.ScriptedModel(2, script)
+    ids = torch.tensor([[1, 2]])
+    for token in script:
+        nxt = int(model(ids)[:, -1].argmax())
+        assert nxt == token
+        ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    assert EOT_ID == 50256 and StreamDecoder  # the names the notebook's setup imports
