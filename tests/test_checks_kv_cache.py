@@ -526,3 +526,30 @@ def test_kv_cache_bytes_matches_the_engine_cache():
     cache = EngineKVCache(config, 2, 10, dtype=torch.float16)
     size = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
     assert size == kv_cache_bytes(3, 4, 8, 10, batch=2, bytes_per_value=2)
+
+
+# -- the references against transformers --------------------------------------------------------------
+
+
+def test_full_recompute_and_the_cache_agree_with_transformers():
+    """transformers' greedy generate (with its own KV cache) gives the full recompute's tokens on the bundled
+    model, and its cached keys and values after the prompt are the engine cache's."""
+    from transformers import GPT2LMHeadModel
+    from transformers.utils import logging as hf_logging
+
+    from llmcourse.loading import MODELS_DIR
+
+    hf_logging.set_verbosity_error()
+    folder = MODELS_DIR / "gpt2-shakespeare"
+    with one_thread(), torch.no_grad():
+        hf = GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32).eval()
+        model = llmcourse.load_model("gpt2-shakespeare", device="cpu")
+        prompt = llmcourse.get_tokenizer().encode("ROMEO:\nWhat light")
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=15, do_sample=False, pad_token_id=0)
+        assert out[0, len(prompt):].tolist() == full_recompute(model, prompt, 15)
+        past = hf(torch.tensor([prompt]), use_cache=True).past_key_values
+        cache = model.new_cache(1, len(prompt))
+        model(torch.tensor([prompt]), cache=cache)
+        for layer in range(model.config.n_layer):
+            k, v = past[layer][:2] if isinstance(past, tuple) else (past.layers[layer].keys, past.layers[layer].values)
+            assert torch.allclose(cache.k[layer], k, atol=1e-5) and torch.allclose(cache.v[layer], v, atol=1e-5)
