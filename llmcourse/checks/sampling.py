@@ -673,7 +673,8 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         if got == expected:
             return None
         same = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        return f"a different sequence ({len(got)} tokens instead of {len(expected)}; the first difference at position {same})"
+        return (f"a different sequence ({len(got)} token{'s' * (len(got) != 1)} instead of {len(expected)}; "
+                f"the first difference at position {same})")
 
     run_check("beam_search", fn, cases, compare=compare, forbid=FORBID, show_call=show, may_modify=[0], seconds=10.0,
               total_seconds=30.0)
