@@ -419,3 +419,26 @@ def test_the_solved_chapters_02_to_04_run_the_engine_on_every_part(tmp_path):
         difference = (mine(torch.tensor([prompt])) - engine(torch.tensor([prompt]))).abs().max().item()
     assert difference < 1e-4
     assert llmcourse.generate(mine, prompt, max_new_tokens=40) == llmcourse.generate(engine, prompt, max_new_tokens=40)
+
+
+def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_and_cache(tmp_path):
+    """Chapters 05–06 solved as their solutions solve them: the engine's sampler functions and KV cache
+    are the learner's, and the engine gives the same tokens as its own, greedy and sampled (same seed)."""
+    import llmcourse
+    from llmcourse.learner import SAMPLER_SLOTS, your_pieces
+    from llmcourse.parts import GuardedCache
+
+    for name in ("05_sampling", "06_kv_cache"):
+        solved_copy(name, tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert sorted(pieces.sampler.overridden()) == sorted(SAMPLER_SLOTS), notices
+    engine = llmcourse.load_model(device="cpu")
+    mine = llmcourse.load_model(device="cpu")
+    pieces.install(mine)
+    assert isinstance(mine.new_cache(1, 8), GuardedCache)
+    prompts = [llmcourse.get_tokenizer().encode(p) for p in ("ROMEO:", "JULIET:\nO Romeo, Romeo!")]
+    for settings in (dict(), dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.2, seed=5),
+                     dict(num_beams=3)):
+        expected = llmcourse.generate(engine, prompts, max_new_tokens=30, **settings)
+        assert llmcourse.generate(mine, prompts, max_new_tokens=30, **settings) == expected, settings
