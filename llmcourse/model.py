@@ -204,7 +204,8 @@ class GPT2(nn.Module):
             qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
             q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
             if cache is not None:
-                k, v = cache.update(i, k, v, slots)  # [B, H, keys, D]
+                # a learner's cache (chapter 06) has update(layer, k, v): only a compiled step passes slots
+                k, v = cache.update(i, k, v) if slots is None else cache.update(i, k, v, slots)  # [B, H, keys, D]
             a = p.merge_heads(p.attention(q, k, v, mask))  # [B, T, C]
             x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
             m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
