@@ -21,8 +21,11 @@ from .embeddings import check_embed, check_embedding, check_rope, check_sinusoid
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
                    check_load_gpt2_checkpoint, check_mlp)
 from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
+from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
 from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
+from .sampling import (check_beam_search, check_greedy, check_min_p, check_next_token, check_repetition_penalty,
+                       check_sample, check_stream_text, check_temperature, check_top_k, check_top_p)
 from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
                            check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)
 
@@ -34,4 +37,7 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_softmax", "check_causal_mask", "check_attention", "check_split_heads", "check_merge_heads",
            "check_self_attention", "check_tiled_attention",
            "check_layer_norm", "check_gelu", "check_linear", "check_mlp", "check_block", "check_gpt2_forward",
-           "check_load_gpt2_checkpoint"]
+           "check_load_gpt2_checkpoint",
+           "check_temperature", "check_greedy", "check_top_k", "check_top_p", "check_min_p", "check_repetition_penalty",
+           "check_sample", "check_next_token", "check_beam_search", "check_stream_text",
+           "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes"]

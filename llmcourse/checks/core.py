@@ -42,6 +42,7 @@ Each of these lives in a module of its own: `show` (bounded text), `limits` (tim
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sysconfig
@@ -311,3 +312,21 @@ def run_check(
                           f"done (each was right): your function is too slow.{hint}") from None
     print(success or f"✓ {name} — {count} case{'s' if count != 1 else ''}")
 
+
+def unwritten_helper(fn: Callable) -> Callable:
+    """fn, where a NotImplementedError raised by a function it calls (a stub of another exercise) says which
+    one, rather than that fn itself is not written yet."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except NotImplementedError as err:
+            frames = traceback.extract_tb(err.__traceback__)  # this wrapper, fn, then whatever fn called
+            if len(frames) > 2 and frames[1].name != frames[-1].name:
+                problem = RuntimeError(f"it calls {frames[-1].name}, which is not written yet: write that exercise "
+                                       "first (its check must pass)")
+                raise problem.with_traceback(err.__traceback__) from None  # points at the learner's lines
+            raise
+
+    return call

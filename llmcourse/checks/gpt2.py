@@ -36,7 +36,7 @@ from torch import Tensor
 from .. import parts as P
 from ..config import GPT2Config
 from ..model import GPT2
-from .core import Case, Verdict, run_check
+from .core import Case, Verdict, run_check, unwritten_helper
 from .forbid import Forbidden
 from .show import short
 from .tensors import in_float64, same_answer, tensor_judge, tensor_problem
@@ -66,25 +66,6 @@ COMPOSED = [*ENGINE_PARTS, *NO_LAYER_NORM, *NO_GELU, *NO_LIBRARIES]
 
 # ----------------------------------------------------------------------------------------------
 # Comparing tensors, and guessing the mistake
-
-
-def _unwritten_helper(fn: Callable) -> Callable:
-    """fn, where a NotImplementedError raised by a function it calls (a stub of another exercise) says which
-    one, rather than that fn itself is not written yet."""
-
-    @functools.wraps(fn)
-    def call(*args):
-        try:
-            return fn(*args)
-        except NotImplementedError as err:
-            frames = traceback.extract_tb(err.__traceback__)  # this wrapper, fn, then whatever fn called
-            if len(frames) > 2 and frames[1].name != frames[-1].name:
-                problem = RuntimeError(f"it calls {frames[-1].name}, which is not written yet: write that exercise "
-                                       "first (its check must pass)")
-                raise problem.with_traceback(err.__traceback__) from None  # points at the learner's lines
-            raise
-
-    return call
 
 
 def _desc(t: Tensor) -> str:
@@ -398,7 +379,7 @@ def check_mlp(fn, *, seed: int = 0, n_random: int = 4) -> None:
     ]
     for i in range(n_random):
         cases.append(case(f"random #{i}", [1 + i % 2, 2 + i, (8, 12, 64)[i % 3]], (torch.float32, torch.float64)[i % 2]))
-    run_check("mlp", _unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
+    run_check("mlp", unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, MLP_MISTAKES), forbid=COMPOSED,
               show_call=_show_mlp, seconds=5, total_seconds=20)
 
 
@@ -554,7 +535,7 @@ def check_block(fn, *, seed: int = 0, n_random: int = 3) -> None:
         C = n_head * rng.choice([4, 8, 16])
         cases.append(case(f"random #{i}: C = {C}, {n_head} heads", rng.randint(1, 3), rng.randint(2, 9), C, n_head,
                           (torch.float32, torch.float64)[i % 2]))
-    run_check("block", _unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
+    run_check("block", unwritten_helper(fn), cases, judge=tensor_judge(COMPOSED_TOLERANCES, BLOCK_MISTAKES), forbid=COMPOSED,
               show_call=_show_block, seconds=10, total_seconds=30)
 
 
@@ -697,7 +678,7 @@ def check_gpt2_forward(fn, *, seed: int = 0, n_random: int = 2, gpt2_124m: bool 
     judge = _judge_forward(FORWARD_TOLERANCES)
     if transformers:
         judge = _also_transformers(judge)
-    run_check("gpt2_forward", _unwritten_helper(fn), cases, judge=judge, forbid=COMPOSED, show_call=_show_forward, seconds=20,
+    run_check("gpt2_forward", unwritten_helper(fn), cases, judge=judge, forbid=COMPOSED, show_call=_show_forward, seconds=20,
               total_seconds=60)
 
 

@@ -34,9 +34,8 @@ from ..generate import beam_search as engine_beam_search
 from ..generate import decoded, generate_text, stop_at
 from ..model import GPT2
 from ..tokenizer import EOT_ID, get_tokenizer
-from .core import Case, CheckFailed, Verdict, run_check
+from .core import Case, CheckFailed, Verdict, run_check, unwritten_helper
 from .forbid import Forbidden
-from .gpt2 import _unwritten_helper
 from .show import short
 from .tensors import diagnose, tensor_judge, tensor_problem
 
@@ -488,7 +487,7 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
 
 def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """next_token(logits [B, V], settings, seen=None, generator=None) -> [B] long, as the engine's."""
-    fn = _unwritten_helper(fn)
+    fn = unwritten_helper(fn)
     Settings = S.SamplingSettings
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
@@ -621,7 +620,7 @@ def one_thread(check: Callable) -> Callable:
 def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
     """beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, eos_token_id=None)
     -> the new token ids of the best beam, as the engine's (and transformers') beam search."""
-    fn = _unwritten_helper(fn)
+    fn = unwritten_helper(fn)
     models = {s: tiny_model(s) for s in (seed, seed + 1)}
     g = torch.Generator().manual_seed(seed)
 
