@@ -2,7 +2,15 @@
 (the student release) every graded check, and every cell tagged `needs-exercise`, must fail on the
 stubs (strict xfail: a check that passes on a stub is a broken check)."""
 
-import pytest
+import os
+
+# The suite runs on pytest-xdist workers (pyproject.toml): each gets its share of the cores, and so do
+# the kernels and commands it starts (OMP_NUM_THREADS is inherited), or torch's threads, which spin
+# while they wait, fight over the same cores. Set before torch is imported.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
+import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -90,23 +90,41 @@ def validation_tokens(path: Path = VALIDATION_FILE) -> torch.Tensor:
     return torch.from_numpy(encode(Path(path).read_text(encoding="utf-8")).astype(np.int64))
 
 
-@torch.inference_mode()
 def validation_loss(model, tokens: torch.Tensor, batch_size: int = 16) -> float:
-    """Mean cross-entropy in nats/token of predicting each token from up to `context` before it.
+    """Mean cross-entropy in nats/token of predicting each token from up to `context` before it;
+    see `validation_figures`."""
+    return validation_figures(model, None, tokens, batch_size)["validation_loss"]
 
-    The token stream is cut into consecutive windows of context + 1 tokens (the last partial
-    window dropped), context = EVAL_CONTEXT or the model's n_positions if smaller; every window
-    predicts its last `context` tokens.
+
+@torch.inference_mode()
+def validation_figures(target, draft, tokens: torch.Tensor, batch_size: int = 16) -> dict[str, float]:
+    """A model card's figures, in one pass over the held-out tokens:
+
+    - `validation_loss`: the target's mean cross-entropy in nats/token (and `draft_validation_loss`);
+    - `acceptance_rate` (with a draft): speculative decoding's α = E[Σ_x min(p(x), q(x))], p the
+      target's next-token distribution and q the draft's: the chance that a draft token is accepted.
+
+    The token stream is cut into consecutive windows of context + 1 tokens (the last partial window
+    dropped), context = EVAL_CONTEXT or the models' n_positions if smaller; every window predicts its
+    last `context` tokens.
     """
-    context = min(EVAL_CONTEXT, model.config.n_positions)
+    models = [target] if draft is None else [target, draft]
+    context = min(EVAL_CONTEXT, *(m.config.n_positions for m in models))
     n = (len(tokens) - 1) // context
     windows = torch.stack([tokens[i * context : i * context + context + 1] for i in range(n)])  # [n, context+1]
-    total = 0.0
+    losses, overlap = [0.0] * len(models), 0.0
     for rows in windows.split(batch_size):
-        rows = rows.to(model.device)
-        logits = model(rows[:, :-1]).float()  # [b, context, V]
-        total += F.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
-    return total / (n * context)
+        rows = rows.to(target.device)
+        logits = [m(rows[:, :-1]).float() for m in models]  # each [b, context, V]
+        for i, model_logits in enumerate(logits):
+            losses[i] += F.cross_entropy(model_logits.flatten(0, 1), rows[:, 1:].flatten(), reduction="sum").item()
+        if draft is not None:
+            overlap += torch.minimum(logits[0].softmax(-1), logits[1].softmax(-1)).sum().item()
+    positions = n * context
+    figures = {"validation_loss": losses[0] / positions}
+    if draft is not None:
+        figures |= {"draft_validation_loss": losses[1] / positions, "acceptance_rate": overlap / positions}
+    return figures
 
 
 def unigram_loss(train: np.ndarray, val: torch.Tensor, context: int = EVAL_CONTEXT, vocab_size: int = EOT_ID + 1) -> float:
@@ -119,17 +137,6 @@ def unigram_loss(train: np.ndarray, val: torch.Tensor, context: int = EVAL_CONTE
     return float(-log_p[targets].mean())
 
 
-@torch.inference_mode()
 def acceptance_rate(target, draft, tokens: torch.Tensor, batch_size: int = 16) -> float:
-    """Speculative decoding's α = E[Σ_x min(p(x), q(x))] over validation positions, p the target's
-    next-token distribution and q the draft's: the chance that a draft token is accepted."""
-    context = min(EVAL_CONTEXT, target.config.n_positions, draft.config.n_positions)
-    n = (len(tokens) - 1) // context
-    windows = torch.stack([tokens[i * context : i * context + context] for i in range(n)])
-    total = 0.0
-    for rows in windows.split(batch_size):
-        rows = rows.to(target.device)
-        p = torch.softmax(target(rows).float(), dim=-1)
-        q = torch.softmax(draft(rows).float(), dim=-1)
-        total += torch.minimum(p, q).sum(-1).sum().item()
-    return total / (n * context)
+    """The chance that a draft token is accepted; see `validation_figures`."""
+    return validation_figures(target, draft, tokens, batch_size)["acceptance_rate"]
