@@ -175,18 +175,28 @@ def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _ex
     return call
 
 
-def check_overrides(cls, overrides: dict) -> None:
-    """Refuse names that are not slots of `cls` (Parts, Sampler) and values that are not functions."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    for name, fn in overrides.items():
-        if name not in names:
-            raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
-        if not callable(fn):
-            raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
+class Slots:
+    """Swappable functions, the fields of a frozen dataclass whose defaults are the engine's own
+    (`Parts` here, `llmcourse.sampling.Sampler`)."""
+
+    @classmethod
+    def guarded_overrides(cls, overrides: dict, expect: Callable[[str, tuple], tuple] = _expected_output) -> dict:
+        """`overrides`, each `guarded`; names that are not slots and values that are not functions refused."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name, fn in overrides.items():
+            if name not in names:
+                raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
+            if not callable(fn):
+                raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
+        return {name: guarded(name, fn, expect) for name, fn in overrides.items()}
+
+    def overridden(self) -> list[str]:
+        """Names of the slots that do not hold the engine's own function."""
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
 
 
 @dataclasses.dataclass(frozen=True)
-class Parts:
+class Parts(Slots):
     """The functions the model calls. Override any by keyword; see each function's docstring.
 
     The fused `attention` computes its own softmax; when `softmax` is swapped in but `attention`
@@ -211,17 +221,12 @@ class Parts:
             >>> Parts.with_overrides(gelu=lambda x: x * torch.sigmoid(1.702 * x)).gelu.__name__
             '<lambda>'
         """
-        check_overrides(cls, overrides)
-        parts = {name: guarded(name, fn) for name, fn in overrides.items()}
+        parts = cls.guarded_overrides(overrides)
         if "attention" in parts:
             parts["attention"] = functools.partial(attention_causal_by_default, attention=parts["attention"])
         elif "softmax" in parts:
             parts["attention"] = functools.partial(attention_with_softmax, softmax=parts["softmax"])
         return cls(**parts)
-
-    def overridden(self) -> list[str]:
-        """Names of the parts that are not the engine's own."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
 
 
 class GuardedCache:

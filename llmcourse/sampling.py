@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
+from .parts import Slots
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplingSettings:
@@ -115,7 +117,7 @@ def sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tenso
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampler:
+class Sampler(Slots):
     """The functions that turn logits into the next token: the processors, `greedy` and `sample`.
 
     `Sampler()` holds the engine's own; `Sampler.with_overrides(top_k=my_top_k)` swaps some for a
@@ -136,14 +138,7 @@ class Sampler:
     @classmethod
     def with_overrides(cls, **overrides: Callable) -> "Sampler":
         """The engine's sampler with some functions replaced, each guarded (see `parts.guarded`)."""
-        from .parts import check_overrides, guarded
-
-        check_overrides(cls, overrides)
-        return cls(**{name: guarded(name, fn, _expected_output) for name, fn in overrides.items()})
-
-    def overridden(self) -> list[str]:
-        """Names of the functions that are not the engine's own."""
-        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) is not f.default]
+        return cls(**cls.guarded_overrides(overrides, _expected_output))
 
     def process(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
         """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].

@@ -370,11 +370,16 @@ def beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0
 BEAM_RIGHT = dict(FIRST='float("-inf")', RANK="num_beams", FINAL="score / n**length_penalty", STOP="False")
 
 
+def variant(nb, name, template, right, **changes):
+    """The learner function `name` written from `template`, its placeholders filled by `right`
+    except where `changes` fill them with a mistake."""
+    for key, value in {**right, **changes}.items():
+        template = template.replace(key, value)
+    return learner(nb, template, name)
+
+
 def beam_variant(nb, **changes):
-    source = BEAM
-    for key, value in {**BEAM_RIGHT, **changes}.items():
-        source = source.replace(key, value)
-    return learner(nb, source, "beam_search")
+    return variant(nb, "beam_search", BEAM, BEAM_RIGHT, **changes)
 
 
 def test_beam_search_written_differently_is_accepted(nb):
@@ -438,10 +443,7 @@ STREAM_RIGHT = dict(STEPS="max_new_tokens", EOS_EARLY="if token == eos_token_id:
 
 
 def stream_variant(nb, **changes):
-    source = STREAM
-    for key, value in {**STREAM_RIGHT, **changes}.items():
-        source = source.replace(key, value)
-    return learner(nb, source, "stream_text")
+    return variant(nb, "stream_text", STREAM, STREAM_RIGHT, **changes)
 
 
 def test_stream_text_written_differently_is_accepted(nb):

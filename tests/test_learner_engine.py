@@ -10,6 +10,7 @@ from llmcourse.parts import GuardedCache
 from llmcourse.sampling import Sampler, SamplingSettings
 
 from .conftest import lively_model
+from .test_checks_kv_cache import KVCache as MyCache  # a learner's cache: the engine's interface, written independently
 
 CONFIG = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=97)
 PROMPTS = [[5, 17, 3], [40, 2, 2, 9, 60, 11, 1]]
@@ -50,22 +51,6 @@ MINE = dict(
     greedy=lambda logits: logits.max(dim=-1).indices,
     sample=lambda logits, generator: torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0],
 )
-
-
-class MyCache:
-    """A learner's KV cache: the engine's interface, written independently."""
-
-    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
-        shape = (batch_size, config.n_head, max_len, config.head_dim)
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.length = 0
-
-    def update(self, layer, k, v):
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length : end].copy_(k)
-        self.v[layer][:, :, self.length : end].copy_(v)
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
 class GrowingCache(MyCache):
