@@ -228,14 +228,10 @@ def decode_steps(
     total = longest + max_new_tokens
     if compile:  # a compiled step is specialized to the cache's length: round it up to reuse one more often
         total = min(-(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP, model.config.n_positions)
-    input_ids = torch.zeros(B, longest, dtype=torch.long)
-    mask = torch.zeros(B, total, dtype=torch.long)
-    for row, ids in enumerate(batch):
-        input_ids[row, longest - len(ids) :] = torch.tensor(ids)
-        mask[row, longest - len(ids) :] = 1  # generated positions are real tokens too
-    input_ids, mask = input_ids.to(device), mask.to(device)
+    input_ids, prompt_mask, positions = model.batching.left_pad(batch)  # [B, longest] each
+    mask = torch.cat([prompt_mask, torch.ones(B, total - longest, dtype=torch.long)], dim=1)  # generated: real
+    input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
     padded = any(len(ids) < longest for ids in batch)
-    positions = (mask[:, :longest].cumsum(-1) - 1).clamp(min=0)  # [B, longest]
 
     seen = None
     if settings.repetition_penalty != 1.0:

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from .batching import Batching
 from .config import GPT2Config
 from .parts import Parts
 from .sampling import Sampler
@@ -126,6 +127,7 @@ class GPT2(nn.Module):
         self.parts = parts or Parts()
         self.sampler = Sampler()  # how generation picks each next token (a learner's may be swapped in)
         self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
+        self.batching = Batching()  # left padding here, and the paged pieces of `LLMEngine` (a learner's may be swapped in)
         self.wte = Table(config.vocab_size, config.n_embd)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -179,7 +181,6 @@ class GPT2(nn.Module):
         `attention_mask` [B, cache.max_len] (0 for positions not yet written). `cache.length` is
         then the caller's to advance; no shape or Python number changes from step to step.
         """
-        p, cfg = self.parts, self.config
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
         if slot is not None:
@@ -198,22 +199,40 @@ class GPT2(nn.Module):
             )  # [B, 1, T, keys]
         slots = query_pos if slot is not None else None
 
-        x = p.embedding(self.wte.weight, input_ids) + p.embedding(self.wpe.weight, position_ids)  # [B, T, C]
-        for i, block in enumerate(self.h):
-            a = p.layer_norm(x, block.ln_1.weight, block.ln_1.bias, cfg.layer_norm_epsilon)
-            qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
-            q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [B, H, T, D] each -> [B, H, T, D]
             if cache is not None:
                 # a learner's cache (chapter 06) has update(layer, k, v): only a compiled step passes slots
-                k, v = cache.update(i, k, v) if slots is None else cache.update(i, k, v, slots)  # [B, H, keys, D]
-            a = p.merge_heads(p.attention(q, k, v, mask))  # [B, T, C]
-            x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
-            m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
-            m = p.gelu(p.linear(m, block.mlp.c_fc.weight, block.mlp.c_fc.bias))  # [B, T, 4C]
-            x = x + p.linear(m, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+                k, v = cache.update(layer, k, v) if slots is None else cache.update(layer, k, v, slots)
+            return self.parts.attention(q, k, v, mask)
+
+        x = self.blocks(self.embed(input_ids, position_ids), attend)
         if cache is not None and slot is None:
             cache.length += T
         if last_only:
             x = x[:, -1:]
-        x = p.layer_norm(x, self.ln_f.weight, self.ln_f.bias, cfg.layer_norm_epsilon)
-        return x @ self.wte.weight.T  # [B, T, vocab_size]; the head is tied to the token embedding
+        return self.head(x)
+
+    def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        """Token plus position embeddings: ids [B, T] -> [B, T, C]."""
+        p = self.parts
+        return p.embedding(self.wte.weight, input_ids) + p.embedding(self.wpe.weight, position_ids)
+
+    def blocks(self, x: Tensor, attend) -> Tensor:
+        """The transformer blocks, x [B, T, C] -> [B, T, C]. `attend(layer, q, k, v)` [B, H, T, D] -> [B, H, T, D]
+        is the only thing that differs between caches (a contiguous one here, a paged one in `paged_cache`)."""
+        p, cfg = self.parts, self.config
+        for i, block in enumerate(self.h):
+            a = p.layer_norm(x, block.ln_1.weight, block.ln_1.bias, cfg.layer_norm_epsilon)
+            qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
+            q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
+            a = p.merge_heads(attend(i, q, k, v))  # [B, T, C]
+            x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
+            m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
+            m = p.gelu(p.linear(m, block.mlp.c_fc.weight, block.mlp.c_fc.bias))  # [B, T, 4C]
+            x = x + p.linear(m, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final layer norm and the head, tied to the token embedding: [..., C] -> [..., vocab_size]."""
+        x = self.parts.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.config.layer_norm_epsilon)
+        return x @ self.wte.weight.T

@@ -1,0 +1,135 @@
+"""Batching's swappable functions (chapter 07): left padding for a static batch, and the pieces of the
+paged, continuously batched `LLMEngine` (block allocator, slot mapping, paged gather, scheduler step).
+
+    >>> input_ids, attention_mask, position_ids = left_pad([[5, 6, 7], [8]])
+    >>> input_ids.tolist(), attention_mask.tolist(), position_ids.tolist()
+    ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from .block_manager import BlockAllocator
+from .paged_cache import gather_kv, slot_mapping
+from .parts import PartError, Slots, guarded
+from .scheduler import schedule
+
+
+def left_pad(prompts: list[list[int]], pad_id: int = 0) -> tuple[Tensor, Tensor, Tensor]:
+    """Prompts of different lengths as one batch, padded on the left so that every row's last token is
+    in the last column (where the next token is read and appended).
+
+    -> input_ids, attention_mask (1 = real token, 0 = padding), position_ids (0, 1, … counting real tokens
+    only; 0 on padding), each [B, longest] long.
+    """
+    longest = max(map(len, prompts))
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, longest - len(ids) :] = torch.tensor(ids, dtype=torch.long)
+        attention_mask[row, longest - len(ids) :] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention_mask, position_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching(Slots):
+    """The batching functions the engine calls: `generate`'s static batches use `left_pad`, `LLMEngine`
+    the rest. `Batching.with_overrides(gather_kv=my_gather_kv)` swaps some for a learner's, guarded."""
+
+    left_pad: Callable = left_pad
+    BlockAllocator: Callable = BlockAllocator
+    slot_mapping: Callable = slot_mapping
+    gather_kv: Callable = gather_kv
+    schedule: Callable = schedule
+
+    @classmethod
+    def with_overrides(cls, **overrides: Callable) -> "Batching":
+        """The engine's batching functions with some replaced, each guarded."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for name, fn in overrides.items():
+            if name not in names:
+                raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
+            if not callable(fn):
+                raise ValueError(f"part {name!r} must be a function or class, got {type(fn).__name__}")
+        wrap = {"left_pad": guarded_left_pad, "BlockAllocator": guarded_allocator, "schedule": raising_part}
+        return cls(**{n: wrap[n](fn) if n in wrap else guarded(n, fn, _expected) for n, fn in overrides.items()})
+
+
+def _expected(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
+    if name == "slot_mapping":
+        return tuple(args[1].shape), torch.long
+    pool, length = args[0], args[2]  # gather_kv
+    return (pool.shape[2], length, pool.shape[3]), pool.dtype
+
+
+def _fail(name: str, fn: Callable, problem: str, cause: Exception = None):
+    where = getattr(fn, "__qualname__", repr(fn))
+    raise PartError(f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter 07 "
+                    "to debug it") from cause
+
+
+def raising_part(fn: Callable, name: str = "schedule") -> Callable:
+    """A learner's function whose exceptions are reported as the part's (its results are checked where used)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except Exception as err:
+            _fail(name, fn, f"raised {type(err).__name__}: {err}", err)
+
+    return call
+
+
+def guarded_left_pad(fn: Callable) -> Callable:
+    call = raising_part(fn, "left_pad")
+
+    @functools.wraps(fn)
+    def checked(prompts: list[list[int]], *args):
+        out = call(prompts, *args)
+        shape = (len(prompts), max(map(len, prompts)))
+        if not (isinstance(out, tuple) and len(out) == 3 and all(
+                isinstance(t, Tensor) and tuple(t.shape) == shape and t.dtype == torch.long for t in out)):
+            _fail("left_pad", fn, f"returned {out!r:.200}; expected (input_ids, attention_mask, position_ids), "
+                                  f"each a long tensor of shape {shape}")
+        return out
+
+    return checked
+
+
+def guarded_allocator(cls: Callable) -> Callable:
+    """A learner's `BlockAllocator` class; its methods' exceptions name the part, `allocate`'s ids are checked."""
+
+    class Guarded:
+        def __init__(self, num_blocks: int):
+            self.num_blocks = num_blocks
+            self.inner = raising_part(cls, "BlockAllocator")(num_blocks)
+
+        @property
+        def num_free(self) -> int:
+            return raising_part(lambda: self.inner.num_free, "BlockAllocator")()
+
+        @property
+        def ref_count(self) -> list[int]:
+            return self.inner.ref_count
+
+        def allocate(self) -> int:
+            block = raising_part(self.inner.allocate, "BlockAllocator")()
+            if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+                _fail("BlockAllocator", cls, f"allocate() returned {block!r}, not a block id in [0, {self.num_blocks})")
+            return block
+
+        def share(self, block: int) -> None:
+            raising_part(self.inner.share, "BlockAllocator")(block)
+
+        def release(self, block: int) -> None:
+            raising_part(self.inner.release, "BlockAllocator")(block)
+
+    return Guarded

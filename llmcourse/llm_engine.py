@@ -1,0 +1,179 @@
+"""Serving many requests at once: continuous batching over a paged KV cache (the design of vLLM, in the
+shape of nano-vllm).
+
+Requests arrive and leave at any step. Each `step` runs one forward pass over the decode token of
+every running request plus prefill chunks of waiting ones (up to `max_num_batched_tokens`); keys and
+values live in fixed-size blocks of one preallocated pool (`paged_cache`), requests with a common
+prefix share its blocks (`block_manager`), and when the pool runs out the newest request is evicted
+and recomputed later (`scheduler`). Every request gets exactly the tokens `llmcourse.generate` gives
+it alone, with the same settings and seed.
+
+    >>> engine = LLMEngine(model, max_num_seqs=8)                                # doctest: +SKIP
+    >>> engine.generate([tok.encode("ROMEO:"), tok.encode("JULIET:")], max_new_tokens=20)   # doctest: +SKIP
+    >>> rid = engine.add_request(tok.encode("HAMLET:"), temperature=0.8, seed=3)  # doctest: +SKIP
+    >>> while engine.has_unfinished(): engine.step()  # -> [(request id, new token, finished), ...]  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from . import paged_cache
+from .block_manager import BlockManager, blocks_for
+from .generate import check_request, new_generator
+from .model import GPT2
+from .parts import PartError
+from .sampling import SamplingSettings
+from .scheduler import Request, Scheduler
+from .tokenizer import EOT_ID, get_tokenizer
+
+SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache for `model` (an `llmcourse.GPT2`).
+
+    block_size: positions per block. num_blocks: blocks in the pool (None: room for `max_num_seqs`
+    requests of 256 tokens, and at least one of the model's longest). max_num_seqs: requests running at
+    once. max_num_batched_tokens: tokens computed per step (decodes plus prefill chunks); a longer
+    prompt is prefilled in chunks over several steps. prefix_caching: share the blocks of common
+    prefixes. tokenizer: decodes text for `stop` strings (default: GPT-2's).
+    """
+
+    def __init__(self, model: GPT2, *, block_size: int = 16, num_blocks: Optional[int] = None, max_num_seqs: int = 32,
+                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, tokenizer=None):
+        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
+                            ("max_num_batched_tokens", max_num_batched_tokens), ("num_blocks", num_blocks)):
+            if not (value is None and name == "num_blocks") and (
+                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        cfg = model.config
+        if num_blocks is None:
+            num_blocks = max(max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
+                             blocks_for(cfg.n_positions, block_size))
+        self.model, self.tokenizer = model, tokenizer
+        self.batching = model.batching
+        self.cache = paged_cache.PagedKVCache(cfg, num_blocks, block_size, device=model.device, dtype=model.dtype)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching,
+                                   allocator_class=self.batching.BlockAllocator)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
+                                   max_num_batched_tokens=max_num_batched_tokens, policy=self.batching.schedule)
+        self.requests: dict[int, Request] = {}
+        self.num_steps = 0
+        self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
+
+    def add_request(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, eos_token_id: Optional[int] = EOT_ID,
+                    seed: int = 0, stop: Sequence[str] = (), **sampling) -> int:
+        """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings (and `stop` strings:
+        the request ends with the token that completes one). A request that can never run is refused with a
+        ValueError, and the engine goes on with the others."""
+        request = self._request(len(self.requests), prompt_ids, max_new_tokens=max_new_tokens,
+                                eos_token_id=eos_token_id, seed=seed, stop=stop, **sampling)
+        self.requests[request.id] = request
+        self.scheduler.add(request)
+        return request.id
+
+    def _request(self, rid: int, prompt_ids, *, max_new_tokens, eos_token_id, seed, stop, **sampling) -> Request:
+        unknown = set(sampling) - set(SAMPLING)
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are max_new_tokens, "
+                             f"eos_token_id, seed, stop and {', '.join(SAMPLING)}")
+        settings = SamplingSettings(**sampling)
+        prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
+        check_request(self.model, [prompt], max_new_tokens, eos_token_id)
+        if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
+        need, bs = blocks_for(len(prompt) + max_new_tokens, self.blocks.block_size), self.blocks.block_size
+        if need > self.blocks.num_blocks:
+            raise ValueError(f"a request of {len(prompt)} prompt tokens and max_new_tokens={max_new_tokens} needs "
+                             f"{need} blocks of {bs} positions, but the pool has num_blocks={self.blocks.num_blocks}; "
+                             "lower max_new_tokens or make the pool bigger")
+        if stop and self.tokenizer is None:
+            self.tokenizer = get_tokenizer()
+        generator = None if settings.greedy else new_generator(self.model, seed)
+        return Request(rid, prompt, settings, max_new_tokens, eos_token_id, tuple(stop), generator)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.scheduler.waiting or self.scheduler.running)
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, int, bool]]:
+        """Run one step. -> (request id, new token, finished) for each request that got a token."""
+        if not self.has_unfinished():
+            return []
+        try:
+            batch = self.scheduler.next_step()
+        except MemoryError as err:
+            raise PartError(f"the scheduler gave out more blocks than were free ({err}); "
+                            "hint: run the checks for 'schedule' and 'BlockAllocator' in chapter 07") from err
+        chunks = [paged_cache.Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, r.block_table)
+                  for r, n in batch]
+        logits = paged_cache.forward(self.model, self.cache, chunks, gather=self.batching.gather_kv,
+                                     slots_of=self.batching.slot_mapping)  # [len(batch), V]
+        self.num_steps += 1
+        out = []
+        for row, (request, n) in enumerate(batch):
+            request.num_computed += n
+            self.num_computed_tokens += n
+            self.blocks.remember_full_blocks(request)
+            if request.num_computed < len(request.tokens):
+                continue  # a prefill chunk that is not the prompt's last
+            token = self.next_token(request, logits[row : row + 1])
+            request.tokens.append(token)
+            done = self.is_done(request, token)
+            if done:
+                self.scheduler.finish(request)
+            out.append((request.id, token, done))
+        return out
+
+    def next_token(self, request: Request, logits: torch.Tensor) -> int:
+        seen = None
+        if request.settings.repetition_penalty != 1.0:
+            seen = torch.zeros_like(logits, dtype=torch.bool)
+            seen[0, torch.tensor(request.tokens, device=logits.device)] = True
+        return int(self.model.sampler.next_token(logits, request.settings, seen, request.generator))
+
+    def is_done(self, request: Request, token: int) -> bool:
+        if token == request.eos_token_id or len(request.generated) == request.max_new_tokens:
+            return True
+        if request.stop:
+            text = self.tokenizer.decode(request.generated)
+            return any(s in text for s in request.stop)
+        return False
+
+    def generate(self, prompts: Sequence[Sequence[int]], arrivals: Optional[Sequence[int]] = None,
+                 settings: Optional[Sequence[dict]] = None, **common) -> list[list[int]]:
+        """New token ids for each prompt, in the order given. `arrivals[i]`: the step at which prompt i arrives
+        (default: all at step 0). `settings[i]`: prompt i's own settings, over the `common` ones. Every request
+        is checked before any runs."""
+        n = len(prompts)
+        arrivals = [0] * n if arrivals is None else list(arrivals)
+        settings = [{}] * n if settings is None else list(settings)
+        if len(arrivals) != n or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in arrivals):
+            raise ValueError(f"arrivals must hold one step number >= 0 per prompt ({n}), got {arrivals!r}")
+        if len(settings) != n or any(not isinstance(s, dict) for s in settings):
+            raise ValueError(f"settings must hold one dict per prompt ({n}), got {settings!r}")
+        for i, (p, s) in enumerate(zip(prompts, settings)):
+            try:
+                self._request(-1, p, **{"max_new_tokens": 64, "eos_token_id": EOT_ID, "seed": 0, "stop": (),
+                                        **common, **s})
+            except ValueError as err:
+                raise ValueError(f"prompt {i}: {err}") from None
+        order = sorted(range(n), key=lambda i: arrivals[i])
+        ids: dict[int, int] = {}
+        step = 0
+        while order or self.has_unfinished():
+            while order and arrivals[order[0]] <= step:
+                i = order.pop(0)
+                ids[i] = self.add_request(prompts[i], **{**common, **settings[i]})
+            self.step()
+            step += 1
+        return [self.requests[ids[i]].generated for i in range(n)]
+
+    @property
+    def stats(self) -> dict:
+        """Counters so far: steps, preemptions, prompt tokens served from the prefix cache, tokens computed."""
+        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preempted,
+                "cached_tokens": self.blocks.cache_hits, "computed_tokens": self.num_computed_tokens}

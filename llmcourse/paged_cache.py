@@ -1,0 +1,118 @@
+"""A paged KV cache: keys and values of all requests in one pool of fixed-size blocks.
+
+A request's block table lists its blocks in order: position p lives in block `table[p // block_size]`
+at offset `p % block_size`. Nothing is reserved for tokens not generated yet, and requests of any
+length share the pool without padding. `forward` runs one step of the engine over a flat batch:
+chunks of several requests side by side, each attending to its own keys through its table.
+
+    >>> pool = torch.arange(3 * 2 * 1 * 1.0).view(3, 2, 1, 1)   # 3 blocks of 2 positions, 1 head, dim 1
+    >>> gather_kv(pool, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0-1 in block 2, 2 in block 0
+    [4.0, 5.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from .config import GPT2Config
+
+
+def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+    """Where positions [N] of a request live in the pool, as slots block * block_size + offset. -> [N] long."""
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def gather_kv(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
+    """The first `length` positions of a request, read through its block table.
+
+    pool [num_blocks, block_size, n_head, head_dim], block_table [n] long -> [n_head, length, head_dim].
+    """
+    blocks = pool[block_table]  # [n, block_size, H, D]
+    return blocks.flatten(0, 1)[:length].transpose(0, 1)  # [H, length, D]
+
+
+class PagedKVCache:
+    """One pool per layer for keys and one for values, [num_blocks, block_size, n_head, head_dim] each."""
+
+    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, *, device=None, dtype=torch.float32):
+        shape = (num_blocks, block_size, config.n_head, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.block_size = block_size
+
+    @staticmethod
+    def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
+        return 2 * config.n_layer * config.n_embd * torch.finfo(dtype).bits // 8
+
+
+class Chunk(NamedTuple):
+    """`tokens` of one request, at positions start … start + len(tokens) - 1, with its block table."""
+
+    tokens: list[int]
+    start: int
+    block_table: list[int]
+
+
+@torch.inference_mode()
+def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable = gather_kv,
+            slots_of: Callable = slot_mapping) -> Tensor:
+    """Run the chunks of several requests as one batch of N tokens; each chunk's keys and values go into the
+    pool, and each chunk attends to all of its request's positions so far. -> logits [len(chunks), vocab_size]
+    of each chunk's last token.
+
+    The linear layers see all N tokens at once (one matrix product per layer: what batching buys); the
+    attention runs per prefill chunk, and for all single-token (decode) chunks at once, padded and masked.
+    """
+    device, bs = model.device, cache.block_size
+    lengths = [len(c.tokens) for c in chunks]
+    input_ids = torch.tensor([t for c in chunks for t in c.tokens], device=device)[None]  # [1, N]
+    positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)]).to(device)  # [N]
+    tables = [torch.tensor(c.block_table, device=device) for c in chunks]
+    slots = torch.cat([slots_of(t, positions[o : o + n], bs) for t, o, n in zip(tables, offsets(lengths), lengths)])
+    ends = [c.start + n for c, n in zip(chunks, lengths)]  # keys each chunk attends to
+    decodes = [j for j, n in enumerate(lengths) if n == 1]
+    prefills = [j for j, n in enumerate(lengths) if n > 1]
+    starts = offsets(lengths)
+    H, D = model.config.n_head, model.config.head_dim
+
+    if len(decodes) > 1:  # one attention call for all of them: keys padded to the longest, masked
+        longest = max(ends[j] for j in decodes)
+        key_mask = torch.arange(longest, device=device) < torch.tensor([ends[j] for j in decodes], device=device)[:, None]
+        key_mask = key_mask[:, None, None, :]  # [G, 1, 1, longest]
+        decode_rows = torch.tensor([starts[j] for j in decodes], device=device)
+
+    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]
+        out = pool.new_zeros(len(decodes), H, longest, D)
+        for g, j in enumerate(decodes):
+            out[g, :, : ends[j]] = gather(pool, tables[j], ends[j])
+        return out
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        k_pool.view(-1, H, D)[slots] = k[0].transpose(0, 1)  # [N, H, D] into their slots
+        v_pool.view(-1, H, D)[slots] = v[0].transpose(0, 1)
+        out = torch.empty_like(q)
+        attention = model.parts.attention
+        if len(decodes) > 1:
+            q_rows = q[0, :, decode_rows].transpose(0, 1)[:, :, None]  # [G, H, 1, D]
+            out[0, :, decode_rows] = attention(q_rows, padded(k_pool), padded(v_pool), key_mask)[:, :, 0].transpose(0, 1)
+        for j in prefills if len(decodes) > 1 else range(len(chunks)):
+            o, n = starts[j], lengths[j]
+            keys, values = gather(k_pool, tables[j], ends[j]), gather(v_pool, tables[j], ends[j])  # [H, end, D]
+            out[:, :, o : o + n] = attention(q[:, :, o : o + n], keys[None], values[None], None)
+        return out
+
+    x = model.blocks(model.embed(input_ids, positions[None]), attend)  # [1, N, C]
+    last = torch.tensor([o + n - 1 for o, n in zip(starts, lengths)], device=device)
+    return model.head(x[0, last])  # [len(chunks), V]
+
+
+def offsets(lengths: list[int]) -> list[int]:
+    out, total = [], 0
+    for n in lengths:
+        out.append(total)
+        total += n
+    return out
