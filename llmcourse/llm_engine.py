@@ -62,6 +62,7 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, policy=self.batching.schedule)
         self.requests: dict[int, Request] = {}
         self.num_steps = 0
+        self.last_step: list[tuple[int, int]] = []  # (request id, tokens computed) in the latest step
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
     def add_request(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, eos_token_id: Optional[int] = EOT_ID,
@@ -113,6 +114,7 @@ class LLMEngine:
         logits = paged_cache.forward(self.model, self.cache, chunks, gather=self.batching.gather_kv,
                                      slots_of=self.batching.slot_mapping)  # [len(batch), V]
         self.num_steps += 1
+        self.last_step = [(r.id, n) for r, n in batch]
         out = []
         for row, (request, n) in enumerate(batch):
             request.num_computed += n
