@@ -8,6 +8,7 @@
 
 from .config import CheckpointError, GPT2Config
 from .generate import generate, generate_text, stream
+from .llm_engine import LLMEngine
 from .loading import load_model, save_model
 from .model import GPT2, KVCache
 from .parts import PartError, Parts
@@ -20,6 +21,7 @@ __all__ = [
     "GPT2",
     "GPT2Config",
     "KVCache",
+    "LLMEngine",
     "PartError",
     "Parts",
     "StreamDecoder",

@@ -16,6 +16,7 @@ import dataclasses
 from typing import Callable, Iterator, NamedTuple, Optional
 
 from . import bpe
+from .batching import Batching
 from .parts import GuardedCache, Parts
 from .sampling import Sampler
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
@@ -25,8 +26,10 @@ from .tokenizer import StreamDecoder, get_tokenizer
 PART_SLOTS = tuple(f.name for f in dataclasses.fields(Parts))
 SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
 CACHE_SLOTS = ("KVCache",)
+BATCHING_SLOTS = tuple(f.name for f in dataclasses.fields(Batching))
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
-ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + TOKENIZER_SLOTS  # what the engine can take from a learner
+# what the engine can take from a learner
+ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + TOKENIZER_SLOTS
 
 Notify = Callable[[str], None]
 
@@ -178,20 +181,23 @@ def learner_tokenizer(folder: Optional[PathLike] = None, *, notify: Notify = pri
 
 
 class Pieces(NamedTuple):
-    """Everything of a learner's that the engine runs: model parts, sampler, KV cache class, tokenizer."""
+    """Everything of a learner's that the engine runs: model parts, sampler, KV cache class, batching
+    functions, tokenizer."""
 
     parts: Parts
     sampler: Sampler
     cache_class: Callable
+    batching: Batching
     tokenizer: LearnerTokenizer
 
     def install(self, model) -> None:
-        """Put the parts, the sampler and the cache class into `model` (an `llmcourse.GPT2`)."""
-        model.parts, model.sampler, model.cache_class = self.parts, self.sampler, self.cache_class
+        """Put the parts, the sampler, the cache class and the batching functions into `model` (an `llmcourse.GPT2`)."""
+        model.parts, model.sampler, model.cache_class, model.batching = (
+            self.parts, self.sampler, self.cache_class, self.batching)
 
 
 def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Pieces:
-    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache and tokenizer, with
+    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching functions and tokenizer, with
     one notice for each exercise with a slot that is not used, and one line saying what is yours."""
     from .model import KVCache
 
@@ -199,11 +205,12 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) ->
     parts = Parts.with_overrides(**{n: f for n, f in functions.items() if n in PART_SLOTS})
     sampler = Sampler.with_overrides(**{n: f for n, f in functions.items() if n in SAMPLER_SLOTS})
     cache_class = GuardedCache.of(functions["KVCache"]) if "KVCache" in functions else KVCache
+    batching = Batching.with_overrides(**{n: f for n, f in functions.items() if n in BATCHING_SLOTS})
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
            else "your engine: the engine's own parts (none of yours is used yet)")
-    return Pieces(parts, sampler, cache_class, tokenizer)
+    return Pieces(parts, sampler, cache_class, batching, tokenizer)
 
 
 class Engine(NamedTuple):
@@ -230,8 +237,8 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
               notify: Notify = print) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
     `llmcourse.Parts`, the sampler's functions of `llmcourse.sampling.Sampler`, chapter 06's KVCache,
-    and chapter 01's encode, decode and StreamDecoder) whose check passes. The
-    engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
+    chapter 07's batching functions of `llmcourse.batching.Batching`, and chapter 01's encode, decode
+    and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's
     notebook). `model`: what `llmcourse.load_model` takes (a bundled name, a folder, a Hub name), or

@@ -66,3 +66,25 @@ def test_readme_slot_examples_run_as_written():
     assert model.parts.overridden() == ["gelu", "softmax", "attention"] and model.sampler.overridden() == ["top_p", "sample"]
     assert isinstance(model.new_cache(1, 4), parts.GuardedCache)
     assert llmcourse.generate(model, prompt, **settings) == expected
+
+
+def test_readme_serving_example_runs_as_written(capsys):
+    """The LLMEngine example runs as written and gives the tokens `generate` gives each prompt alone."""
+    import llmcourse
+
+    example = next(block for block in blocks("python") if "LLMEngine" in block)
+    model = llmcourse.load_model(device="cpu")
+    tok = llmcourse.get_tokenizer()
+    namespace = {"llmcourse": llmcourse, "model": model, "tok": tok}
+    exec(compile(example, "README.md", "exec"), namespace)
+    prompts = [tok.encode("KING:"), tok.encode("QUEEN:")]
+    alone = [llmcourse.generate(model, prompts[0], temperature=0.8, seed=1),
+             llmcourse.generate(model, prompts[1], max_new_tokens=8)]
+    assert namespace["outputs"] == alone
+    hamlet = llmcourse.generate(model, tok.encode("HAMLET:"), max_new_tokens=10)
+    cut = next((i + 1 for i in range(len(hamlet)) if "\n" in tok.decode(hamlet[: i + 1])), len(hamlet))
+    rid = namespace["rid"]
+    expected = [f"{rid} {tok.decode([t])!r} {i == cut - 1}" for i, t in enumerate(hamlet[:cut])]
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[:-1] == expected
+    assert "'preemptions': 0" in printed[-1]
