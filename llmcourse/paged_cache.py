@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Callable, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from .config import GPT2Config
@@ -29,9 +30,11 @@ def gather_kv(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
     """The first `length` positions of a request, read through its block table.
 
     pool [num_blocks, block_size, n_head, head_dim], block_table [n] long -> [n_head, length, head_dim].
+    (Tables [G, n] of G requests give [G, n_head, length, head_dim] in one read.)
     """
-    blocks = pool[block_table]  # [n, block_size, H, D]
-    return blocks.flatten(0, 1)[:length].transpose(0, 1)  # [H, length, D]
+    blocks = pool.index_select(0, block_table.flatten())  # [G * n, block_size, H, D]: one copy per block
+    positions = blocks.view(*block_table.shape[:-1], -1, *pool.shape[2:])  # [..., n * block_size, H, D]
+    return positions[..., :length, :, :].transpose(-3, -2)  # [..., H, length, D]
 
 
 class PagedKVCache:
@@ -83,12 +86,14 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
         key_mask = torch.arange(longest, device=device) < torch.tensor([ends[j] for j in decodes], device=device)[:, None]
         key_mask = key_mask[:, None, None, :]  # [G, 1, 1, longest]
         decode_rows = torch.tensor([starts[j] for j in decodes], device=device)
+        width = max(len(chunks[j].block_table) for j in decodes)
+        decode_tables = torch.tensor([chunks[j].block_table + [0] * (width - len(chunks[j].block_table))
+                                      for j in decodes], device=device)  # [G, width], padded with block 0
 
-    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]
-        out = pool.new_zeros(len(decodes), H, longest, D)
-        for g, j in enumerate(decodes):
-            out[g, :, : ends[j]] = gather(pool, tables[j], ends[j])
-        return out
+    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]; past each request's end: masked, never read
+        if gather is gather_kv:  # the engine's reads all the tables at once
+            return gather_kv(pool, decode_tables, longest)
+        return torch.stack([F.pad(gather(pool, tables[j], ends[j]), (0, 0, 0, longest - ends[j])) for j in decodes])
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
         k_pool, v_pool = cache.k[layer], cache.v[layer]
