@@ -58,13 +58,12 @@ class Batching(Slots):
                 raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
             if not callable(fn):
                 raise ValueError(f"part {name!r} must be a function or class, got {type(fn).__name__}")
-        wrap = {"left_pad": guarded_left_pad, "BlockAllocator": guarded_allocator, "schedule": raising_part}
+        wrap = {"left_pad": guarded_left_pad, "BlockAllocator": guarded_allocator, "schedule": raising_part,
+                "slot_mapping": guarded_slot_mapping}
         return cls(**{n: wrap[n](fn) if n in wrap else guarded(n, fn, _expected) for n, fn in overrides.items()})
 
 
 def _expected(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
-    if name == "slot_mapping":
-        return tuple(args[1].shape), torch.long
     pool, length = args[0], args[2]  # gather_kv
     return (pool.shape[2], length, pool.shape[3]), pool.dtype
 
@@ -99,6 +98,23 @@ def guarded_left_pad(fn: Callable) -> Callable:
                 isinstance(t, Tensor) and tuple(t.shape) == shape and t.dtype == torch.long for t in out)):
             _fail("left_pad", fn, f"returned {out!r:.200}; expected (input_ids, attention_mask, position_ids), "
                                   f"each a long tensor of shape {shape}")
+        return out
+
+    return checked
+
+
+def guarded_slot_mapping(fn: Callable) -> Callable:
+    """A learner's `slot_mapping`: slots [N] long (that they lie inside the pool is checked where it is known)."""
+    call = raising_part(fn, "slot_mapping")
+
+    @functools.wraps(fn)
+    def checked(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
+        out = call(block_table, positions, block_size)
+        if not isinstance(out, Tensor) or tuple(out.shape) != tuple(positions.shape) or out.dtype != torch.long:
+            got = f"shape {tuple(out.shape)} dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            _fail("slot_mapping", fn, f"returned {got}; expected slots of shape {tuple(positions.shape)}, dtype "
+                                      f"torch.long\n  called with: block_table={block_table.tolist()}, "
+                                      f"positions={positions.tolist()}, block_size={block_size}")
         return out
 
     return checked

@@ -75,6 +75,8 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
     positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)]).to(device)  # [N]
     tables = [torch.tensor(c.block_table, device=device) for c in chunks]
     slots = torch.cat([slots_of(t, positions[o : o + n], bs) for t, o, n in zip(tables, offsets(lengths), lengths)])
+    if slots_of is not slot_mapping:
+        check_slots(slots, chunks, cache)
     ends = [c.start + n for c, n in zip(chunks, lengths)]  # keys each chunk attends to
     decodes = [j for j, n in enumerate(lengths) if n == 1]
     prefills = [j for j, n in enumerate(lengths) if n > 1]
@@ -113,6 +115,21 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
     x = model.blocks(model.embed(input_ids, positions[None]), attend)  # [1, N, C]
     last = torch.tensor([o + n - 1 for o, n in zip(starts, lengths)], device=device)
     return model.head(x[0, last])  # [len(chunks), V]
+
+
+def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None:
+    """A learner's slot mapping must put each position in its own block of the table, or keys land elsewhere."""
+    from .parts import PartError
+
+    bs, at = cache.block_size, 0
+    for c in chunks:
+        got = slots[at : at + len(c.tokens)].tolist()
+        want = [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + len(c.tokens))]
+        if got != want:
+            raise PartError(f"part 'slot_mapping' put positions {c.start}..{c.start + len(c.tokens) - 1} of a request "
+                            f"with block table {c.block_table} (block_size {bs}) at slots {got}, expected {want}\n"
+                            "  hint: run the check for 'slot_mapping' in chapter 07 to debug it")
+        at += len(c.tokens)
 
 
 def offsets(lengths: list[int]) -> list[int]:
