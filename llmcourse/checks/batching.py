@@ -1,0 +1,794 @@
+"""Checks for chapter 07, batching: left padding, the block allocator and slot mapping of a paged KV
+cache, the gather of a request's keys and values through its block table, and one scheduler step.
+
+Each check compares the learner's code with the engine's (`llmcourse.batching.left_pad`,
+`llmcourse.block_manager.BlockAllocator`, `llmcourse.paged_cache.slot_mapping` / `gather_kv`,
+`llmcourse.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
+with the learner's function in its slot on a small random model: a static batch (`llmcourse.generate`
+on several prompts) or `LLMEngine` (a workload with chunked prefill, a shared prefix and preemption)
+must give every request exactly the tokens it gets alone.
+
+    >>> def slot_mapping(block_table, positions, block_size):
+    ...     return block_table[positions // block_size] * block_size + positions % block_size
+    >>> check_slot_mapping(slot_mapping)
+    ✓ slot_mapping — 12 cases
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..batching import Batching, left_pad as engine_left_pad
+from ..block_manager import BlockAllocator as EngineAllocator, blocks_for
+from ..generate import generate
+from ..llm_engine import LLMEngine
+from ..paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
+from ..scheduler import SeqView, schedule as engine_schedule
+from .core import Case, Verdict, run_check
+from .failed import CheckFailed
+from .forbid import Forbidden
+from .kv_cache import decisive_model, one_thread
+from .show import short
+from .tensors import diagnose, tensor_problem
+
+GPT2_POSITIONS = 1024
+
+# ----------------------------------------------------------------------------------------------
+# Running the engine with a learner's function in a slot
+
+
+@dataclasses.dataclass
+class Workload:
+    """Prompts for `LLMEngine` on a tiny model, with what each request gets alone (`expected`)."""
+
+    prompts: list
+    settings: list  # one dict per prompt
+    arrivals: list
+    engine: dict  # LLMEngine's arguments
+
+    def __repr__(self) -> str:
+        lengths = [len(p) for p in self.prompts]
+        return (f"{len(self.prompts)} requests (prompt lengths {lengths}, arriving at steps {self.arrivals}) on "
+                f"LLMEngine(tiny random model, {', '.join(f'{k}={v}' for k, v in self.engine.items())})")
+
+
+def workload(seed: int, n: int = 6) -> Workload:
+    """Requests that exercise the whole engine on `decisive_model`: several share an 8-token prefix (two blocks
+    of 4: prefix caching), prompts up to 21 tokens (chunked prefill under a budget of 12 tokens), staggered
+    arrivals, one sampled request, and a pool of 10 blocks that forces preemption."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(97) for _ in range(8)]
+    prompts = []
+    for i in range(n):
+        tail = [rng.randrange(97) for _ in range(rng.randint(1, 13))]
+        prompts.append(prefix + tail if i % 2 == 0 else tail)
+    settings = [{"max_new_tokens": rng.randint(4, 10)} for _ in range(n)]
+    settings[1].update(temperature=0.8, seed=seed + 3)
+    arrivals = sorted(rng.randint(0, 6) for _ in range(n))
+    return Workload(prompts, settings, arrivals,
+                    dict(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12))
+
+
+def alone(model, work: Workload) -> list[list[int]]:
+    """Each request by itself, with `llmcourse.generate`."""
+    with one_thread():
+        return [generate(model, p, eos_token_id=None, **s) for p, s in zip(work.prompts, work.settings)]
+
+
+def run_engine(model, work: Workload, batching: Batching) -> tuple[list[list[int]], dict]:
+    """The workload through LLMEngine with `batching` installed on the model (the engine's own restored after).
+    -> the tokens of each request, and the engine's stats."""
+    before = model.batching
+    model.batching = batching
+    try:
+        with one_thread():
+            engine = LLMEngine(model, **work.engine)
+            tokens = engine.generate(work.prompts, work.arrivals, work.settings, eos_token_id=None)
+            return tokens, engine.stats
+    finally:
+        model.batching = before
+
+
+ENGINE_RUNS: dict[int, tuple] = {}  # seed -> (model, workload): kept out of the cases' arguments, which must not change
+
+
+def engine_case(name: str, seed: int) -> Case:
+    """A case that runs `workload(seed)` through LLMEngine with the learner's `name`; expected: the tokens alone."""
+    if seed not in ENGINE_RUNS:
+        model = decisive_model(seed)
+        work = workload(seed)
+        ENGINE_RUNS[seed] = (model, work, alone(model, work))
+    return Case(f"LLMEngine with your {name}", ("engine", seed), ENGINE_RUNS[seed][2])
+
+
+def _engine_verdict(name: str, work: Workload, expected: list, got: list) -> Verdict:
+    if got == expected:
+        return None
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    return (f"request {i} (prompt of {len(work.prompts[i])} tokens) got different tokens in LLMEngine than alone: "
+            f"expected {short(expected[i], 80)}, got {short(got[i], 80)}",
+            f"every request must get exactly its tokens alone; your {name} passes the cases above but not this run "
+            "of the engine, whose requests share blocks, are preempted and prefilled in chunks")
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: left_pad
+
+
+NO_ENGINE_PAD = Forbidden("llmcourse.batching.left_pad", "The engine's left_pad is what yours is compared with: "
+                                                         "write your own (torch.full, slicing and cumsum).")
+
+
+def _pad_verdict(case: Case, got: Any) -> Verdict:
+    prompts, pad_id = case.args[1], case.args[2]
+    exp_ids, exp_mask, exp_pos = case.expected
+    shape = tuple(exp_ids.shape)
+    names = ("input_ids", "attention_mask", "position_ids")
+    if not isinstance(got, tuple) or len(got) != 3:
+        return (f"expected a tuple (input_ids, attention_mask, position_ids), got {short(got, 80)}",
+                "return input_ids, attention_mask, position_ids")
+    for name, t in zip(names, got):
+        if not isinstance(t, Tensor):
+            return f"{name} should be a tensor, got {short(t, 60)}", ""
+        if tuple(t.shape) != shape:
+            return (f"{name} has shape {tuple(t.shape)}, expected [B, longest] = {shape}",
+                    "one row per prompt, as many columns as the longest prompt has tokens")
+        if t.dtype != torch.long:
+            return f"{name} has dtype {t.dtype}, expected torch.int64", "make it with dtype=torch.long"
+    ids, mask, pos = got
+    rows = [(r, len(p)) for r, p in enumerate(prompts)]
+    if not torch.equal(ids, exp_ids):
+        if any(n < shape[1] and ids[r, :n].tolist() == prompts[r] for r, n in rows):
+            return ("the prompts are padded on the right",
+                    "pad on the LEFT: every row's last token must be in the last column, where the model reads the "
+                    "next token's logits and where the new token is appended")
+        real = exp_mask.bool()
+        if torch.equal(ids[real], exp_ids[real]):
+            found = sorted(set(ids[~real].tolist()))
+            return (f"the padding holds {short(found, 40)}, expected pad_id = {pad_id}", "fill the padding with pad_id")
+        return "input_ids differ", "row r holds prompts[r] in its last len(prompts[r]) columns"
+    if not torch.equal(mask, exp_mask):
+        if torch.equal(mask, 1 - exp_mask):
+            return "the attention mask is inverted", "the mask is 1 on real tokens (attend) and 0 on padding"
+        if bool((mask == 1).all()):
+            return ("the attention mask is 1 on the padding too",
+                    "0 on padding: otherwise the real tokens attend to the pad tokens, and a padded row computes "
+                    "something else than the prompt alone")
+        return "attention_mask differs", "1 on each row's real tokens (its last len(prompt) columns), 0 before"
+    real = exp_mask.bool()
+    if not torch.equal(pos[real], exp_pos[real]):
+        arange = torch.arange(shape[1]).expand(shape)
+        if torch.equal(pos[real], arange[real]):
+            return ("the position ids count the padding: a padded row's first real token is at position "
+                    f"{int(exp_mask.shape[1] - exp_mask.sum(1).min())}, not 0 — the classic GPT-2 pad-position bug",
+                    "position ids count real tokens only: 0, 1, 2, … from each row's first real token "
+                    "(attention_mask.cumsum(-1) - 1); with positions 0 … T-1 for every row, a padded prompt gets "
+                    "other position embeddings than alone, hence other tokens")
+        return "position ids differ on the real tokens", "0, 1, 2, … from each row's first real token"
+    if pos.numel() and not bool(((pos >= 0) & (pos < GPT2_POSITIONS)).all()):
+        bad = pos[(pos < 0) | (pos >= GPT2_POSITIONS)]
+        return (f"position ids on the padding are {short(sorted(set(bad.tolist())), 40)}, outside [0, n_positions)",
+                "padding positions are never read, but they index the position embeddings: clamp them, e.g. to 0")
+    return None
+
+
+BATCH_RUNS: dict[int, tuple] = {}
+
+
+def batch_run(seed: int) -> tuple:
+    """(tiny random model, a batch of prompts of lengths 5, 1, 9 and 3, each prompt's 8 greedy tokens alone)."""
+    if seed not in BATCH_RUNS:
+        model, rng = decisive_model(seed), random.Random(seed)
+        prompts = [[rng.randrange(97) for _ in range(n)] for n in (5, 1, 9, 3)]
+        with one_thread():
+            BATCH_RUNS[seed] = (model, prompts, [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts])
+    return BATCH_RUNS[seed]
+
+
+def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -> None:
+    """left_pad(prompts, pad_id=0) -> input_ids, attention_mask, position_ids, each [B, longest] long: left
+    padding, mask 1 on real tokens, position ids counting real tokens; and llmcourse.generate on a batch with
+    it gives every prompt its tokens alone."""
+    rng = random.Random(seed)
+
+    def case(description, prompts, pad_id=0, hint=""):
+        return Case(description, ("pad", prompts, pad_id), engine_left_pad(prompts, pad_id), hint)
+
+    cases = [
+        case("one prompt: nothing to pad", [[5, 6, 7]]),
+        case("two prompts", [[5, 6, 7], [8]], hint="[[5, 6, 7], [0, 0, 8]]: the short row is padded on the left"),
+        case("equal lengths: no padding", [[1, 2], [3, 4], [5, 6]]),
+        case("pad_id = 50256 (GPT-2's <|endoftext|>)", [[11, 12, 13, 14], [15, 16]], 50256,
+             hint="fill the padding with pad_id"),
+        case("the longest prompt is not the first", [[7], [1, 2, 3, 4, 5], [9, 8]]),
+        case("a batch of 5 with large ids", [[50000 + i for i in range(n)] for n in (3, 1, 7, 7, 2)]),
+    ]
+    for i in range(n_random):
+        prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 6))]
+        cases.append(case(f"random #{i}", prompts, rng.choice([0, 0, 50256, 13])))
+    for j in range(n_models):
+        cases.append(Case("llmcourse.generate on a batch of prompts of different lengths, your left_pad installed",
+                          ("generate", seed + j), batch_run(seed + j)[2]))
+
+    def run(kind, *args):
+        if kind == "pad":
+            return fn(*args)
+        model, prompts, _ = batch_run(args[0])
+        before = model.batching
+        model.batching = Batching.with_overrides(left_pad=fn)
+        try:
+            with one_thread():
+                return generate(model, prompts, max_new_tokens=8, eos_token_id=None)
+        finally:
+            model.batching = before
+
+    def show(args):
+        if args[0] == "pad":
+            return f"left_pad({short(args[1], 120)}, pad_id={args[2]})"
+        return (f"model.batching = Batching.with_overrides(left_pad=left_pad); llmcourse.generate(tiny random model, "
+                f"{short(batch_run(args[1])[1], 120)}, max_new_tokens=8)")
+
+    def judge(case, got):
+        if case.args[0] == "pad":
+            return _pad_verdict(case, got)
+        if got == case.expected:
+            return None
+        i = next((i for i, (a, b) in enumerate(zip(got, case.expected)) if a != b), 0)
+        return (f"prompt {i} gets other tokens in the batch than alone",
+                "each row must compute what its prompt computes alone: the mask hides the padding, the position "
+                "ids count real tokens only")
+
+    run_check("left_pad", run, cases, judge=judge, forbid=[NO_ENGINE_PAD], show_call=show, seconds=10,
+              total_seconds=40)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: BlockAllocator
+
+
+NO_ENGINE_ALLOCATOR = Forbidden("llmcourse.block_manager.BlockAllocator",
+                                "The engine's BlockAllocator is what yours is compared with: write your own "
+                                "(a collections.deque and a list of counts).")
+
+
+@dataclasses.dataclass
+class Event:
+    """One operation on an allocator and what followed: its result (or error) and the state after it."""
+
+    op: tuple  # ("allocate",), ("share", block), ("release", block)
+    result: Any = None
+    error: Optional[BaseException] = None
+    free: Any = None
+    ref_count: Any = None
+    num_free: Any = None
+
+    def outcome(self) -> str:
+        if self.error is not None:
+            return f"raised {type(self.error).__name__}"
+        return f"returned {short(self.result, 20)}" if self.op[0] == "allocate" else "returned"
+
+
+def _call(op: tuple) -> str:
+    return f"{op[0]}({', '.join(map(str, op[1:]))})"
+
+
+def _state(allocator) -> tuple:
+    free, ref_count = getattr(allocator, "free", None), getattr(allocator, "ref_count", None)
+    try:
+        free = list(free)
+    except TypeError:
+        pass
+    try:
+        ref_count = list(ref_count)
+    except TypeError:
+        pass
+    return free, ref_count, getattr(allocator, "num_free", None)
+
+
+def run_allocator(cls, num_blocks: int, ops: list) -> list[Event]:
+    """cls(num_blocks), then every op; -> the initial state and one Event per op (errors recorded, not raised)."""
+    allocator = cls(num_blocks)
+    start = Event(("new",))
+    start.free, start.ref_count, start.num_free = _state(allocator)
+    events = [start]
+    for op in ops:
+        event = Event(op)
+        try:
+            event.result = getattr(allocator, op[0])(*op[1:])
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - recorded, compared with the engine's
+            event.error = err
+        event.free, event.ref_count, event.num_free = _state(allocator)
+        events.append(event)
+    return events
+
+
+def allocator_ops(rng: random.Random, num_blocks: int, n_ops: int) -> list[tuple]:
+    """A random sequence of operations, mostly valid, some not (a release of an unused block, an allocate when
+    none is free), chosen from the engine's allocator's state as it goes."""
+    reference, ops = EngineAllocator(num_blocks), []
+    for _ in range(n_ops):
+        used = [b for b in range(num_blocks) if reference.ref_count[b] > 0]
+        r = rng.random()
+        if r < 0.4 or not used:
+            op = ("allocate",)
+        elif r < 0.7:
+            op = ("release", rng.choice(used))
+        elif r < 0.82:
+            op = ("share", rng.choice(used))
+        elif r < 0.92:
+            op = ("share", rng.randrange(num_blocks))  # a free one: prefix caching revives it
+        else:
+            op = ("release", rng.randrange(num_blocks))  # maybe unused: refused
+        try:
+            getattr(reference, op[0])(*op[1:])
+        except (MemoryError, ValueError):
+            pass
+        ops.append(op)
+    return ops
+
+
+def _allocator_verdict(case: Case, got: list) -> Verdict:
+    expected: list[Event] = case.expected
+    new_got, new_exp = got[0], expected[0]
+    for what, g, e in (("free", new_got.free, new_exp.free), ("ref_count", new_got.ref_count, new_exp.ref_count),
+                       ("num_free", new_got.num_free, new_exp.num_free)):
+        if g != e:
+            return (f"a new BlockAllocator({case.args[1]}) has {what} = {short(g, 60)}, expected {short(e, 60)}",
+                    "start with every block free, in order (deque(range(num_blocks))), and ref_count = "
+                    "[0] * num_blocks; num_free is len(self.free)")
+    for i, (g, e) in enumerate(zip(got[1:], expected[1:])):
+        before = expected[i]
+        done = "; ".join(_call(ev.op) for ev in expected[max(1, i - 5) : i + 1])
+        at = f"after {done + '; ' if done else ''}{_call(e.op)}"
+        op, block = e.op[0], (e.op[1] if len(e.op) > 1 else None)
+        if e.error is not None and not isinstance(g.error, type(e.error)):
+            hint = ("raise MemoryError when the free list is empty: the engine then preempts a request"
+                    if op == "allocate" else
+                    f"block {block} has no user (ref_count 0): releasing it again is a bug in the caller — raise "
+                    "ValueError, or its id would enter the free list twice and be handed to two requests")
+            return f"{at}: expected {type(e.error).__name__}, your allocator {g.outcome()}", hint
+        if g.error is not None and e.error is None:
+            return f"{at}: your allocator raised {type(g.error).__name__}: {short(str(g.error), 100)}", ""
+        if op == "allocate" and g.result != e.result:
+            hint = "take the block at the FRONT of the free list (popleft): it was freed longest ago"
+            if before.free and g.result == before.free[-1]:
+                hint = ("your free list is last in, first out: allocate takes from the front (popleft), release "
+                        "appends to the back, so a freed block — whose cached keys may serve a prefix again — is "
+                        "reused last")
+            return f"{at}: allocate() returned {short(g.result, 20)}, expected {e.result} (free list before: " \
+                   f"{short(before.free, 60)})", hint
+        if (g.free, g.ref_count, g.num_free) != (e.free, e.ref_count, e.num_free):
+            hint = ""
+            if op == "release" and before.ref_count[block] > 1 and block in (g.free or []):
+                hint = (f"block {block} had {before.ref_count[block]} users: release takes one away; only when the "
+                        "last one leaves (ref_count 0) does it go back on the free list")
+            elif op == "share" and before.ref_count[block] == 0 and isinstance(g.free, list) and block in g.free:
+                hint = (f"block {block} was free: share must take it off the free list (self.free.remove), or "
+                        "allocate would hand it to another request while this one uses it")
+            elif op == "release" and isinstance(g.free, list) and g.free and e.free and g.free[0] == block != e.free[0]:
+                hint = "a released block goes to the BACK of the free list (append), to be reused last"
+            elif g.ref_count != e.ref_count:
+                hint = "allocate sets the block's count to 1, share adds one, release takes one away"
+            elif g.num_free != e.num_free:
+                hint = "num_free is the number of blocks on the free list: len(self.free)"
+            return (f"{at}: expected free = {short(e.free, 60)}, ref_count = {short(e.ref_count, 60)}, num_free = "
+                    f"{e.num_free}; got free = {short(g.free, 60)}, ref_count = {short(g.ref_count, 60)}, num_free = "
+                    f"{short(g.num_free, 20)}", hint)
+    return None
+
+
+def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads: int = 1) -> None:
+    """BlockAllocator(num_blocks): free (least recently freed first) and ref_count; num_free; allocate() from
+    the front; share(block); release(block) to the back at 0 users, ValueError if unused; MemoryError when
+    none is free. And LLMEngine with it gives every request its tokens alone."""
+    if not isinstance(cls, type):
+        raise CheckFailed(f"✗ BlockAllocator: expected a class, got {short(cls)}")
+    rng = random.Random(seed)
+
+    def case(description, num_blocks, ops, hint=""):
+        return Case(description, ("ops", num_blocks, ops), run_allocator(EngineAllocator, num_blocks, ops), hint)
+
+    A, S, R = ("allocate",), (lambda b: ("share", b)), (lambda b: ("release", b))
+    cases = [
+        case("a new allocator", 4, []),
+        case("allocate three blocks", 4, [A, A, A]),
+        case("release to the back of the free list", 4, [A, A, R(0), A, A, A]),
+        case("the pool runs out", 2, [A, A, A, R(1), A]),
+        case("a shared block is freed by its last user only", 3, [A, S(0), R(0), A, R(0), A]),
+        case("sharing a free block (a cached prefix) takes it off the free list", 4, [A, A, R(1), S(1), A, A]),
+        case("releasing a block nobody uses", 3, [A, R(0), R(0), R(2)]),
+    ]
+    for i in range(n_random):
+        n = rng.randint(1, 12)
+        cases.append(case(f"random #{i}: {n} blocks", n, allocator_ops(rng, n, rng.randint(10, 60))))
+    for j in range(n_workloads):
+        cases.append(engine_case("BlockAllocator", seed + j))
+
+    def run(kind, *args):
+        if kind == "ops":
+            return run_allocator(cls, *args)
+        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(BlockAllocator=cls))[0]
+
+    def show(args):
+        if args[0] == "ops":
+            return f"a = BlockAllocator({args[1]}); " + "; ".join(f"a.{_call(op)}" for op in args[2][:12]) + \
+                ("; …" if len(args[2]) > 12 else "")
+        return repr(ENGINE_RUNS[args[1]][1])
+
+    def judge(case, got):
+        if case.args[0] == "engine":
+            return _engine_verdict("BlockAllocator", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        return _allocator_verdict(case, got)
+
+    run_check("BlockAllocator", run, cases, judge=judge, forbid=[NO_ENGINE_ALLOCATOR], show_call=show, seconds=10,
+              total_seconds=40, success=None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: slot_mapping
+
+
+NO_ENGINE_SLOTS = Forbidden("llmcourse.paged_cache.slot_mapping",
+                            "The engine's slot_mapping is what yours is compared with: one line of indexing.")
+
+
+def _slots_swapped(block_table, positions, block_size):
+    return block_table[positions % block_size] * block_size + positions // block_size
+
+
+def _slots_no_table(block_table, positions, block_size):
+    return positions.clone()
+
+
+def _slots_first_block(block_table, positions, block_size):
+    return block_table[0] * block_size + positions
+
+
+def _slots_no_scale(block_table, positions, block_size):
+    return block_table[positions // block_size] + positions % block_size
+
+
+SLOT_MISTAKES = [
+    (_slots_no_table, "a request's positions are not the pool's slots: position p lives in block "
+                      "block_table[p // block_size], at offset p % block_size"),
+    (_slots_first_block, "the blocks of a request are not contiguous: look up each position's block in the table, "
+                         "block_table[p // block_size]"),
+    (_slots_swapped, "p // block_size is the index into the block table (which block), p % block_size the offset "
+                     "inside the block"),
+    (_slots_no_scale, "a slot counts positions: block * block_size + offset"),
+]
+
+
+def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int = 1) -> None:
+    """slot_mapping(block_table, positions, block_size) -> slots [N] long: block_table[p // block_size] *
+    block_size + p % block_size; and LLMEngine with it gives every request its tokens alone."""
+    rng = random.Random(seed)
+
+    def case(description, table, positions, block_size, hint=""):
+        table, positions = torch.tensor(table, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
+        return Case(description, ("slots", table, positions, block_size),
+                    engine_slot_mapping(table, positions, block_size), hint)
+
+    cases = [
+        case("one block, identity table", [0], [0, 1, 2], 4),
+        case("a prompt over two blocks", [3, 1], [0, 1, 2, 3, 4, 5], 4,
+             hint="positions 0-3 are in block 3 (slots 12-15), positions 4-5 in block 1 (slots 4-5)"),
+        case("one decode position", [7, 2, 5], [9], 4, hint="position 9: block_table[2] = 5, offset 1 → slot 21"),
+        case("a chunk in the middle of a prompt", [4, 0, 6, 2], [5, 6, 7, 8, 9, 10], 3),
+        case("block_size 1", [9, 3, 4], [2, 0, 1], 1),
+        case("block_size 16, as in the engine", [11, 0], [15, 16, 17], 16),
+    ]
+    for i in range(n_random):
+        bs = rng.choice([1, 2, 3, 4, 8, 16])
+        n = rng.randint(1, 8)
+        table = rng.sample(range(64), n)
+        start = rng.randrange(n * bs)
+        cases.append(case(f"random #{i}: block_size {bs}, {n} blocks", table,
+                          list(range(start, rng.randint(start + 1, n * bs))), bs))
+    for j in range(n_workloads):
+        cases.append(engine_case("slot_mapping", seed + j))
+
+    def run(kind, *args):
+        if kind == "slots":
+            return fn(*args)
+        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(slot_mapping=fn))[0]
+
+    def show(args):
+        if args[0] == "slots":
+            return f"slot_mapping(block_table={args[1].tolist()}, positions={args[2].tolist()}, block_size={args[3]})"
+        return repr(ENGINE_RUNS[args[1]][1])
+
+    def judge(case, got):
+        if case.args[0] == "engine":
+            return _engine_verdict("slot_mapping", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        problem = tensor_problem(got, case.expected, atol=0, rtol=0)
+        if problem is None:
+            return None
+        return problem, diagnose(got, case.args[1:], SLOT_MISTAKES, case.expected, atol=0, rtol=0)
+
+    run_check("slot_mapping", run, cases, judge=judge, forbid=[NO_ENGINE_SLOTS], show_call=show, seconds=10,
+              total_seconds=30, error_hints={"out of bounds": SLOT_MISTAKES[2][1]})
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: gather_kv
+
+
+NO_ENGINE_GATHER = Forbidden("llmcourse.paged_cache.gather_kv",
+                             "The engine's gather_kv is what yours is compared with: index the pool with the table.")
+
+
+def _gather_pool_order(pool, block_table, length):
+    return engine_gather_kv(pool, torch.arange(len(block_table)), length)
+
+
+def _gather_no_cut(pool, block_table, length):
+    return engine_gather_kv(pool, block_table, len(block_table) * pool.shape[1])
+
+
+def _gather_no_transpose(pool, block_table, length):
+    return pool[block_table].flatten(0, 1)[:length].reshape(pool.shape[2], length, pool.shape[3])
+
+
+def _gather_skip_first(pool, block_table, length):
+    return engine_gather_kv(pool, torch.cat([block_table[1:], block_table[:1]]), length)
+
+
+GATHER_MISTAKES = [
+    (_gather_pool_order, "read the request's blocks through its table, pool[block_table], not the pool's first blocks "
+                         "in order: a request's blocks can be anywhere in the pool"),
+    (_gather_no_cut, "keep the first `length` positions only: the rest of the last block holds stale keys of an "
+                     "earlier request (or zeros), which the query must not attend to"),
+    (_gather_no_transpose, "the gathered positions are [length, n_head, head_dim]: transpose to [n_head, length, "
+                           "head_dim] (.transpose(0, 1)); a reshape or view mixes heads and positions"),
+    (_gather_skip_first, "block_table[0] holds positions 0 … block_size-1: start with it"),
+]
+
+
+def _desc(t: Tensor) -> str:
+    return f"tensor {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+
+
+def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 1) -> None:
+    """gather_kv(pool, block_table, length): pool [num_blocks, block_size, n_head, head_dim] -> the request's first
+    `length` positions through its table, [n_head, length, head_dim]; and LLMEngine with it gives every request
+    its tokens alone."""
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+
+    def case(description, num_blocks, block_size, H, D, table, length, dtype=torch.float32, hint=""):
+        pool = (torch.randn(num_blocks, block_size, H, D, generator=g, dtype=torch.float64) * 3 + 2).to(dtype)
+        table = torch.tensor(table, dtype=torch.long)
+        return Case(description, ("gather", pool, table, length), engine_gather_kv(pool, table, length), hint)
+
+    f64 = torch.float64
+    cases = [
+        case("one block, all of it", 2, 4, 1, 2, [0], 4),
+        case("one block, partly filled", 2, 4, 1, 2, [1], 3,
+             hint="positions 0-2 of block 1: the block's 4th slot is not this request's yet"),
+        case("two blocks out of order", 5, 2, 2, 3, [4, 1], 3, hint="positions 0-1 in block 4, position 2 in block 1"),
+        case("several heads, float64", 6, 4, 3, 5, [2, 5, 0], 10, f64, hint="float64 in, float64 out"),
+        case("a block shared twice in one table (possible with prefix caching)", 4, 2, 2, 2, [3, 3, 1], 5),
+        case("block_size 16, head_dim 64, as in GPT-2", 8, 16, 2, 64, [6, 2, 7], 40),
+    ]
+    for i in range(n_random):
+        num_blocks, bs = rng.randint(2, 12), rng.choice([1, 2, 3, 4, 8, 16])
+        n = rng.randint(1, 6)
+        table = [rng.randrange(num_blocks) for _ in range(n)]
+        cases.append(case(f"random #{i}: block_size {bs}, table {table}", num_blocks, bs, rng.randint(1, 4),
+                          rng.choice([1, 4, 8, 32]), table, rng.randint((n - 1) * bs + 1, n * bs),
+                          (torch.float32, f64)[i % 2]))
+    for j in range(n_workloads):
+        cases.append(engine_case("gather_kv", seed + j))
+
+    def run(kind, *args):
+        if kind == "gather":
+            return fn(*args)
+        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(gather_kv=fn))[0]
+
+    def show(args):
+        if args[0] == "gather":
+            return f"gather_kv(pool={_desc(args[1])}, block_table={args[2].tolist()}, length={args[3]})"
+        return repr(ENGINE_RUNS[args[1]][1])
+
+    def judge(case, got):
+        if case.args[0] == "engine":
+            return _engine_verdict("gather_kv", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        problem = tensor_problem(got, case.expected, atol=0, rtol=0)
+        if problem is None:
+            return None
+        return problem, diagnose(got, case.args[1:], GATHER_MISTAKES, case.expected, atol=0, rtol=0)
+
+    run_check("gather_kv", run, cases, judge=judge, forbid=[NO_ENGINE_GATHER], show_call=show, seconds=10,
+              total_seconds=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: schedule
+
+
+NO_ENGINE_SCHEDULE = Forbidden("llmcourse.scheduler.schedule",
+                               "The engine's schedule is what yours is compared with: write the two loops.")
+
+
+def policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens,
+           victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True, cached_prefix=True):
+    """The engine's policy, or one of the mistakes the flags name (for hints): preempting the oldest, admitting
+    waiting requests in a step that preempts, skipping a waiting request that does not fit, no chunked prefill
+    for waiting requests, a block need that forgets num_computed."""
+    budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
+    queue, i = list(running), 0
+
+    def need_of(seq, n):
+        return blocks_for((seq.num_computed if cached_prefix else 0) + n, block_size) - seq.num_blocks
+
+    while i < len(queue) and budget > 0:
+        seq = queue[i]
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        need = need_of(seq, n)
+        while need > free and len(queue) > i + 1:
+            victim_seq = queue.pop() if victim == "newest" else queue.pop(i + 1)
+            preempted.append(victim_seq.id)
+            free += victim_seq.num_blocks
+        if need > free:
+            preempted.append(queue.pop(i).id)
+            break
+        chunks[seq.id] = n
+        free, budget, i = free - need, budget - n, i + 1
+    if preempted and not admit_after_preempt:
+        return chunks, preempted
+    for seq in waiting:
+        if len(chunks) >= max_num_seqs or budget == 0:
+            break
+        n = seq.num_tokens - seq.num_computed
+        if chunk_waiting:
+            n = min(n, budget)
+        elif n > budget:
+            break
+        need = need_of(seq, n)
+        if need > free:
+            if skip_unfit:
+                continue
+            break
+        chunks[seq.id] = n
+        free, budget = free - need, budget - n
+    return chunks, preempted
+
+
+SCHEDULE_MISTAKES = [
+    (dict(victim="oldest"), "preempt the NEWEST running request (the end of `running`): it has done the least "
+                            "work, and the oldest finish first"),
+    (dict(admit_after_preempt=True), "in a step that preempts, admit no waiting request: the pool is full, and a "
+                                     "new request would only be preempted in turn"),
+    (dict(skip_unfit=True), "first come, first served: the first waiting request that does not fit stops the "
+                            "admissions; admitting a later, smaller one instead could starve a long prompt forever"),
+    (dict(chunk_waiting=False), "a waiting request gets min(tokens left, budget left) tokens: a long prompt is "
+                                "prefilled in chunks over several steps (chunked prefill)"),
+    (dict(cached_prefix=False), "a request needs blocks_for(num_computed + n, block_size) - num_blocks more blocks: "
+                                "num_computed counts the tokens already in its blocks (or in a cached prefix)"),
+]
+
+
+def _scheduled(args: tuple, **flags) -> tuple:
+    running, waiting, free, bs, seqs, budget = args
+    return policy(running, waiting, free, block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget, **flags)
+
+
+def _schedule_verdict(case: Case, got: Any) -> Verdict:
+    expected = case.expected
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return (f"expected a tuple (chunks, preempted), got {short(got, 80)}",
+                "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
+    chunks, preempted = got
+    if not isinstance(chunks, dict) or not isinstance(preempted, list):
+        return (f"expected a dict and a list, got a {type(chunks).__name__} and a {type(preempted).__name__}",
+                "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
+    if got == expected and list(chunks) == list(expected[0]):
+        return None
+    if preempted != expected[1]:
+        problem = f"preempted {preempted}, expected {expected[1]} (newest first)"
+    elif chunks == expected[0]:
+        problem = (f"the right requests and counts in another order: expected the order {list(expected[0])}, got "
+                   f"{list(chunks)}")
+    else:
+        problem = f"scheduled {short(chunks, 80)}, expected {short(expected[0], 80)}"
+    hint = next((h for flags, h in SCHEDULE_MISTAKES
+                 if _scheduled(case.args[1:], **flags) == got != expected), "")
+    if not hint and chunks == expected[0]:
+        hint = "running requests first, oldest first, then waiting ones in arrival order"
+    return problem, hint
+
+
+def _seq(rng: random.Random, rid: int, block_size: int, running: bool) -> SeqView:
+    if running:
+        computed = rng.randint(1, 40)
+        tokens = computed + (1 if rng.random() < 0.7 else rng.randint(1, 20))  # decoding, or a prompt in chunks
+        return SeqView(rid, tokens, computed, blocks_for(computed, block_size))
+    tokens = rng.randint(1, 40)
+    cached = rng.randint(0, (tokens - 1) // block_size) if rng.random() < 0.3 else 0
+    return SeqView(rid, tokens, cached * block_size, rng.randint(0, cached))
+
+
+def schedule_scenario(rng: random.Random) -> tuple:
+    """Random queues and limits: (running, waiting, num_free_blocks, block_size, max_num_seqs, budget)."""
+    bs = rng.choice([1, 2, 4, 8, 16])
+    n_run, n_wait = rng.randint(0, 6), rng.randint(0 if rng.random() < 0.5 else 1, 5)
+    ids = rng.sample(range(100), n_run + n_wait)
+    running = [_seq(rng, ids[i], bs, True) for i in range(n_run)]
+    waiting = [_seq(rng, ids[n_run + i], bs, False) for i in range(n_wait)]
+    return running, waiting, rng.randint(0, 12), bs, rng.randint(1, 8), rng.choice([1, 4, 8, 16, 32, 64])
+
+
+def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 1) -> None:
+    """schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens) ->
+    ({request id: tokens to compute}, [preempted ids, newest first]): the policy of llmcourse.scheduler.schedule;
+    and LLMEngine with it gives every request its tokens alone."""
+    rng = random.Random(seed)
+    V = SeqView
+
+    def case(description, running, waiting, free, bs=4, seqs=8, budget=32, hint=""):
+        args = (running, waiting, free, bs, seqs, budget)
+        return Case(description, ("step", *args), engine_schedule(running, waiting, free, block_size=bs, max_num_seqs=seqs,
+                                                                 max_num_batched_tokens=budget), hint)
+
+    cases = [
+        case("nothing to do", [], [], 4),
+        case("three requests decoding", [V(0, 9, 8, 2), V(1, 5, 4, 1), V(2, 13, 12, 3)], [], 4,
+             hint="a decoding request computes 1 token"),
+        case("a new prompt joins the decodes", [V(0, 9, 8, 2)], [V(1, 10, 0, 0)], 4,
+             hint="running first, then the waiting prompt: all 10 of its tokens fit the budget"),
+        case("a long prompt, chunked by the token budget", [V(0, 9, 8, 2)], [V(1, 40, 0, 0)], 10, budget=16,
+             hint="1 token for the decode, the 15 left of the budget for the prompt's first chunk"),
+        case("a prompt prefilled over several steps continues", [V(3, 40, 15, 4)], [V(4, 6, 0, 0)], 10, budget=16,
+             hint="the running prompt gets min(25 left, 16) tokens: the budget is used up"),
+        case("a decode needs a new block but none is free: the newest is preempted",
+             [V(0, 9, 8, 2), V(1, 5, 4, 1), V(2, 7, 6, 2)], [V(3, 4, 0, 0)], 0,
+             hint="request 0 needs a third block; preempting request 2 (the newest) frees 2"),
+        case("the newest itself needs a block: it preempts itself", [V(0, 6, 5, 2), V(1, 9, 8, 2)], [], 0,
+             hint="request 1 is the newest: nothing newer to evict, so it waits, and nothing is admitted"),
+        case("two preemptions for one block", [V(5, 9, 8, 2), V(6, 3, 2, 0), V(7, 2, 1, 0), V(8, 3, 2, 1)], [], 0),
+        case("max_num_seqs reached", [V(0, 5, 4, 1), V(1, 5, 4, 1)], [V(2, 3, 0, 0), V(3, 3, 0, 0)], 8, seqs=3,
+             hint="3 requests at most: one waiting request joins"),
+        case("the first waiting request does not fit: admissions stop", [V(0, 5, 4, 1)],
+             [V(1, 30, 0, 0), V(2, 2, 0, 0)], 3,
+             hint="request 1 needs 8 blocks, 3 are free: it waits, and request 2 waits behind it (first come, "
+                  "first served)"),
+        case("a cached prefix held by others needs fewer blocks", [V(0, 21, 20, 5)], [V(1, 18, 16, 4)], 1,
+             hint="request 1's 16 prompt tokens are cached in 4 blocks that request 0 holds: it computes 2 tokens "
+                  "and needs blocks_for(16 + 2) - 4 = 1 new block"),
+        case("a cached prefix nobody holds costs its blocks", [], [V(1, 18, 16, 0)], 4,
+             hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free"),
+    ]
+    for i in range(n_random):
+        cases.append(case(f"random #{i}", *schedule_scenario(rng)))
+    for j in range(n_workloads):
+        cases.append(engine_case("schedule", seed + j))
+
+    def run(kind, running, waiting=None, num_free_blocks=None, block_size=None, max_num_seqs=None,
+            max_num_batched_tokens=None):  # these names appear in messages ("changed its input `running`")
+        if kind == "step":
+            return fn(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens)
+        return run_engine(*ENGINE_RUNS[running][:2], Batching.with_overrides(schedule=fn))[0]  # running: the seed
+
+    def show(args):
+        if args[0] == "step":
+            running, waiting, free, bs, seqs, budget = args[1:]
+            return (f"schedule(running={running}, waiting={waiting}, num_free_blocks={free}, block_size={bs}, "
+                    f"max_num_seqs={seqs}, max_num_batched_tokens={budget})")
+        return repr(ENGINE_RUNS[args[1]][1])
+
+    def judge(case, got):
+        if case.args[0] == "engine":
+            return _engine_verdict("schedule", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        return _schedule_verdict(case, got)
+
+    run_check("schedule", run, cases, judge=judge, forbid=[NO_ENGINE_SCHEDULE], show_call=show, seconds=10,
+              total_seconds=40)

@@ -1,0 +1,660 @@
+"""Chapter 07's checks: the references pass, stubs and plausible mistakes fail with a message that says what
+is wrong, other correct ways of writing each exercise pass, the engine's own functions are refused; and the
+check-side machinery (the mistake variants of the policy, the workloads) does what the checks rely on."""
+
+import functools
+import random
+import re
+from collections import deque
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcourse.batching import Batching, left_pad as engine_left_pad
+from llmcourse.block_manager import BlockAllocator as EngineAllocator, blocks_for
+import llmcourse.checks.batching as batching_checks
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.batching import (alone, check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
+                                       check_slot_mapping, decisive_model, policy, run_engine, schedule_scenario,
+                                       workload)
+from llmcourse.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
+from llmcourse.scheduler import SeqView, schedule as engine_schedule
+from tests.notebook_checks import run_notebook_checks
+
+ROOT = Path(__file__).parents[1]
+NOTEBOOK = ROOT / "solutions/07_batching/07_batching.ipynb"
+
+
+# -- references, written as a learner would ---------------------------------------------------------
+
+
+def left_pad(prompts, pad_id=0):
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(len(prompts), longest, dtype=torch.long)
+    for row, ids in enumerate(prompts):
+        input_ids[row, longest - len(ids):] = torch.tensor(ids)
+        attention_mask[row, longest - len(ids):] = 1
+    return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks):
+        self.free = deque(range(num_blocks))
+        self.ref_count = [0] * num_blocks
+
+    @property
+    def num_free(self):
+        return len(self.free)
+
+    def allocate(self):
+        if not self.free:
+            raise MemoryError("no free block")
+        block = self.free.popleft()
+        self.ref_count[block] = 1
+        return block
+
+    def share(self, block):
+        if self.ref_count[block] == 0:
+            self.free.remove(block)
+        self.ref_count[block] += 1
+
+    def release(self, block):
+        if self.ref_count[block] == 0:
+            raise ValueError(f"block {block} is not in use")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free.append(block)
+
+
+def slot_mapping(block_table, positions, block_size):
+    return block_table[positions // block_size] * block_size + positions % block_size
+
+
+def gather_kv(pool, block_table, length):
+    return pool[block_table].flatten(0, 1)[:length].transpose(0, 1)
+
+
+def schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
+    budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
+    queue, i = list(running), 0
+    while i < len(queue) and budget > 0:
+        seq = queue[i]
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+        while need > free and queue[-1] is not seq:
+            victim = queue.pop()
+            preempted.append(victim.id)
+            free += victim.num_blocks
+        if need > free:
+            preempted.append(queue.pop().id)
+            break
+        chunks[seq.id] = n
+        free, budget, i = free - need, budget - n, i + 1
+    if preempted:
+        return chunks, preempted
+    for seq in waiting:
+        if len(chunks) >= max_num_seqs or budget == 0:
+            break
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        need = blocks_for(seq.num_computed + n, block_size) - seq.num_blocks
+        if need > free:
+            break
+        chunks[seq.id] = n
+        free, budget = free - need, budget - n
+    return chunks, preempted
+
+
+REFERENCES = [
+    (check_left_pad, left_pad, dict(n_random=40, n_models=3)),
+    (check_block_allocator, BlockAllocator, dict(n_random=40, n_workloads=3)),
+    (check_slot_mapping, slot_mapping, dict(n_random=40, n_workloads=3)),
+    (check_gather_kv, gather_kv, dict(n_random=40, n_workloads=3)),
+    (check_schedule, schedule, dict(n_random=400, n_workloads=3)),
+]
+IDS = [check.__name__ for check, _, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference, hidden", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
+    check(reference)
+    check(reference, seed=101, **hidden)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_notebook_solutions_pass_their_checks(capsys):
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 10
+
+
+class StubAllocator:
+    def __init__(self, num_blocks):
+        raise NotImplementedError()
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check, fn", [(check_left_pad, stub), (check_block_allocator, StubAllocator),
+                                       (check_slot_mapping, stub), (check_gather_kv, stub), (check_schedule, stub)],
+                         ids=IDS)
+def test_stub_is_not_written_yet(check, fn):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(fn)
+
+
+def fails(check, fn, pattern, **kwargs):
+    with pytest.raises(CheckFailed) as err:
+        check(fn, **kwargs)
+    assert re.search(pattern, str(err.value), re.S), str(err.value)
+    assert "Traceback" not in str(err.value)
+    return str(err.value)
+
+
+# -- left_pad ---------------------------------------------------------------------------------------
+
+
+def pad_positions_count_padding(prompts, pad_id=0):
+    """The classic GPT-2 bug: positions 0 … T-1 in every row."""
+    ids, mask, _ = left_pad(prompts, pad_id)
+    return ids, mask, torch.arange(ids.shape[1]).expand_as(ids).clone()
+
+
+def pad_right(prompts, pad_id=0):
+    longest = max(map(len, prompts))
+    ids = torch.tensor([p + [pad_id] * (longest - len(p)) for p in prompts])
+    mask = torch.tensor([[1] * len(p) + [0] * (longest - len(p)) for p in prompts])
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def pad_mask_inverted(prompts, pad_id=0):
+    ids, mask, pos = left_pad(prompts, pad_id)
+    return ids, 1 - mask, pos
+
+
+def pad_with_eos_no_mask(prompts, pad_id=0):
+    """Pads with <|endoftext|> and lets everything attend everywhere."""
+    ids, mask, pos = left_pad(prompts, 50256)
+    return ids, torch.ones_like(mask), pos
+
+
+def pad_mask_all_ones(prompts, pad_id=0):
+    ids, mask, pos = left_pad(prompts, pad_id)
+    return ids, torch.ones_like(mask), pos
+
+
+def pad_negative_positions(prompts, pad_id=0):
+    ids, mask, _ = left_pad(prompts, pad_id)
+    return ids, mask, mask.cumsum(-1) - 1
+
+
+def pad_float_mask(prompts, pad_id=0):
+    ids, mask, pos = left_pad(prompts, pad_id)
+    return ids, mask.float(), pos
+
+
+def pad_lists(prompts, pad_id=0):
+    return tuple(t.tolist() for t in left_pad(prompts, pad_id))
+
+
+def pad_engine(prompts, pad_id=0):
+    return engine_left_pad(prompts, pad_id)
+
+
+def pad_sorts_prompts(prompts, pad_id=0):
+    prompts.sort(key=len)
+    return left_pad(prompts, pad_id)
+
+
+LEFT_PAD_MISTAKES = [
+    (pad_positions_count_padding, r"position ids count the padding.*classic GPT-2 pad-position bug.*count real tokens"),
+    (pad_right, r"padded on the right.*pad on the LEFT"),
+    (pad_mask_inverted, r"attention mask is inverted"),
+    (pad_with_eos_no_mask, r"the padding holds \[50256\], expected pad_id = 0"),
+    (pad_mask_all_ones, r"attention mask is 1 on the padding too.*0 on padding"),
+    (pad_negative_positions, r"position ids on the padding are \[-1\], outside \[0, n_positions\).*clamp"),
+    (pad_float_mask, r"attention_mask has dtype torch\.float32, expected torch\.int64"),
+    (pad_lists, r"input_ids should be a tensor"),
+    (pad_engine, r"llmcourse\.batching\.left_pad.*write your own"),
+    (pad_sorts_prompts, r"changed its input"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", LEFT_PAD_MISTAKES, ids=[f.__name__ for f, _ in LEFT_PAD_MISTAKES])
+def test_left_pad_mistakes_are_named(fn, pattern):
+    fails(check_left_pad, fn, pattern)
+
+
+def left_pad_by_rows(prompts, pad_id=0):
+    """Correct, written differently: rows built as lists, padding positions = the row's padding length (in range)."""
+    longest = max(map(len, prompts))
+    rows = [([pad_id] * (longest - len(p)) + list(p), [0] * (longest - len(p)) + [1] * len(p),
+             [longest - len(p)] * (longest - len(p)) + list(range(len(p)))) for p in prompts]
+    return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
+
+
+def test_left_pad_alternative_passes(capsys):
+    check_left_pad(left_pad_by_rows)
+    check_left_pad(left_pad_by_rows, seed=101, n_random=40, n_models=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_left_pad_pad_position_bug_changes_the_tokens_of_the_batch():
+    """The bug also shows in the engine: the generate case alone (no padding cases before it) catches it."""
+    model, prompts = decisive_model(0), [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
+    before = [engine_left_pad(prompts)]
+    model.batching = Batching.with_overrides(left_pad=pad_positions_count_padding)
+    try:
+        from llmcourse import generate
+        batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None)
+    finally:
+        model.batching = Batching()
+    from llmcourse import generate
+    assert batched[0] == generate(model, prompts[0], max_new_tokens=8, eos_token_id=None)
+    assert batched[1:] != [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts[1:]]
+    assert before[0][0].tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 0, 10], [0, 0, 11, 12, 13]]
+
+
+def test_left_pad_that_raises_or_hangs_gets_a_clear_message(monkeypatch):
+    def raises(prompts, pad_id=0):
+        longest = max(map(len, prompts))
+        return torch.tensor([[pad_id] * (longest - len(p)) + p for p in prompts[1:]]) if prompts[1:] else prompts[1]
+
+    def hangs(prompts, pad_id=0):
+        while True:
+            pass
+
+    fails(check_left_pad, raises, r"raised IndexError: list index out of range\n  at line \d+ in raises")
+    quick = functools.partial(batching_checks.run_check, seconds=0.5)
+    monkeypatch.setattr(batching_checks, "run_check", lambda *a, **k: quick(*a, **{**k, "seconds": 0.5}))
+    fails(check_left_pad, hangs, r"did not finish within 0\.5 s")
+
+
+# -- BlockAllocator ---------------------------------------------------------------------------------
+
+
+class LifoAllocator(BlockAllocator):
+    def allocate(self):
+        if not self.free:
+            raise MemoryError("none")
+        block = self.free.pop()
+        self.ref_count[block] = 1
+        return block
+
+
+class ReleaseIgnoresUsers(BlockAllocator):
+    def release(self, block):
+        if self.ref_count[block] == 0:
+            raise ValueError("unused")
+        self.ref_count[block] = 0
+        self.free.append(block)
+
+
+class ShareKeepsFreeBlock(BlockAllocator):
+    def share(self, block):
+        self.ref_count[block] += 1
+
+
+class SilentDoubleRelease(BlockAllocator):
+    def release(self, block):
+        if self.ref_count[block] == 0:
+            return
+        super().release(block)
+
+
+class ReleaseToFront(BlockAllocator):
+    def release(self, block):
+        if self.ref_count[block] == 0:
+            raise ValueError("unused")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free.appendleft(block)
+
+
+class NoMemoryError(BlockAllocator):
+    def allocate(self):
+        block = self.free.popleft()  # IndexError on an empty deque
+        self.ref_count[block] = 1
+        return block
+
+
+class SetFreeList(BlockAllocator):
+    """A set as free list: allocate takes the smallest id, not the least recently freed one."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.free = set(range(num_blocks))
+
+    def allocate(self):
+        if not self.free:
+            raise MemoryError("none")
+        block = min(self.free)
+        self.free.remove(block)
+        self.ref_count[block] = 1
+        return block
+
+    def release(self, block):
+        if self.ref_count[block] == 0:
+            raise ValueError("unused")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self.free.add(block)
+
+
+class EngineSubclass(EngineAllocator):
+    pass
+
+
+ALLOCATOR_MISTAKES = [
+    (LifoAllocator, r"last in, first out"),
+    (ReleaseIgnoresUsers, r"had 2 users: release takes one away"),
+    (ShareKeepsFreeBlock, r"share must take it off the free list"),
+    (SilentDoubleRelease, r"expected ValueError, your allocator returned.*raise ValueError"),
+    (ReleaseToFront, r"goes to the BACK of the free list"),
+    (NoMemoryError, r"expected MemoryError, your allocator raised IndexError"),
+    (SetFreeList, r"release\(0\).*allocate\(\) returned 0, expected 1|expected free = \[2, 3, 0\]"),
+    (EngineSubclass, r"llmcourse\.block_manager\.BlockAllocator.*write your own"),
+]
+
+
+@pytest.mark.parametrize("cls, pattern", ALLOCATOR_MISTAKES, ids=[c.__name__ for c, _ in ALLOCATOR_MISTAKES])
+def test_block_allocator_mistakes_are_named(cls, pattern):
+    fails(check_block_allocator, cls, pattern)
+
+
+class ListAllocator:
+    """Correct, written differently: a list as the free list, counts kept in a list filled by comprehension."""
+
+    def __init__(self, num_blocks):
+        self.free = [b for b in range(num_blocks)]
+        self.ref_count = [0 for _ in range(num_blocks)]
+
+    num_free = property(lambda self: len(self.free))
+
+    def allocate(self):
+        try:
+            block = self.free.pop(0)
+        except IndexError:
+            raise MemoryError("the pool is full") from None
+        self.ref_count[block] += 1
+        return block
+
+    def share(self, block):
+        if block in self.free:
+            self.free.remove(block)
+        self.ref_count[block] += 1
+
+    def release(self, block):
+        if not self.ref_count[block]:
+            raise ValueError("double release")
+        self.ref_count[block] -= 1
+        if not self.ref_count[block]:
+            self.free += [block]
+
+
+def test_block_allocator_alternative_passes(capsys):
+    check_block_allocator(ListAllocator)
+    check_block_allocator(ListAllocator, seed=101, n_random=40, n_workloads=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_block_allocator_that_raises_gets_a_clear_message():
+    class Raising(BlockAllocator):
+        def share(self, block):
+            raise KeyError(block)
+
+    fails(check_block_allocator, Raising, r"your allocator raised KeyError")
+    fails(check_block_allocator, int, r"expected a class|no attribute|free = None")
+
+
+# -- slot_mapping -----------------------------------------------------------------------------------
+
+
+def slots_swapped(block_table, positions, block_size):
+    return block_table[positions % block_size] * block_size + positions // block_size
+
+
+def slots_ignore_table(block_table, positions, block_size):
+    return block_table[0] * block_size + positions
+
+
+def slots_positions(block_table, positions, block_size):
+    return positions.clone()
+
+
+def slots_no_scale(block_table, positions, block_size):
+    return block_table[positions // block_size] + positions % block_size
+
+
+def slots_float(block_table, positions, block_size):
+    return (block_table[positions // block_size] * block_size + positions % block_size).float()
+
+
+def slots_engine(block_table, positions, block_size):
+    return engine_slot_mapping(block_table, positions, block_size)
+
+
+SLOT_MISTAKES = [
+    (slots_swapped, r"p // block_size is the index into the block table"),
+    (slots_ignore_table, r"look up each position's block in the table"),
+    (slots_positions, r"a request's positions are not the pool's slots"),
+    (slots_no_scale, r"a slot counts positions: block \* block_size \+ offset"),
+    (slots_float, r"dtype"),
+    (slots_engine, r"llmcourse\.paged_cache\.slot_mapping"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", SLOT_MISTAKES, ids=[f.__name__ for f, _ in SLOT_MISTAKES])
+def test_slot_mapping_mistakes_are_named(fn, pattern):
+    fails(check_slot_mapping, fn, pattern)
+
+
+def slot_mapping_divmod(block_table, positions, block_size):
+    index = torch.div(positions, block_size, rounding_mode="floor")
+    return torch.index_select(block_table, 0, index) * block_size + torch.remainder(positions, block_size)
+
+
+def test_slot_mapping_alternative_passes(capsys):
+    check_slot_mapping(slot_mapping_divmod)
+    check_slot_mapping(slot_mapping_divmod, seed=101, n_random=40, n_workloads=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- gather_kv --------------------------------------------------------------------------------------
+
+
+def gather_pool_order(pool, block_table, length):
+    return pool[: len(block_table)].flatten(0, 1)[:length].transpose(0, 1)
+
+
+def gather_no_cut(pool, block_table, length):
+    return pool[block_table].flatten(0, 1).transpose(0, 1)
+
+
+def gather_view(pool, block_table, length):
+    return pool[block_table].flatten(0, 1)[:length].reshape(pool.shape[2], length, pool.shape[3])
+
+
+def gather_one_block_short(pool, block_table, length):
+    n = -(-length // pool.shape[1])
+    return pool[block_table[1 : n + 1]].flatten(0, 1)[:length].transpose(0, 1)
+
+
+def gather_float32(pool, block_table, length):
+    return gather_kv(pool, block_table, length).float()
+
+
+def gather_engine(pool, block_table, length):
+    return engine_gather_kv(pool, block_table, length)
+
+
+GATHER_MISTAKES = [
+    (gather_pool_order, r"read the request's blocks through its table"),
+    (gather_no_cut, r"keep the first `length` positions only"),
+    (gather_view, r"transpose to \[n_head, length, head_dim\]"),
+    (gather_one_block_short, r"expected shape|block_table\[0\] holds positions 0"),
+    (gather_float32, r"dtype torch\.float64|float64"),
+    (gather_engine, r"llmcourse\.paged_cache\.gather_kv"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", GATHER_MISTAKES, ids=[f.__name__ for f, _ in GATHER_MISTAKES])
+def test_gather_kv_mistakes_are_named(fn, pattern):
+    fails(check_gather_kv, fn, pattern)
+
+
+def gather_kv_loop(pool, block_table, length):
+    """Correct, written differently: block by block, concatenated, then permuted."""
+    parts = [pool[b] for b in block_table.tolist()]
+    return torch.cat(parts, dim=0)[:length].permute(1, 0, 2).contiguous()
+
+
+def test_gather_kv_alternative_passes(capsys):
+    check_gather_kv(gather_kv_loop)
+    check_gather_kv(gather_kv_loop, seed=101, n_random=40, n_workloads=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_gather_reads_what_slot_mapping_wrote():
+    """Independent of the engine's functions: writes through slots, reads with index_select, per position."""
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(7, 4, 2, 3, generator=g, dtype=torch.float64)
+    table, length = torch.tensor([5, 2, 6]), 11
+    keys = torch.randn(length, 2, 3, generator=g, dtype=torch.float64)
+    pool.view(-1, 2, 3)[engine_slot_mapping(table, torch.arange(length), 4)] = keys
+    expected = torch.stack([pool[table[p // 4], p % 4] for p in range(length)]).transpose(0, 1)
+    assert torch.equal(engine_gather_kv(pool, table, length), expected)
+    assert torch.equal(expected, keys.transpose(0, 1))
+
+
+# -- schedule ---------------------------------------------------------------------------------------
+
+
+def variant(**flags):
+    def fn(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
+        return policy(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                      max_num_batched_tokens=max_num_batched_tokens, **flags)
+
+    fn.__name__ = "_".join(f"{k}={v}" for k, v in flags.items())
+    return fn
+
+
+def schedule_mutates(running, waiting, num_free_blocks, **limits):
+    chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
+    for rid in preempted:
+        running[:] = [s for s in running if s.id != rid]
+    return chunks, preempted
+
+
+def schedule_list(running, waiting, num_free_blocks, **limits):
+    return list(schedule(running, waiting, num_free_blocks, **limits))
+
+
+def schedule_waiting_first(running, waiting, num_free_blocks, **limits):
+    chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
+    waiting_ids = {s.id for s in waiting}
+    return {**{k: v for k, v in chunks.items() if k in waiting_ids},
+            **{k: v for k, v in chunks.items() if k not in waiting_ids}}, preempted
+
+
+def schedule_engine(running, waiting, num_free_blocks, **limits):
+    return engine_schedule(running, waiting, num_free_blocks, **limits)
+
+
+SCHEDULE_MISTAKES = [
+    (variant(victim="oldest"), r"preempt the NEWEST running request"),
+    (variant(admit_after_preempt=True), r"in a step that preempts, admit no waiting request"),
+    (variant(skip_unfit=True), r"first come, first served"),
+    (variant(chunk_waiting=False), r"chunked prefill"),
+    (variant(cached_prefix=False), r"num_computed counts the tokens already in its blocks"),
+    (schedule_mutates, r"changed its input `running`"),
+    (schedule_list, r"expected a tuple \(chunks, preempted\)"),
+    (schedule_waiting_first, r"another order.*running requests first"),
+    (schedule_engine, r"llmcourse\.scheduler\.schedule"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", SCHEDULE_MISTAKES, ids=[f.__name__ for f, _ in SCHEDULE_MISTAKES])
+def test_schedule_mistakes_are_named(fn, pattern):
+    fails(check_schedule, fn, pattern)
+
+
+def schedule_two_phase(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
+    """Correct, written differently: the victims are counted from the end with an index, no list popped."""
+    budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
+    end = len(running)  # running[:end] are not preempted
+    for i, seq in enumerate(running):
+        if i >= end or budget <= 0:
+            break
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        need = -(-(seq.num_computed + n) // block_size) - seq.num_blocks
+        while need > free and end - 1 > i:
+            end -= 1
+            preempted.append(running[end].id)
+            free += running[end].num_blocks
+        if need > free:
+            preempted.append(seq.id)
+            return chunks, preempted
+        chunks[seq.id] = n
+        free -= need
+        budget -= n
+    if preempted:
+        return chunks, preempted
+    for seq in waiting:
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        if len(chunks) >= max_num_seqs or n == 0:
+            break
+        need = -(-(seq.num_computed + n) // block_size) - seq.num_blocks
+        if need > free:
+            break
+        chunks[seq.id] = n
+        free -= need
+        budget -= n
+    return chunks, preempted
+
+
+def test_schedule_alternative_passes(capsys):
+    check_schedule(schedule_two_phase)
+    check_schedule(schedule_two_phase, seed=101, n_random=400, n_workloads=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_policy_without_flags_is_the_engine_policy_and_each_mistake_differs_somewhere():
+    rng = random.Random(5)
+    scenarios = [schedule_scenario(rng) for _ in range(3000)]
+
+    def decisions(fn, s):
+        running, waiting, free, bs, seqs, budget = s
+        return fn(running, waiting, free, block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget)
+
+    for s in scenarios:
+        assert decisions(variant(), s) == decisions(engine_schedule, s)
+    for fn, _ in SCHEDULE_MISTAKES[:5]:
+        assert sum(decisions(fn, s) != decisions(engine_schedule, s) for s in scenarios[:600]) >= 5, fn.__name__
+
+
+# -- the engine runs the checks use ---------------------------------------------------------------
+
+
+def test_check_workloads_preempt_share_prefixes_and_chunk_prompts():
+    for seed in (0, 101, 102, 103):
+        work, model = workload(seed), decisive_model(seed)
+        tokens, stats = run_engine(model, work, Batching())
+        assert tokens == alone(model, work)
+        assert stats["preemptions"] > 0 and stats["cached_tokens"] > 0, stats
+        assert max(map(len, work.prompts)) > work.engine["max_num_batched_tokens"]
+    assert model.batching.overridden() == []
+
+
+def test_engine_with_a_wrong_part_differs_from_alone():
+    """What the engine cases are there for: a wrong gather or schedule gives other tokens, or a clear error."""
+    work, model = workload(0), decisive_model(0)
+    expected = alone(model, work)
+    try:
+        got, _ = run_engine(model, work, Batching(gather_kv=gather_one_block_short))
+    except RuntimeError:
+        got = None
+    assert got != expected
+    with pytest.raises(Exception, match="schedule|blocks"):
+        run_engine(model, work, Batching.with_overrides(schedule=variant(cached_prefix=False)))
