@@ -5,6 +5,7 @@
     $ python -m llmcourse progress [PATH]            # a learner's dashboard
     $ python -m llmcourse release                    # regenerate chapters/ from solutions/
     $ python -m llmcourse bench                      # engine vs transformers vs the roofline
+    $ python -m llmcourse bench --serving            # static batching vs LLMEngine, prefix caching
 """
 
 from __future__ import annotations
@@ -122,6 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-compile", action="store_true",
                        help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
     bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)")
+    bench.add_argument("--serving", nargs="?", const=["gpt2-shakespeare", "gpt2"], type=name_list, metavar="MODEL,...",
+                       help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
+                            "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
+                            "bench.json and bench_serving.png")
     return parser
 
 
@@ -133,6 +138,13 @@ def int_list(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
     return values
+
+
+def name_list(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected comma-separated model names, got {text!r}")
+    return names
 
 
 def run_progress(args: argparse.Namespace) -> int:

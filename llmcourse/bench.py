@@ -542,6 +542,10 @@ def save(fig, path: Path) -> Path:
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
+    if getattr(args, "serving", None):
+        from .serving_bench import main as serving
+
+        return serving(args.serving, out, device=args.device, dtype=args.dtype)
     out.mkdir(parents=True, exist_ok=True)
     try:
         from tqdm import tqdm

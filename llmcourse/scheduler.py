@@ -6,8 +6,8 @@ tokens of some requests, or a chunk of them: a decoding request needs one, a new
 `schedule` is the policy, a pure function of what the scheduler sees (`SeqView`s and the number of
 free blocks); `Scheduler` keeps the queues and applies its decisions through the `BlockManager`.
 
-    >>> running = [SeqView(id=0, num_tokens=9, num_computed=8, num_blocks=1)]          # decoding
-    >>> waiting = [SeqView(id=1, num_tokens=40, num_computed=0, num_blocks=0)]         # a new prompt
+    >>> running = [SeqView(id=0, num_tokens=9, num_computed=8, num_blocks=1, num_unshared_blocks=1)]  # decoding
+    >>> waiting = [SeqView(id=1, num_tokens=40, num_computed=0, num_blocks=0, num_unshared_blocks=0)]  # new
     >>> schedule(running, waiting, num_free_blocks=2, block_size=16, max_num_seqs=4, max_num_batched_tokens=32)
     ({0: 1, 1: 31}, [])
 """
@@ -27,15 +27,18 @@ from .sampling import SamplingSettings
 class SeqView(NamedTuple):
     """What the scheduling policy sees of a request.
 
+    `num_blocks` is the length of its block table, `num_unshared_blocks` how many of those no other
+    request holds: what preempting it gives back (a block shared with a prefix-caching neighbour stays).
     For a waiting request, `num_computed` and `num_blocks` count its cached prefix: the tokens it can
     skip, and the blocks of that prefix that other requests hold (shared at no cost; a cached block
-    nobody holds comes off the free list like a new one).
+    nobody holds comes off the free list like a new one); it has no unshared blocks.
     """
 
     id: int
     num_tokens: int  # prompt + generated so far
     num_computed: int  # tokens whose keys and values are already in the cache
-    num_blocks: int  # blocks it holds
+    num_blocks: int  # blocks in its table
+    num_unshared_blocks: int  # blocks that only it holds
 
 
 def schedule(running: list[SeqView], waiting: list[SeqView], num_free_blocks: int, *, block_size: int,
@@ -43,8 +46,8 @@ def schedule(running: list[SeqView], waiting: list[SeqView], num_free_blocks: in
     """One scheduler step -> ({request id: tokens to compute this step}, [ids preempted, newest first]).
 
     1. Running requests, oldest first, each get min(tokens left to compute, token budget left); a request
-       that needs more blocks than are free preempts the newest running request (its blocks come free;
-       it will be recomputed later) until they fit, or preempts itself if it is the newest.
+       that needs more blocks than are free preempts the newest running request (its unshared blocks
+       come free; it will be recomputed later) until they fit, or preempts itself if it is the newest.
     2. If nothing was preempted, waiting requests join in arrival order while there are fewer than
        `max_num_seqs`, budget is left and their blocks fit; the first that does not fit stops the
        admissions (first come, first served).
@@ -61,7 +64,7 @@ def schedule(running: list[SeqView], waiting: list[SeqView], num_free_blocks: in
         while need > free and queue[-1] is not seq:
             victim = queue.pop()
             preempted.append(victim.id)
-            free += victim.num_blocks
+            free += victim.num_unshared_blocks
         if need > free:  # the newest itself: it waits for the others to finish
             preempted.append(queue.pop().id)
             break
@@ -108,8 +111,6 @@ class Request:
     def generated(self) -> list[int]:
         return self.tokens[len(self.prompt) :]
 
-    def view(self) -> SeqView:
-        return SeqView(self.id, len(self.tokens), self.num_computed, len(self.block_table))
 
 
 class Scheduler:
@@ -126,14 +127,19 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def running_view(self, request: Request) -> SeqView:
+        unshared = sum(self.blocks.allocator.ref_count[b] == 1 for b in request.block_table)
+        return SeqView(request.id, len(request.tokens), request.num_computed, len(request.block_table), unshared)
+
     def waiting_view(self, request: Request) -> SeqView:
         prefix = self.blocks.cached_prefix(request)
-        return SeqView(request.id, len(request.tokens), len(prefix) * self.blocks.block_size, self.blocks.in_use(prefix))
+        return SeqView(request.id, len(request.tokens), len(prefix) * self.blocks.block_size,
+                       self.blocks.in_use(prefix), 0)
 
     def next_step(self) -> list[tuple[Request, int]]:
         """The requests to run in this step, each with its number of tokens; blocks are allocated for them."""
         by_id = {r.id: r for r in self.running + list(self.waiting)}
-        views = [r.view() for r in self.running], [self.waiting_view(r) for r in self.waiting]
+        views = [self.running_view(r) for r in self.running], [self.waiting_view(r) for r in self.waiting]
         chunks, preempted = self.policy(*views, self.blocks.num_free, block_size=self.blocks.block_size,
                                         max_num_seqs=self.max_num_seqs,
                                         max_num_batched_tokens=self.max_num_batched_tokens)

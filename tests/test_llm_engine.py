@@ -594,3 +594,62 @@ def test_a_broken_left_pad_is_stopped_naming_the_part():
     with pytest.raises(PartError, match=r"(?s)part 'left_pad' \(my_left_pad_forgets_positions\) returned .*; expected "
                                         r"\(input_ids, attention_mask, position_ids\)"):
         generate(model, [[1, 2], [3]], max_new_tokens=2, eos_token_id=None)
+
+
+# --------------------------------------------------------------------------------------------------
+# The paged pieces against plain references
+
+
+def test_slot_mapping_and_gather_kv_match_a_plain_loop():
+    g = torch.Generator().manual_seed(0)
+    for num_blocks, bs, H, D in [(7, 4, 2, 3), (12, 1, 1, 5), (5, 16, 4, 2)]:
+        pool = torch.randn(num_blocks, bs, H, D, generator=g, dtype=torch.float64)
+        for _ in range(5):
+            n = int(torch.randint(1, num_blocks + 1, (1,), generator=g))
+            table = torch.randperm(num_blocks, generator=g)[:n]
+            length = int(torch.randint((n - 1) * bs + 1, n * bs + 1, (1,), generator=g))  # ends in its last block
+            positions = torch.randperm(length, generator=g)
+            want = [int(table[p // bs]) * bs + p % bs for p in positions.tolist()]
+            assert slot_mapping(table, positions, bs).tolist() == want
+            expected = torch.empty(H, length, D, dtype=torch.float64)
+            for p in range(length):
+                expected[:, p] = pool[table[p // bs], p % bs]
+            assert torch.equal(gather_kv(pool, table, length), expected)
+            # the keys written through the slots are the ones read through the table
+            written = torch.zeros_like(pool)
+            written.view(-1, H, D)[slot_mapping(table, torch.arange(length), bs)] = expected.transpose(0, 1)
+            assert torch.equal(gather_kv(written, table, length), expected)
+        tables = torch.stack([torch.randperm(num_blocks, generator=g)[:2] for _ in range(3)])  # [G, n]: one read
+        batched = gather_kv(pool, tables, bs + 1)
+        assert batched.shape == (3, H, bs + 1, D)
+        for row, table in enumerate(tables):
+            assert torch.equal(batched[row], gather_kv(pool, table, bs + 1))
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])
+def test_paged_forward_of_a_mixed_batch_matches_each_request_alone(dtype, atol):
+    """Decode rows and prefill chunks in one step give the logits `model(ids)` gives each request alone."""
+    model = tiny_model(4, dtype)
+    V, bs = model.config.vocab_size, 4
+    g = torch.Generator().manual_seed(1)
+    cache = PagedKVCache(model.config, 40, bs, dtype=dtype)
+    free = torch.randperm(40, generator=g).tolist()  # tables out of block order
+    lengths = [9, 13, 1, 22, 6, 17]
+    seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+    tables = [[free.pop() for _ in range(-(-n // bs))] for n in lengths]
+    # {request: (computed before the step, after it)}: decodes (n-1 -> n), prefill chunks, whole prompts
+    steps = [{0: (0, 8), 1: (0, 7), 3: (0, 12), 4: (0, 2)},  # prefills of several requests
+             {0: (8, 9), 1: (7, 13), 2: (0, 1), 3: (12, 20), 4: (2, 3), 5: (0, 16)},  # 3 one-token rows, 3 chunks
+             {3: (20, 21), 4: (3, 4), 5: (16, 17)},  # decodes only
+             {3: (21, 22), 4: (4, 6)}]  # one decode, one chunk
+    worst = 0.0
+    for step in steps:
+        chunks = [Chunk(seqs[r][a:b], a, tables[r]) for r, (a, b) in step.items()]
+        got = forward(model, cache, chunks)  # [len(chunks), V]
+        for row, (r, (a, b)) in enumerate(step.items()):
+            with torch.inference_mode():
+                expected = model(torch.tensor([seqs[r][:b]]))[0, -1]
+            diff = (got[row] - expected).abs().max().item()
+            worst = max(worst, diff)
+            assert diff <= atol, f"request {r}, positions {a}..{b - 1}: logits differ by {diff:.3g}"
+    print(f"\nworst logit difference, {dtype}: {worst:.3g}")
