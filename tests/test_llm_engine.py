@@ -26,7 +26,6 @@ from llmcourse.batching import Batching
 from llmcourse.llm_engine import LLMEngine
 from llmcourse.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
 from llmcourse.parts import PartError
-from llmcourse.scheduler import SeqView
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -255,14 +254,17 @@ def test_engine_gives_every_request_its_alone_tokens_float64():
     assert tally.preempted >= 3 and tally.cached >= 3, tally
 
 
-def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own():
+@pytest.mark.parametrize("mine", [False, True], ids=["engine's", "my batching functions"])
+def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own(mine):
     """Requests 1 and 2 share the block of [1, 2, 3, 4]; when request 0 needs a block, preempting request 2
     frees only its own block, not the shared one (found by the property test, workload seed 115)."""
     model = tiny_model(3)
+    if mine:
+        model.batching = Batching.with_overrides(**MINE)
     engine = LLMEngine(model, block_size=4, num_blocks=4)
     w = Workload(0, [[17], [1, 2, 3, 4, 20, 35], [1, 2, 3, 4, 44, 24]], [{"max_new_tokens": n} for n in (5, 4, 5)],
                  [0, 1, 2], dict(block_size=4, num_blocks=4), 4)
-    expected = [alone(model, p, s) for p, s in zip(w.prompts, w.settings)]
+    expected = [alone(tiny_model(3), p, s) for p, s in zip(w.prompts, w.settings)]
     assert run_streaming(engine, w) == expected
     assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
     assert_idle(engine, w)
@@ -458,7 +460,7 @@ def my_schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, 
     kept, preempted = list(running), []
     while True:
         plan, budget = {}, max_num_batched_tokens
-        free = num_free_blocks + sum(s.num_blocks for s in running if s.id in preempted)
+        free = num_free_blocks + sum(s.num_unshared_blocks for s in running if s.id in preempted)
         for s in kept:
             n = min(s.num_tokens - s.num_computed, budget)
             need = -(-(s.num_computed + n) // block_size) - s.num_blocks
