@@ -86,7 +86,7 @@ def schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max
         while need > free and queue[-1] is not seq:
             victim = queue.pop()
             preempted.append(victim.id)
-            free += victim.num_blocks
+            free += victim.num_unshared_blocks
         if need > free:
             preempted.append(queue.pop().id)
             break
@@ -567,6 +567,7 @@ SCHEDULE_MISTAKES = [
     (variant(admit_after_preempt=True), r"in a step that preempts, admit no waiting request"),
     (variant(skip_unfit=True), r"first come, first served"),
     (variant(chunk_waiting=False), r"chunked prefill"),
+    (variant(frees_shared=True), r"gives back only the blocks nobody else holds"),
     (variant(cached_prefix=False), r"num_computed counts the tokens already in its blocks"),
     (schedule_mutates, r"changed its input `running`"),
     (schedule_list, r"expected a tuple \(chunks, preempted\)"),
@@ -592,7 +593,7 @@ def schedule_two_phase(running, waiting, num_free_blocks, *, block_size, max_num
         while need > free and end - 1 > i:
             end -= 1
             preempted.append(running[end].id)
-            free += running[end].num_blocks
+            free += running[end].num_unshared_blocks
         if need > free:
             preempted.append(seq.id)
             return chunks, preempted
@@ -630,7 +631,7 @@ def test_policy_without_flags_is_the_engine_policy_and_each_mistake_differs_some
 
     for s in scenarios:
         assert decisions(variant(), s) == decisions(engine_schedule, s)
-    for fn, _ in SCHEDULE_MISTAKES[:5]:
+    for fn, _ in SCHEDULE_MISTAKES[:6]:
         assert sum(decisions(fn, s) != decisions(engine_schedule, s) for s in scenarios[:600]) >= 5, fn.__name__
 
 

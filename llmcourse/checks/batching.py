@@ -619,7 +619,8 @@ NO_ENGINE_SCHEDULE = Forbidden("llmcourse.scheduler.schedule",
 
 
 def policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens,
-           victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True, cached_prefix=True):
+           victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True, cached_prefix=True,
+           frees_shared=False):
     """The engine's policy, or one of the mistakes the flags name (for hints): preempting the oldest, admitting
     waiting requests in a step that preempts, skipping a waiting request that does not fit, no chunked prefill
     for waiting requests, a block need that forgets num_computed."""
@@ -636,7 +637,7 @@ def policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_n
         while need > free and len(queue) > i + 1:
             victim_seq = queue.pop() if victim == "newest" else queue.pop(i + 1)
             preempted.append(victim_seq.id)
-            free += victim_seq.num_blocks
+            free += victim_seq.num_blocks if frees_shared else victim_seq.num_unshared_blocks
         if need > free:
             preempted.append(queue.pop(i).id)
             break
@@ -671,6 +672,8 @@ SCHEDULE_MISTAKES = [
                             "admissions; admitting a later, smaller one instead could starve a long prompt forever"),
     (dict(chunk_waiting=False), "a waiting request gets min(tokens left, budget left) tokens: a long prompt is "
                                 "prefilled in chunks over several steps (chunked prefill)"),
+    (dict(frees_shared=True), "a preempted request gives back only the blocks nobody else holds, "
+                              "num_unshared_blocks: the prefix blocks it shares stay in use by the others"),
     (dict(cached_prefix=False), "a request needs blocks_for(num_computed + n, block_size) - num_blocks more blocks: "
                                 "num_computed counts the tokens already in its blocks (or in a cached prefix)"),
 ]
@@ -710,10 +713,12 @@ def _seq(rng: random.Random, rid: int, block_size: int, running: bool) -> SeqVie
     if running:
         computed = rng.randint(1, 40)
         tokens = computed + (1 if rng.random() < 0.7 else rng.randint(1, 20))  # decoding, or a prompt in chunks
-        return SeqView(rid, tokens, computed, blocks_for(computed, block_size))
+        blocks = blocks_for(computed, block_size)
+        shared = rng.randint(1, blocks) if rng.random() < 0.4 else 0  # a prefix it shares with others
+        return SeqView(rid, tokens, computed, blocks, blocks - shared)
     tokens = rng.randint(1, 40)
     cached = rng.randint(0, (tokens - 1) // block_size) if rng.random() < 0.3 else 0
-    return SeqView(rid, tokens, cached * block_size, rng.randint(0, cached))
+    return SeqView(rid, tokens, cached * block_size, rng.randint(0, cached), 0)
 
 
 def schedule_scenario(rng: random.Random) -> tuple:
@@ -731,7 +736,13 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
     ({request id: tokens to compute}, [preempted ids, newest first]): the policy of llmcourse.scheduler.schedule;
     and LLMEngine with it gives every request its tokens alone."""
     rng = random.Random(seed)
-    V = SeqView
+
+    def R(rid, num_tokens, num_computed, num_blocks, num_unshared_blocks=None):  # running: by default shares nothing
+        unshared = num_blocks if num_unshared_blocks is None else num_unshared_blocks
+        return SeqView(rid, num_tokens, num_computed, num_blocks, unshared)
+
+    def W(rid, num_tokens, num_computed, num_blocks):  # waiting: holds no block of its own
+        return SeqView(rid, num_tokens, num_computed, num_blocks, 0)
 
     def case(description, running, waiting, free, bs=4, seqs=8, budget=32, hint=""):
         args = (running, waiting, free, bs, seqs, budget)
@@ -740,30 +751,37 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
 
     cases = [
         case("nothing to do", [], [], 4),
-        case("three requests decoding", [V(0, 9, 8, 2), V(1, 5, 4, 1), V(2, 13, 12, 3)], [], 4,
+        case("three requests decoding", [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 13, 12, 3)], [], 4,
              hint="a decoding request computes 1 token"),
-        case("a new prompt joins the decodes", [V(0, 9, 8, 2)], [V(1, 10, 0, 0)], 4,
+        case("a new prompt joins the decodes", [R(0, 9, 8, 2)], [W(1, 10, 0, 0)], 4,
              hint="running first, then the waiting prompt: all 10 of its tokens fit the budget"),
-        case("a long prompt, chunked by the token budget", [V(0, 9, 8, 2)], [V(1, 40, 0, 0)], 10, budget=16,
+        case("a long prompt, chunked by the token budget", [R(0, 9, 8, 2)], [W(1, 40, 0, 0)], 10, budget=16,
              hint="1 token for the decode, the 15 left of the budget for the prompt's first chunk"),
-        case("a prompt prefilled over several steps continues", [V(3, 40, 15, 4)], [V(4, 6, 0, 0)], 10, budget=16,
+        case("a prompt prefilled over several steps continues", [R(3, 40, 15, 4)], [W(4, 6, 0, 0)], 10, budget=16,
              hint="the running prompt gets min(25 left, 16) tokens: the budget is used up"),
         case("a decode needs a new block but none is free: the newest is preempted",
-             [V(0, 9, 8, 2), V(1, 5, 4, 1), V(2, 7, 6, 2)], [V(3, 4, 0, 0)], 0,
+             [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 7, 6, 2)], [W(3, 4, 0, 0)], 0,
              hint="request 0 needs a third block; preempting request 2 (the newest) frees 2"),
-        case("the newest itself needs a block: it preempts itself", [V(0, 6, 5, 2), V(1, 9, 8, 2)], [], 0,
+        case("the newest itself needs a block: it preempts itself", [R(0, 6, 5, 2), R(1, 9, 8, 2)], [], 0,
              hint="request 1 is the newest: nothing newer to evict, so it waits, and nothing is admitted"),
-        case("two preemptions for one block", [V(5, 9, 8, 2), V(6, 3, 2, 0), V(7, 2, 1, 0), V(8, 3, 2, 1)], [], 0),
-        case("max_num_seqs reached", [V(0, 5, 4, 1), V(1, 5, 4, 1)], [V(2, 3, 0, 0), V(3, 3, 0, 0)], 8, seqs=3,
+        case("preemptions until enough blocks come free",
+             [R(5, 9, 8, 2), R(6, 3, 2, 1), R(7, 2, 1, 1, 0), R(8, 3, 2, 1, 0)], [], 0,
+             hint="requests 7 and 8 hold only a block they share: preempting them frees nothing, so request 6 goes "
+                  "too"),
+        case("max_num_seqs reached", [R(0, 5, 4, 1), R(1, 5, 4, 1)], [W(2, 3, 0, 0), W(3, 3, 0, 0)], 8, seqs=3,
              hint="3 requests at most: one waiting request joins"),
-        case("the first waiting request does not fit: admissions stop", [V(0, 5, 4, 1)],
-             [V(1, 30, 0, 0), V(2, 2, 0, 0)], 3,
+        case("the first waiting request does not fit: admissions stop", [R(0, 5, 4, 1)],
+             [W(1, 30, 0, 0), W(2, 2, 0, 0)], 3,
              hint="request 1 needs 8 blocks, 3 are free: it waits, and request 2 waits behind it (first come, "
                   "first served)"),
-        case("a cached prefix held by others needs fewer blocks", [V(0, 21, 20, 5)], [V(1, 18, 16, 4)], 1,
+        case("a cached prefix held by others needs fewer blocks", [R(0, 21, 20, 5)], [W(1, 18, 16, 4)], 1,
              hint="request 1's 16 prompt tokens are cached in 4 blocks that request 0 holds: it computes 2 tokens "
                   "and needs blocks_for(16 + 2) - 4 = 1 new block"),
-        case("a cached prefix nobody holds costs its blocks", [], [V(1, 18, 16, 0)], 4,
+        case("preempting a request that shares its prefix frees only its own blocks",
+             [R(0, 30, 20, 5), R(1, 13, 12, 3, 1), R(2, 13, 12, 3, 1)], [], 0, budget=8,
+             hint="requests 1 and 2 share 2 prefix blocks: preempting request 2 gives back 1 block (its unshared "
+                  "one), not 3; request 0 needs 2, so request 1 goes too"),
+        case("a cached prefix nobody holds costs its blocks", [], [W(1, 18, 16, 0)], 4,
              hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free"),
     ]
     for i in range(n_random):
