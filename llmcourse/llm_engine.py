@@ -115,14 +115,14 @@ class LLMEngine:
                                      slots_of=self.batching.slot_mapping)  # [len(batch), V]
         self.num_steps += 1
         self.last_step = [(r.id, n) for r, n in batch]
-        out = []
-        for row, (request, n) in enumerate(batch):
+        for request, n in batch:
             request.num_computed += n
             self.num_computed_tokens += n
             self.blocks.remember_full_blocks(request)
-            if request.num_computed < len(request.tokens):
-                continue  # a prefill chunk that is not the prompt's last
-            token = self.next_token(request, logits[row : row + 1])
+        rows = [row for row, (r, _) in enumerate(batch) if r.num_computed == len(r.tokens)]  # not mid-prompt
+        out = []
+        for row, token in zip(rows, self.next_tokens([batch[row][0] for row in rows], logits[rows])):
+            request = batch[row][0]
             request.tokens.append(token)
             done = self.is_done(request, token)
             if done:
@@ -130,12 +130,22 @@ class LLMEngine:
             out.append((request.id, token, done))
         return out
 
-    def next_token(self, request: Request, logits: torch.Tensor) -> int:
-        seen = None
-        if request.settings.repetition_penalty != 1.0:
-            seen = torch.zeros_like(logits, dtype=torch.bool)
-            seen[0, torch.tensor(request.tokens, device=logits.device)] = True
-        return int(self.model.sampler.next_token(logits, request.settings, seen, request.generator))
+    def next_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
+        """The next token of each request, logits [R, V]. Requests with the same greedy settings are decided in
+        one call (an argmax per row, as alone); a sampling request draws from its own generator."""
+        tokens: dict[int, int] = {}
+        groups: dict[SamplingSettings, list[int]] = {}
+        for i, r in enumerate(requests):
+            groups.setdefault(r.settings if r.settings.greedy else i, []).append(i)
+        for rows in groups.values():
+            settings, seen = requests[rows[0]].settings, None
+            if settings.repetition_penalty != 1.0:
+                seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
+                for k, i in enumerate(rows):
+                    seen[k, torch.tensor(requests[i].tokens, device=logits.device)] = True
+            chosen = self.model.sampler.next_token(logits[rows], settings, seen, requests[rows[0]].generator)
+            tokens.update(zip(rows, chosen.tolist()))
+        return [tokens[i] for i in range(len(requests))]
 
     def is_done(self, request: Request, token: int) -> bool:
         if token == request.eos_token_id or len(request.generated) == request.max_new_tokens:

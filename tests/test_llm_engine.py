@@ -185,11 +185,16 @@ def run_streaming(engine: LLMEngine, w: Workload) -> list[list[int]]:
             if a == step:
                 rid = engine.add_request(w.prompts[i], **{**COMMON, **w.settings[i]})
                 ids[i], streams[rid] = rid, []
+        busy = engine.has_unfinished()
         for rid, token, finished in engine.step():
             assert rid not in done, f"{w.describe()}\n  request {rid} got token {token} after it finished"
             streams[rid].append(token)
             if finished:
                 done.add(rid)
+        if busy:  # the step's limits: requests and tokens
+            ran = engine.last_step
+            assert 1 <= len(ran) <= w.engine.get("max_num_seqs", 32), f"{w.describe()}\n  step {step} ran {ran}"
+            assert sum(n for _, n in ran) <= w.engine.get("max_num_batched_tokens", 512), f"{w.describe()}\n  {ran}"
         step += 1
         assert step < 10_000, f"{w.describe()}\n  no end after {step} steps"
     assert done == set(streams), f"{w.describe()}\n  finished: {sorted(done)} of {sorted(streams)}"
@@ -315,8 +320,9 @@ def test_bundled_model_workloads_with_stop_strings(shakespeare, tokenizer, seed)
         settings.append(s)
         expected.append(tokens)
     largest = max(-(-(len(p) + s["max_new_tokens"]) // bs) for p, s in zip(prompts, settings))
-    engine = LLMEngine(shakespeare, block_size=bs, num_blocks=largest + 1, max_num_seqs=4, max_num_batched_tokens=24)
-    w = Workload(seed, prompts, settings, [rng.randint(0, 6) for _ in prompts], {}, len(system))
+    limits = dict(block_size=bs, num_blocks=largest + 1, max_num_seqs=4, max_num_batched_tokens=24)
+    engine = LLMEngine(shakespeare, **limits)
+    w = Workload(seed, prompts, settings, [rng.randint(0, 6) for _ in prompts], limits, len(system))
     got = run_streaming(engine, w) if seed % 2 else engine.generate(prompts, w.arrivals, settings)
     assert got == expected, first_difference(shakespeare, w, expected, got)
     assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0, engine.stats

@@ -207,7 +207,7 @@ def test_ratios_table_and_figure(tiny_results, tmp_path):
     assert f"prefix caching cuts TTFT p50 {q['prefix_cache_ttft_p50_speedup']:.1f}x" in text
     assert "same tokens as static batching: yes" in text
     width, height = png_size(sb.plot(r, tmp_path))
-    assert 600 <= width <= 1600 and 0.3 < height / width < 1.2
+    assert 600 <= width <= 1600 and 0.3 < height / width < 2
 
 
 def test_bench_serving_end_to_end_keeps_the_rest_of_bench_json(tmp_path, monkeypatch, capsys):

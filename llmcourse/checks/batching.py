@@ -201,7 +201,7 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
 
     cases = [
         case("one prompt: nothing to pad", [[5, 6, 7]]),
-        case("two prompts", [[5, 6, 7], [8]], hint="[[5, 6, 7], [0, 0, 8]]: the short row is padded on the left"),
+        case("two prompts", [[5, 6, 7], [8]]),
         case("equal lengths: no padding", [[1, 2], [3, 4], [5, 6]]),
         case("pad_id = 50256 (GPT-2's <|endoftext|>)", [[11, 12, 13, 14], [15, 16]], 50256,
              hint="fill the padding with pad_id"),
@@ -346,7 +346,7 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
     for i, (g, e) in enumerate(zip(got[1:], expected[1:])):
         before = expected[i]
         done = "; ".join(_call(ev.op) for ev in expected[max(1, i - 5) : i + 1])
-        at = f"after {done + '; ' if done else ''}{_call(e.op)}"
+        at = f"{_call(e.op)} " + (f"after {'…; ' if i > 5 else ''}{done}" if done else "on a new allocator")
         op, block = e.op[0], (e.op[1] if len(e.op) > 1 else None)
         if e.error is not None and not isinstance(g.error, type(e.error)):
             hint = ("raise MemoryError when the free list is empty: the engine then preempts a request"
@@ -362,7 +362,7 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
                 hint = ("your free list is last in, first out: allocate takes from the front (popleft), release "
                         "appends to the back, so a freed block — whose cached keys may serve a prefix again — is "
                         "reused last")
-            return f"{at}: allocate() returned {short(g.result, 20)}, expected {e.result} (free list before: " \
+            return f"{at} returned {short(g.result, 20)}, expected {e.result} (the free list was " \
                    f"{short(before.free, 60)})", hint
         if (g.free, g.ref_count, g.num_free) != (e.free, e.ref_count, e.num_free):
             hint = ""
@@ -378,7 +378,7 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
                 hint = "allocate sets the block's count to 1, share adds one, release takes one away"
             elif g.num_free != e.num_free:
                 hint = "num_free is the number of blocks on the free list: len(self.free)"
-            return (f"{at}: expected free = {short(e.free, 60)}, ref_count = {short(e.ref_count, 60)}, num_free = "
+            return (f"{at}: then expected free = {short(e.free, 60)}, ref_count = {short(e.ref_count, 60)}, num_free = "
                     f"{e.num_free}; got free = {short(g.free, 60)}, ref_count = {short(g.ref_count, 60)}, num_free = "
                     f"{short(g.num_free, 20)}", hint)
     return None
@@ -425,7 +425,12 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
     def judge(case, got):
         if case.args[0] == "engine":
             return _engine_verdict("BlockAllocator", ENGINE_RUNS[case.args[1]][1], case.expected, got)
-        return _allocator_verdict(case, got)
+        verdict = _allocator_verdict(case, got)
+        if verdict:  # the problem names the operation, what was expected and what came: no traces to show
+            problem, hint = verdict
+            hints = "".join(f"\n  hint: {h}" for h in (hint, case.hint) if h)
+            raise CheckFailed(f"✗ BlockAllocator — {case.description}: {problem}\n  input:    {show(case.args)}{hints}")
+        return None
 
     run_check("BlockAllocator", run, cases, judge=judge, forbid=[NO_ENGINE_ALLOCATOR], show_call=show, seconds=10,
               total_seconds=40, success=None)
@@ -604,7 +609,11 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
         problem = tensor_problem(got, case.expected, atol=0, rtol=0)
         if problem is None:
             return None
-        return problem, diagnose(got, case.args[1:], GATHER_MISTAKES, case.expected, atol=0, rtol=0)
+        hint = diagnose(got, case.args[1:], GATHER_MISTAKES, case.expected, atol=0, rtol=0)
+        if not hint and isinstance(got, Tensor) and got.dim() == 3 and got.shape[1] != case.args[3]:
+            hint = (f"return exactly `length` = {case.args[3]} positions: those of the blocks block_table[0], "
+                    f"block_table[1], … in order, cut at length")
+        return problem, hint
 
     run_check("gather_kv", run, cases, judge=judge, forbid=[NO_ENGINE_GATHER], show_call=show, seconds=10,
               total_seconds=30)
