@@ -127,25 +127,35 @@ def guarded_allocator(cls: Callable) -> Callable:
         def __init__(self, num_blocks: int):
             self.num_blocks = num_blocks
             self.inner = raising_part(cls, "BlockAllocator")(num_blocks)
+            self.users = [0] * num_blocks  # what the engine asked for, to catch a block handed out twice
 
         @property
         def num_free(self) -> int:
-            return raising_part(lambda: self.inner.num_free, "BlockAllocator")()
+            n = raising_part(lambda: self.inner.num_free, "BlockAllocator")()
+            if n != self.users.count(0):
+                _fail("BlockAllocator", cls, f"num_free is {n!r}, but {self.users.count(0)} blocks are not in use")
+            return n
 
         @property
         def ref_count(self) -> list[int]:
-            return self.inner.ref_count
+            return self.users
 
         def allocate(self) -> int:
             block = raising_part(self.inner.allocate, "BlockAllocator")()
             if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
                 _fail("BlockAllocator", cls, f"allocate() returned {block!r}, not a block id in [0, {self.num_blocks})")
+            if self.users[block]:
+                _fail("BlockAllocator", cls, f"allocate() returned block {block}, which is in use "
+                                             f"({self.users[block]} user(s)): it would be handed out twice")
+            self.users[block] = 1
             return block
 
         def share(self, block: int) -> None:
             raising_part(self.inner.share, "BlockAllocator")(block)
+            self.users[block] += 1
 
         def release(self, block: int) -> None:
             raising_part(self.inner.release, "BlockAllocator")(block)
+            self.users[block] -= 1
 
     return Guarded

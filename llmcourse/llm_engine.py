@@ -62,6 +62,7 @@ class LLMEngine:
                                    max_num_batched_tokens=max_num_batched_tokens, policy=self.batching.schedule)
         self.requests: dict[int, Request] = {}
         self.num_steps = 0
+        self.steps_without_token = 0
         self.last_step: list[tuple[int, int]] = []  # (request id, tokens computed) in the latest step
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
@@ -109,6 +110,10 @@ class LLMEngine:
         except MemoryError as err:
             raise PartError(f"the scheduler gave out more blocks than were free ({err}); "
                             "hint: run the checks for 'schedule' and 'BlockAllocator' in chapter 07") from err
+        if not batch:  # a learner's policy may preempt without running anything
+            self.steps_without_token += 1
+            self.check_progress()
+            return []
         chunks = [paged_cache.Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, r.block_table)
                   for r, n in batch]
         logits = paged_cache.forward(self.model, self.cache, chunks, gather=self.batching.gather_kv,
@@ -120,6 +125,8 @@ class LLMEngine:
             self.num_computed_tokens += n
             self.blocks.remember_full_blocks(request)
         rows = [row for row, (r, _) in enumerate(batch) if r.num_computed == len(r.tokens)]  # not mid-prompt
+        self.steps_without_token = 0 if rows else self.steps_without_token + 1
+        self.check_progress()
         out = []
         for row, token in zip(rows, self.next_tokens([batch[row][0] for row in rows], logits[rows])):
             request = batch[row][0]
@@ -129,6 +136,15 @@ class LLMEngine:
                 self.scheduler.finish(request)
             out.append((request.id, token, done))
         return out
+
+    def check_progress(self) -> None:
+        """Never hang: the oldest request gets a token within as many steps as it has tokens (it runs first, with
+        at least one token of budget), so far more steps without any token means a policy that makes no progress."""
+        pending = self.scheduler.running + list(self.scheduler.waiting)
+        if self.steps_without_token > 2 * sum(len(r.tokens) for r in pending) + 8:
+            raise PartError(f"part 'schedule' makes no progress: {self.steps_without_token} steps without a new "
+                            f"token ({self.scheduler.num_preempted} preemptions so far)\n"
+                            "  hint: run the check for 'schedule' in chapter 07 to debug it")
 
     def next_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         """The next token of each request, logits [R, V]. Requests with the same greedy settings are decided in

@@ -97,6 +97,9 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
             return gather_kv(pool, decode_tables, longest)
         return torch.stack([F.pad(gather(pool, tables[j], ends[j]), (0, 0, 0, longest - ends[j])) for j in decodes])
 
+    if gather is not gather_kv:
+        gather = checked_gather(gather)
+
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
         k_pool, v_pool = cache.k[layer], cache.v[layer]
         k_pool.view(-1, H, D)[slots] = k[0].transpose(0, 1)  # [N, H, D] into their slots
@@ -115,6 +118,21 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
     x = model.blocks(model.embed(input_ids, positions[None]), attend)  # [1, N, C]
     last = torch.tensor([o + n - 1 for o, n in zip(starts, lengths)], device=device)
     return model.head(x[0, last])  # [len(chunks), V]
+
+
+def checked_gather(gather: Callable) -> Callable:
+    """A learner's gather, compared with the engine's at every call: wrong keys would silently change the text."""
+    from .parts import PartError
+
+    def call(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
+        out, want = gather(pool, block_table, length), gather_kv(pool, block_table, length)
+        if not torch.equal(out, want):
+            raise PartError(f"part 'gather_kv' read positions 0..{length - 1} through block table "
+                            f"{block_table.tolist()} wrongly: they differ from the pool's blocks in that order\n"
+                            "  hint: run the check for 'gather_kv' in chapter 07 to debug it")
+        return out
+
+    return call
 
 
 def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None:

@@ -453,7 +453,7 @@ def plot(r: dict, out: Path) -> Path:
                     ax.bar([0.2, 1.2], values[2:], 0.4, color=ENGINE, label=labels[1])
                     ax.set_xticks([0, 1], ["p50", "p99"])
                     if col == 0:
-                        ax.legend(loc="upper left", fontsize=11, handlelength=1)
+                        ax.legend(loc="upper left", fontsize=12, handlelength=1)
                 ax.set_ylim(0, (1.7 if key and col == 0 else 1.3) * max(values))  # room for the legend
                 ax.yaxis.set_major_locator(matplotlib.ticker.MaxNLocator(3))
                 if col == 0:

@@ -244,9 +244,9 @@ def run_workloads(seeds, make_model, tally: Tally) -> None:
 
 def test_engine_gives_every_request_its_alone_tokens_fp32():
     tally = Tally()
-    run_workloads(range(240), tiny_model, tally)
+    run_workloads(range(200), tiny_model, tally)
     print(f"\nfp32: {tally}")
-    assert tally.workloads == 240
+    assert tally.workloads == 200
     # The workloads reach what they are meant to reach.
     assert tally.preempted >= 20 and tally.cached >= 20 and tally.preempted_and_cached >= 5, tally
     assert tally.chunked >= 50 and tally.eos >= 50, tally
@@ -502,7 +502,7 @@ def test_my_batching_functions_give_the_same_tokens():
     assert generate(model, prompts, max_new_tokens=6, eos_token_id=None) == \
         [alone(reference, p, {"max_new_tokens": 6}) for p in prompts]  # left_pad: a static batch
     tally = Tally()
-    run_workloads(range(2000, 2030), lambda seed: model, tally)  # the references come from the same model
+    run_workloads(range(2000, 2024), lambda seed: model, tally)  # the references come from the same model
     assert tally.preempted >= 3 and tally.cached >= 3, tally
 
 
@@ -563,7 +563,7 @@ def my_schedule_thrashes(running, waiting, num_free_blocks, *, block_size, **lim
     return {s.id: min(block_size, s.num_tokens - s.num_computed) for s in start}, [s.id for s in reversed(running)]
 
 
-FINDING = pytest.mark.xfail(strict=True, reason="finding tests-2 (/tmp/bugs12/tests-2.md): not stopped yet")
+FINDING = pytest.mark.xfail(strict=True, reason="finding tests-2")
 BROKEN = [
     ("gather_kv", my_broken_gather_ignores_the_table, r"part 'gather_kv'", FINDING),
     ("gather_kv", my_gather_kv_raises, r"part 'gather_kv' \(my_gather_kv_raises\) raised IndexError", ()),
