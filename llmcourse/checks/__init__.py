@@ -16,6 +16,8 @@ described in `llmcourse.checks.core`.
 
 from .attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention, check_softmax,
                         check_split_heads, check_tiled_attention)
+from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
+                       check_slot_mapping)
 from .core import Case, CheckFailed, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
@@ -40,4 +42,5 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_load_gpt2_checkpoint",
            "check_temperature", "check_greedy", "check_top_k", "check_top_p", "check_min_p", "check_repetition_penalty",
            "check_sample", "check_next_token", "check_beam_search", "check_stream_text",
-           "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes"]
+           "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes",
+           "check_left_pad", "check_block_allocator", "check_slot_mapping", "check_gather_kv", "check_schedule"]
