@@ -107,7 +107,9 @@ def sizes_for(n_positions: int, quick: bool = False) -> Sizes:
                                     user_median=min(sizes.user_median, n_positions // 16))
     if quick:
         sizes = dataclasses.replace(sizes, requests=16, batch_size=4, max_num_seqs=4, prefix_requests=8,
-                                    output_max=min(32, sizes.output_max))
+                                    prompt_max=min(32, sizes.prompt_max), output_max=min(16, sizes.output_max),
+                                    prompt_median=min(8, sizes.prompt_median), output_median=min(8, sizes.output_median),
+                                    system_len=min(64, sizes.system_len), prefix_output=min(4, sizes.prefix_output))
     return sizes
 
 

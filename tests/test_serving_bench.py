@@ -149,11 +149,11 @@ def test_a_static_batch_waits_for_its_last_request_and_the_previous_batch(tiny):
     assert records[1].token_times[0] >= 0.3  # the second batch: request 1 alone
 
 
-def test_the_engine_waits_for_arrivals_and_sees_each_request_join_when_it_arrives(tiny):
+def test_the_engine_adds_each_request_when_it_arrives(tiny):
     w = sb.Workload([[1, 2, 3], [4, 5]], [3, 3], [0.0, 0.2])
     records, stats = sb.run_engine(tiny, w, max_num_seqs=4)
-    assert records[1].token_times[0] >= 0.2 and records[0].token_times[-1] < 0.2  # the first was done before
-    assert stats["steps"] == 6
+    assert records[1].token_times[0] >= 0.2  # not before it arrived, however fast the engine is
+    assert [len(r.tokens) for r in records] == [3, 3] and 3 <= stats["steps"] <= 6
 
 
 def test_bad_batch_size_is_refused(tiny):
@@ -187,9 +187,9 @@ def test_the_benchmark_measures_every_figure(tiny_results):
         for key in ("tokens_per_s", "wall_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"):
             assert isinstance(v[key], float) and math.isfinite(v[key]) and v[key] > 0, (key, v)
         assert v["ttft_p50_ms"] <= v["ttft_p99_ms"] and v["tpot_p50_ms"] <= v["tpot_p99_ms"]
-    # prefix caching served the system prompt's full blocks from the cache, and only with caching on
-    full = sizes["system_len"] // sizes["block_size"] * sizes["block_size"]
-    assert prefix["cached"]["cached_tokens"] >= (sizes["prefix_requests"] - 1) * full // 2
+    # prefix caching served system prompt blocks from the cache, and only with caching on (how many depends on
+    # how the arrivals fell: requests admitted in the same step cannot share what is not computed yet)
+    assert prefix["cached"]["cached_tokens"] % sizes["block_size"] == 0 and prefix["cached"]["cached_tokens"] > 0
     assert prefix["uncached"]["cached_tokens"] == 0
     assert prefix["cached"]["computed_tokens"] < prefix["uncached"]["computed_tokens"]
     assert any("static batching" in line for line in lines) and any("prefix caching off" in line for line in lines)
@@ -210,14 +210,17 @@ def test_ratios_table_and_figure(tiny_results, tmp_path):
     assert 600 <= width <= 1600 and 0.3 < height / width < 2
 
 
-def test_bench_serving_end_to_end_keeps_the_rest_of_bench_json(tmp_path, monkeypatch, capsys):
-    """`python -m llmcourse bench --serving tiny`, in this process, with the quick sizes."""
+def test_bench_serving_end_to_end_keeps_the_rest_of_bench_json(tiny_results, tmp_path, monkeypatch, capsys):
+    """`python -m llmcourse bench --serving tiny`, in this process, on the measurements above (`run` is tested
+    there): the flags reach it, the JSON keeps the other sections, the table, the ratios and the figure come."""
     from llmcourse.__main__ import main
 
-    sizes_for = sb.sizes_for
-    monkeypatch.setattr(sb, "sizes_for", lambda n_positions, quick=False: sizes_for(n_positions, quick=True))
+    calls = []
+    measured = {k: v for k, v in tiny_results[0].items() if k != "ratios"}
+    monkeypatch.setattr(sb, "run", lambda *a, **kw: calls.append((a, kw)) or json.loads(json.dumps(measured)))
     (tmp_path / "bench.json").write_text(json.dumps({"decode": {"engine": 1.0}}))
-    assert main(["bench", "--serving", "tiny", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    assert main(["bench", "--serving", "tiny", "--device", "cpu", "--dtype", "float16", "--out", str(tmp_path)]) == 0
+    assert calls == [((["tiny"],), {"device": "cpu", "dtype": "float16", "quick": False})]
     out, err = capsys.readouterr()
     r = json.loads((tmp_path / "bench.json").read_text())
     assert r["decode"] == {"engine": 1.0}  # the other sections stay
@@ -226,6 +229,16 @@ def test_bench_serving_end_to_end_keeps_the_rest_of_bench_json(tmp_path, monkeyp
     assert re.search(r"prefix caching cuts TTFT p50 \d+\.\dx", out)
     assert (tmp_path / sb.FIGURE).exists() and str(tmp_path / sb.FIGURE) in out
     assert not err
+
+
+def test_a_failing_table_or_figure_loses_no_measurement(tiny_results, tmp_path, monkeypatch, capsys):
+    measured = {k: v for k, v in tiny_results[0].items() if k != "ratios"}
+    monkeypatch.setattr(sb, "run", lambda *a, **kw: json.loads(json.dumps(measured)))
+    monkeypatch.setattr(sb, "plot", lambda *a: 1 / 0)
+    assert sb.main(["tiny"], tmp_path) == 1
+    out, err = capsys.readouterr()
+    assert "ZeroDivisionError" in err and "the measurements are in" in err and "continuous / static" in out
+    assert json.loads((tmp_path / "bench.json").read_text())["serving"]["models"] == measured["models"]
 
 
 def test_bench_serving_without_a_value_means_both_models():
