@@ -442,3 +442,28 @@ def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_
                      dict(num_beams=3)):
         expected = llmcourse.generate(engine, prompts, max_new_tokens=30, **settings)
         assert llmcourse.generate(mine, prompts, max_new_tokens=30, **settings) == expected, settings
+
+
+def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functions(tmp_path):
+    """Chapter 07 solved as its solution solves it: all five batching functions are the learner's, and
+    LLMEngine (paged, continuously batched, prefix-cached, preempting) gives the tokens the engine's own
+    functions give, which are those of `generate` alone."""
+    import llmcourse
+    from llmcourse.learner import BATCHING_SLOTS, your_pieces
+
+    solved_copy("07_batching", tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert sorted(pieces.batching.overridden()) == sorted(BATCHING_SLOTS), notices
+    model = llmcourse.load_model(device="cpu")
+    tok = llmcourse.get_tokenizer()
+    system = tok.encode("KING HENRY:\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious.")
+    prompts = [system + tok.encode(p) for p in ("\nROMEO:", "\nJULIET:", "\nHAMLET: To be")] + [tok.encode("ROMEO:")]
+    settings = [dict(), dict(temperature=0.8, top_p=0.95, seed=3), dict(max_new_tokens=9), dict(repetition_penalty=1.3)]
+    alone = [llmcourse.generate(model, p, **{"max_new_tokens": 24, **s}) for p, s in zip(prompts, settings)]
+    pieces.install(model)
+    engine = llmcourse.LLMEngine(model, block_size=8, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=20)
+    assert engine.generate(prompts, arrivals=[0, 1, 1, 4], settings=settings, max_new_tokens=24) == alone
+    assert engine.stats["cached_tokens"] > 0 and engine.stats["preemptions"] > 0, engine.stats
+    static = llmcourse.generate(model, prompts[:3], max_new_tokens=24)  # the learner's left_pad
+    assert static == [llmcourse.generate(model, p, max_new_tokens=24) for p in prompts[:3]]
