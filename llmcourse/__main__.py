@@ -124,6 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
     bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)")
     bench.add_argument("--serving", nargs="?", const=["gpt2-shakespeare", "gpt2"], type=name_list, metavar="MODEL,...",
+                       default=argparse.SUPPRESS,
                        help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
                             "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
                             "bench.json and bench_serving.png")
