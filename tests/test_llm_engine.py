@@ -5,17 +5,17 @@ tests draw hundreds of seeded random workloads (prompt lengths from one token to
 system prompts of 0-3 blocks, a prompt equal to the whole prefix, random arrivals, per-request
 greedy or sampling settings with their own seed, EOS that really fires mid-way, block sizes 1/4/16,
 pools just big enough for the largest request, token budgets that chunk prefills, 1-8 running
-requests, prefix caching on and off) and compare every token. A failure names the workload's seed.
+requests, prefix caching on and off, stop strings) and compare every token. A failure names the
+workload's seed.
 
-Measured (one process, one torch thread, 2 shared cores): this file compares 264 random workloads on tiny
-models (200 fp32, 40 float64, 24 with a learner's batching functions; 1,014 requests, 6,295 tokens) and 3 on
-the bundled model (15 requests, stop strings); the file takes 27 s (up to 50 s while other processes
-share the cores). No token ever differed, fp32 included (a
-batched matmul may round differently, but no greedy or sampled choice flipped). Run outside the suite
-with the same generator: 2,000 more fp32 workloads (seeds 200-2199: 7,903 requests, 47,319 tokens, 494
-with preemptions, 928 with prefix-cache hits) and 500 more float64 ones (1,966 requests, 11,526 tokens),
-also without a difference.
-The paged forward of a mixed batch is within 8.3e-7 of `model(ids)` in fp32, 7.8e-16 in float64.
+Measured (one process, one torch thread, 2 shared cores): this file compares 264 random workloads on
+tiny models (200 fp32, 40 float64, 24 with a learner's batching functions; 1,014 requests, 5,913
+tokens) and 3 on the bundled model (15 requests, stop strings), in 27 s (up to 50 s while other
+processes share the cores). No token ever differed, fp32 included: a batched matmul may round
+differently, but no greedy or sampled choice flipped. Run outside the suite with the same generator,
+2,000 more fp32 workloads (seeds 200-2199: 7,903 requests, 47,319 tokens; 494 with preemptions, 928
+with prefix-cache hits) and 500 more float64 ones (1,966 requests, 11,526 tokens) gave no difference
+either. The paged forward of a mixed batch is within 8.3e-7 of `model(ids)` in fp32, 7.8e-16 in float64.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Optional
 import pytest
 import torch
 
-from llmcourse import GPT2, GPT2Config, generate, load_model
+from llmcourse import GPT2, GPT2Config, generate, get_tokenizer, load_model
 from llmcourse.batching import Batching
 from llmcourse.llm_engine import LLMEngine
 from llmcourse.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
@@ -88,6 +88,7 @@ class Workload:
 
 
 COMMON = dict(eos_token_id=None)  # tiny vocabularies have no <|endoftext|>
+TOKENIZER = get_tokenizer()
 
 
 def sampling_settings(rng: random.Random) -> dict:
@@ -143,16 +144,32 @@ def alone(model: GPT2, prompt: list[int], settings: dict) -> list[int]:
     return generate(model, prompt, **{**COMMON, **settings})
 
 
+def cut_at_stop(tokenizer, tokens: list[int], stop: list[str], eos: Optional[int]) -> list[int]:
+    """The alone run cut at the token that completes a stop string (or EOS, or the end)."""
+    for k in range(1, len(tokens) + 1):
+        if tokens[k - 1] == eos or any(s in tokenizer.decode(tokens[:k]) for s in stop):
+            return tokens[:k]
+    return tokens
+
+
 def with_eos_mid_way(rng: random.Random, model: GPT2, w: Workload) -> list[list[int]]:
     """References for the workload; about a third of the requests get an EOS token that really occurs
-    in their own continuation, so that they stop mid-way."""
+    in their own continuation, so that they stop mid-way, and one in ten a stop string from their own text
+    (GPT-2's tokenizer reads the tiny models' ids 0-96 as characters)."""
     expected = []
     for prompt, s in zip(w.prompts, w.settings):
         tokens = alone(model, prompt, s)
-        if len(tokens) > 1 and rng.random() < 0.35:
+        chance = rng.random()
+        if len(tokens) > 1 and chance < 0.35:
             s["eos_token_id"] = tokens[rng.randrange(len(tokens) - 1)]
             tokens = alone(model, prompt, s)
             assert tokens[-1] == s["eos_token_id"] and len(tokens) < s["max_new_tokens"]
+        elif len(tokens) > 1 and chance > 0.9:
+            start = rng.randrange(1, len(tokens))
+            text = TOKENIZER.decode(tokens[start : start + rng.randint(1, 2)])
+            if "\ufffd" not in text:  # ids 94-96 are single bytes of multi-byte characters
+                s["stop"] = [text]
+                tokens = cut_at_stop(TOKENIZER, tokens, s["stop"], None)
         expected.append(tokens)
     return expected
 
@@ -217,6 +234,7 @@ class Tally:
     preempted_and_cached: int = 0
     chunked: int = 0  # workloads with a prompt longer than the token budget
     eos: int = 0  # requests stopped by EOS before max_new_tokens
+    stop: int = 0  # requests stopped by a stop string before max_new_tokens
 
 
 def run_workloads(seeds, make_model, tally: Tally) -> None:
@@ -244,7 +262,9 @@ def run_workloads(seeds, make_model, tally: Tally) -> None:
         tally.cached += stats["cached_tokens"] > 0
         tally.preempted_and_cached += stats["preemptions"] > 0 and stats["cached_tokens"] > 0
         tally.chunked += max(map(len, w.prompts)) > w.engine["max_num_batched_tokens"]
-        tally.eos += sum(len(e) < s["max_new_tokens"] for e, s in zip(expected, w.settings))
+        early = [len(e) < s["max_new_tokens"] for e, s in zip(expected, w.settings)]
+        tally.eos += sum(x and "eos_token_id" in s for x, s in zip(early, w.settings))
+        tally.stop += sum(x and "stop" in s for x, s in zip(early, w.settings))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -258,7 +278,7 @@ def test_engine_gives_every_request_its_alone_tokens_fp32():
     assert tally.workloads == 200
     # The workloads reach what they are meant to reach.
     assert tally.preempted >= 20 and tally.cached >= 20 and tally.preempted_and_cached >= 5, tally
-    assert tally.chunked >= 50 and tally.eos >= 50, tally
+    assert tally.chunked >= 50 and tally.eos >= 50 and tally.stop >= 20, tally
 
 
 def test_engine_gives_every_request_its_alone_tokens_float64():
@@ -311,14 +331,6 @@ def test_step_on_an_idle_engine_returns_nothing():
 
 SHAKESPEARE = ["ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "HAMLET:\nTo be, or not",
                "KING RICHARD III:\nNow is the winter", "MACBETH:\nIs this a dagger", "First Citizen:\nBefore we"]
-
-
-def cut_at_stop(tokenizer, tokens: list[int], stop: list[str], eos: int) -> list[int]:
-    """The alone run cut at the token that completes a stop string (or EOS, or the end)."""
-    for k in range(1, len(tokens) + 1):
-        if tokens[k - 1] == eos or any(s in tokenizer.decode(tokens[:k]) for s in stop):
-            return tokens[:k]
-    return tokens
 
 
 @pytest.fixture(scope="module")
