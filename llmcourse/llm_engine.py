@@ -116,19 +116,19 @@ class LLMEngine:
             return []
         chunks = [paged_cache.Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, r.block_table)
                   for r, n in batch]
-        logits = paged_cache.forward(self.model, self.cache, chunks, gather=self.batching.gather_kv,
-                                     slots_of=self.batching.slot_mapping)  # [len(batch), V]
+        rows = [row for row, (r, n) in enumerate(batch) if r.num_computed + n == len(r.tokens)]  # not mid-prompt
+        logits = paged_cache.forward(self.model, self.cache, chunks, rows, gather=self.batching.gather_kv,
+                                     slots_of=self.batching.slot_mapping)  # [len(rows), V]
         self.num_steps += 1
         self.last_step = [(r.id, n) for r, n in batch]
         for request, n in batch:
             request.num_computed += n
             self.num_computed_tokens += n
             self.blocks.remember_full_blocks(request)
-        rows = [row for row, (r, _) in enumerate(batch) if r.num_computed == len(r.tokens)]  # not mid-prompt
         self.steps_without_token = 0 if rows else self.steps_without_token + 1
         self.check_progress()
         out = []
-        for row, token in zip(rows, self.next_tokens([batch[row][0] for row in rows], logits[rows])):
+        for row, token in zip(rows, self.next_tokens([batch[row][0] for row in rows], logits)):
             request = batch[row][0]
             request.tokens.append(token)
             done = self.is_done(request, token)
@@ -159,7 +159,8 @@ class LLMEngine:
                 seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
                 for k, i in enumerate(rows):
                     seen[k, torch.tensor(requests[i].tokens, device=logits.device)] = True
-            chosen = self.model.sampler.next_token(logits[rows], settings, seen, requests[rows[0]].generator)
+            scores = logits if len(rows) == len(requests) else logits[rows]  # [len(rows), V]
+            chosen = self.model.sampler.next_token(scores, settings, seen, requests[rows[0]].generator)
             tokens.update(zip(rows, chosen.tolist()))
         return [tokens[i] for i in range(len(requests))]
 

@@ -12,7 +12,7 @@ chunks of several requests side by side, each attending to its own keys through 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,11 +60,12 @@ class Chunk(NamedTuple):
 
 
 @torch.inference_mode()
-def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable = gather_kv,
-            slots_of: Callable = slot_mapping) -> Tensor:
+def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional[list[int]] = None, *,
+            gather: Callable = gather_kv, slots_of: Callable = slot_mapping) -> Tensor:
     """Run the chunks of several requests as one batch of N tokens; each chunk's keys and values go into the
-    pool, and each chunk attends to all of its request's positions so far. -> logits [len(chunks), vocab_size]
-    of each chunk's last token.
+    pool, and each chunk attends to all of its request's positions so far. -> logits [len(logits_of), vocab_size]
+    of the last token of the chunks `logits_of` (default: all; the engine asks only for those that end a
+    request's known tokens, not for prefill chunks whose next token is already known).
 
     The linear layers see all N tokens at once (one matrix product per layer: what batching buys); the
     attention runs per prefill chunk, and for all single-token (decode) chunks at once, padded and masked.
@@ -116,8 +117,9 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], *, gather: Callable
         return out
 
     x = model.blocks(model.embed(input_ids, positions[None]), attend)  # [1, N, C]
-    last = torch.tensor([o + n - 1 for o, n in zip(starts, lengths)], device=device)
-    return model.head(x[0, last])  # [len(chunks), V]
+    logits_of = range(len(chunks)) if logits_of is None else logits_of
+    last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)
+    return model.head(x[0, last])  # [len(logits_of), V]
 
 
 def checked_gather(gather: Callable) -> Callable:

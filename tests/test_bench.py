@@ -104,10 +104,12 @@ def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled
 
 
 def test_the_documentation_shows_the_commands_tested_here():
-    assert documented_commands() == ["python -m llmcourse bench", "python -m llmcourse bench --no-compile"]
+    assert documented_commands() == ["python -m llmcourse bench", "python -m llmcourse bench --no-compile",
+                                     "python -m llmcourse bench --serving"]
 
 
-@pytest.mark.parametrize("command", documented_commands())
+# `bench --serving` runs end to end (on the tiny configuration) in tests/test_serving_bench.py
+@pytest.mark.parametrize("command", [c for c in documented_commands() if "--serving" not in c])
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):
     """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""
     done, r = run_bench(command, tmp_path)
@@ -189,7 +191,7 @@ def test_the_benchmarks_page_shows_the_figures_bench_writes():
     """benchmarks.md shows every figure of images/bench.json, which is what `bench` writes today."""
     page = (ROOT / "benchmarks.md").read_text()
     shown = re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page)
-    assert shown == list(FIGURES.values())
+    assert shown == [*FIGURES.values(), "bench_serving.png"]  # the last from `bench --serving`
     r = json.loads((ROOT / "images" / "bench.json").read_text())
     for name in shown:
         assert png_size(ROOT / "images" / name)[0] >= 600
