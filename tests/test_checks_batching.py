@@ -659,3 +659,17 @@ def test_engine_with_a_wrong_part_differs_from_alone():
     assert got != expected
     with pytest.raises(Exception, match="schedule|blocks"):
         run_engine(model, work, Batching.with_overrides(schedule=variant(cached_prefix=False)))
+
+
+def test_left_pad_gives_transformers_each_prompt_alone_and_the_bug_does_not(small_pair):
+    """Independent of the engine: transformers' GPT-2 on a batch padded by the reference left_pad (its mask and
+    position ids) gives each row the last-position logits of its prompt alone; with positions 0 … T-1 it does not."""
+    _, hf = small_pair
+    prompts = [[5, 6, 7, 8, 9, 10], [11], [12, 13, 14]]
+    alone_logits = [hf(torch.tensor([p])).logits[0, -1] for p in prompts]
+    for pad, exact in [(left_pad, True), (pad_positions_count_padding, False)]:
+        ids, mask, positions = pad(prompts)
+        with torch.no_grad():
+            batch = hf(ids, attention_mask=mask, position_ids=positions).logits[:, -1]
+        close = [torch.allclose(batch[r], alone_logits[r], atol=1e-4) for r in range(len(prompts))]
+        assert close == ([True] * 3 if exact else [True, False, False]), (pad.__name__, close)
