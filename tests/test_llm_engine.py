@@ -13,9 +13,9 @@ tiny models (200 fp32, 40 float64, 24 with a learner's batching functions; 1,014
 tokens) and 3 on the bundled model (15 requests, stop strings), in 27 s (up to 50 s while other
 processes share the cores). No token ever differed, fp32 included: a batched matmul may round
 differently, but no greedy or sampled choice flipped. Run outside the suite with the same generator,
-2,000 more fp32 workloads (seeds 200-2199: 7,903 requests, 47,319 tokens; 494 with preemptions, 928
-with prefix-cache hits) and 500 more float64 ones (1,966 requests, 11,526 tokens) gave no difference
-either. The paged forward of a mixed batch is within 8.3e-7 of `model(ids)` in fp32, 7.8e-16 in float64.
+2,000 more fp32 workloads (seeds 200-2199: 7,903 requests, 44,894 tokens; 466 with preemptions, 920
+with prefix-cache hits, 556 requests cut by a stop string) and 500 more float64 ones (1,966 requests,
+10,949 tokens) gave no difference either. The paged forward of a mixed batch is within 8.3e-7 of `model(ids)` in fp32, 7.8e-16 in float64.
 """
 
 from __future__ import annotations
