@@ -15,7 +15,8 @@ processes share the cores). No token ever differed, fp32 included: a batched mat
 differently, but no greedy or sampled choice flipped. Run outside the suite with the same generator,
 2,000 more fp32 workloads (seeds 200-2199: 7,903 requests, 44,894 tokens; 466 with preemptions, 920
 with prefix-cache hits, 556 requests cut by a stop string) and 500 more float64 ones (1,966 requests,
-10,949 tokens) gave no difference either. The paged forward of a mixed batch is within 8.3e-7 of `model(ids)` in fp32, 7.8e-16 in float64.
+10,949 tokens) gave no difference either. The paged forward of a mixed batch is within 8.3e-7 of
+`model(ids)` in fp32, 7.8e-16 in float64.
 """
 
 from __future__ import annotations
