@@ -289,6 +289,16 @@ def test_engine_gives_every_request_its_alone_tokens_float64():
     assert tally.preempted >= 3 and tally.cached >= 3, tally
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_engine_gives_every_request_its_alone_tokens_on_cuda(dtype):
+    """The same property on a GPU: the pools, tables and generators live on the device (float16 too)."""
+    tally = Tally()
+    run_workloads(range(2000, 2030), lambda seed: tiny_model(seed).to("cuda", dtype), tally)
+    print(f"\ncuda {dtype}: {tally}")
+    assert tally.workloads == 30 and tally.preempted >= 2 and tally.cached >= 2, tally
+
+
 @pytest.mark.parametrize("mine", [False, True], ids=["engine's", "my batching functions"])
 def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own(mine):
     """Requests 1 and 2 share the block of [1, 2, 3, 4]; when request 0 needs a block, preempting request 2
