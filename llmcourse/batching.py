@@ -52,12 +52,7 @@ class Batching(Slots):
     @classmethod
     def with_overrides(cls, **overrides: Callable) -> "Batching":
         """The engine's batching functions with some replaced, each guarded."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        for name, fn in overrides.items():
-            if name not in names:
-                raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
-            if not callable(fn):
-                raise ValueError(f"part {name!r} must be a function or class, got {type(fn).__name__}")
+        cls.check_overrides(overrides)
         wrap = {"left_pad": guarded_left_pad, "BlockAllocator": guarded_allocator, "schedule": raising_part,
                 "slot_mapping": guarded_slot_mapping}
         return cls(**{n: wrap[n](fn) if n in wrap else guarded(n, fn, _expected) for n, fn in overrides.items()})

@@ -180,14 +180,19 @@ class Slots:
     (`Parts` here, `llmcourse.sampling.Sampler`)."""
 
     @classmethod
-    def guarded_overrides(cls, overrides: dict, expect: Callable[[str, tuple], tuple] = _expected_output) -> dict:
-        """`overrides`, each `guarded`; names that are not slots and values that are not functions refused."""
+    def check_overrides(cls, overrides: dict) -> None:
+        """Refuse names that are not slots and values that are not functions (or classes)."""
         names = {f.name for f in dataclasses.fields(cls)}
         for name, fn in overrides.items():
             if name not in names:
                 raise ValueError(f"unknown part {name!r}; the parts are: {', '.join(sorted(names))}")
             if not callable(fn):
                 raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
+
+    @classmethod
+    def guarded_overrides(cls, overrides: dict, expect: Callable[[str, tuple], tuple] = _expected_output) -> dict:
+        """`overrides`, each `guarded` (see `check_overrides` for what is refused)."""
+        cls.check_overrides(overrides)
         return {name: guarded(name, fn, expect) for name, fn in overrides.items()}
 
     def overridden(self) -> list[str]:
