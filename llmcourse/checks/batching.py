@@ -11,7 +11,7 @@ must give every request exactly the tokens it gets alone.
     >>> def slot_mapping(block_table, positions, block_size):
     ...     return block_table[positions // block_size] * block_size + positions % block_size
     >>> check_slot_mapping(slot_mapping)
-    ✓ slot_mapping — 12 cases
+    ✓ slot_mapping — 13 cases
 """
 
 from __future__ import annotations
