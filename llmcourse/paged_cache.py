@@ -46,10 +46,6 @@ class PagedKVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.block_size = block_size
 
-    @staticmethod
-    def bytes_per_token(config: GPT2Config, dtype: torch.dtype) -> int:
-        return 2 * config.n_layer * config.n_embd * torch.finfo(dtype).bits // 8
-
 
 class Chunk(NamedTuple):
     """`tokens` of one request, at positions start … start + len(tokens) - 1, with its block table."""
@@ -93,13 +89,13 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
         decode_tables = torch.tensor([chunks[j].block_table + [0] * (width - len(chunks[j].block_table))
                                       for j in decodes], device=device)  # [G, width], padded with block 0
 
-    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]; past each request's end: masked, never read
-        if gather is gather_kv:  # the engine's reads all the tables at once
-            return gather_kv(pool, decode_tables, longest)
-        return torch.stack([F.pad(gather(pool, tables[j], ends[j]), (0, 0, 0, longest - ends[j])) for j in decodes])
-
     if gather is not gather_kv:
         gather = checked_gather(gather)
+
+    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]; past each request's end: masked, never read
+        if gather is gather_kv:  # the engine's reads all the tables at once (a learner's is checked, per request)
+            return gather_kv(pool, decode_tables, longest)
+        return torch.stack([F.pad(gather(pool, tables[j], ends[j]), (0, 0, 0, longest - ends[j])) for j in decodes])
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
         k_pool, v_pool = cache.k[layer], cache.v[layer]
