@@ -140,6 +140,8 @@ class LLMEngine:
     def check_progress(self) -> None:
         """Never hang: the oldest request gets a token within as many steps as it has tokens (it runs first, with
         at least one token of budget), so far more steps without any token means a policy that makes no progress."""
+        if self.steps_without_token <= 8:  # the usual case, decided without walking the queues
+            return
         pending = self.scheduler.running + list(self.scheduler.waiting)
         if self.steps_without_token > 2 * sum(len(r.tokens) for r in pending) + 8:
             raise PartError(f"part 'schedule' makes no progress: {self.steps_without_token} steps without a new "
