@@ -87,7 +87,7 @@ def run_engine(model, work: Workload, batching: Batching) -> tuple[list[list[int
     -> the tokens of each request, and the engine's stats."""
     before, watch = model.batching, sys.getprofile()
     model.batching = batching
-    sys.setprofile(None)  # the engine may call its own functions (it compares a learner's gather with its own)
+    sys.setprofile(None)  # the engine's own code is not watched (and runs faster): `watched` re-arms it for theirs
     try:
         with one_thread():
             engine = LLMEngine(model, **work.engine)
