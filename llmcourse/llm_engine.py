@@ -66,18 +66,21 @@ class LLMEngine:
         self.last_step: list[tuple[int, int]] = []  # (request id, tokens computed) in the latest step
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
-    def add_request(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, eos_token_id: Optional[int] = EOT_ID,
-                    seed: int = 0, stop: Sequence[str] = (), **sampling) -> int:
+    def add_request(self, prompt_ids: Sequence[int], **settings) -> int:
         """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings (and `stop` strings:
         the request ends with the token that completes one). A request that can never run is refused with a
         ValueError, and the engine goes on with the others."""
-        request = self._request(len(self.requests), prompt_ids, max_new_tokens=max_new_tokens,
-                                eos_token_id=eos_token_id, seed=seed, stop=stop, **sampling)
+        return self._add(self._request(prompt_ids, **settings))
+
+    def _add(self, request: Request) -> int:
+        request.id = len(self.requests)
         self.requests[request.id] = request
         self.scheduler.add(request)
         return request.id
 
-    def _request(self, rid: int, prompt_ids, *, max_new_tokens, eos_token_id, seed, stop, **sampling) -> Request:
+    def _request(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, eos_token_id: Optional[int] = EOT_ID,
+                 seed: int = 0, stop: Sequence[str] = (), **sampling) -> Request:
+        """A checked request, not queued yet (its id is given when it is)."""
         unknown = set(sampling) - set(SAMPLING)
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are max_new_tokens, "
@@ -95,7 +98,7 @@ class LLMEngine:
         if stop and self.tokenizer is None:
             self.tokenizer = get_tokenizer()
         generator = None if settings.greedy else new_generator(self.model, seed)
-        return Request(rid, prompt, settings, max_new_tokens, eos_token_id, tuple(stop), generator)
+        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, tuple(stop), generator)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -186,22 +189,20 @@ class LLMEngine:
             raise ValueError(f"arrivals must hold one step number >= 0 per prompt ({n}), got {arrivals!r}")
         if len(settings) != n or any(not isinstance(s, dict) for s in settings):
             raise ValueError(f"settings must hold one dict per prompt ({n}), got {settings!r}")
+        requests = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
             try:
-                self._request(-1, p, **{"max_new_tokens": 64, "eos_token_id": EOT_ID, "seed": 0, "stop": (),
-                                        **common, **s})
+                requests.append(self._request(p, **{**common, **s}))
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
         order = sorted(range(n), key=lambda i: arrivals[i])
-        ids: dict[int, int] = {}
         step = 0
         while order or self.has_unfinished():
             while order and arrivals[order[0]] <= step:
-                i = order.pop(0)
-                ids[i] = self.add_request(prompts[i], **{**common, **settings[i]})
+                self._add(requests[order.pop(0)])
             self.step()
             step += 1
-        return [self.requests[ids[i]].generated for i in range(n)]
+        return [r.generated for r in requests]
 
     @property
     def stats(self) -> dict:
