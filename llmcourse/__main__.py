@@ -15,7 +15,9 @@ import re
 import sys
 
 from .config import CheckpointError
+from .generate import NUM_DRAFT_TOKENS
 from .parts import PartError
+from .speculative import SpeculationStats
 from .tokenizer import TokenizerFileError
 
 
@@ -32,7 +34,7 @@ TEMPERATURE = 0.8  # the command line samples by default (greedy with --num-beam
 FLAGS = {
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
     "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "num_beams": "--num-beams",
-    "length_penalty": "--length-penalty",
+    "length_penalty": "--length-penalty", "num_draft_tokens": "--num-draft-tokens",
 }
 
 
@@ -40,6 +42,8 @@ def in_flag_terms(message: str) -> str:
     """A library error message with its keyword arguments named as the flags that set them:
     'with num_beams > 1 use temperature=0' -> 'with --num-beams > 1 use --temperature 0'."""
     message = message.replace("compile=True", "--compile").replace("or compile=False", "or leave out --compile")
+    message = message.replace("(draft=...)", "(--draft)").replace("or the draft", "or --draft")
+    message = message.replace("draft='prompt-lookup'", "--draft prompt-lookup").replace("the draft model ", "--draft ")
     for name, flag in FLAGS.items():
         message = re.sub(rf"(?<![\w-]){name}=([^\s,;:)]+)", rf"{flag} \1", message)
         message = re.sub(rf"(?<![\w-]){name}(?!\w)", flag, message)
@@ -82,6 +86,13 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", action="store_true",
                      help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
                           "compiling takes a while before the first token")
+    gen.add_argument("--draft", metavar="MODEL", default=argparse.SUPPRESS,
+                     help="speculative decoding: a draft model (a --model value with the same tokenizer, e.g. "
+                          "gpt2-shakespeare-draft) or 'prompt-lookup' (proposals copied from earlier in the text) "
+                          "proposes tokens that the model checks several at a time; same text when greedy, same "
+                          "distribution when sampling; a summary goes to stderr")
+    gen.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS, metavar="K",
+                     help="with --draft: tokens proposed per round")
     gen.add_argument("--parts", metavar="FOLDER", default=argparse.SUPPRESS,
                      help="run your own engine: your functions from the chapter notebooks in FOLDER (e.g. chapters/; "
                           "the saved notebooks) wherever their checks pass, the engine's own elsewhere (notices on "
@@ -186,6 +197,10 @@ def run_generate(args: argparse.Namespace) -> int:
         min_p=args.min_p, repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
         length_penalty=args.length_penalty, stop=args.stop, seed=args.seed, compile=args.compile,
     )
+    stats = None
+    if hasattr(args, "draft"):
+        stats = SpeculationStats()
+        settings |= dict(draft=args.draft, num_draft_tokens=args.num_draft_tokens, stats=stats)
     try:
         tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
@@ -217,6 +232,9 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"\npython -m llmcourse generate: error: {err}", file=sys.stderr)
         return 1
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    if stats is not None:
+        print(stats.summary(), file=sys.stderr)
     return 0
 
 

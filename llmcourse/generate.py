@@ -12,6 +12,10 @@ Decoding settings (all keyword-only): `max_new_tokens`, `temperature` (0 = greed
 `num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None
 never stops), `seed` / `generator` (sampling is reproducible: the same seed gives the same text).
 `stream` and `generate_text` also take `stop`, strings that end the text (not included).
+`draft` (a model with the target's vocabulary, a bundled name such as 'gpt2-shakespeare-draft', or
+'prompt-lookup') turns on speculative decoding with `num_draft_tokens` proposals per round: the
+same tokens as without it when greedy, the same distribution when sampling (see
+`llmcourse.speculative`); pass `stats=SpeculationStats()` to see how many proposals were accepted.
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while).
 
@@ -29,8 +33,10 @@ from torch import Tensor
 
 from .model import GPT2
 from .sampling import SamplingSettings
+from .speculative import SpeculationStats, check_speculation, resolve_draft, speculative_steps
 from .tokenizer import EOT_ID, StreamDecoder
 
+NUM_DRAFT_TOKENS = 4  # the best k for the bundled pair on a CPU (benchmarks page)
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
 
 
@@ -50,6 +56,9 @@ def generate(
     seed: int = 0,
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
+    draft=None,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS,
+    stats: Optional[SpeculationStats] = None,
 ) -> Union[list[int], list[list[int]]]:
     """New token ids for one prompt (a list of ids) or for each prompt of a batch (a list of lists).
 
@@ -65,7 +74,13 @@ def generate(
     settings = SamplingSettings(temperature, top_k, top_p, min_p, repetition_penalty)
     check_request(model, batch, max_new_tokens, eos_token_id)
     check_beams(num_beams, length_penalty, settings, compile)
-    if num_beams > 1:
+    if draft is not None:
+        draft = checked_draft(model, draft, batch, num_draft_tokens, max_new_tokens, num_beams, compile)
+        generator = generator or new_generator(model, seed)
+        out = [list(speculative_steps(model, draft, p, settings, num_draft_tokens=num_draft_tokens,
+                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, generator=generator,
+                                      stats=stats)) for p in batch]
+    elif num_beams > 1:
         out = [
             beam_search(model, p, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                         eos_token_id=eos_token_id, repetition_penalty=repetition_penalty)
@@ -92,6 +107,9 @@ def stream(
     seed: int = 0,
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
+    draft=None,
+    num_draft_tokens: int = NUM_DRAFT_TOKENS,
+    stats: Optional[SpeculationStats] = None,
     **sampling,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` as text pieces, as soon as they are complete characters.
@@ -105,7 +123,12 @@ def stream(
     check_beams(num_beams, length_penalty, settings, compile)
     if any(not isinstance(s, str) or not s for s in stop):
         raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
-    if num_beams > 1:
+    if draft is not None:
+        draft = checked_draft(model, draft, [ids], num_draft_tokens, max_new_tokens, num_beams, compile)
+        tokens = speculative_steps(model, draft, ids, settings, num_draft_tokens=num_draft_tokens,
+                                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
+                                   generator=generator or new_generator(model, seed), stats=stats)
+    elif num_beams > 1:
         tokens = iter(generate(model, ids, max_new_tokens=max_new_tokens, num_beams=num_beams,
                                length_penalty=length_penalty, eos_token_id=eos_token_id, **sampling))
     else:
@@ -197,6 +220,20 @@ def check_beams(num_beams: int, length_penalty: float, settings: SamplingSetting
     if num_beams > 1 and compile:
         raise ValueError("compile=True applies to greedy decoding and sampling; beam search runs uncompiled, "
                          "so use num_beams=1 or compile=False")
+
+
+def checked_draft(model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, max_new_tokens: int,
+                  num_beams: int, compile: bool):
+    """`draft` resolved (a model, or 'prompt-lookup'), refused where speculative decoding does not apply."""
+    if num_beams > 1:
+        raise ValueError("speculative decoding (draft=...) samples or decodes greedily; it does not combine with "
+                         "beam search: use num_beams=1")
+    if compile:
+        raise ValueError("compile=True applies to plain decoding; speculative decoding (draft=...) runs uncompiled, "
+                         "so leave out compile=True or the draft")
+    draft = resolve_draft(model, draft)
+    check_speculation(model, draft, batch, num_draft_tokens, max_new_tokens)
+    return draft
 
 
 CACHE_LENGTH_STEP = 64

@@ -17,6 +17,7 @@ from typing import Callable, Iterator, NamedTuple, Optional
 
 from . import bpe
 from .batching import Batching
+from .speculative import Speculation
 from .parts import GuardedCache, Parts
 from .sampling import Sampler
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
@@ -27,9 +28,10 @@ PART_SLOTS = tuple(f.name for f in dataclasses.fields(Parts))
 SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
 CACHE_SLOTS = ("KVCache",)
 BATCHING_SLOTS = tuple(f.name for f in dataclasses.fields(Batching))
+SPECULATION_SLOTS = tuple(f.name for f in dataclasses.fields(Speculation))
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
 # what the engine can take from a learner
-ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + TOKENIZER_SLOTS
+ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + TOKENIZER_SLOTS
 
 Notify = Callable[[str], None]
 
@@ -188,16 +190,18 @@ class Pieces(NamedTuple):
     sampler: Sampler
     cache_class: Callable
     batching: Batching
+    speculation: Speculation
     tokenizer: LearnerTokenizer
 
     def install(self, model) -> None:
-        """Put the parts, the sampler, the cache class and the batching functions into `model` (an `llmcourse.GPT2`)."""
-        model.parts, model.sampler, model.cache_class, model.batching = (
-            self.parts, self.sampler, self.cache_class, self.batching)
+        """Put the parts, the sampler, the cache class, the batching and the speculative decoding functions into
+        `model` (an `llmcourse.GPT2`)."""
+        model.parts, model.sampler, model.cache_class, model.batching, model.speculation = (
+            self.parts, self.sampler, self.cache_class, self.batching, self.speculation)
 
 
 def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Pieces:
-    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching functions and tokenizer, with
+    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching and speculative decoding functions and tokenizer, with
     one notice for each exercise with a slot that is not used, and one line saying what is yours."""
     from .model import KVCache
 
@@ -206,11 +210,12 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) ->
     sampler = Sampler.with_overrides(**{n: f for n, f in functions.items() if n in SAMPLER_SLOTS})
     cache_class = GuardedCache.of(functions["KVCache"]) if "KVCache" in functions else KVCache
     batching = Batching.with_overrides(**{n: f for n, f in functions.items() if n in BATCHING_SLOTS})
+    speculation = Speculation.with_overrides(**{n: f for n, f in functions.items() if n in SPECULATION_SLOTS})
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
            else "your engine: the engine's own parts (none of yours is used yet)")
-    return Pieces(parts, sampler, cache_class, batching, tokenizer)
+    return Pieces(parts, sampler, cache_class, batching, speculation, tokenizer)
 
 
 class Engine(NamedTuple):
@@ -237,7 +242,8 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
               notify: Notify = print) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
     `llmcourse.Parts`, the sampler's functions of `llmcourse.sampling.Sampler`, chapter 06's KVCache,
-    chapter 07's batching functions of `llmcourse.batching.Batching`, and chapter 01's encode, decode
+    chapter 07's batching functions of `llmcourse.batching.Batching`, chapter 08's speculative decoding
+    functions of `llmcourse.speculative.Speculation`, and chapter 01's encode, decode
     and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from .batching import Batching
+from .speculative import Speculation
 from .config import GPT2Config
 from .parts import Parts
 from .sampling import Sampler
@@ -128,6 +129,7 @@ class GPT2(nn.Module):
         self.sampler = Sampler()  # how generation picks each next token (a learner's may be swapped in)
         self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
         self.batching = Batching()  # left padding here, and the paged pieces of `LLMEngine` (a learner's may be swapped in)
+        self.speculation = Speculation()  # speculative decoding's rule, verify step, prompt lookup, round (same)
         self.wte = Table(config.vocab_size, config.n_embd)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
