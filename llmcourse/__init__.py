@@ -12,6 +12,7 @@ from .llm_engine import LLMEngine
 from .loading import load_model, save_model
 from .model import GPT2, KVCache
 from .parts import PartError, Parts
+from .speculative import SpeculationStats
 from .tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "LLMEngine",
     "PartError",
     "Parts",
+    "SpeculationStats",
     "StreamDecoder",
     "generate",
     "generate_text",

@@ -88,3 +88,20 @@ def test_readme_serving_example_runs_as_written(capsys):
     printed = capsys.readouterr().out.strip().splitlines()
     assert printed[:-1] == expected
     assert "'preemptions': 0" in printed[-1]
+
+
+def test_readme_speculative_example_runs_as_written(capsys):
+    """The speculative decoding example runs as written: its greedy tokens are plain greedy's (its own
+    assert), the summary counts them, and prompt lookup's sampled text is reproducible."""
+    import llmcourse
+
+    example = next(block for block in blocks("python") if "draft=" in block)
+    model = llmcourse.load_model(device="cpu")
+    tok = llmcourse.get_tokenizer()
+    namespace = {"llmcourse": llmcourse, "model": model, "tok": tok}
+    exec(compile(example, "README.md", "exec"), namespace)
+    stats = namespace["stats"]
+    assert stats.new_tokens == len(namespace["ids"]) and stats.rounds
+    assert capsys.readouterr().out.strip() == stats.summary()
+    again = llmcourse.generate_text(model, tok, "To be, or not to be", draft="prompt-lookup", temperature=0.8, seed=1)
+    assert namespace["text"] == again and again.strip()
