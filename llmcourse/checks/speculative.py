@@ -1,0 +1,891 @@
+"""Checks for chapter 08, speculative decoding: the acceptance rule, the verify step, the prompt-lookup
+draft, the expected speed-up, and one greedy draft-verify round with cache rollback.
+
+The two samplers (`accept_token`, `verify`) are checked as samplers: on toy vocabularies with known
+p and q, many seeded calls, and a chi-square test of what comes back — the accepted / rejected
+outcomes and the tokens — against the distribution the rule must produce (about 1 in a million for a
+correct rule to fail a case); a wrong rule whose own distribution fits the counts is named. The
+deterministic corners (p(x) >= q(x): always accepted; p(x) = 0: never; one-hot p and q: greedy) come
+first. `speculative_round` runs in the check's own loop (as the engine's `speculative_steps` does) on
+tiny random models and on the bundled pair: every round must return a prefix of plain greedy decoding's
+continuation, leave both caches at the right length, run the target once, and keep exactly the proposals
+that the draft's own greedy continuation gets right; then the engine runs with it installed.
+
+    >>> def expected_speedup(alpha, k, c):
+    ...     tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    ...     return tokens / (k * c + 1)
+    >>> check_expected_speedup(expected_speedup)
+    ✓ expected_speedup — 25 cases
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import random
+import sys
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..generate import generate
+from ..model import GPT2
+from ..parts import PartError
+from ..speculative import (Speculation, accept_token as engine_accept_token,
+                           expected_speedup as engine_expected_speedup,
+                           prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
+from .batching import watched
+from .core import Case, Verdict, run_check
+from .failed import CheckFailed
+from .forbid import Forbidden
+from .kv_cache import decisive_model, one_thread
+from .sampling import _chi2_limit
+from .show import short
+
+NO_ENGINE = Forbidden("llmcourse.speculative", "llmcourse.speculative is the engine's speculative decoding, what "
+                                               "yours is compared with: write your own")
+
+
+def _is_id(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _dist(values, dtype=torch.float32) -> Tensor:
+    t = torch.tensor(values, dtype=torch.float64)
+    return (t / t.sum()).to(dtype)
+
+
+def _fmt(p: Tensor) -> str:
+    return "[" + ", ".join(f"{float(v):.3g}" for v in p) + "]"
+
+
+def chi2(counts: Tensor, probs: Tensor) -> tuple[float, float]:
+    """(chi-square of `counts` against `probs`, the value a correct sampler exceeds with probability ~1e-6);
+    outcomes expected fewer than 5 times are pooled. An outcome of probability 0 that occurs gives inf."""
+    counts, probs = counts.double(), probs.double()
+    n = float(counts.sum())
+    if bool(((probs <= 0) & (counts > 0)).any()):
+        return math.inf, 0.0
+    expected = probs * n
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    if float(wanted[-1]) < 1e-9:
+        observed, wanted = observed[:-1], wanted[:-1]
+    df = len(wanted) - 1
+    if df < 1:
+        return 0.0, math.inf
+    return float(((observed - wanted) ** 2 / wanted).sum()), _chi2_limit(df)
+
+
+def fits(counts: Tensor, probs: Tensor) -> bool:
+    value, limit = chi2(counts, probs)
+    return value <= limit
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: accept_token
+
+
+def rule_outcomes(p: Tensor, q: Tensor, accept: Tensor, correction: Tensor) -> Tensor:
+    """The distribution [2V] of (accepted, token) for x ~ q, accepted with probability accept[x], else the
+    token drawn from `correction`: entries 0..V-1 accepted x, V..2V-1 rejected then token t."""
+    p, q, accept, correction = (t.double() for t in (p, q, accept, correction))
+    kept = q * accept  # [V]
+    return torch.cat([kept, (1 - kept.sum()).clamp(min=0) * correction])
+
+
+def residual(p: Tensor, q: Tensor) -> Tensor:
+    r = (p.double() - q.double()).clamp(min=0)
+    return r / r.sum() if float(r.sum()) > 0 else p.double()
+
+
+def correct_outcomes(p: Tensor, q: Tensor) -> Tensor:
+    ratio = torch.where(q > 0, p.double() / q.double().clamp(min=1e-300), torch.ones((), dtype=torch.float64))
+    return rule_outcomes(p, q, ratio.clamp(max=1), residual(p, q))
+
+
+def _accept_mistakes(p: Tensor, q: Tensor) -> list[tuple[Tensor, str]]:
+    """(outcome distribution, hint) of plausible wrong rules, for naming the one a learner wrote."""
+    p64, q64 = p.double(), q.double()
+    ratio = torch.where(q64 > 0, p64 / q64.clamp(min=1e-300), torch.ones((), dtype=torch.float64)).clamp(max=1)
+    return [
+        (rule_outcomes(p, q, (p64 >= q64).double(), residual(p, q)),
+         "you accept exactly when p(x) >= q(x), without drawing: a proposal with p(x) < q(x) must still be "
+         "accepted with probability p(x)/q(x) (draw u ~ U[0, 1) and accept iff u < p(x)/q(x))"),
+        (rule_outcomes(p, q, p64, residual(p, q)),
+         "you accept with probability p(x): the rule is min(1, p(x)/q(x)) — divide by q(x), the chance the "
+         "draft proposed x"),
+        (rule_outcomes(p, q, 1 - ratio, residual(p, q)),
+         "the comparison is inverted: accept iff u < p(x)/q(x) (or u·q(x) < p(x)), not u > p(x)/q(x)"),
+        (rule_outcomes(p, q, ratio, p64),
+         "after a rejection the token must come from the residual max(0, p - q), normalised — not from p: "
+         "p's tokens were already given their share by the accepted proposals"),
+        (rule_outcomes(p, q, ratio, q64),
+         "after a rejection the token must come from the residual max(0, p - q), normalised — not from q"),
+        (rule_outcomes(p, q, torch.zeros_like(p64), p64),
+         "you never accept: the output has the right distribution, but every proposal is wasted; accept with "
+         "probability min(1, p(x)/q(x))"),
+    ]
+
+
+@dataclasses.dataclass
+class Draws:
+    """What n calls of a sampler gave: the calls' results and their tally, or the first unusable result."""
+
+    n: int
+    counts: Optional[Tensor] = None  # [2V] (accepted x, rejected then t) for accept_token; see VerifyDraws
+    bad: Any = None  # (the arguments, what came back) of the first result that is not (bool, token id)
+    problem: str = ""
+
+    def __repr__(self) -> str:
+        if self.bad is not None:
+            return short(self.bad[1], 120)
+        return f"{self.n} results"
+
+
+def _accept_result_problem(out: Any, V: int, x: int) -> str:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return f"expected a tuple (accepted, token), got {short(out, 80)}"
+    accepted, token = out
+    if not isinstance(accepted, bool):
+        return (f"`accepted` should be a Python bool, got {short(accepted, 60)}"
+                + (": bool(...) it" if isinstance(accepted, Tensor) else ""))
+    if not _is_id(token):
+        return (f"the token should be a Python int, got {short(token, 60)}"
+                + (": int(...) it" if isinstance(token, Tensor) else ""))
+    if not 0 <= token < V:
+        return f"the token {token} is not an id of the vocabulary [0, {V})"
+    if accepted and token != x:
+        return f"accepted the proposal {x} but returned the token {token}: an accepted proposal is the token"
+    return ""
+
+
+def _draw_accepts(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Draws:
+    """n calls fn(p, q, x, generator) with x ~ q; the tally of (accepted, token)."""
+    V = p.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    proposals = torch.multinomial(q.double(), n, replacement=True, generator=g).tolist()
+    counts = torch.zeros(2 * V, dtype=torch.long)
+    with torch.random.fork_rng(devices=[]):  # a rule that draws from the global generator is seeded too
+        torch.manual_seed(seed)
+        for x in proposals:
+            out = fn(p, q, x, g)
+            problem = _accept_result_problem(out, V, x)
+            if problem:
+                return Draws(n, bad=((p, q, x), out), problem=problem)
+            counts[out[1] + (0 if out[0] else V)] += 1
+    return Draws(n, counts)
+
+
+def _accept_verdict(case: Case, got: Any) -> Verdict:
+    kind = case.args[0]
+    if kind == "once":
+        _, p, q, x, _seed = case.args
+        problem = _accept_result_problem(got, p.shape[-1], x)
+        if problem:
+            return problem, "return (True, x) or (False, the token drawn from the residual)"
+        if got != case.expected:
+            return f"expected {case.expected}, got {got}", ""
+        return None
+    _, p, q, n, _seed = case.args
+    if got.bad is not None:
+        (_, _, x), out = got.bad
+        return f"with the proposal x = {x}: {got.problem}", "return (True, x) or (False, the token drawn from the residual)"
+    V = p.shape[-1]
+    counts = got.counts
+    tokens = counts[:V] + counts[V:]
+    want = correct_outcomes(p, q)
+    alpha = float(want[:V].sum())
+    accepted = int(counts[:V].sum())
+    if not fits(tokens, p.double()):
+        value, limit = chi2(tokens, p.double())
+        freq = tokens.double() / n
+        worst = int((freq - p.double()).abs().argmax())
+        problem = (f"the tokens returned over {n} calls are not distributed as p: token {worst} came back "
+                   f"{float(freq[worst]):.1%} of the time, p({worst}) = {float(p[worst]):.1%}"
+                   + (f" (chi-square {value:.0f}; a correct rule stays below {limit:.0f})" if math.isfinite(value)
+                      else ""))
+    elif not fits(counts, want):
+        problem = (f"the tokens follow p, but the rule accepted {accepted / n:.1%} of the proposals; accepting with "
+                   f"probability min(1, p(x)/q(x)) keeps Σ min(p, q) = {alpha:.1%} of them")
+    else:
+        return None
+    hint = next((h for dist, h in _accept_mistakes(p, q) if fits(counts, dist)), "")
+    return problem, hint or ("accept x with probability min(1, p(x)/q(x)); after a rejection draw the token from "
+                             "max(0, p - q) divided by its sum (torch.multinomial normalises for you; an inverse-CDF "
+                             "draw with u must scale u by the sum)")
+
+
+def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1500) -> None:
+    """accept_token(p, q, draft_token, generator=None) -> (accepted: bool, token: int): accept a proposal x ~ q
+    with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
+    outcomes' frequencies over many calls."""
+    g = torch.Generator().manual_seed(seed)
+
+    def once(description, p, q, x, hint=""):
+        p, q = _dist(p), _dist(q)
+        return Case(description, ("once", p, q, x, seed), engine_accept_token(p, q, x, torch.Generator().manual_seed(0)),
+                    hint)
+
+    def many(description, p, q, hint="", dtype=torch.float32):
+        p, q = _dist(p, dtype), _dist(q, dtype)
+        return Case(description, ("many", p, q, n_draws, seed + len(cases)), None, hint)
+
+    cases: list[Case] = []
+    cases += [
+        once("p(x) > q(x): always accepted", [.2, .5, .3], [.4, .2, .4], 1,
+             "p(x) >= q(x) means min(1, p/q) = 1: accept, whatever u is"),
+        once("p(x) = q(x): always accepted", [.1, .2, .3, .4], [.1, .2, .3, .4], 3),
+        once("p(x) = 0: never accepted; the residual max(0, p - q) = [.5, 0, 0] gives token 0",
+             [.5, .5, 0], [0, .5, .5], 2, "p(x) = 0: accept with probability 0; the residual is max(0, p - q)"),
+        once("p one-hot on token 2, x = 1: rejected, the residual is all on token 2", [0, 0, 1, 0], [.25, .25, .25, .25],
+             1),
+    ]
+    cases += [
+        many("q puts mass where p has none, p where q has none", [.5, .5, 0], [0, .5, .5]),
+        many("p and q overlap", [.2, .3, .5], [.6, .3, .1]),
+        many("p == q: every proposal is accepted", [.1, .2, .3, .4], [.1, .2, .3, .4]),
+        many("p one-hot", [0, 0, 1, 0, 0], [.2, .2, .2, .2, .2]),
+        many("q one-hot: the draft always proposes token 1", [.25, .25, .25, .25], [0, 1, 0, 0]),
+        many("p on tokens q never proposes", [.1, .1, .1, .1, .3, .3], [.25, .25, .25, .25, 0, 0]),
+        many("V = 8, float64", [1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1], dtype=torch.float64),
+    ]
+    for i in range(n_random):
+        V = int(torch.randint(3, 9, (), generator=g))
+        p, q = torch.rand(V, generator=g) ** 3, torch.rand(V, generator=g) ** 3  # peaked
+        p[torch.rand(V, generator=g) < 0.25] = 0
+        q[torch.rand(V, generator=g) < 0.25] = 0
+        p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # never all zero
+        cases.append(many(f"random #{i}, V = {V}", p.tolist(), q.tolist()))
+
+    def run(kind, *args):
+        if kind == "once":
+            p, q, x, s = args
+            return fn(p, q, x, torch.Generator().manual_seed(s))
+        p, q, n, s = args
+        return _draw_accepts(fn, p, q, n, s)
+
+    def show(args):
+        if args[0] == "once":
+            _, p, q, x, s = args
+            return f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token={x}, generator)"
+        _, p, q, n, _ = args
+        return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}"
+                + (" (float64)" if p.dtype == torch.float64 else ""))
+
+    run_check("accept_token", run, cases, judge=_accept_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
+              total_seconds=30)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: verify
+
+
+def one_hot(ids: list[int], V: int) -> Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(ids, dtype=torch.long), V).float().reshape(len(ids), V)
+
+
+def _verify_result_problem(out: Any, k: int, V: int) -> str:
+    if not (isinstance(out, tuple) and len(out) == 2):
+        return f"expected a tuple (num_accepted, next_token), got {short(out, 80)}"
+    n, token = out
+    if not _is_id(n):
+        return f"num_accepted should be a Python int, got {short(n, 60)}"
+    if not 0 <= n <= k:
+        return f"num_accepted = {n}, outside [0, k = {k}]"
+    if not _is_id(token):
+        return (f"next_token should be a Python int, got {short(token, 60)}"
+                + (": int(...) it" if isinstance(token, Tensor) else ""))
+    if not 0 <= token < V:
+        return f"next_token {token} is not an id of the vocabulary [0, {V})"
+    return ""
+
+
+def _greedy_hint(target: list[int], drafted: list[int], got: tuple) -> str:
+    """What a wrong answer on one-hot p (target's argmax `target` [k+1]) and q (`drafted` [k]) points to."""
+    k = len(drafted)
+    n = next((i for i, (d, t) in enumerate(zip(drafted, target)) if d != t), k)
+    got_n, token = got
+    if got_n == n + 1 and n < k:
+        return (f"proposal {n} ({drafted[n]}) is not the target's token ({target[n]}): it is rejected, so {n} are "
+                "accepted — do not count the rejected one")
+    if got_n > n:
+        return "stop at the first rejection: the proposals after it were drafted after a wrong token and mean nothing"
+    if n == k and got_n == k and token != target[k]:
+        return (f"all {k} proposals are accepted: the next token is a bonus drawn from p[k] (row {k}, the target's "
+                f"distribution after all the proposals), here {target[k]}"
+                + (" — not a draft token" if token in drafted else ""))
+    if got_n == n and token != target[n]:
+        return (f"at the rejection the token comes from the residual max(0, p[{n}] - q[{n}]), which is the target's "
+                f"token {target[n]} here")
+    return ""
+
+
+def _verify_verdict(case: Case, got: Any) -> Verdict:
+    kind = case.args[0]
+    if kind == "once":
+        _, p, q, drafted, _ = case.args
+        problem = _verify_result_problem(got, len(drafted), p.shape[-1])
+        if problem:
+            return problem, "return (how many proposals were accepted, the token that comes next)"
+        if got == case.expected:
+            return None
+        return f"expected {case.expected}, got {got}", _greedy_hint(p.argmax(-1).tolist(), drafted, got)
+    _, p, q, n, _ = case.args
+    if got.bad is not None:
+        return got.problem, "return (how many proposals were accepted, the token that comes next)"
+    first, second, bonus, counts = got.counts
+    alphas = [float(torch.minimum(p[i].double(), q[i].double()).sum()) for i in range(2)]
+    want_counts = torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]])
+    hint = ("verify calls your accept_token at each position until the first rejection; if all k are accepted, the "
+            "bonus token is drawn from p[k]")
+    checks = [(first, p[0], "the first new token (the first proposal if accepted, else the residual's token)"),
+              (second, p[1], "the second new token, after an accepted first proposal"),
+              (bonus, p[2], "the bonus token, when both proposals are accepted")]
+    for tally, probs, what in checks:
+        if int(tally.sum()) and not fits(tally, probs.double()):
+            freq = tally.double() / tally.sum()
+            worst = int((freq - probs.double()).abs().argmax())
+            return (f"{what} is not distributed as the target's p: token {worst} came {float(freq[worst]):.1%} of "
+                    f"the time over {int(tally.sum())} calls, p = {float(probs[worst]):.1%}", hint)
+    if not fits(counts, want_counts):
+        freq = counts.double() / n
+        return (f"num_accepted was 0, 1, 2 in {_fmt(freq)} of the calls; the rule gives {_fmt(want_counts)}", hint)
+    return None
+
+
+def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Draws:
+    """n calls fn(p, q, [x1, x2], generator), x_i ~ q[i]; tallies of the first and second new token, the bonus
+    token, and num_accepted."""
+    V = p.shape[-1]
+    g = torch.Generator().manual_seed(seed)
+    proposals = torch.stack([torch.multinomial(q[i].double(), n, replacement=True, generator=g) for i in range(2)], 1)
+    first, second, bonus = (torch.zeros(V, dtype=torch.long) for _ in range(3))
+    accepted = torch.zeros(3, dtype=torch.long)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for x1, x2 in proposals.tolist():
+            out = fn(p, q, [x1, x2], g)
+            problem = _verify_result_problem(out, 2, V)
+            if problem:
+                return Draws(n, bad=((p, q, [x1, x2]), out), problem=f"with the proposals [{x1}, {x2}]: {problem}")
+            k, token = out
+            accepted[k] += 1
+            first[x1 if k >= 1 else token] += 1
+            if k >= 1:
+                second[x2 if k == 2 else token] += 1
+            if k == 2:
+                bonus[token] += 1
+    return Draws(n, (first, second, bonus, accepted))
+
+
+def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -> None:
+    """verify(p, q, draft_tokens, generator=None) -> (num_accepted, next_token): p [k+1, V], q [k, V]; accept_token
+    at each position up to the first rejection (the residual's token comes next), or all k accepted and a bonus
+    token drawn from p[k]."""
+    rng = random.Random(seed)
+
+    def greedy(description, target, drafted, V=6, hint=""):
+        p, q = one_hot(target, V), one_hot(drafted, V)
+        return Case(description, ("once", p, q, list(drafted), seed),
+                    engine_verify(p, q, list(drafted), torch.Generator().manual_seed(0)), hint)
+
+    cases = [
+        greedy("greedy: the 2nd proposal differs from the target's token", [3, 1, 4, 0], [3, 5, 4]),
+        greedy("greedy: all 3 accepted, then the bonus token from p[3]", [3, 1, 4, 5], [3, 1, 4],
+               hint="all k accepted: one more token, drawn from p[k]"),
+        greedy("greedy: the first proposal is rejected", [2, 2, 2], [0, 2]),
+        greedy("k = 0: no proposals, the token comes from p[0]", [4], [],
+               hint="with no proposal, all 0 are accepted: the token is drawn from p[0]"),
+        greedy("k = 1, accepted: the bonus comes from p[1]", [1, 0], [1]),
+        greedy("greedy: a later proposal matches again after a rejection", [3, 1, 4, 1, 5], [3, 2, 4, 1],
+               hint="stop at the first rejection"),
+    ]
+    for i in range(n_random):
+        V, k = rng.randint(3, 40), rng.randint(1, 6)
+        target = [rng.randrange(V) for _ in range(k + 1)]
+        agree = rng.randint(0, k)
+        drafted = target[:agree] + [(t + rng.randint(1, V - 1)) % V for t in target[agree:k]]
+        cases.append(greedy(f"greedy random #{i}: V = {V}, k = {k}", target, drafted, V))
+    toy = [([.5, .3, .2, 0], [.2, .2, .3, .3]), ([0, .4, .6, 0], [.1, .6, .2, .1]), ([.25, .25, .25, .25], [.7, 0, 0, .3])]
+    p = torch.stack([_dist(row) for row, _ in toy])
+    q = torch.stack([_dist(row) for _, row in toy[:2]])
+    cases.append(Case("2 proposals drawn from q (many calls): the tokens that come out follow p",
+                      ("many", p, q, n_draws, seed), None))
+
+    def run(kind, *args):
+        if kind == "once":
+            p, q, drafted, s = args
+            return fn(p, q, drafted, torch.Generator().manual_seed(s))
+        return _draw_verifies(fn, *args)
+
+    def show(args):
+        if args[0] == "once":
+            _, p, q, drafted, _ = args
+            return (f"verify(p one-hot on {p.argmax(-1).tolist()}, q one-hot on {q.argmax(-1).tolist()}, "
+                    f"draft_tokens={drafted}, generator)")
+        _, p, q, n, _ = args
+        return (f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
+                f"{[_fmt(r) for r in p]}, q = {[_fmt(r) for r in q]}")
+
+    run_check("verify", run, cases, judge=_verify_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
+              total_seconds=30,
+              error_hints={"is not written yet": "verify calls accept_token: write that exercise first"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: prompt_lookup_draft
+
+
+def _lookup(tokens, k, max_ngram, *, latest=True, fallback=True, skip_tail=True, continuation=True):
+    """prompt_lookup_draft and its plausible mistakes (flags off)."""
+    sizes = range(min(max_ngram, len(tokens) - 1), 0, -1)
+    for n in sizes if fallback else [n for n in sizes if n == max_ngram]:
+        tail = tokens[-n:]
+        last = len(tokens) - n - (1 if skip_tail else 0)
+        starts = range(last, -1, -1) if latest else range(0, last + 1)
+        for start in starts:
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k] if continuation else tokens[start : start + min(n, k)]
+    return []
+
+
+LOOKUP_MISTAKES = [
+    (dict(latest=False), "take the LATEST earlier occurrence (search from the end): recent text predicts best"),
+    (dict(skip_tail=False), "the tail itself is the latest occurrence of the tail, with nothing after it: look for "
+                            "occurrences that end before it (start <= len(tokens) - n - 1)"),
+    (dict(fallback=False), "when the last max_ngram tokens never occurred, try shorter n-grams, down to n = 1"),
+    (dict(continuation=False), "propose what FOLLOWED the match (tokens[start + n : start + n + k]), not the match"),
+]
+
+
+def _lookup_verdict(case: Case, got: Any) -> Verdict:
+    tokens, k, max_ngram = case.args
+    if not isinstance(got, list) or not all(_is_id(t) for t in got):
+        return f"expected a list of ints, got {short(got, 80)}", "return a list of token ids ([] if no match)"
+    if got == case.expected:
+        return None
+    hint = next((h for flags, h in LOOKUP_MISTAKES if _lookup(tokens, k, max_ngram, **flags) == got), "")
+    if len(got) > k:
+        hint = f"at most num_draft_tokens = {k} tokens"
+    return f"expected {case.expected}, got {got}", hint
+
+
+def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
+    """prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3) -> up to k tokens that followed the latest
+    earlier occurrence of the last n tokens, n = max_ngram down to 1; [] if none."""
+    rng = random.Random(seed)
+
+    def case(description, tokens, k, max_ngram=3, hint=""):
+        return Case(description, (tokens, k, max_ngram), engine_prompt_lookup_draft(list(tokens), k, max_ngram), hint)
+
+    cases = [
+        case("no earlier occurrence", [1, 2, 3, 4], 3),
+        case("one token only", [7], 2),
+        case("the last 3 tokens occurred at the start", [5, 6, 7, 8, 9, 5, 6, 7], 2),
+        case("several occurrences: the latest wins", [1, 2, 10, 11, 1, 2, 20, 21, 1, 2], 2,
+             hint="the latest earlier occurrence of the tail"),
+        case("a longer match is preferred to a later shorter one", [4, 5, 6, 30, 31, 9, 6, 40, 4, 5, 6], 2,
+             hint="try n = max_ngram first, then shorter"),
+        case("only a 1-token match exists", [3, 9, 8, 7, 3], 3, hint="fall back down to n = 1"),
+        case("the continuation is shorter than k: it runs into the tail", [1, 2, 3, 1, 2], 5),
+        case("overlapping repeats", [1, 1, 1, 1], 3),
+        case("k = 1", [5, 6, 7, 5, 6], 1),
+        case("max_ngram = 1", [4, 5, 6, 1, 5, 6], 2, max_ngram=1),
+        case("max_ngram = 5, a 5-token repeat", [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5], 3, max_ngram=5),
+        case("large token ids", [50256, 198, 464, 50256, 198], 2),
+    ]
+    for i in range(n_random):
+        vocab = rng.choice([2, 3, 5, 8])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        cases.append(case(f"random #{i}: {len(tokens)} tokens from {vocab} ids", tokens, rng.randint(1, 6),
+                          rng.choice([1, 2, 3, 3, 3, 4])))
+
+    def show(args):
+        tokens, k, max_ngram = args
+        return f"prompt_lookup_draft({short(tokens, 120)}, num_draft_tokens={k}, max_ngram={max_ngram})"
+
+    run_check("prompt_lookup_draft", fn, cases, judge=_lookup_verdict, forbid=[NO_ENGINE], show_call=show,
+              seconds=5, total_seconds=20)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: expected_speedup
+
+
+SPEEDUP_MISTAKES = [
+    (lambda a, k, c: (1 - a ** k) / (1 - a) / (k * c + 1),
+     "a round yields 1 + α + … + α^k tokens: the numerator is 1 − α^(k+1) (k proposals and one more token)"),
+    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a),
+     "divide by the round's cost in target forward passes: k draft steps of cost c, plus one target pass: k·c + 1"),
+    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / (k * c),
+     "the round's cost is k·c + 1: the k draft steps plus the one target pass that verifies them"),
+    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / ((k + 1) * c + 1),
+     "the draft runs k times per round (it proposes k tokens): the cost is k·c + 1"),
+]
+
+
+def _speedup_verdict(case: Case, got: Any) -> Verdict:
+    alpha, k, c = case.args
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        return f"expected a number, got {short(got, 60)}", "return a float"
+    if math.isnan(got) and alpha == 1:
+        return ("got nan at α = 1", "at α = 1 the sum 1 + α + … + α^k is k + 1, but the closed form is 0/0: "
+                                    "handle α == 1 separately")
+    if math.isclose(got, case.expected, rel_tol=1e-6, abs_tol=1e-9):
+        return None
+    hint = ""
+    for mistake, h in SPEEDUP_MISTAKES:
+        try:
+            if math.isclose(mistake(alpha, k, c), got, rel_tol=1e-6, abs_tol=1e-9):
+                hint = h
+                break
+        except ZeroDivisionError:
+            continue
+    return f"expected {case.expected:.6g}, got {got:.6g}", hint
+
+
+def check_expected_speedup(fn, *, seed: int = 0, n_random: int = 12) -> None:
+    """expected_speedup(alpha, k, c) -> (1 − α^(k+1)) / ((1 − α)(k·c + 1)), and (k + 1)/(k·c + 1) at α = 1."""
+    rng = random.Random(seed)
+
+    def case(description, alpha, k, c, hint=""):
+        return Case(description, (alpha, k, c), engine_expected_speedup(alpha, k, c), hint)
+
+    cases = [
+        case("α = 0.6, k = 4, c = 0.1", 0.6, 4, 0.1),
+        case("the bundled pair's α ≈ 0.57, k = 4, c = 0.26", 0.57, 4, 0.26),
+        case("α = 0: every proposal rejected, one token per round", 0.0, 4, 0.1,
+             hint="at α = 0 a round yields 1 token and costs k·c + 1"),
+        case("α = 1: every proposal accepted (the limit k + 1 tokens per round)", 1.0, 4, 0.1,
+             hint="at α = 1 the closed form is 0/0: the tokens per round are k + 1"),
+        case("α = 1 given as an int", 1, 3, 0.2, hint="at α = 1 the tokens per round are k + 1"),
+        case("c = 0: a free draft", 0.8, 5, 0.0),
+        case("k = 1", 0.5, 1, 0.05),
+        case("a costly draft: c = 1", 0.9, 3, 1.0),
+        case("α close to 1", 0.999999, 8, 0.02),
+        case("large k", 0.7, 64, 0.01),
+        case("small α, c = 0.5", 0.1, 2, 0.5),
+        case("α = 1, c = 0", 1.0, 6, 0.0),
+    ]
+    alphas = [0.0, 1.0] + [rng.random() for _ in range(n_random)]
+    for i in range(n_random + 1):
+        alpha = alphas[i] if i < 2 else rng.random()
+        cases.append(case(f"random #{i}", alpha, rng.randint(1, 12), rng.choice([0.0, rng.random(), rng.random() / 10])))
+
+    def show(args):
+        return f"expected_speedup(alpha={args[0]!r}, k={args[1]}, c={args[2]:.4g})"
+
+    run_check("expected_speedup", fn, cases, judge=_speedup_verdict, forbid=[NO_ENGINE], show_call=show,
+              seconds=5, total_seconds=10,
+              error_hints={"ZeroDivisionError": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
+                                                "then k + 1 (1 + α + … + α^k with α = 1); handle α == 1 separately",
+                           "division by zero": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
+                                               "then k + 1; handle α == 1 separately"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: speculative_round
+
+
+def noisy_copy(model: GPT2, seed: int, scale: float) -> GPT2:
+    """The model with noise on its attention and MLP output weights: a draft that agrees with it often, not always."""
+    draft = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for block in draft.h:
+            for w in (block.attn.c_proj.weight, block.mlp.c_proj.weight):
+                w.add_(torch.randn(w.shape, generator=g, dtype=w.dtype) * scale * w.std())
+    return draft
+
+
+@dataclasses.dataclass
+class Pair:
+    """A target, a draft, a prompt, and plain greedy decoding's continuation (`expected`)."""
+
+    description: str
+    target: GPT2
+    draft: GPT2
+    prompt: list[int]
+    max_new_tokens: int
+    k: int
+    expected: list[int]
+    exact_proposals: bool  # the draft's own greedy continuation is decisive: the kept count can be demanded
+
+
+PAIRS: dict[tuple, Pair] = {}  # kept out of the cases' arguments (models must not be snapshotted)
+
+
+def _greedy(model: GPT2, ids: list[int], n: int) -> list[int]:
+    with one_thread():
+        return generate(model, ids, max_new_tokens=n, eos_token_id=None) if n else []
+
+
+def _pair(key: tuple, description: str, make: Callable[[], tuple], k: int, exact: bool = True) -> Pair:
+    if key not in PAIRS:
+        target, draft, prompt, n = make()
+        PAIRS[key] = Pair(description, target, draft, prompt, n, k, _greedy(target, prompt, n), exact)
+    return PAIRS[key]
+
+
+def bundled_pair() -> tuple[GPT2, GPT2]:
+    from ..loading import load_model
+
+    return load_model("gpt2-shakespeare", device="cpu"), load_model("gpt2-shakespeare-draft", device="cpu")
+
+
+@dataclasses.dataclass
+class RoundLog:
+    """One round of the learner's `speculative_round` in the check's loop, and what was wrong with it."""
+
+    index: int
+    tokens: list  # the text before the round
+    k: int
+    out: Any = None
+    target_length: int = 0
+    draft_length: int = 0
+    target_calls: int = 0
+    draft_before: int = 0  # draft_cache.length before the round
+    problem: str = ""
+    hint: str = ""
+
+
+@dataclasses.dataclass
+class RoundRun:
+    rounds: list
+    tokens: list  # the new tokens made
+    failed: Optional[RoundLog] = None
+    engine: Any = None  # the engine's output with the learner's round installed, or its error
+
+    def __repr__(self) -> str:
+        if self.failed is not None:
+            return f"round {self.failed.index}: {short(self.failed.out, 100)}"
+        return short(self.tokens if self.engine is None else self.engine, 120)
+
+
+def _round_problem(log: RoundLog, pair: Pair, proposals: list[int]) -> None:
+    """Fill log.problem / log.hint for a round whose result or caches are wrong (left empty when right)."""
+    out, k, n = log.out, log.k, len(log.tokens)
+    made = n - len(pair.prompt)
+    continuation = pair.expected[made : made + k + 1]
+    if not isinstance(out, list) or not all(_is_id(t) for t in out):
+        log.problem = f"returned {short(out, 80)}, expected a list of token ids"
+        log.hint = "return the kept proposals plus the target's next token, as a list of ints"
+        return
+    if log.target_calls != 1:
+        log.problem = f"called the target {log.target_calls} times in one round"
+        log.hint = ("the point of speculative decoding: ONE forward pass of the target over [tokens[-1], d1, …, dk] "
+                    "scores all k proposals at once (logits [1, k+1, V]); one pass per proposal is plain decoding"
+                    if log.target_calls > 1 else
+                    "run the target once over [tokens[-1], d1, …, dk] with target_cache")
+        return
+    if not 1 <= len(out) <= k + 1:
+        log.problem = f"returned {len(out)} tokens; a round with k = {k} proposals returns 1 to {k + 1}"
+        log.hint = "the kept proposals, then the target's next token"
+        return
+    kept = n + len(out) - 1
+    if out != continuation[: len(out)]:
+        wrong = next(i for i, (a, b) in enumerate(zip(out, continuation)) if a != b)
+        log.problem = (f"returned {out}, but plain greedy decoding continues with {continuation[: len(out)]} "
+                       f"(token {wrong} differs)")
+        if log.target_length == n + len(out) and len(out) >= 1 and out == continuation[1 : len(out) + 1]:
+            log.hint = "feed the target [tokens[-1], d1, …, dk]: its cache holds all of tokens but the last"
+        else:
+            log.hint = ("keep proposal i while it equals the target's argmax at position i of the verify pass; the "
+                        "next token is the target's argmax after the last kept proposal")
+        return
+    if log.target_length != kept:
+        if log.target_length == n + len(out) and len(out) == proposals_kept(proposals, continuation):
+            log.problem = (f"returned {len(out)} tokens and left target_cache.length = {log.target_length}; "
+                           f"{len(out)} kept proposals and the next token make {len(out) + 1} new tokens")
+            log.hint = "return the kept proposals AND the target's next token (the correction or the bonus)"
+            return
+        off = log.target_length - kept
+        log.problem = (f"left target_cache.length = {log.target_length}; with {n} tokens before the round and "
+                       f"{len(out)} new, it must be {kept} (all but the last token, which the next round feeds) — "
+                       f"{abs(off)} position{'s' if abs(off) != 1 else ''} too {'many' if off > 0 else 'few'}")
+        log.hint = ("roll back: target_cache.length = len(tokens) + accepted (the verify pass wrote k + 1 positions; "
+                    "keep tokens[-1] and the accepted proposals, drop the rest)")
+        return
+    if log.draft_length > kept:
+        log.problem = (f"left draft_cache.length = {log.draft_length}, beyond the {kept} positions of the text "
+                       f"(before the new token): it still holds rejected proposals")
+        log.hint = ("roll the draft's cache back too: draft_cache.length = min(draft_cache.length, len(tokens) + "
+                    "accepted) — otherwise its stale keys poison every later proposal")
+        return
+    if pair.exact_proposals:
+        expected_kept = proposals_kept(proposals, continuation)
+        if len(out) - 1 != expected_kept:
+            log.problem = (f"kept {len(out) - 1} proposals; the draft's greedy continuation of the text is "
+                           f"{proposals}, of which the first {expected_kept} match the target's")
+            log.hint = ("the draft proposes from the whole text: feed it tokens[draft_cache.length:] (what its cache "
+                        "lacks — more than one token after a round that kept every proposal), then one proposal at "
+                        "a time; its cache must hold only tokens of the text")
+
+
+def proposals_kept(proposals: list[int], continuation: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(proposals, continuation)) if a != b), len(proposals))
+
+
+class CountCalls:
+    """Counts the calls of model.forward (by `model(...)` or `model.forward(...)`) while installed."""
+
+    def __init__(self, model: GPT2):
+        self.model, self.calls = model, 0
+
+    def __enter__(self):
+        forward = type(self.model).forward.__get__(self.model)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return forward(*args, **kwargs)
+
+        self.model.forward = counted
+        return self
+
+    def __exit__(self, *exc):
+        del self.model.forward
+
+
+def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
+    """The learner's round in the check's loop (as the engine's speculative_steps), stopping at the first wrong
+    round."""
+    target, draft, prompt = pair.target, pair.draft, pair.prompt
+    max_len = len(prompt) + pair.max_new_tokens
+    tokens = list(prompt)
+    target_cache, draft_cache = target.new_cache(1, max_len), draft.new_cache(1, max_len)
+    if len(prompt) > 1:
+        target(torch.tensor([prompt[:-1]]), cache=target_cache, last_only=True)
+    run = RoundRun([], [])
+    while len(run.tokens) < pair.max_new_tokens:
+        k = min(pair.k, pair.max_new_tokens - len(run.tokens) - 1)
+        log = RoundLog(len(run.rounds), list(tokens), k)
+        run.rounds.append(log)
+        proposals = _greedy(draft, tokens, k) if pair.exact_proposals else []
+        log.draft_before = draft_cache.length
+        with CountCalls(target) as counter:
+            sys.setprofile(watch)
+            try:
+                log.out = fn(target, draft, target_cache, draft_cache, list(tokens), k)
+            finally:
+                sys.setprofile(None)
+        log.target_calls = counter.calls
+        log.target_length, log.draft_length = target_cache.length, draft_cache.length
+        _round_problem(log, pair, proposals)
+        if log.problem:
+            run.failed = log
+            return run
+        tokens += log.out
+        run.tokens += log.out
+    run.tokens = run.tokens[: pair.max_new_tokens]
+    return run
+
+
+def _run_engine(fn: Callable, pair: Pair, watch) -> RoundRun:
+    """llmcourse.generate with the learner's round installed (guarded by the engine)."""
+    target = pair.target
+
+    def theirs(*args):
+        sys.setprofile(watch)
+        try:
+            return fn(*args)
+        finally:
+            sys.setprofile(None)
+
+    theirs.__qualname__ = getattr(fn, "__qualname__", "speculative_round")
+    before = target.speculation
+    target.speculation = Speculation.with_overrides(speculative_round=theirs)
+    try:
+        with one_thread():
+            out = generate(target, pair.prompt, max_new_tokens=pair.max_new_tokens, eos_token_id=None,
+                           draft=pair.draft, num_draft_tokens=pair.k)
+    except PartError as err:
+        out = err
+    finally:
+        target.speculation = before
+    return RoundRun([], [], engine=out)
+
+
+def _round_verdict(case: Case, got: Any) -> Verdict:
+    if case.args[0] == "engine":
+        if isinstance(got.engine, PartError):
+            return f"the engine stopped your round: {str(got.engine).split(chr(10))[0]}", ""
+        if got.engine != case.expected:
+            return ("the engine with your round installed gave other tokens than plain greedy decoding",
+                    "every round must return the kept proposals and the target's next token, and leave the caches "
+                    "as described")
+        return None
+    if got.failed is None:
+        return None if got.tokens == case.expected else ("the tokens differ from plain greedy decoding's", "")
+    log = got.failed
+    return (f"round {log.index} (tokens: {len(log.tokens)}, num_draft_tokens = {log.k}, draft_cache.length = "
+            f"{log.draft_before} before the round): {log.problem}", log.hint)
+
+
+def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bool = True) -> None:
+    """speculative_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens) -> the kept proposals
+    and the target's next token; one greedy draft-verify round with one target pass and both caches rolled back.
+    Run in a loop, it must give plain greedy decoding's tokens."""
+    rng = random.Random(seed)
+
+    def prompt(n):
+        return [rng.randrange(97) for _ in range(n)]
+
+    def tiny(key, description, draft_of, n_prompt, n_new, k):
+        def make():
+            target = decisive_model(seed + key).requires_grad_(False)
+            return target, draft_of(target).requires_grad_(False), prompt(n_prompt), n_new
+
+        return _pair((seed, key), description, make, k)
+
+    pairs = [
+        tiny(1, "the draft is a copy of the target: every proposal is kept", copy.deepcopy, 5, 20, 3),
+        tiny(2, "a draft that agrees often (the target with noise), k = 4", lambda t: noisy_copy(t, seed, 0.15), 7, 24, 4),
+        tiny(3, "a one-token prompt, a draft that agrees often, k = 2", lambda t: noisy_copy(t, seed + 1, 0.1), 1, 16, 2),
+        tiny(4, "a draft that disagrees a lot (another random model), k = 6",
+             lambda t: decisive_model(seed + 99).requires_grad_(False), 9, 20, 6),
+        tiny(5, "k = 1", lambda t: noisy_copy(t, seed + 2, 0.2), 4, 12, 1),
+    ]
+    for i in range(n_random):
+        k = rng.randint(1, 6)
+        pairs.append(tiny(10 + i, f"random #{i}: k = {k}", lambda t, i=i: noisy_copy(t, seed + 10 + i, rng.random() / 4),
+                          rng.randint(1, 20), rng.randint(10, 30), k))
+    if bundled:
+        from ..tokenizer import get_tokenizer
+
+        def make():
+            target, draft = bundled_pair()
+            return target, draft, get_tokenizer().encode("ROMEO:\nBut soft, what light"), 16
+
+        pairs.append(_pair(("bundled",), "the bundled pair (gpt2-shakespeare and its draft), k = 4", make, 4, exact=False))
+    cases = [Case(p.description, ("loop", i), p.expected) for i, p in enumerate(pairs)]
+    cases.append(Case("llmcourse.generate(target, ids, draft=draft, num_draft_tokens=4) with your round installed",
+                      ("engine", 1), pairs[1].expected))
+
+    def run(kind, i):
+        watch = sys.getprofile()
+        sys.setprofile(None)  # only the learner's calls are watched (and the check's own model runs go faster)
+        try:
+            with one_thread(), torch.inference_mode():
+                return _run_rounds(fn, pairs[i], watch) if kind == "loop" else _run_engine(fn, pairs[i], watch)
+        finally:
+            sys.setprofile(watch)
+
+    def show(args):
+        pair = pairs[args[1]]
+        c, d = pair.target.config, pair.draft.config
+        models = (f"target {c.n_layer} layers × {c.n_embd}, draft {d.n_layer} layers × {d.n_embd}, "
+                  f"vocabulary {c.vocab_size}")
+        if args[0] == "engine":
+            return (f"target.speculation = Speculation.with_overrides(speculative_round=speculative_round); "
+                    f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
+                    f"num_draft_tokens={pair.k}) ({models})")
+        return (f"rounds of speculative_round(target, draft, target_cache, draft_cache, tokens, {pair.k}) from the "
+                f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})")
+
+    run_check("speculative_round", run, cases, judge=_round_verdict, forbid=[NO_ENGINE,
+              Forbidden("llmcourse.generate", "generate and stream run the whole loop: write one round yourself")],
+              show_call=show, seconds=10, total_seconds=40, may_modify=True)
