@@ -136,14 +136,25 @@ class Draws:
     """What n calls of a sampler gave: the calls' results and their tally, or the first unusable result."""
 
     n: int
-    counts: Optional[Tensor] = None  # [2V] (accepted x, rejected then t) for accept_token; see VerifyDraws
+    counts: Any = None  # accept_token: [2V] (accepted x, rejected then t); verify: see _draw_verifies
     bad: Any = None  # (the arguments, what came back) of the first result that is not (bool, token id)
     problem: str = ""
+    summary: str = ""
 
     def __repr__(self) -> str:
         if self.bad is not None:
             return short(self.bad[1], 120)
-        return f"{self.n} results"
+        return self.summary
+
+
+class Wanted:
+    """What a frequency case expects, in words (shown as 'expected:')."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
 
 
 def _accept_result_problem(out: Any, V: int, x: int) -> str:
@@ -177,7 +188,25 @@ def _draw_accepts(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Draw
             if problem:
                 return Draws(n, bad=((p, q, x), out), problem=problem)
             counts[out[1] + (0 if out[0] else V)] += 1
-    return Draws(n, counts)
+    freq = (counts[:V] + counts[V:]).double() / n
+    return Draws(n, counts, summary=f"tokens {_fmt(freq)} of the time, {float(counts[:V].sum()) / n:.0%} of the "
+                                    f"proposals accepted")
+
+
+def _outside_residual(p: Tensor, q: Tensor, rejected_tokens: list[int]) -> str:
+    """A hint if a token returned after a rejection has no mass in the residual max(0, p - q)."""
+    r = residual(p, q)
+    bad = [t for t in rejected_tokens if float(r[t]) == 0]
+    if not bad:
+        return ""
+    t = bad[0]
+    if float(p[t]) > 0 and t != len(p) - 1:
+        return (f"token {t} has max(0, p - q) = 0, so a rejection can never give it: after a rejection draw from the "
+                "residual max(0, p - q), normalised — not from p (p's tokens already got their share from the "
+                "accepted proposals)")
+    return (f"token {t} has max(0, p - q) = 0, so a rejection can never give it: draw from the residual "
+            "normalised (torch.multinomial normalises for you; an inverse-CDF draw with u in [0, 1) must compare "
+            "u · sum with the cumulative sum, or the last token takes the mass the sum lacks)")
 
 
 def _accept_verdict(case: Case, got: Any) -> Verdict:
@@ -188,7 +217,7 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
         if problem:
             return problem, "return (True, x) or (False, the token drawn from the residual)"
         if got != case.expected:
-            return f"expected {case.expected}, got {got}", ""
+            return f"expected {case.expected}, got {got}", _outside_residual(p, q, [got[1]] if not got[0] else [])
         return None
     _, p, q, n, _seed = case.args
     if got.bad is not None:
@@ -196,11 +225,14 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
         return f"with the proposal x = {x}: {got.problem}", "return (True, x) or (False, the token drawn from the residual)"
     V = p.shape[-1]
     counts = got.counts
+    outside = _outside_residual(p, q, torch.nonzero(counts[V:]).flatten().tolist())
     tokens = counts[:V] + counts[V:]
     want = correct_outcomes(p, q)
     alpha = float(want[:V].sum())
     accepted = int(counts[:V].sum())
-    if not fits(tokens, p.double()):
+    if outside:
+        problem = "after a rejection your rule returned a token that the residual max(0, p - q) gives probability 0"
+    elif not fits(tokens, p.double()):
         value, limit = chi2(tokens, p.double())
         freq = tokens.double() / n
         worst = int((freq - p.double()).abs().argmax())
@@ -213,7 +245,7 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
                    f"probability min(1, p(x)/q(x)) keeps Σ min(p, q) = {alpha:.1%} of them")
     else:
         return None
-    hint = next((h for dist, h in _accept_mistakes(p, q) if fits(counts, dist)), "")
+    hint = next((h for dist, h in _accept_mistakes(p, q) if fits(counts, dist)), outside)
     return problem, hint or ("accept x with probability min(1, p(x)/q(x)); after a rejection draw the token from "
                              "max(0, p - q) divided by its sum (torch.multinomial normalises for you; an inverse-CDF "
                              "draw with u must scale u by the sum)")
@@ -232,10 +264,13 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
 
     def many(description, p, q, hint="", dtype=torch.float32):
         p, q = _dist(p, dtype), _dist(q, dtype)
-        return Case(description, ("many", p, q, n_draws, seed + len(cases)), None, hint)
+        alpha = float(torch.minimum(p, q).sum())
+        return Case(description, ("many", p, q, n_draws, seed + len(cases)),
+                    Wanted(f"tokens distributed as p = {_fmt(p)}, Σ min(p, q) = {alpha:.0%} of the proposals "
+                           "accepted"), hint)
 
     cases: list[Case] = []
-    cases += [
+    fixed = [
         once("p(x) > q(x): always accepted", [.2, .5, .3], [.4, .2, .4], 1,
              "p(x) >= q(x) means min(1, p/q) = 1: accept, whatever u is"),
         once("p(x) = q(x): always accepted", [.1, .2, .3, .4], [.1, .2, .3, .4], 3),
@@ -245,8 +280,8 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
              1),
     ]
     cases += [
-        many("q puts mass where p has none, p where q has none", [.5, .5, 0], [0, .5, .5]),
         many("p and q overlap", [.2, .3, .5], [.6, .3, .1]),
+        many("q puts mass where p has none, p where q has none", [.5, .5, 0], [0, .5, .5]),
         many("p == q: every proposal is accepted", [.1, .2, .3, .4], [.1, .2, .3, .4]),
         many("p one-hot", [0, 0, 1, 0, 0], [.2, .2, .2, .2, .2]),
         many("q one-hot: the draft always proposes token 1", [.25, .25, .25, .25], [0, 1, 0, 0]),
@@ -260,6 +295,7 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         q[torch.rand(V, generator=g) < 0.25] = 0
         p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # never all zero
         cases.append(many(f"random #{i}, V = {V}", p.tolist(), q.tolist()))
+    cases += fixed
 
     def run(kind, *args):
         if kind == "once":
@@ -277,7 +313,10 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
                 + (" (float64)" if p.dtype == torch.float64 else ""))
 
     run_check("accept_token", run, cases, judge=_accept_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
-              total_seconds=30)
+              total_seconds=30,
+              error_hints={"invalid multinomial distribution": "the residual max(0, p - q) was all zero: that happens "
+                                                                "only when p == q, where min(1, p/q) = 1 accepts every "
+                                                                "proposal — check your acceptance test"})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -309,6 +348,9 @@ def _greedy_hint(target: list[int], drafted: list[int], got: tuple) -> str:
     k = len(drafted)
     n = next((i for i, (d, t) in enumerate(zip(drafted, target)) if d != t), k)
     got_n, token = got
+    matches = sum(d == t for d, t in zip(drafted, target))
+    if got_n == matches > n + 1:
+        return "stop at the first rejection: the proposals after it were drafted after a wrong token and mean nothing"
     if got_n == n + 1 and n < k:
         return (f"proposal {n} ({drafted[n]}) is not the target's token ({target[n]}): it is rejected, so {n} are "
                 "accepted — do not count the rejected one")
@@ -379,7 +421,9 @@ def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Dra
                 second[x2 if k == 2 else token] += 1
             if k == 2:
                 bonus[token] += 1
-    return Draws(n, (first, second, bonus, accepted))
+    return Draws(n, (first, second, bonus, accepted),
+                 summary=f"first new token {_fmt(first.double() / n)} of the time; 0, 1, 2 accepted in "
+                         f"{_fmt(accepted.double() / n)} of the calls")
 
 
 def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -> None:
@@ -394,15 +438,15 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -
                     engine_verify(p, q, list(drafted), torch.Generator().manual_seed(0)), hint)
 
     cases = [
-        greedy("greedy: the 2nd proposal differs from the target's token", [3, 1, 4, 0], [3, 5, 4]),
+        greedy("greedy: the 2nd proposal differs from the target's token", [3, 1, 4, 0], [3, 5, 2]),
+        greedy("greedy: a later proposal matches again after a rejection", [3, 1, 4, 1, 5], [3, 2, 4, 1],
+               hint="stop at the first rejection"),
         greedy("greedy: all 3 accepted, then the bonus token from p[3]", [3, 1, 4, 5], [3, 1, 4],
                hint="all k accepted: one more token, drawn from p[k]"),
         greedy("greedy: the first proposal is rejected", [2, 2, 2], [0, 2]),
         greedy("k = 0: no proposals, the token comes from p[0]", [4], [],
                hint="with no proposal, all 0 are accepted: the token is drawn from p[0]"),
         greedy("k = 1, accepted: the bonus comes from p[1]", [1, 0], [1]),
-        greedy("greedy: a later proposal matches again after a rejection", [3, 1, 4, 1, 5], [3, 2, 4, 1],
-               hint="stop at the first rejection"),
     ]
     for i in range(n_random):
         V, k = rng.randint(3, 40), rng.randint(1, 6)
@@ -413,8 +457,12 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -
     toy = [([.5, .3, .2, 0], [.2, .2, .3, .3]), ([0, .4, .6, 0], [.1, .6, .2, .1]), ([.25, .25, .25, .25], [.7, 0, 0, .3])]
     p = torch.stack([_dist(row) for row, _ in toy])
     q = torch.stack([_dist(row) for _, row in toy[:2]])
+    alphas = [float(torch.minimum(p[i], q[i]).sum()) for i in range(2)]
     cases.append(Case("2 proposals drawn from q (many calls): the tokens that come out follow p",
-                      ("many", p, q, n_draws, seed), None))
+                      ("many", p, q, n_draws, seed),
+                      Wanted(f"first new token distributed as p[0] = {_fmt(p[0])}; 0, 1, 2 accepted in "
+                             f"{_fmt(torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]]))}"
+                             " of the calls")))
 
     def run(kind, *args):
         if kind == "once":
@@ -429,7 +477,7 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -
                     f"draft_tokens={drafted}, generator)")
         _, p, q, n, _ = args
         return (f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
-                f"{[_fmt(r) for r in p]}, q = {[_fmt(r) for r in q]}")
+                f"[{', '.join(map(_fmt, p))}], q = [{', '.join(map(_fmt, q))}]")
 
     run_check("verify", run, cases, judge=_verify_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
               total_seconds=30,
@@ -453,11 +501,11 @@ def _lookup(tokens, k, max_ngram, *, latest=True, fallback=True, skip_tail=True,
     return []
 
 
-LOOKUP_MISTAKES = [
+LOOKUP_MISTAKES = [  # the first whose answer is the learner's names the mistake
     (dict(latest=False), "take the LATEST earlier occurrence (search from the end): recent text predicts best"),
+    (dict(fallback=False), "when the last max_ngram tokens never occurred, try shorter n-grams, down to n = 1"),
     (dict(skip_tail=False), "the tail itself is the latest occurrence of the tail, with nothing after it: look for "
                             "occurrences that end before it (start <= len(tokens) - n - 1)"),
-    (dict(fallback=False), "when the last max_ngram tokens never occurred, try shorter n-grams, down to n = 1"),
     (dict(continuation=False), "propose what FOLLOWED the match (tokens[start + n : start + n + k]), not the match"),
 ]
 
@@ -694,8 +742,9 @@ def _round_problem(log: RoundLog, pair: Pair, proposals: list[int]) -> None:
         if log.target_length == n + len(out) and len(out) >= 1 and out == continuation[1 : len(out) + 1]:
             log.hint = "feed the target [tokens[-1], d1, …, dk]: its cache holds all of tokens but the last"
         else:
-            log.hint = ("keep proposal i while it equals the target's argmax at position i of the verify pass; the "
-                        "next token is the target's argmax after the last kept proposal")
+            log.hint = ("feed the target [tokens[-1], d1, …, dk] in one pass (its cache holds all of tokens but the "
+                        "last); keep proposal i while it equals the argmax at position i of that pass; the next token "
+                        "is the argmax after the last kept proposal")
         return
     if log.target_length != kept:
         if log.target_length == n + len(out) and len(out) == proposals_kept(proposals, continuation):

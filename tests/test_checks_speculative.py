@@ -1,0 +1,633 @@
+"""Chapter 08's checks: the references pass, stubs and plausible mistakes fail with a message that says what
+is wrong, other correct ways of writing each exercise pass, the engine's own functions are refused; and the
+check-side machinery (the chi-square tally, the rule's outcome distribution, the round's loop) does what the
+checks rely on."""
+
+import functools
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import llmcourse.checks.speculative as spec_checks
+from llmcourse import speculative as engine
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.speculative import (PAIRS, check_accept_token, check_expected_speedup, check_prompt_lookup_draft,
+                                          check_speculative_round, check_verify, chi2, correct_outcomes,
+                                          decisive_model, noisy_copy)
+from llmcourse.speculative import Speculation
+from tests.notebook_checks import run_notebook_checks
+
+ROOT = Path(__file__).parents[1]
+NOTEBOOK = ROOT / "solutions/08_speculative/08_speculative.ipynb"
+
+
+# -- references, written as a learner would ---------------------------------------------------------
+
+
+def accept_token(p, q, draft_token, generator=None):
+    u = torch.rand((), generator=generator)
+    if u * q[draft_token] < p[draft_token]:
+        return True, draft_token
+    residual = (p - q).clamp(min=0)
+    return False, int(torch.multinomial(residual, 1, generator=generator))
+
+
+def verify(p, q, draft_tokens, generator=None):
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_token(p[i], q[i], x, generator)
+        if not accepted:
+            return i, token
+    k = len(draft_tokens)
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3):
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def expected_speedup(alpha, k, c):
+    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
+
+
+def speculative_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    n = len(tokens)
+    ids = torch.tensor([tokens[draft_cache.length :]])
+    proposals = []
+    for _ in range(num_draft_tokens):
+        logits = draft(ids, cache=draft_cache)
+        proposals.append(int(logits[0, -1].argmax()))
+        ids = torch.tensor([[proposals[-1]]])
+    logits = target(torch.tensor([[tokens[-1], *proposals]]), cache=target_cache)[0]  # [k+1, V]
+    best = logits.argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(proposals) and proposals[accepted] == best[accepted]:
+        accepted += 1
+    target_cache.length = n + accepted
+    draft_cache.length = min(draft_cache.length, n + accepted)
+    return proposals[:accepted] + [best[accepted]]
+
+
+REFERENCES = [
+    (check_accept_token, accept_token, dict(n_random=6)),
+    (check_verify, verify, dict(n_random=10)),
+    (check_prompt_lookup_draft, prompt_lookup_draft, dict(n_random=200)),
+    (check_expected_speedup, expected_speedup, dict(n_random=40)),
+    (check_speculative_round, speculative_round, dict(n_random=3)),
+]
+IDS = [check.__name__ for check, _, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference, hidden", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
+    check(reference)
+    check(reference, seed=101, **hidden)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_notebook_solutions_pass_their_checks(capsys):
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 10
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check", [c for c, _, _ in REFERENCES], ids=IDS)
+def test_stub_is_not_written_yet(check):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(stub)
+
+
+def fails(check, fn, pattern, **kwargs):
+    with pytest.raises(CheckFailed) as err:
+        check(fn, **kwargs)
+    assert re.search(pattern, str(err.value), re.S), str(err.value)
+    assert "Traceback" not in str(err.value)
+    return str(err.value)
+
+
+# -- accept_token ----------------------------------------------------------------------------------
+
+
+def accept_inverse_cdf_unnormalised(p, q, draft_token, generator=None):
+    """The residual sampled by inverse CDF with u in [0, 1) against an unnormalised cumulative sum."""
+    u = torch.rand((), generator=generator)
+    if u * q[draft_token] < p[draft_token]:
+        return True, draft_token
+    cdf = (p - q).clamp(min=0).cumsum(0)
+    v = torch.rand((), generator=generator)
+    return False, min(int((cdf <= v).sum()), len(p) - 1)
+
+
+def accept_correction_from_p(p, q, draft_token, generator=None):
+    u = torch.rand((), generator=generator)
+    if u * q[draft_token] < p[draft_token]:
+        return True, draft_token
+    return False, int(torch.multinomial(p, 1, generator=generator))
+
+
+def accept_if_p_at_least_q(p, q, draft_token, generator=None):
+    if p[draft_token] >= q[draft_token]:
+        return True, draft_token
+    return False, int(torch.multinomial((p - q).clamp(min=0), 1, generator=generator))
+
+
+def accept_with_probability_p(p, q, draft_token, generator=None):
+    if torch.rand((), generator=generator) < p[draft_token]:
+        return True, draft_token
+    return False, int(torch.multinomial((p - q).clamp(min=0), 1, generator=generator))
+
+
+def accept_inverted(p, q, draft_token, generator=None):
+    if torch.rand((), generator=generator) > p[draft_token] / q[draft_token]:
+        return True, draft_token
+    return False, int(torch.multinomial((p - q).clamp(min=0), 1, generator=generator))
+
+
+def accept_never(p, q, draft_token, generator=None):
+    return False, int(torch.multinomial(p, 1, generator=generator))
+
+
+def accept_tensor_token(p, q, draft_token, generator=None):
+    accepted, token = accept_token(p, q, draft_token, generator)
+    return accepted, torch.tensor(token)
+
+
+def accept_engine(p, q, draft_token, generator=None):
+    return engine.accept_token(p, q, draft_token, generator)
+
+
+def accept_returns_other_token(p, q, draft_token, generator=None):
+    accepted, token = accept_token(p, q, draft_token, generator)
+    return accepted, (token + 1) % len(p) if accepted else token
+
+
+ACCEPT_MISTAKES = [
+    (accept_inverse_cdf_unnormalised, r"returned a token that the residual max\(0, p - q\) gives probability 0.*"
+                                      r"token 2 has max\(0, p - q\) = 0.*u · sum"),
+    (accept_correction_from_p, r"returned a token that the residual.*gives probability 0.*residual max\(0, p - q\), "
+                              r"normalised — not from p"),
+    (accept_if_p_at_least_q, r"p\(x\) >= q\(x\), without drawing"),
+    (accept_with_probability_p, r"accept with probability p\(x\): the rule is min\(1, p\(x\)/q\(x\)\)"),
+    (accept_inverted, r"comparison is inverted"),
+    (accept_never, r"gives probability 0.*expected: tokens distributed as p.*0% of the proposals accepted.*"
+                  r"you never accept"),
+    (accept_tensor_token, r"the token should be a Python int, got tensor.*int\(\.\.\.\) it"),
+    (accept_engine, r"llmcourse\.speculative.*write your own"),
+    (accept_returns_other_token, r"accepted the proposal \d+ but returned the token \d+"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", ACCEPT_MISTAKES, ids=[f.__name__ for f, _ in ACCEPT_MISTAKES])
+def test_accept_token_mistakes_are_named(fn, pattern):
+    fails(check_accept_token, fn, pattern)
+
+
+def accept_by_division(p, q, draft_token, generator=None):
+    """Correct, written differently: u < p/q (q(x) > 0 for a proposal drawn from q), the residual drawn by
+    inverse CDF with u scaled by the sum."""
+    if torch.rand(1, generator=generator).item() < float(p[draft_token] / q[draft_token]):
+        return True, draft_token
+    cdf = (p - q).clamp(min=0).cumsum(0)
+    v = torch.rand(1, generator=generator, dtype=cdf.dtype) * cdf[-1]
+    return False, int(torch.searchsorted(cdf, v, right=True).clamp(max=len(p) - 1))
+
+
+def accept_categorical(p, q, draft_token, generator=None):
+    """Correct, written differently: torch.distributions.Categorical and a u from the global generator."""
+    if torch.rand(()) < p[draft_token] / q[draft_token]:
+        return True, draft_token
+    return False, int(torch.distributions.Categorical(probs=(p - q).clamp(min=0), validate_args=False).sample())
+
+
+def test_accept_token_alternatives_pass(capsys):
+    check_accept_token(accept_by_division)
+    check_accept_token(accept_by_division, seed=101, n_random=6)
+    check_accept_token(accept_categorical)
+    assert capsys.readouterr().out.count("✓") == 3
+
+
+def test_accept_token_correct_rule_passes_every_seed(capsys):
+    """The frequency test's level (about 1e-6 per case) lets a correct rule pass whatever the seed (50 seeds, fewer
+    draws than the check's to keep this quick: the level does not depend on the number of draws)."""
+    for seed in range(50):
+        check_accept_token(accept_token, seed=seed, n_random=1, n_draws=40)
+    assert capsys.readouterr().out.count("✓") == 50
+
+
+def test_accept_token_outcome_distribution_is_the_rule():
+    p, q = torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.0, 0.5, 0.5])
+    outcomes = correct_outcomes(p, q)  # accepted 1 with probability .5; rejected (x = 2) then token 0
+    assert outcomes.tolist() == [0.0, 0.5, 0.0, 0.5, 0.0, 0.0]
+    assert torch.allclose(outcomes[:3] + outcomes[3:], p.double())
+    value, limit = chi2(torch.tensor([0, 500, 0, 500, 0, 0]), outcomes)
+    assert value == 0 and limit > 0
+    assert chi2(torch.tensor([1, 499, 0, 500, 0, 0]), outcomes)[0] == float("inf")  # an impossible outcome
+
+
+def test_accept_token_that_raises_or_hangs_gets_a_clear_message(monkeypatch):
+    def raises(p, q, draft_token, generator=None):
+        return True, p[draft_token + 10]
+
+    def hangs(p, q, draft_token, generator=None):
+        while True:
+            pass
+
+    fails(check_accept_token, raises, r"raised IndexError.*\n  at line \d+ in raises")
+    quick = functools.partial(spec_checks.run_check, seconds=0.5)
+    monkeypatch.setattr(spec_checks, "run_check", lambda *a, **k: quick(*a, **{**k, "seconds": 0.5}))
+    fails(check_accept_token, hangs, r"did not finish within 0\.5 s")
+
+
+# -- verify ----------------------------------------------------------------------------------------
+
+
+def verify_bonus_missing(p, q, draft_tokens, generator=None):
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_token(p[i], q[i], x, generator)
+        if not accepted:
+            return i, token
+    return len(draft_tokens), draft_tokens[-1] if draft_tokens else int(torch.multinomial(p[0], 1))
+
+
+def verify_bonus_from_last_row(p, q, draft_tokens, generator=None):
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_token(p[i], q[i], x, generator)
+        if not accepted:
+            return i, token
+    k = len(draft_tokens)
+    return k, int(torch.multinomial(p[max(k - 1, 0)], 1, generator=generator))
+
+
+def verify_counts_rejected(p, q, draft_tokens, generator=None):
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_token(p[i], q[i], x, generator)
+        if not accepted:
+            return i + 1, token
+    k = len(draft_tokens)
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def verify_does_not_stop(p, q, draft_tokens, generator=None):
+    kept, token = 0, None
+    for i, x in enumerate(draft_tokens):
+        accepted, t = accept_token(p[i], q[i], x, generator)
+        if accepted:
+            kept += 1
+        elif token is None:
+            token = t
+    if token is None:
+        token = int(torch.multinomial(p[len(draft_tokens)], 1, generator=generator))
+    return kept, token
+
+
+def verify_bonus_from_q(p, q, draft_tokens, generator=None):
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_token(p[i], q[i], x, generator)
+        if not accepted:
+            return i, token
+    k = len(draft_tokens)
+    return k, int(torch.multinomial(q[k - 1] if k else p[0], 1, generator=generator))
+
+
+def verify_with_wrong_rule(p, q, draft_tokens, generator=None):
+    """Right structure, but the correction comes from p (a wrong accept_token)."""
+    for i, x in enumerate(draft_tokens):
+        accepted, token = accept_correction_from_p(p[i], q[i], x, generator)
+        if not accepted:
+            return i, token
+    k = len(draft_tokens)
+    return k, int(torch.multinomial(p[k], 1, generator=generator))
+
+
+def verify_engine(p, q, draft_tokens, generator=None):
+    return engine.verify(p, q, draft_tokens, generator)
+
+
+VERIFY_MISTAKES = [
+    (verify_bonus_missing, r"all 3 accepted.*bonus drawn from p\[k\].*not a draft token"),
+    (verify_bonus_from_last_row, r"all 3 accepted.*bonus drawn from p\[k\] \(row 3"),
+    (verify_counts_rejected, r"expected \(1, 1\), got \(2, 1\).*do not count the rejected one"),
+    (verify_does_not_stop, r"expected \(1, 1\), got \(3, 1\).*stop at the first rejection"),
+    (verify_bonus_from_q, r"all 3 accepted.*bonus drawn from p\[k\]"),
+    (verify_with_wrong_rule, r"the first new token .* is not distributed as the target's p"),
+    (verify_engine, r"llmcourse\.speculative.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", VERIFY_MISTAKES, ids=[f.__name__ for f, _ in VERIFY_MISTAKES])
+def test_verify_mistakes_are_named(fn, pattern):
+    fails(check_verify, fn, pattern)
+
+
+def verify_recursive(p, q, draft_tokens, generator=None):
+    """Correct, written differently: recursion, and the learner's other correct rule."""
+    if not draft_tokens:
+        return 0, int(torch.multinomial(p[0], 1, generator=generator))
+    accepted, token = accept_by_division(p[0], q[0], draft_tokens[0], generator)
+    if not accepted:
+        return 0, token
+    n, token = verify_recursive(p[1:], q[1:], draft_tokens[1:], generator)
+    return n + 1, token
+
+
+def test_verify_alternative_passes(capsys):
+    check_verify(verify_recursive)
+    check_verify(verify_recursive, seed=101, n_random=10)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_verify_that_calls_an_unwritten_accept_token_says_so():
+    def verify_calling_stub(p, q, draft_tokens, generator=None):
+        for i, x in enumerate(draft_tokens):
+            stub(p[i], q[i], x, generator)
+        return 0, 0
+
+    fails(check_verify, verify_calling_stub, r"accept_token: write that exercise first")
+
+
+# -- prompt_lookup_draft ---------------------------------------------------------------------------
+
+
+def lookup_earliest(tokens, num_draft_tokens, max_ngram=3):
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def lookup_matches_tail_itself(tokens, num_draft_tokens, max_ngram=3):
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def lookup_no_fallback(tokens, num_draft_tokens, max_ngram=3):
+    n = max_ngram
+    if len(tokens) <= n:
+        return []
+    tail = tokens[-n:]
+    for start in range(len(tokens) - n - 1, -1, -1):
+        if tokens[start : start + n] == tail:
+            return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def lookup_returns_match(tokens, num_draft_tokens, max_ngram=3):
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start : start + min(n, num_draft_tokens)]
+    return []
+
+
+def lookup_too_many(tokens, num_draft_tokens, max_ngram=3):
+    return prompt_lookup_draft(tokens, num_draft_tokens + 1, max_ngram)
+
+
+def lookup_tuple(tokens, num_draft_tokens, max_ngram=3):
+    return tuple(prompt_lookup_draft(tokens, num_draft_tokens, max_ngram))
+
+
+def lookup_engine(tokens, num_draft_tokens, max_ngram=3):
+    return engine.prompt_lookup_draft(tokens, num_draft_tokens, max_ngram)
+
+
+LOOKUP_MISTAKES = [
+    (lookup_earliest, r"latest wins: expected \[20, 21\], got \[10, 11\].*LATEST earlier occurrence"),
+    (lookup_matches_tail_itself, r"expected \[8, 9\], got \[\].*the tail itself is the latest occurrence"),
+    (lookup_no_fallback, r"expected \[20, 21\], got \[\].*try shorter n-grams, down to n = 1"),
+    (lookup_returns_match, r"expected \[8, 9\], got \[5, 6\].*propose what FOLLOWED the match"),
+    (lookup_too_many, r"at most num_draft_tokens = \d"),
+    (lookup_tuple, r"expected a list of ints, got \("),
+    (lookup_engine, r"llmcourse\.speculative.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", LOOKUP_MISTAKES, ids=[f.__name__ for f, _ in LOOKUP_MISTAKES])
+def test_prompt_lookup_draft_mistakes_are_named(fn, pattern):
+    fails(check_prompt_lookup_draft, fn, pattern)
+
+
+def lookup_by_strings(tokens, num_draft_tokens, max_ngram=3):
+    """Correct, written differently: tuples in a dict of the latest start of every n-gram before the tail."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        latest = {tuple(tokens[s : s + n]): s for s in range(len(tokens) - n)}  # later starts overwrite
+        start = latest.get(tuple(tokens[-n:]))
+        if start is not None:
+            return tokens[start + n : start + n + num_draft_tokens]
+    return []
+
+
+def test_prompt_lookup_draft_alternative_passes(capsys):
+    check_prompt_lookup_draft(lookup_by_strings)
+    check_prompt_lookup_draft(lookup_by_strings, seed=101, n_random=200)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- expected_speedup ------------------------------------------------------------------------------
+
+
+def speedup_alpha_k(alpha, k, c):
+    return (1 - alpha ** k) / (1 - alpha) / (k * c + 1) if alpha != 1 else k / (k * c + 1)
+
+
+def speedup_no_cost(alpha, k, c):
+    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha != 1 else k + 1.0
+
+
+def speedup_divides_by_zero(alpha, k, c):
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+def speedup_nan(alpha, k, c):
+    alpha = torch.tensor(float(alpha))
+    return float((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)))
+
+
+def speedup_kc(alpha, k, c):
+    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c) if c else tokens
+
+
+def speedup_engine(alpha, k, c):
+    return engine.expected_speedup(alpha, k, c)
+
+
+SPEEDUP_MISTAKES = [
+    (speedup_alpha_k, r"expected 1\.64686, got 1\.55429.*numerator is 1 − α\^\(k\+1\)"),
+    (speedup_no_cost, r"expected 1\.6\d+, got 2\.3\d+.*divide by the round's cost"),
+    (speedup_divides_by_zero, r"raised ZeroDivisionError.*handle α == 1 separately"),
+    (speedup_nan, r"got nan at α = 1.*handle α == 1 separately"),
+    (speedup_kc, r"the round's cost is k·c \+ 1"),
+    (speedup_engine, r"llmcourse\.speculative.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", SPEEDUP_MISTAKES, ids=[f.__name__ for f, _ in SPEEDUP_MISTAKES])
+def test_expected_speedup_mistakes_are_named(fn, pattern):
+    fails(check_expected_speedup, fn, pattern)
+
+
+def speedup_by_sum(alpha, k, c):
+    """Correct, written differently: the sum 1 + α + … + α^k (no special case needed)."""
+    return sum(alpha ** i for i in range(k + 1)) / (1 + k * c)
+
+
+def test_expected_speedup_alternative_passes(capsys):
+    check_expected_speedup(speedup_by_sum)
+    check_expected_speedup(speedup_by_sum, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_expected_speedup_matches_the_engine_and_the_limits():
+    assert engine.expected_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
+    assert engine.expected_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
+    assert engine.expected_speedup(1 - 1e-9, 4, 0.1) == pytest.approx(5 / 1.4, rel=1e-6)
+    assert speedup_by_sum(0.57, 4, 0.26) == pytest.approx(engine.expected_speedup(0.57, 4, 0.26))
+
+
+# -- speculative_round -----------------------------------------------------------------------------
+
+
+def round_with(*, target_off=0, draft_rollback=True, feed_last=True, one_pass=True, next_token=True,
+               feed_only_last_to_draft=False):
+    """speculative_round with one plausible mistake switched on."""
+
+    def round_(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+        n = len(tokens)
+        ids = torch.tensor([[tokens[-1]]] if feed_only_last_to_draft else [tokens[draft_cache.length :]])
+        proposals = []
+        for _ in range(num_draft_tokens):
+            logits = draft(ids, cache=draft_cache)
+            proposals.append(int(logits[0, -1].argmax()))
+            ids = torch.tensor([[proposals[-1]]])
+        fed = [tokens[-1], *proposals] if feed_last else proposals or [tokens[-1]]
+        if one_pass:
+            best = target(torch.tensor([fed]), cache=target_cache)[0].argmax(-1).tolist()
+        else:
+            best = [int(target(torch.tensor([[t]]), cache=target_cache)[0, -1].argmax()) for t in fed]
+        accepted = 0
+        while accepted < len(proposals) and proposals[accepted] == best[accepted]:
+            accepted += 1
+        target_cache.length = n + accepted + target_off
+        if draft_rollback:
+            draft_cache.length = min(draft_cache.length, n + accepted)
+        return proposals[:accepted] + ([best[accepted]] if next_token else [])
+
+    return round_
+
+
+def round_engine(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    return engine.speculative_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens)
+
+
+def round_via_generate(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    from llmcourse import generate
+
+    out = generate(target, tokens, max_new_tokens=1, eos_token_id=None)
+    target_cache.length = len(tokens)
+    return out
+
+
+ROUND_MISTAKES = [
+    (round_with(target_off=-1), r"target_cache\.length = \d+.*1 position too few.*roll back"),
+    (round_with(target_off=+1), r"target_cache\.length = \d+.*1 position too many"),
+    (round_with(draft_rollback=False), r"draft_cache\.length = \d+, beyond.*stale keys poison"),
+    (round_with(feed_last=False), r"plain greedy decoding continues with.*feed the target \[tokens\[-1\], d1"),
+    (round_with(one_pass=False), r"called the target \d times in one round.*ONE forward pass"),
+    (round_with(next_token=False), r"returned \d tokens.*(1 to|the next token)"),
+    (round_with(feed_only_last_to_draft=True), r"kept \d proposals; the draft's greedy continuation.*"
+                                               r"tokens\[draft_cache\.length:\]"),
+    (round_engine, r"llmcourse\.speculative.*write your own"),
+    (round_via_generate, r"llmcourse\.generate.*write one round yourself"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", ROUND_MISTAKES, ids=["target_one_short", "target_one_long", "no_draft_rollback",
+                                                             "no_last_token", "one_pass_per_proposal", "no_next_token",
+                                                             "draft_fed_last_only", "engine", "generate"])
+def test_speculative_round_mistakes_are_named(fn, pattern):
+    fails(check_speculative_round, fn, pattern)
+
+
+def round_with_tensors(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    """Correct, written differently: the draft's proposals as a tensor, the kept count with cumprod, the draft's
+    cache rolled back before it runs next instead of after (it is at most len(tokens) - 1 here)."""
+    n = len(tokens)
+    drafted = torch.empty(0, dtype=torch.long)
+    ids = torch.tensor(tokens[draft_cache.length :])[None]
+    for _ in range(num_draft_tokens):
+        nxt = draft(ids, cache=draft_cache, last_only=True)[0, -1].argmax()[None]
+        drafted = torch.cat([drafted, nxt])
+        ids = nxt[None]
+    fed = torch.cat([torch.tensor(tokens[-1:]), drafted])[None]  # [1, k+1]
+    best = target(fed, cache=target_cache)[0].argmax(-1)  # [k+1]
+    accepted = int((drafted == best[:-1]).long().cumprod(0).sum())
+    target_cache.length = n + accepted
+    if draft_cache.length > n + accepted:
+        draft_cache.length = n + accepted
+    return drafted[:accepted].tolist() + [int(best[accepted])]
+
+
+def test_speculative_round_alternative_passes(capsys):
+    check_speculative_round(round_with_tensors)
+    check_speculative_round(round_with_tensors, seed=101, n_random=3)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_speculative_round_that_raises_gets_a_clear_message():
+    def raises(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+        return [int(draft(torch.tensor([tokens]))[0, -1].argmax())][num_draft_tokens]
+
+    fails(check_speculative_round, raises, r"raised IndexError.*at line \d+ in raises")
+
+
+def test_speculative_round_in_the_engine_equals_plain_greedy():
+    """The check's tiny pairs: the engine with the reference round installed gives plain greedy's tokens, and so
+    does the engine's own round; the noisy drafts keep some proposals and reject others."""
+    from llmcourse import generate
+
+    torch.set_num_threads(1)
+    target = decisive_model(3).requires_grad_(False)
+    for draft in (noisy_copy(target, 0, 0.15), decisive_model(99)):
+        plain = generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None)
+        for k in (1, 6):
+            stats = engine.SpeculationStats()
+            assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft,
+                            num_draft_tokens=k, stats=stats) == plain
+            target.speculation = Speculation.with_overrides(speculative_round=speculative_round)
+            try:
+                assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft,
+                                num_draft_tokens=k) == plain
+            finally:
+                target.speculation = Speculation()
+    assert any(key for key in PAIRS)  # the checks above made their pairs
+
+
+def test_reference_accept_token_against_the_engine_on_one_hot_and_torch():
+    """Independent references: one-hot p and q make the rule greedy; the engine's rule equals the reference's
+    draw for draw with the same generator (both draw u first, then the residual)."""
+    V = 7
+    for target, proposal in [(3, 3), (3, 5)]:
+        p, q = F.one_hot(torch.tensor(target), V).float(), F.one_hot(torch.tensor(proposal), V).float()
+        assert accept_token(p, q, proposal) == (target == proposal, target)
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    p, q = torch.tensor([0.1, 0.6, 0.3]), torch.tensor([0.5, 0.2, 0.3])
+    for x in [0, 0, 1, 2, 0, 2, 0, 0]:
+        assert accept_token(p, q, x, g1) == engine.accept_token(p, q, x, g2)
