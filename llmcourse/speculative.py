@@ -335,9 +335,9 @@ def guarded_lookup(fn: Callable) -> Callable:
     def call(tokens, num_draft_tokens, *args):
         out = _calling("prompt_lookup_draft", fn, list(tokens), num_draft_tokens, *args)
         if not (isinstance(out, list) and len(out) <= num_draft_tokens
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in out)):
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in out) and set(out) <= set(tokens)):
             _fail("prompt_lookup_draft", fn, f"returned {out!r:.120}; expected a list of at most "
-                                             f"{num_draft_tokens} token ids")
+                                             f"{num_draft_tokens} token ids copied from the text")
         return out
 
     return call
@@ -385,7 +385,7 @@ def resolve_draft(target, draft) -> Union[str, object]:
         return draft
     if isinstance(draft, str) or hasattr(draft, "__fspath__"):
         try:
-            draft = load_model(draft, device=target.device, dtype=target.dtype)
+            draft = load_model(draft, device=target.device).to(target.dtype)  # load_model stops at float32
         except (ValueError, OSError) as err:
             raise ValueError(f"the draft model {str(draft)!r} could not be loaded: {err}") from err
     if not isinstance(draft, GPT2):
