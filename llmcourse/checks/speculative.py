@@ -251,7 +251,7 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
                              "draw with u must scale u by the sum)")
 
 
-def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1500) -> None:
+def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1000) -> None:
     """accept_token(p, q, draft_token, generator=None) -> (accepted: bool, token: int): accept a proposal x ~ q
     with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
     outcomes' frequencies over many calls."""
@@ -426,7 +426,7 @@ def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Dra
                          f"{_fmt(accepted.double() / n)} of the calls")
 
 
-def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1500) -> None:
+def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -> None:
     """verify(p, q, draft_tokens, generator=None) -> (num_accepted, next_token): p [k+1, V], q [k, V]; accept_token
     at each position up to the first rejection (the residual's token comes next), or all k accepted and a bonus
     token drawn from p[k]."""
