@@ -6,6 +6,7 @@
     $ python -m llmcourse release                    # regenerate chapters/ from solutions/
     $ python -m llmcourse bench                      # engine vs transformers vs the roofline
     $ python -m llmcourse bench --serving            # static batching vs LLMEngine, prefix caching
+    $ python -m llmcourse bench --speculative        # plain vs speculative decoding (draft model, prompt lookup)
 """
 
 from __future__ import annotations
@@ -134,11 +135,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-compile", action="store_true",
                        help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
     bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)")
-    bench.add_argument("--serving", nargs="?", const=["gpt2-shakespeare", "gpt2"], type=name_list, metavar="MODEL,...",
-                       default=argparse.SUPPRESS,
-                       help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
-                            "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
-                            "bench.json and bench_serving.png")
+    instead = bench.add_mutually_exclusive_group()
+    instead.add_argument("--serving", nargs="?", const=["gpt2-shakespeare", "gpt2"], type=name_list, metavar="MODEL,...",
+                         default=argparse.SUPPRESS,
+                         help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
+                              "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
+                              "bench.json and bench_serving.png")
+    instead.add_argument("--speculative", action="store_true",
+                         help="instead, run the speculative decoding benchmark (gpt2-shakespeare with its draft model "
+                              "and with prompt lookup, k = 1...8, against plain greedy decoding; uses --device, --dtype, "
+                              "--repeats); it writes the 'speculative' section of bench.json and bench_speculative.png")
     return parser
 
 

@@ -546,6 +546,10 @@ def main(args: argparse.Namespace) -> int:
         from .serving_bench import main as serving
 
         return serving(args.serving, out, device=args.device, dtype=args.dtype)
+    if getattr(args, "speculative", False):
+        from .speculative_bench import main as speculative
+
+        return speculative(out, device=args.device, dtype=args.dtype, repeats=args.repeats)
     out.mkdir(parents=True, exist_ok=True)
     try:
         from tqdm import tqdm
