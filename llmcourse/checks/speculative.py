@@ -251,10 +251,9 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
                              "draw with u must scale u by the sum)")
 
 
-def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1000) -> None:
-    """accept_token(p, q, draft_token, generator=None) -> (accepted: bool, token: int): accept a proposal x ~ q
-    with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
-    outcomes' frequencies over many calls."""
+def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
+    """check_accept_token's cases: the frequency tests (args ("many", p, q, n_draws, seed)), then the
+    deterministic corners (args ("once", p, q, x, seed))."""
     g = torch.Generator().manual_seed(seed)
 
     def once(description, p, q, x, hint=""):
@@ -295,7 +294,13 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         q[torch.rand(V, generator=g) < 0.25] = 0
         p[0], q[-1] = p[0] + 0.1, q[-1] + 0.1  # never all zero
         cases.append(many(f"random #{i}, V = {V}", p.tolist(), q.tolist()))
-    cases += fixed
+    return cases + fixed
+
+
+def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1000) -> None:
+    """accept_token(p, q, draft_token, generator=None) -> (accepted: bool, token: int): accept a proposal x ~ q
+    with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
+    outcomes' frequencies over many calls."""
 
     def run(kind, *args):
         if kind == "once":
@@ -312,7 +317,8 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}"
                 + (" (float64)" if p.dtype == torch.float64 else ""))
 
-    run_check("accept_token", run, cases, judge=_accept_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
+    run_check("accept_token", run, accept_cases(seed, n_random, n_draws), judge=_accept_verdict, forbid=[NO_ENGINE],
+              show_call=show, seconds=10,
               total_seconds=30,
               error_hints={"invalid multinomial distribution": "the residual max(0, p - q) was all zero: that happens "
                                                                 "only when p == q, where min(1, p/q) = 1 accepts every "
