@@ -155,8 +155,8 @@ def my_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens,
 def bundled_cases(bundled, tok):
     """(prompts, plain greedy continuations): held-out passages, one of random ids, one of 1 token."""
     target, _ = bundled
-    prompts = shakespeare_prompts(7) + [torch.randint(0, 50257, (7,), generator=torch.Generator().manual_seed(0)).tolist(),
-                                              tok.encode("O")]
+    random_ids = torch.randint(0, 50257, (7,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = shakespeare_prompts(7) + [random_ids, tok.encode("O")]
     return prompts, [plain(target, p, max_new_tokens=16) for p in prompts]
 
 
@@ -216,6 +216,16 @@ def test_a_draft_identical_to_the_target_accepts_everything(small):
         assert len(stats.rounds) == -(-40 // (k + 1)) and stats.tokens_per_forward == 40 / len(stats.rounds)
 
 
+def test_greedy_filling_the_whole_context_is_plain_greedy(small):
+    """prompt + max_new_tokens == n_positions, k up to 64: the last rounds shrink to fit."""
+    target, drafts = small
+    prompt = (random_prompts(seed=3, n=3, longest=100)[2] * 10)[:100]
+    expected = plain(target, prompt, max_new_tokens=28)
+    for draft in (drafts["same"], drafts["other"], "prompt-lookup"):
+        for k in (4, 27, 64):
+            assert plain(target, prompt, max_new_tokens=28, draft=draft, num_draft_tokens=k) == expected, (draft, k)
+
+
 def test_sampling_with_top_k_1_is_plain_greedy(small):
     """top_k=1 samples from one-hot distributions: the sampling path (acceptance rule, residual,
     bonus draws) must then give greedy decoding's tokens, whatever the seed."""
@@ -238,7 +248,8 @@ def test_greedy_in_float64_is_plain_greedy(small, bundled, tok):
                 plain(target64, prompt, max_new_tokens=25)
     big64 = copy.deepcopy(bundled[0]).double()
     ids = tok.encode("JULIET:\nO Romeo, Romeo")
-    assert plain(big64, ids, max_new_tokens=12, draft=bundled[1], num_draft_tokens=3) == plain(big64, ids, max_new_tokens=12)
+    expected = plain(big64, ids, max_new_tokens=12)
+    assert plain(big64, ids, max_new_tokens=12, draft=bundled[1], num_draft_tokens=3) == expected
 
 
 def test_a_float64_target_takes_its_draft_by_name(bundled, tok):
@@ -326,7 +337,8 @@ def test_stop_strings_and_eos_with_stream_and_generate_text(bundled, tok):
     big, big_draft = bundled
     prompt = "ROMEO:\nBut soft, what light"
     free = generate_text(big, tok, prompt, max_new_tokens=30)
-    for stop, draft, k in [(free[5:9], big_draft, 2), (free[20:23], "prompt-lookup", 5), ("zzz", "gpt2-shakespeare-draft", 3)]:
+    cases = [(free[5:9], big_draft, 2), (free[20:23], "prompt-lookup", 5), ("zzz", "gpt2-shakespeare-draft", 3)]
+    for stop, draft, k in cases:
         expected = free[: free.index(stop)] if stop in free else free
         assert generate_text(big, tok, prompt, max_new_tokens=30, stop=[stop]) == expected
         got = generate_text(big, tok, prompt, max_new_tokens=30, stop=[stop], draft=draft, num_draft_tokens=k)
@@ -367,7 +379,8 @@ def hf_greedy(model, ids, new, **kwargs):
     return out[0, len(ids) :].tolist()
 
 
-def test_transformers_plain_and_assisted_generation_give_our_tokens(bundled, hf_bundled, bundled_cases, small, tmp_path):
+def test_transformers_plain_and_assisted_generation_give_our_tokens(bundled, hf_bundled, bundled_cases, small,
+                                                                    tmp_path):
     from llmcourse import save_model
 
     target, draft = bundled
@@ -419,7 +432,8 @@ def chi_square_p_value(samples: list[int], probs: torch.Tensor) -> float:
     if df == 0:
         return 1.0
     stat = sum((o - e) ** 2 / e for o, e in zip(observed, wanted))
-    return float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    half = torch.tensor([df / 2, stat / 2], dtype=torch.float64)
+    return float(torch.special.gammaincc(half[0], half[1]))
 
 
 def dirichlet(seed: int, v: int) -> torch.Tensor:
@@ -595,7 +609,8 @@ def test_speculative_sampling_follows_the_targets_distribution(bundled, hf_bundl
     firsts = Counter(r[0] for r in rows)
     for first, count in firsts.most_common(2):
         seconds = [r[1] for r in rows if r[0] == first]
-        assert chi_square_p_value(seconds, processed(hf_bundled[0], ids + [first], **settings)) > 1e-4, tok.decode([first])
+        p_second = processed(hf_bundled[0], ids + [first], **settings)
+        assert chi_square_p_value(seconds, p_second) > 1e-4, tok.decode([first])
     # The reference itself is sharp: the draft's own distribution fails the same test.
     q_first = processed(hf_bundled[1], ids, **settings)
     assert chi_square_p_value(torch.multinomial(q_first, n, replacement=True,
@@ -707,7 +722,8 @@ def test_a_learners_correct_slots_give_the_engines_tokens(small, learner):
         model = learner(**fns)
         for (prompt, k, new), want in zip(cases, expected):
             for draft in (drafts["other"], drafts["near"], "prompt-lookup"):
-                assert plain(model, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k) == want, (fns, k, draft)
+                got = plain(model, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k)
+                assert got == want, (fns, k, draft)
         sampled = plain(model, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"])
         assert len(sampled) == 30 and (sampled == engine_samples) == ("verify" not in fns and "accept_token" not in fns)
 
@@ -766,6 +782,10 @@ def lookup_proposing_too_many(tokens, k, max_ngram=3):
     return list(tokens[: k + 1])
 
 
+def lookup_inventing_tokens(tokens, k, max_ngram=3):
+    return [max(tokens) + 1] * k
+
+
 @pytest.mark.parametrize("slot, fn, message", [
     ("speculative_round", round_without_target_rollback, r"left target_cache.length = \d+.*roll them back"),
     ("speculative_round", round_one_short, r"target's cache must hold exactly \d+ positions"),
@@ -779,6 +799,7 @@ def lookup_proposing_too_many(tokens, k, max_ngram=3):
     ("verify", verify_returning_a_token_out_of_range, r"next token id in \[0, 97\)"),
     ("accept_token", accept_token_switching_the_proposal, r"accepted the proposal \d+ but returned token \d+"),
     ("prompt_lookup_draft", lookup_proposing_too_many, r"expected a list of at most \d+ token ids"),
+    ("prompt_lookup_draft", lookup_inventing_tokens, r"returned \[4, 4, 4, 4\]; .*copied from the text"),
 ])
 def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, learner, slot, fn, message):
     target, drafts = small
