@@ -15,7 +15,7 @@ computed by hand.
 
 Measured when written (CPU, torch 2.13, one thread). This file compares about 700 tokens of the
 bundled pair (9 prompts: held-out passages, random ids, one token; k = 1..8; plain and assisted
-transformers too) and about 3,500 of random small pairs (k = 1..8, four drafts, prompt lookup,
+transformers too) and about 4,000 of random small pairs (k = 1..8, four drafts, prompt lookup,
 float64, repetition penalty). Offline, with the same code: 40 held-out prompts x k = 1..8 x 32
 tokens = 10,240 bundled-pair tokens, and 1,024 small-model runs (32 prompts of 1 to 30 tokens x
 k = 1..8 x three drafts and prompt lookup x 40 tokens = 40,960 tokens); no token ever differed, although the fp32
