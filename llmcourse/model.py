@@ -41,11 +41,14 @@ class Norm(nn.Module):
 
 
 class Table(nn.Module):
-    """An embedding table [N, C]."""
+    """An embedding table [N, C]. `column_major` stores it as [C, N] in memory (`weight` is then a transposed
+    view): the token table doubles as the tied head, `x @ weight.T`, and on a CPU that product is up to
+    2× faster for 4–8 rows (a speculative verify pass) when weight.T is contiguous; a lookup of a few
+    columns costs as little as one of a few rows."""
 
-    def __init__(self, n: int, dim: int):
+    def __init__(self, n: int, dim: int, column_major: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n, dim))
+        self.weight = nn.Parameter(torch.empty(dim, n).T if column_major else torch.empty(n, dim))
 
 
 class Attention(nn.Module):
@@ -130,7 +133,7 @@ class GPT2(nn.Module):
         self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
         self.batching = Batching()  # left padding here, and the paged pieces of `LLMEngine` (a learner's may be swapped in)
         self.speculation = Speculation()  # speculative decoding's rule, verify step, prompt lookup, round (same)
-        self.wte = Table(config.vocab_size, config.n_embd)
+        self.wte = Table(config.vocab_size, config.n_embd, column_major=True)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = Norm(config.n_embd)

@@ -300,6 +300,14 @@ def _is_id(x, vocab_size: int) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size
 
 
+def outside_p(fn: Callable, name: str, p: Tensor, token: int) -> None:
+    """Every token the rule keeps or draws has p > 0: accepted ones with probability min(1, p/q), the
+    residual max(0, p - q) and the bonus lie inside p's support. (Greedy: p is one-hot, so this is exact.)"""
+    if not p[token] > 0:
+        _fail(name, fn, f"returned token {token}, which the target's distribution p gives probability 0: an accepted "
+                        f"proposal needs p > 0, and a correction or bonus token is drawn from max(0, p - q) or p")
+
+
 def guarded_accept_token(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(p, q, draft_token, generator=None):
@@ -312,6 +320,7 @@ def guarded_accept_token(fn: Callable) -> Callable:
         accepted = bool(out[0])
         if accepted and out[1] != draft_token:
             _fail("accept_token", fn, f"accepted the proposal {draft_token} but returned token {out[1]}")
+        outside_p(fn, "accept_token", p, out[1])
         return accepted, out[1]
 
     return call
@@ -325,6 +334,8 @@ def guarded_verify(fn: Callable) -> Callable:
                 and 0 <= out[0] <= len(draft_tokens) and _is_id(out[1], p.shape[-1])):
             _fail("verify", fn, f"returned {out!r:.120}; expected (number accepted in [0, {len(draft_tokens)}], "
                                 f"next token id in [0, {p.shape[-1]}))")
+        for i, token in enumerate([*draft_tokens[: out[0]], out[1]]):
+            outside_p(fn, "verify", p[i], token)
         return out
 
     return call
