@@ -206,18 +206,24 @@ class DraftModel:
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
 
-    def propose(self, tokens: list[int], k: int, dist: Distributions, generator) -> tuple[list[int], Tensor]:
-        """k tokens drawn one by one from the draft's processed distribution q; -> (tokens, q [k, V])."""
+    def propose(self, tokens: list[int], k: int, dist: Distributions, generator,
+                need_q: bool = True) -> tuple[list[int], Optional[Tensor]]:
+        """k tokens drawn one by one from the draft's processed distribution q; -> (tokens, q [k, V], or None
+        when not `need_q`: greedy proposals are argmaxes, and the engine's greedy verify compares ids)."""
         device = self.model.device
         ids = torch.tensor([tokens[self.cache.length :]], device=device)  # [1, n >= 1]: not cached yet
         drafted, probs = [], []
         for _ in range(k):
             logits = self.model(ids, cache=self.cache, last_only=True)[0]  # [1, V]
-            q = dist(logits, drafted, first=len(drafted))[0]  # [V]
-            drafted.append(dist.pick(q, generator))
-            probs.append(q)
+            if need_q:
+                probs.append(dist(logits, drafted, first=len(drafted))[0])  # [V]
+                drafted.append(dist.pick(probs[-1], generator))
+            else:
+                drafted.append(int(dist.sampler.greedy(dist.scores(logits, drafted, first=len(drafted)))[0]))
             ids = torch.tensor([[drafted[-1]]], device=device)
         # The last proposal is not fed: the next round feeds it if it is kept.
+        if not need_q:
+            return drafted, None
         return drafted, torch.stack(probs) if probs else torch.empty(0, self.model.config.vocab_size, device=device)
 
     def rollback(self, length: int) -> None:
@@ -230,8 +236,11 @@ class PromptLookup:
     def __init__(self, lookup: Callable = prompt_lookup_draft, vocab_size: int = 0, device=None):
         self.lookup, self.vocab_size, self.device = lookup, vocab_size, device
 
-    def propose(self, tokens: list[int], k: int, dist: Distributions, generator) -> tuple[list[int], Tensor]:
+    def propose(self, tokens: list[int], k: int, dist: Distributions, generator,
+                need_q: bool = True) -> tuple[list[int], Optional[Tensor]]:
         drafted = list(self.lookup(tokens, k)) if k else []
+        if not need_q:
+            return drafted, None
         return drafted, F.one_hot(torch.tensor(drafted, dtype=torch.long, device=self.device), self.vocab_size).float()
 
     def rollback(self, length: int) -> None:
@@ -242,10 +251,11 @@ class PromptLookup:
 def draft_verify(target, proposer, target_cache, tokens: list[int], k: int, dist: Distributions,
                  generator: Optional[torch.Generator] = None, verify: Callable = verify) -> tuple[list[int], list[int]]:
     """One round for any proposer and settings; -> (new tokens, the proposals). See the module's docstring."""
-    drafted, q = proposer.propose(tokens, k, dist, generator)  # q [k, V]
+    compare_ids = dist.settings.greedy and verify is VERIFY  # what `verify` does with one-hot p and q, without draws
+    drafted, q = proposer.propose(tokens, k, dist, generator, need_q=not compare_ids)  # q [k, V]
     fed = torch.tensor([[tokens[-1], *drafted]], device=target.device)  # [1, k+1]
     logits = target(fed, cache=target_cache)[0]  # [k+1, V]
-    if dist.settings.greedy and verify is VERIFY:  # what `verify` does with one-hot p and q, without the draws
+    if compare_ids:
         best = dist.sampler.greedy(dist.scores(logits, drafted)).tolist()  # [k+1]
         accepted = next((i for i, (x, y) in enumerate(zip(drafted, best)) if x != y), len(drafted))
         token = best[accepted]
