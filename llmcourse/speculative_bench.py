@@ -51,7 +51,7 @@ SMALL = "gpt2"  # GPT-2 124M's configuration, random weights: prompt lookup only
 
 @dataclasses.dataclass(frozen=True)
 class Sizes:
-    """The benchmark's sizes; `quick` ones for the tests."""
+    """The benchmark's sizes (`QUICK`: the tests')."""
 
     ks: tuple[int, ...] = tuple(range(1, 9))
     prompts: int = 3  # passages of the held-out plays, one prompt each
@@ -281,18 +281,13 @@ def predict(section: dict, costs: dict, draft_ms: float) -> None:
         section[f"best_k_{key}"] = best_k({k: v[key] for k, v in section["ks"].items()})
 
 
-def load(name: str, device: torch.device, dtype: torch.dtype):
-    from .serving_bench import load as load_any
-
-    return load_any(name, device, dtype)
-
-
 def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes: Sizes = Sizes(),
         progress: Callable[[str], None] = print) -> dict:
     """The whole benchmark; -> the figures (bench.json's "speculative" section). `threads` torch threads (one, as
     the serving benchmark's figures: on a shared 2-core machine two threads wait for each other)."""
     from .bench import machine
     from .loading import resolve_device, resolve_dtype
+    from .serving_bench import load  # a model name or a bench configuration (random weights)
     from .shakespeare import acceptance_rate, validation_tokens
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -322,7 +317,7 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
                   "prompt_lookup": Sweep(target, PROMPT_LOOKUP, quotes, sizes.ks, sizes.lookup_new_tokens,
                                          "prompt lookup")}
         for rep in range(sizes.repeats):  # the forward passes are timed in every pass, between the sweeps
-            for name, s in sweeps.items():
+            for s in sweeps.values():
                 progress(f"speculative, {s.label}: pass {rep + 1} of {sizes.repeats} (plain, k = "
                          f"{', '.join(map(str, sizes.ks))})")
                 s.run_pass(rep, between=lambda: timer.sample(sizes.timing_samples))

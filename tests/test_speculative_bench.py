@@ -14,7 +14,7 @@ import torch
 from llmcourse import speculative_bench as sb
 from llmcourse.bench import CONFIGS
 from llmcourse.model import GPT2
-from llmcourse.speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup
+from llmcourse.speculative import Round, SpeculationStats, expected_speedup
 
 ROOT = Path(__file__).resolve().parent.parent
 
