@@ -467,3 +467,31 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     assert engine.stats["cached_tokens"] > 0 and engine.stats["preemptions"] > 0, engine.stats
     static = llmcourse.generate(model, prompts[:3], max_new_tokens=24)  # the learner's left_pad
     assert static == [llmcourse.generate(model, p, max_new_tokens=24) for p in prompts[:3]]
+
+
+def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_functions(tmp_path):
+    """Chapter 08 solved as its solution solves it: all five speculative decoding functions are the
+    learner's; greedy speculative decoding with the draft model (the learner's round) and with prompt
+    lookup (the learner's lookup and verify) gives plain greedy's tokens, and sampling (the learner's
+    acceptance rule) runs."""
+    import llmcourse
+    from llmcourse.learner import SPECULATION_SLOTS, your_pieces
+    from llmcourse.speculative import SpeculationStats
+
+    solved_copy("08_speculative", tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert sorted(pieces.speculation.overridden()) == sorted(SPECULATION_SLOTS), notices
+    model = llmcourse.load_model(device="cpu")
+    draft = llmcourse.load_model("gpt2-shakespeare-draft", device="cpu")
+    tok = llmcourse.get_tokenizer()
+    prompts = [tok.encode("ROMEO:"), tok.encode("To be, or not to be, that is the question. To be, or not")]
+    plain = [llmcourse.generate(model, p, max_new_tokens=30) for p in prompts]
+    pieces.install(model)
+    for proposer in (draft, "prompt-lookup"):
+        stats = SpeculationStats()
+        assert llmcourse.generate(model, prompts, max_new_tokens=30, draft=proposer, num_draft_tokens=3,
+                                  stats=stats) == plain
+        assert stats.new_tokens == 60 and len(stats.rounds) < 60, stats.summary()
+    sampled = llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
+    assert sampled == llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)

@@ -28,6 +28,8 @@ from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
 from .sampling import (check_beam_search, check_greedy, check_min_p, check_next_token, check_repetition_penalty,
                        check_sample, check_stream_text, check_temperature, check_top_k, check_top_p)
+from .speculative import (check_accept_token, check_expected_speedup, check_prompt_lookup_draft,
+                          check_speculative_round, check_verify)
 from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
                            check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)
 
@@ -43,4 +45,6 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_temperature", "check_greedy", "check_top_k", "check_top_p", "check_min_p", "check_repetition_penalty",
            "check_sample", "check_next_token", "check_beam_search", "check_stream_text",
            "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes",
-           "check_left_pad", "check_block_allocator", "check_slot_mapping", "check_gather_kv", "check_schedule"]
+           "check_left_pad", "check_block_allocator", "check_slot_mapping", "check_gather_kv", "check_schedule",
+           "check_accept_token", "check_verify", "check_speculative_round", "check_expected_speedup",
+           "check_prompt_lookup_draft"]
