@@ -17,7 +17,8 @@ from torch import Tensor
 
 from .block_manager import BlockAllocator
 from .paged_cache import gather_kv, slot_mapping
-from .parts import PartError, Slots, guarded
+from . import parts
+from .parts import Slots, guarded, part_failed
 from .scheduler import schedule
 
 
@@ -64,22 +65,11 @@ def _expected(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
 
 
 def _fail(name: str, fn: Callable, problem: str, cause: Exception = None):
-    where = getattr(fn, "__qualname__", repr(fn))
-    raise PartError(f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter 07 "
-                    "to debug it") from cause
+    part_failed(name, fn, problem, "07", cause)
 
 
 def raising_part(fn: Callable, name: str = "schedule") -> Callable:
-    """A learner's function whose exceptions are reported as the part's (its results are checked where used)."""
-
-    @functools.wraps(fn)
-    def call(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except Exception as err:
-            _fail(name, fn, f"raised {type(err).__name__}: {err}", err)
-
-    return call
+    return parts.raising_part(fn, name, "07")
 
 
 def guarded_left_pad(fn: Callable) -> Callable:

@@ -175,6 +175,28 @@ def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _ex
     return call
 
 
+def part_failed(name: str, fn: Callable, problem: str, chapter: str, cause: Optional[Exception] = None):
+    """Raise the `PartError` for a learner's function `fn` in slot `name` that did something the engine cannot use."""
+    where = getattr(fn, "__qualname__", repr(fn))
+    raise PartError(f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter {chapter} "
+                    "to debug it") from cause
+
+
+def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
+    """A learner's function whose exceptions are reported as the part's (its results are checked where used)."""
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except PartError:
+            raise
+        except Exception as err:
+            part_failed(name, fn, f"raised {type(err).__name__}: {err}", chapter, err)
+
+    return call
+
+
 class Slots:
     """Swappable functions, the fields of a frozen dataclass whose defaults are the engine's own
     (`Parts` here, `llmcourse.sampling.Sampler`)."""

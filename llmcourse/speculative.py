@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .parts import PartError, Slots
+from .parts import Slots, part_failed, raising_part
 
 PROMPT_LOOKUP = "prompt-lookup"
 
@@ -292,18 +292,11 @@ class Speculation(Slots):
 
 
 def _fail(name: str, fn: Callable, problem: str, cause: Optional[Exception] = None):
-    where = getattr(fn, "__qualname__", repr(fn))
-    raise PartError(f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter 08 "
-                    "to debug it") from cause
+    part_failed(name, fn, problem, "08", cause)
 
 
 def _calling(name: str, fn: Callable, *args):
-    try:
-        return fn(*args)
-    except PartError:
-        raise
-    except Exception as err:
-        _fail(name, fn, f"raised {type(err).__name__}: {err}", err)
+    return raising_part(fn, name, "08")(*args)
 
 
 def _is_id(x, vocab_size: int) -> bool:
