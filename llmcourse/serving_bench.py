@@ -472,20 +472,30 @@ def main(models: Sequence[str], out: Path, *, device: str = "auto", dtype: str =
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
         return 2
-    path = out / "bench.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    previous["serving"] = results
-    path.write_text(json.dumps(previous, indent=2) + "\n")
-    try:
+    def report() -> Path:
         results["ratios"] = ratios(results)
-        path.write_text(json.dumps(previous, indent=2) + "\n")
         print(table(results))
-        figure = plot(results, out)
-        print(f"wrote the serving section of {path} and {figure}")
-    except Exception:  # a bug in reporting: the measurements are written already
+        return plot(results, out)
+
+    return save_section(out, "serving", results, report)
+
+
+def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]) -> int:
+    """Write `results` as section `name` of out/bench.json (keeping its other sections), then `report()` (print
+    the table, draw the figure, return its path; it may add derived figures to `results`). A bug in reporting
+    loses no measurement: they are written first."""
+    path = out / "bench.json"
+    whole = json.loads(path.read_text()) if path.exists() else {}
+    whole[name] = results
+    path.write_text(json.dumps(whole, indent=2) + "\n")
+    try:
+        figure = report()
+    except Exception:
         sys.stdout.flush()
         traceback.print_exc()
-        print(f"python -m llmcourse bench: error: could not report the serving benchmark; the measurements are in "
+        print(f"python -m llmcourse bench: error: could not report the {name} benchmark; the measurements are in "
               f"{path}", file=sys.stderr)
         return 1
+    path.write_text(json.dumps(whole, indent=2) + "\n")
+    print(f"wrote the {name} section of {path} and {figure}")
     return 0

@@ -31,17 +31,16 @@ machine (on a shared one, its load changes during a run).
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 import torch
 
 from .generate import NUM_DRAFT_TOKENS, generate
+from .serving_bench import save_section
 from .speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup, expected_tokens_per_round
 
 FIGURE = "bench_speculative.png"
@@ -445,18 +444,8 @@ def main(out: Path, *, device: str = "auto", dtype: str = "float32", repeats: in
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
         return 2
-    path = out / "bench.json"
-    previous = json.loads(path.read_text()) if path.exists() else {}
-    previous["speculative"] = results
-    path.write_text(json.dumps(previous, indent=2) + "\n")
-    try:
+    def report() -> Path:
         print(table(results))
-        figure = plot(results, out)
-        print(f"wrote the speculative section of {path} and {figure}")
-    except Exception:  # a bug in reporting: the measurements are written already
-        sys.stdout.flush()
-        traceback.print_exc()
-        print(f"python -m llmcourse bench: error: could not report the speculative benchmark; the measurements are "
-              f"in {path}", file=sys.stderr)
-        return 1
-    return 0
+        return plot(results, out)
+
+    return save_section(out, "speculative", results, report)
