@@ -35,7 +35,7 @@ TEMPERATURE = 0.8  # the command line samples by default (greedy with --num-beam
 FLAGS = {
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
     "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "num_beams": "--num-beams",
-    "length_penalty": "--length-penalty", "num_draft_tokens": "--num-draft-tokens",
+    "length_penalty": "--length-penalty", "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize",
 }
 
 
@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
     gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
+    gen.add_argument("--quantize", choices=["int8", "int4"], default=None,
+                     help="weights in 8 bits (a scale per output row) or 4 bits (groups of 32, Q4_0): less memory, "
+                          "faster decoding; a model folder saved quantized loads as it is")
     gen.add_argument("--compile", action="store_true",
                      help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
                           "compiling takes a while before the first token")
@@ -108,6 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
                            "notebook (default: ./chapters)")
     prog.add_argument("-v", "--verbose", action="store_true",
                       help="show each failing check's whole message (input, expected, got, hint)")
+    quant = commands.add_parser(
+        "quantize", help="quantize a model's weights and save them (int8 or int4)",
+        description="Load MODEL, quantize its linear layers and token table to FORMAT and save the result to OUT "
+                    "(config.json + model.safetensors); then run it with `generate --model OUT`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    quant.add_argument("format", choices=["int8", "int4"], metavar="FORMAT", help="int8 or int4")
+    quant.add_argument("--model", default="gpt2-shakespeare", help="any --model of generate")
+    quant.add_argument("--out", required=True, metavar="FOLDER", help="the folder to write")
     release = commands.add_parser(
         "release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
         description="Run `nbgrader generate_assignment NAME --notebook=NAME --force` for every chapter in solutions/ "
@@ -186,6 +197,7 @@ def run_release(names: list[str]) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from .generate import CompileError, stream
     from .loading import load_model
+    from .quantize import quantize_model
     from .tokenizer import get_tokenizer
 
     def fail(message: str, code: int) -> int:
@@ -214,9 +226,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
             yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True))
             tokenizer = yours.tokenizer
-        model = load_model(args.model, device=args.device, dtype=args.dtype)
+        # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)
         if yours is not None:
             yours.install(model)
+            if args.quantize:
+                quantize_model(model, args.quantize)
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters
@@ -244,6 +259,22 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_quantize(args: argparse.Namespace) -> int:
+    from .loading import load_model, save_model
+    from .quantize import resident_bytes
+
+    try:
+        model = load_model(args.model, device="cpu", quantize=args.format)
+    except ValueError as err:  # CheckpointError too
+        print(f"python -m llmcourse quantize: error: {in_flag_terms(str(err))}", file=sys.stderr)
+        return 1
+    folder = save_model(model, args.out)
+    size = resident_bytes(model)
+    print(f"{args.model} quantized to {args.format}: {size / 1e6:.1f} MB of weights, saved to {folder}; "
+          f"run it with: python -m llmcourse generate --model {folder} PROMPT")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -252,6 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "progress":
             return run_progress(args)
+        if args.command == "quantize":
+            return run_quantize(args)
         if args.command == "release":
             return run_release(args.names)
         if args.command == "bench":

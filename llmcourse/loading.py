@@ -8,11 +8,16 @@ missing, extra or mis-shaped is refused with an error naming the tensor.
     >>> model = load_model()                             # the bundled gpt2-shakespeare
     >>> model = load_model("path/to/folder")            # doctest: +SKIP
     >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP
+    >>> model = load_model(quantize="int8")              # weights in 8 bits (see `llmcourse.quantize`)
+
+A quantized model saves to the same two files, its config.json saying which format its tensors
+(`qweight`, `scales`) are in; loading it gives the quantized model back without re-quantizing.
 """
 
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from pathlib import Path
@@ -25,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from .config import CheckpointError, GPT2Config
 from .model import GPT2
 from .parts import Parts
+from . import quantize as quantization
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -67,21 +73,34 @@ def load_model(
     device: Union[str, torch.device] = "auto",
     dtype: Union[str, torch.dtype, None] = None,
     parts: Optional[Parts] = None,
+    quantize: Optional[str] = None,
 ) -> GPT2:
     """A GPT-2 model from a local folder or a Hugging Face Hub name, ready for inference.
 
     `source`: a folder with `config.json` + `model.safetensors`; a bundled model's name
     ('gpt2-shakespeare', the default, or 'gpt2-shakespeare-draft'); or a Hub name such as 'gpt2',
     'gpt2-medium', 'distilgpt2' (taken from the local Hugging Face cache; downloaded only if not
-    cached and a network is reachable). `dtype` defaults to float32.
+    cached and a network is reachable). `dtype` defaults to float32; it is the dtype of the activations
+    and of whatever stays float. `quantize`: None, 'int8' or 'int4' (`llmcourse.quantize`).
     """
     device, dtype = resolve_device(device), resolve_dtype(dtype)
+    if quantize is not None:
+        quantization.check_format(quantize)
     folder = resolve_source(source)
     config = GPT2Config.from_json(folder / CONFIG_FILE)
+    saved = quantization.saved_format(folder / CONFIG_FILE)
+    if saved is not None and quantize not in (None, saved):
+        raise CheckpointError(f"{folder} holds {saved} weights; quantizing them again to {quantize} would add the "
+                              f"errors of both: load it as it is (leave quantize out), or quantize the float checkpoint")
     state = read_weights(folder / WEIGHTS_FILE)
     model = GPT2(config, parts)
+    if saved is not None:
+        quantization.empty_quantized(model, quantization.check_format(saved))
     model.load_state_dict(check_weights(state, model, folder / WEIGHTS_FILE))
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if quantize is not None and saved is None:
+        quantization.quantize_model(model, quantize)
+    return model
 
 
 def resolve_source(source: Union[str, Path]) -> Path:
@@ -185,20 +204,34 @@ def check_weights(state: dict[str, torch.Tensor], model: GPT2, path: Path) -> di
                 f"{path}: tensor '{k}' has shape {tuple(renamed[k].shape)}, but {summary} "
                 f"needs {tuple(want.shape)}"
             )
-    if head is not None and not torch.equal(head.to(renamed["wte.weight"].dtype), renamed["wte.weight"]):
+    if head is not None and "wte.weight" in renamed and not torch.equal(head.to(renamed["wte.weight"].dtype), renamed["wte.weight"]):
         raise CheckpointError(
             f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties its output head to the token "
             "embedding and this engine needs them equal"
         )
+    for k, want in expected.items():
+        if want.dtype.is_floating_point != renamed[k].dtype.is_floating_point:
+            raise CheckpointError(f"{path}: tensor '{k}' is {renamed[k].dtype}, but the model needs {want.dtype}; "
+                                  "is config.json's quantization_config the one these weights were saved with?")
     return {k: v.to(expected[k].dtype) for k, v in renamed.items()}
 
 
 def save_model(model: GPT2, folder: Union[str, Path], *, dtype: Optional[torch.dtype] = None) -> Path:
     """Write `config.json` + `model.safetensors` as transformers' `save_pretrained` does for GPT-2,
-    optionally converting the weights to `dtype` (e.g. float16 to halve the file)."""
+    optionally converting the float weights to `dtype` (e.g. float16 to halve the file). A quantized
+    model's tensors are written as they are, and config.json names their format."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.to_json(folder / CONFIG_FILE)
-    tensors = {f"transformer.{k}": v.detach().to("cpu", dtype or v.dtype).contiguous() for k, v in model.state_dict().items()}
+    if model.quantized:
+        config = json.loads((folder / CONFIG_FILE).read_text())
+        config[quantization.CONFIG_KEY] = quantization.config_entry(model.quantized)
+        (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+
+    def stored(k: str, v: torch.Tensor) -> torch.Tensor:
+        keep = not v.is_floating_point() or k.endswith("scales") and v.dtype == torch.float16  # int4 scales stay float16
+        return v.detach().to("cpu", v.dtype if keep else dtype or v.dtype).contiguous()
+
+    tensors = {f"transformer.{k}": stored(k, v) for k, v in model.state_dict().items()}
     save_file(tensors, str(folder / WEIGHTS_FILE), metadata={"format": "pt"})
     return folder

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from .batching import Batching
 from .speculative import Speculation
+from .quantize import Quantization
 from .config import GPT2Config
 from .parts import Parts
 from .sampling import Sampler
@@ -133,6 +134,8 @@ class GPT2(nn.Module):
         self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
         self.batching = Batching()  # left padding here, and the paged pieces of `LLMEngine` (a learner's may be swapped in)
         self.speculation = Speculation()  # speculative decoding's rule, verify step, prompt lookup, round (same)
+        self.quantization = Quantization()  # how quantized weights are made and multiplied (same)
+        self.quantized: Optional[str] = None  # 'int8' or 'int4' once `quantize.quantize_model` has run
         self.wte = Table(config.vocab_size, config.n_embd, column_major=True)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -140,11 +143,11 @@ class GPT2(nn.Module):
 
     @property
     def device(self) -> torch.device:
-        return self.wte.weight.device
+        return self.ln_f.weight.device
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.wte.weight.dtype
+        return self.ln_f.weight.dtype
 
     def init_weights(self, seed: int = 0) -> "GPT2":
         """GPT-2's initialization (normal, std 0.02; residual projections scaled by 1/√(2·n_layer))."""
@@ -220,7 +223,8 @@ class GPT2(nn.Module):
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Token plus position embeddings: ids [B, T] -> [B, T, C]."""
         p = self.parts
-        return p.embedding(self.wte.weight, input_ids) + p.embedding(self.wpe.weight, position_ids)
+        tokens = self.quantization.rows(self.wte, input_ids, self.dtype) if self.quantized else p.embedding(self.wte.weight, input_ids)
+        return tokens + p.embedding(self.wpe.weight, position_ids)
 
     def blocks(self, x: Tensor, attend) -> Tensor:
         """The transformer blocks, x [B, T, C] -> [B, T, C]. `attend(layer, q, k, v)` [B, H, T, D] -> [B, H, T, D]
@@ -228,16 +232,24 @@ class GPT2(nn.Module):
         p, cfg = self.parts, self.config
         for i, block in enumerate(self.h):
             a = p.layer_norm(x, block.ln_1.weight, block.ln_1.bias, cfg.layer_norm_epsilon)
-            qkv = p.linear(a, block.attn.c_attn.weight, block.attn.c_attn.bias)  # [B, T, 3C]
+            qkv = self.linear(a, block.attn.c_attn)  # [B, T, 3C]
             q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
             a = p.merge_heads(attend(i, q, k, v))  # [B, T, C]
-            x = x + p.linear(a, block.attn.c_proj.weight, block.attn.c_proj.bias)
+            x = x + self.linear(a, block.attn.c_proj)
             m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
-            m = p.gelu(p.linear(m, block.mlp.c_fc.weight, block.mlp.c_fc.bias))  # [B, T, 4C]
-            x = x + p.linear(m, block.mlp.c_proj.weight, block.mlp.c_proj.bias)
+            m = p.gelu(self.linear(m, block.mlp.c_fc))  # [B, T, 4C]
+            x = x + self.linear(m, block.mlp.c_proj)
         return x
+
+    def linear(self, x: Tensor, layer: nn.Module) -> Tensor:
+        """x [..., C_in] through one linear layer of the blocks (float `Affine` or quantized) -> [..., C_out]."""
+        if self.quantized:
+            return self.quantization.linear(x, layer, layer.bias)
+        return self.parts.linear(x, layer.weight, layer.bias)
 
     def head(self, x: Tensor) -> Tensor:
         """Final layer norm and the head, tied to the token embedding: [..., C] -> [..., vocab_size]."""
         x = self.parts.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.config.layer_norm_epsilon)
+        if self.quantized:
+            return self.quantization.linear(x, self.wte)
         return x @ self.wte.weight.T

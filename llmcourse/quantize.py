@@ -1,0 +1,279 @@
+"""Weight quantization: GPT-2's weights in 8 or 4 bits, and the linear layers that use them.
+
+Decoding one token reads every weight once, so a step's time is bounded by bytes of weights over
+memory bandwidth: fewer bytes per weight, faster decode, and a smaller model in memory.
+
+- **int8**: each output row of a weight matrix [C_out, C_in] gets one scale, max|row| / 127, and its
+  values become round(w / scale), integers in [-127, 127] (`quantize_int8`).
+- **int4**: each group of 32 consecutive inputs of a row gets its own scale (llama.cpp's Q4_0): the
+  value of largest magnitude m maps to -8, so scale = m / -8 and the values are round(w / scale)
+  clamped to [-8, 7]; two 4-bit values share a byte, the first in the low nibble (`quantize_int4`,
+  `pack_int4`). The scales are stored in float16: 4.5 bits per weight.
+
+Every linear layer of the blocks, and the token table (which is also the tied output head; a row
+per token, so the head's output rows are the table's rows), are quantized; the layer norms, biases
+and position table stay in the model's float dtype (0.1 % of the weights).
+
+How an int8 layer multiplies on a CPU: the input rows are quantized the same way (absmax per row),
+`torch._int_mm` multiplies int8 by int8 into exact int32 sums, and the product is scaled by both
+scales. Integer sums are exact, so a row's result does not depend on the other rows of a batch.
+On a GPU, the weight is converted to the float dtype inside the matmul (as gpt-fast does), which
+torch.compile fuses into one kernel.
+
+    >>> w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]])
+    >>> q, scale = quantize_int8(w)
+    >>> q
+    tensor([[  64, -127,   32],
+            [   0,    0,    0]], dtype=torch.int8)
+    >>> dequantize_int8(q, scale)
+    tensor([[ 0.5039, -1.0000,  0.2520],
+            [ 0.0000,  0.0000,  0.0000]])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .parts import Slots
+
+FORMATS = ("int8", "int4")
+GROUP_SIZE = 32  # int4: inputs per scale
+BYTES_PER_WEIGHT = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0, "int8": 1.0, "int4": 0.5 + 2 / GROUP_SIZE}
+
+
+def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
+    """Absmax per row: w [N, K] float -> (q [N, K] int8 in [-127, 127], scale [N] float32), w ≈ q * scale[:, None].
+    An all-zero row gets scale 0 and q 0."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127  # [N]
+    q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q: Tensor, scale: Tensor) -> Tensor:
+    """q [N, K] int8, scale [N] -> w [N, K] float32."""
+    return q.float() * scale.float()[:, None]
+
+
+def pack_int4(q: Tensor) -> Tensor:
+    """Two 4-bit values per byte: q [..., K] int8 in [-8, 7], K even -> [..., K // 2] uint8; value 2i in the
+    low nibble of byte i, value 2i + 1 in the high nibble (two's complement: -1 is 0b1111)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even number of values in the last dimension, got {q.shape[-1]}")
+    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)  # [..., K]
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed: Tensor) -> Tensor:
+    """The inverse of `pack_int4`: [..., K // 2] uint8 -> [..., K] int8 in [-8, 7]."""
+    low, high = packed & 0xF, packed >> 4
+    values = torch.stack([low, high], dim=-1).flatten(-2).to(torch.int8)  # [..., K], 0..15
+    return values - 16 * (values >= 8).to(torch.int8)  # nibbles 8..15 are -8..-1
+
+
+def quantize_int4(w: Tensor, group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor]:
+    """Groups of `group_size` along each row (Q4_0): w [N, K] -> (packed [N, K // 2] uint8, scales [N, K // group_size] float16).
+    In each group the value of largest magnitude m becomes -8: scale = m / -8, q = clamp(round(w / scale), -8, 7)."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"quantize_int4 needs rows whose length ({K}) is a multiple of the group size ({group_size})")
+    groups = w.float().view(N, K // group_size, group_size)
+    extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))  # [N, G, 1], signed
+    scales = (extreme / -8).half()  # rounded to what is stored, then used to quantize
+    s = scales.float()
+    q = torch.round(groups / torch.where(s == 0, 1.0, s)).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.view(N, K)), scales.view(N, -1)
+
+
+def dequantize_int4(packed: Tensor, scales: Tensor) -> Tensor:
+    """packed [N, K // 2] uint8, scales [N, G] -> w [N, K] float32 (group size K // G)."""
+    q = unpack_int4(packed).float()  # [N, K]
+    N, K = q.shape
+    return (q.view(N, scales.shape[1], -1) * scales.float()[..., None]).view(N, K)
+
+
+def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """y = x @ (q * scale[:, None]).T + bias: x [..., K], q [N, K] int8, scale [N] -> [..., N].
+    The reference: dequantize, then an ordinary matmul."""
+    return F.linear(x, dequantize_int8(q, scale).to(x.dtype), bias)
+
+
+def weight_memory(n_params: float, fmt: str) -> float:
+    """Bytes taken by `n_params` weights in `fmt` ('float32', 'float16', 'bfloat16', 'int8' or 'int4' in groups
+    of 32 with a float16 scale each): 7e9 weights in int4 are 7e9 * (0.5 + 2 / 32) bytes ≈ 3.9 GB."""
+    if fmt not in BYTES_PER_WEIGHT:
+        raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(BYTES_PER_WEIGHT)}")
+    return n_params * BYTES_PER_WEIGHT[fmt]
+
+
+# -- fast routes: the same products as the reference, computed with fewer bytes read ---------------
+
+
+def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """`int8_linear` on CPU: input rows quantized per row (absmax) too, int8 x int8 -> exact int32 sums
+    (torch._int_mm, oneDNN), times both scales. On CUDA: the weight converted inside the matmul."""
+    if x.is_cuda:
+        y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+        return y if bias is None else y + bias
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    xq, xs = quantize_int8(rows)
+    y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
+    y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """y = x @ dequantize_int4(packed, scales).T + bias, x [..., K] -> [..., N]."""
+    return F.linear(x, dequantize_int4(packed, scales).to(x.dtype), bias)
+
+
+# -- the modules a quantized GPT2 is made of ---------------------------------------------------------
+
+
+class QuantizedAffine(nn.Module):
+    """A GPT-2 linear layer with quantized weights (it replaces `model.Affine`). Rows are outputs, as in
+    `nn.Linear`: int8 `qweight` [C_out, C_in] with `scales` [C_out]; int4 `qweight` [C_out, C_in // 2]
+    (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out] keeps the float dtype."""
+
+    def __init__(self, n_in: int, n_out: int, fmt: str):
+        super().__init__()
+        self.format = check_format(fmt)
+        int8 = fmt == "int8"
+        self.register_buffer("qweight", torch.zeros(n_out, n_in if int8 else n_in // 2, dtype=torch.int8 if int8 else torch.uint8))
+        self.register_buffer("scales", torch.zeros(n_out) if int8 else torch.zeros(n_out, n_in // GROUP_SIZE, dtype=torch.float16))
+        self.register_buffer("bias", torch.zeros(n_out))
+
+    def _apply(self, fn, recurse=True):
+        """`.to(dtype)` converts the float buffers, but int4 scales stay float16 (the format's)."""
+        super()._apply(fn, recurse)
+        if self.format == "int4" and self.scales.dtype != torch.float16:
+            self.scales = self.scales.half()
+        return self
+
+
+class QuantizedTable(QuantizedAffine):
+    """The token table [vocab_size, C] quantized by rows (a row per token), which is also the tied head."""
+
+    def __init__(self, n: int, dim: int, fmt: str):
+        super().__init__(dim, n, fmt)
+        del self.bias
+
+
+def check_format(fmt) -> str:
+    if fmt not in FORMATS:
+        raise ValueError(f"quantize={fmt!r} is not a format; use 'int8' or 'int4' (or None for the float weights)")
+    return fmt
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantization(Slots):
+    """The functions a quantized model is built and run with (chapter 09); `model.quantization` holds them.
+    The engine's own `int8_linear` takes a faster route to the same product (`int8_linear_fast`)."""
+
+    quantize_int8: Callable = quantize_int8
+    dequantize_int8: Callable = dequantize_int8
+    pack_int4: Callable = pack_int4
+    unpack_int4: Callable = unpack_int4
+    quantize_int4: Callable = quantize_int4
+    dequantize_int4: Callable = dequantize_int4
+    int8_linear: Callable = int8_linear
+    weight_memory: Callable = weight_memory
+
+    def linear(self, x: Tensor, layer: QuantizedAffine, bias: Optional[Tensor] = None) -> Tensor:
+        """x [..., C_in] through a quantized layer -> [..., C_out]."""
+        if layer.format == "int8":
+            fn = int8_linear_fast if self.int8_linear is int8_linear else self.int8_linear
+            return fn(x, layer.qweight, layer.scales, bias)
+        if self.dequantize_int4 is dequantize_int4:
+            return int4_linear_fast(x, layer.qweight, layer.scales, bias)
+        return F.linear(x, self.dequantize_int4(layer.qweight, layer.scales).to(x.dtype), bias)
+
+    def rows(self, table: QuantizedTable, ids: Tensor, dtype: torch.dtype) -> Tensor:
+        """Token embeddings from a quantized table: ids [B, T] -> [B, T, C]."""
+        q, s = table.qweight[ids.flatten()], table.scales[ids.flatten()]
+        w = self.dequantize_int8(q, s) if table.format == "int8" else self.dequantize_int4(q, s)
+        return w.to(dtype).view(*ids.shape, -1)
+
+    def quantize(self, weight: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+        """(qweight, scales) of a float weight [N, K] (rows are outputs)."""
+        return self.quantize_int8(weight) if fmt == "int8" else self.quantize_int4(weight)
+
+
+def quantize_model(model, fmt: str):
+    """Replace `model`'s linear layers and token table by quantized ones, in place; returns the model.
+
+        >>> from llmcourse.model import GPT2, GPT2Config
+        >>> model = quantize_model(GPT2(GPT2Config.small()).init_weights(), "int8")
+        >>> model.h[0].mlp.c_fc.qweight.dtype
+        torch.int8
+    """
+    check_format(fmt)
+    if model.quantized == fmt:
+        return model
+    if model.quantized:
+        raise ValueError(f"this model is already quantized to {model.quantized}; load the float checkpoint to quantize it again")
+    qz = model.quantization
+    with torch.no_grad():
+        for parent, name, old in affine_layers(model):
+            n_in, n_out = old.weight.shape
+            setattr(parent, name, filled(QuantizedAffine(n_in, n_out, fmt), *qz.quantize(old.weight.T, fmt), old.bias, model.dtype))
+        table = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
+        model.wte = filled(table, *qz.quantize(model.wte.weight, fmt), None, model.dtype)
+    model.quantized = fmt
+    return model
+
+
+def affine_layers(model):
+    """(parent module, attribute name, layer) of every linear layer of the blocks."""
+    return [(parent, name, getattr(parent, name)) for block in model.h
+            for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj"))]
+
+
+def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
+    """`module` holding these values on their device; int8 scales and the bias in `dtype`, int4 scales in float16."""
+    module.qweight = qweight.to(module.qweight.dtype)
+    module.scales = scales.to(torch.float16 if module.format == "int4" else dtype)
+    if bias is not None:
+        module.bias = bias.detach().to(dtype).clone()
+    return module
+
+
+def empty_quantized(model, fmt: str):
+    """`model` with quantized modules of the right shapes and zero values, ready for `load_state_dict`."""
+    for parent, name, old in affine_layers(model):
+        setattr(parent, name, QuantizedAffine(*old.weight.shape, fmt))
+    model.wte = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
+    model.quantized = fmt
+    return model
+
+
+def resident_bytes(model) -> int:
+    """Bytes of every weight tensor the model holds (parameters and buffers, each counted once)."""
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+CONFIG_KEY = "quantization_config"
+
+
+def saved_format(config_file: Path) -> Optional[str]:
+    """The format a checkpoint folder's config.json says its weights are quantized to, or None."""
+    try:
+        entry = json.loads(Path(config_file).read_text()).get(CONFIG_KEY)
+    except (OSError, ValueError):
+        return None
+    if entry is None:
+        return None
+    return entry.get("format") if isinstance(entry, dict) else None
+
+
+def config_entry(fmt: str) -> dict:
+    """What config.json says about a quantized checkpoint (transformers cannot load one, and says so)."""
+    return {"quant_method": "llmcourse", "format": fmt, "group_size": GROUP_SIZE if fmt == "int4" else None}
