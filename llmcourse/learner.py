@@ -18,6 +18,7 @@ from typing import Callable, Iterator, NamedTuple, Optional
 from . import bpe
 from .batching import Batching
 from .speculative import Speculation
+from .quantize import Quantization, quantize_model
 from .parts import GuardedCache, Parts
 from .sampling import Sampler
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
@@ -29,9 +30,10 @@ SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
 CACHE_SLOTS = ("KVCache",)
 BATCHING_SLOTS = tuple(f.name for f in dataclasses.fields(Batching))
 SPECULATION_SLOTS = tuple(f.name for f in dataclasses.fields(Speculation))
+QUANTIZATION_SLOTS = tuple(f.name for f in dataclasses.fields(Quantization))
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
 # what the engine can take from a learner
-ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + TOKENIZER_SLOTS
+ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + QUANTIZATION_SLOTS + TOKENIZER_SLOTS
 
 Notify = Callable[[str], None]
 
@@ -191,13 +193,14 @@ class Pieces(NamedTuple):
     cache_class: Callable
     batching: Batching
     speculation: Speculation
+    quantization: Quantization
     tokenizer: LearnerTokenizer
 
     def install(self, model) -> None:
-        """Put the parts, the sampler, the cache class, the batching and the speculative decoding functions into
-        `model` (an `llmcourse.GPT2`)."""
-        model.parts, model.sampler, model.cache_class, model.batching, model.speculation = (
-            self.parts, self.sampler, self.cache_class, self.batching, self.speculation)
+        """Put the parts, the sampler, the cache class, the batching, the speculative decoding and the quantization
+        functions into `model` (an `llmcourse.GPT2`)."""
+        model.parts, model.sampler, model.cache_class, model.batching, model.speculation, model.quantization = (
+            self.parts, self.sampler, self.cache_class, self.batching, self.speculation, self.quantization)
 
 
 def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Pieces:
@@ -211,11 +214,12 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) ->
     cache_class = GuardedCache.of(functions["KVCache"]) if "KVCache" in functions else KVCache
     batching = Batching.with_overrides(**{n: f for n, f in functions.items() if n in BATCHING_SLOTS})
     speculation = Speculation.with_overrides(**{n: f for n, f in functions.items() if n in SPECULATION_SLOTS})
+    quantization = Quantization.with_overrides(**{n: f for n, f in functions.items() if n in QUANTIZATION_SLOTS})
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
            else "your engine: the engine's own parts (none of yours is used yet)")
-    return Pieces(parts, sampler, cache_class, batching, speculation, tokenizer)
+    return Pieces(parts, sampler, cache_class, batching, speculation, quantization, tokenizer)
 
 
 class Engine(NamedTuple):
@@ -239,16 +243,17 @@ class Engine(NamedTuple):
 
 
 def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", device="auto", dtype=None,
-              notify: Notify = print) -> Engine:
+              quantize: Optional[str] = None, notify: Notify = print) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
     `llmcourse.Parts`, the sampler's functions of `llmcourse.sampling.Sampler`, chapter 06's KVCache,
     chapter 07's batching functions of `llmcourse.batching.Batching`, chapter 08's speculative decoding
-    functions of `llmcourse.speculative.Speculation`, and chapter 01's encode, decode
+    functions of `llmcourse.speculative.Speculation`, chapter 09's quantization functions of
+    `llmcourse.quantize.Quantization`, and chapter 01's encode, decode
     and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's
     notebook). `model`: what `llmcourse.load_model` takes (a bundled name, a folder, a Hub name), or
-    a model already loaded.
+    a model already loaded. `quantize`: 'int8' or 'int4' quantizes it with your functions once installed.
 
         >>> engine = my_engine()                                            # doctest: +SKIP
         >>> print(engine.generate_text("ROMEO:", temperature=0.8))          # doctest: +SKIP
@@ -261,4 +266,6 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
     if not isinstance(model, GPT2):
         model = load_model(model, device=device, dtype=dtype)
     pieces.install(model)
+    if quantize is not None:
+        quantize_model(model, quantize)
     return Engine(model, pieces.tokenizer)

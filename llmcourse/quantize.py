@@ -33,6 +33,7 @@ torch.compile fuses into one kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -41,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .parts import Slots
+from .parts import Slots, part_failed, raising_part
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32  # int4: inputs per scale
@@ -78,7 +79,7 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return values - 16 * (values >= 8).to(torch.int8)  # nibbles 8..15 are -8..-1
 
 
-def quantize_int4(w: Tensor, group_size: int = GROUP_SIZE) -> tuple[Tensor, Tensor]:
+def quantize_int4(w: Tensor, group_size: int = GROUP_SIZE, *, pack: Callable = pack_int4) -> tuple[Tensor, Tensor]:
     """Groups of `group_size` along each row (Q4_0): w [N, K] -> (packed [N, K // 2] uint8, scales [N, K // group_size] float16).
     In each group the value of largest magnitude m becomes -8: scale = m / -8, q = clamp(round(w / scale), -8, 7)."""
     N, K = w.shape
@@ -89,12 +90,12 @@ def quantize_int4(w: Tensor, group_size: int = GROUP_SIZE) -> tuple[Tensor, Tens
     scales = (extreme / -8).half()  # rounded to what is stored, then used to quantize
     s = scales.float()
     q = torch.round(groups / torch.where(s == 0, 1.0, s)).clamp(-8, 7).to(torch.int8)
-    return pack_int4(q.view(N, K)), scales.view(N, -1)
+    return pack(q.view(N, K)), scales.view(N, -1)
 
 
-def dequantize_int4(packed: Tensor, scales: Tensor) -> Tensor:
+def dequantize_int4(packed: Tensor, scales: Tensor, *, unpack: Callable = unpack_int4) -> Tensor:
     """packed [N, K // 2] uint8, scales [N, G] -> w [N, K] float32 (group size K // G)."""
-    q = unpack_int4(packed).float()  # [N, K]
+    q = unpack(packed).float()  # [N, K]
     N, K = q.shape
     return (q.view(N, scales.shape[1], -1) * scales.float()[..., None]).view(N, K)
 
@@ -186,6 +187,18 @@ class Quantization(Slots):
     int8_linear: Callable = int8_linear
     weight_memory: Callable = weight_memory
 
+    @classmethod
+    def with_overrides(cls, **overrides: Callable) -> "Quantization":
+        """A learner's functions, guarded (a wrong shape, dtype or range is reported as the part's error). A
+        learner's `pack_int4` / `unpack_int4` alone are used through the engine's `quantize_int4` / `dequantize_int4`."""
+        cls.check_overrides(overrides)
+        slots = {name: guarded(name, fn) for name, fn in overrides.items()}
+        if "pack_int4" in slots and "quantize_int4" not in slots:
+            slots["quantize_int4"] = functools.partial(quantize_int4, pack=slots["pack_int4"])
+        if "unpack_int4" in slots and "dequantize_int4" not in slots:
+            slots["dequantize_int4"] = functools.partial(dequantize_int4, unpack=slots["unpack_int4"])
+        return cls(**slots)
+
     def linear(self, x: Tensor, layer: QuantizedAffine, bias: Optional[Tensor] = None) -> Tensor:
         """x [..., C_in] through a quantized layer -> [..., C_out]."""
         if layer.format == "int8":
@@ -204,6 +217,71 @@ class Quantization(Slots):
     def quantize(self, weight: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
         """(qweight, scales) of a float weight [N, K] (rows are outputs)."""
         return self.quantize_int8(weight) if fmt == "int8" else self.quantize_int4(weight)
+
+
+def _tensor_problem(got, shape: tuple, dtypes: tuple, what: str) -> Optional[str]:
+    if not isinstance(got, Tensor):
+        return f"returned {type(got).__name__} for {what}; expected a tensor"
+    if tuple(got.shape) != tuple(shape):
+        return f"returned {what} of shape {tuple(got.shape)}; expected {tuple(shape)}"
+    if got.dtype not in dtypes:
+        return f"returned {what} of dtype {got.dtype}; expected {' or '.join(str(d) for d in dtypes)}"
+    return None
+
+
+def _pair_problem(got, shapes: tuple, dtypes: tuple, names: tuple) -> Optional[str]:
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"returned {type(got).__name__}; expected a pair ({', '.join(names)})"
+    return next((p for p in map(_tensor_problem, got, shapes, dtypes, names) if p), None)
+
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _validate(name: str, args: tuple, out) -> Optional[str]:
+    """What is wrong with a learner's `name(*args)` returning `out`, or None."""
+    if name == "quantize_int8":
+        (w,) = args[:1]
+        problem = _pair_problem(out, (w.shape, w.shape[:1]), ((torch.int8,), FLOATS), ("q", "scale"))
+        if problem is None and out[0].numel() and out[0].min() < -127:
+            problem = f"returned q with the value {int(out[0].min())}; int8 absmax values lie in [-127, 127]"
+        return problem
+    if name == "quantize_int4":
+        w, group = args[0], args[1] if len(args) > 1 else GROUP_SIZE
+        N, K = w.shape
+        return _pair_problem(out, ((N, K // 2), (N, K // group)), ((torch.uint8,), FLOATS), ("packed", "scales"))
+    if name in ("dequantize_int8", "dequantize_int4"):
+        shape = args[0].shape if name == "dequantize_int8" else (args[0].shape[0], 2 * args[0].shape[1])
+        return _tensor_problem(out, shape, FLOATS, "the weights")
+    if name == "pack_int4":
+        return _tensor_problem(out, (*args[0].shape[:-1], args[0].shape[-1] // 2), (torch.uint8,), "the packed bytes")
+    if name == "unpack_int4":
+        problem = _tensor_problem(out, (*args[0].shape[:-1], 2 * args[0].shape[-1]), (torch.int8,), "the values")
+        if problem is None and out.numel() and (out.min() < -8 or out.max() > 7):
+            problem = f"returned values from {int(out.min())} to {int(out.max())}; signed 4-bit values lie in [-8, 7]"
+        return problem
+    if name == "int8_linear":
+        x, q = args[0], args[1]
+        return _tensor_problem(out, (*x.shape[:-1], q.shape[0]), (x.dtype,), "y")
+    if name == "weight_memory":
+        return None if isinstance(out, (int, float)) and not isinstance(out, bool) else \
+            f"returned {out!r:.60}; expected a number of bytes"
+    return None
+
+
+def guarded(name: str, fn: Callable) -> Callable:
+    """A learner's chapter 09 function whose errors and wrong results are reported as the part's."""
+    call = raising_part(fn, name, "09")
+
+    @functools.wraps(fn)
+    def checked(*args, **kwargs):
+        out = call(*args, **kwargs)
+        problem = _validate(name, args, out)
+        if problem:
+            part_failed(name, fn, problem, "09")
+        return out
+
+    return checked
 
 
 def quantize_model(model, fmt: str):
