@@ -1,0 +1,847 @@
+"""Checks for chapter 09, quantization: absmax int8 per row, 4-bit values packed two per byte, 4-bit
+groups of 32 (Q4_0), a linear layer with int8 weights, and the memory a model's weights take.
+
+Quantized values are integers, so they are compared exactly — except where w / scale lies within
+1e-4 of a half-integer (a tie, or a float's last bit away from one): there either neighbour is right,
+whatever rule breaks ties (torch.round rounds half to even, Python's round too, numpy the same; C's
+round away from zero). Scales are compared in their stored dtype. A wrong answer is compared with what
+the known mistakes give (a scale from the mean, truncation, nibbles in the wrong order, ...) and the
+matching one is named.
+
+    >>> def weight_memory(n_params, fmt):
+    ...     per_weight = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5 + 2 / 32}
+    ...     if fmt not in per_weight:
+    ...         raise ValueError(f"unknown format {fmt!r}")
+    ...     return n_params * per_weight[fmt]
+    >>> check_weight_memory(weight_memory)
+    ✓ weight_memory — 20 cases
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+
+from ..quantize import (dequantize_int4 as engine_dequantize_int4, dequantize_int8 as engine_dequantize_int8,
+                        int8_linear as engine_int8_linear, pack_int4 as engine_pack_int4,
+                        quantize_int4 as engine_quantize_int4, quantize_int8 as engine_quantize_int8,
+                        unpack_int4 as engine_unpack_int4, weight_memory as engine_weight_memory)
+from .core import Case, Verdict, run_check
+from .forbid import Forbidden
+from .show import short
+from .tensors import tensor_problem
+
+NO_ENGINE = Forbidden("llmcourse.quantize", "llmcourse.quantize is the engine's quantization, what yours is "
+                                            "compared with: write your own")
+NO_TORCH_QUANTIZATION = [
+    Forbidden(f"torch.{name}", "torch's quantized tensors do the whole exercise: write the scale and the "
+                               "rounding yourself")
+    for name in ("quantize_per_channel", "quantize_per_tensor", "quantize_per_tensor_dynamic",
+                 "fake_quantize_per_channel_affine", "fake_quantize_per_tensor_affine")
+]
+FORBID = [NO_ENGINE, *NO_TORCH_QUANTIZATION]
+
+
+class Raised:
+    """What a call that raised ValueError gave (so that a case can expect the error)."""
+
+    def __init__(self, err: BaseException):
+        self.type, self.message = type(err).__name__, str(err)
+
+    def __repr__(self) -> str:
+        return f"{self.type}({self.message!r})"
+
+
+class Refusal:
+    """The expected answer of a case whose input must be refused: a ValueError that mentions `size`."""
+
+    def __init__(self, size: int, why: str):
+        self.size, self.why = size, why
+
+    def __repr__(self) -> str:
+        return f"a ValueError whose message names the size {self.size} ({self.why})"
+
+
+def catching_value_errors(fn: Callable) -> Callable:
+    """fn, with a ValueError it raises returned as a `Raised` (other errors propagate as usual)."""
+
+    @functools.wraps(fn)
+    def call(*args):
+        try:
+            return fn(*args)
+        except ValueError as err:
+            return Raised(err)
+
+    return call
+
+
+def refusal_verdict(expected: Refusal, got: Any) -> Verdict:
+    if not isinstance(got, Raised):
+        return (f"expected a ValueError, got {short(got, 80)}",
+                f"check the size first and `raise ValueError(f\"... {{size}} ...\")` ({expected.why})")
+    if str(expected.size) not in got.message:
+        return (f"the ValueError's message does not name the size {expected.size}: {got.message!r}",
+                "say what is wrong in the message, with the size, e.g. f\"... got {K} values\"")
+    return None
+
+
+def unexpected_error(got: Any) -> Verdict:
+    if isinstance(got, Raised):
+        return f"raised ValueError: {got.message}", "this input is valid: refuse only the sizes the exercise names"
+    return None
+
+
+def _near_ties(ratio: Tensor) -> Tensor:
+    """Where w / scale is within 1e-4 of a half-integer: either neighbour is a right rounding."""
+    return ((ratio.abs() - ratio.abs().floor()) - 0.5).abs() < 1e-4
+
+
+def values_problem(got: Tensor, expected: Tensor, ratio: Tensor, what: str) -> Optional[str]:
+    """None when the integer values `got` equal `expected`, but for ±1 at near-ties of `ratio`."""
+    off = (got.long() - expected.long())
+    wrong = (off != 0) & ~((off.abs() == 1) & _near_ties(ratio))
+    if not bool(wrong.any()):
+        return None
+    index = torch.nonzero(wrong)[0]
+    at = tuple(index)
+    where = "[" + ", ".join(str(int(i)) for i in index) + "]"
+    return (f"{what} differ at {int(wrong.sum())} of {wrong.numel()} positions, first at index {where}: expected "
+            f"{int(expected[at])}, got {int(got[at])} (w / scale there = {float(ratio[at]):.6g})")
+
+
+def _pair(got: Any, name: str) -> Optional[str]:
+    if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, Tensor) for t in got)):
+        return f"expected a tuple of two tensors ({name}), got {short(got, 100)}"
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 1: quantize_int8, dequantize_int8
+
+
+def _int8_with(scale_of: Callable[[Tensor], Tensor], *, rounding=torch.round, clamp: bool = True) -> Callable:
+    def quantize(w):
+        w = w.float()
+        scale = scale_of(w)  # broadcastable to w
+        ratio = rounding(w / torch.where(scale == 0, 1.0, scale))
+        ratio = ratio.clamp(-127, 127) if clamp else ratio
+        return ratio.to(torch.int8), scale.reshape(-1)
+    return quantize
+
+
+def _absmax_rows(w: Tensor) -> Tensor:
+    return w.abs().amax(dim=-1, keepdim=True) / 127
+
+
+INT8_MISTAKES = [
+    (_int8_with(lambda w: w.abs().mean(dim=-1, keepdim=True) / 127),
+     "the scale is max|row| / 127, not the mean |w|: the value of largest magnitude must map to ±127"),
+    (_int8_with(lambda w: w.abs().mean(dim=-1, keepdim=True) / 127, clamp=False),
+     "the scale is max|row| / 127, not the mean |w|: the value of largest magnitude must map to ±127"),
+    (_int8_with(lambda w: w.std(dim=-1, keepdim=True) / 127),
+     "the scale is max|row| / 127, not the standard deviation: the value of largest magnitude must map to ±127"),
+    (_int8_with(_absmax_rows, rounding=torch.trunc),
+     "round to the nearest integer (torch.round): .to(torch.int8) and torch.trunc cut toward zero, so 2.9 "
+     "becomes 2"),
+    (_int8_with(_absmax_rows, rounding=torch.floor),
+     "round to the nearest integer (torch.round), not down (floor): -0.2 must become 0, not -1"),
+    (_int8_with(lambda w: w.abs().amax().expand(w.shape[0], 1) / 127),
+     "one scale per ROW (per output), max over that row only: one scale for the whole tensor wastes the "
+     "small rows' precision"),
+    (_int8_with(lambda w: w.abs().amax(dim=0, keepdim=True) / 127),
+     "a scale per row: take the max over the last dimension (dim=-1), not over the rows (dim=0)"),
+    (_int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 128, clamp=False),
+     "divide max|row| by 127, not 128: the extreme must map to ±127 (128 does not fit in int8 and wraps to "
+     "-128)"),
+    (_int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 128),
+     "divide max|row| by 127, not 128: the extreme must map to ±127"),
+    (_int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 255),
+     "divide max|row| by 127, not 255: symmetric int8 uses [-127, 127], half of the 255 steps on each side"),
+    (_int8_with(lambda w: (w.amax(dim=-1, keepdim=True) - w.amin(dim=-1, keepdim=True)) / 255),
+     "this is the asymmetric (min, max) scale; the exercise's is symmetric: max|row| / 127, no zero point"),
+]
+
+
+def _same_int8(got: tuple, candidate: tuple) -> bool:
+    q, scale = got
+    cq, cscale = candidate
+    if q.shape != cq.shape or scale.shape != cscale.shape:
+        return False
+    return bool(torch.equal(q.long(), cq.long())) and bool(
+        torch.allclose(scale.double(), cscale.double(), rtol=1e-5, atol=1e-12, equal_nan=True))
+
+
+def _quantize_int8_verdict(case: Case, got: Any) -> Verdict:
+    problem = _pair(got, "q, scale")
+    if problem:
+        return problem, "return q, scale"
+    w, = case.args
+    q, scale = got
+    eq, escale = case.expected
+    N, K = w.shape
+    if q.shape != (N, K):
+        return f"q: expected shape {(N, K)}, got {tuple(q.shape)}", "q has w's shape"
+    if q.dtype != torch.int8:
+        return f"q: expected dtype torch.int8, got {q.dtype}", "convert at the end: q.to(torch.int8)"
+    if scale.shape != (N,):
+        hint = "a scale per row, one number each: amax(dim=-1) without keepdim" if scale.numel() == N \
+            else "a scale per row: shape [N]"
+        return f"scale: expected shape {(N,)}, got {tuple(scale.shape)}", hint
+    if scale.dtype != torch.float32:
+        return (f"scale: expected dtype torch.float32, got {scale.dtype}",
+                "the scales are float32 whatever the input's dtype: compute on w.float()")
+    mistake = ""
+    for fn, hint in INT8_MISTAKES:
+        try:
+            candidate = fn(w)
+        except Exception:
+            continue
+        if _same_int8(got, candidate):
+            mistake = hint
+            break
+    if bool(scale.isnan().any()):
+        return "scale has nan", "an all-zero row has max 0: its scale is 0 (no division by it)"
+    problem = tensor_problem(scale, escale, atol=1e-12, rtol=1e-5)
+    if problem:
+        zero = (escale == 0) & (scale != 0)
+        if bool(zero.any()):
+            mistake = mistake or "an all-zero row gets scale 0 (and q 0): do not replace its max by 1 or eps"
+        return f"scale: {problem}", mistake
+    ratio = w.double() / torch.where(escale == 0, 1.0, escale.double())[:, None]
+    problem = values_problem(q, eq, ratio, "q's values")
+    if problem:
+        if bool((q.long() == -128).any()):
+            mistake = mistake or "values outside [-127, 127] wrapped around in int8: clamp before converting"
+        return problem, mistake
+    return None
+
+
+def _random_weights(rng: torch.Generator, N: int, K: int, dtype=torch.float32) -> Tensor:
+    """Rows of different sizes and offsets: a per-tensor or per-column scale cannot pass for a per-row one."""
+    row_scale = torch.exp(torch.randn(N, 1, generator=rng, dtype=torch.float64) * 1.5)  # [N, 1]
+    offset = torch.randn(N, 1, generator=rng, dtype=torch.float64) * 0.5
+    return ((torch.randn(N, K, generator=rng, dtype=torch.float64) + offset) * row_scale).to(dtype)
+
+
+def int8_cases(seed: int, n_random: int) -> list[Case]:
+    def case(description, w, hint=""):
+        return Case(description, (w,), engine_quantize_int8(w), hint)
+
+    rng = torch.Generator().manual_seed(seed)
+    planted = torch.randn(3, 40, generator=rng) * 0.05
+    planted[1, 7] = 4.0
+    planted[2, 30] = -6.0
+    cases = [
+        case("two rows, the second all zero", torch.tensor([[0.5, -1.0, 0.3], [0.0, 0.0, 0.0]]),
+             hint="an all-zero row gets scale 0 and q 0"),
+        case("one row, values of both signs", torch.tensor([[2.54, -1.27, 0.1, -0.3, 1.9]]),
+             hint="scale = max|row| / 127 = 0.02; q = round(w / scale)"),
+        case("the negative extreme maps to -127", torch.tensor([[-2.0, 1.3, 0.5, -0.01]]),
+             hint="the largest MAGNITUDE maps to ±127: here -2.0 -> -127"),
+        case("rows of very different sizes", torch.tensor([[1000.0, -300.0, 2.0], [0.001, -0.002, 0.0007],
+                                                            [-5.0, 5.0, 2.6]]),
+             hint="each row gets its own scale"),
+        case("a row with one huge value: the small ones round to 0", planted),
+        case("truncation shows: values just below an integer",
+             torch.tensor([[127.0, 2.9, -2.9, 0.6, -0.6, 63.7]])),
+        case("a single column", torch.tensor([[3.0], [-0.5], [0.0]])),
+        case("float64 input (scale float32)", _random_weights(rng, 5, 17, torch.float64),
+             hint="compute in float32 (w.float()): the scales are float32"),
+        case("float16 input (scale float32)", _random_weights(rng, 4, 24, torch.float16),
+             hint="compute in float32 (w.float()): the scales are float32"),
+        case("an all-zero matrix", torch.zeros(2, 5), hint="an all-zero row gets scale 0 and q 0"),
+    ]
+    for i in range(n_random):
+        N, K = int(torch.randint(1, 40, (), generator=rng)), int(torch.randint(1, 200, (), generator=rng))
+        cases.append(case(f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K)))
+    return cases
+
+
+def _dequantize_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed + 1)
+    pairs = [
+        ("q = [[64, -127, 38], [0, 0, 0]], scales 1/127 and 0",
+         torch.tensor([[64, -127, 38], [0, 0, 0]], dtype=torch.int8), torch.tensor([1 / 127, 0.0])),
+        ("three rows with different scales", torch.tensor([[127, -127], [1, -1], [-64, 5]], dtype=torch.int8),
+         torch.tensor([0.5, 3.0, 0.01])),
+    ]
+    for i in range(n_random + 2):
+        N, K = int(torch.randint(1, 30, (), generator=rng)), int(torch.randint(1, 150, (), generator=rng))
+        q, scale = engine_quantize_int8(_random_weights(rng, N, K))
+        pairs.append((f"random #{i}: [{N}, {K}]", q, scale))
+    return [Case(d, (q, s), engine_dequantize_int8(q, s)) for d, q, s in pairs]
+
+
+DEQUANTIZE_INT8_MISTAKES = [
+    (lambda q, s: q.float() * s.float()[None, :q.shape[1]],
+     "each ROW has its scale: q * scale[:, None] (scale[None, :] multiplies columns)"),
+    (lambda q, s: q.float() / s.float()[:, None],
+     "dequantizing multiplies: w ≈ q * scale (quantizing divided)"),
+    (lambda q, s: q.float() * s.float()[:, None] / 127,
+     "the scale already holds the / 127: w ≈ q * scale"),
+]
+
+
+def _dequantize_judge(mistakes: list) -> Callable[[Case, Any], Verdict]:
+    def judge(case: Case, got: Any) -> Verdict:
+        problem = tensor_problem(got, case.expected, atol=1e-7, rtol=1e-5)
+        if problem is None:
+            return None
+        hint = ""
+        if isinstance(got, Tensor) and got.dtype != torch.float32 and got.is_floating_point():
+            hint = "return float32 (q.float() * ...)"
+        for fn, h in mistakes:
+            try:
+                candidate = fn(*case.args)
+            except Exception:
+                continue
+            if isinstance(got, Tensor) and candidate.shape == got.shape and \
+                    torch.allclose(got.double(), candidate.double(), rtol=1e-5, atol=1e-7):
+                hint = h
+                break
+        return problem, hint
+    return judge
+
+
+def check_quantize_int8(quantize_int8: Callable, dequantize_int8: Callable, *, seed: int = 0,
+                        n_random: int = 4) -> None:
+    """quantize_int8(w) -> (q [N, K] int8, scale [N] float32), absmax per row; dequantize_int8(q, scale)."""
+    def show_w(args):
+        return f"quantize_int8({short(args[0], 160)})"
+
+    run_check("quantize_int8", quantize_int8, int8_cases(seed, n_random), judge=_quantize_int8_verdict,
+              forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20)
+    run_check("dequantize_int8", dequantize_int8, _dequantize_cases(seed, n_random),
+              judge=_dequantize_judge(DEQUANTIZE_INT8_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20,
+              error_hints={"Byte": "convert q to float first (q.float()): int8 times a float scale is not a "
+                                   "float32 tensor"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 2: pack_int4, unpack_int4
+
+
+def _pack_hi_first(q):
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return (n[..., 0::2] << 4) | n[..., 1::2]
+
+
+def _pack_offset(q):
+    n = (q.to(torch.int16) + 8).to(torch.uint8)
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def _pack_as_int8(q):
+    n = (q.to(torch.int16) & 0xF)
+    return (n[..., 0::2] | (n[..., 1::2] << 4)).to(torch.int8)
+
+
+def _pack_halves(q):
+    K = q.shape[-1]
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return n[..., : K // 2] | (n[..., K // 2:] << 4)
+
+
+PACK_MISTAKES = [
+    (_pack_hi_first, "the nibbles are in the wrong order: value 2i goes in the LOW nibble (bits 0-3) of byte i, "
+                     "value 2i + 1 in the high nibble (bits 4-7)"),
+    (_pack_offset, "this is the offset (+8) encoding; the format is two's complement: -1 is 0b1111 (q & 0xF), "
+                   "0 is 0b0000"),
+    (_pack_halves, "pair NEIGHBOURS: byte i holds values 2i and 2i + 1 (q[..., 0::2] and q[..., 1::2]), not "
+                   "values i and i + K/2"),
+]
+
+
+def _unpack_no_sign(p):
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int8)
+
+
+def _unpack_hi_first(p):
+    v = torch.stack([p >> 4, p & 0xF], dim=-1).flatten(-2).to(torch.int8)
+    return v - 16 * (v >= 8).to(torch.int8)
+
+
+def _unpack_offset(p):
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int8) - 8
+
+
+def _unpack_halves(p):
+    v = torch.cat([p & 0xF, p >> 4], dim=-1).to(torch.int8)
+    return v - 16 * (v >= 8).to(torch.int8)
+
+
+UNPACK_MISTAKES = [
+    (_unpack_no_sign, "the sign is lost: nibbles 8..15 are the negative values -8..-1 (two's complement): "
+                      "subtract 16 from those"),
+    (_unpack_hi_first, "the nibbles are in the wrong order: the LOW nibble of byte i is value 2i, the high "
+                       "nibble value 2i + 1"),
+    (_unpack_offset, "this undoes the offset (+8) encoding; the format is two's complement: nibble 15 is -1, "
+                     "nibble 1 is 1"),
+    (_unpack_halves, "interleave: byte i gives values 2i and 2i + 1 (stack low and high on a new last "
+                     "dimension, then flatten), not the lows then the highs"),
+]
+
+
+def _mistake_hint(mistakes: list, args: tuple, got: Any) -> str:
+    for fn, hint in mistakes:
+        try:
+            candidate = fn(*args)
+        except Exception:
+            continue
+        if isinstance(got, Tensor) and got.shape == candidate.shape and torch.equal(got.long(), candidate.long()):
+            return hint
+    return ""
+
+
+def _pack_verdict(case: Case, got: Any) -> Verdict:
+    if isinstance(case.expected, Refusal):
+        return refusal_verdict(case.expected, got)
+    wrong = unexpected_error(got)
+    if wrong:
+        return wrong
+    if isinstance(got, Tensor) and got.shape == case.expected.shape and got.dtype == torch.int8:
+        return (f"expected dtype torch.uint8, got {got.dtype}",
+                "bytes are unsigned (torch.uint8): in int8 a byte >= 128 becomes negative and `>> 4` keeps "
+                "its sign")
+    problem = tensor_problem(got, case.expected)
+    if problem:
+        return problem, _mistake_hint(PACK_MISTAKES, case.args, got)
+    return None
+
+
+def _unpack_verdict(case: Case, got: Any) -> Verdict:
+    problem = tensor_problem(got, case.expected)
+    if problem:
+        hint = _mistake_hint(UNPACK_MISTAKES, case.args, got)
+        if not hint and isinstance(got, Tensor) and got.dtype != torch.int8:
+            hint = "return int8 values (.to(torch.int8))"
+        return problem, hint
+    return None
+
+
+def pack_cases(seed: int, n_random: int) -> list[Case]:
+    def case(description, values, hint=""):
+        q = torch.tensor(values, dtype=torch.int8) if not isinstance(values, Tensor) else values
+        return Case(description, (q,), engine_pack_int4(q), hint)
+
+    rng = torch.Generator().manual_seed(seed)
+    cases = [
+        case("[1, 2] -> 0x21", [1, 2], hint="value 2i in the low nibble: 1 | (2 << 4) = 0x21"),
+        case("[-1, 0] -> 0x0F", [-1, 0], hint="-1 in 4-bit two's complement is 0b1111 = 15: (-1) & 0xF"),
+        case("[-8, 7] -> 0x78", [-8, 7], hint="-8 is 0b1000, 7 is 0b0111: 8 | (7 << 4) = 0x78"),
+        case("[0, -1] -> 0xF0", [0, -1]),
+        case("[-8, -8, 7, 7, 0, -3]", [-8, -8, 7, 7, 0, -3]),
+        case("a batch of rows [2, 4]", [[1, 2, 3, 4], [-1, -2, -3, -4]], hint="pack along the last dimension"),
+        case("leading dimensions [2, 3, 8]", torch.randint(-8, 8, (2, 3, 8), generator=rng, dtype=torch.int8)),
+        Case("odd size: 3 values", (torch.tensor([1, 2, 3], dtype=torch.int8),),
+             Refusal(3, "an odd number of values cannot fill whole bytes")),
+        Case("odd size: [2, 5]", (torch.zeros(2, 5, dtype=torch.int8),),
+             Refusal(5, "an odd number of values in the last dimension")),
+    ]
+    for i in range(n_random):
+        shape = [int(torch.randint(1, 6, (), generator=rng)) for _ in range(int(torch.randint(0, 3, (), generator=rng)))]
+        K = 2 * int(torch.randint(1, 40, (), generator=rng))
+        cases.append(case(f"random #{i}: {[*shape, K]}", torch.randint(-8, 8, (*shape, K), generator=rng,
+                                                                        dtype=torch.int8)))
+    return cases
+
+
+def unpack_cases(seed: int, n_random: int) -> list[Case]:
+    def case(description, packed, hint=""):
+        return Case(description, (packed,), engine_unpack_int4(packed), hint)
+
+    rng = torch.Generator().manual_seed(seed + 1)
+    cases = [
+        case("0x21 -> [1, 2]", torch.tensor([0x21], dtype=torch.uint8), hint="the low nibble is the first value"),
+        case("0x0F -> [-1, 0]", torch.tensor([0x0F], dtype=torch.uint8), hint="nibble 15 is -1"),
+        case("0x78 -> [-8, 7]", torch.tensor([0x78], dtype=torch.uint8), hint="nibble 8 is -8"),
+        case("all 256 bytes", torch.arange(256, dtype=torch.int64).to(torch.uint8),
+             hint="nibbles 0..7 are 0..7, nibbles 8..15 are -8..-1"),
+        case("all 256 bytes as a [16, 16] matrix", torch.arange(256).to(torch.uint8).view(16, 16)),
+    ]
+    for i in range(n_random):
+        shape = [int(torch.randint(1, 6, (), generator=rng)) for _ in range(int(torch.randint(0, 3, (), generator=rng)))]
+        q = torch.randint(-8, 8, (*shape, 2 * int(torch.randint(1, 40, (), generator=rng))), generator=rng,
+                          dtype=torch.int8)
+        cases.append(case(f"random #{i}: packed {[*shape, q.shape[-1] // 2]}", engine_pack_int4(q)))
+    return cases
+
+
+def check_pack_int4(pack_int4: Callable, unpack_int4: Callable, *, seed: int = 0, n_random: int = 6) -> None:
+    """pack_int4(q [..., K] int8 in [-8, 7]) -> [..., K // 2] uint8 (value 2i low nibble); unpack_int4 inverts it."""
+    run_check("pack_int4", catching_value_errors(pack_int4), pack_cases(seed, n_random), judge=_pack_verdict,
+              forbid=FORBID, seconds=5, total_seconds=20,
+              error_hints={"shift": "shift unsigned bytes: convert the nibbles to torch.uint8 before `<< 4`"})
+    run_check("unpack_int4", unpack_int4, unpack_cases(seed, n_random), judge=_unpack_verdict, forbid=FORBID,
+              seconds=5, total_seconds=20)
+    rng = torch.Generator().manual_seed(seed + 2)
+    trips = []
+    for i in range(n_random + 2):
+        q = torch.randint(-8, 8, (3, 2 * int(torch.randint(1, 50, (), generator=rng))), generator=rng, dtype=torch.int8)
+        trips.append(Case(f"random #{i}: unpack_int4(pack_int4(q)) == q, q {tuple(q.shape)}", (q,), q))
+
+    def round_trip(q):
+        return unpack_int4(pack_int4(q))
+
+    run_check("unpack_int4(pack_int4(q))", round_trip, trips, judge=lambda c, got: _roundtrip_verdict(c, got),
+              forbid=FORBID, seconds=5, total_seconds=20)
+
+
+def _roundtrip_verdict(case: Case, got: Any) -> Verdict:
+    problem = tensor_problem(got, case.expected)
+    return (problem, "unpack_int4 must give back exactly what pack_int4 was given") if problem else None
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 3: quantize_int4, dequantize_int4
+
+
+def _q4(w: Tensor, group_size: int, scale_of: Callable, *, half_first: bool = True, lo: int = -8, hi: int = 7):
+    N, K = w.shape
+    groups = w.float().view(N, K // group_size, group_size)
+    scales = scale_of(groups)  # [N, G, 1]
+    used = scales.half().float() if half_first else scales
+    q = torch.round(groups / torch.where(used == 0, 1.0, used)).clamp(lo, hi).to(torch.int8)
+    return engine_pack_int4(q.view(N, K)), scales.view(N, -1).half()
+
+
+def _signed_extreme(groups):
+    return groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)) / -8
+
+
+INT4_MISTAKES = [
+    (lambda w, g=32: _q4(w, g, lambda x: x.abs().amax(dim=-1, keepdim=True) / 7),
+     "Q4_0's rule: the value of largest magnitude m (with its sign) maps to -8: scale = m / -8. absmax / 7 "
+     "wastes the level -8"),
+    (lambda w, g=32: _q4(w, g, lambda x: x.abs().amax(dim=-1, keepdim=True) / 8),
+     "the scale keeps the extreme's sign: scale = m / -8 where m is the value of largest magnitude (so m "
+     "itself becomes -8; with max|w| / 8 a positive extreme would be 8, out of range)"),
+    (lambda w, g=32: _q4(w, g, _signed_extreme, half_first=False),
+     "round the scale to float16 BEFORE dividing by it: the values must be those the stored (float16) scale "
+     "reproduces"),
+    (lambda w, g=32: _q4(w, g, lambda x: x.abs().amax(dim=-1, keepdim=True) / 127),
+     "4 bits: the extreme maps to -8, not ±127"),
+]
+
+
+def _int4_values(w: Tensor, scales: Tensor) -> Tensor:
+    """w / scale in float64, with each group's scale (0 -> 1)."""
+    N, K = w.shape
+    s = scales.double()
+    s = torch.where(s == 0, 1.0, s).repeat_interleave(K // scales.shape[1], dim=1)
+    return w.double() / s
+
+
+def _quantize_int4_verdict(case: Case, got: Any) -> Verdict:
+    if isinstance(case.expected, Refusal):
+        return refusal_verdict(case.expected, got)
+    wrong = unexpected_error(got)
+    if wrong:
+        return wrong
+    problem = _pair(got, "packed, scales")
+    if problem:
+        return problem, "return packed, scales"
+    w, group_size = case.args
+    packed, scales = got
+    epacked, escales = case.expected
+    N, K = w.shape
+    G = K // group_size
+    if scales.shape != (N, G):
+        hint = f"a scale per group of {group_size} consecutive values of a row: [N, K // {group_size}] = [{N}, {G}]"
+        if scales.shape == (N,) or scales.shape == (N, 1):
+            hint = f"one scale per GROUP of {group_size} values, not per row: shape [{N}, {G}]"
+        elif scales.shape == (N // group_size, K) if N % group_size == 0 else False:
+            hint = (f"groups run ALONG a row (the input dimension): view the rows as [N, K // {group_size}, "
+                    f"{group_size}], not columns")
+        return f"scales: expected shape {(N, G)}, got {tuple(scales.shape)}", hint
+    if scales.dtype != torch.float16:
+        return (f"scales: expected dtype torch.float16, got {scales.dtype}",
+                "store the scales in float16 (.half()), and divide by that rounded scale")
+    if packed.shape != (N, K // 2) or packed.dtype != torch.uint8:
+        return (f"packed: expected a torch.uint8 tensor of shape {(N, K // 2)}, got {packed.dtype} "
+                f"{tuple(packed.shape)}", "pack the values with your pack_int4")
+    mistake = next((h for fn, h in INT4_MISTAKES if _same_packed(got, _try(fn, w, group_size))), "")
+    problem = tensor_problem(scales, escales, atol=0, rtol=0)
+    if problem:
+        if bool((escales < 0).any()) and bool((scales >= 0).all()) and not mistake:
+            mistake = "the scale keeps the extreme's sign: m / -8, with m the value of largest magnitude in the group"
+        return f"scales: {problem}", mistake
+    ratio = _int4_values(w, escales)
+    problem = values_problem(engine_unpack_int4(packed), engine_unpack_int4(epacked), ratio, "the 4-bit values")
+    if problem:
+        return problem, mistake
+    return None
+
+
+def _try(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:
+        return None
+
+
+def _same_packed(got: tuple, candidate: Optional[tuple]) -> bool:
+    if candidate is None:
+        return False
+    return all(isinstance(a, Tensor) and a.shape == b.shape and torch.equal(a.double(), b.double())
+               for a, b in zip(got, candidate))
+
+
+def fp16_boundary_weights() -> Tensor:
+    """A row where dividing by the float32 scale and by the stored float16 scale round differently."""
+    w = torch.zeros(1, 32)
+    w[0, 0] = 1.0001  # scale m / -8 = -0.1250125 in float32, -0.125 in float16
+    w[0, 1] = 2.5 * 0.12500625  # / -0.125 -> -2.50005 (-3); / -0.1250125 -> -2.49998 (-2)
+    w[0, 2] = -0.3
+    return w
+
+
+def int4_cases(seed: int, n_random: int) -> list[Case]:
+    def case(description, w, group_size=32, hint=""):
+        return Case(description, (w, group_size), engine_quantize_int4(w, group_size), hint)
+
+    rng = torch.Generator().manual_seed(seed)
+    ramp = torch.linspace(-1.0, 0.6, 32)[None]
+    two_groups = torch.cat([torch.linspace(-0.4, 0.8, 32), torch.linspace(-30.0, 10.0, 32)])[None]
+    cases = [
+        case("one group, the extreme -1.0 maps to -8", ramp,
+             hint="m = -1.0 (largest magnitude, with its sign): scale = m / -8 = 0.125, q = round(w / 0.125)"),
+        case("one group, a positive extreme: the scale is negative", -ramp,
+             hint="m = 1.0: scale = 1.0 / -8 = -0.125, so 1.0 -> -8 and -0.6 -> 5"),
+        case("two groups of very different sizes", two_groups, hint="each group of 32 has its own scale"),
+        case("the float16 rounding of the scale matters", fp16_boundary_weights(),
+             hint="round the scale to float16 first (scale = (m / -8).half()), then divide by that rounded scale"),
+        case("an all-zero group", torch.cat([torch.zeros(1, 32), torch.ones(1, 32)], dim=1),
+             hint="an all-zero group gets scale 0 and values 0"),
+        case("groups of 16", _random_weights(rng, 3, 64), group_size=16),
+        case("groups of 64, [5, 128]", _random_weights(rng, 5, 128), group_size=64),
+        case("float64 input", _random_weights(rng, 2, 96, torch.float64)),
+        case("float16 input", _random_weights(rng, 3, 64, torch.float16)),
+        case("a single row [1, 32]", _random_weights(rng, 1, 32)),
+        Case("K = 48 is not a multiple of 32", (torch.zeros(2, 48), 32),
+             Refusal(48, "a row must split into whole groups")),
+        Case("K = 40 with groups of 16", (torch.zeros(1, 40), 16), Refusal(40, "a row must split into whole groups")),
+    ]
+    for i in range(n_random):
+        N = int(torch.randint(1, 40, (), generator=rng))
+        K = 32 * int(torch.randint(1, 9, (), generator=rng))
+        cases.append(case(f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K)))
+    return cases
+
+
+DEQUANTIZE_INT4_MISTAKES = [
+    (lambda p, s: _unpack_no_sign(p).float().view(p.shape[0], s.shape[1], -1).mul(s.float()[..., None])
+     .view(p.shape[0], -1), "the 4-bit values are signed: unpack nibbles 8..15 as -8..-1"),
+    (lambda p, s: engine_unpack_int4(p).float() * s.float()[:, :1],
+     "each group of K // G values has its own scale: view the values as [N, G, K // G] and multiply by "
+     "scales[..., None]"),
+    (lambda p, s: (engine_unpack_int4(p).float().view(p.shape[0], -1, s.shape[1]) * s.float()[:, None, :])
+     .view(p.shape[0], -1), "a group is K // G CONSECUTIVE values: view as [N, G, K // G] (not [N, K // G, G])"),
+]
+
+
+def _dequantize_int4_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed + 1)
+    ws = [("two groups of very different sizes",
+           torch.cat([torch.linspace(-0.4, 0.8, 32), torch.linspace(-30.0, 10.0, 32)])[None], 32),
+          ("groups of 16, [3, 64]", _random_weights(rng, 3, 64), 16)]
+    for i in range(n_random + 1):
+        N, K = int(torch.randint(1, 30, (), generator=rng)), 32 * int(torch.randint(1, 8, (), generator=rng))
+        ws.append((f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K), 32))
+    cases = []
+    for description, w, g in ws:
+        packed, scales = engine_quantize_int4(w, g)
+        cases.append(Case(description, (packed, scales), engine_dequantize_int4(packed, scales)))
+    return cases
+
+
+def check_quantize_int4(quantize_int4: Callable, dequantize_int4: Callable, *, seed: int = 0,
+                        n_random: int = 4) -> None:
+    """quantize_int4(w, group_size) -> (packed [N, K // 2] uint8, scales [N, K // group_size] float16), Q4_0;
+    dequantize_int4(packed, scales) -> [N, K] float32."""
+    def show_w(args):
+        return f"quantize_int4({short(args[0], 140)}, group_size={args[1]})"
+
+    run_check("quantize_int4", catching_value_errors(quantize_int4), int4_cases(seed, n_random),
+              judge=_quantize_int4_verdict, forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20)
+    run_check("dequantize_int4", dequantize_int4, _dequantize_int4_cases(seed, n_random),
+              judge=_dequantize_judge(DEQUANTIZE_INT4_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 4: int8_linear
+
+
+INT8_LINEAR_MISTAKES = [
+    (lambda x, q, s, b: x @ (q.to(x.dtype) * s.to(x.dtype)[None, :]).T + (0 if b is None else b),
+     "a scale belongs to an output ROW of q: q * scale[:, None] (or scale the product's last dimension)"),
+    (lambda x, q, s, b: ((x @ q.to(x.dtype).T) + (0 if b is None else b)) * s.to(x.dtype),
+     "add the bias AFTER scaling: y = (x @ q.T) * scale + bias (the bias is in the output's units)"),
+    (lambda x, q, s, b: x @ q.to(x.dtype).T + (0 if b is None else b),
+     "multiply by the scales: the weight is q * scale[:, None], not q"),
+    (lambda x, q, s, b: (x @ q.to(x.dtype).T) / s.to(x.dtype) + (0 if b is None else b),
+     "the weight is q * scale: multiply by the scales, do not divide"),
+]
+
+
+def _linear_tolerance(case: Case) -> tuple[float, float]:
+    x, q, scale, bias = case.args
+    # a sum of K products, each computed from rounded float32 weights: relative to the sum of |terms|
+    size = (x.abs().double() @ (q.double().abs() * scale.double().abs()[:, None]).T).max().item()
+    return 2e-6 * max(size, 1.0), 1e-5
+
+
+def _linear_verdict(case: Case, got: Any) -> Verdict:
+    atol, rtol = _linear_tolerance(case)
+    problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
+    if problem is None:
+        return None
+    expected = case.expected
+    hint = ""
+    if isinstance(got, Tensor) and got.dim() == expected.dim() and got.shape == (*expected.shape[:-2],
+                                                                                 expected.shape[-1],
+                                                                                 expected.shape[-2]) \
+            and got.shape != expected.shape:
+        hint = "the output is [..., N]: x @ W.T with W = q * scale[:, None] of shape [N, K]"
+    elif isinstance(got, Tensor) and got.shape == expected.shape and got.dtype != expected.dtype:
+        hint = "return x's dtype: convert the dequantized weight (or the product) to x.dtype"
+    else:
+        for fn, h in INT8_LINEAR_MISTAKES:
+            candidate = _try(fn, *case.args)
+            if isinstance(candidate, Tensor) and isinstance(got, Tensor) and candidate.shape == got.shape and \
+                    torch.allclose(got.double(), candidate.double(), rtol=rtol, atol=atol) and \
+                    tensor_problem(candidate.to(expected.dtype), expected, atol=atol, rtol=rtol) is not None:
+                hint = h
+                break
+    return problem, hint
+
+
+def linear_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed)
+
+    def layer(N, K, bias=True, dtype=torch.float32):
+        q, scale = engine_quantize_int8(_random_weights(rng, N, K))  # a float64 model keeps float64 scales
+        return q, scale.to(dtype), ((torch.randn(N, generator=rng) * 2).to(dtype) if bias else None)
+
+    def case(description, x, q, scale, bias, hint=""):
+        return Case(description, (x, q, scale, bias), engine_int8_linear(x, q, scale, bias), hint)
+
+    q1 = torch.tensor([[127, -64, 0], [1, 2, 3]], dtype=torch.int8)
+    s1 = torch.tensor([0.5, 2.0])
+    cases = [
+        case("x [1, 3], 2 outputs, no bias", torch.tensor([[1.0, 2.0, 3.0]]), q1, s1, None,
+             hint="y = x @ (q * scale[:, None]).T: [63.5 - 64, 2 * (1 + 4 + 9)] = [-0.5, 28]"),
+        case("the same with a bias", torch.tensor([[1.0, 2.0, 3.0]]), q1, s1, torch.tensor([10.0, -1.0]),
+             hint="the bias is added after scaling: [9.5, 27]"),
+        case("a square layer [4, 4]: rows and columns could be confused", torch.randn(2, 4, generator=rng) * 3,
+             *layer(4, 4)),
+        case("x [B, T, K] = [2, 3, 24], 10 outputs", torch.randn(2, 3, 24, generator=rng) * 3, *layer(10, 24),
+             hint="x may have any number of leading dimensions: [..., K] -> [..., N]"),
+        case("float64 x: float64 out", torch.randn(3, 16, generator=rng, dtype=torch.float64) * 5,
+             *layer(7, 16, dtype=torch.float64), hint="the output has x's dtype"),
+        case("float64 x [2, 2, 12] with float32 scales, no bias",
+             torch.randn(2, 2, 12, generator=rng, dtype=torch.float64), *layer(5, 12, bias=False),
+             hint="the output has x's dtype"),
+        case("one input row, many outputs", torch.randn(1, 32, generator=rng) * 10, *layer(96, 32)),
+        case("a zero row in q (scale 0)", torch.randn(2, 8, generator=rng),
+             torch.cat([layer(3, 8)[0], torch.zeros(1, 8, dtype=torch.int8)]),
+             torch.cat([layer(3, 8)[1], torch.zeros(1)]), None),
+    ]
+    for i in range(n_random):
+        N, K = int(torch.randint(1, 80, (), generator=rng)), int(torch.randint(1, 120, (), generator=rng))
+        lead = [int(torch.randint(1, 5, (), generator=rng)) for _ in range(int(torch.randint(1, 3, (), generator=rng)))]
+        dtype = torch.float64 if i % 2 else torch.float32
+        cases.append(case(f"random #{i}: x {[*lead, K]} {str(dtype)[6:]}, q [{N}, {K}]",
+                          (torch.randn(*lead, K, generator=rng, dtype=torch.float64) * 4).to(dtype),
+                          *layer(N, K, bias=bool(i % 3), dtype=dtype)))
+    return cases
+
+
+def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4) -> None:
+    """int8_linear(x [..., K], q [N, K] int8, scale [N], bias [N] or None) -> [..., N] in x's dtype."""
+    def show(args):
+        x, q, scale, bias = args
+        return f"int8_linear(x={short(x, 90)}, q={short(q, 90)}, scale={short(scale, 70)}, bias={short(bias, 50)})"
+
+    run_check("int8_linear", int8_linear, linear_cases(seed, n_random), judge=_linear_verdict, forbid=FORBID,
+              show_call=show, seconds=5, total_seconds=20,
+              error_hints={"dtype": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
+                           "Char": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
+                           "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T"})
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: weight_memory
+
+
+MEMORY_MISTAKES = [
+    (lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}[f],
+     "int4 stores a float16 scale (2 bytes) per 32 weights too: 0.5 + 2 / 32 bytes per weight"),
+    (lambda n, f: n * {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4.5}[f],
+     "these are bits; return bytes (divide by 8)"),
+    (lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}[f] / 2 ** 30,
+     "return bytes, not GiB"),
+    (lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}[f] / 1e9,
+     "return bytes, not GB"),
+    (lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5 + 2 / 16}[f],
+     "a float16 scale is 2 bytes per GROUP of 32 weights: 2 / 32 bytes per weight"),
+]
+
+
+def _memory_verdict(case: Case, got: Any) -> Verdict:
+    if isinstance(case.expected, Refusal):
+        if not isinstance(got, Raised):
+            return (f"expected a ValueError, got {short(got, 80)}",
+                    "raise ValueError for a format you do not know, naming it")
+        if case.args[1] not in got.message:
+            return (f"the ValueError's message does not name the format {case.args[1]!r}: {got.message!r}",
+                    "name the unknown format in the message")
+        return None
+    wrong = unexpected_error(got)
+    if wrong:
+        return wrong
+    if isinstance(got, bool) or not isinstance(got, (int, float)):
+        hint = "return a Python number (float(...))" if isinstance(got, Tensor) else "return a number of bytes"
+        return f"expected a number, got {short(got, 60)}", hint
+    if math.isclose(got, case.expected, rel_tol=1e-9, abs_tol=1e-9):
+        return None
+    n, fmt = case.args
+    hint = next((h for fn, h in MEMORY_MISTAKES if math.isclose(_try(fn, n, fmt) or math.nan, got, rel_tol=1e-9)), "")
+    return f"expected {case.expected:,.6g} bytes, got {got:,.6g}", hint
+
+
+class _FormatRefusal(Refusal):
+    def __repr__(self) -> str:
+        return "a ValueError that names the format"
+
+
+def check_weight_memory(weight_memory: Callable, *, seed: int = 0, n_random: int = 6) -> None:
+    """weight_memory(n_params, fmt) -> bytes: 4, 2, 2, 1 and 0.5 + 2/32 per weight for float32, float16,
+    bfloat16, int8, int4."""
+    rng = random.Random(seed)
+    formats = ["float32", "float16", "bfloat16", "int8", "int4"]
+    cases = [Case(f"a {n / 1e9:g}B model in {fmt}", (n, fmt), engine_weight_memory(n, fmt),
+                  "int4: half a byte per weight plus a 2-byte float16 scale per 32 weights" if fmt == "int4" else "")
+             for n in (7e9, 70e9) for fmt in formats]
+    cases += [
+        Case("GPT-2 small, 124,439,808 weights (an int) in int4", (124_439_808, "int4"),
+             engine_weight_memory(124_439_808, "int4")),
+        Case("no weights", (0, "int8"), 0.0),
+        Case("an unknown format 'int3'", (1000, "int3"), _FormatRefusal(0, "")),
+        Case("an unknown format 'fp8'", (1000, "fp8"), _FormatRefusal(0, "")),
+    ]
+    for i in range(n_random):
+        n = rng.choice([rng.randint(1, 10 ** 6), rng.random() * 1e12])
+        fmt = rng.choice(formats)
+        cases.append(Case(f"random #{i}", (n, fmt), engine_weight_memory(n, fmt)))
+
+    def show(args):
+        return f"weight_memory({args[0]!r}, {args[1]!r})"
+
+    run_check("weight_memory", catching_value_errors(weight_memory), cases, judge=_memory_verdict, forbid=FORBID,
+              show_call=show, seconds=5, total_seconds=10)
