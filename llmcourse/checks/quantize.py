@@ -301,7 +301,7 @@ def _dequantize_judge(mistakes: list) -> Callable[[Case, Any], Verdict]:
             except Exception:
                 continue
             if isinstance(got, Tensor) and candidate.shape == got.shape and \
-                    torch.allclose(got.double(), candidate.double(), rtol=1e-5, atol=1e-7):
+                    torch.allclose(got.double(), candidate.double(), rtol=1e-5, atol=1e-7, equal_nan=True):
                 hint = h
                 break
         return problem, hint
@@ -387,13 +387,15 @@ UNPACK_MISTAKES = [
 ]
 
 
-def _mistake_hint(mistakes: list, args: tuple, got: Any) -> str:
+def _mistake_hint(mistakes: list, args: tuple, got: Any, expected: Tensor) -> str:
+    """The hint of the first mistake whose answer is `got`'s values and is wrong here."""
     for fn, hint in mistakes:
         try:
             candidate = fn(*args)
         except Exception:
             continue
-        if isinstance(got, Tensor) and got.shape == candidate.shape and torch.equal(got.long(), candidate.long()):
+        if isinstance(got, Tensor) and got.shape == candidate.shape and torch.equal(got.long(), candidate.long()) \
+                and not (candidate.shape == expected.shape and torch.equal(candidate.long(), expected.long())):
             return hint
     return ""
 
@@ -410,14 +412,14 @@ def _pack_verdict(case: Case, got: Any) -> Verdict:
                 "its sign")
     problem = tensor_problem(got, case.expected)
     if problem:
-        return problem, _mistake_hint(PACK_MISTAKES, case.args, got)
+        return problem, _mistake_hint(PACK_MISTAKES, case.args, got, case.expected)
     return None
 
 
 def _unpack_verdict(case: Case, got: Any) -> Verdict:
     problem = tensor_problem(got, case.expected)
     if problem:
-        hint = _mistake_hint(UNPACK_MISTAKES, case.args, got)
+        hint = _mistake_hint(UNPACK_MISTAKES, case.args, got, case.expected)
         if not hint and isinstance(got, Tensor) and got.dtype != torch.int8:
             hint = "return int8 values (.to(torch.int8))"
         return problem, hint
@@ -770,9 +772,11 @@ def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4
 
     run_check("int8_linear", int8_linear, linear_cases(seed, n_random), judge=_linear_verdict, forbid=FORBID,
               show_call=show, seconds=5, total_seconds=20,
-              error_hints={"dtype": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
-                           "Char": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
-                           "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T"})
+              error_hints={"same dtype": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
+                           "signed char": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
+                           "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T",
+                           "The size of tensor": "scale has one entry per output, a ROW of q: q * scale[:, None] "
+                                                 "(or the product's last dimension times scale)"})
 
 
 # ----------------------------------------------------------------------------------------------

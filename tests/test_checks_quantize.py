@@ -1,0 +1,659 @@
+"""Chapter 09's checks: the references pass, stubs and plausible mistakes fail with a message that says what
+is wrong, other correct ways of writing each exercise pass, the engine's own functions and torch's quantized
+tensors are refused; and the references agree with the engine's functions and with torch's own quantization."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from llmcourse import quantize as engine
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
+                                       check_weight_memory, fp16_boundary_weights)
+from tests.notebook_checks import run_notebook_checks
+
+ROOT = Path(__file__).parents[1]
+NOTEBOOK = ROOT / "solutions/09_quantization/09_quantization.ipynb"
+
+
+# -- references, written as a learner would ---------------------------------------------------------
+
+
+def quantize_int8(w):
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127  # [N]
+    safe = torch.where(scale == 0, 1.0, scale)
+    q = torch.round(w / safe[:, None]).clamp(-127, 127)  # [N, K]
+    return q.to(torch.int8), scale
+
+
+def dequantize_int8(q, scale):
+    return q.float() * scale.float()[:, None]
+
+
+def pack_int4(q):
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even number of values, got {q.shape[-1]}")
+    nibbles = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+
+
+def unpack_int4(packed):
+    low, high = packed & 0xF, packed >> 4
+    values = torch.stack([low, high], dim=-1).flatten(-2).to(torch.int8)
+    return torch.where(values >= 8, values - 16, values)
+
+
+def quantize_int4(w, group_size=32):
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"the row length {K} is not a multiple of {group_size}")
+    groups = w.float().view(N, K // group_size, group_size)
+    extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
+    scales = (extreme / -8).half()
+    s = scales.float()
+    q = torch.round(groups / torch.where(s == 0, 1.0, s)).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.view(N, K)), scales.view(N, -1)
+
+
+def dequantize_int4(packed, scales):
+    q = unpack_int4(packed).float()
+    N, K = q.shape
+    return (q.view(N, scales.shape[1], -1) * scales.float()[..., None]).view(N, K)
+
+
+def int8_linear(x, q, scale, bias):
+    y = x @ (q.to(x.dtype) * scale.to(x.dtype)[:, None]).T
+    return y if bias is None else y + bias
+
+
+def weight_memory(n_params, fmt):
+    per_weight = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5 + 2 / 32}
+    if fmt not in per_weight:
+        raise ValueError(f"unknown format {fmt!r}")
+    return n_params * per_weight[fmt]
+
+
+def q8(fn=quantize_int8, de=dequantize_int8):
+    return lambda **kw: check_quantize_int8(fn, de, **kw)
+
+
+def p4(pack=pack_int4, unpack=unpack_int4):
+    return lambda **kw: check_pack_int4(pack, unpack, **kw)
+
+
+def q4(fn=quantize_int4, de=dequantize_int4):
+    return lambda **kw: check_quantize_int4(fn, de, **kw)
+
+
+def lin(fn=int8_linear):
+    return lambda **kw: check_int8_linear(fn, **kw)
+
+
+def mem(fn=weight_memory):
+    return lambda **kw: check_weight_memory(fn, **kw)
+
+
+REFERENCES = [(q8(), 4, 2), (p4(), 6, 3), (q4(), 4, 2), (lin(), 4, 1), (mem(), 6, 1)]
+IDS = ["quantize_int8", "pack_int4", "quantize_int4", "int8_linear", "weight_memory"]
+
+
+@pytest.mark.parametrize("check, hidden, lines", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, hidden, lines, capsys):
+    check()
+    check(seed=101, n_random=hidden)
+    assert capsys.readouterr().out.count("✓") == 2 * lines
+
+
+def test_notebook_solutions_pass_their_checks(capsys):
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 18
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+STUBS = [q8(stub), q8(de=stub), p4(stub), p4(unpack=stub), q4(stub), q4(de=stub), lin(stub), mem(stub)]
+
+
+@pytest.mark.parametrize("check", STUBS)
+def test_stub_is_not_written_yet(check):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check()
+
+
+def fails(check, pattern, **kwargs):
+    with pytest.raises(CheckFailed) as err:
+        check(**kwargs)
+    assert re.search(pattern, str(err.value), re.S), str(err.value)
+    assert "Traceback" not in str(err.value)
+    return str(err.value)
+
+
+def passes(check, capsys, **kwargs):
+    check(**kwargs)
+    out = capsys.readouterr().out
+    assert "✓" in out and "✗" not in out
+
+
+# -- quantize_int8 / dequantize_int8 -----------------------------------------------------------------
+
+
+def int8_with(scale_of, rounding=torch.round, clamp=True, zero_safe=True):
+    def quantize(w):
+        w = w.float()
+        scale = scale_of(w)
+        ratio = rounding(w / (torch.where(scale == 0, 1.0, scale) if zero_safe else scale))
+        return (ratio.clamp(-127, 127) if clamp else ratio).to(torch.int8), scale.reshape(-1)
+    return quantize
+
+
+def absmax(w):
+    return w.abs().amax(dim=-1, keepdim=True) / 127
+
+
+def int8_float64_scale(w):
+    scale = w.abs().amax(dim=-1) / 127
+    return torch.round(w / torch.where(scale == 0, 1.0, scale)[:, None]).to(torch.int8), scale
+
+
+def int8_zero_row_scale_one(w):
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(w / scale[:, None]).to(torch.int8), scale
+
+
+def int8_zero_row_nan(w):
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale * (w / w).amax(dim=-1)
+
+
+def int8_engine(w):
+    return engine.quantize_int8(w)
+
+
+def int8_torch_quantized(w):
+    scale = w.float().abs().amax(dim=-1) / 127
+    qt = torch.quantize_per_channel(w.float(), torch.where(scale == 0, 1.0, scale).double(),
+                                    torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+    return qt.int_repr(), scale
+
+
+QUANTIZE_INT8_MISTAKES = [
+    (int8_with(lambda w: w.abs().mean(dim=-1, keepdim=True) / 127), r"not the mean \|w\|"),
+    (int8_with(lambda w: w.std(dim=-1, keepdim=True) / 127), r"not the standard deviation"),
+    (int8_with(absmax, rounding=torch.trunc), r"round to the nearest integer.*cut toward zero"),
+    (int8_with(absmax, rounding=lambda r: r), r"round to the nearest integer.*cut toward zero"),  # .to(int8) only
+    (int8_with(absmax, rounding=torch.floor), r"not down \(floor\)"),
+    (int8_with(lambda w: w.abs().amax().expand(w.shape[0], 1) / 127), r"one scale per ROW"),
+    (int8_with(lambda w: w.abs().amax(dim=0, keepdim=True) / 127), r"scale: expected shape \(\d+,\), got|not over the rows"),
+    (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 128, clamp=False), r"not 128"),
+    (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 255), r"not 255"),
+    (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True)), r"scale:.*differ"),
+    (int8_float64_scale, r"scale: expected dtype torch.float32, got torch.float64.*compute on w.float\(\)"),
+    (int8_zero_row_scale_one, r"all-zero row gets scale 0"),
+    (int8_zero_row_nan, r"scale has nan.*all-zero row"),
+    (lambda w: quantize_int8(w)[0], r"expected a tuple of two tensors"),
+    (lambda w: (quantize_int8(w)[0].float(), quantize_int8(w)[1]), r"q: expected dtype torch.int8"),
+    (lambda w: (quantize_int8(w)[0], quantize_int8(w)[1][:, None]), r"amax\(dim=-1\) without keepdim"),
+    (int8_engine, r"llmcourse\.quantize.*write your own"),
+    (int8_torch_quantized, r"torch's quantized tensors"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", QUANTIZE_INT8_MISTAKES, ids=range(len(QUANTIZE_INT8_MISTAKES)))
+def test_quantize_int8_mistakes_are_named(fn, pattern):
+    fails(q8(fn), pattern)
+
+
+def test_int8_per_column_scale_is_caught_on_square_rows():
+    square = int8_with(lambda w: w.abs().amax(dim=0, keepdim=True) / 127)
+    fails(q8(square), r"scale", n_random=20)
+
+
+DEQUANTIZE_INT8_MISTAKES = [
+    (lambda q, s: q.float() * s[None, :q.shape[1]], r"each ROW has its scale"),
+    (lambda q, s: q.float() / s[:, None], r"dequantizing multiplies"),
+    (lambda q, s: q.float() * s[:, None] / 127, r"already holds the / 127"),
+    (lambda q, s: q * s[:, None].double(), r"expected dtype torch.float32, got torch.float64.*return float32"),
+    (lambda q, s: q.float() * s[0], r"values differ"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", DEQUANTIZE_INT8_MISTAKES, ids=range(len(DEQUANTIZE_INT8_MISTAKES)))
+def test_dequantize_int8_mistakes_are_named(fn, pattern):
+    fails(q8(de=fn), pattern)
+
+
+def int8_by_reciprocal(w):
+    """Correct, written differently: multiply by 127 / max, round with Python's rule on ties via numpy."""
+    w = w.double()
+    top = w.abs().amax(dim=1)
+    q = (w * torch.where(top == 0, 0.0, 127 / top)[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, (top / 127).float()
+
+
+def int8_half_away(w):
+    """Correct: rounds ties away from zero (C's round) — accepted, ties are either neighbour."""
+    w = w.float()
+    scale = w.abs().max(dim=1).values / 127
+    r = w / torch.where(scale > 0, scale, 1.0).unsqueeze(1)
+    return (torch.sign(r) * torch.floor(r.abs() + 0.5)).to(torch.int8), scale
+
+
+def dequantize_by_einsum(q, scale):
+    return torch.einsum("nk,n->nk", q.to(torch.float32), scale.to(torch.float32))
+
+
+@pytest.mark.parametrize("fn, de", [(int8_by_reciprocal, dequantize_int8), (int8_half_away, dequantize_by_einsum)])
+def test_quantize_int8_alternatives_pass(fn, de, capsys):
+    passes(q8(fn, de), capsys)
+    passes(q8(fn, de), capsys, seed=101, n_random=8)
+
+
+def test_reference_int8_matches_the_engine_and_torch_quantize_per_channel():
+    w = torch.randn(64, 300, generator=torch.Generator().manual_seed(3)) * torch.linspace(0.01, 10, 64)[:, None]
+    q, scale = quantize_int8(w)
+    eq, escale = engine.quantize_int8(w)
+    assert torch.equal(q, eq) and torch.equal(scale, escale)
+    torch_q = torch.quantize_per_channel(w, scale.double(), torch.zeros(64, dtype=torch.long), 0, torch.qint8)
+    assert (torch_q.int_repr().long() - q.long()).abs().max() <= 1  # ties: torch rounds w * (1/scale)
+    assert (dequantize_int8(q, scale) - w).abs().max() <= scale.max() / 2 + 1e-6
+
+
+# -- pack_int4 / unpack_int4 -------------------------------------------------------------------------
+
+
+def pack_high_first(q):
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return (n[..., 0::2] << 4) | n[..., 1::2]
+
+
+def pack_offset(q):
+    n = (q.to(torch.int16) + 8).to(torch.uint8)
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def pack_int8_dtype(q):
+    n = q.to(torch.int16) & 0xF
+    return (n[..., 0::2] | (n[..., 1::2] << 4)).to(torch.int8)
+
+
+def pack_no_check(q):
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return n[..., 0::2][..., : q.shape[-1] // 2] | (n[..., 1::2] << 4)
+
+
+def pack_vague_error(q):
+    if q.shape[-1] % 2:
+        raise ValueError("odd size")
+    return pack_int4(q)
+
+
+def pack_halves(q):
+    K = q.shape[-1]
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return n[..., : K // 2] | (n[..., K // 2:] << 4)
+
+
+def pack_flat(q):
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8).flatten()
+    return n[0::2] | (n[1::2] << 4)
+
+
+PACK_MISTAKES = [
+    (pack_high_first, r"wrong order: value 2i goes in the LOW nibble"),
+    (pack_offset, r"offset \(\+8\) encoding"),
+    (pack_int8_dtype, r"expected dtype torch.uint8, got torch.int8.*bytes are unsigned"),
+    (pack_no_check, r"odd size.*(expected a ValueError|raised RuntimeError)"),
+    (pack_vague_error, r"does not name the size 3"),
+    (pack_halves, r"pair NEIGHBOURS"),
+    (pack_flat, r"expected shape \(2, 2\)"),
+    (lambda q: engine.pack_int4(q), r"llmcourse\.quantize.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", PACK_MISTAKES, ids=range(len(PACK_MISTAKES)))
+def test_pack_int4_mistakes_are_named(fn, pattern):
+    fails(p4(fn), pattern)
+
+
+def unpack_no_sign(p):
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int8)
+
+
+def unpack_high_first(p):
+    v = torch.stack([p >> 4, p & 0xF], dim=-1).flatten(-2).to(torch.int8)
+    return v - 16 * (v >= 8).to(torch.int8)
+
+
+def unpack_offset(p):
+    return torch.stack([p & 0xF, p >> 4], dim=-1).flatten(-2).to(torch.int8) - 8
+
+
+def unpack_halves(p):
+    v = torch.cat([p & 0xF, p >> 4], dim=-1).to(torch.int8)
+    return v - 16 * (v >= 8).to(torch.int8)
+
+
+UNPACK_MISTAKES = [
+    (unpack_no_sign, r"the sign is lost: nibbles 8..15"),
+    (unpack_high_first, r"wrong order: the LOW nibble"),
+    (unpack_offset, r"undoes the offset \(\+8\)"),
+    (unpack_halves, r"interleave"),
+    (lambda p: unpack_int4(p).long(), r"expected dtype torch.int8, got torch.int64.*return int8"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", UNPACK_MISTAKES, ids=range(len(UNPACK_MISTAKES)))
+def test_unpack_int4_mistakes_are_named(fn, pattern):
+    fails(p4(unpack=fn), pattern)
+
+
+def pack_by_arithmetic(q):
+    """Correct, written differently: % 16 gives the two's complement nibble, * 16 shifts."""
+    if q.shape[-1] % 2 == 1:
+        raise ValueError(f"{q.shape[-1]} values cannot be packed two per byte")
+    n = (q.long() % 16)
+    return (n[..., ::2] + 16 * n[..., 1::2]).to(torch.uint8)
+
+
+def unpack_by_arithmetic(packed):
+    p = packed.long()
+    v = torch.stack([p % 16, p // 16], dim=-1).reshape(*p.shape[:-1], -1)
+    return ((v + 8) % 16 - 8).to(torch.int8)
+
+
+def test_pack_int4_alternative_passes(capsys):
+    passes(p4(pack_by_arithmetic, unpack_by_arithmetic), capsys)
+    passes(p4(pack_by_arithmetic, unpack_by_arithmetic), capsys, seed=101, n_random=10)
+
+
+def test_pack_int4_exact_bytes_and_round_trip():
+    assert pack_int4(torch.tensor([1, 2], dtype=torch.int8)).tolist() == [0x21]
+    assert pack_int4(torch.tensor([-1, 0], dtype=torch.int8)).tolist() == [0x0F]
+    assert pack_int4(torch.tensor([-8, 7], dtype=torch.int8)).tolist() == [0x78]
+    every = torch.arange(256).to(torch.uint8)
+    assert torch.equal(pack_int4(unpack_int4(every)), every)
+    assert torch.equal(unpack_int4(every), engine.unpack_int4(every))
+
+
+# -- quantize_int4 / dequantize_int4 -----------------------------------------------------------------
+
+
+def q4_with(scale_of, half_first=True, group_dim="row"):
+    def quantize(w, group_size=32):
+        N, K = w.shape
+        if K % group_size:
+            raise ValueError(f"{K} is not a multiple of {group_size}")
+        groups = w.float().view(N, K // group_size, group_size)
+        scales = scale_of(groups)
+        used = scales.half().float() if half_first else scales
+        q = torch.round(groups / torch.where(used == 0, 1.0, used)).clamp(-8, 7).to(torch.int8)
+        return pack_int4(q.view(N, K)), scales.reshape(N, -1).half()
+    return quantize
+
+
+def signed_extreme(g):
+    return g.gather(-1, g.abs().argmax(dim=-1, keepdim=True)) / -8
+
+
+def q4_per_row(w, group_size=32):
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"{K} is not a multiple of {group_size}")
+    extreme = w.gather(-1, w.abs().argmax(dim=-1, keepdim=True)).float()
+    scale = (extreme / -8).half()
+    q = torch.round(w.float() / torch.where(scale == 0, 1.0, scale.float())).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q), scale.expand(N, K // group_size).contiguous()
+
+
+def q4_columns(w, group_size=32):
+    """Groups of consecutive ROWS within a column (the wrong dimension)."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"{K} is not a multiple of {group_size}")
+    t = w.float().T.contiguous()  # [K, N]
+    if N % group_size:
+        return q4_with(signed_extreme)(w, group_size)[0], torch.zeros(N // group_size, K, dtype=torch.float16)
+    groups = t.view(K, N // group_size, group_size)
+    scales = signed_extreme(groups).half()
+    q = torch.round(groups / torch.where(scales == 0, 1.0, scales.float())).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.view(K, N).T.contiguous()), scales.view(K, -1).T.contiguous()
+
+
+def q4_columns_transposed_scales(w, group_size=32):
+    """Groups along the wrong dimension, scales returned in the [N, G] shape on a square-ish input."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"{K} is not a multiple of {group_size}")
+    groups = w.float().T.reshape(N, K // group_size, group_size)  # scrambles rows and columns
+    scales = signed_extreme(groups).half()
+    q = torch.round(groups / torch.where(scales == 0, 1.0, scales.float())).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.reshape(K, N).T.contiguous()), scales.view(N, -1)
+
+
+def q4_no_error(w, group_size=32):
+    N, K = w.shape
+    k = K - K % group_size
+    return q4_with(signed_extreme)(w[:, :k].contiguous() if k else w[:, :group_size], group_size)
+
+
+QUANTIZE_INT4_MISTAKES = [
+    (q4_with(lambda g: g.abs().amax(dim=-1, keepdim=True) / 7), r"the value of largest magnitude m \(with its sign\) maps to -8"),
+    (q4_with(lambda g: g.abs().amax(dim=-1, keepdim=True) / 8), r"scale keeps the extreme's sign"),
+    (q4_with(signed_extreme, half_first=False), r"round the scale to float16 BEFORE dividing"),
+    (q4_per_row, r"scales:.*differ|one scale per GROUP"),
+    (lambda w, g=32: (q4_per_row(w, g)[0], q4_per_row(w, g)[1][:, 0]), r"one scale per GROUP of 32 values, not per row"),
+    (q4_columns, r"scales: expected shape"),
+    (q4_columns_transposed_scales, r"differ"),
+    (lambda w, g=32: (quantize_int4(w, g)[0], quantize_int4(w, g)[1].float()), r"expected dtype torch.float16"),
+    (q4_no_error, r"K = 48.*expected a ValueError"),
+    (lambda w, g=32: engine.quantize_int4(w, g), r"llmcourse\.quantize.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", QUANTIZE_INT4_MISTAKES, ids=range(len(QUANTIZE_INT4_MISTAKES)))
+def test_quantize_int4_mistakes_are_named(fn, pattern):
+    fails(q4(fn), pattern)
+
+
+DEQUANTIZE_INT4_MISTAKES = [
+    (lambda p, s: (unpack_no_sign(p).float().view(p.shape[0], s.shape[1], -1) * s.float()[..., None])
+     .view(p.shape[0], -1), r"signed: unpack nibbles 8..15"),
+    (lambda p, s: unpack_int4(p).float() * s.float()[:, :1], r"each group of K // G values has its own scale"),
+    (lambda p, s: (unpack_int4(p).float().view(p.shape[0], -1, s.shape[1]) * s.float()[:, None, :])
+     .view(p.shape[0], -1), r"CONSECUTIVE values"),
+    (lambda p, s: dequantize_int4(p, s).half(), r"expected dtype torch.float32, got torch.float16"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", DEQUANTIZE_INT4_MISTAKES, ids=range(len(DEQUANTIZE_INT4_MISTAKES)))
+def test_dequantize_int4_mistakes_are_named(fn, pattern):
+    fails(q4(de=fn), pattern)
+
+
+def quantize_int4_by_loops(w, group_size=32):
+    """Correct, written differently: a loop over groups with min/max, numpy-free."""
+    N, K = w.shape
+    if K % group_size != 0:
+        raise ValueError(f"rows of {K} values do not split into groups of {group_size}")
+    values, scales = [], []
+    for start in range(0, K, group_size):
+        g = w[:, start:start + group_size].float()  # [N, group]
+        hi, lo = g.max(dim=1).values, g.min(dim=1).values
+        m = torch.where(hi.abs() > lo.abs(), hi, lo)
+        s = (-m / 8).to(torch.float16)
+        scales.append(s)
+        values.append((g / torch.where(s == 0, 1, s).float()[:, None]).round().clamp(-8, 7))
+    return pack_by_arithmetic(torch.cat(values, dim=1).to(torch.int8)), torch.stack(scales, dim=1)
+
+
+def test_quantize_int4_alternative_passes(capsys):
+    passes(q4(quantize_int4_by_loops), capsys)
+    passes(q4(quantize_int4_by_loops), capsys, seed=101, n_random=8)
+
+
+def test_fp16_boundary_case_separates_the_two_scales():
+    w = fp16_boundary_weights()
+    right, _ = quantize_int4(w)
+    wrong, _ = q4_with(signed_extreme, half_first=False)(w)
+    assert unpack_int4(right)[0, 1] == -3 and unpack_int4(wrong)[0, 1] == -2
+
+
+def test_reference_int4_matches_the_engine_and_bounds_the_error():
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(5)) * 3
+    packed, scales = quantize_int4(w)
+    epacked, escales = engine.quantize_int4(w)
+    assert torch.equal(packed, epacked) and torch.equal(scales, escales)
+    err = (dequantize_int4(packed, scales) - w).abs().view(48, 8, 32)
+    assert bool((err <= scales.float().abs()[..., None] + 1e-6).all())  # half a step; a full one where +8 is clamped to 7
+
+
+# -- int8_linear ---------------------------------------------------------------------------------------
+
+
+def linear_scale_per_column(x, q, scale, bias):
+    y = x @ (q.to(x.dtype) * scale.to(x.dtype)[None, :]).T
+    return y if bias is None else y + bias
+
+
+def linear_bias_before_scale(x, q, scale, bias):
+    y = x @ q.to(x.dtype).T
+    return (y if bias is None else y + bias) * scale.to(x.dtype)
+
+
+def linear_raw_int8(x, q, scale, bias):
+    y = (x @ q.T) * scale
+    return y if bias is None else y + bias
+
+
+def linear_transposed(x, q, scale, bias):
+    y = (q.to(x.dtype) * scale.to(x.dtype)[:, None]) @ x.transpose(-1, -2)
+    return y if bias is None else y + bias[:, None]
+
+
+def linear_float32_out(x, q, scale, bias):
+    y = x.float() @ (q.float() * scale.float()[:, None]).T
+    return y if bias is None else y + bias.float()
+
+
+def linear_no_scale(x, q, scale, bias):
+    y = x @ q.to(x.dtype).T
+    return y if bias is None else y + bias
+
+
+INT8_LINEAR_MISTAKES = [
+    (linear_scale_per_column, r"raised RuntimeError: The size of tensor.*one entry per output, a ROW of q"),
+    (linear_bias_before_scale, r"add the bias AFTER scaling"),
+    (linear_raw_int8, r"raised RuntimeError.*convert q first"),
+    (linear_transposed, r"expected shape \(1, 2\), got \(2, 1\).*the output is \[\.\.\., N\]"),
+    (linear_float32_out, r"expected dtype torch.float64, got torch.float32.*return x's dtype"),
+    (linear_no_scale, r"multiply by the scales"),
+    (lambda x, q, s, b: engine.int8_linear(x, q, s, b), r"llmcourse\.quantize.*write your own"),
+    (lambda x, q, s, b: engine.int8_linear_fast(x, q, s, b), r"llmcourse\.quantize.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", INT8_LINEAR_MISTAKES, ids=range(len(INT8_LINEAR_MISTAKES)))
+def test_int8_linear_mistakes_are_named(fn, pattern):
+    fails(lin(fn), pattern)
+
+
+def linear_scale_after(x, q, scale, bias):
+    """Correct, written differently: integer weights times x, then the scale per output (as on a GPU)."""
+    y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+    return y if bias is None else y + bias.to(x.dtype)
+
+
+def linear_einsum(x, q, scale, bias):
+    y = torch.einsum("...k,nk->...n", x, q.to(x.dtype)) * scale.to(x.dtype)
+    return y + (0 if bias is None else bias)
+
+
+@pytest.mark.parametrize("fn", [linear_scale_after, linear_einsum])
+def test_int8_linear_alternatives_pass(fn, capsys):
+    passes(lin(fn), capsys)
+    passes(lin(fn), capsys, seed=101, n_random=8)
+
+
+def test_reference_int8_linear_matches_the_engine_and_its_fast_route():
+    g = torch.Generator().manual_seed(7)
+    x, w, b = torch.randn(3, 5, 64, generator=g), torch.randn(40, 64, generator=g), torch.randn(40, generator=g)
+    q, scale = quantize_int8(w)
+    y = int8_linear(x, q, scale, b)
+    assert torch.allclose(y, engine.int8_linear(x, q, scale, b), atol=1e-4)
+    assert torch.allclose(y, engine.int8_linear_fast(x, q, scale, b), atol=0.05 * y.abs().max().item())
+    assert torch.allclose(y, F.linear(x, w, b), atol=0.05 * y.abs().max().item())  # int8 is close to the float layer
+
+
+# -- weight_memory ---------------------------------------------------------------------------------------
+
+
+def memory_table(table, divide=1):
+    def weight_memory(n_params, fmt):
+        if fmt not in table:
+            raise ValueError(f"unknown format {fmt}")
+        return n_params * table[fmt] / divide
+    return weight_memory
+
+
+BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}
+WEIGHT_MEMORY_MISTAKES = [
+    (memory_table({**BYTES, "int4": 0.5}), r"3\.5e\+09.*0\.5 \+ 2 / 32 bytes per weight"),
+    (memory_table({f: 8 * v for f, v in BYTES.items()}), r"these are bits"),
+    (memory_table(BYTES, 2 ** 30), r"not GiB"),
+    (memory_table(BYTES, 1e9), r"not GB"),
+    (memory_table({**BYTES, "int4": 0.625}), r"2 / 32 bytes per weight"),
+    (lambda n, f: n * BYTES.get(f, 4), r"unknown format 'int3'.*expected a ValueError"),
+    (lambda n, f: torch.tensor(n * BYTES[f]), r"expected a number.*float\(\.\.\.\)"),
+    (lambda n, f: n * {"float32": 4, "float16": 2, "int8": 1, "int4": 0.5625}[f], r"raised KeyError.*bfloat16"),
+    (lambda n, f: engine.weight_memory(n, f), r"llmcourse\.quantize.*write your own"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", WEIGHT_MEMORY_MISTAKES, ids=range(len(WEIGHT_MEMORY_MISTAKES)))
+def test_weight_memory_mistakes_are_named(fn, pattern):
+    fails(mem(fn), pattern)
+
+
+def weight_memory_in_bits(n_params, fmt):
+    """Correct, written differently: bits per weight, divided by 8 at the end; the error as KeyError's cousin."""
+    bits = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4 + 16 / 32}
+    try:
+        return n_params * bits[fmt] / 8
+    except KeyError:
+        raise ValueError(f"{fmt} is not a format I know") from None
+
+
+def test_weight_memory_alternative_passes(capsys):
+    passes(mem(weight_memory_in_bits), capsys)
+
+
+def test_weight_memory_numbers():
+    assert weight_memory(7e9, "int4") == pytest.approx(3.9375e9)
+    assert weight_memory(70e9, "float16") / 1e9 == pytest.approx(140)
+    assert engine.weight_memory(7e9, "int4") == weight_memory(7e9, "int4")
+
+
+# -- any exercise: raising, hanging ----------------------------------------------------------------------
+
+
+def test_a_function_that_raises_or_hangs_gets_a_clear_message(monkeypatch):
+    def boom(q):
+        raise IndexError("index 9 is out of bounds")
+    fails(p4(boom), r"pack_int4\(tensor.*raised IndexError: index 9 is out of bounds.*at line")
+
+    def forever(w):
+        while True:
+            pass
+    monkeypatch.setattr("llmcourse.checks.quantize.run_check.__defaults__", None, raising=False)
+    msg = fails(q8(forever), r"did not finish within 5 s")
+    assert "Traceback" not in msg
