@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .parts import Slots, part_failed, raising_part
 
 FORMATS = ("int8", "int4")
@@ -130,9 +131,22 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
     return y if bias is None else y + bias
 
 
+KERNEL_ROWS = 16  # up to this many rows (decode, batches), the C kernel; more (prefill), dequantize then multiply
+
+
 def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """y = x @ dequantize_int4(packed, scales).T + bias, x [..., K] -> [..., N]."""
-    return F.linear(x, dequantize_int4(packed, scales).to(x.dtype), bias)
+    """y = x @ dequantize_int4(packed, scales).T + bias, x [..., K] -> [..., N]. On CPU the input rows are
+    quantized to int8 as for int8 layers, and up to KERNEL_ROWS rows go through `cpu_kernels.int4_linear`
+    (the packed bytes are read once; exact integer sums per group). On CUDA: dequantize, then multiply."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x.is_cuda:
+        y = F.linear(rows, dequantize_int4(packed, scales).to(x.dtype))
+    elif rows.shape[0] <= KERNEL_ROWS and not torch.compiler.is_compiling() and cpu_kernels.library() is not None:
+        y = cpu_kernels.int4_linear(rows.float().contiguous(), packed, scales).to(x.dtype)
+    else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
+        y = F.linear(dequantize_int8(*quantize_int8(rows)), dequantize_int4(packed, scales)).to(x.dtype)
+    y = y.view(*x.shape[:-1], packed.shape[0])
+    return y if bias is None else y + bias
 
 
 # -- the modules a quantized GPT2 is made of ---------------------------------------------------------
