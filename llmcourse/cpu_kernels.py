@@ -1,10 +1,12 @@
-"""The C kernels of the quantized CPU routes (`kernels/int4_linear.c`), compiled on first use.
+"""The C kernels of the quantized CPU routes (`kernels/quantized_linear.c`), compiled on first use.
 
 Why C: on an x86 CPU with AVX2 (no AVX-512), every PyTorch route to multiply by 4-bit weights was measured
 slower than float32 for decoding GPT-2 124M (`_weight_int4pack_mm_for_cpu` 5-10x, `_dyn_quant_matmul_4bit`
 10x, dequantize-then-matmul 8x, torch.compile's generated loops 1.5-5x; see benchmarks.md), so 4 bits
-would have saved memory but not time. The kernel reads the packed bytes once and multiplies them by the
+would have saved memory but not time. The int4 kernel reads the packed bytes once and multiplies them by the
 activations quantized to int8, summing each group of 32 exactly in integers (llama.cpp's Q4_0 dot product).
+The int8 kernel is the matrix-vector case of `torch._int_mm` (same exact integer sums, so the same results),
+which reads the weights at memory speed where `torch._int_mm` does not for one row.
 
 The shared library is built with the system C compiler (`cc`, or $CC) into ~/.cache/llmcourse (or
 $XDG_CACHE_HOME/llmcourse) the first time an int4 model runs on the CPU, about a second. Without a
@@ -32,7 +34,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-SOURCE = Path(__file__).parent / "kernels" / "int4_linear.c"
+SOURCE = Path(__file__).parent / "kernels" / "quantized_linear.c"
 FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
 
 
@@ -46,7 +48,7 @@ def library() -> Optional[ctypes.CDLL]:
     if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
         return None  # the dequantize-then-multiply route serves other CPUs; nothing to warn about
     source = SOURCE.read_bytes()
-    path = cache_dir() / f"int4_linear-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+    path = cache_dir() / f"quantized_linear-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
     try:
         if not path.exists():
             compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -60,29 +62,40 @@ def library() -> Optional[ctypes.CDLL]:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as err:
         detail = err.stderr.strip().splitlines()[-1] if isinstance(err, subprocess.CalledProcessError) and err.stderr else err
-        warnings.warn(f"int4 layers run by dequantizing their weights (slower): the CPU kernel {SOURCE.name} could not "
-                      f"be built ({detail}); install a C compiler (e.g. apt-get install gcc) to make them fast", stacklevel=3)
+        warnings.warn(f"quantized layers take slower routes (int4: dequantizing its weights): the CPU kernels of {SOURCE.name} "
+                      f"could not be built ({detail}); install a C compiler (e.g. apt-get install gcc) to make them fast",
+                      stacklevel=3)
         return None
     pointer = ctypes.c_void_p
-    lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer]
-    lib.int4_linear.argtypes = [pointer, pointer, pointer, pointer, pointer] + [ctypes.c_int] * 4
+    lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, ctypes.c_int]
+    lib.int4_linear.argtypes = lib.int8_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
     return lib
 
 
-def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """rows [M, K] float32 contiguous -> (xq [M, K] int8 in the kernel's group order, xs [M] float32): the values of
-    `llmcourse.quantize.quantize_int8(rows)`, each group of 32 reordered as its even then its odd positions."""
+def quantize_rows(rows: Tensor, grouped: bool) -> tuple[Tensor, Tensor]:
+    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32), the values of
+    `llmcourse.quantize.quantize_int8(rows)`; if `grouped`, each group of 32 reordered as its even then its odd
+    positions (the int4 kernel's order)."""
     M, K = rows.shape
     xq, xs = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
-    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr())
+    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), int(grouped))
     return xq, xs
 
 
 def int4_linear(rows: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     """rows [M, K] float32 contiguous, packed [N, K // 2] uint8, scales [N, K // 32] float16 -> [M, N] float32."""
-    (M, K), N = rows.shape, packed.shape[0]
-    xq, xs = quantize_rows(rows)
+    return _linear("int4_linear", rows, packed, scales, grouped=True)
+
+
+def int8_linear(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """rows [M, K] float32 contiguous (K a multiple of 32), q [N, K] int8, scale [N] float32 -> [M, N] float32."""
+    return _linear("int8_linear", rows, q, scale, grouped=False)
+
+
+def _linear(kernel: str, rows: Tensor, weight: Tensor, scales: Tensor, grouped: bool) -> Tensor:
+    (M, K), N = rows.shape, weight.shape[0]
+    xq, xs = quantize_rows(rows, grouped)
     y = torch.empty(M, N)
-    library().int4_linear(packed.data_ptr(), scales.data_ptr(), xq.data_ptr(), xs.data_ptr(), y.data_ptr(),
-                          M, N, K, torch.get_num_threads())
+    getattr(library(), kernel)(weight.data_ptr(), scales.data_ptr(), xq.data_ptr(), xs.data_ptr(), y.data_ptr(),
+                               M, N, K, torch.get_num_threads())
     return y

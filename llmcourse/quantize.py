@@ -118,20 +118,29 @@ def weight_memory(n_params: float, fmt: str) -> float:
 # -- fast routes: the same products as the reference, computed with fewer bytes read ---------------
 
 
+KERNEL_ROWS = 16  # up to this many rows (decode, batches) the C kernels; more (prefill): library routes
+
+
 def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """`int8_linear` on CPU: input rows quantized per row (absmax) too, int8 x int8 -> exact int32 sums
-    (torch._int_mm, oneDNN), times both scales. On CUDA: the weight converted inside the matmul."""
+    """`int8_linear` on CPU: input rows quantized per row (absmax) too, int8 x int8 -> exact int32 sums, times both
+    scales: up to KERNEL_ROWS rows with `cpu_kernels.int8_linear`, more with torch._int_mm (oneDNN); the sums are
+    exact integers either way, so both give the same numbers. On CUDA: the weight converted inside the matmul."""
     if x.is_cuda:
         y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    xq, xs = quantize_int8(rows)
-    y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
+    if use_kernel(rows) and rows.shape[1] % 32 == 0 and scale.dtype == torch.float32:
+        y = cpu_kernels.int8_linear(rows.float().contiguous(), q, scale)
+    else:
+        xq, xs = quantize_int8(rows)
+        y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
     y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
     return y if bias is None else y + bias
 
 
-KERNEL_ROWS = 16  # up to this many rows (decode, batches), the C kernel; more (prefill), dequantize then multiply
+def use_kernel(rows: Tensor) -> bool:
+    """Whether rows [M, K] on the CPU go through the C kernels (few rows, not while torch.compile traces, built)."""
+    return rows.shape[0] <= KERNEL_ROWS and not torch.compiler.is_compiling() and cpu_kernels.library() is not None
 
 
 def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -141,7 +150,7 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.is_cuda:
         y = F.linear(rows, dequantize_int4(packed, scales).to(x.dtype))
-    elif rows.shape[0] <= KERNEL_ROWS and not torch.compiler.is_compiling() and cpu_kernels.library() is not None:
+    elif use_kernel(rows):
         y = cpu_kernels.int4_linear(rows.float().contiguous(), packed, scales).to(x.dtype)
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
         y = F.linear(dequantize_int8(*quantize_int8(rows)), dequantize_int4(packed, scales)).to(x.dtype)
