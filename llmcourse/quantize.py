@@ -129,7 +129,7 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
         y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if use_kernel(rows) and rows.shape[1] % 32 == 0 and scale.dtype == torch.float32:
+    if use_kernel(rows, q, scale) and rows.shape[1] % 32 == 0 and scale.dtype == torch.float32:
         y = cpu_kernels.int8_linear(rows.float().contiguous(), q, scale)
     else:
         xq, xs = quantize_int8(rows)
@@ -138,9 +138,11 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
     return y if bias is None else y + bias
 
 
-def use_kernel(rows: Tensor) -> bool:
-    """Whether rows [M, K] on the CPU go through the C kernels (few rows, not while torch.compile traces, built)."""
-    return rows.shape[0] <= KERNEL_ROWS and not torch.compiler.is_compiling() and cpu_kernels.library() is not None
+def use_kernel(rows: Tensor, weight: Tensor, scales: Tensor) -> bool:
+    """Whether rows [M, K] on the CPU go through the C kernels: few rows, weights stored row by row, not while
+    torch.compile traces, and the kernels built."""
+    return (rows.shape[0] <= KERNEL_ROWS and weight.is_contiguous() and scales.is_contiguous()
+            and not torch.compiler.is_compiling() and cpu_kernels.library() is not None)
 
 
 def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -150,7 +152,7 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.is_cuda:
         y = F.linear(rows, dequantize_int4(packed, scales).to(x.dtype))
-    elif use_kernel(rows):
+    elif use_kernel(rows, packed, scales):
         y = cpu_kernels.int4_linear(rows.float().contiguous(), packed, scales).to(x.dtype)
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
         y = F.linear(dequantize_int8(*quantize_int8(rows)), dequantize_int4(packed, scales)).to(x.dtype)
@@ -339,8 +341,8 @@ def affine_layers(model):
 
 def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
     """`module` holding these values on their device; int8 scales and the bias in `dtype`, int4 scales in float16."""
-    module.qweight = qweight.to(module.qweight.dtype)
-    module.scales = scales.to(torch.float16 if module.format == "int4" else dtype)
+    module.qweight = qweight.to(module.qweight.dtype).contiguous()  # rows in memory order: what the kernels read
+    module.scales = scales.to(torch.float16 if module.format == "int4" else dtype).contiguous()
     if bias is not None:
         module.bias = bias.detach().to(dtype).clone()
     return module
