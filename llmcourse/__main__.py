@@ -7,6 +7,7 @@
     $ python -m llmcourse bench                      # engine vs transformers vs the roofline
     $ python -m llmcourse bench --serving            # static batching vs LLMEngine, prefix caching
     $ python -m llmcourse bench --speculative        # plain vs speculative decoding (draft model, prompt lookup)
+    $ python -m llmcourse bench --quantize           # float32 / int8 / int4 vs transformers and CTranslate2
 """
 
 from __future__ import annotations
@@ -156,6 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help="instead, run the speculative decoding benchmark (gpt2-shakespeare with its draft model "
                               "and with prompt lookup, k = 1...8, against plain greedy decoding; uses --device, --dtype, "
                               "--repeats); it writes the 'speculative' section of bench.json and bench_speculative.png")
+    instead.add_argument("--quantize", action="store_true",
+                         help="instead, run the quantization benchmark (the engine in float32, int8 and int4 against "
+                              "transformers and CTranslate2, batch 1 and 16, each against its roofline; uses --model "
+                              "(a configuration: random weights), --device, --repeats; float32 only); it writes the 'quantize' section "
+                              "of bench.json and bench_quantize.png")
     return parser
 
 

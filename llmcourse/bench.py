@@ -550,6 +550,10 @@ def main(args: argparse.Namespace) -> int:
         from .speculative_bench import main as speculative
 
         return speculative(out, device=args.device, dtype=args.dtype, repeats=args.repeats)
+    if getattr(args, "quantize", False):
+        from .quantize_bench import main as quantize
+
+        return quantize(out, device=args.device, dtype=args.dtype, repeats=args.repeats, model=args.model)
     out.mkdir(parents=True, exist_ok=True)
     try:
         from tqdm import tqdm

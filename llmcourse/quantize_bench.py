@@ -1,0 +1,447 @@
+"""The quantization benchmark (`python -m llmcourse bench --quantize`): the engine in float32, int8 and int4 against
+transformers (float32) and CTranslate2 (float32, int8), the inference engine users pick for CPUs, in one run.
+
+Every engine runs the same random GPT-2 124M weights (CTranslate2 converts the engine's saved folder), greedy, with
+the same threads (torch's and CTranslate2's `intra_threads`), in interleaved repeats (the order reversed every other
+repeat), medians:
+
+- **batch 1**: a 128-token prompt and 128 new tokens; tokens/s = new tokens / the whole call (prompt included, as
+  the issue states its targets), and the decode steps alone;
+- **batch 16**: 16 prompts of 128 tokens, 32 new tokens each; tokens/s of the decode steps alone (a 2,048-token
+  prefill would otherwise dominate). Each step's time is taken when its tokens reach Python (`decode_steps` for the
+  engine, a logits processor for transformers, CTranslate2's per-token callback).
+
+Each row is set against its own bandwidth roofline: the bytes one decode step reads (every weight once, in its
+format: `llmcourse.quantize.BYTES_PER_WEIGHT`; the tied head counted quantized, as the engine quantizes the token
+table; plus each row's KV cache) over the memory bandwidth measured in the same run (`bench.measure_bandwidth`). The
+greedy tokens of every row are compared with the engine's float32 ones (tokens until the first divergence). To say
+where the time goes, the engine's linear layers alone are timed per format (all 48 of the blocks, and the head).
+
+    >>> step_bytes(GPT2Config(n_layer=1, n_head=1, n_embd=32, vocab_size=10), context=0, fmt="int4")
+    9140.0
+    >>> first_divergence([1, 2, 3, 4], [1, 2, 5, 4]), first_divergence([1, 2], [1, 2])
+    (2, 2)
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .config import GPT2Config
+from .generate import decode_steps
+from .quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
+from .sampling import SamplingSettings
+from .serving_bench import save_section
+
+FIGURE = "bench_quantize.png"
+ENGINE_FORMATS = ("float32", "int8", "int4")
+CT2_TYPES = ("float32", "int8")  # on a CPU, CTranslate2's int8 is int8_float32 (and it has no int4)
+REFERENCE = "engine float32"  # every row's tokens are compared with this one's
+# (faster row, slower row, the issue's target for faster / slower), at each batch size
+TARGETS = [("engine float32", "ctranslate2 float32", 1.0), ("engine int8", "ctranslate2 int8", 1.0),
+           ("engine int4", "engine int8", 1.3)]
+NOT_INSTALLED = "CTranslate2 is not installed (pip install ctranslate2): its rows are skipped"
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """The benchmark's sizes (`QUICK`: the tests')."""
+
+    model: str = "gpt2"  # a configuration of `bench.CONFIGS`: random weights
+    prompt_len: int = 128
+    new_tokens: int = 128
+    batch: int = 16
+    batch_new_tokens: int = 32
+    repeats: int = 3
+    layer_repeats: int = 5  # passes over the linear layers, per format and batch size
+
+
+QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_tokens=4, repeats=1, layer_repeats=1)
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def step_bytes(config: GPT2Config, context: int, fmt: str, batch: int = 1) -> float:
+    """Bytes one decode step reads when the blocks' linear layers and the tied token table are in `fmt` (layer
+    norms, biases, the position rows and the KV cache stay float32): `bench.decode_step_cost` with the quantized
+    weights at `BYTES_PER_WEIGHT[fmt]`."""
+    from .bench import decode_step_cost
+
+    C, L, V = config.n_embd, config.n_layer, config.vocab_size
+    total, _ = decode_step_cost(config, context, 4, batch)
+    return total - (L * 12 * C * C + V * C) * (4 - BYTES_PER_WEIGHT[fmt])
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
+    """How many tokens agree with `reference` before the first difference."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+def ratios(rows: dict, batch: int) -> dict:
+    """For each target of `TARGETS` and each batch size measured: faster / slower, the target, and whether it is
+    met. Batch 1: tokens/s of the whole call (prompt included); batch `batch`: of the decode steps."""
+    out = {}
+    for key, label in (("batch_1", "1"), (f"batch_{batch}", str(batch))):
+        for fast, slow, target in TARGETS:
+            if fast in rows and slow in rows and key in rows[fast] and key in rows[slow]:
+                value = rows[fast][key]["tokens_per_s"] / rows[slow][key]["tokens_per_s"]
+                out[f"{fast} / {slow}, batch {label}"] = {"ratio": value, "target": target, "met": value >= target}
+    return out
+
+
+# -------------------------------------------------------------------------------------------- the engines
+
+class Row:
+    """One engine in one format: `decode(prompts, n)` -> (new tokens per prompt, seconds of the whole call,
+    seconds from the first token to the last)."""
+
+    def __init__(self, name: str, engine: str, fmt: str, decode: Callable[[list[list[int]], int], tuple]):
+        self.name, self.engine, self.format, self.decode = name, engine, fmt, decode
+
+
+def engine_row(model, fmt: str) -> Row:
+    settings = SamplingSettings()
+
+    @torch.inference_mode()
+    def decode(prompts, n):
+        start = time.perf_counter()
+        tokens, stamps = [], []
+        for token in decode_steps(model, prompts, settings, max_new_tokens=n, eos_token_id=None, generator=None):
+            tokens.append(token)
+            stamps.append(time.perf_counter())
+        return torch.stack(tokens, dim=1).tolist(), stamps[-1] - start, stamps[-1] - stamps[0]
+
+    return Row(f"engine {fmt}", "engine", fmt, decode)
+
+
+def transformers_row(hf) -> Row:
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Stamp(LogitsProcessor):
+        """Called once per step, after its forward pass: the time each step's logits are ready."""
+
+        def __init__(self):
+            self.stamps = []
+
+        def __call__(self, input_ids, scores):
+            self.stamps.append(time.perf_counter())
+            return scores
+
+    @torch.inference_mode()
+    def decode(prompts, n):
+        ids = torch.tensor(prompts, device=hf.device)
+        stamp = Stamp()
+        start = time.perf_counter()
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                          min_new_tokens=n, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]))
+        end = time.perf_counter()
+        return out[:, ids.shape[1]:].tolist(), end - start, stamp.stamps[-1] - stamp.stamps[0]
+
+    return Row("transformers float32", "transformers", "float32", decode)
+
+
+def ctranslate2_module():
+    """The ctranslate2 package, or None where it is not installed."""
+    try:
+        import ctranslate2
+    except ImportError:
+        return None
+    return ctranslate2
+
+
+def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str], device: str, threads: int) -> list[Row]:
+    """CTranslate2 generators converted from the saved model folder `folder` (converted once, in float32; each
+    compute type quantizes the weights when the model is loaded, as converting with `quantization=` would)."""
+    ct2.converters.TransformersConverter(str(folder)).convert(str(out), force=True)
+    vocabulary = json.loads((out / "vocabulary.json").read_text())  # token strings, in id order
+    rows = []
+    for compute_type in compute_types:
+        generator = ct2.Generator(str(out), device=device, compute_type=compute_type, intra_threads=threads,
+                                  inter_threads=1)
+
+        def decode(prompts, n, generator=generator):
+            stamps = {}
+
+            def on_token(step):  # called for each row's token; the last call of a step stamps it
+                stamps[step.step] = time.perf_counter()
+
+            start = time.perf_counter()
+            results = generator.generate_batch([[vocabulary[i] for i in p] for p in prompts], max_length=n,
+                                               min_length=n, end_token=[], sampling_topk=1,
+                                               include_prompt_in_result=False, callback=on_token)
+            end = time.perf_counter()
+            return [r.sequences_ids[0] for r in results], end - start, stamps[max(stamps)] - stamps[min(stamps)]
+
+        rows.append(Row(f"ctranslate2 {compute_type}", "ctranslate2", compute_type, decode))
+    return rows
+
+
+def saved_folder(model, folder: Path) -> Path:
+    """`model` saved as transformers saves GPT-2, with the tokenizer files CTranslate2's converter reads."""
+    from .loading import save_model
+    from .tokenizer import vocab_files
+
+    save_model(model, folder)
+    files = vocab_files()
+    shutil.copy(files["encoder.json"], folder / "vocab.json")
+    shutil.copy(files["vocab.bpe"], folder / "merges.txt")
+    return folder
+
+
+# -------------------------------------------------------------------------------------------------- timing
+
+def measure(rows: list[Row], prompts: list[list[int]], new_tokens: int, repeats: int,
+            progress: Callable[[str], None], label: str) -> dict:
+    """Each row on the same prompts, interleaved: -> per row the median seconds (whole call, decode steps) and
+    the first repeat's tokens."""
+    for row in rows:  # warm-up: the kernels, their libraries, and the shapes of this batch size
+        row.decode([p[: max(2, len(p) // 8)] for p in prompts], 2)
+    calls, steps, tokens = ({row.name: [] for row in rows} for _ in range(3))
+    for rep in range(repeats):
+        progress(f"quantize, {label}: repeat {rep + 1} of {repeats}")
+        for row in rows if rep % 2 == 0 else rows[::-1]:
+            got, call, decode = row.decode(prompts, new_tokens)
+            calls[row.name].append(call)
+            steps[row.name].append(decode)
+            tokens[row.name].append(got)
+    return {row.name: {"call_s": statistics.median(calls[row.name]), "steps_s": statistics.median(steps[row.name]),
+                       "tokens": tokens[row.name][0]} for row in rows}
+
+
+@torch.inference_mode()
+def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
+    """ms of the engine's linear layers alone for `rows` input rows, per format: all of the blocks'
+    (`model.linear`) and the head (`model.head`: the final layer norm and the tied table), and the weight bytes
+    they read per ms (GB/s)."""
+    out = {}
+    for fmt, model in models.items():
+        layers = [layer for block in model.h for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc,
+                                                           block.mlp.c_proj)]
+        cfg = model.config
+        out[fmt] = {}
+        for m in rows:
+            g = torch.Generator().manual_seed(0)
+            inputs = [torch.randn(m, n_in, generator=g).to(model.device, model.dtype)
+                      for n_in in [cfg.n_embd, cfg.n_embd, cfg.n_embd, 4 * cfg.n_embd] * cfg.n_layer]
+            x = inputs[0]
+
+            def blocks():
+                for layer, a in zip(layers, inputs):
+                    model.linear(a, layer)
+
+            times = {"blocks": [], "head": []}
+            for fn in (blocks, lambda: model.head(x)):  # warm-up
+                fn()
+            for _ in range(repeats):
+                for name, fn in (("blocks", blocks), ("head", lambda: model.head(x))):
+                    start = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - start)
+            blocks_ms, head_ms = (1e3 * statistics.median(times[k]) for k in ("blocks", "head"))
+            C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+            bpw = BYTES_PER_WEIGHT[fmt]
+            out[fmt][m] = {"blocks_ms": blocks_ms, "head_ms": head_ms,
+                           "blocks_GBps": L * 12 * C * C * bpw / blocks_ms / 1e6, "head_GBps": V * C * bpw / head_ms / 1e6}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------- run
+
+def check_model(name: str) -> None:
+    from .bench import CONFIGS
+
+    if name not in CONFIGS:
+        raise ValueError(f"bench --quantize runs a configuration with random weights ({', '.join(CONFIGS)}), "
+                         f"not {name!r}")
+
+
+def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = Sizes(),
+        progress: Callable[[str], None] = print) -> dict:
+    """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: torch's and CTranslate2's
+    (default: torch's, the machine's cores)."""
+    from .bench import (CONFIGS, decode_step_cost, machine, measure_bandwidth, measure_matmul, roofline,
+                        transformers_twin)
+    from .loading import resolve_device
+    from .model import GPT2
+
+    check_model(sizes.model)
+    dev = resolve_device(device)
+    before = torch.get_num_threads()
+    threads = threads or before
+    torch.set_num_threads(threads)
+    try:
+        started = time.perf_counter()
+        progress("quantize: the models (engine float32, int8, int4; transformers; CTranslate2)")
+        base = GPT2(CONFIGS[sizes.model]).init_weights(0).to(dev).eval().requires_grad_(False)
+        cfg = base.config
+        models = {fmt: base if fmt == "float32" else quantize_model(copy.deepcopy(base), fmt) for fmt in ENGINE_FORMATS}
+        rows = [engine_row(model, fmt) for fmt, model in models.items()]
+        ct2 = ctranslate2_module()
+        r: dict = {"model": sizes.model, "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd}, "device": str(dev),
+                   "threads": threads, "machine": machine(dev, resident_bytes(base)), "sizes": dataclasses.asdict(sizes),
+                   "resident_MB": {fmt: resident_bytes(m) / 1e6 for fmt, m in models.items()}}
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = saved_folder(base, Path(tmp) / "model")
+            rows.append(transformers_row(transformers_twin(base)))
+            if ct2 is None:
+                r["ctranslate2_skipped"] = NOT_INSTALLED
+                progress(NOT_INSTALLED)
+            else:
+                supported = sorted(ct2.get_supported_compute_types(dev.type))
+                r["ctranslate2"] = {"version": ct2.__version__, "compute_types": supported}
+                rows += ctranslate2_rows(ct2, folder, Path(tmp) / "ct2", [t for t in CT2_TYPES if t in supported],
+                                         dev.type, threads)
+
+        g = torch.Generator().manual_seed(0)
+        prompt_len = min(sizes.prompt_len, cfg.n_positions // 2)
+        one = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).tolist()
+        many = torch.randint(0, cfg.vocab_size, (sizes.batch, prompt_len), generator=g).tolist()
+        measured = {1: measure(rows, one, sizes.new_tokens, sizes.repeats, progress, "batch 1"),
+                    sizes.batch: measure(rows, many, sizes.batch_new_tokens, sizes.repeats, progress,
+                                         f"batch {sizes.batch}")}
+
+        progress("quantize: roofline (bandwidth, matmul throughput) and the linear layers alone")
+        cache_MB = r["machine"]["llc_MB"] or 0
+        bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, torch.float32)
+        r["roofline"] = {"bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
+        r["linear_ms"] = linear_times(models, (1, sizes.batch), sizes.layer_repeats)
+
+        r["rows"] = {}
+        for row in rows:
+            entry = r["rows"][row.name] = {"engine": row.engine, "format": row.format,
+                                           "bytes_per_weight": BYTES_PER_WEIGHT[row.format]}
+            for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens)):
+                m, ref = measured[b][row.name], measured[b][REFERENCE]
+                context = prompt_len + n // 2  # the middle of the run
+                nbytes = step_bytes(cfg, context, row.format, b)
+                _, step_flops = decode_step_cost(cfg, context, 4, b)
+                bound, bound_is = roofline(bandwidth, flops, nbytes, step_flops, b)
+                decode = b * (n - 1) / m["steps_s"]
+                entry[f"batch_{b}"] = {
+                    "tokens_per_s": n / m["call_s"] if b == 1 else decode,  # batch 1: the whole call, as the issue's
+                    "decode_tokens_per_s": decode, "call_s": m["call_s"], "step_MB": nbytes / 1e6,
+                    "bound_tokens_per_s": bound, "bound_is": bound_is, "fraction": decode / bound,
+                    "agreement": statistics.mean(first_divergence(t, u) for t, u in zip(m["tokens"], ref["tokens"])),
+                    "agreement_of": n}
+        r["ratios"] = ratios(r["rows"], sizes.batch)
+        r["seconds"] = time.perf_counter() - started
+        return r
+    finally:
+        torch.set_num_threads(before)
+
+
+# ------------------------------------------------------------------------------------------------ reporting
+
+def table(r: dict) -> str:
+    from .bench import describe_machine
+
+    b = r["sizes"]["batch"]
+    rf = r["roofline"]
+    lines = [f"quantization: {r['model']} configuration (random weights), {r['device']}, {r['threads']} threads, "
+             f"median of {r['sizes']['repeats']} ({r['seconds']:.0f} s)",
+             "machine: " + describe_machine(r["machine"]),
+             f"  bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; engine weights "
+             "in memory: " + ", ".join(f"{fmt} {mb:.1f} MB" for fmt, mb in r["resident_MB"].items())]
+    if "ctranslate2_skipped" in r:
+        lines.append(f"  {r['ctranslate2_skipped']}")
+    else:
+        ct = r["ctranslate2"]
+        lines.append(f"  CTranslate2 {ct['version']}, compute types here: {', '.join(ct['compute_types'])}")
+    lines.append(f"  batch 1: {r['sizes']['prompt_len']}-token prompt + {r['sizes']['new_tokens']} new tokens "
+                 f"(tok/s of the whole call; decode: the steps alone); batch {b}: {r['sizes']['batch_new_tokens']} "
+                 f"new tokens per row (decode steps)")
+    lines.append(f"    {'':<21}{'B/weight':>9}{'tok/s':>8}{'decode':>8}{'roofline':>9}{'':>5}{'same':>9}"
+                 f"{'tok/s':>9}{'roofline':>9}{'':>5}{'same':>8}")
+    lines.append(f"    {'':<21}{'':>9}{'--- batch 1':>39}{'':>8}{f'--- batch {b}':>31}")
+    for name, v in r["rows"].items():
+        one, many = v["batch_1"], v[f"batch_{b}"]
+        lines.append(f"    {name:<21}{v['bytes_per_weight']:>9.4g}{one['tokens_per_s']:>8.1f}"
+                     f"{one['decode_tokens_per_s']:>8.1f}{one['bound_tokens_per_s']:>9.1f}{one['fraction']:>5.0%}"
+                     f"{one['agreement']:>5.0f}/{one['agreement_of']:<3}{many['tokens_per_s']:>9.1f}"
+                     f"{many['bound_tokens_per_s']:>9.1f}{many['fraction']:>5.0%}{many['agreement']:>5.1f}/"
+                     f"{many['agreement_of']}")
+    lines.append("    (same: greedy tokens equal to the engine float32's before the first difference; at batch "
+                 f"{b} the mean over the rows)")
+    lines.append("  ratios (target):")
+    for name, v in r["ratios"].items():
+        lines.append(f"    {name:<48} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})")
+    lines.append("  the engine's linear layers alone (ms per decode step; GB/s of weights read):")
+    for fmt, by_rows in r["linear_ms"].items():
+        lines.append(f"    {fmt:<8}" + ";  ".join(
+            f"{m} row{'s' if int(m) > 1 else ''}: blocks {v['blocks_ms']:5.1f} ms ({v['blocks_GBps']:4.1f} GB/s), "
+            f"head {v['head_ms']:5.1f} ms ({v['head_GBps']:4.1f} GB/s)" for m, v in sorted(by_rows.items(),
+                                                                                      key=lambda kv: int(kv[0]))))
+    return "\n".join(lines)
+
+
+COLORS = {"engine": "C0", "transformers": "C1", "ctranslate2": "C3"}
+
+
+def plot(r: dict, out: Path) -> Path:
+    """Tokens/s per engine and format, batch 1 above batch 16 (readable at phone width): a bar per row, its
+    roofline drawn as the light bar behind it."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    from .bench import ROOF, STYLE, save
+
+    b = r["sizes"]["batch"]
+    names = list(r["rows"])[::-1]  # the first row on top
+    labels = [n.replace("ctranslate2", "CT2").replace("transformers", "HF").replace("float32", "fp32") for n in names]
+    with plt.rc_context(STYLE):
+        fig, axes = plt.subplots(2, 1, figsize=(5.6, 2.2 + 0.55 * len(names) * 2))
+        for ax, key, title in ((axes[0], "batch_1", "batch 1 (prompt included)"),
+                               (axes[1], f"batch_{b}", f"batch {b} (decode steps)")):
+            rows = [r["rows"][n][key] for n in names]
+            colors = [COLORS[r["rows"][n]["engine"]] for n in names]
+            bounds = [v["bound_tokens_per_s"] for v in rows]
+            speeds = [v["tokens_per_s"] for v in rows]
+            ax.barh(labels, bounds, color="none", edgecolor=ROOF, hatch="///", lw=1)
+            ax.barh(labels, speeds, color=colors, height=0.6)
+            for i, v in enumerate(speeds):
+                ax.text(v, i, f" {v:.0f}", va="center", fontsize=13)
+            ax.set_xlim(0, 1.12 * max(bounds + speeds))
+            ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
+            ax.set_title(title, fontsize=14)
+        axes[1].set_xlabel("tokens/s")
+        fig.legend(handles=[Patch(facecolor="none", edgecolor=ROOF, hatch="///", label="roofline (bandwidth)")],
+                   loc="upper center", bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize=13)
+        fig.suptitle(" ", fontsize=8)  # room for the legend
+        return save(fig, out / FIGURE)
+
+
+def main(out: Path, *, device: str = "auto", dtype: str = "float32", repeats: int = 3, model: str = "gpt2",
+         sizes: Optional[Sizes] = None) -> int:
+    """`bench --quantize`: measure, then write the "quantize" section of out/bench.json (keeping its other
+    sections), print the table and draw the figure."""
+    sizes = sizes or Sizes(model=model, repeats=repeats)
+    try:
+        if dtype != "float32":
+            raise ValueError(f"bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
+                             f"--dtype {dtype} is not supported")
+        check_model(sizes.model)
+        out.mkdir(parents=True, exist_ok=True)
+        results = run(device=device, sizes=sizes)
+    except ValueError as err:
+        print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
+        return 2
+
+    def report() -> Path:
+        print(table(results))
+        return plot(results, out)
+
+    return save_section(out, "quantize", results, report)
