@@ -67,35 +67,51 @@ def library() -> Optional[ctypes.CDLL]:
                       stacklevel=3)
         return None
     pointer = ctypes.c_void_p
-    lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, ctypes.c_int]
-    lib.int4_linear.argtypes = lib.int8_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
+    lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
+    lib.int8_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
+    lib.int4_linear.argtypes = [pointer] * 6 + [ctypes.c_int] * 4
+    lib.int4_dequantize.argtypes = [pointer] * 3 + [ctypes.c_int] * 3
     return lib
 
 
-def quantize_rows(rows: Tensor, grouped: bool) -> tuple[Tensor, Tensor]:
-    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32), the values of
-    `llmcourse.quantize.quantize_int8(rows)`; if `grouped`, each group of 32 reordered as its even then its odd
-    positions (the int4 kernel's order)."""
+def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
+    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32): `llmcourse.quantize.quantize_int8(rows)`."""
     M, K = rows.shape
     xq, xs = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
-    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), int(grouped))
+    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), None)
     return xq, xs
 
 
 def int4_linear(rows: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
     """rows [M, K] float32 contiguous, packed [N, K // 2] uint8, scales [N, K // 32] float16 -> [M, N] float32."""
-    return _linear("int4_linear", rows, packed, scales, grouped=True)
+    (M, K), N = rows.shape, packed.shape[0]
+    xq, xs, sums = torch.empty(M, K, dtype=torch.int8), torch.empty(M), torch.empty(M, K // 32, dtype=torch.int32)
+    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), sums.data_ptr())
+    y = torch.empty(M, N)
+    library().int4_linear(packed.data_ptr(), scales.data_ptr(), xq.data_ptr(), sums.data_ptr(), xs.data_ptr(), y.data_ptr(),
+                          M, N, K, torch.get_num_threads())
+    return y
 
 
 def int8_linear(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     """rows [M, K] float32 contiguous (K a multiple of 32), q [N, K] int8, scale [N] float32 -> [M, N] float32."""
-    return _linear("int8_linear", rows, q, scale, grouped=False)
-
-
-def _linear(kernel: str, rows: Tensor, weight: Tensor, scales: Tensor, grouped: bool) -> Tensor:
-    (M, K), N = rows.shape, weight.shape[0]
-    xq, xs = quantize_rows(rows, grouped)
+    (M, K), N = rows.shape, q.shape[0]
+    xq, xs = quantize_rows(rows)
     y = torch.empty(M, N)
-    getattr(library(), kernel)(weight.data_ptr(), scales.data_ptr(), xq.data_ptr(), xs.data_ptr(), y.data_ptr(),
-                               M, N, K, torch.get_num_threads())
+    library().int8_linear(q.data_ptr(), scale.data_ptr(), xq.data_ptr(), xs.data_ptr(), y.data_ptr(), M, N, K,
+                          torch.get_num_threads())
     return y
+
+
+def int4_dequantized(packed: Tensor, scales: Tensor) -> Tensor:
+    """The int4 weights as float32 [N, K], each group of 32 in the kernel's order (even positions, then odd)."""
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    out = torch.empty(N, K)
+    library().int4_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), N, K, torch.get_num_threads())
+    return out
+
+
+def in_group_order(rows: Tensor) -> Tensor:
+    """rows [M, K] -> [M, K] with each group of 32 reordered as its even then its odd positions."""
+    M, K = rows.shape
+    return rows.view(M, K // 32, 16, 2).transpose(-1, -2).reshape(M, K)

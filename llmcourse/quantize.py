@@ -155,7 +155,12 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     elif use_kernel(rows, packed, scales):
         y = cpu_kernels.int4_linear(rows.float().contiguous(), packed, scales).to(x.dtype)
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
-        y = F.linear(dequantize_int8(*quantize_int8(rows)), dequantize_int4(packed, scales)).to(x.dtype)
+        rows = dequantize_int8(*quantize_int8(rows))
+        if cpu_kernels.library() is not None and packed.is_contiguous() and scales.is_contiguous():
+            y = F.linear(cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales))
+        else:
+            y = F.linear(rows, dequantize_int4(packed, scales))
+        y = y.to(x.dtype)
     y = y.view(*x.shape[:-1], packed.shape[0])
     return y if bias is None else y + bias
 
