@@ -89,13 +89,16 @@ def load_model(
     folder = resolve_source(source)
     config = GPT2Config.from_json(folder / CONFIG_FILE)
     saved = quantization.saved_format(folder / CONFIG_FILE)
+    if saved is not None and saved not in quantization.FORMATS:
+        raise CheckpointError(f"{folder / CONFIG_FILE}: quantization_config format {saved!r} is not one this engine reads "
+                              f"({', '.join(quantization.FORMATS)})")
     if saved is not None and quantize not in (None, saved):
         raise CheckpointError(f"{folder} holds {saved} weights; quantizing them again to {quantize} would add the "
                               f"errors of both: load it as it is (leave quantize out), or quantize the float checkpoint")
     state = read_weights(folder / WEIGHTS_FILE)
     model = GPT2(config, parts)
     if saved is not None:
-        quantization.empty_quantized(model, quantization.check_format(saved))
+        quantization.empty_quantized(model, saved)
     model.load_state_dict(check_weights(state, model, folder / WEIGHTS_FILE))
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if quantize is not None and saved is None:

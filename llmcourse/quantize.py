@@ -55,7 +55,7 @@ def quantize_int8(w: Tensor) -> tuple[Tensor, Tensor]:
     An all-zero row gets scale 0 and q 0."""
     w = w.float()
     scale = w.abs().amax(dim=-1) / 127  # [N]
-    q = torch.round(w / scale.clamp_min(torch.finfo(torch.float32).tiny)[:, None]).clamp(-127, 127)
+    q = torch.round(w / torch.where(scale == 0, 1.0, scale)[:, None]).clamp(-127, 127)
     return q.to(torch.int8), scale
 
 
@@ -379,7 +379,7 @@ def saved_format(config_file: Path) -> Optional[str]:
         return None
     if entry is None:
         return None
-    return entry.get("format") if isinstance(entry, dict) else None
+    return entry.get("format") if isinstance(entry, dict) else repr(entry)  # not a dict: refused by the caller
 
 
 def config_entry(fmt: str) -> dict:

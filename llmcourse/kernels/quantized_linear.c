@@ -26,7 +26,7 @@ void quantize_rows(const float* x, int M, int K, int8_t* xq, float* xs, int32_t*
       float a = fabsf(row[k]);
       amax = a > amax ? a : amax;
     }
-    float s = amax / 127.f, d = s > 0.f ? s : 1.17549435e-38f; /* an all-zero row: scale 0, values 0 */
+    float s = amax / 127.f, d = s > 0.f ? s : 1.f; /* an all-zero row: scale 0, values 0 */
     xs[m] = s;
     int8_t* out = xq + (size_t)m * K;
     if (!group_sums) {
