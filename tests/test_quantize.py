@@ -40,7 +40,7 @@ from llmcourse.quantize import (
 )
 from llmcourse.shakespeare import validation_loss, validation_tokens
 
-from .conftest import CUDA, DEVICES, lively_model
+from .conftest import CUDA, lively_model
 
 FORMATS = ["int8", "int4"]
 SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=97)
@@ -198,7 +198,8 @@ def test_every_byte_packs_and_unpacks():
     assert packed[:, 0].tolist() == expected
     assert sorted(expected) == list(range(256))  # a bijection
     assert torch.equal(unpack_int4(packed), pairs)
-    assert np.array_equal(my_unpack(torch.arange(256, dtype=torch.uint8)[:, None].numpy()), unpack_int4(torch.arange(256, dtype=torch.uint8)[:, None]).numpy())
+    every_byte = torch.arange(256, dtype=torch.uint8)[:, None]
+    assert np.array_equal(unpack_int4(every_byte).numpy(), my_unpack(every_byte.numpy()))
     assert pack_int4(torch.tensor([-1, 0], dtype=torch.int8)).item() == 0x0F  # first value in the low nibble
     assert pack_int4(torch.tensor([0, -1], dtype=torch.int8)).item() == 0xF0
     assert pack_int4(torch.tensor([-8, 7], dtype=torch.int8)).item() == 0x78
@@ -226,6 +227,16 @@ def test_quantize_int4_equals_an_independent_quantizer(shape, dtype):
     assert np.array_equal(packed.numpy(), my_packed)
     deq = dequantize_int4(packed, scales)
     assert deq.dtype == torch.float32 and np.array_equal(deq.numpy(), my_dequantize_int4(my_packed, my_scales))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantizing_dequantized_weights_gives_the_same_values(fmt):
+    """A round trip: the dequantized weights are exactly representable, so they quantize to themselves."""
+    w = random_weights(8, 24, 128)
+    quantize, dequantize = (quantize_int8, dequantize_int8) if fmt == "int8" else (quantize_int4, dequantize_int4)
+    q, s = quantize(w)
+    q2, s2 = quantize(dequantize(q, s))
+    assert torch.equal(q2, q) and torch.equal(s2, s)  # int4: -8 * scale / -8 is exact; int8: 127 * s / 127 here
 
 
 def test_int4_error_is_at_most_half_a_step_except_where_clamped():
@@ -270,7 +281,7 @@ def test_weight_memory_formula():
     assert weight_memory(7e9, "float32") == 28e9 and weight_memory(7e9, "float16") == 14e9
     assert weight_memory(7e9, "bfloat16") == 14e9 and weight_memory(70e9, "int8") == 70e9
     assert weight_memory(7e9, "int4") == pytest.approx(3.9375e9) and BYTES_PER_WEIGHT["int4"] * 8 == 4.5
-    assert weight_memory(0, "int4") == 0
+    assert weight_memory(0, "int4") == 0 and GROUP_SIZE == 32
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
