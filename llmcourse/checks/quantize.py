@@ -237,18 +237,18 @@ def int8_cases(seed: int, n_random: int) -> list[Case]:
     planted[1, 7] = 4.0
     planted[2, 30] = -6.0
     cases = [
-        case("two rows, the second all zero", torch.tensor([[0.5, -1.0, 0.3], [0.0, 0.0, 0.0]]),
-             hint="an all-zero row gets scale 0 and q 0"),
         case("one row, values of both signs", torch.tensor([[2.54, -1.27, 0.1, -0.3, 1.9]]),
              hint="scale = max|row| / 127 = 0.02; q = round(w / scale)"),
+        case("truncation shows: values just below an integer",
+             torch.tensor([[127.0, 2.9, -2.9, 0.6, -0.6, 63.7]])),
+        case("two rows, the second all zero", torch.tensor([[0.5, -1.0, 0.3], [0.0, 0.0, 0.0]]),
+             hint="an all-zero row gets scale 0 and q 0"),
         case("the negative extreme maps to -127", torch.tensor([[-2.0, 1.3, 0.5, -0.01]]),
              hint="the largest MAGNITUDE maps to ±127: here -2.0 -> -127"),
         case("rows of very different sizes", torch.tensor([[1000.0, -300.0, 2.0], [0.001, -0.002, 0.0007],
                                                             [-5.0, 5.0, 2.6]]),
              hint="each row gets its own scale"),
         case("a row with one huge value: the small ones round to 0", planted),
-        case("truncation shows: values just below an integer",
-             torch.tensor([[127.0, 2.9, -2.9, 0.6, -0.6, 63.7]])),
         case("a single column", torch.tensor([[3.0], [-0.5], [0.0]])),
         case("float64 input (scale float32)", _random_weights(rng, 5, 17, torch.float64),
              hint="compute in float32 (w.float()): the scales are float32"),
