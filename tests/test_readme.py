@@ -105,3 +105,18 @@ def test_readme_speculative_example_runs_as_written(capsys):
     assert capsys.readouterr().out.strip() == stats.summary()
     again = llmcourse.generate_text(model, tok, "To be, or not to be", draft="prompt-lookup", temperature=0.8, seed=1)
     assert namespace["text"] == again and again.strip()
+
+
+def test_readme_quantization_example_runs_as_written(capsys):
+    """The quantization example runs as written: the int4 model is several times smaller than float32, and the
+    saved copy loads without re-quantizing (its own assert: the same tokens)."""
+    import llmcourse
+
+    example = next(block for block in blocks("python") if 'quantize="int4"' in block)
+    namespace = {"llmcourse": llmcourse, "tok": llmcourse.get_tokenizer()}
+    exec(compile(example, "README.md", "exec"), namespace)
+    megabytes = float(capsys.readouterr().out.split()[0])
+    floats = llmcourse.quantize.resident_bytes(llmcourse.load_model(device="cpu")) / 1e6
+    assert megabytes < floats / 6, (megabytes, floats)
+    assert f"{megabytes:.1f} MB of weights (float32: {floats:.1f} MB)" in example
+    assert namespace["again"].quantized == "int4"
