@@ -4,8 +4,11 @@
    Weights: llmcourse's int4 format (Q4_0-style): rows of K values in groups of 32, two 4-bit two's-complement
    values per byte (value 2j in the low nibble of byte j), one float16 scale per group.
    Activations: each row quantized to int8 with its own scale (absmax / 127), exactly as
-   llmcourse.quantize.quantize_int8 does, and each group of 32 stored as its 16 even-indexed values then its
-   16 odd-indexed ones: the order in which the nibbles come out of 16 bytes (low nibbles, then high).
+   llmcourse.quantize.quantize_int8 does, and laid out in the order the nibbles come out of the weights' bytes:
+   for each pair of groups (2p, 2p + 1), 32 bytes of packed weights hold group 2p's 16 bytes then group 2p + 1's,
+   so the activations are stored as the 16 even-indexed values of group 2p, the 16 even-indexed of 2p + 1 (the
+   low nibbles), then the 16 odd-indexed of 2p and of 2p + 1 (the high nibbles). A last unpaired group is
+   stored as its 16 even-indexed values then its 16 odd-indexed ones.
    Each group's 32 products are summed exactly in integers, then scaled: a row's result does not depend on
    the other rows, nor on how the rows are split between threads. The dot product is llama.cpp's for Q4_0. */
 
@@ -33,30 +36,49 @@ void quantize_rows(const float* x, int M, int K, int8_t* xq, float* xs, int32_t*
       for (int k = 0; k < K; k++) out[k] = (int8_t)__builtin_roundevenf(row[k] / d);
       continue;
     }
-    for (int g = 0; g < K / 32; g++) {
+    const int G = K / 32;
+    for (int g = 0; g < G; g++) {
       int32_t sum = 0;
+      int8_t* even = out + (g % 2 == 0 && g + 1 == G ? 32 * g : 64 * (g / 2) + 16 * (g % 2));
+      int8_t* odd = even + (g % 2 == 0 && g + 1 == G ? 16 : 32);
       for (int j = 0; j < 16; j++) {
-        int8_t even = (int8_t)__builtin_roundevenf(row[32 * g + 2 * j] / d);
-        int8_t odd = (int8_t)__builtin_roundevenf(row[32 * g + 2 * j + 1] / d);
-        out[32 * g + j] = even;
-        out[32 * g + 16 + j] = odd;
-        sum += even + odd;
+        even[j] = (int8_t)__builtin_roundevenf(row[32 * g + 2 * j] / d);
+        odd[j] = (int8_t)__builtin_roundevenf(row[32 * g + 2 * j + 1] / d);
+        sum += even[j] + odd[j];
       }
-      group_sums[(size_t)m * (K / 32) + g] = 8 * sum;
+      group_sums[(size_t)m * G + g] = 8 * sum;
     }
   }
 }
 
-/* The 32 products of group g of a row of weights and of activations, plus 8 times the sum of the activations, as 8
-   exact int32 partial sums. The nibble n of a value w in [-8, 7] (two's complement) is turned into the unsigned
-   w + 8 = n ^ 8, which maddubs can multiply by signed bytes; group_sums takes the 8 * sum(x) back off. */
+/* The nibble n of a value w in [-8, 7] (two's complement) is turned into the unsigned w + 8 = n ^ 8, which maddubs
+   can multiply by signed bytes; the activations' group sums (8 * sum(x)) take the extra 8x back off. */
+
+/* Groups g and g + 1 (32 bytes of weights): lane 0 holds 4 exact int32 partial sums of group g, lane 1 of g + 1. */
+static inline __m256i pair_dot(const uint8_t* row, const int8_t* x, int g)
+{
+  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  __m256i b = _mm256_loadu_si256((const __m256i*)(row + 16 * g));
+  __m256i even = _mm256_xor_si256(_mm256_and_si256(b, low4), eight);
+  __m256i odd = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight);
+  __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256((const __m256i*)(x + 32 * g))),
+                                   _mm256_maddubs_epi16(odd, _mm256_loadu_si256((const __m256i*)(x + 32 * g + 32))));
+  return _mm256_madd_epi16(pairs, ones); /* |sums| <= 4 * 15 * 127: no int16 overflow above */
+}
+
+/* A last unpaired group g (16 bytes): 8 exact int32 partial sums. */
 static inline __m256i group_dot(const uint8_t* row, const int8_t* x, int g)
 {
   const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
   __m128i b = _mm_loadu_si128((const __m128i*)(row + 16 * g));
-  __m256i w = _mm256_xor_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4), eight); /* w + 8 */
-  __m256i v = _mm256_loadu_si256((const __m256i*)(x + 32 * g));
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, v), ones);
+  __m256i w = _mm256_xor_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4), eight);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(x + 32 * g))), ones);
+}
+
+static inline int32_t sum4(__m128i v)
+{
+  v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
 }
 
 static inline float sum8(__m256 v)
@@ -80,24 +102,24 @@ void int4_linear(const uint8_t* packed, const uint16_t* scales, const int8_t* xq
       const int32_t* xsum = group_sums + (size_t)m * G;
       __m256 acc = _mm256_setzero_ps();
       int g = 0;
+      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
       for (; g + 8 <= G; g += 8) { /* eight groups' sums gathered in one vector, scaled by eight scales at once */
-        __m256i h01 = _mm256_hadd_epi32(group_dot(row, x, g), group_dot(row, x, g + 1));
-        __m256i h23 = _mm256_hadd_epi32(group_dot(row, x, g + 2), group_dot(row, x, g + 3));
-        __m256i h45 = _mm256_hadd_epi32(group_dot(row, x, g + 4), group_dot(row, x, g + 5));
-        __m256i h67 = _mm256_hadd_epi32(group_dot(row, x, g + 6), group_dot(row, x, g + 7));
-        __m256i h03 = _mm256_hadd_epi32(h01, h23), h47 = _mm256_hadd_epi32(h45, h67); /* halves of groups 0-3, 4-7 */
-        __m256i sums = _mm256_add_epi32(_mm256_permute2x128_si256(h03, h47, 0x20), _mm256_permute2x128_si256(h03, h47, 0x31));
+        __m256i h01 = _mm256_hadd_epi32(pair_dot(row, x, g), pair_dot(row, x, g + 2));     /* g0 g0 g2 g2 | g1 g1 g3 g3 */
+        __m256i h23 = _mm256_hadd_epi32(pair_dot(row, x, g + 4), pair_dot(row, x, g + 6)); /* g4 g4 g6 g6 | g5 g5 g7 g7 */
+        __m256i sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h01, h23), order);    /* g0 g1 ... g7 */
         sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i*)(xsum + g)));
         __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + g)));
         acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(sums), acc);
       }
       float tail = 0.f;
-      for (; g < G; g++) {
+      for (; g + 2 <= G; g += 2) {
+        __m256i d = pair_dot(row, x, g);
+        tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm256_castsi256_si128(d)) - xsum[g]);
+        tail += _cvtsh_ss(srow[g + 1]) * (float)(sum4(_mm256_extracti128_si256(d, 1)) - xsum[g + 1]);
+      }
+      if (g < G) {
         __m256i d = group_dot(row, x, g);
-        __m128i d4 = _mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1));
-        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0x4E));
-        d4 = _mm_add_epi32(d4, _mm_shuffle_epi32(d4, 0xB1));
-        tail += _cvtsh_ss(srow[g]) * (float)(_mm_cvtsi128_si32(d4) - xsum[g]);
+        tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1))) - xsum[g]);
       }
       y[(size_t)m * N + n] = (sum8(acc) + tail) * xs[m];
     }
