@@ -68,8 +68,7 @@ def library() -> Optional[ctypes.CDLL]:
         return None
     pointer = ctypes.c_void_p
     lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
-    lib.int8_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
-    lib.int4_linear.argtypes = [pointer] * 6 + [ctypes.c_int] * 4
+    lib.int8_linear.argtypes = lib.int4_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
     lib.int4_dequantize.argtypes = [pointer] * 3 + [ctypes.c_int] * 3
     return lib
 
@@ -82,24 +81,23 @@ def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
     return xq, xs
 
 
-def int4_linear(rows: Tensor, packed: Tensor, scales: Tensor) -> Tensor:
-    """rows [M, K] float32 contiguous, packed [N, K // 2] uint8, scales [N, K // 32] float16 -> [M, N] float32."""
-    (M, K), N = rows.shape, packed.shape[0]
-    xq, xs, sums = torch.empty(M, K, dtype=torch.int8), torch.empty(M), torch.empty(M, K // 32, dtype=torch.int32)
-    library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), sums.data_ptr())
-    y = torch.empty(M, N)
-    library().int4_linear(packed.data_ptr(), scales.data_ptr(), xq.data_ptr(), sums.data_ptr(), xs.data_ptr(), y.data_ptr(),
-                          M, N, K, torch.get_num_threads())
-    return y
+def int4_linear(rows: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """rows [M, K] float32 contiguous, packed [N, K // 2] uint8, scales [N, K // 32] float16, bias [N] float32 or
+    None -> [M, N] float32."""
+    return _linear(library().int4_linear, rows, packed, scales, bias)
 
 
-def int8_linear(rows: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """rows [M, K] float32 contiguous (K a multiple of 32), q [N, K] int8, scale [N] float32 -> [M, N] float32."""
-    (M, K), N = rows.shape, q.shape[0]
-    xq, xs = quantize_rows(rows)
+def int8_linear(rows: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """rows [M, K] float32 contiguous (K a multiple of 32), q [N, K] int8, scale [N] float32, bias [N] float32 or
+    None -> [M, N] float32."""
+    return _linear(library().int8_linear, rows, q, scale, bias)
+
+
+def _linear(kernel, rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
+    (M, K), N = rows.shape, weight.shape[0]
     y = torch.empty(M, N)
-    library().int8_linear(q.data_ptr(), scale.data_ptr(), xq.data_ptr(), xs.data_ptr(), y.data_ptr(), M, N, K,
-                          torch.get_num_threads())
+    kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
+           y.data_ptr(), M, N, K, torch.get_num_threads())
     return y
 
 

@@ -129,20 +129,21 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
         y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
         return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
-    if use_kernel(rows, q, scale) and rows.shape[1] % 32 == 0 and scale.dtype == torch.float32:
-        y = cpu_kernels.int8_linear(rows.float().contiguous(), q, scale)
-    else:
-        xq, xs = quantize_int8(rows)
-        y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
+    if use_kernel(rows, q, scale, bias) and rows.shape[1] % 32 == 0:
+        return cpu_kernels.int8_linear(rows.contiguous(), q, scale, bias).view(*x.shape[:-1], q.shape[0])
+    xq, xs = quantize_int8(rows)
+    y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
     y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
     return y if bias is None else y + bias
 
 
-def use_kernel(rows: Tensor, weight: Tensor, scales: Tensor) -> bool:
-    """Whether rows [M, K] on the CPU go through the C kernels: few rows, weights stored row by row, not while
-    torch.compile traces, and the kernels built."""
-    return (rows.shape[0] <= KERNEL_ROWS and weight.is_contiguous() and scales.is_contiguous()
-            and not torch.compiler.is_compiling() and cpu_kernels.library() is not None)
+def use_kernel(rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tensor]) -> bool:
+    """Whether rows [M, K] on the CPU go through the C kernels: few rows, float32 (int8: float32 scales), weights
+    stored row by row, not while torch.compile traces, and the kernels built."""
+    float32 = rows.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32 and bias.is_contiguous())
+    return (rows.shape[0] <= KERNEL_ROWS and float32 and (weight.dtype == torch.uint8 or scales.dtype == torch.float32)
+            and weight.is_contiguous() and scales.is_contiguous() and not torch.compiler.is_compiling()
+            and cpu_kernels.library() is not None)
 
 
 def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -152,11 +153,12 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
     if x.is_cuda:
         y = F.linear(rows, dequantize_int4(packed, scales).to(x.dtype))
-    elif use_kernel(rows, packed, scales):
-        y = cpu_kernels.int4_linear(rows.float().contiguous(), packed, scales).to(x.dtype)
+    elif use_kernel(rows, packed, scales, bias):
+        return cpu_kernels.int4_linear(rows.contiguous(), packed, scales, bias).view(*x.shape[:-1], packed.shape[0])
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
         rows = dequantize_int8(*quantize_int8(rows))
-        if cpu_kernels.library() is not None and packed.is_contiguous() and scales.is_contiguous():
+        if cpu_kernels.library() is not None and packed.is_contiguous() and scales.is_contiguous() \
+                and not torch.compiler.is_compiling():
             y = F.linear(cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales))
         else:
             y = F.linear(rows, dequantize_int4(packed, scales))

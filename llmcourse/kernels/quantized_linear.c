@@ -16,6 +16,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 /* xq[m] = round(x[m] / s[m]) with s[m] = max|x[m]| / 127 (the division, not a multiplication by 1 / s, to round
    exactly as torch does). With `group_sums` (the int4 kernel's input): each group in the order described above,
@@ -88,9 +89,9 @@ static inline float sum8(__m256 v)
   return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
 }
 
-/* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] */
-void int4_linear(const uint8_t* packed, const uint16_t* scales, const int8_t* xq, const int32_t* group_sums,
-                 const float* xs, float* y, int M, int N, int K, int threads)
+/* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n] */
+static void int4_product(const uint8_t* packed, const uint16_t* scales, const int8_t* xq, const int32_t* group_sums,
+                         const float* xs, const float* bias, float* y, int M, int N, int K, int threads)
 {
   const int G = K / 32;
   #pragma omp parallel for num_threads(threads) schedule(static)
@@ -121,7 +122,7 @@ void int4_linear(const uint8_t* packed, const uint16_t* scales, const int8_t* xq
         __m256i d = group_dot(row, x, g);
         tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1))) - xsum[g]);
       }
-      y[(size_t)m * N + n] = (sum8(acc) + tail) * xs[m];
+      y[(size_t)m * N + n] = (sum8(acc) + tail) * xs[m] + (bias ? bias[n] : 0.f);
     }
   }
 }
@@ -129,8 +130,8 @@ void int4_linear(const uint8_t* packed, const uint16_t* scales, const int8_t* xq
 /* int8 weights w [N, K] with a scale per row, activations in natural order (quantize_rows with grouped = 0):
    y[m, n] = float(sum_k xq[m, k] w[n, k]) * (xs[m] * scale[n]), the integer sum exact (|sum| < 127 * 127 * K),
    so the result equals torch._int_mm's scaled the same way. */
-void int8_linear(const int8_t* weight, const float* scales, const int8_t* xq, const float* xs, float* y,
-                 int M, int N, int K, int threads)
+static void int8_product(const int8_t* weight, const float* scales, const int8_t* xq, const float* xs,
+                         const float* bias, float* y, int M, int N, int K, int threads)
 {
   #pragma omp parallel for num_threads(threads) schedule(static)
   for (int n = 0; n < N; n++) {
@@ -147,9 +148,32 @@ void int8_linear(const int8_t* weight, const float* scales, const int8_t* xq, co
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      y[(size_t)m * N + n] = (float)_mm_cvtsi128_si32(s4) * (xs[m] * scales[n]);
+      y[(size_t)m * N + n] = (float)_mm_cvtsi128_si32(s4) * (xs[m] * scales[n]) + (bias ? bias[n] : 0.f);
     }
   }
+}
+
+/* y [M, N] = x [M, K] (float32) times int4 weights [N, K], plus bias [N] (or NULL). */
+void int4_linear(const float* x, const uint8_t* packed, const uint16_t* scales, const float* bias, float* y,
+                 int M, int N, int K, int threads)
+{
+  int8_t* xq = malloc((size_t)M * K);
+  float* xs = malloc(sizeof(float) * M);
+  int32_t* sums = malloc(sizeof(int32_t) * M * (K / 32));
+  quantize_rows(x, M, K, xq, xs, sums);
+  int4_product(packed, scales, xq, sums, xs, bias, y, M, N, K, threads);
+  free(xq), free(xs), free(sums);
+}
+
+/* y [M, N] = x [M, K] (float32) times int8 weights [N, K], plus bias [N] (or NULL). */
+void int8_linear(const float* x, const int8_t* weight, const float* scales, const float* bias, float* y,
+                 int M, int N, int K, int threads)
+{
+  int8_t* xq = malloc((size_t)M * K);
+  float* xs = malloc(sizeof(float) * M);
+  quantize_rows(x, M, K, xq, xs, NULL);
+  int8_product(weight, scales, xq, xs, bias, y, M, N, K, threads);
+  free(xq), free(xs);
 }
 
 /* The int4 weights [N, K] as float32, each group of 32 in the kernel's order (its even-indexed values, then its
