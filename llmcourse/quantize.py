@@ -157,8 +157,8 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
         return cpu_kernels.int4_linear(rows.contiguous(), packed, scales, bias).view(*x.shape[:-1], packed.shape[0])
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
         rows = dequantize_int8(*quantize_int8(rows))
-        if cpu_kernels.library() is not None and packed.is_contiguous() and scales.is_contiguous() \
-                and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and packed.is_contiguous() and scales.is_contiguous() \
+                and cpu_kernels.library() is not None:
             y = F.linear(cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales))
         else:
             y = F.linear(rows, dequantize_int4(packed, scales))
