@@ -55,25 +55,46 @@ void quantize_rows(const float* x, int M, int K, int8_t* xq, float* xs, int32_t*
 /* The nibble n of a value w in [-8, 7] (two's complement) is turned into the unsigned w + 8 = n ^ 8, which maddubs
    can multiply by signed bytes; the activations' group sums (8 * sum(x)) take the extra 8x back off. */
 
-/* Groups g and g + 1 (32 bytes of weights): lane 0 holds 4 exact int32 partial sums of group g, lane 1 of g + 1. */
-static inline __m256i pair_dot(const uint8_t* row, const int8_t* x, int g)
+/* The weights w + 8 of groups g and g + 1 (32 bytes, in 64 after unpacking): lane 0 even-indexed values of g, lane 1
+   of g + 1; then the odd-indexed ones. */
+static inline void unpack_pair(const uint8_t* row, int g, __m256i* even, __m256i* odd)
 {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
   __m256i b = _mm256_loadu_si256((const __m256i*)(row + 16 * g));
-  __m256i even = _mm256_xor_si256(_mm256_and_si256(b, low4), eight);
-  __m256i odd = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight);
+  *even = _mm256_xor_si256(_mm256_and_si256(b, low4), eight);
+  *odd = _mm256_xor_si256(_mm256_and_si256(_mm256_srli_epi16(b, 4), low4), eight);
+}
+
+/* A last unpaired group g: its weights w + 8, even-indexed values then odd-indexed ones. */
+static inline __m256i unpack_group(const uint8_t* row, int g)
+{
+  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8);
+  __m128i b = _mm_loadu_si128((const __m128i*)(row + 16 * g));
+  return _mm256_xor_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4), eight);
+}
+
+/* Groups g and g + 1: lane 0 holds 4 exact int32 partial sums of group g, lane 1 of g + 1. The weights come from the
+   packed row, or, unpacked once for many input rows, from `w` (same layout as the activations). */
+static inline __m256i pair_dot(const uint8_t* row, const uint8_t* w, const int8_t* x, int g)
+{
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i even, odd;
+  if (w) {
+    even = _mm256_loadu_si256((const __m256i*)(w + 32 * g));
+    odd = _mm256_loadu_si256((const __m256i*)(w + 32 * g + 32));
+  } else {
+    unpack_pair(row, g, &even, &odd);
+  }
   __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_loadu_si256((const __m256i*)(x + 32 * g))),
                                    _mm256_maddubs_epi16(odd, _mm256_loadu_si256((const __m256i*)(x + 32 * g + 32))));
   return _mm256_madd_epi16(pairs, ones); /* |sums| <= 4 * 15 * 127: no int16 overflow above */
 }
 
-/* A last unpaired group g (16 bytes): 8 exact int32 partial sums. */
-static inline __m256i group_dot(const uint8_t* row, const int8_t* x, int g)
+/* A last unpaired group g: 8 exact int32 partial sums. */
+static inline __m256i group_dot(const uint8_t* row, const uint8_t* w, const int8_t* x, int g)
 {
-  const __m256i low4 = _mm256_set1_epi8(0x0F), eight = _mm256_set1_epi8(8), ones = _mm256_set1_epi16(1);
-  __m128i b = _mm_loadu_si128((const __m128i*)(row + 16 * g));
-  __m256i w = _mm256_xor_si256(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(b, 4), b), low4), eight);
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, _mm256_loadu_si256((const __m256i*)(x + 32 * g))), ones);
+  __m256i v = w ? _mm256_loadu_si256((const __m256i*)(w + 32 * g)) : unpack_group(row, g);
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(v, _mm256_loadu_si256((const __m256i*)(x + 32 * g))), _mm256_set1_epi16(1));
 }
 
 static inline int32_t sum4(__m128i v)
@@ -90,40 +111,62 @@ static inline float sum8(__m256 v)
 }
 
 /* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n] */
+/* One output: xs * sum_g scale[g] * sum_i x[32g + i] w[32g + i] */
+static inline float int4_dot(const uint8_t* row, const uint8_t* w, const uint16_t* srow, const int8_t* x,
+                             const int32_t* xsum, int G)
+{
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  __m256 acc = _mm256_setzero_ps();
+  int g = 0;
+  for (; g + 8 <= G; g += 8) { /* eight groups' sums gathered in one vector, scaled by eight scales at once */
+    __m256i h01 = _mm256_hadd_epi32(pair_dot(row, w, x, g), pair_dot(row, w, x, g + 2));     /* g0 g0 g2 g2 | g1 g1 g3 g3 */
+    __m256i h23 = _mm256_hadd_epi32(pair_dot(row, w, x, g + 4), pair_dot(row, w, x, g + 6)); /* g4 g4 g6 g6 | g5 g5 g7 g7 */
+    __m256i sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h01, h23), order);          /* g0 g1 ... g7 */
+    sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i*)(xsum + g)));
+    __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + g)));
+    acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(sums), acc);
+  }
+  float tail = 0.f;
+  for (; g + 2 <= G; g += 2) {
+    __m256i d = pair_dot(row, w, x, g);
+    tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm256_castsi256_si128(d)) - xsum[g]);
+    tail += _cvtsh_ss(srow[g + 1]) * (float)(sum4(_mm256_extracti128_si256(d, 1)) - xsum[g + 1]);
+  }
+  if (g < G) {
+    __m256i d = group_dot(row, w, x, g);
+    tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1))) - xsum[g]);
+  }
+  return sum8(acc) + tail;
+}
+
+/* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n]. With several input rows,
+   each row of weights is unpacked once into `w` (K bytes) and used for all of them. */
 static void int4_product(const uint8_t* packed, const uint16_t* scales, const int8_t* xq, const int32_t* group_sums,
                          const float* xs, const float* bias, float* y, int M, int N, int K, int threads)
 {
   const int G = K / 32;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int n = 0; n < N; n++) {
-    const uint8_t* row = packed + (size_t)n * (K / 2);
-    const uint16_t* srow = scales + (size_t)n * G;
-    for (int m = 0; m < M; m++) {
-      const int8_t* x = xq + (size_t)m * K;
-      const int32_t* xsum = group_sums + (size_t)m * G;
-      __m256 acc = _mm256_setzero_ps();
-      int g = 0;
-      const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-      for (; g + 8 <= G; g += 8) { /* eight groups' sums gathered in one vector, scaled by eight scales at once */
-        __m256i h01 = _mm256_hadd_epi32(pair_dot(row, x, g), pair_dot(row, x, g + 2));     /* g0 g0 g2 g2 | g1 g1 g3 g3 */
-        __m256i h23 = _mm256_hadd_epi32(pair_dot(row, x, g + 4), pair_dot(row, x, g + 6)); /* g4 g4 g6 g6 | g5 g5 g7 g7 */
-        __m256i sums = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(h01, h23), order);    /* g0 g1 ... g7 */
-        sums = _mm256_sub_epi32(sums, _mm256_loadu_si256((const __m256i*)(xsum + g)));
-        __m256 s = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(srow + g)));
-        acc = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(sums), acc);
+  #pragma omp parallel num_threads(threads)
+  {
+    uint8_t* w = M > 1 ? malloc(K) : NULL;
+    #pragma omp for schedule(static)
+    for (int n = 0; n < N; n++) {
+      const uint8_t* row = packed + (size_t)n * (K / 2);
+      if (w) {
+        int g = 0;
+        for (; g + 2 <= G; g += 2) {
+          __m256i even, odd;
+          unpack_pair(row, g, &even, &odd);
+          _mm256_storeu_si256((__m256i*)(w + 32 * g), even);
+          _mm256_storeu_si256((__m256i*)(w + 32 * g + 32), odd);
+        }
+        if (g < G) _mm256_storeu_si256((__m256i*)(w + 32 * g), unpack_group(row, g));
       }
-      float tail = 0.f;
-      for (; g + 2 <= G; g += 2) {
-        __m256i d = pair_dot(row, x, g);
-        tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm256_castsi256_si128(d)) - xsum[g]);
-        tail += _cvtsh_ss(srow[g + 1]) * (float)(sum4(_mm256_extracti128_si256(d, 1)) - xsum[g + 1]);
+      for (int m = 0; m < M; m++) {
+        float dot = int4_dot(row, w, scales + (size_t)n * G, xq + (size_t)m * K, group_sums + (size_t)m * G, G);
+        y[(size_t)m * N + n] = dot * xs[m] + (bias ? bias[n] : 0.f);
       }
-      if (g < G) {
-        __m256i d = group_dot(row, x, g);
-        tail += _cvtsh_ss(srow[g]) * (float)(sum4(_mm_add_epi32(_mm256_castsi256_si128(d), _mm256_extracti128_si256(d, 1))) - xsum[g]);
-      }
-      y[(size_t)m * N + n] = (sum8(acc) + tail) * xs[m] + (bias ? bias[n] : 0.f);
     }
+    free(w);
   }
 }
 
