@@ -11,11 +11,11 @@ vectorized one), a float model holding the dequantized weights (the "twin"), and
 - save and load without re-quantizing, refused checkpoints, the command line, resident memory.
 
 Measured when written (CPU, one thread; the tests that assert them print them, run with -s): validation
-loss on the first 2,049 held-out tokens fp32 3.9894, int8 3.9900 (+0.02 %), int4 4.0017 (+0.31 %);
+loss on the first 2,049 held-out tokens fp32 3.9894, int8 3.9900 (+0.02 %), int4 4.0015 (+0.30 %);
 greedy agreement with fp32 over 8 held-out prompts x 32 tokens: int8 25.8 tokens before the first
 difference, int4 7.0 (four of those prompts end where fp32's top two logits are 0.04 to 0.11 apart and
 int4's logits move by up to 1.9); random 124M weights, 32-token prompt, logits up to 2.8: max error int8
-0.099, int4 0.80 (in norm 3.6 % and 27 %; with the exact dequantized weights and float inputs 2.5 % and
+0.099, int4 0.79 (in norm 3.6 % and 27 %; with the exact dequantized weights and float inputs 2.5 % and
 27 %: the rest of int8's is its 8-bit inputs). Weights in memory: bundled fp32 49.5 MB, int8 12.8 MB,
 int4 7.2 MB; 124M 497.8, 127.7, 73.1 MB; the files are the same sizes.
 """
