@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from nbgrader.validator import Validator
 
 from llmcourse.learner import learner_functions, learner_parts, learner_tokenizer, my_engine
@@ -495,3 +496,35 @@ def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_funct
         assert stats.new_tokens == 60 and len(stats.rounds) < 60, stats.summary()
     sampled = llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
     assert sampled == llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
+
+
+def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_functions(tmp_path):
+    """Chapter 09 solved as its solution solves it: all eight quantization functions are the learner's; a model
+    quantized with them holds exactly the engine's bytes (int8 and int4), and running with the learner's int8 layer
+    and int4 dequantizer gives the tokens of the engine's reference functions (dequantize, then multiply) and logits
+    close to the engine's fast routes (which also round the activations to int8)."""
+    import llmcourse
+    from llmcourse import quantize
+    from llmcourse.learner import QUANTIZATION_SLOTS, your_pieces
+
+    solved_copy("09_quantization", tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert sorted(pieces.quantization.overridden()) == sorted(QUANTIZATION_SLOTS), notices
+    prompt = llmcourse.get_tokenizer().encode("ROMEO:")
+    for fmt in ("int8", "int4"):
+        fast = llmcourse.load_model(device="cpu", quantize=fmt)
+        reference = llmcourse.load_model(device="cpu", quantize=fmt)  # the reference functions, guarded like a learner's
+        reference.quantization = quantize.Quantization.with_overrides(int8_linear=quantize.int8_linear,
+                                                                      dequantize_int4=quantize.dequantize_int4)
+        mine = llmcourse.load_model(device="cpu")
+        pieces.install(mine)
+        quantize.quantize_model(mine, fmt)
+        theirs = dict(fast.named_buffers())
+        for name, tensor in mine.named_buffers():
+            assert torch.equal(tensor, theirs[name]), (fmt, name)
+        assert llmcourse.generate(mine, prompt, max_new_tokens=30) == llmcourse.generate(reference, prompt, max_new_tokens=30)
+        ids = torch.tensor([prompt + llmcourse.generate(fast, prompt, max_new_tokens=30)])
+        error = (mine(ids) - fast(ids)).abs().max() / fast(ids).abs().max()
+        assert error < 0.03, (fmt, error)  # measured 0.004 (int8), 0.013 (int4)
+    assert pieces.quantization.weight_memory(7e9, "int4") == pytest.approx(7e9 * 0.5625)
