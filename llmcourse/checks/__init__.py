@@ -26,6 +26,8 @@ from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
 from .limits import time_limit
 from .pipeline import check_top_k_next_tokens
+from .quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
+                       check_weight_memory)
 from .sampling import (check_beam_search, check_greedy, check_min_p, check_next_token, check_repetition_penalty,
                        check_sample, check_stream_text, check_temperature, check_top_k, check_top_p)
 from .speculative import (check_accept_token, check_expected_speedup, check_prompt_lookup_draft,
@@ -47,4 +49,5 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes",
            "check_left_pad", "check_block_allocator", "check_slot_mapping", "check_gather_kv", "check_schedule",
            "check_accept_token", "check_verify", "check_speculative_round", "check_expected_speedup",
-           "check_prompt_lookup_draft"]
+           "check_prompt_lookup_draft",
+           "check_quantize_int8", "check_pack_int4", "check_quantize_int4", "check_int8_linear", "check_weight_memory"]
