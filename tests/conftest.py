@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmcourse import GPT2, GPT2Config, get_tokenizer, save_model
+from llmcourse.checks.kv_cache import one_thread as single_thread
 
 CUDA = torch.cuda.is_available()
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="no CUDA device"))]
@@ -44,6 +45,14 @@ def hf_twin(model: GPT2, folder):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return GPT2LMHeadModel.from_pretrained(folder).eval()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module of tiny models (`pytestmark = pytest.mark.usefixtures("one_thread")`): a
+    second thread only spins against the other processes on the cores, up to 12x slower here."""
+    with single_thread():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -35,14 +35,7 @@ from llmcourse.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_
 from llmcourse.parts import PartError
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models: a second torch thread only spins against the other processes on the cores (12x slower
-    here with two)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_model(seed: int, dtype: torch.dtype = torch.float32) -> GPT2:

@@ -50,13 +50,7 @@ SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=9
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two threads on a busy 2-core machine made small steps much slower (spinning threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---------------------------------------------------------------------------------------------

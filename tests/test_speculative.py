@@ -44,13 +44,7 @@ SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=128, vocab_size=9
 TINY = GPT2Config(n_layer=1, n_head=1, n_embd=16, n_positions=128, vocab_size=97)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Two threads on a busy 2-core machine made each small step 10x slower (spinning threads)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
