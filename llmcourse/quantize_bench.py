@@ -28,6 +28,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -64,7 +65,7 @@ class Sizes:
     batch: int = 16
     batch_new_tokens: int = 32
     repeats: int = 3
-    layer_repeats: int = 5  # passes over the linear layers, per format and batch size
+    layer_repeats: int = 7  # passes over the linear layers, per format and batch size (interleaved)
 
 
 QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_tokens=4, repeats=1, layer_repeats=1)
@@ -152,11 +153,21 @@ def transformers_row(hf) -> Row:
 
 
 def ctranslate2_module():
-    """The ctranslate2 package, or None where it is not installed."""
+    """The ctranslate2 package, or None where it is not installed.
+
+    Its OpenMP threads (its own runtime, not torch's) are made to sleep between parallel regions rather than
+    spin: spinning, they took the 2 cores from the next row (measured in one process: the engine's float32 decode
+    went from 31 to 16 tok/s right after a CTranslate2 call, and CTranslate2's int8 from 57 to 30 tok/s after the
+    engine's). The policy is read when the runtime loads (a value the user set is kept), and only there."""
+    before = os.environ.get("OMP_WAIT_POLICY")
+    os.environ["OMP_WAIT_POLICY"] = before or "PASSIVE"
     try:
         import ctranslate2
     except ImportError:
         return None
+    finally:
+        if before is None:
+            del os.environ["OMP_WAIT_POLICY"]
     return ctranslate2
 
 
@@ -223,34 +234,34 @@ def measure(rows: list[Row], prompts: list[list[int]], new_tokens: int, repeats:
 def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
     """ms of the engine's linear layers alone for `rows` input rows, per format: all of the blocks'
     (`model.linear`) and the head (`model.head`: the final layer norm and the tied table), and the weight bytes
-    they read per ms (GB/s)."""
-    out = {}
+    they read per ms (GB/s). The formats and row counts are interleaved, repeat after repeat."""
+    g = torch.Generator().manual_seed(0)
+    cfg = next(iter(models.values())).config
+    C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
+    inputs = {m: [torch.randn(m, n_in, generator=g) for n_in in [C, C, C, 4 * C] * L] for m in rows}
+    runs = {}
     for fmt, model in models.items():
-        layers = [layer for block in model.h for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc,
-                                                           block.mlp.c_proj)]
-        cfg = model.config
+        layers = [layer for block in model.h
+                  for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
+        for m in rows:
+            xs = [x.to(model.device, model.dtype) for x in inputs[m]]
+            runs[fmt, m, "blocks"] = lambda model=model, layers=layers, xs=xs: [model.linear(x, layer)
+                                                                                for layer, x in zip(layers, xs)]
+            runs[fmt, m, "head"] = lambda model=model, x=xs[0]: model.head(x)
+    times = {key: [] for key in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(repeats):
+        for key, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[key].append(1e3 * (time.perf_counter() - start))
+    out = {}
+    for fmt in models:
+        bpw = BYTES_PER_WEIGHT[fmt]
         out[fmt] = {}
         for m in rows:
-            g = torch.Generator().manual_seed(0)
-            inputs = [torch.randn(m, n_in, generator=g).to(model.device, model.dtype)
-                      for n_in in [cfg.n_embd, cfg.n_embd, cfg.n_embd, 4 * cfg.n_embd] * cfg.n_layer]
-            x = inputs[0]
-
-            def blocks():
-                for layer, a in zip(layers, inputs):
-                    model.linear(a, layer)
-
-            times = {"blocks": [], "head": []}
-            for fn in (blocks, lambda: model.head(x)):  # warm-up
-                fn()
-            for _ in range(repeats):
-                for name, fn in (("blocks", blocks), ("head", lambda: model.head(x))):
-                    start = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - start)
-            blocks_ms, head_ms = (1e3 * statistics.median(times[k]) for k in ("blocks", "head"))
-            C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
-            bpw = BYTES_PER_WEIGHT[fmt]
+            blocks_ms, head_ms = (statistics.median(times[fmt, m, part]) for part in ("blocks", "head"))
             out[fmt][m] = {"blocks_ms": blocks_ms, "head_ms": head_ms,
                            "blocks_GBps": L * 12 * C * C * bpw / blocks_ms / 1e6, "head_GBps": V * C * bpw / head_ms / 1e6}
     return out

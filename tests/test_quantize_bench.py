@@ -1,0 +1,224 @@
+"""The quantization benchmark (`python -m llmcourse bench --quantize`): its byte counts and ratios on hand-made
+numbers, the run on the tiny configuration with and without CTranslate2, the table, the figure and the command end
+to end. No timing is asserted: only that the figures exist, are computed right and are sane."""
+
+import json
+import math
+import os
+import re
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmcourse import quantize_bench as qb
+from llmcourse.bench import decode_step_cost
+from llmcourse.config import GPT2Config
+from llmcourse.quantize import BYTES_PER_WEIGHT
+
+ROOT = Path(__file__).resolve().parent.parent
+ENGINE_ROWS = ["engine float32", "engine int8", "engine int4", "transformers float32"]
+CT2_ROWS = ["ctranslate2 float32", "ctranslate2 int8"]
+
+
+def png_size(path: Path) -> tuple[int, int]:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", data[16:24])
+
+
+# ---------------------------------------------------------------------------------------------- metrics
+
+def test_step_bytes_count_the_blocks_and_the_head_in_the_format():
+    cfg = GPT2Config()  # 124M: 12 x 12 x 768² in the blocks' matrices, 50257 x 768 in the tied head
+    quantized = 12 * 12 * 768**2 + 50257 * 768
+    float32, _ = decode_step_cost(cfg, 192, 4)
+    assert qb.step_bytes(cfg, 192, "float32") == float32
+    for fmt, per_weight in [("int8", 1), ("int4", 0.5625), ("float16", 2)]:
+        assert qb.step_bytes(cfg, 192, fmt) == pytest.approx(float32 - quantized * (4 - per_weight))
+        assert BYTES_PER_WEIGHT[fmt] == per_weight
+    # int8: the 123.6M weights a step reads (all but the position table) in a byte each, + the float32 biases,
+    # layer norms and position row
+    assert 123.6e6 < qb.step_bytes(cfg, 0, "int8") < 124.1e6
+    # a batch reads the weights once and a KV cache per row
+    one, sixteen = qb.step_bytes(cfg, 192, "int4"), qb.step_bytes(cfg, 192, "int4", batch=16)
+    assert sixteen - one == 15 * 4 * (2 * 12 * 192 * 768 + 768)
+
+
+def test_first_divergence():
+    assert qb.first_divergence([1, 2, 3, 4], [1, 2, 5, 4]) == 2
+    assert qb.first_divergence([9], [1]) == 0
+    assert qb.first_divergence([1, 2, 3], [1, 2, 3]) == 3
+    assert qb.first_divergence([1, 2], [1, 2, 3]) == 2
+
+
+def rows(**speeds) -> dict:
+    """Hand-made rows: name -> (batch 1 tok/s, batch 16 tok/s)."""
+    return {name.replace("_", " "): {"batch_1": {"tokens_per_s": one}, "batch_16": {"tokens_per_s": many}}
+            for name, (one, many) in speeds.items()}
+
+
+def test_ratios_are_the_targets_of_the_issue_at_both_batch_sizes():
+    got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(56.0, 240.0),
+                         ctranslate2_float32=(25.0, 160.0), ctranslate2_int8=(32.0, 100.0),
+                         transformers_float32=(24.0, 90.0)), batch=16)
+    assert list(got) == ["engine float32 / ctranslate2 float32, batch 1", "engine int8 / ctranslate2 int8, batch 1",
+                         "engine int4 / engine int8, batch 1", "engine float32 / ctranslate2 float32, batch 16",
+                         "engine int8 / ctranslate2 int8, batch 16", "engine int4 / engine int8, batch 16"]
+    values = [(v["ratio"], v["target"], v["met"]) for v in got.values()]
+    assert values == [(pytest.approx(1.2), 1.0, True), (pytest.approx(1.25), 1.0, True), (pytest.approx(1.4), 1.3, True),
+                      (pytest.approx(150 / 160), 1.0, False), (pytest.approx(2.0), 1.0, True),
+                      (pytest.approx(1.2), 1.3, False)]
+
+
+def test_ratios_without_ctranslate2_keep_the_engines_own():
+    got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(20.0, 300.0)), batch=16)
+    assert {k: v["ratio"] for k, v in got.items()} == {"engine int4 / engine int8, batch 1": 0.5,
+                                                       "engine int4 / engine int8, batch 16": 1.5}
+
+
+# ---------------------------------------------------------------------------------------------- the run
+
+@pytest.fixture(scope="module")
+def quick():
+    """The whole benchmark on the tiny configuration (a few seconds)."""
+    threads = torch.get_num_threads()
+    lines = []
+    r = qb.run(device="cpu", sizes=qb.QUICK, progress=lines.append)
+    assert torch.get_num_threads() == threads  # restored
+    return r, lines
+
+
+def test_the_benchmark_measures_every_row(quick):
+    r, lines = quick
+    pytest.importorskip("ctranslate2")
+    assert list(r["rows"]) == ENGINE_ROWS + CT2_ROWS
+    assert r["ctranslate2"]["version"] and "int8" in r["ctranslate2"]["compute_types"]
+    assert r["model"] == "tiny" and r["threads"] == torch.get_num_threads() and r["machine"]["cpu"]
+    b = qb.QUICK.batch
+    for name, v in r["rows"].items():
+        assert v["bytes_per_weight"] == BYTES_PER_WEIGHT[v["format"]]
+        for key, n in (("batch_1", qb.QUICK.new_tokens), (f"batch_{b}", qb.QUICK.batch_new_tokens)):
+            row = v[key]
+            for figure in ("tokens_per_s", "decode_tokens_per_s", "bound_tokens_per_s", "fraction", "step_MB"):
+                assert isinstance(row[figure], float) and math.isfinite(row[figure]) and row[figure] > 0, (name, key)
+            assert row["fraction"] == pytest.approx(row["decode_tokens_per_s"] / row["bound_tokens_per_s"])
+            assert 0 <= row["agreement"] <= n and row["agreement_of"] == n
+        assert v[f"batch_{b}"]["tokens_per_s"] == v[f"batch_{b}"]["decode_tokens_per_s"]
+    # the same float32 weights: the engine agrees with itself and with transformers on every token
+    for name in ("engine float32", "transformers float32"):
+        assert r["rows"][name]["batch_1"]["agreement"] == qb.QUICK.new_tokens
+        assert r["rows"][name][f"batch_{b}"]["agreement"] == qb.QUICK.batch_new_tokens
+    # fewer bytes per weight, a higher roofline
+    bounds = [r["rows"][f"engine {fmt}"]["batch_1"]["bound_tokens_per_s"] for fmt in ("float32", "int8", "int4")]
+    assert bounds == sorted(bounds)
+    assert r["rows"]["ctranslate2 int8"]["batch_1"]["step_MB"] == r["rows"]["engine int8"]["batch_1"]["step_MB"]
+    assert r["resident_MB"]["int4"] < r["resident_MB"]["int8"] < r["resident_MB"]["float32"]
+    assert len(r["ratios"]) == 6 and all(v["ratio"] > 0 for v in r["ratios"].values())
+    assert set(r["linear_ms"]) == {"float32", "int8", "int4"}
+    assert all(set(v) == {1, b} and all(t["blocks_ms"] > 0 and t["head_ms"] > 0 for t in v.values())
+               for v in r["linear_ms"].values())
+    assert any("batch 1" in line for line in lines) and not any("not installed" in line for line in lines)
+    json.dumps(r)  # all of it goes into bench.json
+
+
+def test_without_ctranslate2_its_rows_are_skipped_with_one_line(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
+    assert qb.ctranslate2_module() is None
+    assert "OMP_WAIT_POLICY" not in os.environ  # set for CTranslate2's runtime to read when it loads, then removed
+    lines = []
+    sizes = qb.Sizes(model="tiny", prompt_len=8, new_tokens=4, batch=2, batch_new_tokens=3, repeats=1, layer_repeats=1)
+    r = qb.run(device="cpu", sizes=sizes, progress=lines.append)
+    assert list(r["rows"]) == ENGINE_ROWS and "ctranslate2" not in r
+    assert r["ctranslate2_skipped"] == qb.NOT_INSTALLED and lines.count(qb.NOT_INSTALLED) == 1
+    assert list(r["ratios"]) == ["engine int4 / engine int8, batch 1", "engine int4 / engine int8, batch 2"]
+    text = qb.table(r)
+    assert qb.NOT_INSTALLED in text and "ctranslate2" not in text.replace(qb.NOT_INSTALLED, "")
+
+
+def test_table_and_figure(quick, tmp_path):
+    r, _ = quick
+    text = qb.table(r)
+    assert text.splitlines()[1].startswith("machine: ")
+    for name, v in r["rows"].items():
+        assert re.search(rf"^ +{name} +[\d.]+ +{v['batch_1']['tokens_per_s']:.1f} ", text, re.M), name
+    for name, v in r["ratios"].items():
+        assert f"{name:<48} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})" in text
+    assert text.count("blocks") == 2 * len(r["linear_ms"])
+    width, height = png_size(qb.plot(r, tmp_path))
+    assert 600 <= width <= 1200 and 1 < height / width < 2.5  # two panels, stacked for a phone
+    back = json.loads(json.dumps(r))  # keys become strings: the table reads them back alike
+    assert qb.table(back) == text
+
+
+# ---------------------------------------------------------------------------------------------- the command
+
+def test_bench_quantize_end_to_end_keeps_the_rest_of_bench_json(quick, tmp_path, monkeypatch, capsys):
+    """`python -m llmcourse bench --quantize`, in this process, on the measurements above: the flags reach it, the
+    JSON keeps the other sections, the table and the figure come."""
+    from llmcourse.__main__ import main
+
+    calls = []
+    measured = json.loads(json.dumps(quick[0]))
+    monkeypatch.setattr(qb, "run", lambda **kw: calls.append(kw) or measured)
+    (tmp_path / "bench.json").write_text(json.dumps({"decode": {"engine": 1.0}}))
+    args = ["bench", "--quantize", "--model", "tiny", "--device", "cpu", "--repeats", "5", "--out", str(tmp_path)]
+    assert main(args) == 0
+    assert calls == [{"device": "cpu", "sizes": qb.Sizes(model="tiny", repeats=5)}]
+    out, err = capsys.readouterr()
+    r = json.loads((tmp_path / "bench.json").read_text())
+    assert r["decode"] == {"engine": 1.0} and r["quantize"] == measured  # the other sections stay
+    assert "engine int4 / engine int8, batch 1" in out and str(tmp_path / qb.FIGURE) in out
+    assert (tmp_path / qb.FIGURE).exists() and not err
+
+
+def test_a_failing_figure_loses_no_measurement(quick, tmp_path, monkeypatch, capsys):
+    measured = json.loads(json.dumps(quick[0]))
+    monkeypatch.setattr(qb, "run", lambda **kw: measured)
+    monkeypatch.setattr(qb, "plot", lambda *a: 1 / 0)
+    assert qb.main(tmp_path) == 1
+    out, err = capsys.readouterr()
+    assert "ZeroDivisionError" in err and "the measurements are in" in err and "ratios (target)" in out
+    assert json.loads((tmp_path / "bench.json").read_text())["quantize"] == measured
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "gpt2-shakespeare"], "bench --quantize runs a configuration with random weights (gpt2, tiny), "
+                                      "not 'gpt2-shakespeare'"),
+    (["--dtype", "bfloat16"], "bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
+                              "--dtype bfloat16 is not supported"),
+])
+def test_a_bad_option_is_one_line(args, message, tmp_path, capsys):
+    from llmcourse.__main__ import main
+
+    assert main(["bench", "--quantize", *args, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err == f"python -m llmcourse bench: error: {message}\n"
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_quantize_flag(capsys):
+    from llmcourse.__main__ import build_parser, main
+
+    assert build_parser().parse_args(["bench", "--quantize"]).quantize is True
+    assert build_parser().parse_args(["bench"]).quantize is False
+    with pytest.raises(SystemExit) as exit:
+        main(["bench", "--quantize", "--speculative"])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and "not allowed with argument" in err, err
+
+
+def test_the_benchmarks_page_shows_the_quantization_figures():
+    """benchmarks.md's quantization section shows bench_quantize.png and quotes the committed measurements."""
+    page = (ROOT / "benchmarks.md").read_text()
+    section = page[page.index("## Quantization") :]
+    assert f"](images/{qb.FIGURE})" in section and png_size(ROOT / "images" / qb.FIGURE)[0] >= 600
+    r = json.loads((ROOT / "images" / "bench.json").read_text())["quantize"]
+    assert "python -m llmcourse bench --quantize" in section
+    assert set(r["rows"]) == set(ENGINE_ROWS + CT2_ROWS) and r["model"] == "gpt2"
+    for name in r["rows"]:
+        assert f"{r['rows'][name]['batch_1']['tokens_per_s']:.1f}" in section, name
+    for name, v in r["ratios"].items():
+        assert f"{v['ratio']:.2f}×" in section, name
