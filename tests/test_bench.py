@@ -105,12 +105,14 @@ def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled
 
 def test_the_documentation_shows_the_commands_tested_here():
     assert documented_commands() == ["python -m llmcourse bench", "python -m llmcourse bench --no-compile",
-                                     "python -m llmcourse bench --serving", "python -m llmcourse bench --speculative"]
+                                     "python -m llmcourse bench --quantize", "python -m llmcourse bench --serving",
+                                     "python -m llmcourse bench --speculative"]
 
 
-# `bench --serving` and `bench --speculative` run end to end in tests/test_serving_bench.py and
-# tests/test_speculative_bench.py
-@pytest.mark.parametrize("command", [c for c in documented_commands() if not c.endswith(("--serving", "--speculative"))])
+# `bench --serving`, `bench --speculative` and `bench --quantize` run end to end in tests/test_serving_bench.py,
+# tests/test_speculative_bench.py and tests/test_quantize_bench.py
+@pytest.mark.parametrize("command", [c for c in documented_commands()
+                                     if not c.endswith(("--serving", "--speculative", "--quantize"))])
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):
     """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""
     done, r = run_bench(command, tmp_path)
@@ -192,7 +194,8 @@ def test_the_benchmarks_page_shows_the_figures_bench_writes():
     """benchmarks.md shows every figure of images/bench.json, which is what `bench` writes today."""
     page = (ROOT / "benchmarks.md").read_text()
     shown = re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page)
-    assert shown == [*FIGURES.values(), "bench_serving.png", "bench_speculative.png"]  # `--serving`, `--speculative`
+    # `--serving`, `--speculative`, `--quantize`
+    assert shown == [*FIGURES.values(), "bench_serving.png", "bench_speculative.png", "bench_quantize.png"]
     r = json.loads((ROOT / "images" / "bench.json").read_text())
     for name in shown:
         assert png_size(ROOT / "images" / name)[0] >= 600
