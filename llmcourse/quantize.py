@@ -388,5 +388,6 @@ def saved_format(config_file: Path) -> Optional[str]:
 
 
 def config_entry(fmt: str) -> dict:
-    """What config.json says about a quantized checkpoint (transformers cannot load one, and says so)."""
+    """What config.json says about a quantized checkpoint: its format, for `load_model` (transformers knows no
+    'llmcourse' quant_method; it loads such a folder only with warnings and freshly initialized layers)."""
     return {"quant_method": "llmcourse", "format": fmt, "group_size": GROUP_SIZE if fmt == "int4" else None}
