@@ -201,7 +201,7 @@ def test_wheel_holds_the_models_and_runs_alone(book, tmp_path):
         zf.extractall(tmp_path / "site")
     assert "Requires-Python: >=3.11" in metadata
     assert "Provides-Extra: course" in metadata
-    for need in ["jupyterlab", "ipywidgets", "matplotlib", "plotly"]:  # what the chapter notebooks import besides llmcourse
+    for need in ["jupyterlab", "ipywidgets", "matplotlib", "plotly", "transformers"]:  # what the chapter notebooks import besides llmcourse
         assert re.search(rf"Requires-Dist: {need}\b.*extra == \"course\"", metadata), need
     # The installed wheel alone (not this checkout) loads the bundled model and the tokenizer offline.
     probe = ("import llmcourse, pathlib, sys; "
