@@ -19,19 +19,27 @@ matching one is named.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import math
 import random
+import sys
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
 
-from ..quantize import (dequantize_int4 as engine_dequantize_int4, dequantize_int8 as engine_dequantize_int8,
-                        int8_linear as engine_int8_linear, pack_int4 as engine_pack_int4,
-                        quantize_int4 as engine_quantize_int4, quantize_int8 as engine_quantize_int8,
-                        unpack_int4 as engine_unpack_int4, weight_memory as engine_weight_memory)
-from .core import Case, Verdict, run_check
+from ..generate import generate
+from ..parts import PartError
+from ..quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
+                        dequantize_int8 as engine_dequantize_int8, int8_linear as engine_int8_linear,
+                        pack_int4 as engine_pack_int4, quantize_int4 as engine_quantize_int4,
+                        quantize_int8 as engine_quantize_int8, quantize_model, unpack_int4 as engine_unpack_int4,
+                        weight_memory as engine_weight_memory)
+from .batching import watched
+from .core import Case, Verdict, later, run_check
+from .kv_cache import decisive_model, one_thread
 from .forbid import Forbidden
 from .show import short
 from .tensors import tensor_problem
@@ -42,9 +50,15 @@ NO_TORCH_QUANTIZATION = [
     Forbidden(f"torch.{name}", "torch's quantized tensors do the whole exercise: write the scale and the "
                                "rounding yourself")
     for name in ("quantize_per_channel", "quantize_per_tensor", "quantize_per_tensor_dynamic",
-                 "fake_quantize_per_channel_affine", "fake_quantize_per_tensor_affine")
+                 "fake_quantize_per_channel_affine", "fake_quantize_per_tensor_affine",
+                 "_make_per_channel_quantized_tensor", "_make_per_tensor_quantized_tensor", "int_repr", "dequantize",
+                 "fbgemm_linear_quantize_weight", "fbgemm_pack_quantized_matrix", "fbgemm_linear_int8_weight",
+                 "fbgemm_linear_int8_weight_fp32_activation", "_convert_weight_to_int4pack", "_weight_int4pack_mm",
+                 "_weight_int8pack_mm", "_dyn_quant_pack_4bit_weight", "_dyn_quant_matmul_4bit")
 ]
-FORBID = [NO_ENGINE, *NO_TORCH_QUANTIZATION]
+NO_KERNELS = Forbidden("llmcourse.cpu_kernels", "llmcourse.cpu_kernels holds the engine's quantized kernels: write "
+                                                 "your own")
+FORBID = [NO_ENGINE, NO_KERNELS, *NO_TORCH_QUANTIZATION]
 
 
 class Raised:
@@ -67,17 +81,19 @@ class Refusal:
         return f"a ValueError whose message names the size {self.size} ({self.why})"
 
 
-def catching_value_errors(fn: Callable) -> Callable:
-    """fn, with a ValueError it raises returned as a `Raised` (other errors propagate as usual)."""
+class catching_value_errors:  # noqa: N801 (used as a function)
+    """fn, with a ValueError it raises returned as a `Raised` (other errors propagate as usual). A class: the
+    watch refuses the checks' own functions, not their methods."""
 
-    @functools.wraps(fn)
-    def call(*args):
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
         try:
-            return fn(*args)
+            return self.fn(*args)
         except ValueError as err:
             return Raised(err)
-
-    return call
 
 
 def refusal_verdict(expected: Refusal, got: Any) -> Verdict:
@@ -167,7 +183,9 @@ INT8_MISTAKES = [
 ]
 
 
-def _same_int8(got: tuple, candidate: tuple) -> bool:
+def _same_int8(got: tuple, candidate: Optional[tuple]) -> bool:
+    if candidate is None:
+        return False
     q, scale = got
     cq, cscale = candidate
     if q.shape != cq.shape or scale.shape != cscale.shape:
@@ -195,29 +213,26 @@ def _quantize_int8_verdict(case: Case, got: Any) -> Verdict:
     if scale.dtype != torch.float32:
         return (f"scale: expected dtype torch.float32, got {scale.dtype}",
                 "the scales are float32 whatever the input's dtype: compute on w.float()")
-    mistake = ""
-    for fn, hint in INT8_MISTAKES:
-        try:
-            candidate = fn(w)
-        except Exception:
-            continue
-        if _same_int8(got, candidate):
-            mistake = hint
-            break
+    def mistake() -> str:  # computed only for a wrong answer (the cases include GPT-2-sized layers)
+        return next((hint for fn, hint in INT8_MISTAKES if _same_int8(got, _try(fn, w))), "")
+
     if bool(scale.isnan().any()):
         return "scale has nan", "an all-zero row has max 0: its scale is 0 (no division by it)"
+    # accuracy: the scale is max|row| / 127 in float32, computed in any order: within 1e-5 (relative)
     problem = tensor_problem(scale, escale, atol=1e-12, rtol=1e-5)
     if problem:
         zero = (escale == 0) & (scale != 0)
         if bool(zero.any()):
-            mistake = mistake or "an all-zero row gets scale 0 (and q 0): do not replace its max by 1 or eps"
-        return f"scale: {problem}", mistake
+            return f"scale: {problem}", mistake() or "an all-zero row gets scale 0 (and q 0): do not replace its " \
+                                                     "max by 1 or eps"
+        return f"scale: {problem}", mistake()
     ratio = w.double() / torch.where(escale == 0, 1.0, escale.double())[:, None]
     problem = values_problem(q, eq, ratio, "q's values")
     if problem:
-        if bool((q.long() == -128).any()):
-            mistake = mistake or "values outside [-127, 127] wrapped around in int8: clamp before converting"
-        return problem, mistake
+        hint = mistake()
+        if not hint and bool((q.long() == -128).any()):
+            hint = "values outside [-127, 127] wrapped around in int8: clamp before converting"
+        return problem, hint
     return None
 
 
@@ -228,9 +243,15 @@ def _random_weights(rng: torch.Generator, N: int, K: int, dtype=torch.float32) -
     return ((torch.randn(N, K, generator=rng, dtype=torch.float64) + offset) * row_scale).to(dtype)
 
 
+def stored_transposed(w: Tensor) -> Tensor:
+    """w [N, K] as the engine passes a linear layer's weight: `Affine.weight.T`, a transposed view of the stored
+    [K, N] (not contiguous)."""
+    return w.T.contiguous().T
+
+
 def int8_cases(seed: int, n_random: int) -> list[Case]:
     def case(description, w, hint=""):
-        return Case(description, (w,), engine_quantize_int8(w), hint)
+        return Case(description, (w,), later(engine_quantize_int8, w), hint)
 
     rng = torch.Generator().manual_seed(seed)
     planted = torch.randn(3, 40, generator=rng) * 0.05
@@ -255,10 +276,26 @@ def int8_cases(seed: int, n_random: int) -> list[Case]:
         case("float16 input (scale float32)", _random_weights(rng, 4, 24, torch.float16),
              hint="compute in float32 (w.float()): the scales are float32"),
         case("an all-zero matrix", torch.zeros(2, 5), hint="an all-zero row gets scale 0 and q 0"),
+        case("the engine's input: a layer's weight.T [96, 32], a transposed view (not contiguous)",
+             stored_transposed(_random_weights(rng, 96, 32)),
+             hint="quantize_model passes Affine.weight.T, a transposed view: use reshape, not view, or index "
+                  "rows and columns as they are"),
+        case("float16 weight.T [64, 40] (a float16 model), not contiguous",
+             stored_transposed(_random_weights(rng, 64, 40, torch.float16)),
+             hint="compute in float32 (w.float()): the scales are float32"),
+        case("bfloat16 weight.T [48, 24] (a bfloat16 model), not contiguous",
+             stored_transposed(_random_weights(rng, 48, 24, torch.bfloat16)),
+             hint="compute in float32 (w.float()): the scales are float32"),
+        case("GPT-2's sizes: weight.T [384, 768]", stored_transposed(_random_weights(rng, 384, 768))),
+        case("float16 extremes: a row with 60000, a row of values near 1e-3",
+             torch.tensor([[60000.0, -25000.0, 1.0, 0.0], [1e-3, -2e-3, 5e-4, 1.5e-3]], dtype=torch.float16),
+             hint="compute in float32 (w.float()): 60000 / scale overflows nothing there"),
     ]
     for i in range(n_random):
         N, K = int(torch.randint(1, 40, (), generator=rng)), int(torch.randint(1, 200, (), generator=rng))
-        cases.append(case(f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K)))
+        w = _random_weights(rng, N, K, [torch.float32, torch.float16, torch.bfloat16][i % 3])
+        cases.append(case(f"random #{i}: [{N}, {K}] {str(w.dtype)[6:]}, {'not ' if i % 2 else ''}contiguous",
+                          stored_transposed(w) if i % 2 else w))
     return cases
 
 
@@ -270,11 +307,20 @@ def _dequantize_cases(seed: int, n_random: int) -> list[Case]:
         ("three rows with different scales", torch.tensor([[127, -127], [1, -1], [-64, 5]], dtype=torch.int8),
          torch.tensor([0.5, 3.0, 0.01])),
     ]
+    table_q, table_s = engine_quantize_int8(_random_weights(rng, 300, 64))
+    ids = torch.tensor([0, 299, 256, 5, 5, 128])
+    pairs += [  # the engine's calls: a quantized token table's rows (Quantization.rows), scales in the model's dtype
+        ("rows of a quantized table, gathered (ids [0, 299, 256, 5, 5, 128])", table_q[ids], table_s[ids]),
+        ("float16 scales (a float16 model's table): the result is float32", table_q[:7], table_s[:7].half()),
+        ("bfloat16 scales (a bfloat16 model's table): the result is float32", table_q[-5:], table_s[-5:].bfloat16()),
+        ("float64 scales: the result is float32", table_q[10:14], table_s[10:14].double()),
+    ]
     for i in range(n_random + 2):
         N, K = int(torch.randint(1, 30, (), generator=rng)), int(torch.randint(1, 150, (), generator=rng))
         q, scale = engine_quantize_int8(_random_weights(rng, N, K))
-        pairs.append((f"random #{i}: [{N}, {K}]", q, scale))
-    return [Case(d, (q, s), engine_dequantize_int8(q, s)) for d, q, s in pairs]
+        scale = scale.to([torch.float32, torch.float16, torch.bfloat16][i % 3])
+        pairs.append((f"random #{i}: [{N}, {K}], {str(scale.dtype)[6:]} scales", q, scale))
+    return [Case(d, (q, s), later(engine_dequantize_int8, q, s)) for d, q, s in pairs]
 
 
 DEQUANTIZE_INT8_MISTAKES = [
@@ -294,7 +340,9 @@ def _dequantize_judge(mistakes: list) -> Callable[[Case, Any], Verdict]:
             return None
         hint = ""
         if isinstance(got, Tensor) and got.dtype != torch.float32 and got.is_floating_point():
-            hint = "return float32 (q.float() * ...)"
+            scales = case.args[1]
+            hint = (f"the weights are float32 whatever the scales' dtype (here {scales.dtype}): q.float() * "
+                    "scale.float()[...]" if got.dtype == scales.dtype else "return float32 (q.float() * ...)")
         for fn, h in mistakes:
             try:
                 candidate = fn(*case.args)
@@ -548,14 +596,17 @@ def _quantize_int4_verdict(case: Case, got: Any) -> Verdict:
     problem = _pair(got, "packed, scales")
     if problem:
         return problem, "return packed, scales"
-    w, group_size = case.args
+    w, group_size = case.args if len(case.args) == 2 else (case.args[0], 32)
     packed, scales = got
     epacked, escales = case.expected
     N, K = w.shape
     G = K // group_size
     if scales.shape != (N, G):
         hint = f"a scale per group of {group_size} consecutive values of a row: [N, K // {group_size}] = [{N}, {G}]"
-        if scales.shape == (N,) or scales.shape == (N, 1):
+        if len(case.args) == 1 and len(scales.shape) == 2 and scales.shape[0] == N:
+            hint = ("the engine calls quantize_int4(w) without group_size: the default must be 32 "
+                    "(def quantize_int4(w, group_size=32))")
+        elif scales.shape == (N,) or scales.shape == (N, 1):
             hint = f"one scale per GROUP of {group_size} values, not per row: shape [{N}, {G}]"
         elif scales.shape == (N // group_size, K) if N % group_size == 0 else False:
             hint = (f"groups run ALONG a row (the input dimension): view the rows as [N, K // {group_size}, "
@@ -605,7 +656,12 @@ def fp16_boundary_weights() -> Tensor:
 
 def int4_cases(seed: int, n_random: int) -> list[Case]:
     def case(description, w, group_size=32, hint=""):
-        return Case(description, (w, group_size), engine_quantize_int4(w, group_size), hint)
+        return Case(description, (w, group_size), later(engine_quantize_int4, w, group_size), hint)
+
+    def as_engine(description, w, hint=""):
+        """quantize_int4(w), without group_size: as quantize_model calls it (a wrong default must fail)."""
+        return Case(f"{description}; called as the engine calls it, quantize_int4(w)", (w,),
+                    later(engine_quantize_int4, w), hint)
 
     rng = torch.Generator().manual_seed(seed)
     ramp = torch.linspace(-1.0, 0.6, 32)[None]
@@ -628,11 +684,29 @@ def int4_cases(seed: int, n_random: int) -> list[Case]:
         Case("K = 48 is not a multiple of 32", (torch.zeros(2, 48), 32),
              Refusal(48, "a row must split into whole groups")),
         Case("K = 40 with groups of 16", (torch.zeros(1, 40), 16), Refusal(40, "a row must split into whole groups")),
+        as_engine("a layer's weight.T [96, 64] (a transposed view, not contiguous)",
+                  stored_transposed(_random_weights(rng, 96, 64)),
+                  hint="quantize_model passes Affine.weight.T, a transposed view: use reshape (view cannot merge its "
+                       "dimensions)"),
+        as_engine("a float16 model's weight.T [64, 96]", stored_transposed(_random_weights(rng, 64, 96, torch.float16))),
+        as_engine("a bfloat16 model's weight.T [32, 128]",
+                  stored_transposed(_random_weights(rng, 32, 128, torch.bfloat16))),
+        as_engine("GPT-2's sizes: weight.T [300, 768] (24 groups a row)", stored_transposed(_random_weights(rng, 300, 768))),
+        as_engine("a token table [97, 32] (contiguous)", _random_weights(rng, 97, 32)),
+        case("tiny values: the float16 scale is subnormal", _random_weights(rng, 2, 64) * 1e-5,
+             hint="round the scale to float16 first (scale = (m / -8).half()), then divide by that rounded scale"),
+        case("groups of 128, [4, 768]", _random_weights(rng, 4, 768), group_size=128),
+        case("one group a row: group_size = K = 96", _random_weights(rng, 3, 96), group_size=96),
+        case("groups of 2", _random_weights(rng, 2, 8), group_size=2),
     ]
     for i in range(n_random):
         N = int(torch.randint(1, 40, (), generator=rng))
         K = 32 * int(torch.randint(1, 9, (), generator=rng))
-        cases.append(case(f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K)))
+        w = _random_weights(rng, N, K, [torch.float32, torch.float16, torch.bfloat16][i % 3])
+        if i % 2:
+            cases.append(as_engine(f"random #{i}: weight.T [{N}, {K}] {str(w.dtype)[6:]}", stored_transposed(w)))
+        else:
+            cases.append(case(f"random #{i}: [{N}, {K}] {str(w.dtype)[6:]}", w))
     return cases
 
 
@@ -652,13 +726,18 @@ def _dequantize_int4_cases(seed: int, n_random: int) -> list[Case]:
     ws = [("two groups of very different sizes",
            torch.cat([torch.linspace(-0.4, 0.8, 32), torch.linspace(-30.0, 10.0, 32)])[None], 32),
           ("groups of 16, [3, 64]", _random_weights(rng, 3, 64), 16)]
+    ws.append(("GPT-2's sizes: [300, 768]", _random_weights(rng, 300, 768), 32))
     for i in range(n_random + 1):
         N, K = int(torch.randint(1, 30, (), generator=rng)), 32 * int(torch.randint(1, 8, (), generator=rng))
         ws.append((f"random #{i}: [{N}, {K}]", _random_weights(rng, N, K), 32))
     cases = []
     for description, w, g in ws:
         packed, scales = engine_quantize_int4(w, g)
-        cases.append(Case(description, (packed, scales), engine_dequantize_int4(packed, scales)))
+        cases.append(Case(description, (packed, scales), later(engine_dequantize_int4, packed, scales)))
+    packed, scales = engine_quantize_int4(_random_weights(rng, 300, 64))
+    ids = torch.tensor([0, 299, 256, 7, 7])  # the engine's call for a quantized token table's rows
+    cases.append(Case("rows of a quantized table, gathered (ids [0, 299, 256, 7, 7])", (packed[ids], scales[ids]),
+                      later(engine_dequantize_int4, packed[ids], scales[ids])))
     return cases
 
 
@@ -667,7 +746,9 @@ def check_quantize_int4(quantize_int4: Callable, dequantize_int4: Callable, *, s
     """quantize_int4(w, group_size) -> (packed [N, K // 2] uint8, scales [N, K // group_size] float16), Q4_0;
     dequantize_int4(packed, scales) -> [N, K] float32."""
     def show_w(args):
-        return f"quantize_int4({short(args[0], 140)}, group_size={args[1]})"
+        w = args[0]
+        layout = "" if w.is_contiguous() else " (a transposed view)"
+        return f"quantize_int4({short(w, 140)}{layout}" + (f", group_size={args[1]})" if len(args) > 1 else ")")
 
     run_check("quantize_int4", catching_value_errors(quantize_int4), int4_cases(seed, n_random),
               judge=_quantize_int4_verdict, forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20)
@@ -691,11 +772,21 @@ INT8_LINEAR_MISTAKES = [
 ]
 
 
+UNIT_ROUNDOFF = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
+                 torch.bfloat16: 2.0 ** -8}
+
+
 def _linear_tolerance(case: Case) -> tuple[float, float]:
+    """The accuracy asked of int8_linear, in x's dtype (unit roundoff u, at least float32's: the dequantized weight
+    may be float32, as dequantize_int8's is): each weight q·scale may be rounded to the dtype or not (u per term), the K products summed in any order and precision (a few u of the sum of |terms|,
+    far more than the √K·u a sum really loses), the result rounded to the dtype (u·|y|); so
+    |y - expected| <= 8·u·Σ|x·w| + 4·u·|expected|, any correct way of writing it passes, and a wrong scale, bias or
+    layout (errors of the size of y itself) does not."""
     x, q, scale, bias = case.args
-    # a sum of K products, each computed from rounded float32 weights: relative to the sum of |terms|
-    size = (x.abs().double() @ (q.double().abs() * scale.double().abs()[:, None]).T).max().item()
-    return 2e-6 * max(size, 1.0), 1e-5
+    u = max(UNIT_ROUNDOFF.get(x.dtype, 2.0 ** -24), 2.0 ** -24)
+    size = (x.abs().double().reshape(-1, x.shape[-1]) @ (q.double().abs() * scale.double().abs()[:, None]).T)
+    bias_size = 0.0 if bias is None else float(bias.double().abs().max()) if bias.numel() else 0.0
+    return 8 * u * (float(size.max()) + bias_size) + 1e-30, 4 * u
 
 
 def _linear_verdict(case: Case, got: Any) -> Verdict:
@@ -711,7 +802,12 @@ def _linear_verdict(case: Case, got: Any) -> Verdict:
             and got.shape != expected.shape:
         hint = "the output is [..., N]: x @ W.T with W = q * scale[:, None] of shape [N, K]"
     elif isinstance(got, Tensor) and got.shape == expected.shape and got.dtype != expected.dtype:
-        hint = "return x's dtype: convert the dequantized weight (or the product) to x.dtype"
+        hint = f"return x's dtype ({expected.dtype}): convert the dequantized weight (or the product) to x.dtype"
+    elif isinstance(got, Tensor) and got.shape == expected.shape and got.is_floating_point() and \
+            tensor_problem(got, expected, atol=atol * 64, rtol=rtol * 64) is None:
+        hint = (f"close, but outside the accuracy asked: |y - expected| <= {atol:.3g} + {rtol:.3g}·|expected| "
+                f"(a few units of {expected.dtype}'s rounding times the size of the sums): compute the products "
+                f"in {expected.dtype} or wider")
     else:
         for fn, h in INT8_LINEAR_MISTAKES:
             candidate = _try(fn, *case.args)
@@ -731,7 +827,11 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
         return q, scale.to(dtype), ((torch.randn(N, generator=rng) * 2).to(dtype) if bias else None)
 
     def case(description, x, q, scale, bias, hint=""):
-        return Case(description, (x, q, scale, bias), engine_int8_linear(x, q, scale, bias), hint)
+        return Case(description, (x, q, scale, bias), later(engine_int8_linear, x, q, scale, bias), hint)
+
+    def model_layer(N, K, dtype):  # as the engine holds it: scales and bias in the model's dtype
+        q, scale, bias = layer(N, K)
+        return q, scale.to(dtype), bias.to(dtype)
 
     q1 = torch.tensor([[127, -64, 0], [1, 2, 3]], dtype=torch.int8)
     s1 = torch.tensor([0.5, 2.0])
@@ -753,11 +853,29 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
         case("a zero row in q (scale 0)", torch.randn(2, 8, generator=rng),
              torch.cat([layer(3, 8)[0], torch.zeros(1, 8, dtype=torch.int8)]),
              torch.cat([layer(3, 8)[1], torch.zeros(1)]), None),
+        case("a float16 model: x [1, 3, 32], scales and bias float16 (as the engine passes them): float16 out",
+             (torch.randn(1, 3, 32, generator=rng) * 3).half(), *model_layer(24, 32, torch.float16),
+             hint="the output has x's dtype: float16 in, float16 out"),
+        case("a bfloat16 model: x [2, 2, 64], scales and bias bfloat16: bfloat16 out",
+             (torch.randn(2, 2, 64, generator=rng) * 3).bfloat16(), *model_layer(16, 64, torch.bfloat16),
+             hint="the output has x's dtype: bfloat16 in, bfloat16 out"),
+        case("float16 x and bias with float32 scales (quantize_int8's): float16 out",
+             (torch.randn(3, 16, generator=rng) * 2).half(), *(lambda q, s, b: (q, s, b.half()))(*layer(8, 16)),
+             hint="the output has x's dtype: convert the weight (or the product) to x.dtype"),
+        case("one vector x [K] = [40]: y [N]", torch.randn(40, generator=rng) * 3, *layer(12, 40),
+             hint="x may be a single vector: [K] -> [N]"),
+        case("x a transposed view [3, 2, 48] (not contiguous)",
+             (torch.randn(2, 3, 48, generator=rng) * 3).transpose(0, 1), *layer(20, 48),
+             hint="x may be any view: use reshape (not view), or a matmul that takes any layout"),
+        case("GPT-2's sizes, one token (decoding): x [1, 1, 768], q [2304, 768]",
+             torch.randn(1, 1, 768, generator=rng), *layer(2304, 768)),
+        case("GPT-2's sizes, a prompt of 40 tokens: x [1, 40, 768], q [768, 768]",
+             torch.randn(1, 40, 768, generator=rng), *layer(768, 768)),
     ]
     for i in range(n_random):
         N, K = int(torch.randint(1, 80, (), generator=rng)), int(torch.randint(1, 120, (), generator=rng))
         lead = [int(torch.randint(1, 5, (), generator=rng)) for _ in range(int(torch.randint(1, 3, (), generator=rng)))]
-        dtype = torch.float64 if i % 2 else torch.float32
+        dtype = [torch.float32, torch.float64, torch.float16, torch.bfloat16][i % 4]
         cases.append(case(f"random #{i}: x {[*lead, K]} {str(dtype)[6:]}, q [{N}, {K}]",
                           (torch.randn(*lead, K, generator=rng, dtype=torch.float64) * 4).to(dtype),
                           *layer(N, K, bias=bool(i % 3), dtype=dtype)))
@@ -774,6 +892,11 @@ def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4
               show_call=show, seconds=5, total_seconds=20,
               error_hints={"same dtype": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
                            "signed char": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
+                           "expected m1 and m2 to have the same dtype": "matmul does not mix dtypes: convert the "
+                                                                        "dequantized weight to x.dtype",
+                           "expected scalar type": "matmul does not mix dtypes: convert the dequantized weight to "
+                                                   "x.dtype",
+                           "view size is not compatible": "x may be a transposed view: use reshape, not view",
                            "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T",
                            "The size of tensor": "scale has one entry per output, a ROW of q: q * scale[:, None] "
                                                  "(or the product's last dimension times scale)"})
