@@ -5,6 +5,9 @@ check-side references agree with torch's fused attention and with the engine's g
 import math
 import re
 from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
 
 import pytest
 import torch
@@ -204,6 +207,72 @@ class EngineSubclass(EngineKVCache):
         return super().update(layer, k, v)
 
 
+class TupleLayersCache(KVCache):
+    """Layers in tuples: the engine's guard (and beam search) needs lists."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        self.k, self.v = tuple(self.k), tuple(self.v)
+
+
+class ListReturnCache(KVCache):
+    def update(self, layer, k, v):
+        return list(super().update(layer, k, v))
+
+
+class FlatViewCache(KVCache):
+    """Writes through .view(): fine on contiguous k and v, not on the model's (split from qkv)."""
+
+    def update(self, layer, k, v):
+        B, H, T, D = k.shape
+        end = self.length + T
+        if end > self.max_len:
+            raise ValueError("full")
+        self.k[layer][:, :, self.length:end] = k.view(B, H, T * D).view(B, H, T, D)
+        self.v[layer][:, :, self.length:end] = v.view(B, H, T * D).view(B, H, T, D)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class ClassAttributeCache(KVCache):
+    """Keeps its tensors on the class: a second cache replaces the first one's."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        ClassAttributeCache.k, ClassAttributeCache.v = self.k, self.v
+        del self.k, self.v
+
+
+class OwnCounterCache(KVCache):
+    """Counts its own positions instead of reading cache.length: a rollback is ignored."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        self.written, self.n_layer = 0, config.n_layer
+
+    def update(self, layer, k, v):
+        start, end = self.written, self.written + k.shape[2]
+        if end > self.max_len:
+            raise ValueError("full")
+        self.k[layer][:, :, start:end] = k
+        self.v[layer][:, :, start:end] = v
+        if layer == self.n_layer - 1:
+            self.written = end
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class Uint8LengthCache(KVCache):
+    """The length in a uint8 tensor: wraps past position 255."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        self.length = torch.tensor(0, dtype=torch.uint8)
+
+
+class HalfByDefaultCache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float16):  # a wrong default
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+
+
 KV_CACHE_MISTAKES = [
     (CatCache, r"has shape \(1, 1?2?, 0, 4\).*preallocate all max_len positions"),
     (CatIntoPreallocated, r"replaced cache\.k\[0\] by a new tensor.*write in place"),
@@ -217,6 +286,13 @@ KV_CACHE_MISTAKES = [
     (NoBatchCache, r"has shape \(1, 3, 7, 4\), expected .* \(2, 3, 7, 4\)"),
     (OffByOneCache, r"returned keys of shape \(1, 2, 2, 4\), expected \(1, 2, 3, 4\)"),
     (EngineSubclass, r"llmcourse\.model\.KVCache.*write your own"),
+    (TupleLayersCache, r"cache\.k is a tuple: make it a list"),
+    (ListReturnCache, r"returned a list \[keys, values\], expected a tuple"),
+    (FlatViewCache, r"view size is not compatible.*hint: k and v are views split from the qkv projection"),
+    (ClassAttributeCache, r"after a second KVCache was made.*not on the class"),
+    (OwnCounterCache, r"rolled back.*write at cache\.length"),
+    (Uint8LengthCache, r"past position 255.*uint8"),
+    (HalfByDefaultCache, r"without dtype makes float32 tensors"),
 ]
 
 
@@ -249,9 +325,34 @@ class OneBlockCache:
         return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
 
 
-def test_kv_cache_alternative_passes(capsys):
-    check_kv_cache(OneBlockCache)
-    check_kv_cache(OneBlockCache, seed=101, n_random=12)
+class KeysValues(NamedTuple):
+    keys: torch.Tensor
+    values: torch.Tensor
+
+
+class PositionMajorCache:
+    """Correct, written differently: storage [B, max_len, H, D] (position-major, as a paged pool), k and v its
+    transposed views; the length a numpy integer; update returns a NamedTuple."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        shape = (batch_size, max_len, config.n_head, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in range(config.n_layer)]
+        self.length, self.max_len = np.int64(0), max_len
+
+    def update(self, layer, k, v):
+        start, end = int(self.length), int(self.length) + k.shape[2]
+        if end > self.max_len:
+            raise RuntimeError(f"{end} positions do not fit in {self.max_len}")
+        self.k[layer][:, :, start:end].copy_(k)
+        self.v[layer][:, :, start:end].copy_(v)
+        return KeysValues(self.k[layer][:, :, :end], self.v[layer][:, :, :end])
+
+
+@pytest.mark.parametrize("cls", [OneBlockCache, PositionMajorCache])
+def test_kv_cache_alternative_passes(cls, capsys):
+    check_kv_cache(cls)
+    check_kv_cache(cls, seed=101, n_random=12)
     assert capsys.readouterr().out.count("✓") == 2
 
 
@@ -267,7 +368,7 @@ def test_kv_cache_that_raises_or_hangs_gets_a_clear_message():
             while True:
                 pass
 
-    fails(check_kv_cache, Hanging, r"did not finish within 2 s")
+    fails(check_kv_cache, Hanging, r"did not finish within \d+ s")
     fails(check_kv_cache, lambda *a: None, r"expected a class")
 
 

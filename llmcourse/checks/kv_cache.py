@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import math
 import random
+import traceback
 from typing import Any, Callable, Optional
 
 import torch
@@ -75,18 +76,27 @@ def _randn(g: torch.Generator, *shape: int, dtype=torch.float32) -> Tensor:
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 1: KVCache
+#
+# A case runs the engine's protocol on one or two caches: each step calls update(layer, k, v) for every layer
+# with k and v as the model passes them (views of the attention's qkv projection, split into heads: not
+# contiguous), then advances cache.length by T; a step may also set cache.length back (speculative decoding
+# rolls a cache back past rejected tokens). The check ends with the engine's generation running the learner's
+# class exactly as `my_engine` installs it (`GuardedCache.of(cls)` in `model.cache_class`).
 
 
 @dataclasses.dataclass
 class Write:
     """What one `update(layer, k, v)` did."""
 
+    cache: int  # which cache (0; 1 in the case with two caches alive)
     step: int
     layer: int
     start: int  # cache.length when it was called
     T: int
-    keys: Any = None  # what it returned (copies), or the exception it raised
+    keys: Any = None  # what it returned (copies)
     values: Any = None
+    returned: str = ""  # what it returned, when that is not a tuple of two tensors
+    raised: str = ""  # the error it raised, and where
     length_after: int = 0
     views: bool = True  # the returned tensors share the cache's storage
     moved: str = ""  # which cache tensor was replaced by another one, if any
@@ -94,17 +104,18 @@ class Write:
 
 @dataclasses.dataclass
 class Trace:
-    """Everything a run of a cache did, to compare with the engine's run on the same input."""
+    """Everything a run of one or two caches did, to compare with the engine's run on the same input."""
 
-    problem: str = ""  # what is wrong with the cache as built (attributes, shapes, shared tensors)
+    problem: str = ""  # what is wrong with a cache as built (attributes, shapes, shared tensors)
     writes: list = dataclasses.field(default_factory=list)
-    contents: list = dataclasses.field(default_factory=list)  # the k and v tensors of every layer at the end
+    contents: list = dataclasses.field(default_factory=list)  # the k and v tensors of every layer, every cache
     refused: Optional[str] = None  # the error of a write past max_len (None: not refused)
 
     def __repr__(self) -> str:
         if self.problem:
             return self.problem
-        shapes = ", ".join(f"{list(w.keys.shape)}" for w in self.writes if isinstance(w.keys, Tensor) and w.layer == 0)
+        shapes = ", ".join(f"{list(w.keys.shape)}" for w in self.writes
+                           if isinstance(w.keys, Tensor) and w.layer == 0 and w.cache == 0)
         return f"update returned keys of shape {shapes} (layer 0){'; refused a write past max_len' if self.refused else ''}"
 
 
@@ -119,14 +130,18 @@ def _span(t: Tensor) -> tuple[int, int]:
 
 
 def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int, dtype: torch.dtype) -> str:
-    """What is wrong with a new cache's attributes, or ''."""
+    """What is wrong with a new cache's attributes, or ''. What `GuardedCache` (the engine's guard) needs, and more."""
     for name in ("k", "v", "length", "max_len", "update"):
         if not hasattr(cache, name):
             return f"the new cache has no attribute `{name}`"
     shape = (batch_size, config.n_head, max_len, config.head_dim)
     for name in ("k", "v"):
         tensors = getattr(cache, name)
-        if not isinstance(tensors, (list, tuple)) or len(tensors) != config.n_layer:
+        if isinstance(tensors, tuple) and len(tensors) == config.n_layer:
+            return (f"cache.{name} is a tuple: make it a list of {config.n_layer} tensors (one per layer), "
+                    f"[torch.zeros(...) for _ in range(n_layer)] — the engine takes a list (beam search replaces it "
+                    f"with a new list of reordered rows)")
+        if not isinstance(tensors, list) or len(tensors) != config.n_layer:
             return (f"cache.{name} should be a list of {config.n_layer} tensors (one per layer), got "
                     f"{short(tensors, 80)}")
         for i, t in enumerate(tensors):
@@ -157,38 +172,78 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
     return ""
 
 
-def _run_cache(cls, config: GPT2Config, batch_size: int, max_len: int, dtype: torch.dtype, steps: list) -> Trace:
-    """Build cls(config, batch_size, max_len, device='cpu', dtype=dtype) and run the engine's protocol on it:
-    each step calls update(layer, k, v) for every layer, then advances cache.length by T."""
-    cache = cls(config, batch_size, max_len, device="cpu", dtype=dtype)
-    trace = Trace(problem=_structure_problem(cache, config, batch_size, max_len, dtype))
-    if trace.problem:
+def _new_caches(cls, specs: list, defaults: bool) -> tuple[list, str]:
+    """cls(config, batch_size, max_len, device='cpu', dtype=dtype) for every spec (without device and dtype if
+    `defaults`), each checked when made and all of them again after the last one is made. -> (caches, problem)."""
+    caches = []
+    for i, (config, batch_size, max_len, dtype) in enumerate(specs):
+        cache = cls(config, batch_size, max_len) if defaults else cls(config, batch_size, max_len, device="cpu", dtype=dtype)
+        problem = _structure_problem(cache, config, batch_size, max_len, dtype)
+        if problem and defaults and "dtype" in problem:
+            problem += " — KVCache(config, batch_size, max_len) without dtype makes float32 tensors (dtype=torch.float32)"
+        if problem:
+            return caches, problem
+        caches.append(cache)
+    for i, (cache, spec) in enumerate(zip(caches[:-1], specs)):
+        problem = _structure_problem(cache, *spec)
+        if problem:
+            return caches, (f"the first cache was right when made, but after a second KVCache was made: {problem}. "
+                            f"Keep every tensor (and the length) on the instance, self.k = [...] in __init__, not on "
+                            f"the class: two caches are alive at once (a target and a draft model, two generations)")
+    return caches, ""
+
+
+def _run_caches(cls, specs: list, steps: list, defaults: bool = False) -> Trace:
+    """Make the caches (`_new_caches`) and run `steps` on them: (cache, [(k, v) per layer]) calls update(layer, k, v)
+    for every layer, then advances cache.length by T, as the model does; (cache, n) sets cache.length = n (a rollback).
+    The last step of a case may write past max_len: it must be refused."""
+    caches, problem = _new_caches(cls, specs, defaults)
+    trace = Trace(problem=problem)
+    if problem:
         return trace
-    pointers = [(t.data_ptr(), t.untyped_storage().data_ptr()) for t in [*cache.k, *cache.v]]
-    for step, layers in enumerate(steps):
+    pointers = [[(t.data_ptr(), _storage(t)) for t in [*c.k, *c.v]] for c in caches]
+    for step, (which, layers) in enumerate(steps):
+        cache, (config, _, max_len, _) = caches[which], specs[which]
+        if isinstance(layers, int):
+            cache.length = layers
+            continue
         start, T = cache.length, layers[0][0].shape[2]
         for layer, (k, v) in enumerate(layers):
-            write = Write(step, layer, start, T)
+            write = Write(which, step, layer, start, T)
             trace.writes.append(write)
-            if start + T > max_len:  # the last step of an overflow case: it must be refused
+            if int(start) + T > max_len:  # the last step of an overflow case: it must be refused
                 try:
                     cache.update(layer, k, v)
                 except Exception as err:  # noqa: BLE001 - any clear error will do
                     trace.refused = f"{type(err).__name__}: {err}"
                 return trace
-            keys, values = cache.update(layer, k, v)
-            write.keys, write.values = keys, values
-            if isinstance(keys, Tensor) and isinstance(values, Tensor):
-                write.views = _storage(keys) == _storage(cache.k[layer]) and _storage(values) == _storage(cache.v[layer])
-                write.keys, write.values = keys.clone(), values.clone()
+            try:
+                out = cache.update(layer, k, v)
+            except NotImplementedError:
+                raise
+            except Exception as err:  # noqa: BLE001 - said with the case and where it went wrong
+                frame = traceback.extract_tb(err.__traceback__)[-1]
+                message = str(err) if len(str(err)) <= 300 else str(err)[:300] + "…"
+                write.raised = f"raised {type(err).__name__}: {message}\n  at line {frame.lineno} in " \
+                               f"{frame.name}: {frame.line}"
+                return trace
+            if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+                write.returned = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else
+                                  short(out, 60))
+                if isinstance(out, list) and len(out) == 2 and all(isinstance(t, Tensor) for t in out):
+                    write.returned = "a list [keys, values]"
+                return trace
+            keys, values = out
+            write.views = _storage(keys) == _storage(cache.k[layer]) and _storage(values) == _storage(cache.v[layer])
+            write.keys, write.values = keys.clone(), values.clone()
             write.length_after = cache.length
-            now = [(t.data_ptr(), t.untyped_storage().data_ptr()) for t in [*cache.k, *cache.v]]
-            moved = [i for i, (a, b) in enumerate(zip(pointers, now)) if a != b]
+            now = [(t.data_ptr(), _storage(t)) for t in [*cache.k, *cache.v]]
+            moved = [i for i, (a, b) in enumerate(zip(pointers[which], now)) if a != b]
             if moved:
                 i = moved[0]
                 write.moved = f"k[{i}]" if i < config.n_layer else f"v[{i - config.n_layer}]"
         cache.length += T
-    trace.contents = [t.clone() for t in [*cache.k, *cache.v]]
+    trace.contents = [t.clone() for c in caches for t in [*c.k, *c.v]]
     return trace
 
 
@@ -198,14 +253,33 @@ def _judge_cache(case: Case, got: Trace) -> Verdict:
         return "the check could not follow your cache", ""
     if got.problem:
         return got.problem, ""
+    specs = case.args[1]
     for mine, theirs in zip(got.writes, expected.writes):
-        at = f"step {mine.step} (cache.length {mine.start}, T = {mine.T}), update(layer={mine.layer}, k, v)"
+        max_len = specs[mine.cache][2]
+        which = f"cache #{mine.cache + 1}, " if len(specs) > 1 else ""
+        at = f"{which}step {mine.step} (cache.length {mine.start}, T = {mine.T}), update(layer={mine.layer}, k, v)"
         if theirs.keys is None:  # the write past max_len
             if got.refused is None:
-                return (f"{at} writes past max_len = {case.args[2]} and was not refused",
-                        f"length {mine.start} + T {mine.T} > max_len {case.args[2]}: raise an error (e.g. "
+                return (f"{at} writes past max_len = {max_len} and was not refused",
+                        f"length {mine.start} + T {mine.T} > max_len {max_len}: raise an error (e.g. "
                         "ValueError('cache full: ...')) rather than dropping positions or growing the cache")
             return None
+        extra = ""
+        if theirs.start + mine.T > 256:
+            extra += " — past position 255 here: is the length or an index kept in 8 bits (uint8)?"
+        if any(isinstance(s, int) for _, s in case.args[2][:mine.step]):
+            extra += (" — the cache was rolled back (cache.length set to fewer positions) before this step: write at "
+                      "cache.length, not after the last position written")
+        if mine.raised:
+            hint = NOT_CONTIGUOUS if "view size is not compatible" in mine.raised else ""
+            return f"{at} {mine.raised}", (hint + extra if hint else extra.removeprefix(" — "))
+        if mine.keys is None and not mine.returned:  # the check's own int(length) said it would not fit
+            return (f"{at}: cache.length is {short(mine.start, 60)}, expected {theirs.start}",
+                    "cache.length is a Python int, 0 in a new cache; the model adds T after each step" + extra)
+        if mine.returned:
+            return (f"{at} returned {mine.returned}, expected a tuple (keys, values) of two tensors",
+                    "return self.k[layer][:, :, :end], self.v[layer][:, :, :end] — a tuple, which the model "
+                    "unpacks and the engine checks")
         if mine.length_after != mine.start:
             return (f"{at} changed cache.length from {mine.start} to {short(mine.length_after, 40)}",
                     "update must not advance length: every layer writes the same positions [length, length + T), "
@@ -218,14 +292,14 @@ def _judge_cache(case: Case, got: Trace) -> Verdict:
             if isinstance(g, Tensor) and isinstance(e, Tensor) and g.dim() == 4 and g.shape[2] != e.shape[2]:
                 hint = (f"return only the filled positions, self.{what[0]}[layer][:, :, :length + T]: the other "
                         f"{g.shape[2] - e.shape[2]} positions are zeros the new token would attend to") \
-                    if g.shape[2] == case.args[2] else \
+                    if g.shape[2] == max_len else \
                     f"return the positions [0, length + T) = [0, {e.shape[2]}): the cached ones and the new ones"
-                return f"{at} returned {what} of shape {tuple(g.shape)}, expected {tuple(e.shape)}", hint
+                return f"{at} returned {what} of shape {tuple(g.shape)}, expected {tuple(e.shape)}", hint + extra
             problem = tensor_problem(g, e, atol=0, rtol=0)
             if problem:
                 return f"{at} returned wrong {what}: {problem}", \
                     "write k and v at positions [length, length + T) of this layer's tensors, then return positions " \
-                    "[0, length + T)"
+                    "[0, length + T)" + extra
         if not mine.views:
             return (f"{at} returned copies, not views of the cache",
                     "return slices such as self.k[layer][:, :, :end] (a view: no copy); .clone() or torch.cat "
@@ -240,25 +314,85 @@ def _judge_cache(case: Case, got: Trace) -> Verdict:
     return None
 
 
-def _cache_steps(g: torch.Generator, config: GPT2Config, batch_size: int, chunks: list[int], dtype) -> list:
-    H, D = config.n_head, config.head_dim
-    return [[(_randn(g, batch_size, H, T, D, dtype=dtype) * 3 + 1, _randn(g, batch_size, H, T, D, dtype=dtype) * 3 - 1)
-             for _ in range(config.n_layer)] for T in chunks]
+def _heads(g: torch.Generator, config: GPT2Config, batch_size: int, T: int, dtype) -> tuple[Tensor, Tensor]:
+    """k and v [B, n_head, T, head_dim] as the model passes them: split from one qkv tensor [B, T, 3C], then
+    split into heads (views, not contiguous)."""
+    C, H, D = config.n_embd, config.n_head, config.head_dim
+    qkv = _randn(g, batch_size, T, 3 * C, dtype=torch.float64).mul(3).add(1).to(dtype)
+    _, k, v = qkv.split(C, dim=-1)
+    return k.view(batch_size, T, H, D).transpose(1, 2), v.view(batch_size, T, H, D).transpose(1, 2)
+
+
+def _cache_steps(g: torch.Generator, config: GPT2Config, batch_size: int, chunks: list, dtype, which: int = 0) -> list:
+    """Steps for one cache: an int T in `chunks` writes T positions; ('to', n) sets cache.length = n."""
+    return [(which, chunk[1]) if isinstance(chunk, tuple) else
+            (which, [_heads(g, config, batch_size, chunk, dtype) for _ in range(config.n_layer)]) for chunk in chunks]
+
+
+NOT_CONTIGUOUS = ("k and v are views split from the qkv projection (not contiguous), as the model passes them: "
+                  ".view() cannot reshape them; write them with a slice, self.k[layer][:, :, start:end] = k (or use "
+                  ".reshape())")
+CACHE_ENGINE_RUNS: dict[int, tuple] = {}  # seed -> (model, draft, calls): kept out of the cases' arguments
+
+
+def _cache_engine_calls(seed: int) -> tuple:
+    """A tiny random model, a draft model and the generations the engine makes with a cache: greedy, a left-padded
+    batch (attention mask), beam search (reorder), speculative decoding (rollbacks)."""
+    if seed not in CACHE_ENGINE_RUNS:
+        rng = random.Random(seed)
+        model, draft = decisive_model(seed, n_layer=2), decisive_model(seed + 1, n_layer=1)
+        prompt = lambda n: [rng.randrange(97) for _ in range(n)]  # noqa: E731
+        calls = [("greedy", prompt(20), dict(max_new_tokens=12)),
+                 ("a left-padded batch", [prompt(7), prompt(2), prompt(12)], dict(max_new_tokens=8)),
+                 ("beam search (3 beams)", prompt(5), dict(max_new_tokens=6, num_beams=3)),
+                 ("speculative decoding (rolls the cache back)", prompt(6), dict(max_new_tokens=12, draft=draft,
+                                                                                 num_draft_tokens=3))]
+        CACHE_ENGINE_RUNS[seed] = (model, calls, _generations(model, calls, EngineKVCache))
+    return CACHE_ENGINE_RUNS[seed]
+
+
+def _generations(model: GPT2, calls: list, cache_class) -> Any:
+    """Every call's tokens with `cache_class` installed in the model; a PartError of the engine's guard as text."""
+    from ..generate import generate
+    from ..parts import PartError
+
+    models = [model] + [settings["draft"] for _, _, settings in calls if "draft" in settings]
+    before = [m.cache_class for m in models]
+    for m in models:  # the draft model too: the engine's own cache is the black box of this check
+        m.cache_class = cache_class
+    try:
+        with one_thread():
+            return [generate(model, prompt, eos_token_id=None, **settings) for _, prompt, settings in calls]
+    except PartError as err:
+        return f"{err}".split("\n  hint:")[0]
+    finally:
+        for m, cls in zip(models, before):
+            m.cache_class = cls
+
+
+def _run_in_engine(cls, seed: int) -> Any:
+    """The engine's generations with `cls` installed as `my_engine` installs it: GuardedCache.of(cls) (in the target
+    and the draft model)."""
+    from ..parts import GuardedCache
+
+    model, calls, _ = _cache_engine_calls(seed)
+    return _generations(model, calls, GuardedCache.of(cls))
 
 
 def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     """KVCache(config, batch_size, max_len, *, device=None, dtype=torch.float32): per-layer tensors k, v
-    [B, n_head, max_len, head_dim] allocated once; update(layer, k, v) writes in place at [length, length + T)
-    and returns the views [0, length + T); the caller advances length."""
+    [B, n_head, max_len, head_dim] (lists) allocated once; update(layer, k, v) writes in place at
+    [length, length + T) and returns the views [0, length + T) as a tuple; the caller advances length (and may set
+    it back). And the engine's generation with it (as my_engine installs it) gives the engine's tokens."""
     if not isinstance(cls, type):
         raise CheckFailed(f"✗ KVCache: expected a class, got {short(cls)}")
     g = torch.Generator().manual_seed(seed)
-    f64 = torch.float64
+    f32, f64, f16, bf16 = torch.float32, torch.float64, torch.float16, torch.bfloat16
 
-    def case(description, config, batch_size, max_len, chunks, dtype=torch.float32, hint=""):
+    def case(description, config, batch_size, max_len, chunks, dtype=f32, hint="", defaults=False):
+        specs = [(config, batch_size, max_len, dtype)]
         steps = _cache_steps(g, config, batch_size, chunks, dtype)
-        args = (config, batch_size, max_len, dtype, steps)
-        return Case(description, args, _run_cache(EngineKVCache, *args), hint)
+        return Case(description, ("protocol", specs, steps, defaults), _run_caches(EngineKVCache, specs, steps), hint)
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=8)
     cases = [
@@ -268,29 +402,72 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
              hint="both layers write positions [length, length + T); only the model advances length"),
         case("prefill, then 3 decode steps up to max_len", cfg, 1, 6, [3, 1, 1, 1]),
         case("batch of 2, float64", GPT2Config(n_layer=3, n_head=3, n_embd=12), 2, 7, [4, 1, 2], f64,
-             "float64 in, float64 out: make the tensors with the dtype argument"),
+             hint="float64 in, float64 out: make the tensors with the dtype argument"),
+        case("float16, as a half-precision model on a GPU", cfg, 2, 9, [5, 1, 1], f16,
+             hint="make the tensors with the dtype argument"),
+        case("bfloat16", GPT2Config(n_layer=1, n_head=4, n_embd=16), 1, 6, [2, 3, 1], bf16),
         case("a write past max_len", cfg, 1, 4, [3, 2]),
+        case("speculative decoding: the cache is rolled back (cache.length set back) and written again", cfg, 1, 12,
+             [4, 1, 3, ("to", 6), 3, ("to", 9), 1],
+             hint="after cache.length = n, the next update writes at position n: keep no position counter of your own"),
+        case("GPT-2's 1024 positions: a 300-token prompt, then decode steps past position 255",
+             GPT2Config(n_layer=1, n_head=2, n_embd=8), 1, 1024, [300, 1, 1, 200, 1]),
+        case("KVCache(config, batch_size, max_len) with device and dtype left out", cfg, 1, 5, [2, 1],
+             hint="dtype=torch.float32 and device=None by default", defaults=True),
     ]
+    two = [(GPT2Config(n_layer=2, n_head=2, n_embd=8), 1, 8, f32), (GPT2Config(n_layer=1, n_head=1, n_embd=4), 2, 6, f64)]
+    first, second = (_cache_steps(g, c, b, chunks, d, i) for i, ((c, b, _, d), chunks) in
+                     enumerate(zip(two, ([3, 1, 1, 1], [2, 2, 1]))))
+    interleaved = [first[0], second[0], first[1], second[1], first[2], first[3], second[2]]
+    cases.append(Case("two caches alive at once (a target and a draft model), written in turn",
+                      ("protocol", two, interleaved, False), _run_caches(EngineKVCache, two, interleaved),
+                      "each cache keeps its own tensors and length"))
     rng = random.Random(seed)
     for i in range(n_random):
         n_head = rng.choice([1, 2, 3, 4])
         config = GPT2Config(n_layer=rng.randint(1, 4), n_head=n_head, n_embd=n_head * rng.choice([1, 4, 5, 8]))
         chunks = [rng.randint(1, 6)] + [1] * rng.randint(1, 5) + [rng.randint(1, 3)] * rng.randint(0, 1)
-        max_len = sum(chunks) + rng.randint(0, 3)
-        dtype = (torch.float32, f64)[i % 2]
+        if rng.random() < 0.3:
+            chunks[rng.randrange(1, len(chunks))] = ("to", rng.randint(1, chunks[0]))
+        max_len = sum(c for c in chunks if isinstance(c, int)) + rng.randint(0, 3)
+        dtype = (f32, f64, f16, bf16)[i % 4]
         cases.append(case(f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
                           f"{str(dtype)[6:]}, T = {chunks}", config, rng.randint(1, 3), max_len, chunks, dtype))
+    cases.append(Case("the engine's generation with your KVCache, as my_engine installs it (GuardedCache): greedy, "
+                      "a left-padded batch, beam search, speculative decoding",
+                      ("engine", seed), _cache_engine_calls(seed)[2]))
 
     def show(args: tuple) -> str:
-        config, batch_size, max_len, dtype, steps = args
-        Ts = [layers[0][0].shape[2] for layers in steps]
-        return (f"cache = KVCache(GPT2Config(n_layer={config.n_layer}, n_head={config.n_head}, "
-                f"n_embd={config.n_embd}), batch_size={batch_size}, max_len={max_len}, dtype={dtype}); "
-                f"steps of T = {Ts}: each calls cache.update(layer, k, v) for every layer, k and v "
-                f"[{batch_size}, {config.n_head}, T, {config.head_dim}], then cache.length += T")
+        if args[0] == "engine":
+            calls = _cache_engine_calls(args[1])[1]
+            return ("model.cache_class = GuardedCache.of(KVCache); llmcourse.generate(tiny random model, ...) for: "
+                    + "; ".join(d for d, _, _ in calls))
+        _, specs, steps, defaults = args
+        made = "; ".join(
+            f"cache{'' if len(specs) == 1 else i + 1} = KVCache(GPT2Config(n_layer={c.n_layer}, n_head={c.n_head}, "
+            f"n_embd={c.n_embd}), batch_size={b}, max_len={m}" + (")" if defaults else f", dtype={d})")
+            for i, (c, b, m, d) in enumerate(specs))
+        Ts = [f"length = {s}" if isinstance(s, int) else s[0][0].shape[2] for _, s in steps]
+        whose = "" if len(specs) == 1 else f" (caches {[w + 1 for w, _ in steps]})"
+        return (f"{made}; steps of T = {Ts}{whose}: each calls cache.update(layer, k, v) for every layer, k and v "
+                f"[B, n_head, T, head_dim] (views split from the qkv projection, as the model passes them), then "
+                f"cache.length += T")
 
-    def judge(case: Case, got: Trace) -> Verdict:
+    def judge(case: Case, got: Any) -> Verdict:
         """Says what went wrong where, with the run's input: a trace has no one 'expected' value to show."""
+        if case.args[0] == "engine":
+            if got == case.expected:
+                return None
+            if isinstance(got, str):
+                problem = f"in the engine: {got}"
+            else:
+                i = next((i for i, (a, b) in enumerate(zip(got, case.expected)) if a != b), 0)
+                problem = (f"in the engine, {_cache_engine_calls(case.args[1])[1][i][0]} gave other tokens than with "
+                           f"the engine's KVCache: expected {short(case.expected[i], 80)}, got {short(got[i], 80)}")
+            raise CheckFailed(f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}\n"
+                              "  hint: your cache passes the cases above but not the engine's use of it: it must keep "
+                              "the interface exactly (lists k and v, update returning a tuple, length set by the "
+                              "model)")
         if isinstance(got, Trace) and got.problem:
             raise CheckFailed(f"✗ KVCache — {case.description}: {got.problem}\n  input:    {show(case.args)}")
         verdict = _judge_cache(case, got)
@@ -302,8 +479,13 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
                               + "".join(f"\n  hint: {h}" for h in hints))
         return None
 
-    run_check("KVCache", lambda *args: _run_cache(cls, *args), cases, judge=judge, forbid=[ENGINE_CACHE],
-              show_call=show, seconds=2, total_seconds=30)
+    def run(kind, *args):
+        if kind == "engine":
+            return _run_in_engine(cls, *args)
+        return _run_caches(cls, *args)
+
+    run_check("KVCache", run, cases, judge=judge, forbid=[ENGINE_CACHE], show_call=show, seconds=5, total_seconds=30,
+              error_hints={"view size is not compatible": NOT_CONTIGUOUS})
 
 
 # ----------------------------------------------------------------------------------------------
