@@ -14,11 +14,13 @@ change, black boxes caught however they are reached, nestable time limits, bound
 described in `llmcourse.checks.core`.
 """
 
+import sys
+
 from .attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention, check_softmax,
                         check_split_heads, check_tiled_attention)
 from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
                        check_slot_mapping)
-from .core import Case, CheckFailed, run_check
+from .core import Case, CheckFailed, later, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
                    check_load_gpt2_checkpoint, check_mlp)
@@ -35,7 +37,7 @@ from .speculative import (check_accept_token, check_expected_speedup, check_prom
 from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
                            check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)
 
-__all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE", "check_top_k_next_tokens",
+__all__ = ["Case", "CheckFailed", "later", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE", "check_top_k_next_tokens",
            "run_check", "time_limit",
            "check_get_pair_counts", "check_merge", "check_train_bpe", "check_bytes_to_unicode",
            "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder",
@@ -51,3 +53,18 @@ __all__ = ["Case", "CheckFailed", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE
            "check_accept_token", "check_verify", "check_speculative_round", "check_expected_speedup",
            "check_prompt_lookup_draft",
            "check_quantize_int8", "check_pack_int4", "check_quantize_int4", "check_int8_linear", "check_weight_memory"]
+
+
+def _isolate_every_check() -> None:
+    """Every exercise check runs in a child process of its own (`isolate`): wrapped here, where the
+    modules' functions are gathered, so that a chapter's module needs nothing for it."""
+    from . import isolate
+    for name in __all__:
+        fn = globals()[name]
+        if name.startswith("check_") and not getattr(fn, "isolated", False):
+            wrapped = isolate.isolated(fn)
+            globals()[name] = wrapped
+            setattr(sys.modules[fn.__module__], name, wrapped)
+
+
+_isolate_every_check()

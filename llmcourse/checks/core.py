@@ -52,6 +52,7 @@ from typing import Any, Callable, Collection, Iterable, Optional, Sequence, Unio
 
 import torch
 
+from . import isolate
 from .failed import CheckFailed
 from .forbid import Forbidden, forbidding
 from .inputs import _describe_change, _Inputs, _modify_hint
@@ -61,12 +62,48 @@ from .show import short
 
 @dataclasses.dataclass
 class Case:
-    """One input of a check: `fn(*args)` must give `expected` (as judged by the check's compare)."""
+    """One input of a check: `fn(*args)` must give `expected` (as judged by the check's compare).
+
+    `expected` may be `later(reference, *args)`: it is then computed only after the learner's function
+    has returned, so that no frame the learner's code can reach holds the answer.
+    """
 
     description: str
     args: tuple
     expected: Any
     hint: str = ""
+
+
+class Later:
+    """An expected answer computed after the learner's call (see `later`)."""
+
+    __slots__ = ("fn", "args", "kwargs")
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+
+    def __call__(self) -> Any:
+        return self.fn(*self.args, **self.kwargs)
+
+    def __repr__(self) -> str:
+        return f"later({getattr(self.fn, '__name__', 'reference')}, ...)"
+
+
+def later(fn: Callable, *args: Any, **kwargs: Any) -> Later:
+    """`fn(*args, **kwargs)`, computed when a check needs it: after the learner's function returned.
+
+        >>> run_check("double", lambda x: 2 * x, [Case("small", (3,), later(lambda x: x + x, 3))])
+        ✓ double — 1 case
+    """
+    return Later(fn, args, kwargs)
+
+
+def resolved(case: Case) -> Case:
+    """The case with its expected answer computed, if it was `later`."""
+    if isinstance(case.expected, Later):
+        with torch.no_grad():
+            return dataclasses.replace(case, expected=case.expected())
+    return case
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,6 +147,7 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
     inputs.remember(args)
     limit = time_limit(seconds)
     watch = forbidding(forbid)
+    isolate.call_started(call, seconds)
     try:
         with limit:
             with watch:
@@ -135,6 +173,8 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
             message = "(its message cannot be shown)"
         message = short(message, 300) if len(message) > 300 else message
         raise CheckFailed(f"✗ {call} raised {type(err).__name__}: {message}{_where(err)}") from None
+    finally:
+        isolate.call_ended()
     if watch.violation:
         raise CheckFailed(f"✗ {call}\n  {watch.violation}")
     changed = inputs.changed(args)
@@ -288,6 +328,7 @@ def run_check(
                     if hint and hint not in str(err):
                         raise CheckFailed(f"{err}\n  hint: {hint}") from None
                     raise
+                case = resolved(case)
                 try:
                     verdict = judge(case, got)
                 except (TimeUp, KeyboardInterrupt, CheckFailed):

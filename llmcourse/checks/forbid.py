@@ -13,11 +13,14 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
+import sysconfig
 import types
 from typing import Any, Optional, Sequence
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import limits
 
@@ -33,6 +36,49 @@ NOT_ENFORCEABLE = [
     "anything not on the exercise's list (other libraries' sorting or selection, e.g. numpy.argpartition, "
     "heapq.nlargest, sorted)",
 ]
+
+
+# torch functions that compute the same thing under other names (private kernels, fused variants, the
+# aten operators the public ones dispatch to): forbidding one name of a group forbids them all, by name
+# (torch.X, Tensor.X) and as aten operators, however they are reached (torch.ops.aten.X.default._op,
+# a torch.jit.script'ed function, torch._C._nn.X_).
+_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_attention_math",
+              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+              "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
+              "_native_multi_head_attention", "_transformer_encoder_layer_fwd", "multi_head_attention_forward",
+              "_fused_sdp_choice"}
+_SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "_masked_softmax", "log_softmax", "_log_softmax",
+            "special_softmax", "special_log_softmax", "logsumexp", "special_logsumexp", "cross_entropy",
+            "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"} | _ATTENTION
+SAME_JOB = [  # the first group that holds a name is that name's
+    _ATTENTION,
+    _SOFTMAX,
+    {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",
+     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
+     "_batch_norm_impl_index", "_batch_norm_with_update", "_batch_norm_no_update", "instance_norm", "rms_norm",
+     "_fused_rms_norm"},
+    {"gelu", "gelu_", "_gelu"},
+    {"embedding", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_embedding_bag_backward"},
+    {"topk"},
+    {"multinomial"},
+    {"quantize_per_channel", "quantize_per_tensor", "quantize_per_tensor_dynamic", "_weight_int8pack_mm",
+     "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm_with_scales_and_zeros",
+     "_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu", "fbgemm_linear_int8_weight",
+     "fbgemm_linear_int8_weight_fp32_activation", "fbgemm_linear_quantize_weight", "fbgemm_pack_quantized_matrix",
+     "_dyn_quant_matmul_4bit", "_dyn_quant_pack_4bit_weight", "int_repr", "q_per_channel_scales", "dequantize"},
+]
+_QUANTIZED_NAMESPACES = ("quantized", "_quantized", "quantized_decomposed")
+
+# Introspection that reaches the check's own frames (and so its expected answers), or switches the watch
+# off: refused in every check, when the learner's own code calls it (libraries may use it inside).
+INTROSPECTION = ("sys._getframe", "sys._current_frames", "sys.setprofile", "sys.settrace", "threading.setprofile",
+                 "threading.settrace", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
+                 "inspect.currentframe", "inspect.stack", "inspect.getouterframes", "inspect.trace",
+                 "traceback.walk_stack", "traceback.extract_stack", "torch._C._pop_torch_dispatch_mode",
+                 "torch.utils._python_dispatch._pop_mode", "torch._C._set_torch_function_mode")
+_PEEKING = ("reads the frames or objects of the check that calls it (where the expected answers live) or "
+            "switches off its watch: compute the answer from the arguments")
 
 
 class ForbiddenCall(RuntimeError):
@@ -67,6 +113,7 @@ class _Rules:
     methods: dict = dataclasses.field(default_factory=dict)  # C method name -> [(class, rule)]
     modules: dict = dataclasses.field(default_factory=dict)  # module prefix -> rule
     torch_names: dict = dataclasses.field(default_factory=dict)  # torch function name -> rule
+    aten_names: dict = dataclasses.field(default_factory=dict)  # aten operator name -> rule (SAME_JOB groups)
     caches: list = dataclasses.field(default_factory=list)  # lru_cache wrappers to clear at the start
     keep: list = dataclasses.field(default_factory=list)  # keeps the objects whose ids are used alive
 
@@ -138,7 +185,11 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
     for rule in forbid:
         target = rule.target
         if target.startswith("torch.") and not _is_module(target):
-            rules.torch_names[target.rsplit(".", 1)[1]] = rule  # every route: torch.X, Tensor.X, torch.ops.aten.X
+            name = target.rsplit(".", 1)[1]
+            rules.torch_names.setdefault(name, rule)  # every route: torch.X, Tensor.X, torch.ops.aten.X
+            for alias in next((group for group in SAME_JOB if name in group), ()):
+                rules.torch_names.setdefault(alias, rule)
+                rules.aten_names.setdefault(alias, rule)  # seen as operators, however they are reached
             continue
         if _is_module(target):
             rules.modules[target] = rule
@@ -214,6 +265,64 @@ def _torch_op_calls() -> set[int]:
 
 _OP_CALLS = _torch_op_calls()
 
+_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The watch's own modules run inside the learner's call (the time-out's signal handler, the child's output,
+# the aten watch): never refused.
+_MACHINERY = {os.path.join(_CHECKS_DIR, f"{name}.py") for name in ("limits", "forbid", "isolate", "failed", "core")}
+_LIBRARIES = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "purelib", "platlib")} if p)
+
+
+_HELPERS: dict = {}  # id(code) -> whether it is a reference helper of the checks
+
+
+def _reference_helper(code: types.CodeType) -> bool:
+    """Whether `code` is one of the checks' own functions (their references, expected answers and known
+    mistakes), which a learner's function may not call. Methods of the checks' classes are allowed: checks
+    hand learners such objects (scripted models, recorded caches)."""
+    known = _HELPERS.get(id(code))
+    if known is None:
+        parts = code.co_qualname.split(".")
+        known = (code.co_filename.startswith(_CHECKS_DIR) and code.co_filename not in _MACHINERY
+                 and parts[-1] not in ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
+                 and (len(parts) == 1 or parts[-2] == "<locals>"))
+        _HELPERS[id(code)] = known
+        _KEEP.append(code)  # its id stays its own
+    return known
+
+
+_KEEP: list = []
+
+
+def _learners(frame) -> bool:
+    """Whether `frame` runs the learner's own code (not a library's, not the standard library's)."""
+    filename = frame.f_code.co_filename
+    return not filename.startswith(_LIBRARIES) and not filename.startswith(_PACKAGE_DIR) \
+        and not filename.startswith("<frozen")
+
+
+_PACKAGE_DIR = os.path.dirname(_CHECKS_DIR.rstrip(os.sep)) + os.sep
+
+
+class _AtenWatch(TorchDispatchMode):
+    """Sees every aten operator that runs, however it was reached, and refuses the forbidden ones by name."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # else torch wraps __torch_dispatch__ to import torch._dynamo on first use (3 s, 800 modules)
+
+    def __init__(self, watch: "forbidding", names: dict, quantized: Optional[Forbidden]):
+        super().__init__()
+        self.watch, self.names, self.quantized = watch, names, quantized
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        packet = func.overloadpacket
+        rule = self.names.get(packet.__name__)
+        if rule is None and self.quantized is not None and func.namespace in _QUANTIZED_NAMESPACES:
+            rule = self.quantized
+        if rule is not None:
+            self.watch.refuse(rule, f"torch.ops.{func.namespace}.{packet.__name__}")
+        return func(*args, **(kwargs or {}))
+
 
 class forbidding:
     """`with forbidding(rules):` — calls to the forbidden black boxes raise ForbiddenCall.
@@ -235,6 +344,10 @@ class forbidding:
         self.type_rules: dict = {}  # class -> rule or None, filled as classes are seen
         self.violation: Optional[str] = None
         self.profiling = False
+        self.peeking = _peeking_rules()
+        quantized = next((rules.aten_names[n] for n in ("quantize_per_channel", "_weight_int8pack_mm")
+                          if n in rules.aten_names), None)
+        self.aten = _AtenWatch(self, rules.aten_names, quantized) if rules.aten_names else None
 
     def refuse(self, rule: Forbidden, reached: str):
         message = _message(rule, reached)
@@ -286,6 +399,11 @@ class forbidding:
             rule = self.codes.get(key)
             if rule is not None:
                 self.refuse(rule, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
+            rule = self.peeking.codes.get(key)
+            if rule is not None and frame.f_back is not None and _learners(frame.f_back):
+                self.refuse(rule, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
+            if _reference_helper(code) and frame.f_back is not None and _learners(frame.f_back):
+                self.refuse(_CHECKS_RULE, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
             if key in _OP_CALLS and self.rules.torch_names:  # torch.ops.aten.X(...)
                 op = str(frame.f_locals.get("self", ""))  # 'aten.topk' or 'aten.topk.default'
                 parts = op.split(".")
@@ -299,6 +417,9 @@ class forbidding:
         elif event == "c_call":
             rule = self.builtins.get(id(arg))
             if rule is not None:
+                self.refuse(rule, _c_name(arg))
+            rule = self.peeking.builtins.get(id(arg))
+            if rule is not None and _learners(frame):
                 self.refuse(rule, _c_name(arg))
             owner = getattr(arg, "__self__", None)
             name = getattr(arg, "__name__", None)
@@ -319,21 +440,40 @@ class forbidding:
         rules = self.rules
         for cache in rules.caches:
             cache.cache_clear()  # a cached answer would come back without running code the watch sees
-        if rules.codes or rules.builtins or rules.classes or rules.methods or rules.modules or rules.torch_names:
-            if sys.getprofile() is None:  # another profiler (e.g. %prun) is running: leave it alone
-                sys.setprofile(self._profile)
-                self.profiling = True
+        if sys.getprofile() is None:  # another profiler (e.g. %prun) is running: leave it alone
+            sys.setprofile(self._profile)
+            self.profiling = True
+        if self.aten is not None:
+            self.aten.__enter__()
         return self
 
     def __exit__(self, kind, err, tb) -> bool:
         limits._critical += 1
         try:
+            if self.aten is not None:
+                modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
+                if self.aten in modes:
+                    self.aten.__exit__(None, None, None)
+                elif self.violation is None:
+                    self.violation = f"your function switched off the check's watch over torch's operators. {_PEEKING}"
             if self.profiling:
+                if sys.getprofile() != self._profile and self.violation is None:
+                    self.violation = f"your function switched off the check's watch (sys.setprofile). {_PEEKING}"
                 sys.setprofile(None)
                 self.profiling = False
         finally:
             limits._critical -= 1
         return False
+
+
+_CHECKS_RULE = Forbidden("llmcourse.checks", "The checks' own functions compute the expected answers: write yours.")
+_PEEK_RULE = Forbidden("introspection", "This " + _PEEKING + ".")
+
+
+@functools.lru_cache(maxsize=None)
+def _peeking_rules() -> _Rules:
+    rules = _compile([Forbidden(target, _PEEK_RULE.instead) for target in INTROSPECTION])
+    return rules
 
 
 def _c_name(arg: Any) -> str:

@@ -1,0 +1,222 @@
+"""`isolated`: a check runs in a child process, so that no learner code can hang or crash the caller.
+
+The in-process time limit (`limits`) stops a learner's function between two Python instructions. It
+cannot stop a loop inside one C call (`sum(range(10**13))`), nor code that catches the time-out
+again and again (`except BaseException: continue`). So a check runs in a forked copy of the process:
+the child runs the check as usual and tells the parent, over a pipe, what it prints, when a call of
+the learner's function starts (with its time limit) and ends, and how the check ended. When a call
+overruns its limit by `GRACE` seconds, the parent ends the child by force and reports that call: the
+Jupyter kernel survives, and its state is as before the check.
+
+Costs, measured on a 2-core x86-64 machine with torch and transformers loaded (520 MB resident):
+a fork and a child's exit take about 20 ms. The child runs torch with one thread: after a fork, the
+OpenMP thread pool that the parent's torch started is unusable in the child (a parallel region
+there waits for ever), and one thread is always safe. Where fork is not available (Windows, macOS
+by policy), CUDA is initialised (a forked child cannot use it), or `LLMCOURSE_CHECKS_IN_PROCESS=1`
+is set, a check runs in the process itself with the in-process limits only.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import pickle
+import select
+import signal
+import struct
+import sys
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from .failed import CheckFailed
+
+GRACE = 3.0  # seconds past a call's own limit before the child is ended by force
+CAP = 600.0  # no check may run longer than this, whatever it does
+_HEADER = struct.Struct("!I")
+
+_channel: Optional["_Channel"] = None  # set in a child: its end of the pipe
+
+
+class _Channel:
+    """The child's end of the pipe: length-prefixed pickled messages."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def send(self, *message: Any) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        data = _HEADER.pack(len(data)) + data
+        while data:
+            written = os.write(self.fd, data)
+            data = data[written:]
+
+
+class _Stream:
+    """sys.stdout / sys.stderr in the child: each write goes to the parent, which prints it."""
+
+    def __init__(self, channel: _Channel, name: str):
+        self.channel, self.name = channel, name
+
+    def write(self, text: str) -> int:
+        if text:
+            self.channel.send("out", self.name, str(text))
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+    def isatty(self) -> bool:
+        return False
+
+
+def call_started(call: str, seconds: float) -> None:
+    """In a child: the learner's function starts (the parent ends it `GRACE` s after `seconds`)."""
+    if _channel is not None:
+        _channel.send("call", call, float(seconds))
+
+
+def call_ended() -> None:
+    if _channel is not None:
+        _channel.send("end")
+
+
+def usable() -> bool:
+    """Whether checks can run in a child process here."""
+    return (_channel is None and hasattr(os, "fork") and sys.platform.startswith("linux")
+            and os.environ.get("LLMCOURSE_CHECKS_IN_PROCESS") != "1"
+            and not (torch.cuda.is_available() and torch.cuda.is_initialized()))
+
+
+def _payload(err: BaseException) -> tuple:
+    """How the child's exception travels: itself when it pickles, else its type name and text."""
+    try:
+        data = pickle.dumps(err)
+        pickle.loads(data)
+        return ("exception", data)
+    except Exception:
+        return ("text", type(err).__name__, str(err))
+
+
+def _child(check: Callable, args: tuple, kwargs: dict, fd: int) -> None:
+    global _channel
+    _channel = channel = _Channel(fd)
+    torch.set_num_threads(1)
+    sys.stdout, sys.stderr = _Stream(channel, "stdout"), _Stream(channel, "stderr")
+    try:
+        value = check(*args, **kwargs)
+        try:
+            channel.send("return", value)
+        except Exception:
+            channel.send("return", None)
+    except CheckFailed as err:
+        channel.send("failed", str(err))
+    except BaseException as err:
+        channel.send("raised", _payload(err))
+
+
+def _read_messages(fd: int, buffer: bytearray) -> tuple[list, bool]:
+    """The complete messages that have arrived, and whether the pipe is closed."""
+    data = os.read(fd, 1 << 16)
+    buffer.extend(data)
+    messages = []
+    while len(buffer) >= _HEADER.size:
+        (size,) = _HEADER.unpack_from(buffer)
+        if len(buffer) < _HEADER.size + size:
+            break
+        messages.append(pickle.loads(bytes(buffer[_HEADER.size:_HEADER.size + size])))
+        del buffer[:_HEADER.size + size]
+    return messages, not data
+
+
+def _end(pid: int) -> Optional[int]:
+    """Kill the child if it still runs; its wait status."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        os.kill(pid, signal.SIGKILL)
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return None
+
+
+def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
+    __tracebackhide__ = True
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: run the check, report, and leave without running any exit handler
+        try:
+            os.close(read)
+            _child(check, args, kwargs, write)
+        finally:
+            os._exit(0)
+    os.close(write)
+    buffer = bytearray()
+    outcome: Optional[tuple] = None
+    call: Optional[tuple[str, float, float]] = None  # (call, its limit, the time the child is ended)
+    cap = time.monotonic() + CAP
+    try:
+        while True:
+            deadline = min(cap, call[2]) if call else cap
+            wait = deadline - time.monotonic()
+            if wait <= 0 or not select.select([read], [], [], wait)[0]:
+                if call:
+                    raise CheckFailed(
+                        f"✗ {call[0]} did not finish within {call[1]:g} s, and could not be stopped from inside "
+                        f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
+                        "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
+                        "or one that catches every exception (`except BaseException:` / a bare `except:` also "
+                        "catches the time-out: catch `Exception`)") from None
+                raise CheckFailed(f"✗ the check did not finish within {CAP:g} s: it was ended.") from None
+            messages, closed = _read_messages(read, buffer)
+            for message in messages:
+                kind = message[0]
+                if kind == "out":
+                    print(message[2], end="", file=sys.stdout if message[1] == "stdout" else sys.stderr, flush=True)
+                elif kind == "call":
+                    call = (message[1], message[2], time.monotonic() + message[2] + GRACE)
+                elif kind == "end":
+                    call = None
+                else:
+                    outcome = message
+            if closed:
+                break
+    finally:
+        os.close(read)
+        status = _end(pid)
+    if outcome is None:
+        how = (f"signal {os.WTERMSIG(status)}" if status is not None and os.WIFSIGNALED(status)
+               else f"exit status {os.WEXITSTATUS(status)}" if status is not None else "unknown")
+        where = f" while running {call[0]}" if call else ""
+        raise CheckFailed(f"✗ the check's process ended unexpectedly ({how}){where}: the learner's code crashed it "
+                          "(os._exit, a segmentation fault in C code, or memory ran out).")
+    kind = outcome[0]
+    if kind == "return":
+        return outcome[1]
+    if kind == "failed":
+        raise CheckFailed(outcome[1]) from None
+    payload = outcome[1]
+    if payload[0] == "exception":
+        raise pickle.loads(payload[1])
+    raise RuntimeError(f"{payload[1]}: {payload[2]}")
+
+
+def isolated(check: Callable) -> Callable:
+    """`check` run in a child process when `usable()`, else in this one (see the module's docstring)."""
+
+    @functools.wraps(check)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        if not usable():
+            return check(*args, **kwargs)
+        return _run_in_child(check, args, kwargs)
+
+    run.isolated = True
+    return run
