@@ -532,7 +532,45 @@ def loop_engine(model, prompt_ids, max_new_tokens, cache_class=KVCache):
     return llmcourse.generate(model, prompt_ids, max_new_tokens=max_new_tokens, eos_token_id=None)
 
 
+@torch.no_grad()
+def loop_checks_with_full_recompute(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """A cached loop that takes each token from a full recompute of the whole sequence."""
+    cache = new_cache(model, cache_class, len(prompt_ids) + max_new_tokens)
+    model(torch.tensor([prompt_ids]), cache=cache)
+    ids = list(prompt_ids)
+    ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    while len(ids) < len(prompt_ids) + max_new_tokens:
+        model(torch.tensor([ids[-1:]]), cache=cache)
+        ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[len(prompt_ids):]
+
+
+REMEMBERED = {}
+
+
+def loop_remembers_answers(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Keeps its answers by (prompt, length): the model is not part of the key."""
+    key = (tuple(prompt_ids), max_new_tokens)
+    if key not in REMEMBERED:
+        REMEMBERED[key] = generate_greedy(model, prompt_ids, max_new_tokens, cache_class)
+    return REMEMBERED[key]
+
+
+@torch.no_grad()
+def loop_cache_of_256(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """A cache of a fixed 256 positions."""
+    cache = new_cache(model, cache_class, 256)
+    tokens = [int(model(torch.tensor([prompt_ids]), cache=cache)[0, -1].argmax())]
+    while len(tokens) < max_new_tokens:
+        tokens.append(int(model(torch.tensor([[tokens[-1]]]), cache=cache)[0, -1].argmax()))
+    return tokens
+
+
 LOOP_MISTAKES = [
+    (loop_checks_with_full_recompute, r"the model computed \d+ positions for a 1-token prompt and 6 new tokens; a "
+                                      r"cached loop computes 6.*full recompute"),
+    (loop_remembers_answers, r"nothing kept from an earlier call.*made no cache"),
+    (loop_cache_of_256, r"cache is full.*max_len is 256"),
     (loop_forgets_last_prompt_token, r"the prefill put \d+ of the \d+ prompt tokens in the cache"),
     (loop_refeeds_everything, r"each decode step should feed one token.*writes its positions twice"),
     (loop_new_cache_each_step, r"the loop made \d+ caches; one is enough"),
@@ -547,6 +585,7 @@ LOOP_MISTAKES = [
 
 @pytest.mark.parametrize("fn, pattern", LOOP_MISTAKES, ids=[f.__name__ for f, _ in LOOP_MISTAKES])
 def test_generate_greedy_mistakes_are_named(fn, pattern):
+    REMEMBERED.clear()
     fails(check_generate_greedy, fn, pattern)
 
 
@@ -562,9 +601,25 @@ def generate_greedy_feeds_last_token(model, prompt_ids, max_new_tokens, cache_cl
     return tokens
 
 
-def test_generate_greedy_alternative_passes(capsys):
-    check_generate_greedy(generate_greedy_feeds_last_token)
-    assert capsys.readouterr().out.count("✓") == 1
+@torch.no_grad()
+def generate_greedy_numpy(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Correct, written differently: float64 logits argmaxed by numpy (numpy.int64 tokens), ids grown in a tensor."""
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
+    feed, tokens = torch.as_tensor(np.array([prompt_ids])), []
+    for _ in range(max_new_tokens):
+        logits = model.forward(feed, cache=cache)[0, -1].double().numpy()
+        tokens.append(np.argmax(logits))
+        feed = torch.tensor([[int(tokens[-1])]])
+        if len(tokens) == max_new_tokens:
+            break
+    return tokens
+
+
+@pytest.mark.parametrize("fn", [generate_greedy_feeds_last_token, generate_greedy_numpy])
+def test_generate_greedy_alternative_passes(fn, capsys):
+    check_generate_greedy(fn)
+    check_generate_greedy(fn, seed=101, n_random=4)
+    assert capsys.readouterr().out.count("✓") == 2
 
 
 def test_check_models_continue_in_varied_and_decisive_ways():

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import numbers
 import random
 import traceback
 from typing import Any, Callable, Optional
@@ -654,15 +655,29 @@ def recording_cache(base: type = EngineKVCache) -> type:
 class Run:
     tokens: Any
     caches: list  # the recorded caches made during the call
+    positions: int = 0  # how many positions the model computed (batch rows × tokens, over every call)
 
     def __repr__(self) -> str:
         return short(self.tokens, 200)
 
 
 def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: int) -> Run:
+    """fn's tokens, the caches it made with a recording cache class, and the positions the model computed (counted
+    where every forward pass goes, `model.blocks`: a loop that also recomputes the whole sequence is seen)."""
     cache_class = recording_cache()
-    tokens = fn(model, list(prompt_ids), max_new_tokens, cache_class)
-    return Run(tokens, cache_class.made)
+    run = Run(None, cache_class.made)
+    blocks = model.blocks
+
+    def counted(x, attend):
+        run.positions += x.shape[0] * x.shape[1]
+        return blocks(x, attend)
+
+    model.blocks = counted
+    try:
+        run.tokens = fn(model, list(prompt_ids), max_new_tokens, cache_class)
+    finally:
+        del model.blocks
+    return run
 
 
 def _loop_problem(case: Case, got: Run) -> Verdict:
@@ -671,7 +686,8 @@ def _loop_problem(case: Case, got: Run) -> Verdict:
     tokens = got.tokens
     if isinstance(tokens, Tensor):
         return f"expected a list of {n} ints, got a tensor {list(tokens.shape)}", "return a list: tensor.tolist()"
-    if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if not isinstance(tokens, list) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                               for t in tokens):
         return f"expected a list of {n} ints (the new token ids), got {short(tokens, 80)}", \
             "int(logits.argmax()) is a Python int"
     if len(tokens) != n:
@@ -713,6 +729,11 @@ def _loop_problem(case: Case, got: Run) -> Verdict:
                 "each step feeds the token just chosen and takes the argmax of the last position's logits")
     if len(later) > n:
         return f"{len(later)} decode steps for {n} tokens ({seen})", "the prefill gives the first token: n - 1 steps remain"
+    if got.positions > P + n:
+        return (f"the model computed {got.positions} positions for a {P}-token prompt and {n} new tokens; a cached "
+                f"loop computes {P + n - 1} ({P} in the prefill, then one per step)",
+                "take every token from the cached calls: running the model on the whole sequence as well (a full "
+                "recompute) does all the work the cache is there to save")
     return None
 
 
@@ -748,6 +769,11 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
         case("float64, 3 layers of 4 heads", decisive_model(seed + 1, n_layer=3, n_head=4, dtype=torch.float64),
              [rng.randrange(V) for _ in range(5)], 8, "make the cache in the model's dtype"),
         case("filling all 64 positions", tiny, [rng.randrange(V) for _ in range(40)], 24),
+        case("the same one-token prompt and length on another model (nothing kept from an earlier call)",
+             decisive_model(seed + 2, n_layer=1), [5], 6),
+        case("a 270-token prompt (positions past 255) over 300 token ids (ids past 255), 20 new tokens",
+             decisive_model(seed + 3, n_layer=1, n_positions=320, vocab_size=300),
+             [rng.randrange(300) for _ in range(270)], 20, "the cache holds len(prompt_ids) + max_new_tokens positions"),
     ]
     for i in range(n_random):
         model = decisive_model(seed + 10 + i, n_layer=rng.randint(1, 3), n_head=rng.choice([1, 2, 4]))
