@@ -200,7 +200,148 @@ def rope_first_row_positions(x, position_ids, base=10000.0):  # right unless row
     return rope(x, position_ids[:1].expand_as(position_ids), base)
 
 
+# -- mistakes of the kinds issue 22 found: the engine's sizes, dtypes, views, defaults, repeated calls --
+
+
+def embedding_flat_view(weight, ids):  # .view on the engine's expanded position ids
+    return weight[ids.view(-1)].view(*ids.shape, weight.shape[-1])
+
+
+def embedding_float32_unless_float64(weight, ids):  # float16 / bfloat16 tables come back float32
+    return weight[ids] if weight.dtype == torch.float64 else weight.float()[ids]
+
+
+def embedding_int16_ids(weight, ids):  # ids past 32767 wrap around (to negative rows)
+    return weight[ids.to(torch.int16).long()]
+
+
+_EMBEDDING_CACHE = {}
+
+
+def embedding_cached_by_ids(weight, ids):  # a cache keyed on part of the arguments
+    key = (tuple(ids.shape), tuple(ids.flatten().tolist()))
+    if key not in _EMBEDDING_CACHE:
+        _EMBEDDING_CACHE[key] = weight[ids]
+    return _EMBEDDING_CACHE[key]
+
+
+def embedding_wrong_in_the_engine(weight, ids):  # right on every case; wrong for the bundled model's positions
+    return weight[ids] * (0.5 if weight.shape == (256, 192) else 1.0)
+
+
+def embed_without_default(wte, wpe, input_ids, position_ids):  # the engine calls embed(wte, wpe, input_ids)
+    return embed(wte, wpe, input_ids, position_ids)
+
+
+def embed_eos_as_padding(wte, wpe, input_ids, position_ids=None):
+    if position_ids is None:  # counts only tokens that are not <|endoftext|>, as if it were padding
+        position_ids = ((input_ids != 50256).long().cumsum(-1) - 1).clamp(min=0)
+    return wte[input_ids] + wpe[position_ids]
+
+
+def embed_uint8_positions(wte, wpe, input_ids, position_ids=None):
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1], dtype=torch.uint8).long().expand_as(input_ids)
+    return wte[input_ids] + wpe[position_ids]
+
+
+def embed_float32_sum(wte, wpe, input_ids, position_ids=None):  # right for float32 and float64 only
+    out = torch.zeros(*input_ids.shape, wte.shape[1], dtype=torch.float64 if wte.dtype == torch.float64 else torch.float32)
+    if position_ids is None:
+        position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
+    return out + wte[input_ids] + wpe[position_ids]
+
+
+def embed_flat_view(wte, wpe, input_ids, position_ids=None):
+    B, T = input_ids.shape
+    if position_ids is None:
+        position_ids = torch.arange(T).repeat(B, 1)
+    return wte[input_ids.view(-1)].view(B, T, -1) + wpe[position_ids.view(-1)].view(B, T, -1)
+
+
+_SINUSOIDAL_CACHE = {}
+
+
+def sinusoidal_cached_by_shape(n_positions, dim, base=10000.0):  # keyed on (n, dim), ignoring base
+    if (n_positions, dim) not in _SINUSOIDAL_CACHE:
+        _SINUSOIDAL_CACHE[(n_positions, dim)] = sinusoidal_positions(n_positions, dim, base)
+    return _SINUSOIDAL_CACHE[(n_positions, dim)].clone()
+
+
+def sinusoidal_uint8_positions(n_positions, dim, base=10000.0):
+    position = torch.arange(n_positions).to(torch.uint8).double()[:, None]
+    angle = position / base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    return torch.stack([angle.sin(), angle.cos()], dim=-1).flatten(1).float()
+
+
+def sinusoidal_fixed_table(n_positions, dim, base=10000.0):  # a table of 2048 rows, sliced
+    return sinusoidal_positions(2048, dim, base)[:n_positions]
+
+
+def rope_flat_rows(x, position_ids, base=10000.0):  # .view on split_heads' non-contiguous q / k
+    B, H, T, D = x.shape
+    rows = x.view(-1, D)
+    return rope(rows.view(B, H, T, D), position_ids, base)
+
+
+def rope_float32_for_half(x, position_ids, base=10000.0):  # float32 cos and sin promote float16 x to float32
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = position_ids[..., None].double() * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return x * angle.cos().to(dtype) + rotate_half(x) * angle.sin().to(dtype)
+
+
+_ROPE_CACHE = {}
+
+
+def rope_cached_by_shape(x, position_ids, base=10000.0):  # cos / sin kept by (T, D): positions ignored after
+    key = (x.shape[-2], x.shape[-1], base, x.dtype, tuple(position_ids.shape))
+    if key not in _ROPE_CACHE:
+        _ROPE_CACHE[key] = position_ids.clone()
+    return rope(x, _ROPE_CACHE[key], base)
+
+
+def rope_uint8_positions(x, position_ids, base=10000.0):
+    return rope(x, position_ids.to(torch.uint8).long(), base)
+
+
+_ROPE_TABLES = {}
+
+
+def rope_table_by_head_dim(x, position_ids, base=10000.0):  # transformers-like cos/sin table, keyed on D only
+    d = x.shape[-1]
+    if d not in _ROPE_TABLES:
+        inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        angle = torch.arange(200000, dtype=torch.float64)[:, None] * inv_freq
+        _ROPE_TABLES[d] = torch.cat([angle, angle], dim=-1)
+    angle = _ROPE_TABLES[d][position_ids][:, None]
+    return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
+
+
 MISTAKES = [
+    (check_embedding, embedding_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view[\s\S]*use \.reshape\(\)"),
+    (check_embedding, embedding_float32_unless_float64,
+     r"float16 weights[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*no \.float\(\)"),
+    (check_embedding, embedding_int16_ids, r"GPT-2's vocabulary[\s\S]*int16 holds ids only up to 32767"),
+    (check_embedding, embedding_cached_by_ids, r"another table of the same shape[\s\S]*nothing may be kept"),
+    (check_embedding, embedding_wrong_in_the_engine,
+     r"embedding in the engine — the bundled GPT-2[\s\S]*the logits differ[\s\S]*1e-3 of the largest logit"),
+    (check_embed, embed_without_default, r"missing 1 required positional argument[\s\S]*position_ids=None\)"),
+    (check_embed, embed_eos_as_padding, r"<\|endoftext\|> \(50256\) inside the text[\s\S]*a real token, not padding"),
+    (check_embed, embed_uint8_positions, r"300 tokens[\s\S]*positions go past 255"),
+    (check_embed, embed_float32_sum, r"float16 tables[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_embed, embed_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
+    (check_sinusoidal_positions, sinusoidal_cached_by_shape, r"base 100 \(a table kept[\s\S]*a cache keyed on"),
+    (check_sinusoidal_positions, sinusoidal_uint8_positions, r"positions go past 255"),
+    (check_sinusoidal_positions, sinusoidal_fixed_table,
+     r"4096 positions[\s\S]*expected shape \(4096, 64\), got \(2048, 64\)[\s\S]*no table of a fixed size"),
+    (check_rope, rope_flat_rows, r"raised RuntimeError[\s\S]*non-contiguous view"),
+    (check_rope, rope_float32_for_half, r"float16 stays float16[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_rope, rope_cached_by_shape, r"\[5, 6, 7\][\s\S]*use position_ids"),
+    (check_rope, rope_uint8_positions, r"positions go past 255"),
+    (check_rope, rope_table_by_head_dim, r"the base is an argument"),
     (check_embedding, embedding_flat, r"expected shape \(1, 3, 3\), got \(3, 3\)[\s\S]*keep the shape of ids"),
     (check_embedding, embedding_from_one, r"the values differ[\s\S]*ids count from 0"),
     (check_embedding, embedding_first_row_only, r"a batch of two rows[\s\S]*not ids\[0\] for all"),
@@ -259,6 +400,49 @@ def embed_broadcast(wte, wpe, input_ids, position_ids=None):
     return wte[input_ids] + positions_
 
 
+def embedding_gather(weight, ids):
+    flat = ids.reshape(-1, 1).expand(-1, weight.shape[1])
+    return torch.gather(weight, 0, flat).reshape(*ids.shape, weight.shape[1])
+
+
+def embed_numpy_positions_float64_sum(wte, wpe, input_ids, position_ids=None):
+    """Positions from numpy (int64), the sum in float64, rounded once to the tables' dtype."""
+    import numpy as np
+
+    if position_ids is None:
+        position_ids = torch.from_numpy(np.broadcast_to(np.arange(input_ids.shape[1]), tuple(input_ids.shape)).copy())
+    return (wte[input_ids].double() + wpe[position_ids].double()).to(wte.dtype)
+
+
+def sinusoidal_numpy(n_positions, dim, base=10000.0):
+    import numpy as np
+
+    angle = np.arange(n_positions)[:, None] / np.power(base, np.arange(0, dim, 2) / dim)
+    pe = np.empty((n_positions, dim))
+    pe[:, 0::2], pe[:, 1::2] = np.sin(angle), np.cos(angle)
+    return torch.from_numpy(pe.astype(np.float32))
+
+
+@__import__("functools").lru_cache(maxsize=16)
+def _sinusoidal_table(n_positions, dim, base):
+    return sinusoidal_positions(n_positions, dim, base)
+
+
+def sinusoidal_cached_by_every_argument(n_positions, dim, base=10000.0):
+    return _sinusoidal_table(n_positions, dim, base).clone()
+
+
+def rope_numpy(x, position_ids, base=10000.0):
+    import numpy as np
+
+    d = x.shape[-1]
+    angle = position_ids.numpy()[..., None] * np.power(float(base), -np.arange(0, d, 2) / d)  # [B, T, D/2]
+    angle = np.concatenate([angle, angle], axis=-1)[:, None]
+    xs = x.double().numpy()
+    rotated = np.concatenate([-xs[..., d // 2:], xs[..., : d // 2]], axis=-1)
+    return torch.from_numpy(xs * np.cos(angle) + rotated * np.sin(angle)).to(x.dtype)
+
+
 def sinusoidal_float32_loop(n_positions, dim, base=10000.0):
     """Written from the paper in float32, column by column."""
     pe = torch.zeros(n_positions, dim)
@@ -290,12 +474,14 @@ def rope_complex(x, position_ids, base=10000.0):
 
 
 def rope_hf_style_in_x_dtype(x, position_ids, base=10000.0):
-    """As transformers writes it, but with the angles in x's dtype (float32 for float32: allowed)."""
+    """As transformers writes it, with the angles in x's dtype (float32 for float32: allowed), and in float32
+    for float16 / bfloat16 (as transformers does), cos and sin then cast to x's dtype."""
     d = x.shape[-1]
-    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=x.dtype) / d)
-    freqs = position_ids[..., None].to(x.dtype) * inv_freq
+    angle_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=angle_dtype) / d)
+    freqs = position_ids[..., None].to(angle_dtype) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = emb.cos()[:, None], emb.sin()[:, None]
+    cos, sin = emb.cos().to(x.dtype)[:, None], emb.sin().to(x.dtype)[:, None]
     return x * cos + rotate_half(x) * sin
 
 
@@ -318,6 +504,11 @@ ALTERNATIVES = [
     (check_embedding, embedding_one_hot),
     (check_embedding, embedding_index_select),
     (check_embed, embed_broadcast),
+    (check_embedding, embedding_gather),
+    (check_embed, embed_numpy_positions_float64_sum),
+    (check_sinusoidal_positions, sinusoidal_numpy),
+    (check_sinusoidal_positions, sinusoidal_cached_by_every_argument),
+    (check_rope, rope_numpy),
     (check_sinusoidal_positions, sinusoidal_float32_loop),
     (check_sinusoidal_positions, sinusoidal_exp_log),
     (check_rope, rope_complex),
