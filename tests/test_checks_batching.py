@@ -8,6 +8,7 @@ import re
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -207,7 +208,40 @@ def pad_sorts_prompts(prompts, pad_id=0):
     return left_pad(prompts, pad_id)
 
 
+def pad_default_eos(prompts, pad_id=50256):
+    """A wrong default: the engine calls left_pad(prompts)."""
+    return left_pad(prompts, pad_id)
+
+
+def pad_no_default(prompts, pad_id):
+    return left_pad(prompts, pad_id)
+
+
+def pad_mask_from_ids(prompts, pad_id=0):
+    ids, _, _ = left_pad(prompts, pad_id)
+    mask = (ids != pad_id).long()
+    return ids, mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
+def pad_positions_uint8(prompts, pad_id=0):
+    ids, mask, _ = left_pad(prompts, pad_id)
+    return ids, mask, (mask.to(torch.uint8).cumsum(-1, dtype=torch.uint8).long() - 1).clamp(min=0)
+
+
+def pad_remembers_first_pad(prompts, pad_id=0, _seen={}):
+    """Keeps the pad id of the first call with these prompts: pad_id is not part of the key."""
+    key = tuple(map(tuple, prompts))
+    _seen.setdefault(key, pad_id)
+    return left_pad(prompts, _seen[key])
+
+
 LEFT_PAD_MISTAKES = [
+    (pad_default_eos, r"without pad_id, the padding holds \[50256\]: the default pad_id must be 0"),
+    (pad_no_default, r"missing 1 required positional argument.*hint: the engine calls left_pad\(prompts\) without "
+                     r"pad_id"),
+    (pad_mask_from_ids, r"the attention mask is 0 on real tokens equal to pad_id = \d+.*not from input_ids != pad_id"),
+    (pad_positions_uint8, r"right below 255 and wrong from there on.*int64"),
+    (pad_remembers_first_pad, r"the same prompts, pad_id = 13: the padding holds \[50256\], expected pad_id = 13"),
     (pad_positions_count_padding, r"position ids count the padding.*classic GPT-2 pad-position bug.*count real tokens"),
     (pad_right, r"padded on the right.*pad on the LEFT"),
     (pad_mask_inverted, r"attention mask is inverted"),
@@ -234,9 +268,22 @@ def left_pad_by_rows(prompts, pad_id=0):
     return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
 
 
-def test_left_pad_alternative_passes(capsys):
-    check_left_pad(left_pad_by_rows)
-    check_left_pad(left_pad_by_rows, seed=101, n_random=40, n_models=3)
+def left_pad_numpy(prompts, pad_id=0):
+    """Correct, written differently: numpy arrays (int64 on every platform), positions by np.maximum of a cumsum."""
+    lengths = np.array([len(p) for p in prompts])
+    longest = int(lengths.max())
+    ids = np.full((len(prompts), longest), pad_id, dtype=np.int64)
+    columns = np.arange(longest)[None, :]
+    mask = (columns >= longest - lengths[:, None]).astype(np.int64)
+    for row, p in enumerate(prompts):
+        ids[row, longest - len(p):] = p
+    return torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(np.maximum(mask.cumsum(-1) - 1, 0))
+
+
+@pytest.mark.parametrize("fn", [left_pad_by_rows, left_pad_numpy])
+def test_left_pad_alternative_passes(fn, capsys):
+    check_left_pad(fn)
+    check_left_pad(fn, seed=101, n_random=40, n_models=3)
     assert capsys.readouterr().out.count("✓") == 2
 
 

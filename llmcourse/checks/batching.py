@@ -144,8 +144,14 @@ NO_ENGINE_PAD = Forbidden("llmcourse.batching.left_pad", "The engine's left_pad 
                                                          "write your own (torch.full, slicing and cumsum).")
 
 
+DEFAULT_PAD_HINT = ("the engine calls left_pad(prompts) without pad_id: give it its default, "
+                    "def left_pad(prompts, pad_id=0)")
+
+
 def _pad_verdict(case: Case, got: Any) -> Verdict:
     prompts, pad_id = case.args[1], case.args[2]
+    default = pad_id is None  # called as the engine calls it: left_pad(prompts)
+    pad_id = 0 if default else pad_id
     exp_ids, exp_mask, exp_pos = case.expected
     shape = tuple(exp_ids.shape)
     names = ("input_ids", "attention_mask", "position_ids")
@@ -170,11 +176,22 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
         real = exp_mask.bool()
         if torch.equal(ids[real], exp_ids[real]):
             found = sorted(set(ids[~real].tolist()))
+            if default:
+                return (f"called as the engine calls it, left_pad(prompts) without pad_id, the padding holds "
+                        f"{short(found, 40)}: the default pad_id must be 0",
+                        "def left_pad(prompts, pad_id=0): the engine pads with the default, on models of any "
+                        "vocabulary (a model of 97 tokens has no token 50256: its embedding would fail)")
             return (f"the padding holds {short(found, 40)}, expected pad_id = {pad_id}", "fill the padding with pad_id")
         return "input_ids differ", "row r holds prompts[r] in its last len(prompts[r]) columns"
     if not torch.equal(mask, exp_mask):
         if torch.equal(mask, 1 - exp_mask):
             return "the attention mask is inverted", "the mask is 1 on real tokens (attend) and 0 on padding"
+        clash = exp_mask.bool() & (exp_ids == pad_id)
+        if bool(clash.any()) and torch.equal(mask, (exp_ids != pad_id).long()):
+            r, c = (int(i) for i in torch.nonzero(clash)[0])
+            return (f"the attention mask is 0 on real tokens equal to pad_id = {pad_id} (row {r}, column {c})",
+                    "a prompt may contain the pad id as a real token: build the mask from each prompt's length "
+                    "(its last len(prompt) columns), not from input_ids != pad_id")
         if bool((mask == 1).all()):
             return ("the attention mask is 1 on the padding too",
                     "0 on padding: otherwise the real tokens attend to the pad tokens, and a padded row computes "
@@ -189,6 +206,10 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
                     "position ids count real tokens only: 0, 1, 2, … from each row's first real token "
                     "(attention_mask.cumsum(-1) - 1); with positions 0 … T-1 for every row, a padded prompt gets "
                     "other position embeddings than alone, hence other tokens")
+        low = real & (exp_pos < 255)
+        if bool((exp_pos[real] >= 255).any()) and torch.equal(pos[low], exp_pos[low]):
+            return ("the position ids are right below 255 and wrong from there on (do they wrap around in 8 bits?)",
+                    "keep them in int64 (torch.long) all the way: GPT-2 has 1024 positions")
         return "position ids differ on the real tokens", "0, 1, 2, … from each row's first real token"
     if pos.numel() and not bool(((pos >= 0) & (pos < GPT2_POSITIONS)).all()):
         bad = pos[(pos < 0) | (pos >= GPT2_POSITIONS)]
@@ -205,6 +226,7 @@ def batch_run(seed: int) -> tuple:
     if seed not in BATCH_RUNS:
         model, rng = decisive_model(seed), random.Random(seed)
         prompts = [[rng.randrange(97) for _ in range(n)] for n in (5, 1, 9, 3)]
+        prompts[2][0] = prompts[3][1] = 0  # real tokens equal to the pad id the engine uses
         with one_thread():
             BATCH_RUNS[seed] = (model, prompts, [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts])
     return BATCH_RUNS[seed]
@@ -217,27 +239,41 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
     rng = random.Random(seed)
 
     def case(description, prompts, pad_id=0, hint=""):
-        return Case(description, ("pad", prompts, pad_id), engine_left_pad(prompts, pad_id), hint)
+        """pad_id None: called as the engine calls it, left_pad(prompts)."""
+        expected = engine_left_pad(prompts) if pad_id is None else engine_left_pad(prompts, pad_id)
+        return Case(description, ("pad", prompts, pad_id), expected, hint)
 
+    long_prompts = [[rng.randrange(50257) for _ in range(n)] for n in (300, 1, 1024, 257)]
     cases = [
         case("one prompt: nothing to pad", [[5, 6, 7]]),
         case("two prompts", [[5, 6, 7], [8]]),
+        case("as the engine calls it: left_pad(prompts), pad_id left out", [[5, 6, 7], [8]], None,
+             hint="the default pad_id is 0"),
         case("equal lengths: no padding", [[1, 2], [3, 4], [5, 6]]),
         case("pad_id = 50256 (GPT-2's <|endoftext|>)", [[11, 12, 13, 14], [15, 16]], 50256,
              hint="fill the padding with pad_id"),
+        case("the same prompts, pad_id = 13", [[11, 12, 13, 14], [15, 16]], 13),
         case("the longest prompt is not the first", [[7], [1, 2, 3, 4, 5], [9, 8]]),
         case("a batch of 5 with large ids", [[50000 + i for i in range(n)] for n in (3, 1, 7, 7, 2)]),
+        case("real tokens equal to the pad id (token 0, pad_id left out)", [[0, 5, 0], [0], [7, 0, 0, 0, 9]], None,
+             hint="token 0 is a real token in a prompt: only the columns before a prompt are padding"),
+        case("<|endoftext|> inside a prompt, pad_id = 50256", [[50256, 11, 50256], [12]], 50256),
+        case("GPT-2's 1024 positions: prompts of 300, 1, 1024 and 257 tokens", long_prompts, None,
+             hint="position ids count up to 1023"),
+        case("64 one-token prompts and one of 3", [[i] for i in range(64)] + [[1, 2, 3]], None),
     ]
     for i in range(n_random):
-        prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 12))] for _ in range(rng.randint(1, 6))]
-        cases.append(case(f"random #{i}", prompts, rng.choice([0, 0, 50256, 13])))
+        prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 12 if i % 4 else 300))]
+                   for _ in range(rng.randint(1, 6))]
+        cases.append(case(f"random #{i}", prompts, rng.choice([0, 0, 50256, 13, None])))
     for j in range(n_models):
         cases.append(Case("llmcourse.generate on a batch of prompts of different lengths, your left_pad installed",
                           ("generate", seed + j), batch_run(seed + j)[2]))
 
     def run(kind, *args):
         if kind == "pad":
-            return fn(*args)
+            prompts, pad_id = args
+            return fn(prompts) if pad_id is None else fn(prompts, pad_id)
         model, prompts, _ = batch_run(args[0])
         before = model.batching
         model.batching = Batching.with_overrides(left_pad=fn)
@@ -249,7 +285,7 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
 
     def show(args):
         if args[0] == "pad":
-            return f"left_pad({short(args[1], 120)}, pad_id={args[2]})"
+            return f"left_pad({short(args[1], 120)}" + (")" if args[2] is None else f", pad_id={args[2]})")
         return (f"model.batching = Batching.with_overrides(left_pad=left_pad); llmcourse.generate(tiny random model, "
                 f"{short(batch_run(args[1])[1], 120)}, max_new_tokens=8)")
 
@@ -264,7 +300,7 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
                 "ids count real tokens only")
 
     run_check("left_pad", run, cases, judge=judge, forbid=[NO_ENGINE_PAD], show_call=show, seconds=10,
-              total_seconds=40)
+              total_seconds=40, error_hints={"missing 1 required positional argument": DEFAULT_PAD_HINT})
 
 
 # ----------------------------------------------------------------------------------------------
