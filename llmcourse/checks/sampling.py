@@ -34,10 +34,11 @@ from ..generate import beam_search as engine_beam_search
 from ..generate import decoded, generate_text, stop_at
 from ..model import GPT2
 from ..tokenizer import EOT_ID, get_tokenizer
-from .core import Case, CheckFailed, Verdict, run_check, unwritten_helper
+from .core import Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
 from .forbid import Forbidden
+from .limits import TimeUp, time_limit
 from .show import short
-from .tensors import diagnose, tensor_judge, tensor_problem
+from .tensors import diagnose, same_answer, tensor_judge, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -55,6 +56,64 @@ FORBID = [*NO_ENGINE, *NO_LIBRARIES]
 
 FLOAT_TOL = {torch.float32: (1e-6, 1e-5), torch.float64: (1e-12, 1e-12)}
 INF = float("inf")
+HALF = (torch.float16, torch.bfloat16)
+
+
+def _tol(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol) for a result of this dtype. The accuracy asked for: float32 and float64 as the engine's
+    own (1e-5 and 1e-12 relative); float16 / bfloat16 within 2 units in the last place of the exactly rounded
+    answer (2·eps relative), so that computing in float32 and rounding once, or in the half dtype, both pass."""
+    if dtype in HALF:
+        return 1e-6, 2 * torch.finfo(dtype).eps
+    return FLOAT_TOL[torch.float64 if dtype == torch.float64 else torch.float32]
+
+
+def _accuracy(dtype: torch.dtype) -> str:
+    atol, rtol = _tol(dtype)
+    what = "2 units in the last place" if dtype in HALF else "the engine's accuracy"
+    return f"{str(dtype).removeprefix('torch.')} results must be within {rtol:.2g} relative of the exact answer ({what})"
+
+
+def _with_accuracy(judge: Callable[[Case, Any], Verdict]) -> Callable[[Case, Any], Verdict]:
+    """`judge`, whose message for an answer close to the expected one (within 100 times the tolerance) says
+    what accuracy was expected."""
+    def judged(case: Case, got: Any) -> Verdict:
+        verdict = judge(case, got)
+        expected = case.expected
+        if verdict is None or not isinstance(got, Tensor) or not isinstance(expected, Tensor) \
+                or got.shape != expected.shape or got.dtype != expected.dtype or not expected.is_floating_point():
+            return verdict
+        atol, rtol = _tol(expected.dtype)
+        finite = expected.isfinite()
+        if torch.equal(finite, got.isfinite()) and torch.equal(expected[~finite], got.detach()[~finite]) and \
+                bool(torch.isclose(got.detach()[finite].double(), expected[finite].double(), rtol=100 * rtol,
+                                   atol=100 * atol).all()):
+            problem, hint = verdict
+            return problem, "; ".join(h for h in (hint, f"close, but not close enough: {_accuracy(expected.dtype)}") if h)
+        return verdict
+
+    return judged
+
+
+LAYOUTS = ("contiguous", "logits[:, -1] of [B, T, V]", "column-major (a transposed copy, transposed back)")
+
+
+def _layout(x: Tensor, how: str) -> Tensor:
+    """x [B, V], the same values in another memory layout: learners and the engine pass logits[:, -1] of the
+    model's [B, T, V] output (rows V·T apart), and transposed views exist too. `view` fails on both."""
+    if how.startswith("logits[:, -1]"):
+        big = torch.zeros(x.shape[0], 3, x.shape[-1], dtype=x.dtype)
+        big[:, -1] = x
+        return big[:, -1]
+    if how.startswith("column-major"):
+        return x.T.contiguous().T
+    return x
+
+
+NOT_CONTIGUOUS_HINT = ("your input may not be contiguous in memory (here logits[:, -1] of the model's [B, T, V] "
+                       "output, or a transposed view): use reshape instead of view, or work along dim=-1")
+ERROR_HINTS = {"view size is not compatible": NOT_CONTIGUOUS_HINT,
+               "selected index k out of range": "k may be larger than the vocabulary: use min(k, V)"}
 
 
 def _randint(g: torch.Generator, low: int, high: int) -> int:
@@ -84,6 +143,106 @@ def _row_description(logits: Tensor) -> str:
     return f"{str(logits.dtype).removeprefix('torch.')} logits {list(logits.shape)}"
 
 
+def _random_half(g: torch.Generator, dtype: torch.dtype) -> Tensor:
+    """[B, V] float16 / bfloat16 logits of the size GPT-2's are (|x| < 30), with ties and some -inf."""
+    B, V = _randint(g, 1, 4), _randint(g, 5, 300)
+    logits = (torch.randn(B, V, generator=g, dtype=torch.float64) * _choice(g, [1.0, 4.0])).to(dtype)
+    if _randint(g, 0, 1):
+        masked = torch.rand(B, V, generator=g) < 0.3
+        masked[torch.arange(B), logits.argmax(-1)] = False
+        logits = logits.masked_fill(masked, -INF)
+    return logits
+
+
+PROMPT = "ROMEO:\nWhat say you, my lord? I will not stay to hear the"
+
+
+@functools.lru_cache(maxsize=1)
+def _bundled_model() -> GPT2:
+    from ..loading import load_model
+
+    return load_model()
+
+
+@functools.lru_cache(maxsize=4)
+def _real_logits_cached(seed: int) -> Tensor:
+    model = _bundled_model()
+    ids = torch.tensor([get_tokenizer().encode(PROMPT)])
+    with torch.no_grad():
+        logits = model(ids)[0].float()  # [T, V]
+    probs = torch.softmax(logits.double(), -1)
+    tail = (probs * (probs < 1e-4)).sum(-1)  # GPT-2's mass on tokens below 1e-4 at each position
+    order = torch.argsort(tail, descending=True)
+    return logits[order[seed % 3]][None].clone(), logits[order[3 + seed % 5 : 6 + seed % 5]].clone()
+
+
+def real_logits(seed: int = 0) -> tuple[Tensor, Tensor]:
+    """The bundled GPT-2's next-token logits on a Shakespeare prompt (float32, V = 50257): one row [1, V]
+    with much of its mass on unlikely tokens (10–13 % on tokens of probability below 1e-4), and three
+    other positions [3, V]."""
+    one, three = _real_logits_cached(seed)
+    return one.clone(), three.clone()
+
+
+# ----------------------------------------------------------------------------------------------
+# In the engine: a slot's check ends by generating with the learner's function installed as `my_engine`
+# installs it (`Sampler.with_overrides`), on the bundled GPT-2
+
+
+def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Callable[[Case, Any], Verdict]] = None,
+              reference: Optional[Callable] = None, *, seconds: float = 20.0) -> None:
+    """Generate 4 tokens with the bundled GPT-2 and `fn` in the sampler's slot `name`, installed as `my_engine`
+    installs it, for each of `runs` (`generate`'s settings; 'batch': False for one prompt instead of two): it must
+    not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
+    `judge` against `reference` on the same arguments (computed after the generation)."""
+    from ..generate import generate
+    from ..parts import PartError
+    from ..sampling import Sampler
+
+    calls: list[tuple[tuple, Any]] = []
+
+    @functools.wraps(fn)
+    def recorded(*args):
+        kept = tuple(a.clone() if isinstance(a, Tensor) else a for a in args)
+        out = fn(*args)
+        calls.append((kept, out))
+        return out
+
+    model = _bundled_model()
+    tokenizer = get_tokenizer()
+    prompts = [tokenizer.encode(PROMPT), tokenizer.encode("JULIET:\nO")]
+    limit = time_limit(seconds)
+    model.sampler = Sampler.with_overrides(**{name: recorded})
+    try:
+        with limit:
+            for run in map(dict, runs):
+                generate(model, prompts if run.pop("batch", True) else prompts[0], max_new_tokens=4, eos_token_id=None,
+                         **run)
+    except (TimeUp, KeyboardInterrupt):
+        raise
+    except BaseException as err:
+        if limit.expired:
+            raise CheckFailed(f"✗ {name} in the engine: generating 4 tokens with your {name} did not finish within "
+                              f"{seconds:g} s") from None
+        text = str(err) if isinstance(err, PartError) else f"{type(err).__name__}: {short(str(err), 300)}"
+        lines = text.split("\n")
+        raise CheckFailed(f"✗ {name} in the engine (the bundled GPT-2 generating with your {name}, as my_engine() "
+                          f"will): {lines[0]}" + "".join(f"\n  {line.strip()}" for line in lines[1:3])) from None
+    finally:
+        model.sampler = Sampler()
+    if judge is None:
+        return
+    for i, (args, got) in enumerate(calls):
+        case = Case(f"in the engine (the bundled GPT-2 generating with your {name}), call {i + 1}", args,
+                    reference(*args))
+        verdict = judge(case, got)
+        if verdict:
+            problem, hint = verdict
+            raise failure(name, case.description, problem, f"{name}({', '.join(short(a, 100) for a in args)})",
+                          case.expected, got, [hint, "the engine gives your function float32 logits [B, V] of "
+                                                     "GPT-2's vocabulary (50257 tokens), one row per prompt"])
+
+
 # ----------------------------------------------------------------------------------------------
 # Processors: logits [B, V] -> logits [B, V] with removed tokens at -inf
 
@@ -98,7 +257,7 @@ def _ids(ids: list[int]) -> str:
 
 def _kept_judge(mistakes: Sequence[tuple[Callable, str]]) -> Callable[[Case, Any], Verdict]:
     """A judge that first compares which tokens are kept (not -inf), row by row, then the values."""
-    values = tensor_judge(FLOAT_TOL, mistakes)
+    values = tensor_judge(lambda c: _tol(c.expected.dtype), mistakes)
 
     def judge(case: Case, got: Any) -> Verdict:
         expected = case.expected
@@ -112,40 +271,78 @@ def _kept_judge(mistakes: Sequence[tuple[Callable, str]]) -> Callable[[Case, Any
                     what = f"{int(kept_got[row].sum())} kept: {_ids(_kept(got[row]))}"
                 problem = (f"row {row}: expected {int(kept_expected[row].sum())} tokens kept: "
                            f"{_ids(_kept(expected[row]))}, got {what}")
-                atol, rtol = FLOAT_TOL[torch.float64 if expected.dtype == torch.float64 else torch.float32]
+                atol, rtol = _tol(expected.dtype)
                 return problem, diagnose(got, case.args, mistakes, expected, atol=atol, rtol=rtol)
         return values(case, got)
 
     return judge
 
 
-def _processor_check(name: str, fn, cases: list[Case], mistakes, timeout_hint: str = "", **kwargs) -> None:
-    run_check(name, fn, cases, judge=_kept_judge(mistakes), forbid=FORBID, timeout_hint=timeout_hint,
-              seconds=5.0, total_seconds=20.0, **kwargs)
+def _processor_check(name: str, fn, cases: list[Case], mistakes, engine_runs: Sequence[dict], timeout_hint: str = "",
+                     **kwargs) -> None:
+    """The cases, then generation with `fn` in the engine (see `in_engine`), compared with the engine's own."""
+    judge = _with_accuracy(_kept_judge(mistakes))
+    run_check(name, fn, cases, judge=judge, forbid=FORBID, timeout_hint=timeout_hint,
+              seconds=5.0, total_seconds=20.0, error_hints=kwargs.pop("error_hints", ERROR_HINTS), **kwargs)
+    in_engine(name, fn, engine_runs, judge, getattr(S, name))
+
+
+def _shapes_and_layouts(g: torch.Generator, make: Callable[[Tensor, str], Case]) -> list[Case]:
+    """The cases every processor meets in the engine and in learners' code, made by make(logits, what):
+    float16 and bfloat16 logits (half in, half out), logits that are not contiguous in memory, one row of
+    GPT-2's real logits (V = 50257) and three rows of them."""
+    one, three = real_logits(_randint(g, 0, 100))
+    inputs = [(lambda: _random_half(g, torch.float16), "float16 logits (float16 in, float16 out)"),
+              (lambda: _random_half(g, torch.bfloat16), "bfloat16 logits (bfloat16 in, bfloat16 out)"),
+              (lambda: _layout(_random_logits(g, 3, 17, "spread"), LAYOUTS[1]), f"{LAYOUTS[1]}: not contiguous"),
+              (lambda: _layout(_random_logits(g, 2, 9, "ties", torch.float64), LAYOUTS[2]), f"{LAYOUTS[2]}"),
+              (lambda: one, "one row of GPT-2's logits [1, 50257]"),
+              (lambda: _layout(three, LAYOUTS[1]), f"GPT-2's logits [3, 50257], {LAYOUTS[1]}")]
+    cases = []
+    for draw, what in inputs:  # make() gives None where it finds the answer ambiguous: draw again
+        case = next((c for _ in range(10) if (c := make(draw(), what)) is not None), None)
+        cases += [case] if case is not None else []
+    return cases
 
 
 def _wrong_dim_softmax(x: Tensor) -> Tensor:
     return torch.softmax(x, dim=0)
 
 
+def _exact(fn: Callable, x: Tensor, *args) -> Tensor:
+    """fn computed in float64 and rounded once to x's dtype: the answer a result is compared with."""
+    return fn(x.double(), *args).to(x.dtype)
+
+
 def check_temperature(fn, *, seed: int = 0, n_random: int = 4) -> None:
     """temperature(logits [B, V], t) -> logits / t, in the input's dtype."""
     mistakes = [(lambda x, t: x * t, "divide by t (t < 1 sharpens the distribution), do not multiply"),
                 (lambda x, t: torch.softmax(x / t, dim=-1), "return logits (divided by t), not probabilities: "
-                                                             "the filters and the sampler come after")]
-    cases = [Case("t = 0.5 doubles the logits", (torch.tensor([[2.0, 1.0, -1.0]]), 0.5), torch.tensor([[4.0, 2.0, -2.0]])),
-             Case("t = 2", (torch.tensor([[2.0, 1.0, -1.0]]), 2.0), torch.tensor([[1.0, 0.5, -0.5]])),
-             Case("t = 1 changes nothing", (torch.tensor([[3.0, -7.0]]), 1.0), torch.tensor([[3.0, -7.0]])),
-             Case("-inf (a removed token) stays -inf", (torch.tensor([[1.0, -INF, 0.5]]), 0.7),
-                  torch.tensor([[1.0, -INF, 0.5]]) / 0.7)]
+                                                             "the filters and the sampler come after"),
+                (lambda x, t: x / max(t, 0.3), "a low temperature is allowed: divide by t whatever it is (t > 0)")]
+
+    def case(description, logits, t, hint=""):
+        return Case(description, (logits, t), _exact(S.temperature, logits, t), hint)
+
+    same = torch.tensor([[2.0, 1.0, -1.0, 0.25]])
+    cases = [case("t = 0.5 doubles the logits", torch.tensor([[2.0, 1.0, -1.0]]), 0.5),
+             case("t = 2", torch.tensor([[2.0, 1.0, -1.0]]), 2.0),
+             case("t = 1 changes nothing", torch.tensor([[3.0, -7.0]]), 1.0),
+             case("-inf (a removed token) stays -inf", torch.tensor([[1.0, -INF, 0.5]]), 0.7),
+             case("t = 0.05: a very low temperature (nearly greedy)", same, 0.05),
+             case("the same logits again, t = 3 (one call must not remember another)", same, 3.0),
+             case("t = 0.01, float64", torch.tensor([[0.3, -0.2, 0.0]], dtype=torch.float64), 0.01)]
     g = torch.Generator().manual_seed(seed)
+    cases += _shapes_and_layouts(g, lambda x, what: case(f"{what}, t={(t := _choice(g, [0.1, 0.7, 1.5]))}", x, t))
     for i in range(n_random + 1):
         dtype = torch.float64 if i % 2 else torch.float32
         logits = _random_logits(g, _randint(g, 1, 4), _randint(g, 3, 41) | 1, _choice(g, ["spread", "masked"]), dtype)
-        t = _choice(g, [0.3, 0.7, 1.3, 2.5])
-        cases.append(Case(f"random {_row_description(logits)}, t={t}", (logits, t), S.temperature(logits, t)))
-    run_check("temperature", fn, cases, judge=tensor_judge(FLOAT_TOL, mistakes), forbid=FORBID, seconds=5.0,
-              total_seconds=20.0)
+        t = _choice(g, [0.05, 0.3, 0.7, 1.3, 2.5])
+        cases.append(case(f"random {_row_description(logits)}, t={t}", logits, t))
+    judge = _with_accuracy(tensor_judge(lambda c: _tol(c.expected.dtype), mistakes))
+    run_check("temperature", fn, cases, judge=judge, forbid=FORBID, seconds=5.0, total_seconds=20.0,
+              error_hints=ERROR_HINTS)
+    in_engine("temperature", fn, [dict(temperature=0.2, seed=seed)], judge, S.temperature)
 
 
 def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
@@ -153,14 +350,16 @@ def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
     def case(description, logits, hint=""):
         return Case(description, (logits,), logits.argmax(dim=-1), hint)
 
-    cases = [case("one row", torch.tensor([[0.1, 3.0, -2.0]])),
+    cases = [case("one row", torch.tensor([[0.1, 3.0, -2.0]]), "one row in, one token id out: shape [1]"),
              case("two rows: one token per row", torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]),
                   "take the argmax along the vocabulary (dim=-1), one per row"),
              case("a tie: the lowest id wins", torch.tensor([[1.0, 4.0, 2.0, 4.0]]),
                   "torch.argmax returns the first of equal maxima"),
              case("-inf everywhere but one token", torch.tensor([[-INF, -INF, -3.0]])),
-             case("three rows, far from 0", torch.tensor([[1000.0, 1001.0], [-500.0, -501.0], [7.0, 7.5]]))]
+             case("three rows, far from 0", torch.tensor([[1000.0, 1001.0], [-500.0, -501.0], [7.0, 7.5]])),
+             case("float16 ties (float16 rounds 3.0001 to 3.0)", torch.tensor([[3.0, 3.0001, 2.0]]).half())]
     g = torch.Generator().manual_seed(seed)
+    cases += _shapes_and_layouts(g, lambda x, what: case(what, x))
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
         logits = _random_logits(g, _randint(g, 2, 5), _randint(g, 3, 61) | 1, _choice(g, ["ties", "spread", "masked"]),
@@ -174,11 +373,16 @@ def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
         hint = ""
         if isinstance(got, Tensor) and got.shape == (c.expected.shape[0], 1):
             hint = "return a 1-d tensor [B] (squeeze the last dimension or use argmax without keepdim)"
-        elif isinstance(got, Tensor) and got.dtype != torch.long:
+        elif isinstance(got, Tensor) and got.dim() == 0:
+            hint = "return one id per row, a tensor [B] even when B = 1 (argmax along dim=-1, not of the whole tensor)"
+        elif isinstance(got, Tensor) and got.is_floating_point():
             hint = "return token ids (torch.long), such as argmax's indices, not the maximum values"
+        elif isinstance(got, Tensor) and got.dtype != torch.long:
+            hint = "token ids are torch.long (int64), as argmax returns them"
         return problem, hint
 
-    run_check("greedy", fn, cases, judge=judge, forbid=FORBID, seconds=5.0, total_seconds=20.0)
+    run_check("greedy", fn, cases, judge=judge, forbid=FORBID, seconds=5.0, total_seconds=20.0, error_hints=ERROR_HINTS)
+    in_engine("greedy", fn, [dict()], judge, lambda logits: logits.argmax(-1))
 
 
 def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
@@ -206,30 +410,43 @@ def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
              Case("k = 1", (torch.tensor([[0.0, 5.0, 5.0, 1.0]]), 1), torch.tensor([[-INF, 5.0, 5.0, -INF]])),
              Case("two rows, each with its own k-th value", (torch.tensor([[5.0, 4.0, 3.0], [-1.0, -2.0, -3.0]]), 2),
                   torch.tensor([[5.0, 4.0, -INF], [-1.0, -2.0, -INF]]))]
+    same = torch.tensor([[0.5, 2.0, -1.0, 1.5, 0.0, 1.0]])
+    cases += [Case("k = 3 on these logits", (same, 3), S.top_k(same, 3)),
+              Case("the same logits again, k = 5 (one call must not remember another)", (same, 5), S.top_k(same, 5)),
+              Case("k = V keeps all", (same, 6), same.clone()),
+              Case("k = 1, one row of GPT-2's logits [1, 50257]", (real_logits(seed)[0], 1), S.top_k(real_logits(seed)[0], 1))]
     g = torch.Generator().manual_seed(seed)
+    cases += _shapes_and_layouts(g, lambda x, what: Case(f"{what}, k={(k := _choice(g, [1, 3, 40]))}", (x, k),
+                                                       _exact(S.top_k, x, k)))
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
         V = _randint(g, 3, 61) | 1
         logits = _random_logits(g, _randint(g, 2, 5), V, _choice(g, ["ties", "ties", "spread", "masked"]), dtype)
         k = _randint(g, 1, V + 2)
         cases.append(Case(f"random {_row_description(logits)}, k={k}", (logits, k), S.top_k(logits, k)))
-    _processor_check("top_k", fn, cases, mistakes, error_hints={
-        "selected index k out of range": "k may be larger than the vocabulary: use min(k, V)"})
+    _processor_check("top_k", fn, cases, mistakes, [dict(temperature=1.0, top_k=40, seed=seed)])
 
 
 def _unambiguous(fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
     """Whether fn's kept set is the same whatever order ties are sorted in (no removed token has the logit
     of a kept one, in any row), and the same when computed in float64."""
     kept = fn(x) > -INF
-    if not torch.equal(kept, fn(x.double()) > -INF):
+    if not torch.equal(kept, fn(x.double()) > -INF) or not torch.equal(kept, fn(x.float()) > -INF):
         return False
     lowest_kept = x.masked_fill(~kept, INF).amin(-1)                      # [B]
     highest_removed = x.masked_fill(kept, -INF).amax(-1)                  # [B]
     return bool((highest_removed < lowest_kept).all())
 
 
-def _near_cut(probs_sorted_cumulative: Tensor, cut: float) -> bool:
-    return bool(((probs_sorted_cumulative - cut).abs() < 1e-5).any())
+def _margin(dtype: torch.dtype) -> float:
+    """How far from a cut a probability must be for every correct way of computing it to agree: 1e-5 for float32
+    and float64; for float16 / bfloat16, whose softmax and cumulative sums may be computed in the half dtype
+    itself (3 and 2 significant digits), 0.02 and 0.05."""
+    return {torch.float16: 0.02, torch.bfloat16: 0.05}.get(dtype, 1e-5)
+
+
+def _near_cut(probs_sorted_cumulative: Tensor, cut: float, margin: float = 1e-5) -> bool:
+    return bool(((probs_sorted_cumulative - cut).abs() < margin).any())
 
 
 def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
@@ -275,18 +492,37 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                   "the most likely token is always kept"),
              case("two rows, each with its own distribution", two_rows, 0.7),
              case("some tokens already removed (-inf)", torch.tensor([[1.0, -INF, 0.5, -INF, 0.0]]), 0.8)]
-    g = torch.Generator().manual_seed(seed)
-    attempts = 0
-    while len(cases) < 5 + n_random and attempts < 50 * (n_random + 1):
-        attempts += 1
-        dtype = torch.float64 if attempts % 2 else torch.float32
-        logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "ties", "spread", "masked"]),
-                                dtype)
-        p = _choice(g, [0.1, 0.3, 0.5, 0.75, 0.9, 0.95])
+    def fair(logits, p):  # every correct way of computing it keeps the same tokens
         cumulative = torch.sort(torch.softmax(logits.double(), -1)).values.cumsum(-1)
-        if _unambiguous(lambda x: S.top_p(x, p), logits) and not _near_cut(cumulative, 1 - p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), S.top_p(logits, p)))
-    _processor_check("top_p", fn, cases, mistakes)
+        return _unambiguous(lambda x: S.top_p(x, p), logits) and not _near_cut(cumulative, 1 - p,
+                                                                               _margin(logits.dtype))
+
+    def maybe(description, logits, p):
+        return case(f"{description}, p={p}", logits, p) if fair(logits, p) else None
+
+    same = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+    one = real_logits(seed)[0]
+    cases += [case("p = 0.9 on these logits", same, 0.9), case("the same logits again, p = 0.3 (one call must not "
+                                                                "remember another)", same, 0.3),
+              case("p = 0.001 keeps only the most likely token", same, 0.001),
+              maybe("one row of GPT-2's logits [1, 50257]", one, 0.95)]
+    g = torch.Generator().manual_seed(seed)
+    cases += _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.3, 0.6, 0.9])))
+    cases = [c for c in cases if c is not None]
+    wanted = len(cases) + n_random
+    attempts = 0
+    while len(cases) < wanted and attempts < 50 * (n_random + 1):
+        attempts += 1
+        dtype = [torch.float64, torch.float32, torch.float16, torch.bfloat16][attempts % 4]
+        if dtype in HALF:
+            logits = _random_half(g, dtype)
+        else:
+            logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1,
+                                    _choice(g, ["ties", "ties", "spread", "masked"]), dtype)
+        p = _choice(g, [0.1, 0.3, 0.5, 0.75, 0.9, 0.95])
+        if fair(logits, p):
+            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), _exact(S.top_p, logits, p)))
+    _processor_check("top_p", fn, cases, mistakes, [dict(temperature=1.0, top_p=0.9, seed=seed)])
 
 
 def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
@@ -316,18 +552,41 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                   torch.tensor([[1000.0, 999.0, -INF]])),
              Case("two rows with different maxima", (torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3),
                   S.min_p(torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3))]
-    g = torch.Generator().manual_seed(seed)
-    attempts = 0
-    while len(cases) < 5 + n_random and attempts < 50 * (n_random + 1):
-        attempts += 1
-        dtype = torch.float64 if attempts % 2 else torch.float32
-        logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "spread", "masked"]),
-                                dtype)
-        p = _choice(g, [0.05, 0.1, 0.3, 0.5, 0.8])
+    def fair(logits, p):  # every correct way of computing it keeps the same tokens
         probs = torch.softmax(logits.double(), -1)
-        if not _near_cut(probs / probs.amax(-1, keepdim=True), p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), S.min_p(logits, p)))
-    _processor_check("min_p", fn, cases, mistakes)
+        ratio = probs / probs.amax(-1, keepdim=True)
+        return _unambiguous(lambda x: S.min_p(x, p), logits) and not _near_cut(ratio[ratio < 1], p,
+                                                                               _margin(logits.dtype) * p)
+
+    def maybe(description, logits, p):
+        return Case(f"{description}, p={p}", (logits, p), _exact(S.min_p, logits, p)) if fair(logits, p) else None
+
+    ties = torch.tensor([[3.0, 1.0, 3.0, 2.9, -INF]])
+    cases += [Case("p = 1 keeps only the most likely token (and any tied with it)", (ties, 1.0),
+                   torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]),
+                   "p = 1: a token is kept if its probability is >= the largest one, so the largest (and its ties) "
+                   "stay: compare with <, not <="),
+              Case("the same logits again, p = 0.5 (one call must not remember another)", (ties, 0.5),
+                   S.min_p(ties, 0.5)),
+              Case("p = 1, float16", (ties.half(), 1.0), torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]).half()),
+              maybe("one row of GPT-2's logits [1, 50257]", real_logits(seed)[0], 0.02)]
+    g = torch.Generator().manual_seed(seed)
+    cases = [c for c in cases + _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.01, 0.1, 0.3])))
+             if c is not None]
+    wanted = len(cases) + n_random
+    attempts = 0
+    while len(cases) < wanted and attempts < 50 * (n_random + 1):
+        attempts += 1
+        dtype = [torch.float64, torch.float32, torch.float16, torch.bfloat16][attempts % 4]
+        if dtype in HALF:
+            logits = _random_half(g, dtype)
+        else:
+            logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1,
+                                    _choice(g, ["ties", "spread", "masked"]), dtype)
+        p = _choice(g, [0.05, 0.1, 0.3, 0.5, 0.8, 1.0])
+        if fair(logits, p):
+            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), _exact(S.min_p, logits, p)))
+    _processor_check("min_p", fn, cases, mistakes, [dict(temperature=1.0, min_p=0.05, seed=seed)])
 
 
 def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
@@ -353,7 +612,22 @@ def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
              case("nothing seen: nothing changes", x, torch.zeros_like(seen), 1.5),
              case("two rows with different texts", torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]]),
                   torch.tensor([[True, False, False], [False, True, True]]), 1.3)]
+    def exact(description, logits, seen, penalty, hint=""):
+        return Case(description, (logits, seen, penalty), _exact(S.repetition_penalty, logits, seen, penalty), hint)
+
+    zeros = torch.tensor([[0.0, -0.0, 1.0, -1.0]])
+    one = real_logits(seed)[0]
+    log_probs = torch.log_softmax(real_logits(seed)[1], -1)
+    cases += [case("the same logits again, penalty 3 (one call must not remember another)", x, seen, 3.0),
+              case("logits 0 stay 0", zeros, torch.ones(1, 4, dtype=torch.bool), 1.7),
+              case("penalty 10", x, seen, 10.0),
+              case("one row of GPT-2's logits [1, 50257], the prompt's tokens seen", one, _seen_for(one, None, 0.02), 1.3),
+              case("log-probabilities (all negative: beam search's input), 3 beams [3, 50257]", log_probs,
+                   _seen_for(log_probs, None, 0.001), 1.2)]
     g = torch.Generator().manual_seed(seed)
+    cases += _shapes_and_layouts(g, lambda logits, what: exact(
+        f"{what}, penalty 1.5", logits - logits.masked_fill(logits.isinf(), 0).mean().to(logits.dtype),
+        _seen_for(logits, g), 1.5))
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
         logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "spread", "masked"]),
@@ -362,14 +636,18 @@ def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
         seen = torch.rand(logits.shape, generator=g) < 0.4
         penalty = _choice(g, [1.2, 1.5, 3.0, 0.8])
         cases.append(case(f"random {_row_description(logits)}, penalty={penalty}", logits, seen, penalty))
-    _processor_check("repetition_penalty", fn, cases, mistakes)
+    _processor_check("repetition_penalty", fn, cases, mistakes,
+                     [dict(repetition_penalty=1.3), dict(num_beams=2, repetition_penalty=1.3, batch=False)])
 
 
 # ----------------------------------------------------------------------------------------------
 # Samplers: many seeded draws, frequencies against the expected distribution
 
 
-def _chi2_limit(df: int, z: float = 4.75) -> float:
+Z = 4.75  # standard deviations: a correct sampler fails one test with a probability of about 1e-6
+
+
+def _chi2_limit(df: int, z: float = Z) -> float:
     """The chi-square value that a correct sampler exceeds with probability about 1e-6 (z = 4.75 standard
     deviations, Wilson–Hilferty approximation)."""
     a = 2 / (9 * df)
@@ -401,6 +679,17 @@ def frequency_problem(tokens: Tensor, probs: Tensor) -> Optional[str]:
         if df < 1:
             continue
         chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+        for below in (1e-4, 1e-3):  # the unlikely tokens together: a sampler that drops them
+            unlikely = (p > 0) & (p < below)
+            mass = float(p[unlikely].sum())
+            if N * mass >= 10 and mass < 0.9:
+                drawn = float(counts[unlikely].sum())
+                z = (drawn - N * mass) / math.sqrt(N * mass * (1 - mass))
+                if abs(z) > Z:
+                    return (f"row {row}: the tokens of probability below {below:g} (together {mass:.1%} of the "
+                            f"probability) were drawn {drawn / N:.1%} of the time in {N} draws ({abs(z):.1f} standard "
+                            f"deviations {'below' if z < 0 else 'above'}): every token must keep its own probability, "
+                            f"however small (no cut-off, no rounding of probabilities)")
         if chi2 > _chi2_limit(df):
             worst = int(((counts / N - p).abs()).argmax())
             tv = 0.5 * float((counts / N - p).abs().sum())
@@ -408,7 +697,44 @@ def frequency_problem(tokens: Tensor, probs: Tensor) -> Optional[str]:
                     f"a correct sampler stays below {_chi2_limit(df):.0f}; total variation distance {tv:.3f}); "
                     f"e.g. token {worst}: probability {float(p[worst]):.3f}, drawn {float(counts[worst]) / N:.3f} "
                     f"of the time")
+    return _joint_problem(draws, probs)
+
+
+def _pair_problem(a: Tensor, b: Tensor, p: Tensor, q: Tensor, what: str) -> Optional[str]:
+    """None if the pairs (a[i], b[i]) look independent, as draws of p ⊗ q; else what is off (chi-square)."""
+    V = p.shape[0]
+    counts = torch.bincount(a * V + b, minlength=V * V).double()
+    expected = torch.outer(p.double(), q.double()).flatten() * a.shape[0]
+    big = expected >= 5
+    if int(big.sum()) < 2:
+        return None
+    observed = torch.cat([counts[big], counts[~big].sum()[None]])
+    wanted = torch.cat([expected[big], expected[~big].sum()[None]])
+    if wanted[-1] < 1e-9:
+        observed, wanted = observed[:-1], wanted[:-1]
+    df = len(wanted) - 1
+    chi2 = float(((observed - wanted) ** 2 / wanted).sum())
+    if chi2 > _chi2_limit(df):
+        same = float((a == b).double().mean())
+        return (f"{what} are not independent (chi-square {chi2:.0f} of the pairs, a correct sampler stays below "
+                f"{_chi2_limit(df):.0f}; the two are the same token {same:.0%} of the time, "
+                f"{float((p * q).sum()):.0%} expected): draw a new random number for every row")
     return None
+
+
+def _joint_problem(draws: Tensor, probs: Tensor) -> Optional[str]:
+    """Draws [N, B] of probs [B, V]: rows 0 and 1 of one call, and row 0 of one copy and of the next, must be
+    independent (one random number shared by several rows passes every test of one row alone)."""
+    N, B = draws.shape
+    if probs.shape[-1] > 64:
+        return None
+    if B >= 2:
+        problem = _pair_problem(draws[:, 0], draws[:, 1], probs[0], probs[1], "the draws of rows 0 and 1")
+        if problem:
+            return problem
+    half = N // 2 * 2
+    return _pair_problem(draws[0:half:2, 0], draws[1:half:2, 0], probs[0], probs[0],
+                         f"the draws of rows 0 and {B} (the same logits)")
 
 
 def _draws_judge(n_draws: int, extra_hint: Callable[[Any, tuple], str] = lambda got, args: "") -> Callable:
@@ -450,19 +776,57 @@ def _many(logits: Tensor, n: int) -> Tensor:
     return logits.repeat(n, 1)  # [n·B, V]: row i is logits[i % B]
 
 
-def _seen_for(logits: Tensor, g: torch.Generator) -> Tensor:
-    return torch.rand(logits.shape, generator=g) < 0.3
+def _seen_for(logits: Tensor, g: Optional[torch.Generator], fraction: float = 0.3) -> Tensor:
+    """seen [B, V] bool with about `fraction` of the tokens seen (g None: a generator seeded 0)."""
+    g = g if g is not None else torch.Generator().manual_seed(0)
+    return torch.rand(logits.shape, generator=g) < fraction
+
+
+ZERO_HINT = "exp(-inf) = 0: softmax gives removed tokens probability 0, and they must never be drawn"
+
+
+def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator], tuple], logits: Tensor, n: int,
+                   show: Callable[[tuple], str], seed: int) -> None:
+    """n calls with ONE row (generation's real case), one generator for all: each answer a tensor [1], and
+    together they follow the probabilities."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = []
+    budget = time_limit(20.0)
+    try:
+        with budget:
+            for _ in range(n):
+                args = make_args(logits, g)
+                got = call_learner(name, fn, args, forbid=FORBID, seconds=5.0, may_modify=True, show=show)
+                if not isinstance(got, Tensor) or got.shape != (1,) or got.dtype != torch.long:
+                    problem = tensor_problem(got, torch.zeros(1, dtype=torch.long))
+                    hint = ("one row in, one token id out: a tensor [1] (squeeze(-1) multinomial's [1, 1], not "
+                            "squeeze() or item())" if isinstance(got, Tensor) and got.numel() == 1 else "")
+                    raise failure(name, "one row (as in generation)", problem, show(args), "a tensor [1] of torch.long",
+                                  got, hint)
+                tokens.append(got)
+    except TimeoutError:
+        if not budget.expired:
+            raise
+        raise CheckFailed(f"✗ {name}: {n} calls with one row did not finish within 20 s in total") from None
+    problem = frequency_problem(torch.cat(tokens), torch.softmax(logits.double(), -1))
+    if problem:
+        raise CheckFailed(f"✗ {name} — {n} calls with one row each (as in generation), one generator: {problem}\n"
+                          f"  input:    {show(make_args(logits, g))}\n"
+                          f"  hint: a sampler must draw from the probabilities whatever the number of rows: one row "
+                          f"is the usual case in generation")
 
 
 def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """sample(logits [B, V], generator) -> token ids [B] long, drawn from softmax(logits)."""
+    from .randomness import generator_contract
+
     base = [("probabilities .5 .3 .2", torch.tensor([[0.5, 0.3, 0.2]]).log(), ""),
-            ("a removed token (-inf) is never drawn", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]),
-             "exp(-inf) = 0: softmax gives removed tokens probability 0"),
+            ("removed tokens (-inf)", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]), ""),
             ("three rows, each its own distribution", torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [-5.0, 1.0, 1.5]]),
              "draw one token per row, from that row's probabilities"),
             ("large logits", torch.tensor([[1000.0, 999.0, 998.5]]), "softmax must subtract the max"),
-            ("float64 logits", torch.tensor([[0.3, -0.4, 1.1, 0.0]], dtype=torch.float64), "")]
+            ("float64 logits", torch.tensor([[0.3, -0.4, 1.1, 0.0]], dtype=torch.float64), ""),
+            (f"{LAYOUTS[1]}: not contiguous", _layout(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), LAYOUTS[1]), "")]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
         logits = _random_logits(g, _randint(g, 1, 3), _randint(g, 3, 15) | 1, _choice(g, ["ties", "masked"]),
@@ -471,18 +835,39 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
     cases = [Case(f"{what}, {n_draws} draws per row", (_many(logits, n_draws), torch.Generator().manual_seed(seed + i)),
                   torch.softmax(logits.double(), -1), hint)
              for i, (what, logits, hint) in enumerate(base)]
+    # GPT-2's real logits: 10-13 % of the probability on tokens below 1e-4 (a cut-off there is 5+ sigmas off)
+    real = real_logits(seed)[0]
+    cases.append(Case("one row of GPT-2's logits [1, 50257], 300 draws", (_many(real, 300),
+                      torch.Generator().manual_seed(seed)), torch.softmax(real.double(), -1)))
 
     def show(args):
         logits = args[0]
-        B = logits.shape[0] // n_draws
-        return f"sample(logits [{n_draws} × each of these {B} rows: {short(logits[:B], 160)}], generator)"
+        n = n_draws if logits.shape[0] >= n_draws else 300 if logits.shape[0] % 300 == 0 else 1
+        B = logits.shape[0] // n
+        what = f"{n} × each of these {B} rows: " if n > 1 else ""
+        return f"sample(logits [{what}{short(logits[:B], 160)}], generator)"
 
     def hint(got, args):
         return "draw from the probabilities softmax(logits), with torch.multinomial(probs, 1, generator=generator)"
 
-    run_check("sample", fn, cases, judge=_draws_judge(n_draws, hint), forbid=FORBID, show_call=show,
-              may_modify=[1], seconds=5.0, total_seconds=20.0)
-    _same_generator_same_tokens("sample", fn, lambda gen: (_many(torch.zeros(1, 50), 50), gen), FORBID)
+    draws = _draws_judge(n_draws, hint)
+
+    def judge(case, got):
+        n = n_draws if case.args[0].shape[0] >= n_draws else 300
+        verdict = (_draws_judge(n, hint) if n != n_draws else draws)(case, got)
+        if verdict and "probability is 0" in verdict[0]:
+            return verdict[0], ZERO_HINT
+        return verdict
+
+    run_check("sample", fn, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[1], seconds=5.0,
+              total_seconds=20.0, error_hints=ERROR_HINTS)
+    flat = torch.zeros(4, 50)
+    generator_contract("sample", lambda gen: call_learner("sample", fn, (flat, gen), forbid=FORBID, seconds=5.0,
+                                                          may_modify=True),
+                       what="sample(torch.zeros(4, 50), generator)")
+    _one_row_draws("sample", fn, lambda logits, gen: (logits, gen), torch.tensor([[0.5, 0.3, 0.2]]).log(), 300,
+                   show, seed)
+    in_engine("sample", fn, [dict(temperature=1.0, seed=seed)])
 
 
 def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
@@ -501,6 +886,14 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
          Settings(repetition_penalty=1.5), torch.tensor([[True, False, False]]),
          "the repetition penalty applies to greedy decoding too: token 0 (seen) drops from 3 to 2"),
         ("greedy, ties: the lowest id", torch.tensor([[1.0, 4.0, 4.0]], dtype=torch.float64), Settings(), None, ""),
+        ("greedy, repetition penalty 1.5 but seen=None: nothing is penalized", torch.tensor([[3.0, 2.9, -1.0]]),
+         Settings(repetition_penalty=1.5), None, "seen=None means no text to penalize: skip the repetition penalty"),
+        ("top-k 1 keeps only the most likely token: always drawn", torch.tensor([[0.5, 2.0, 1.9, -1.0], [3.0, 0.0, 2.0, 2.5]]),
+         Settings(temperature=1.0, top_k=1), None, "top_k=1 keeps one token (the argmax), so sampling always draws it"),
+        ("min-p 1 keeps only the most likely token: always drawn", torch.tensor([[0.5, 2.0, 1.9, -1.0]]),
+         Settings(temperature=0.7, min_p=1.0), None, "min_p=1 keeps only the tokens as likely as the most likely one"),
+        ("temperature 0.01 is nearly greedy", torch.tensor([[1.0, 1.2, 0.9]]), Settings(temperature=0.01), None,
+         "divide by any temperature > 0, however small"),
     ]
     sampled = [
         ("temperature 0.5 before top-p 0.8", x, Settings(temperature=0.5, top_p=0.8), None,
@@ -567,9 +960,74 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             return None if problem is None else (problem, "")
         return draws(case, got)
 
-    run_check("next_token", fn, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[3], seconds=5.0, total_seconds=20.0)
-    _same_generator_same_tokens("next_token", fn, lambda gen: (_many(torch.zeros(1, 50), 50),
-                                                               Settings(temperature=1.0), None, gen), FORBID)
+    from .randomness import generator_contract
+
+    try:
+        run_check("next_token", fn, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[3], seconds=5.0,
+                  total_seconds=20.0, error_hints=ERROR_HINTS)
+    except CheckFailed as err:
+        blamed = _blame_part(fn, cases, err)
+        if blamed:
+            raise blamed from None
+        raise
+    one_row = Settings(temperature=1.0)
+    flat = torch.zeros(4, 50)
+    generator_contract("next_token", lambda gen: call_learner("next_token", fn, (flat, one_row, None, gen),
+                                                              forbid=FORBID, seconds=5.0, may_modify=True),
+                       what="next_token(torch.zeros(4, 50), SamplingSettings(temperature=1.0), None, generator)")
+    _one_row_draws("next_token", fn, lambda logits, gen: (logits, one_row, None, gen),
+                   torch.tensor([[0.5, 0.3, 0.2]]).log(), 200, show, seed)
+
+
+PIPELINE = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+
+
+def _blame_part(fn, cases: list[Case], err: CheckFailed) -> Optional[CheckFailed]:
+    """When next_token fails, the first of the learner's own parts (from the namespace next_token was written in)
+    whose output broke what the next step needs, on the failing case's input: that part's name, in a few lines."""
+    fn = getattr(fn, "__wrapped__", fn)
+    namespace = getattr(fn, "__globals__", {})
+    text = str(err)
+    case = next((c for c in cases if f"— {c.description}" in text or f"({short(c.args[0], 160)}" in text), None)
+    if case is None:
+        return None
+    logits, settings, seen, _ = case.args
+    B = logits.shape[0]
+    x = logits.float()
+    for name in PIPELINE:
+        on = {"repetition_penalty": settings.repetition_penalty != 1 and seen is not None,
+              "temperature": not settings.greedy and settings.temperature != 1,
+              "top_k": not settings.greedy and settings.top_k > 0, "top_p": not settings.greedy and settings.top_p < 1,
+              "min_p": not settings.greedy and settings.min_p > 0}[name]
+        if not on:
+            continue
+        args = (x, seen, settings.repetition_penalty) if name == "repetition_penalty" else \
+            (x, {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
+                 "min_p": settings.min_p}[name])
+        expected = getattr(S, name)(*args)
+        part = namespace.get(name)
+        if callable(part) and getattr(part, "__module__", None) != S.__name__:
+            try:
+                got = call_learner(name, part, args, forbid=FORBID, seconds=5.0)
+            except CheckFailed:
+                got = None
+            broken = None
+            if not isinstance(got, Tensor) or got.shape != x.shape:
+                broken = f"returned {short(got, 80)}"
+            elif bool((got == -INF).all(-1).any()):
+                broken = "removed every token of a row (all -inf): nothing is left to draw"
+            elif bool(got.isnan().any()):
+                broken = "returned nan"
+            elif not torch.equal(got > -INF, expected > -INF):
+                broken = "kept other tokens than it should"
+            if broken:
+                first = text.split("\n")[0]
+                return CheckFailed(f"{first}\n  the cause: your {name} {broken}, on "
+                                   f"{name}({', '.join(short(a, 100) for a in args)})\n"
+                                   f"  hint: next_token uses your {name}, which does not pass its own check: run "
+                                   f"check_{name}({name}) and fix it first")
+        x = expected
+    return None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -683,6 +1141,13 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
 # The generation loop
 
 
+class _Pieces(list):
+    """The pieces a stream yielded; `first_at`: the model's calls when the first non-empty one came."""
+
+    first_at: Optional[int] = None
+    calls: Optional[int] = None
+
+
 class ScriptedModel:
     """Stands in for GPT-2: whatever the text, its next token is the script's next one (a logit 30 above
     the rest), so a check knows exactly which tokens a correct loop produces."""
@@ -692,7 +1157,10 @@ class ScriptedModel:
         self.config = GPT2Config(n_layer=1, n_head=1, n_embd=8)
         self.device, self.dtype = torch.device("cpu"), torch.float32
 
+    calls = 0  # how many times it was called (a stream's first piece must come before the last call)
+
     def __call__(self, input_ids, *args, **kwargs) -> Tensor:
+        self.calls += 1
         ids = torch.as_tensor(input_ids)
         ids = ids[None] if ids.dim() == 1 else ids
         B, T = ids.shape
@@ -713,9 +1181,18 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
     Settings = S.SamplingSettings
     greedy = Settings()
 
-    def run(*args):  # the learner's generator, run to the end: the list of pieces
+    def run(*args):  # the learner's generator, run to the end: the list of pieces, and when the first came
+        model = args[0]
+        if isinstance(model, ScriptedModel):
+            model.calls = 0
         try:
-            return list(fn(*args))
+            pieces = _Pieces()
+            for piece in fn(*args):
+                if pieces.first_at is None and isinstance(piece, str) and piece:
+                    pieces.first_at = getattr(model, "calls", None)
+                pieces.append(piece)
+            pieces.calls = getattr(model, "calls", None)
+            return pieces
         except NotImplementedError as err:
             stub = traceback.extract_tb(err.__traceback__)[-1].name
             if stub != getattr(fn, "__name__", stub):
@@ -723,12 +1200,13 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                                    "must pass)").with_traceback(err.__traceback__) from None
             raise
 
-    def scripted(description, prompt, text_tokens, max_new, eos=EOT_ID, stop=(), hint=""):
-        prompt_ids = tok.encode(prompt)
+    def scripted(description, prompt, text_tokens, max_new, eos=EOT_ID, stop=(), hint="", defaults=False):
+        prompt_ids = tok.encode(prompt, allowed_special="all")
         model = ScriptedModel(len(prompt_ids), text_tokens)
         tokens = (text_tokens + text_tokens[-1:] * max_new)[:max_new]  # the model repeats its last token
         expected = "".join(stop_at(decoded(iter(tokens), tok, eos), stop))
-        return Case(description, (model, tok, prompt, greedy, max_new, eos, tuple(stop), seed), expected, hint)
+        args = (model, tok, prompt, greedy, max_new) + (() if defaults else (eos, tuple(stop), seed))
+        return Case(description, args, expected, hint)
 
     hello = tok.encode(" Hello world, and good night.")
     llama = tok.encode(" I ❤ 🦙 llamas")
@@ -747,6 +1225,18 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                       "that could be the start of a stop string)"),
         scripted("two stop strings: the first one in the text wins", "Say:", hello, 20, stop=("night", ", and")),
         scripted("a stop string that never comes", "Say:", hello, 8, stop=("xyz",)),
+        scripted("called as the engine would, without eos_token_id, stop and seed (EOS = <|endoftext|>)", "Say:",
+                 hello[:3] + [EOT_ID] + hello[3:], 20, defaults=True,
+                 hint="the defaults: eos_token_id=EOT_ID, stop=(), seed=0"),
+        scripted("EOS id 0 (the token '!')", "Say:", tok.encode(" Wow! Yes!"), 20, eos=0,
+                 hint="token id 0 is a real token: compare with `token == eos_token_id`, not `if eos_token_id`"),
+        scripted("a prompt with <|endoftext|> in it", "One.<|endoftext|>Two:", hello, 6,
+                 hint="encode the prompt with allowed_special=\"all\" (<|endoftext|> is one token, id 50256)"),
+        scripted("a prompt with the stop string in it: only the new text is searched", "Say world:", hello, 20,
+                 stop=("world", "night")),
+        scripted("max_new_tokens ends inside an emoji: flush the decoder at the end", "Love:", llama, 5,
+                 hint="after the loop, yield what decoder.flush() returns (an unfinished character becomes '\\ufffd')"),
+        scripted("a long text: the first piece comes as soon as it is decoded", "Say:", hello, 8),
     ]
     model = tiny_model(seed + 10, vocab_size=1000)  # GPT-2's first 1000 tokens: short, common pieces of text
     for i in range(n_random + 1):
@@ -757,28 +1247,40 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                                  **{f: getattr(settings, f) for f in ("temperature", "top_k", "top_p", "min_p",
                                                                        "repetition_penalty")})
         cases.append(Case(f"a tiny random GPT-2, {settings}, seed {seed + i}",
-                          (model, tok, prompt, settings, new, eos, (), seed + i), expected,
-                          "use torch.Generator().manual_seed(seed) once, and your next_token on the last position's "
-                          "logits, with seen (the prompt's and the new tokens) for the repetition penalty"))
+                          (model, tok, prompt, settings, new, eos, (), seed + i), expected))
+
 
     def show(args):
-        model, _, prompt, settings, new, eos, stop, s = args
-        return (f"stream_text({model!r}, tokenizer, {prompt!r}, {settings}, max_new_tokens={new}, "
-                f"eos_token_id={eos}, stop={stop}, seed={s})")
+        model, _, prompt, settings, new, *rest = args
+        more = ", eos_token_id={}, stop={}, seed={}".format(*rest) if rest else ""
+        return f"stream_text({model!r}, tokenizer, {prompt!r}, {settings}, max_new_tokens={new}{more})"
 
-    def compare(got, expected):
+    def judge(case, got) -> Verdict:
         if not all(isinstance(piece, str) for piece in got):
-            return f"every piece must be a str, got {short(got, 100)}"
-        text = "".join(got)
+            return f"every piece must be a str, got {short(list(got), 100)}", ""
+        text, expected = "".join(got), case.expected
         if text != expected:
+            problem = f"the text differs: expected {expected!r}, got {text!r}"
             if "\ufffd" in text and "\ufffd" not in expected:
-                return f"the text differs: got a '\\ufffd' (a piece of an unfinished UTF-8 character) in {text!r}"
-            return f"the text differs: expected {expected!r}, got {text!r}"
+                return (f"the text differs: got a '\\ufffd' (a piece of an unfinished UTF-8 character) in {text!r}",
+                        "push every token through a StreamDecoder: it holds back an unfinished UTF-8 character")
+            if expected.startswith(text) and expected.endswith("\ufffd"):
+                return problem, ("the text ends too early: after the loop, yield what decoder.flush() returns (the "
+                                 "bytes of an unfinished character)")
+            model = case.args[0]
+            if not isinstance(model, ScriptedModel) and case.args[3].temperature > 0 and expected[:3] == text[:3]:
+                return problem, ("use torch.Generator().manual_seed(seed) once, and your next_token on the last "
+                                 "position's logits, with seen (the prompt's and the new tokens) for the repetition "
+                                 "penalty")
+            return problem, ""
         if len(expected) > 12 and len([p for p in got if p]) < 2:
-            return "the text is right, but it came in one piece: yield each piece as soon as it is decoded (stream it)"
+            return "the text is right, but it came in one piece: yield each piece as soon as it is decoded (stream it)", ""
+        if got.first_at is not None and got.calls is not None and got.calls > 2 and got.first_at >= got.calls:
+            return (f"the text is right, but its first piece came only after the model's last call ({got.calls} "
+                    f"calls): yield each piece as soon as it is decoded, before computing the next token"), ""
         return None
 
-    run_check("stream_text", run, cases, compare=compare, forbid=FORBID, show_call=show, may_modify=[0, 1],
+    run_check("stream_text", run, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[0, 1],
               seconds=10.0,
               total_seconds=30.0, timeout_hint="the loop must end after max_new_tokens tokens, at EOS or at a stop "
                                                "string")
