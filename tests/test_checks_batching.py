@@ -5,7 +5,7 @@ check-side machinery (the mistake variants of the policy, the workloads) does wh
 import functools
 import random
 import re
-from collections import deque
+from collections import OrderedDict, deque
 from pathlib import Path
 
 import numpy as np
@@ -393,7 +393,46 @@ class EngineSubclass(EngineAllocator):
     pass
 
 
+class Uint8CountAllocator(BlockAllocator):
+    """Counts users in a uint8 array: the 256th user wraps the count to 0."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.ref_count = np.zeros(num_blocks, dtype=np.uint8)
+
+    def allocate(self):
+        return int(super().allocate())
+
+
+class Uint8IdAllocator(BlockAllocator):
+    """Block ids in uint8: past 255 they wrap."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.free = deque(np.arange(num_blocks).astype(np.uint8).tolist())
+
+
+class ClassStateAllocator(BlockAllocator):
+    """Keeps its free list and counts on the class: a second allocator replaces the first one's."""
+
+    def __init__(self, num_blocks):
+        ClassStateAllocator.free = deque(range(num_blocks))
+        ClassStateAllocator.ref_count = [0] * num_blocks
+
+
+class NumpyIdAllocator(BlockAllocator):
+    """Hands out numpy integers: the engine's block tables take Python ints."""
+
+    def __init__(self, num_blocks):
+        super().__init__(num_blocks)
+        self.free = deque(np.arange(num_blocks))
+
+
 ALLOCATOR_MISTAKES = [
+    (Uint8CountAllocator, r"256th user: is the count kept in 8 bits"),
+    (Uint8IdAllocator, r"a new BlockAllocator\(300\).*block ids go past 255"),
+    (ClassStateAllocator, r"two allocators alive at once.*allocator a, BlockAllocator\(5\).*not on the class"),
+    (NumpyIdAllocator, r"returned (np\.int64\()?0\)? of type numpy\.int64, expected a Python int.*int\(block\)"),
     (LifoAllocator, r"last in, first out"),
     (ReleaseIgnoresUsers, r"had 2 users: release takes one away"),
     (ShareKeepsFreeBlock, r"share must take it off the free list"),
@@ -440,9 +479,44 @@ class ListAllocator:
             self.free += [block]
 
 
-def test_block_allocator_alternative_passes(capsys):
-    check_block_allocator(ListAllocator)
-    check_block_allocator(ListAllocator, seed=101, n_random=40, n_workloads=3)
+class NumpyCountAllocator:
+    """Correct, written differently: counts in a numpy int64 array, the free list an OrderedDict (O(1) removal)."""
+
+    def __init__(self, num_blocks):
+        self.ref_count = np.zeros(num_blocks, dtype=np.int64)
+        self._free = OrderedDict.fromkeys(range(num_blocks))
+
+    @property
+    def free(self):
+        return list(self._free)
+
+    @property
+    def num_free(self):
+        return np.int64(len(self._free))
+
+    def allocate(self):
+        if not self._free:
+            raise MemoryError("all blocks are in use")
+        block, _ = self._free.popitem(last=False)
+        self.ref_count[block] = 1
+        return block
+
+    def share(self, block):
+        self._free.pop(block, None)
+        self.ref_count[block] += 1
+
+    def release(self, block):
+        if self.ref_count[block] <= 0:
+            raise ValueError(f"block {block} has no user")
+        self.ref_count[block] -= 1
+        if self.ref_count[block] == 0:
+            self._free[block] = None
+
+
+@pytest.mark.parametrize("cls", [ListAllocator, NumpyCountAllocator])
+def test_block_allocator_alternative_passes(cls, capsys):
+    check_block_allocator(cls)
+    check_block_allocator(cls, seed=101, n_random=40, n_workloads=3)
     assert capsys.readouterr().out.count("✓") == 2
 
 

@@ -365,6 +365,28 @@ def run_allocator(cls, num_blocks: int, ops: list) -> list[Event]:
     return events
 
 
+def run_allocators(cls, sizes: list, ops: list) -> list[list[Event]]:
+    """Several allocators alive at once: cls(n) for every n of `sizes` (all made first), then every (which, op);
+    -> each allocator's events, as `run_allocator` gives them."""
+    allocators = [cls(n) for n in sizes]
+    events = []
+    for allocator in allocators:
+        start = Event(("new",))
+        start.free, start.ref_count, start.num_free = _state(allocator)
+        events.append([start])
+    for which, op in ops:
+        event = Event(op)
+        try:
+            event.result = getattr(allocators[which], op[0])(*op[1:])
+        except NotImplementedError:
+            raise
+        except Exception as err:  # noqa: BLE001 - recorded, compared with the engine's
+            event.error = err
+        event.free, event.ref_count, event.num_free = _state(allocators[which])
+        events[which].append(event)
+    return events
+
+
 def allocator_ops(rng: random.Random, num_blocks: int, n_ops: int) -> list[tuple]:
     """A random sequence of operations, mostly valid, some not (a release of an unused block, an allocate when
     none is free), chosen from the engine's allocator's state as it goes."""
@@ -396,9 +418,11 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
     for what, g, e in (("free", new_got.free, new_exp.free), ("ref_count", new_got.ref_count, new_exp.ref_count),
                        ("num_free", new_got.num_free, new_exp.num_free)):
         if g != e:
-            return (f"a new BlockAllocator({case.args[1]}) has {what} = {short(g, 60)}, expected {short(e, 60)}",
-                    "start with every block free, in order (deque(range(num_blocks))), and ref_count = "
-                    "[0] * num_blocks; num_free is len(self.free)")
+            hint = "start with every block free, in order (deque(range(num_blocks))), and ref_count = " \
+                   "[0] * num_blocks; num_free is len(self.free)"
+            if case.args[1] > 256:
+                hint += " — block ids go past 255 here: are they kept in 8 bits (uint8), or in a fixed-size table?"
+            return (f"a new BlockAllocator({case.args[1]}) has {what} = {short(g, 60)}, expected {short(e, 60)}", hint)
     for i, (g, e) in enumerate(zip(got[1:], expected[1:])):
         before = expected[i]
         done = "; ".join(_call(ev.op) for ev in expected[max(1, i - 5) : i + 1])
@@ -412,6 +436,9 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
             return f"{at}: expected {type(e.error).__name__}, your allocator {g.outcome()}", hint
         if g.error is not None and e.error is None:
             return f"{at}: your allocator raised {type(g.error).__name__}: {short(str(g.error), 100)}", ""
+        if op == "allocate" and g.error is None and (isinstance(g.result, bool) or not isinstance(g.result, int)):
+            return (f"{at} returned {short(g.result, 20)} of type {type(g.result).__module__}.{type(g.result).__name__}"
+                    f", expected a Python int", "the engine takes block ids as Python ints: return int(block)")
         if op == "allocate" and g.result != e.result:
             hint = "take the block at the FRONT of the free list (popleft): it was freed longest ago"
             if before.free and g.result == before.free[-1]:
@@ -430,6 +457,9 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
                         "allocate would hand it to another request while this one uses it")
             elif op == "release" and isinstance(g.free, list) and g.free and e.free and g.free[0] == block != e.free[0]:
                 hint = "a released block goes to the BACK of the free list (append), to be reused last"
+            elif g.ref_count != e.ref_count and op == "share" and before.ref_count[block] == 255:
+                hint = (f"block {block}'s 256th user: is the count kept in 8 bits (uint8)? Python ints (a list) "
+                        "never overflow")
             elif g.ref_count != e.ref_count:
                 hint = "allocate sets the block's count to 1, share adds one, release takes one away"
             elif g.num_free != e.num_free:
@@ -461,26 +491,58 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
         case("sharing a free block (a cached prefix) takes it off the free list", 4, [A, A, R(1), S(1), A, A]),
         case("releasing a block nobody uses", 3, [A, R(0), R(0), R(2)]),
     ]
+    big = rng.sample(range(300), 40)  # blocks released in a random order, then reused
+    cases += [
+        case("300 blocks: ids past 255, released in a random order and reused", 300,
+             [A] * 300 + [R(b) for b in big] + [A] * 40 + [A]),
+        case("a block with 300 users (a prefix shared by many requests)", 3,
+             [A, A] + [S(1)] * 300 + [R(1)] * 299 + [A, R(1), A]),
+        case("share, release and allocate across 70 blocks", 70,
+             [A] * 70 + [S(b) for b in range(0, 70, 3)] + [R(b) for b in range(70)] + [A] * 20),
+    ]
     for i in range(n_random):
-        n = rng.randint(1, 12)
-        cases.append(case(f"random #{i}: {n} blocks", n, allocator_ops(rng, n, rng.randint(10, 60))))
+        n = rng.randint(1, 12) if i % 2 == 0 else rng.randint(13, 100)
+        cases.append(case(f"random #{i}: {n} blocks", n, allocator_ops(rng, n, rng.randint(10, 60 if n < 13 else 200))))
+    sizes = [5, 3]
+    ops = [(0, A), (1, A), (0, A), (1, S(0)), (1, A), (0, R(0)), (1, R(0)), (1, R(0)), (0, A), (1, A), (0, S(1)),
+           (1, R(1))]
+    cases.append(Case("two allocators alive at once (two engines), used in turn", ("two", sizes, ops),
+                      [run_allocator(EngineAllocator, n, [op for w, op in ops if w == i]) for i, n in enumerate(sizes)],
+                      "each allocator keeps its own free list and counts, on the instance (self.free = ... in "
+                      "__init__), not on the class"))
     for j in range(n_workloads):
         cases.append(engine_case("BlockAllocator", seed + j))
 
     def run(kind, *args):
         if kind == "ops":
             return run_allocator(cls, *args)
+        if kind == "two":
+            return run_allocators(cls, *args)
         return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(BlockAllocator=cls))[0]
 
     def show(args):
         if args[0] == "ops":
             return f"a = BlockAllocator({args[1]}); " + "; ".join(f"a.{_call(op)}" for op in args[2][:12]) + \
                 ("; …" if len(args[2]) > 12 else "")
+        if args[0] == "two":
+            names = "ab"
+            return "; ".join(f"{names[i]} = BlockAllocator({n})" for i, n in enumerate(args[1])) + "; " + \
+                "; ".join(f"{names[w]}.{_call(op)}" for w, op in args[2])
         return repr(ENGINE_RUNS[args[1]][1])
 
     def judge(case, got):
         if case.args[0] == "engine":
             return _engine_verdict("BlockAllocator", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        if case.args[0] == "two":
+            for i, (n, mine, theirs) in enumerate(zip(case.args[1], got, case.expected)):
+                ops = [op for w, op in case.args[2] if w == i]
+                verdict = _allocator_verdict(Case(case.description, ("ops", n, ops), theirs), mine)
+                if verdict:
+                    problem, hint = verdict
+                    hints = "".join(f"\n  hint: {h}" for h in (hint, case.hint) if h)
+                    raise CheckFailed(f"✗ BlockAllocator — {case.description}: allocator {'ab'[i]}, "
+                                      f"BlockAllocator({n}): {problem}\n  input:    {show(case.args)}{hints}")
+            return None
         verdict = _allocator_verdict(case, got)
         if verdict:  # the problem names the operation, what was expected and what came: no traces to show
             problem, hint = verdict
