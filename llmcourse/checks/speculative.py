@@ -37,8 +37,9 @@ from ..speculative import (Speculation, accept_token as engine_accept_token,
                            expected_speedup as engine_expected_speedup,
                            prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
 from .batching import watched
-from .core import Case, Verdict, run_check
+from .core import Case, Verdict, call_learner, later, run_check, unwritten_helper
 from .failed import CheckFailed
+from .randomness import generator_contract
 from .forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
 from .sampling import _chi2_limit
@@ -251,6 +252,14 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
                              "draw with u must scale u by the sum)")
 
 
+def _spike(V: int, mass: dict) -> Tensor:
+    """A distribution over V tokens with the given mass on a few of them."""
+    p = torch.zeros(V, dtype=torch.float64)
+    for token, m in mass.items():
+        p[token] = m
+    return (p / p.sum()).float()
+
+
 def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
     """check_accept_token's cases: the frequency tests (args ("many", p, q, n_draws, seed)), then the
     deterministic corners (args ("once", p, q, x, seed))."""
@@ -258,8 +267,8 @@ def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
 
     def once(description, p, q, x, hint=""):
         p, q = _dist(p), _dist(q)
-        return Case(description, ("once", p, q, x, seed), engine_accept_token(p, q, x, torch.Generator().manual_seed(0)),
-                    hint)
+        return Case(description, ("once", p, q, x, seed),
+                    later(engine_accept_token, p, q, x, torch.Generator().manual_seed(0)), hint)
 
     def many(description, p, q, hint="", dtype=torch.float32):
         p, q = _dist(p, dtype), _dist(q, dtype)
@@ -277,6 +286,11 @@ def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
              [.5, .5, 0], [0, .5, .5], 2, "p(x) = 0: accept with probability 0; the residual is max(0, p - q)"),
         once("p one-hot on token 2, x = 1: rejected, the residual is all on token 2", [0, 0, 1, 0], [.25, .25, .25, .25],
              1),
+        once("GPT-2's vocabulary (50257 tokens): p(x) = 0 for x = 300, the residual is all on token 50256",
+             _spike(50257, {50256: 1.0}), _spike(50257, {300: 0.7, 50256: 0.3}), 300,
+             "token ids go up to 50256: keep them as Python ints (no uint8, no fixed-size table)"),
+        once("the proposal is token 0 (GPT-2's '!'; EOS in some vocabularies), p(0) >= q(0): accepted",
+             [.6, .2, .2], [.5, .25, .25], 0, "token 0 is a token like any other: return (True, 0)"),
     ]
     cases += [
         many("p and q overlap", [.2, .3, .5], [.6, .3, .1]),
@@ -286,6 +300,8 @@ def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
         many("q one-hot: the draft always proposes token 1", [.25, .25, .25, .25], [0, 1, 0, 0]),
         many("p on tokens q never proposes", [.1, .1, .1, .1, .3, .3], [.25, .25, .25, .25, 0, 0]),
         many("V = 8, float64", [1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1], dtype=torch.float64),
+        many("V = 300: the mass on tokens 0 and 256 to 299", _spike(300, {0: .2, 256: .3, 280: .2, 299: .3}).tolist(),
+             _spike(300, {0: .4, 256: .1, 270: .2, 299: .3}).tolist()),
     ]
     for i in range(n_random):
         V = int(torch.randint(3, 9, (), generator=g))
@@ -302,6 +318,13 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
     with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
     outcomes' frequencies over many calls."""
 
+    # Randomness as a contract: x = 0 kept with probability p(0)/q(0) = 1/4, else one of 3 tokens (4 outcomes of
+    # 1/4 each: 8 calls agree by chance with probability 4 · 4^-8 = 6e-5)
+    p, q = _dist([.1, .3, .3, .3]), _dist([.4, .2, .2, .2])
+    generator_contract("accept_token", lambda g: call_learner("accept_token", fn, (p, q, 0, g), forbid=[NO_ENGINE],
+                                                    may_modify=(3,)),
+                       what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token=0, generator)")
+
     def run(kind, *args):
         if kind == "once":
             p, q, x, s = args
@@ -312,8 +335,15 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
     def show(args):
         if args[0] == "once":
             _, p, q, x, s = args
+            if p.shape[-1] > 12:
+                nz = lambda t: "{" + ", ".join(f"{i}: {float(t[i]):.3g}" for i in torch.nonzero(t).flatten()) + "}"  # noqa
+                return f"accept_token(p={nz(p)} (else 0, V = {p.shape[-1]}), q={nz(q)}, draft_token={x}, generator)"
             return f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token={x}, generator)"
         _, p, q, n, _ = args
+        if p.shape[-1] > 12:
+            nz = lambda t: "{" + ", ".join(f"{i}: {float(t[i]):.3g}" for i in torch.nonzero(t).flatten()) + "}"  # noqa
+            return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; V = {p.shape[-1]}, "
+                    f"p = {nz(p)}, q = {nz(q)} (else 0)")
         return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}"
                 + (" (float64)" if p.dtype == torch.float64 else ""))
 
@@ -393,16 +423,21 @@ def _verify_verdict(case: Case, got: Any) -> Verdict:
     checks = [(first, p[0], "the first new token (the first proposal if accepted, else the residual's token)"),
               (second, p[1], "the second new token, after an accepted first proposal"),
               (bonus, p[2], "the bonus token, when both proposals are accepted")]
-    for tally, probs, what in checks:
+    def counts_problem() -> Verdict:
+        if fits(counts, want_counts):
+            return None
+        freq = counts.double() / n
+        return (f"num_accepted was 0, 1, 2 in {_fmt(freq)} of the calls; the rule gives {_fmt(want_counts)}", hint)
+
+    for index, (tally, probs, what) in enumerate(checks):
+        if index == 1 and counts_problem():  # after the first token: how many were kept says more than the tokens
+            return counts_problem()
         if int(tally.sum()) and not fits(tally, probs.double()):
             freq = tally.double() / tally.sum()
             worst = int((freq - probs.double()).abs().argmax())
             return (f"{what} is not distributed as the target's p: token {worst} came {float(freq[worst]):.1%} of "
                     f"the time over {int(tally.sum())} calls, p = {float(probs[worst]):.1%}", hint)
-    if not fits(counts, want_counts):
-        freq = counts.double() / n
-        return (f"num_accepted was 0, 1, 2 in {_fmt(freq)} of the calls; the rule gives {_fmt(want_counts)}", hint)
-    return None
+    return counts_problem()
 
 
 def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Draws:
@@ -441,7 +476,7 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
     def greedy(description, target, drafted, V=6, hint=""):
         p, q = one_hot(target, V), one_hot(drafted, V)
         return Case(description, ("once", p, q, list(drafted), seed),
-                    engine_verify(p, q, list(drafted), torch.Generator().manual_seed(0)), hint)
+                    later(engine_verify, p, q, list(drafted), torch.Generator().manual_seed(0)), hint)
 
     cases = [
         greedy("greedy: the 2nd proposal differs from the target's token", [3, 1, 4, 0], [3, 5, 2]),
@@ -453,6 +488,9 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
         greedy("k = 0: no proposals, the token comes from p[0]", [4], [],
                hint="with no proposal, all 0 are accepted: the token is drawn from p[0]"),
         greedy("k = 1, accepted: the bonus comes from p[1]", [1, 0], [1]),
+        greedy("GPT-2's vocabulary (50257 tokens), k = 4: ids 0, 300 and 50256, the 3rd proposal rejected",
+               [0, 300, 50256, 7, 9], [0, 300, 50255, 7], V=50257,
+               hint="token ids go up to 50256, and 0 is a token like any other"),
     ]
     for i in range(n_random):
         V, k = rng.randint(3, 40), rng.randint(1, 6)
@@ -469,6 +507,22 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
                       Wanted(f"first new token distributed as p[0] = {_fmt(p[0])}; 0, 1, 2 accepted in "
                              f"{_fmt(torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]]))}"
                              " of the calls")))
+    # Each position draws its own u. The same proposal twice, kept with probability 1/2 each time: both kept in
+    # 1/4 of the calls, the first alone in 1/4. One u for the whole round keeps both in 1/2 and the first alone
+    # never: over n_draws = 1000 calls a bias of 0.25 is 18 standard deviations (sqrt(.1875 / 1000) = 0.014),
+    # far past the chi-square limit (~5 sd at a false-alarm rate of 1e-6).
+    p2 = torch.stack([_dist([.5, .25, .25])] * 3)
+    q2 = torch.stack([_dist([1, 0, 0])] * 2)
+    cases.append(Case("the same proposal at both positions, kept with probability 1/2 each: the two draws are "
+                      "independent", ("many", p2, q2, n_draws, seed + 1),
+                      Wanted("0, 1, 2 accepted in [0.5, 0.25, 0.25] of the calls"),
+                      "draw a new u at each position (accept_token draws its own): one u for the whole round "
+                      "accepts both or neither together"))
+
+    pc, qc = torch.stack([_dist([.25, .25, .25, .25])] * 3), torch.stack([_dist([.5, .5, 0, 0])] * 2)
+    generator_contract("verify", lambda g: call_learner("verify", unwritten_helper(fn), (pc, qc, [0, 1], g), forbid=[NO_ENGINE],
+                                                    may_modify=(3,)),
+                       what=f"verify(p = [{_fmt(pc[0])}] * 3, q = [{_fmt(qc[0])}] * 2, draft_tokens=[0, 1], generator)")
 
     def run(kind, *args):
         if kind == "once":
@@ -480,7 +534,7 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
         if args[0] == "once":
             _, p, q, drafted, _ = args
             return (f"verify(p one-hot on {p.argmax(-1).tolist()}, q one-hot on {q.argmax(-1).tolist()}, "
-                    f"draft_tokens={drafted}, generator)")
+                    f"draft_tokens={drafted}, generator)" + (f" (V = {p.shape[-1]})" if p.shape[-1] > 12 else ""))
         _, p, q, n, _ = args
         return (f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
                 f"[{', '.join(map(_fmt, p))}], q = [{', '.join(map(_fmt, q))}]")
@@ -517,7 +571,7 @@ LOOKUP_MISTAKES = [  # the first whose answer is the learner's names the mistake
 
 
 def _lookup_verdict(case: Case, got: Any) -> Verdict:
-    tokens, k, max_ngram = case.args
+    tokens, k, max_ngram = case.args if len(case.args) == 3 else (*case.args, 3)
     if not isinstance(got, list) or not all(_is_id(t) for t in got):
         return f"expected a list of ints, got {short(got, 80)}", "return a list of token ids ([] if no match)"
     if got == case.expected:
@@ -525,7 +579,22 @@ def _lookup_verdict(case: Case, got: Any) -> Verdict:
     hint = next((h for flags, h in LOOKUP_MISTAKES if _lookup(tokens, k, max_ngram, **flags) == got), "")
     if len(got) > k:
         hint = f"at most num_draft_tokens = {k} tokens"
-    return f"expected {case.expected}, got {got}", hint
+    elif len(case.args) == 2 and not hint and any(_lookup(tokens, k, n) == got for n in (1, 2, 4, 5, 6, 8)):
+        hint = ("the engine calls prompt_lookup_draft(tokens, num_draft_tokens) without max_ngram: its default "
+                "must be 3 (def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3))")
+    elif case.description.startswith("the engine's calls") and not hint:
+        hint = ("each call must depend on its own arguments only: a cache of earlier answers (or of an index of the "
+                "text) keyed on part of them gives a stale answer when the text grows or num_draft_tokens changes")
+    return f"expected {short(case.expected, 120)}, got {short(got, 120)}", hint
+
+
+_LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255; repeats a lookup can find)
+    49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 4324, 9457, 30, 198, 1026, 318, 262, 7627, 11,
+    290, 21826, 318, 262, 4252, 13, 198, 3041, 786, 11, 3148, 4252, 11, 290, 1494, 262, 44069, 8824, 11, 198,
+    8241, 318, 1541, 6639, 290, 14005, 351, 22353, 11, 198, 2504, 14210, 607, 25920, 1242, 881, 517, 3148, 621,
+    673, 25, 198, 1532, 262, 4252, 318, 262, 7627, 11, 290, 21826, 318, 262, 4252, 11, 198, 50256, 198, 49, 2662,
+    46, 25, 198, 40, 716, 1309, 262, 7627, 13, 0, 198, 7575, 318, 262, 4252, 13,
+]
 
 
 def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
@@ -534,7 +603,12 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
     rng = random.Random(seed)
 
     def case(description, tokens, k, max_ngram=3, hint=""):
-        return Case(description, (tokens, k, max_ngram), engine_prompt_lookup_draft(list(tokens), k, max_ngram), hint)
+        return Case(description, (tokens, k, max_ngram), later(engine_prompt_lookup_draft, list(tokens), k, max_ngram),
+                    hint)
+
+    def as_engine(description, tokens, k, hint=""):
+        """prompt_lookup_draft(tokens, k), without max_ngram: as the engine's PromptLookup calls it."""
+        return Case(description, (tokens, k), later(engine_prompt_lookup_draft, list(tokens), k), hint)
 
     cases = [
         case("no earlier occurrence", [1, 2, 3, 4], 3),
@@ -551,14 +625,35 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
         case("max_ngram = 1", [4, 5, 6, 1, 5, 6], 2, max_ngram=1),
         case("max_ngram = 5, a 5-token repeat", [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5], 3, max_ngram=5),
         case("large token ids", [50256, 198, 464, 50256, 198], 2),
+        as_engine("called as the engine calls it (no max_ngram): a 3-token repeat and a later 2-token one",
+                  [7, 8, 9, 1, 2, 5, 8, 9, 3, 4, 7, 8, 9], 2,
+                  hint="the default max_ngram is 3: the 3-token match [7, 8, 9] wins over the later [8, 9]"),
+        as_engine("called as the engine calls it: a 4-token repeat must not be preferred (max_ngram = 3)",
+                  [1, 2, 3, 4, 10, 11, 9, 2, 3, 4, 20, 21, 1, 2, 3, 4], 2),
+        as_engine("token 0 (a real token, EOS in some vocabularies) inside the text", [0, 5, 0, 0, 6, 0, 0], 3,
+                  hint="0 is a token like any other (test `is None`, not truthiness)"),
     ]
+    # Longer texts (real text from GPT-2's tokenizer, token ids up to 50256) and the engine's own calls: one after
+    # each round on a growing text, num_draft_tokens changing at the end (a cache keyed on part of the arguments
+    # gives a stale answer).
+    text = _LONG_TEXT * 3
+    cases.append(as_engine(f"a long text: {len(text)} tokens of real text", text, 4))
+    cases.append(case(f"a long text, max_ngram = 5", text[:300], 5, max_ngram=5))
+    grown = text[:250]
+    for step, (extra, k) in enumerate([(0, 4), (3, 4), (1, 4), (5, 4), (0, 2), (0, 1), (2, 6)]):
+        grown = grown + text[len(grown) : len(grown) + extra] if extra else grown
+        cases.append(as_engine(f"the engine's calls during one generation, call {step + 1}: {len(grown)} tokens, "
+                               f"num_draft_tokens = {k}", list(grown), k))
+
     for i in range(n_random):
-        vocab = rng.choice([2, 3, 5, 8])
-        tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 30))]
+        vocab, offset = rng.choice([2, 3, 5, 8]), rng.choice([0, 0, 250, 50250])  # ids past 255 too
+        tokens = [offset + rng.randrange(vocab) for _ in range(rng.randint(1, rng.choice([30, 30, 300])))]
         cases.append(case(f"random #{i}: {len(tokens)} tokens from {vocab} ids", tokens, rng.randint(1, 6),
                           rng.choice([1, 2, 3, 3, 3, 4])))
 
     def show(args):
+        if len(args) == 2:
+            return f"prompt_lookup_draft({short(args[0], 120)}, num_draft_tokens={args[1]})"
         tokens, k, max_ngram = args
         return f"prompt_lookup_draft({short(tokens, 120)}, num_draft_tokens={k}, max_ngram={max_ngram})"
 
@@ -703,6 +798,7 @@ class RoundLog:
     draft_length: int = 0
     target_calls: int = 0
     draft_before: int = 0  # draft_cache.length before the round
+    draft_written: int = 0  # the most positions the draft's cache held after one of its passes (or before the round)
     problem: str = ""
     hint: str = ""
 
@@ -765,6 +861,15 @@ def _round_problem(log: RoundLog, pair: Pair, proposals: list[int]) -> None:
         log.hint = ("roll back: target_cache.length = len(tokens) + accepted (the verify pass wrote k + 1 positions; "
                     "keep tokens[-1] and the accepted proposals, drop the rest)")
         return
+    if log.draft_length > log.draft_written:
+        log.problem = (f"left draft_cache.length = {log.draft_length}, but the draft's cache never held more than "
+                       f"{log.draft_written} positions this round: its last {log.draft_length - log.draft_written} "
+                       f"position{'s are' if log.draft_length - log.draft_written != 1 else ' is'} stale (the last "
+                       f"proposal is never fed to the draft)")
+        log.hint = ("only ever shorten the draft's cache: draft_cache.length = min(draft_cache.length, len(tokens) + "
+                    "accepted) — setting it to len(tokens) + accepted unconditionally claims positions it never "
+                    "computed when every proposal is kept")
+        return
     if log.draft_length > kept:
         log.problem = (f"left draft_cache.length = {log.draft_length}, beyond the {kept} positions of the text "
                        f"(before the new token): it still holds rejected proposals")
@@ -786,23 +891,33 @@ def proposals_kept(proposals: list[int], continuation: list[int]) -> int:
 
 
 class CountCalls:
-    """Counts the calls of model.forward (by `model(...)` or `model.forward(...)`) while installed."""
+    """Counts the calls of model.forward (by `model(...)` or `model.forward(...)`) while installed, and the most
+    positions a cache held after one of them (`written`)."""
 
     def __init__(self, model: GPT2):
-        self.model, self.calls = model, 0
+        self.model, self.calls, self.written = model, 0, 0
 
     def __enter__(self):
-        forward = type(self.model).forward.__get__(self.model)
-
-        def counted(*args, **kwargs):
-            self.calls += 1
-            return forward(*args, **kwargs)
-
-        self.model.forward = counted
+        self.model.forward = _Counted(self, type(self.model).forward.__get__(self.model))
         return self
 
     def __exit__(self, *exc):
         del self.model.forward
+
+
+class _Counted:
+    """model.forward, counted (a class: the watch refuses the checks' own functions, not their methods)."""
+
+    def __init__(self, counter: CountCalls, forward: Callable):
+        self.counter, self.forward = counter, forward
+
+    def __call__(self, *args, **kwargs):
+        self.counter.calls += 1
+        out = self.forward(*args, **kwargs)
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        if cache is not None:
+            self.counter.written = max(self.counter.written, int(cache.length))
+        return out
 
 
 def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
@@ -821,13 +936,14 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
         run.rounds.append(log)
         proposals = _greedy(draft, tokens, k) if pair.exact_proposals else []
         log.draft_before = draft_cache.length
-        with CountCalls(target) as counter:
+        with CountCalls(target) as counter, CountCalls(draft) as drafted:
+            drafted.written = draft_cache.length
             sys.setprofile(watch)
             try:
                 log.out = fn(target, draft, target_cache, draft_cache, list(tokens), k)
             finally:
                 sys.setprofile(None)
-        log.target_calls = counter.calls
+        log.target_calls, log.draft_written = counter.calls, drafted.written
         log.target_length, log.draft_length = target_cache.length, draft_cache.length
         _round_problem(log, pair, proposals)
         if log.problem:
