@@ -3,6 +3,7 @@ is wrong, other correct ways of writing each exercise pass, the engine's own fun
 check-side machinery (the mistake variants of the policy, the workloads) does what the checks rely on."""
 
 import functools
+import math
 import random
 import re
 from collections import OrderedDict, deque
@@ -571,6 +572,13 @@ def test_slot_mapping_mistakes_are_named(fn, pattern):
     fails(check_slot_mapping, fn, pattern)
 
 
+def test_slot_mapping_failure_always_has_a_hint():
+    """A wrong answer that is none of the known mistakes still gets a hint line (it had none)."""
+    message = fails(check_slot_mapping, lambda block_table, positions, block_size: slot_mapping(
+        block_table, positions, block_size) + 1, r"values differ")
+    assert "\n  hint: " in message and "block_table[p // block_size] * block_size + p % block_size" in message
+
+
 def slot_mapping_divmod(block_table, positions, block_size):
     index = torch.div(positions, block_size, rounding_mode="floor")
     return torch.index_select(block_table, 0, index) * block_size + torch.remainder(positions, block_size)
@@ -683,6 +691,44 @@ def schedule_engine(running, waiting, num_free_blocks, **limits):
     return engine_schedule(running, waiting, num_free_blocks, **limits)
 
 
+KEPT = {}
+
+
+def schedule_remembers_queues(running, waiting, num_free_blocks, **limits):
+    """Keeps its answers by the queues alone: the free blocks and limits are not part of the key."""
+    key = (tuple(running), tuple(waiting))
+    if key not in KEPT:
+        KEPT[key] = schedule(running, waiting, num_free_blocks, **limits)
+    return KEPT[key]
+
+
+def schedule_masked_round_up(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
+    """Rounds up to whole blocks with a bit mask: right for powers of two only."""
+    from llmcourse import block_manager
+
+    real = block_manager.blocks_for
+    try:
+        globals()["blocks_for"] = lambda n, bs: ((n + bs - 1) & ~(bs - 1)) // bs
+        return schedule(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+                        max_num_batched_tokens=max_num_batched_tokens)
+    finally:
+        globals()["blocks_for"] = real
+
+
+def schedule_id_table(running, waiting, num_free_blocks, **limits):
+    """Marks scheduled requests in a table of 256 entries: request ids past 255 do not fit."""
+    scheduled = [False] * 256
+    chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
+    for rid in chunks:
+        scheduled[rid] = True
+    return chunks, preempted
+
+
+def schedule_numpy_counts(running, waiting, num_free_blocks, **limits):
+    chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
+    return {rid: np.int64(n) for rid, n in chunks.items()}, preempted
+
+
 SCHEDULE_MISTAKES = [
     (variant(victim="oldest"), r"preempt the NEWEST running request"),
     (variant(admit_after_preempt=True), r"in a step that preempts, admit no waiting request"),
@@ -694,11 +740,16 @@ SCHEDULE_MISTAKES = [
     (schedule_list, r"expected a tuple \(chunks, preempted\)"),
     (schedule_waiting_first, r"another order.*running requests first"),
     (schedule_engine, r"llmcourse\.scheduler\.schedule"),
+    (schedule_remembers_queues, r"the same queues, one more free block: scheduled"),
+    (schedule_masked_round_up, r"block_size 3 \(not a power of two\).*ceil\(n / 3\)"),
+    (schedule_id_table, r"IndexError: list assignment index out of range"),
+    (schedule_numpy_counts, r"is a numpy\.int64, not a Python int"),
 ]
 
 
 @pytest.mark.parametrize("fn, pattern", SCHEDULE_MISTAKES, ids=[f.__name__ for f, _ in SCHEDULE_MISTAKES])
 def test_schedule_mistakes_are_named(fn, pattern):
+    KEPT.clear()
     fails(check_schedule, fn, pattern)
 
 
@@ -736,9 +787,44 @@ def schedule_two_phase(running, waiting, num_free_blocks, *, block_size, max_num
     return chunks, preempted
 
 
-def test_schedule_alternative_passes(capsys):
-    check_schedule(schedule_two_phase)
-    check_schedule(schedule_two_phase, seed=101, n_random=400, n_workloads=3)
+def schedule_by_ceil(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
+    """Correct, written differently: math.ceil for the blocks, a deque of running requests popped from the right,
+    numpy for the arithmetic (converted back to Python ints)."""
+    budget, free = np.int64(max_num_batched_tokens), np.int64(num_free_blocks)
+    chunks, preempted, queue = {}, [], deque(running)
+    served = []
+    while queue and budget > 0:
+        seq = queue.popleft()
+        n = min(np.int64(seq.num_tokens - seq.num_computed), budget)
+        need = math.ceil((seq.num_computed + n) / block_size) - seq.num_blocks
+        while need > free and queue:
+            victim = queue.pop()
+            preempted.append(victim.id)
+            free += victim.num_unshared_blocks
+        if need > free:
+            preempted.append(seq.id)
+            break
+        chunks[seq.id] = int(n)
+        free, budget = free - need, budget - n
+        served.append(seq)
+    if preempted:
+        return chunks, preempted
+    for seq in waiting:
+        if len(chunks) >= max_num_seqs or budget == 0:
+            break
+        n = min(np.int64(seq.num_tokens - seq.num_computed), budget)
+        need = math.ceil((seq.num_computed + n) / block_size) - seq.num_blocks
+        if need > free:
+            break
+        chunks[seq.id] = int(n)
+        free, budget = free - need, budget - n
+    return chunks, preempted
+
+
+@pytest.mark.parametrize("fn", [schedule_two_phase, schedule_by_ceil])
+def test_schedule_alternative_passes(fn, capsys):
+    check_schedule(fn)
+    check_schedule(fn, seed=101, n_random=400, n_workloads=3)
     assert capsys.readouterr().out.count("✓") == 2
 
 

@@ -634,7 +634,9 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
         problem = tensor_problem(got, case.expected, atol=0, rtol=0)
         if problem is None:
             return None
-        return problem, diagnose(got, case.args[1:], SLOT_MISTAKES, case.expected, atol=0, rtol=0)
+        return problem, diagnose(got, case.args[1:], SLOT_MISTAKES, case.expected, atol=0, rtol=0) or (
+            "position p lives in block block_table[p // block_size], at offset p % block_size: its slot is "
+            "block_table[p // block_size] * block_size + p % block_size (one long per position)")
 
     run_check("slot_mapping", run, cases, judge=judge, forbid=[NO_ENGINE_SLOTS], show_call=show, seconds=10,
               total_seconds=30, error_hints={"out of bounds": SLOT_MISTAKES[2][1]})
@@ -821,7 +823,12 @@ def _schedule_verdict(case: Case, got: Any) -> Verdict:
         return (f"expected a dict and a list, got a {type(chunks).__name__} and a {type(preempted).__name__}",
                 "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
     if got == expected and list(chunks) == list(expected[0]):
-        return None
+        odd = next((x for x in [*chunks, *chunks.values(), *preempted] if isinstance(x, bool) or not isinstance(x, int)),
+                   None)
+        if odd is None:
+            return None
+        return (f"the right decisions, but {short(odd, 20)} is a {type(odd).__module__}.{type(odd).__name__}, not a "
+                "Python int", "the engine takes ids and token counts as Python ints: int(n)")
     if preempted != expected[1]:
         problem = f"preempted {preempted}, expected {expected[1]} (newest first)"
     elif chunks == expected[0]:
@@ -836,26 +843,32 @@ def _schedule_verdict(case: Case, got: Any) -> Verdict:
     return problem, hint
 
 
-def _seq(rng: random.Random, rid: int, block_size: int, running: bool) -> SeqView:
+def _seq(rng: random.Random, rid: int, block_size: int, running: bool, scale: int = 1) -> SeqView:
     if running:
-        computed = rng.randint(1, 40)
-        tokens = computed + (1 if rng.random() < 0.7 else rng.randint(1, 20))  # decoding, or a prompt in chunks
+        computed = rng.randint(1, 40 * scale)
+        tokens = computed + (1 if rng.random() < 0.7 else rng.randint(1, 20 * scale))  # decoding, or a prompt in chunks
         blocks = blocks_for(computed, block_size)
         shared = rng.randint(1, blocks) if rng.random() < 0.4 else 0  # a prefix it shares with others
         return SeqView(rid, tokens, computed, blocks, blocks - shared)
-    tokens = rng.randint(1, 40)
+    tokens = rng.randint(1, 40 * scale)
     cached = rng.randint(0, (tokens - 1) // block_size) if rng.random() < 0.3 else 0
     return SeqView(rid, tokens, cached * block_size, rng.randint(0, cached), 0)
 
 
 def schedule_scenario(rng: random.Random) -> tuple:
-    """Random queues and limits: (running, waiting, num_free_blocks, block_size, max_num_seqs, budget)."""
-    bs = rng.choice([1, 2, 4, 8, 16])
+    """Random queues and limits: (running, waiting, num_free_blocks, block_size, max_num_seqs, budget). One in four
+    is at a server's scale (prompts of thousands of tokens, thousands of free blocks, budgets up to 8192, request ids
+    up to a million); block sizes are not only powers of two."""
+    big = rng.random() < 0.25
+    scale = 50 if big else 1
+    bs = rng.choice([1, 2, 3, 4, 5, 8, 12, 16])
     n_run, n_wait = rng.randint(0, 6), rng.randint(0 if rng.random() < 0.5 else 1, 5)
-    ids = rng.sample(range(100), n_run + n_wait)
-    running = [_seq(rng, ids[i], bs, True) for i in range(n_run)]
-    waiting = [_seq(rng, ids[n_run + i], bs, False) for i in range(n_wait)]
-    return running, waiting, rng.randint(0, 12), bs, rng.randint(1, 8), rng.choice([1, 4, 8, 16, 32, 64])
+    ids = rng.sample(range(10**6) if big else range(100), n_run + n_wait)
+    running = [_seq(rng, ids[i], bs, True, scale) for i in range(n_run)]
+    waiting = [_seq(rng, ids[n_run + i], bs, False, scale) for i in range(n_wait)]
+    free = rng.randint(0, 12 * scale ** 2 // 10) if big else rng.randint(0, 12)
+    budget = rng.choice([256, 512, 2048, 8192]) if big else rng.choice([1, 4, 8, 16, 32, 64])
+    return running, waiting, free, bs, rng.randint(1, 256) if big else rng.randint(1, 8), budget
 
 
 def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 1) -> None:
@@ -910,6 +923,18 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
                   "one), not 3; request 0 needs 2, so request 1 goes too"),
         case("a cached prefix nobody holds costs its blocks", [], [W(1, 18, 16, 0)], 4,
              hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free"),
+    ]
+    queues = ([R(0, 10, 9, 3), R(1, 7, 6, 2), R(2, 4, 3, 1)], [W(3, 6, 0, 0), W(4, 3, 0, 0)])
+    cases += [  # the same queues, one argument changed at a time: an answer kept from an earlier call is wrong here
+        case("the same queues as the next cases, 2 free blocks", *queues, 2),
+        case("the same queues, one more free block", *queues, 3),
+        case("the same queues, a budget of 2 tokens", *queues, 3, budget=2),
+        case("the same queues, max_num_seqs 4", *queues, 3, seqs=4),
+        case("the same queues, block_size 3 (not a power of two)", *queues, 2, bs=3,
+             hint="blocks_for(n, 3) = ceil(n / 3): request 0 needs a 4th block for its 10th token"),
+        case("request ids past 255 and a budget of 8192 tokens (a server's scale)",
+             [R(70000, 2049, 2048, 128), R(256, 3001, 3000, 188)], [W(1000000, 5000, 0, 0), W(513, 40, 32, 2)], 600,
+             bs=16, seqs=256, budget=8192),
     ]
     for i in range(n_random):
         cases.append(case(f"random #{i}", *schedule_scenario(rng)))
