@@ -29,7 +29,7 @@ def test_dicts_compare_in_order():
 
 def test_types_and_numbers():
     assert "expected a list, got a tuple" in equal((1, 2), [1, 2])
-    assert "expected a int, got a bool" in equal(True, 1)
+    assert "expected an int, got a bool" in equal(True, 1)
     assert equal(1.0 + 1e-9, 1.0) is None and equal(2, 2.0) is None
     assert equal(float("nan"), float("nan")) is None
     assert "numbers differ" in equal(1.1, 1.0)
@@ -367,7 +367,7 @@ def test_a_result_that_cannot_be_compared_becomes_a_message():
 
         __hash__ = None
 
-    with pytest.raises(CheckFailed, match=r"could not compare your answer[\s\S]*RuntimeError: cannot compare"):
+    with pytest.raises(CheckFailed, match=r"your answer could not be compared[\s\S]*RuntimeError: cannot compare"):
         run_check("f", lambda x: Weird(), [Case("a case", (1,), 1)], compare=lambda got, expected: got == expected)
 
 
@@ -408,3 +408,242 @@ def test_the_time_out_hint_is_the_checks_own():
         run_check("f", lambda x: spin(), [Case("a case", (1,), 1)], seconds=0.2,
                   timeout_hint="is the loop over the tokens?")
     assert "merge" not in str(caught.value)
+
+
+# -- issue 22: the safeguards every check gets from the shared machinery -------------------------
+
+import fractions  # noqa: E402
+import gc  # noqa: E402
+import inspect  # noqa: E402
+import os  # noqa: E402
+
+import numpy  # noqa: E402
+
+from llmcourse.checks import isolate, later  # noqa: E402
+from llmcourse.checks.randomness import generator_contract  # noqa: E402
+
+SOFTMAX_RULES = [Forbidden("torch.softmax", "Write it yourself.")]
+
+
+def _isolated_check(fn, cases, **kwargs):
+    """A check made as chapters make theirs: run_check inside a function that runs in a child process."""
+    return isolate.isolated(lambda: run_check("f", fn, cases, **kwargs))()
+
+
+@pytest.fixture
+def short_grace(monkeypatch):
+    monkeypatch.setattr(isolate, "GRACE", 0.5)  # the child is forked after this: it has it too
+
+
+@pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
+@pytest.mark.parametrize("hang", ["one C call", "catches the time-out"])
+def test_a_hang_the_in_process_limit_cannot_stop_is_ended_and_the_caller_survives(hang, short_grace):
+    def in_c(x):
+        return sum(range(10**13))  # one C call: no Python instruction for the time-out to interrupt
+
+    def catches(x):
+        while True:
+            try:
+                while True:
+                    pass
+            except BaseException:  # also the time-out, every time it comes back
+                continue
+
+    start = time.perf_counter()
+    with pytest.raises(CheckFailed, match=r"did not finish within 1 s[\s\S]*the check ended it"):
+        _isolated_check(in_c if hang == "one C call" else catches, [Case("a case", (1,), 1)], seconds=1)
+    assert time.perf_counter() - start < 6
+    assert sys.getprofile() is None and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    _isolated_check(lambda x: x, [Case("a case", (1,), 1)])  # the caller goes on as before
+
+
+@pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
+def test_a_check_in_a_child_prints_here_and_a_crash_is_a_clear_failure(capsys):
+    _isolated_check(lambda x: x, [Case("a case", (1,), 1)])
+    assert capsys.readouterr().out == "✓ f — 1 case\n"
+    with pytest.raises(CheckFailed, match=r"ended unexpectedly \(exit status 3\) while running f\(1\)"):
+        _isolated_check(lambda x: os._exit(3), [Case("a case", (1,), 1)])
+
+
+@pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
+def test_the_child_uses_torch_safely_after_the_parent_used_its_threads():
+    a = torch.randn(512, 512)
+    a @ a  # the parent's OpenMP threads have run
+    _isolated_check(lambda x: (x @ x).sum(), [Case("a matmul", (a,), later(lambda: (a @ a).sum()))],
+                    compare=lambda got, expected: None if torch.allclose(got, expected, rtol=1e-4) else "differ")
+
+
+def _softmax_routes():
+    scripted = torch.jit.script(torch.nn.functional.softmax)  # compiled before the check: runs in C++
+
+    return {
+        "_op": lambda x: torch.ops.aten._softmax.default._op(x, -1, False),
+        "_safe_softmax": lambda x: torch.ops.aten._safe_softmax(x, -1),
+        "_masked_softmax": lambda x: torch._masked_softmax(x, torch.zeros_like(x, dtype=torch.bool)),
+        "log_softmax": lambda x: torch.ops.aten._log_softmax(x, -1, False).exp(),
+        "cross_entropy": lambda x: torch.stack([
+            (-torch.nn.functional.cross_entropy(x[None], torch.tensor([i]), reduction="none")).exp()[0]
+            for i in range(x.shape[-1])]),
+        "sdpa as softmax": lambda x: torch.nn.functional.scaled_dot_product_attention(
+            torch.zeros(1, 1, x.shape[-1]), torch.zeros(1, x.shape[-1], 1), torch.eye(x.shape[-1])[None],
+            attn_mask=x[None, None]).flatten(),
+        "jit.script": lambda x: scripted(x, -1),
+    }
+
+
+@pytest.mark.parametrize("route", list(_softmax_routes()))
+def test_a_black_box_is_caught_by_what_it_computes_however_it_is_reached(route):
+    fn = _softmax_routes()[route]
+    x = torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(CheckFailed, match=r"your function called torch\.(ops\.aten\.)?\w+ \(that is torch\.softmax\)"):
+        run_check("softmax", fn, [Case("a case", (x,), torch.softmax(x, -1))], forbid=SOFTMAX_RULES)
+
+
+@pytest.mark.parametrize("target, route", [
+    ("torch.nn.functional.gelu", lambda x: torch._C._nn.gelu_(x.clone(), approximate="tanh")),
+    ("torch.nn.functional.layer_norm", lambda x: torch.group_norm(x[:, None], 1)[:, 0]),
+    ("torch.nn.functional.layer_norm", lambda x: torch.rms_norm(x - x.mean(-1, keepdim=True), (x.shape[-1],))),
+    ("torch.nn.functional.embedding", lambda x: torch.nn.functional.embedding_bag(torch.tensor([[0]]), x)),
+])
+def test_private_kernels_of_the_same_job_are_caught(target, route):
+    x = torch.randn(2, 4)
+    with pytest.raises(CheckFailed, match="your function called torch"):
+        run_check("f", route, [Case("a case", (x,), None)], forbid=[Forbidden(target)],
+                  judge=lambda case, got: None)
+
+
+def test_an_allowed_function_of_another_name_stays_allowed():
+    x = torch.tensor([3.0, 1.0, 2.0])
+    run_check("f", lambda x: x.exp() / x.exp().sum(), [Case("a case", (x,), torch.softmax(x, -1))],
+              forbid=SOFTMAX_RULES)  # exp, sum, div: the exercise's own ingredients
+
+
+@pytest.mark.parametrize("peek", ["sys._getframe", "inspect.stack", "gc.get_objects", "setprofile", "pop mode"])
+def test_introspection_and_switching_the_watch_off_are_refused(peek):
+    def fn(x):
+        if peek == "sys._getframe":
+            return sys._getframe(3).f_locals["case"].expected
+        if peek == "inspect.stack":
+            return inspect.stack()[3].frame.f_locals["case"].expected
+        if peek == "gc.get_objects":
+            return next(o.expected for o in gc.get_objects() if isinstance(o, Case))
+        if peek == "setprofile":
+            sys.setprofile(None)
+            return torch.softmax(x, -1)
+        torch.utils._python_dispatch._pop_mode()
+        return x.exp() / x.exp().sum()
+
+    x = torch.tensor([1.0, 2.0])
+    with pytest.raises(CheckFailed, match="reads the frames or objects of the check|switched off the check's watch"):
+        run_check("softmax", fn, [Case("a case", (x,), torch.softmax(x, -1))], forbid=SOFTMAX_RULES)
+
+
+def test_an_expected_answer_computed_later_is_out_of_reach_of_the_frames():
+    def walks_the_frames(x):
+        try:
+            raise ValueError
+        except ValueError as err:
+            frame = err.__traceback__.tb_frame  # an attribute, not a call: no watch sees it
+        while frame is not None:
+            for value in frame.f_locals.values():
+                if isinstance(value, Case):
+                    return value.expected
+            frame = frame.f_back
+        return None
+
+    x = torch.tensor([1.0, 2.0])
+    with pytest.raises(CheckFailed, match=r"expected a torch.Tensor of shape \(2,\), got later\(softmax"):
+        run_check("softmax", walks_the_frames, [Case("a case", (x,), later(torch.softmax, x, -1))])
+
+
+def test_the_checks_own_functions_are_refused():
+    from llmcourse.checks import embeddings
+
+    ids = torch.tensor([[1, 2]])
+    wte, wpe = torch.randn(5, 3), torch.randn(4, 3)
+    with pytest.raises(CheckFailed, match="llmcourse.checks.embeddings.reference_embed, one of the check's own"):
+        run_check("embed", lambda *a: embeddings.reference_embed(*a), [Case("a case", (wte, wpe, ids), None)],
+                  judge=lambda case, got: None)
+
+
+def test_answers_are_plain_tensors_and_any_python_number():
+    class AlwaysEqual(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return torch.tensor(True)
+
+    liar = torch.zeros(2).as_subclass(AlwaysEqual)
+    assert "plain torch.Tensor, got a AlwaysEqual" in equal(liar, torch.ones(2))
+    from llmcourse.checks.tensors import tensor_problem
+    assert "plain torch.Tensor" in tensor_problem(liar, torch.ones(2))
+    assert equal(numpy.int64(3), 3) is None and equal(fractions.Fraction(1, 3), 1 / 3) is None
+    assert equal(numpy.float32(0.5), 0.5) is None and equal(numpy.bool_(True), True) is None
+    assert equal([numpy.int64(1), (2, fractions.Fraction(1, 2))], [1, (2, 0.5)]) is None
+    assert "expected a Python int, got a Tensor (use .item())" in equal(torch.tensor(1), 1)
+
+
+def test_messages_show_the_digits_that_differ_where_an_input_changed_and_the_device():
+    assert "expected 0.1153642, got 0.1153641" in equal(0.1153641, 0.1153642, rel_tol=1e-9, abs_tol=0)
+    from llmcourse.checks.tensors import tensor_problem
+    problem = tensor_problem(torch.tensor([0.115366]), torch.tensor([0.115364]), atol=1e-7, rtol=0)
+    assert "expected 0.115364, got 0.115366" in problem and "close, but the check asks for" in problem
+    assert tensor_problem(torch.zeros(2, device="meta"), torch.zeros(2)) == "expected a tensor on cpu, got one on meta"
+
+    def writes(cache):
+        cache[1, 2] = 7.0
+        return cache
+
+    with pytest.raises(CheckFailed, match=r"first at k_cache\[1, 2\]: 0\.0 before the call, 7\.0 after it"):
+        run_check("f", lambda k_cache: writes(k_cache), [Case("a case", (torch.zeros(3, 4),), None)],
+                  judge=lambda case, got: None)
+    assert short(torch.nn.Linear(3, 2)) == "<Linear: 8 parameters (float32)>"
+
+
+def _draws(sampler):
+    probs = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    return lambda g: call_learner("sample", sampler, (probs, g)).tolist()
+
+
+def _multinomial(probs, generator=None):
+    return torch.multinomial(probs, 8, replacement=True, generator=generator)
+
+
+def _inverse_cdf(probs, generator=None):  # another way to draw: uniforms through the cumulative sum
+    u = torch.rand(probs.shape[0], 8, generator=generator, dtype=probs.dtype)
+    return torch.searchsorted(probs.cumsum(-1), u).clamp(max=probs.shape[-1] - 1)
+
+
+def _ignores_generator(probs, generator=None):
+    return torch.multinomial(probs, 8, replacement=True)
+
+
+def _copies_state(probs, generator=None):
+    own = torch.Generator().set_state(generator.get_state()) if generator is not None else None
+    return torch.multinomial(probs, 8, replacement=True, generator=own)
+
+
+def _reseeds_global(probs, generator=None):
+    torch.manual_seed(0)
+    return torch.multinomial(probs, 8, replacement=True, generator=generator)
+
+
+def _fresh_when_none(probs, generator=None):
+    return torch.multinomial(probs, 8, replacement=True, generator=generator or torch.Generator())
+
+
+@pytest.mark.parametrize("sampler", [_multinomial, _inverse_cdf])
+def test_the_randomness_contract_accepts_samplers_that_keep_it(sampler):
+    generator_contract("sample", _draws(sampler))
+
+
+@pytest.mark.parametrize("sampler, message", [
+    (_ignores_generator, "used or changed torch's global generator"),
+    (_copies_state, "the generator's state did not change"),
+    (_reseeds_global, "used or changed torch's global generator"),
+    (_fresh_when_none, "calls with generator=None gave the same result"),
+])
+def test_the_randomness_contract_rejects_what_breaks_it(sampler, message):
+    state = torch.random.get_rng_state()
+    with pytest.raises(CheckFailed, match=message):
+        generator_contract("sample", _draws(sampler))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the contract's own draws leave it as it was

@@ -41,9 +41,11 @@ Each of these lives in a module of its own: `show` (bounded text), `limits` (tim
 
 from __future__ import annotations
 
+import cmath
 import dataclasses
 import functools
 import math
+import numbers
 import os
 import sysconfig
 import traceback
@@ -57,7 +59,8 @@ from .failed import CheckFailed
 from .forbid import Forbidden, forbidding
 from .inputs import _describe_change, _Inputs, _modify_hint
 from .limits import TimeUp, time_limit
-from .show import short
+from .show import distinct, short
+from .tensors import plain_tensor_problem
 
 
 @dataclasses.dataclass
@@ -194,33 +197,68 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
 # Comparing answers
 
 
+def _a(kind: str) -> str:
+    return f"an {kind}" if kind[:1] in "aeiou" else f"a {kind}"
+
+
 def equal(got: Any, expected: Any, *, rel_tol: float = 1e-5, abs_tol: float = 1e-6) -> Optional[str]:
     """None when equal; otherwise why not. Types first; floats with a tolerance; dicts in order.
+
+    Any Python number type is a number (numpy.int64 is an int, fractions.Fraction a float); a tensor
+    must be a plain torch.Tensor, and containers their exact type (a subclass could answer "equal"
+    to anything).
 
         >>> equal({"a": 1, "b": 2}, {"b": 2, "a": 1})
         "the same entries in a different order: expected the keys ['b', 'a'], got ['a', 'b']"
     """
+    if type(got).__name__ in ("bool_", "bool") and type(got).__module__ == "numpy":
+        got = bool(got)
     if isinstance(expected, bool) or isinstance(got, bool):
         if type(got) is not type(expected):
-            return f"expected a {type(expected).__name__}, got a {type(got).__name__}"
-    numbers = (int, float)
-    if type(got) is not type(expected) and not (isinstance(got, numbers) and isinstance(expected, numbers)) \
-            and not isinstance(got, type(expected)):
-        return f"expected a {type(expected).__name__}, got a {type(got).__name__}"
-    if isinstance(expected, float) or isinstance(got, float):
+            return f"expected {_a(type(expected).__name__)}, got {_a(type(got).__name__)}"
+        return None if got is expected else "the values differ"
+    if isinstance(expected, numbers.Number) and not isinstance(expected, torch.Tensor):
+        kind = numbers.Real if isinstance(expected, numbers.Real) else numbers.Number
+        if isinstance(expected, numbers.Integral) and not isinstance(got, numbers.Real):
+            kind = numbers.Integral
+        if not isinstance(got, kind) or isinstance(got, (torch.Tensor, bool)):
+            want = {numbers.Integral: "Python int", numbers.Real: "Python number"}.get(kind, "number")
+            extra = " (use .item())" if isinstance(got, torch.Tensor) else ""
+            return f"expected {_a(want)}, got {_a(type(got).__name__)}{extra}"
+        if isinstance(expected, numbers.Integral) and isinstance(got, numbers.Integral):
+            return None if int(got) == int(expected) else f"the numbers differ: expected {int(expected)}, got {int(got)}"
+        got, expected = complex(got) if kind is numbers.Number else float(got), \
+            complex(expected) if kind is numbers.Number else float(expected)
+        if kind is numbers.Number:
+            return None if cmath.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol) else "the numbers differ"
         if math.isnan(expected) and math.isnan(got):
             return None
-        return None if math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol) else "the numbers differ"
+        if math.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol):
+            return None
+        want, have = distinct(expected, got)
+        return f"the numbers differ: expected {want}, got {have}"
     if isinstance(expected, torch.Tensor):
+        problem = plain_tensor_problem(got, expected)
+        if problem:
+            return problem
         if got.shape != expected.shape:
             return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
         if got.dtype != expected.dtype:
             return f"expected dtype {expected.dtype}, got {got.dtype}"
+        got = got.detach().as_subclass(torch.Tensor)
         if expected.is_floating_point():
             close = torch.isclose(got, expected, rtol=rel_tol, atol=abs_tol, equal_nan=True).all()
         else:
             close = torch.equal(got, expected)
         return None if bool(close) else "the values differ"
+    # a subclass of the expected container is read through the base type's own methods (its overrides could
+    # answer anything): a Counter is a dict, a namedtuple a tuple
+    base = next((t for t in (dict, list, tuple, str, bytes) if isinstance(expected, t)), None)
+    if base is not None and isinstance(got, base) and type(got) is not base:
+        got = dict(dict.items(got)) if base is dict else base(base.__iter__(got)) if base in (list, tuple) \
+            else base.__str__(got) if base is str else bytes(memoryview(got))
+    if type(got) is not type(expected) and base is not None:
+        return f"expected {_a(type(expected).__name__)}, got {_a(type(got).__name__)}"
     if isinstance(expected, (list, tuple)):
         if len(got) != len(expected):
             return f"expected {len(expected)} items, got {len(got)}"
@@ -334,8 +372,9 @@ def run_check(
                 except (TimeUp, KeyboardInterrupt, CheckFailed):
                     raise
                 except BaseException as err:
-                    raise CheckFailed(f"✗ {name} — {case.description}: the check could not compare your answer "
-                                      f"with the expected one ({type(err).__name__}: {str(err)[:200]})\n"
+                    raise CheckFailed(f"✗ {name} — {case.description}: your answer could not be compared with the "
+                                      f"expected one ({type(err).__name__}: {str(err)[:200]}): return the type the "
+                                      f"exercise asks for\n"
                                       f"  input:    {show(case.args)}\n"
                                       f"  expected: {short(case.expected)}\n"
                                       f"  got:      {short(got)}") from None

@@ -75,8 +75,9 @@ _QUANTIZED_NAMESPACES = ("quantized", "_quantized", "quantized_decomposed")
 INTROSPECTION = ("sys._getframe", "sys._current_frames", "sys.setprofile", "sys.settrace", "threading.setprofile",
                  "threading.settrace", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
                  "inspect.currentframe", "inspect.stack", "inspect.getouterframes", "inspect.trace",
-                 "traceback.walk_stack", "traceback.extract_stack", "torch._C._pop_torch_dispatch_mode",
-                 "torch.utils._python_dispatch._pop_mode", "torch._C._set_torch_function_mode")
+                 "traceback.walk_stack", "traceback.extract_stack", "torch._C._pop_torch_dispatch_stack",
+                 "torch.utils._python_dispatch._pop_mode", "torch._C._unset_dispatch_mode")
+_PEEK_TEXT = "introspection"
 _PEEKING = ("reads the frames or objects of the check that calls it (where the expected answers live) or "
             "switches off its watch: compute the answer from the arguments")
 
@@ -245,6 +246,10 @@ def _rules_for(forbid: Sequence[Forbidden]) -> _Rules:
 
 
 def _message(rule: Forbidden, reached: str) -> str:
+    if rule.instead == _PEEK_TEXT:
+        return f"your function called {reached}, which {_PEEKING}."
+    if rule is _CHECKS_RULE:
+        return f"your function called {reached}, one of the check's own functions. {rule.instead}"
     via = "" if reached == rule.target else f" ({'part of ' if _is_module(rule.target) else 'that is '}{rule.target})"
     return (f"your function called {reached}{via}, the black box this exercise asks you to write yourself. "
             f"{rule.instead}").rstrip()
@@ -413,7 +418,7 @@ class forbidding:
                 module = frame.f_globals.get("__name__")
                 rule = self._module_rule(module)
                 if rule is not None:
-                    self.refuse(rule, f"{module}.{code.co_qualname}")
+                    self.refuse(rule, _frame_name(frame, module, rule))
         elif event == "c_call":
             rule = self.builtins.get(id(arg))
             if rule is not None:
@@ -467,13 +472,22 @@ class forbidding:
 
 
 _CHECKS_RULE = Forbidden("llmcourse.checks", "The checks' own functions compute the expected answers: write yours.")
-_PEEK_RULE = Forbidden("introspection", "This " + _PEEKING + ".")
 
 
 @functools.lru_cache(maxsize=None)
 def _peeking_rules() -> _Rules:
-    rules = _compile([Forbidden(target, _PEEK_RULE.instead) for target in INTROSPECTION])
-    return rules
+    return _compile([Forbidden(target, _PEEK_TEXT) for target in INTROSPECTION])
+
+
+def _frame_name(frame, module: str, rule: Forbidden) -> str:
+    """What the learner reached: a lazy package's `__getattr__(name)` is `package.name`."""
+    code = frame.f_code
+    if code.co_name == "<module>":
+        return f"{module} (importing it)"
+    name = frame.f_locals.get("name") if code.co_name == "__getattr__" else None
+    if isinstance(name, str):
+        return f"{rule.target}.{name}"
+    return f"{module}.{code.co_qualname}"
 
 
 def _c_name(arg: Any) -> str:

@@ -18,6 +18,8 @@ def _snapshot(value: Any) -> Any:
     """A deep copy to compare with after the call; _UNKNOWN if the value cannot be copied."""
     if isinstance(value, _ATOMS):
         return value
+    if isinstance(value, torch.Generator):
+        return _UNKNOWN  # drawing from it is what it is for: the randomness contract checks its use
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
@@ -144,4 +146,18 @@ def _describe_change(name: str, before: Any, after: Any) -> str:
                     f"  after the call:  {name}[{short(added, 60)}] is {short(after[added], 80)}")
         return (f"  before the call: the keys in the order {short(list(before), 120)}\n"
                 f"  after the call:  the keys in the order {short(list(after), 120)}")
+    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape \
+            and before.dtype == after.dtype:
+        now = after.detach()
+        differs = now != before
+        if before.is_floating_point() or before.is_complex():
+            differs &= ~(now.isnan() & before.isnan())
+        if bool(differs.any()):
+            index = tuple(int(i) for i in torch.nonzero(differs)[0])
+            where = "[" + ", ".join(map(str, index)) + "]"
+            return (f"  it changed at {int(differs.sum())} of {differs.numel()} positions, first at {name}{where}: "
+                    f"{short(before[index].item(), 40)} before the call, {short(now[index].item(), 40)} after it")
+    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
+        return (f"  before the call: shape {tuple(before.shape)}, {before.dtype}\n"
+                f"  after the call:  shape {tuple(after.shape)}, {after.dtype}")
     return f"  before the call: {short(before)}\n  after the call:  {short(after)}"

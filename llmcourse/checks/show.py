@@ -29,8 +29,38 @@ def short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: max(limit - 4, 1)] + " ..."
 
 
+def distinct(expected: float, got: float) -> tuple[str, str]:
+    """The two numbers written with as many significant digits as it takes to see that they differ.
+
+        >>> distinct(0.1153641, 0.1153643)
+        ('0.1153641', '0.1153643')
+    """
+    for digits in range(6, 18):
+        a, b = f"{expected:.{digits}g}", f"{got:.{digits}g}"
+        if a != b:
+            return a, b
+    return repr(expected), repr(got)
+
+
+def _module(value: torch.nn.Module) -> str:
+    """An nn.Module in one line: its class, size and a few settings (its repr is pages long)."""
+    params = sum(p.numel() for p in value.parameters())
+    dtypes = sorted({str(p.dtype).replace("torch.", "") for p in value.parameters()})
+    config = getattr(value, "config", None)
+    settings = ""
+    if config is not None:
+        known = [(k, getattr(config, k)) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions",
+                                                    "layer_norm_epsilon") if hasattr(config, k)]
+        settings = ", " + ", ".join(f"{k}={v}" for k, v in known) if known else ""
+    return f"<{type(value).__name__}: {params:,} parameters ({', '.join(dtypes) or 'none'}){settings}>"
+
+
 def _short(value: Any, budget: int) -> str:
+    if isinstance(value, torch.nn.Module):
+        return _module(value)
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":
+            return f"tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device=meta (no values))"
         flat = value.detach().flatten()
         n = flat.numel()
         shown = flat[: min(n, 64)].tolist()

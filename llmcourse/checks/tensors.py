@@ -16,7 +16,20 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
-from .show import short
+from .show import distinct, short
+
+
+def plain_tensor_problem(got: Any, expected: torch.Tensor) -> Optional[str]:
+    """What is wrong with `got` before its values can be compared: not a plain tensor (a subclass could
+    answer any comparison), or on another device."""
+    if not isinstance(got, torch.Tensor):
+        return f"expected a torch.Tensor of shape {tuple(expected.shape)}, got {short(got, 80)}"
+    if type(got) not in (torch.Tensor, torch.nn.Parameter):
+        return (f"expected a plain torch.Tensor, got a {type(got).__name__} (a subclass of it): return an ordinary "
+                "tensor")
+    if got.device != expected.device:
+        return f"expected a tensor on {expected.device}, got one on {got.device}"
+    return None
 
 
 def _where(index: torch.Tensor) -> str:
@@ -29,17 +42,16 @@ def tensor_problem(got: Any, expected: torch.Tensor, *, atol: float = 1e-5, rtol
     Floats are close when |got - expected| <= atol + rtol·|expected| (torch.isclose), with NaN
     equal only to NaN and ±inf only to itself. Integer and bool tensors must be equal.
     """
-    if not isinstance(got, torch.Tensor):
-        return f"expected a torch.Tensor of shape {tuple(expected.shape)}, got {short(got, 80)}"
+    problem = plain_tensor_problem(got, expected)
+    if problem:
+        return problem
     if got.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
     if got.dtype != expected.dtype:
         hint = " (keep the dtype of the input: float64 in, float64 out)" if expected.is_floating_point() \
             and got.is_floating_point() else ""
         return f"expected dtype {expected.dtype}, got {got.dtype}{hint}"
-    if got.device != expected.device:
-        return f"expected a tensor on {expected.device}, got one on {got.device}"
-    got, expected = got.detach(), expected.detach()
+    got, expected = got.detach().as_subclass(torch.Tensor), expected.detach()
     if not expected.is_floating_point():
         wrong = got != expected
     else:
@@ -57,9 +69,13 @@ def tensor_problem(got: Any, expected: torch.Tensor, *, atol: float = 1e-5, rtol
         diff = (got.double() - expected.double()).abs().masked_fill(~wrong, 0).nan_to_num(nan=float("inf"))
         index = torch.nonzero(diff == diff.max())[0]
         at = tuple(index)
+        want, have = distinct(expected[at].item(), got[at].item())
+        allowed = atol + rtol * abs(expected[at].item())
+        near = diff.max().item() <= 100 * allowed
+        accuracy = (f"; close, but the check asks for |got - expected| <= {atol:.3g} + {rtol:.3g}·|expected| "
+                    f"({allowed:.3g} here)") if near else ""
         return (f"the values differ at {count} of {total} positions, most at index {_where(index)}: "
-                f"expected {expected[at].item():.6g}, got {got[at].item():.6g} "
-                f"(max |difference| {diff.max().item():.3g})")
+                f"expected {want}, got {have} (max |difference| {diff.max().item():.3g}){accuracy}")
     index = torch.nonzero(wrong)[0]
     at = tuple(index)
     return (f"the values differ at {count} of {total} positions, first at index {_where(index)}: "
