@@ -28,11 +28,13 @@ NOT_ENFORCEABLE = [
     "answers computed before the check runs and reused inside the function (a table built in another "
     "cell, a precomputed result, data such as `ranks` or `vocab`)",
     "work done in another thread or process (threading, multiprocessing, concurrent.futures, subprocess)",
-    "C code reached from C without passing through Python (the internals of an allowed C function; "
-    "ctypes / cffi)",
+    "C code reached from C without passing through Python or torch's operators (the internals of an allowed C "
+    "function; ctypes / cffi, e.g. a C library's own matrix product)",
     "a cached result of another library's function (functools.lru_cache / cache) that was computed "
     "before the check: the cache answers without running code the check can see",
     "a copy of a black box's source code pasted or exec'd as the learner's own",
+    "frames reached through attributes (an exception's __traceback__.tb_frame.f_back): the check's "
+    "expected answers are computed after the call, so there is nothing to find there, but other state is",
     "anything not on the exercise's list (other libraries' sorting or selection, e.g. numpy.argpartition, "
     "heapq.nlargest, sorted)",
 ]
