@@ -533,3 +533,270 @@ def test_scripted_model_steers_the_engine_and_the_loop_alike():
         nxt = int(model(ids)[:, -1].argmax())
         assert nxt == token
         ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 22's kinds of hole: dtypes and layouts, one row, extreme parameters, calls that differ in one
+# argument, randomness as a contract, statistical power, defaults, streaming, the part to blame
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def temperature(logits, t):\n    x = logits if logits.dtype == torch.float64 else logits.float()\n    return x / t",
+     "expected dtype torch.float16"),
+    ("def temperature(logits, t):\n    return logits / max(t, 0.3)", "t = 0.05"),
+    ("def temperature(logits, t):\n    if t not in CACHE:\n        CACHE[t] = logits / t\n    return CACHE[t]",
+     "one call must not remember another|values differ|expected shape"),
+])
+def test_temperature_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_temperature, learner(dict(nb, CACHE={}), source, "temperature"), pattern)
+
+
+@pytest.mark.parametrize("source", [
+    "def temperature(logits, t):\n    return logits * (1.0 / t)",
+    "def temperature(logits, t):\n    return (logits.double() / t).to(logits.dtype)",
+    "import numpy as np\ndef temperature(logits, t):\n    return logits / np.float64(t)",
+])
+def test_temperature_other_numerics_are_accepted(nb, source):
+    C.check_temperature(learner(nb, source, "temperature"))
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def greedy(logits):\n    return logits.argmax(dim=-1).int()", "token ids are torch.long"),
+    ("def greedy(logits):\n    flat = logits.view(-1)\n    return flat.view(-1, logits.shape[-1]).argmax(dim=-1)",
+     "not be contiguous"),
+    ("def greedy(logits):\n    return logits.argmax() if logits.shape[0] == 1 else logits.argmax(dim=-1)",
+     "even when B = 1"),
+])
+def test_greedy_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_greedy, learner(nb, source, "greedy"), pattern)
+
+
+@pytest.mark.parametrize("source", [
+    "def greedy(logits):\n    return logits.max(dim=-1).indices",
+    "import numpy as np\ndef greedy(logits):\n    return torch.from_numpy(np.argmax(logits.double().numpy(), axis=-1))",
+])
+def test_greedy_other_ways_are_accepted(nb, source):
+    C.check_greedy(learner(nb, source, "greedy"))
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    x = logits.float()\n"
+     "    return x.masked_fill(x < torch.topk(x, k).values[:, -1:], float('-inf'))", "expected dtype torch.float16"),
+    ("def top_k(logits, k):\n    V = logits.shape[-1]\n    x = logits.view(-1).view(-1, V)\n"
+     "    return x.masked_fill(x < torch.topk(x, min(k, V)).values[:, -1:], float('-inf'))", "not be contiguous"),
+    ("def top_k(logits, k):\n    key = logits.data_ptr()\n    if key not in CACHE:\n"
+     "        CACHE[key] = torch.topk(logits, min(k, logits.shape[-1])).values[:, -1:]\n"
+     "    return logits.masked_fill(logits < CACHE[key], float('-inf'))", "tokens kept"),
+])
+def test_top_k_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_top_k, learner(dict(nb, CACHE={}), source, "top_k"), pattern)
+
+
+@pytest.mark.parametrize("source", [
+    "def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
+    "    kth = torch.sort(logits.double(), dim=-1, descending=True).values[:, k - 1 : k].to(logits.dtype)\n"
+    "    return torch.where(logits >= kth, logits, torch.full_like(logits, float('-inf')))",
+    "import numpy as np\ndef top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
+    "    kth = np.sort(logits.double().numpy(), axis=-1)[:, -k][:, None]\n"
+    "    return logits.masked_fill(torch.from_numpy(logits.double().numpy() < kth), float('-inf'))",
+])
+def test_top_k_other_ways_are_accepted(nb, source):
+    C.check_top_k(learner(nb, source, "top_k"))
+
+
+@pytest.mark.parametrize("source, pattern", [
+    (TOP_P_DESCENDING.replace("return logits.masked_fill", "return logits.float().masked_fill"),
+     "expected dtype torch.float16"),
+    (TOP_P_DESCENDING.replace("torch.sort(torch.softmax(logits, dim=-1)",
+                              "torch.sort(torch.softmax(logits.view(-1).view(logits.shape), dim=-1)"),
+     "not be contiguous"),
+    (TOP_P_DESCENDING.replace("    before = probs", "    if logits.data_ptr() in CACHE:\n        return CACHE[logits.data_ptr()]\n    before = probs")
+     .replace("    return logits.masked_fill(~keep, float(\"-inf\"))",
+              "    CACHE[logits.data_ptr()] = logits.masked_fill(~keep, float(\"-inf\"))\n    return CACHE[logits.data_ptr()]"),
+     "one call must not remember another"),
+])
+def test_top_p_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_top_p, learner(dict(nb, CACHE={}), source, "top_p"), pattern)
+
+
+def test_top_p_in_float64_is_accepted(nb):
+    source = TOP_P_DESCENDING.replace("torch.softmax(logits, dim=-1)", "torch.softmax(logits.double(), dim=-1)")
+    C.check_top_p(learner(nb, source, "top_p"), seed=101, n_random=30)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
+     "    return logits.masked_fill(probs <= p * probs.amax(-1, keepdim=True), float('-inf'))", "compare with <, not <="),
+    ("def min_p(logits, p):\n    probs = torch.softmax(logits.float(), -1)\n"
+     "    return logits.float().masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
+     "expected dtype torch.float16"),
+    ("def min_p(logits, p):\n    probs = torch.softmax(logits.view(-1).view(logits.shape), -1)\n"
+     "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))", "not be contiguous"),
+])
+def test_min_p_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_min_p, learner(nb, source, "min_p"), pattern)
+
+
+def test_min_p_in_float64_is_accepted(nb):
+    source = ("def min_p(logits, p):\n    probs = torch.softmax(logits.double(), -1)\n"
+              "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))")
+    C.check_min_p(learner(nb, source, "min_p"))
+
+
+@pytest.mark.parametrize("source, pattern", [
+    ("def repetition_penalty(logits, seen, penalty):\n    x = logits.float()\n"
+     "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)", "expected dtype torch.float16"),
+    ("def repetition_penalty(logits, seen, penalty):\n    x = logits.view(-1)\n    s = seen.view(-1)\n"
+     "    return torch.where(s, torch.where(x > 0, x / penalty, x * penalty), x).view(logits.shape)", "not be contiguous"),
+    ("def repetition_penalty(logits, seen, penalty):\n    seen = seen.any(0, keepdim=True)\n"
+     "    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)", "row|values differ"),
+])
+def test_repetition_penalty_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_repetition_penalty, learner(nb, source, "repetition_penalty"), pattern)
+
+
+def test_repetition_penalty_in_float64_is_accepted(nb):
+    source = ("def repetition_penalty(logits, seen, penalty):\n    x = logits.double()\n"
+              "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x).to(logits.dtype)")
+    C.check_repetition_penalty(learner(nb, source, "repetition_penalty"))
+
+
+@pytest.mark.parametrize("source, pattern", [
+    # 0-d for one row
+    ("def sample(logits, generator):\n"
+     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze()", "a tensor \\[1\\]"),
+    # greedy below 50 rows
+    ("def sample(logits, generator):\n    if logits.shape[0] < 50:\n        return logits.argmax(-1)\n"
+     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
+     "calls with one row|successive calls|drew nothing"),
+    # drops every probability below 1e-4
+    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1)\n"
+     "    probs = probs.masked_fill(probs < 1e-4, 0)\n"
+     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "probability below 0.0001"),
+    # one uniform for all rows (inverse CDF)
+    ("def sample(logits, generator):\n    cdf = torch.softmax(logits.double(), -1).cumsum(-1)\n"
+     "    u = torch.rand(1, 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]\n"
+     "    return torch.searchsorted(cdf, u.expand(cdf.shape[0], 1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)",
+     "not independent|chi-square"),
+    # ignores the generator when it is given
+    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)",
+     "global generator"),
+    # a fresh generator when given none
+    ("def sample(logits, generator):\n    generator = generator or torch.Generator().manual_seed(0)\n"
+     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
+     "generator=None gave the same result"),
+])
+def test_sample_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_sample, learner(nb, source, "sample"), pattern)
+
+
+def test_sample_hint_about_minus_inf_only_when_one_was_drawn(nb):
+    with pytest.raises(CheckFailed) as err:
+        C.check_sample(learner(nb, "def sample(logits, generator):\n    return torch.argmax(logits, dim=-1)", "sample"))
+    assert "exp(-inf)" not in str(err.value)
+    source = ("def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
+              "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)")
+    fails(C.check_sample, learner(nb, source, "sample"), "exp\\(-inf\\)")
+
+
+def test_the_tail_test_sees_a_cut_at_1e_4_on_gpt2s_logits():
+    one, _ = C.real_logits(0)
+    probs = torch.softmax(one.double(), -1)
+    assert float(probs[probs < 1e-4].sum()) > 0.09
+    g = torch.Generator().manual_seed(1)
+    right = torch.multinomial(probs.expand(300, -1).float(), 1, generator=g).squeeze(-1)
+    assert C.frequency_problem(right, probs) is None
+    cut = probs.masked_fill(probs < 1e-4, 0)
+    wrong = torch.multinomial(cut.expand(300, -1).float(), 1, generator=g).squeeze(-1)
+    assert "below 0.0001" in C.frequency_problem(wrong, probs)
+
+
+@pytest.mark.parametrize("source, pattern", [
+    # top_k = 1 treated as 'off'
+    (NEXT_TOKEN.replace("if settings.top_k else x", "if settings.top_k > 1 else x")
+     .replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)"), "top-k 1"),
+    # repetition penalty applied with seen=None
+    ("def next_token(logits, settings, seen=None, generator=None):\n"
+     "    if settings.repetition_penalty != 1.0:\n"
+     "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+     "    if settings.temperature == 0:\n        return greedy(logits)\n"
+     "    return sample(temperature(logits, settings.temperature), generator)", "seen=None"),
+    # its own generator when given none
+    (NEXT_TOKEN.replace("return sample(logits, generator)",
+                        "return sample(logits, generator or torch.Generator().manual_seed(0))")
+     .replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)"), "generator=None gave the same result"),
+])
+def test_next_token_kinds_of_mistake(nb, source, pattern):
+    fails(C.check_next_token, learner(nb, source, "next_token"), pattern)
+
+
+def test_next_token_names_the_part_that_broke(nb):
+    broken_top_p = ("def top_p(logits, p):\n    return torch.full_like(logits, float('-inf'))")
+    namespace = dict(nb)
+    exec(compile(broken_top_p, "<learner's cell>", "exec"), namespace)
+    fn = learner(namespace, "def next_token(logits, settings, seen=None, generator=None):\n" +
+                 "\n".join(NEXT_TOKEN.replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)").split("\n")[2:]),
+                 "next_token")
+    with pytest.raises(CheckFailed) as err:
+        C.check_next_token(fn)
+    assert "your top_p removed every token" in str(err.value) and "check_top_p" in str(err.value)
+    assert "in sample" not in str(err.value)
+
+
+def test_next_token_written_with_numpy_draws_is_accepted(nb):
+    source = ("import numpy as np\n"
+              "def next_token(logits, settings, seen=None, generator=None):\n"
+              "    if seen is not None and settings.repetition_penalty != 1.0:\n"
+              "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+              "    if settings.temperature == 0:\n        return greedy(logits)\n"
+              "    x = temperature(logits, settings.temperature)\n"
+              "    if settings.top_k:\n        x = top_k(x, settings.top_k)\n"
+              "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
+              "    if settings.min_p:\n        x = min_p(x, settings.min_p)\n"
+              "    cdf = torch.softmax(x.double(), -1).cumsum(-1)\n"
+              "    u = torch.rand(x.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]\n"
+              "    return torch.from_numpy(np.minimum((cdf.numpy() < u.numpy()).sum(-1), x.shape[-1] - 1))")
+    C.check_next_token(learner(nb, source, "next_token"))
+
+
+@pytest.mark.parametrize("changes, pattern", [
+    (dict(EOS_EARLY="if eos_token_id and token == eos_token_id:\n            break"), "EOS id 0"),
+    (dict(EOS_EARLY="if token == eos_token_id:\n            break\n        eos_token_id = eos_token_id or None"),
+     "EOS id 0"),
+    (dict(FIND="(text.find(s) for s in stop) if False else (-1 for s in stop)"), "stop string"),
+])
+def test_stream_text_kinds_of_mistake(nb, changes, pattern):
+    fails(C.check_stream_text, stream_variant(nb, **changes), pattern)
+
+
+def test_stream_text_with_a_wrong_default_is_told(nb):
+    source = STREAM.replace("eos_token_id=EOT_ID", "eos_token_id=None")
+    for key, value in STREAM_RIGHT.items():
+        source = source.replace(key, value)
+    fails(C.check_stream_text, learner(nb, source, "stream_text"), "without eos_token_id, stop and seed")
+
+
+def test_stream_text_without_flush_is_told_to_flush(nb):
+    fn = stream_variant(nb)
+    source = STREAM
+    for key, value in STREAM_RIGHT.items():
+        source = source.replace(key, value)
+    source = source.replace("text += decoder.flush()", "pass")
+    with pytest.raises(CheckFailed) as err:
+        C.check_stream_text(learner(nb, source, "stream_text"))
+    assert "flush" in str(err.value) and "Generator" not in str(err.value)
+
+
+def test_stream_text_that_yields_only_at_the_end_is_told(nb):
+    fn = learner(nb, "def stream_text(*args, **kwargs):\n    pieces = list(STREAM(*args, **kwargs))\n"
+                     "    yield from pieces", "stream_text")
+    fn.__globals__["STREAM"] = nb["stream_text"]
+    fails(C.check_stream_text, fn, "before computing the next token|came in one piece")
+
+
+def test_stream_text_with_a_prompt_encoded_without_special_tokens_is_told(nb):
+    source = STREAM
+    for key, value in STREAM_RIGHT.items():
+        source = source.replace(key, value)
+    source = source.replace('tokenizer.encode(prompt, allowed_special="all")', "tokenizer.encode(prompt, disallowed_special=())")
+    fails(C.check_stream_text, learner(nb, source, "stream_text"), "endoftext")

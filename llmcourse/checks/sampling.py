@@ -962,11 +962,18 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
 
     from .randomness import generator_contract
 
+    last: dict = {}
+
+    @functools.wraps(fn)
+    def tracked(*args):  # the last arguments, for _blame_part
+        last["args"] = args
+        return fn(*args)
+
     try:
-        run_check("next_token", fn, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[3], seconds=5.0,
-                  total_seconds=20.0, error_hints=ERROR_HINTS)
+        run_check("next_token", tracked, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[3],
+                  seconds=5.0, total_seconds=20.0, error_hints=ERROR_HINTS)
     except CheckFailed as err:
-        blamed = _blame_part(fn, cases, err)
+        blamed = _blame_part(fn, last.get("args"), err)
         if blamed:
             raise blamed from None
         raise
@@ -982,16 +989,15 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
 PIPELINE = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
 
 
-def _blame_part(fn, cases: list[Case], err: CheckFailed) -> Optional[CheckFailed]:
+def _blame_part(fn, args: Optional[tuple], err: CheckFailed) -> Optional[CheckFailed]:
     """When next_token fails, the first of the learner's own parts (from the namespace next_token was written in)
     whose output broke what the next step needs, on the failing case's input: that part's name, in a few lines."""
     fn = getattr(fn, "__wrapped__", fn)
     namespace = getattr(fn, "__globals__", {})
     text = str(err)
-    case = next((c for c in cases if f"— {c.description}" in text or f"({short(c.args[0], 160)}" in text), None)
-    if case is None:
+    if args is None or len(args) != 4:
         return None
-    logits, settings, seen, _ = case.args
+    logits, settings, seen, _ = args
     B = logits.shape[0]
     x = logits.float()
     for name in PIPELINE:
