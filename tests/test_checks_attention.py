@@ -301,7 +301,150 @@ def tiled_returning_out_only(q, k, v, block_size=64, causal=True):
     return tiled_attention(q, k, v, block_size, causal)[0]
 
 
+# -- mistakes of the kinds issue 22 found: the engine's sizes, dtypes, views, keywords, lifetimes --------
+
+
+def softmax_axis_keyword(x, axis=-1):  # the engine calls softmax(scores, dim=-1)
+    return softmax(x, axis)
+
+
+def softmax_float32_for_half(x, dim=-1):  # float16 / bfloat16 come back float32
+    return softmax(x if x.dtype == torch.float64 else x.float(), dim)
+
+
+def softmax_flat_rows(x, dim=-1):  # .view on a transposed (non-contiguous) input
+    y = x.movedim(dim, -1)
+    rows = y.view(-1, y.shape[-1])
+    return softmax(rows, -1).view(y.shape).movedim(-1, dim)
+
+
+_MASK_256 = torch.ones(256, 256, dtype=torch.bool).tril()
+
+
+def causal_mask_fixed_buffer(n_query, n_key):  # GPT-2's old `bias` buffer, 256 wide
+    return _MASK_256[n_key - n_query : n_key, :n_key]
+
+
+def causal_mask_uint8_positions(n_query, n_key):
+    return torch.arange(n_key).to(torch.uint8)[None, :] <= torch.arange(n_key - n_query, n_key).to(torch.uint8)[:, None]
+
+
+_CAUSAL_BY_KEYS = {}
+
+
+def causal_mask_cached_by_n_key(n_query, n_key):
+    if n_key not in _CAUSAL_BY_KEYS:
+        _CAUSAL_BY_KEYS[n_key] = causal_mask(n_query, n_key)
+    return _CAUSAL_BY_KEYS[n_key]
+
+
+def attention_flat_view(q, k, v, mask=None):  # .view on the engine's transposed q, k
+    B, H, Tq, D = q.shape
+    qf, kf = q.view(B * H, Tq, D), k.view(B * H, -1, D)
+    scores = (qf @ kf.transpose(1, 2)).view(B, H, Tq, -1) / math.sqrt(D)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores) @ v
+
+
+def attention_float32_for_half(q, k, v, mask=None):
+    return attention(q.float(), k.float(), v.float(), mask) if q.dtype in (torch.float16, torch.bfloat16) \
+        else attention(q, k, v, mask)
+
+
+def attention_wrong_in_the_engine(q, k, v, mask=None):  # right on every case; ignores a [B, 1, Tq, Tk] mask of 6 heads
+    return attention(q, k, v, None if (mask is not None and mask.dim() == 4 and q.shape[1] == 6) else mask)
+
+
+_SPLIT_BUFFER = {}
+
+
+def split_heads_reused_buffer(x, n_head):  # one output buffer per shape, reused: q, k and v end up the same
+    B, T, C = x.shape
+    key = (B, n_head, T, C // n_head, x.dtype)
+    out = _SPLIT_BUFFER.setdefault(key, torch.empty(key[:4], dtype=x.dtype))
+    return out.copy_(x.reshape(B, T, n_head, C // n_head).transpose(1, 2))
+
+
+def split_heads_flat_view(x, n_head):  # .view(-1) on the engine's slice of qkv
+    B, T, C = x.shape
+    return x.view(-1).view(B, T, n_head, C // n_head).transpose(1, 2)
+
+
+def split_heads_float32(x, n_head):
+    return split_heads(x if x.dtype == torch.float64 else x.float(), n_head)
+
+
+def merge_heads_view_after_transpose(x):
+    B, H, T, D = x.shape
+    return x.transpose(1, 2).view(B, T, H * D)
+
+
+def merge_heads_float32(x):
+    return merge_heads(x if x.dtype == torch.float64 else x.float())
+
+
+def merge_heads_flat_input(x):  # assumes x is contiguous: .view on the transposed input
+    B, H, T, D = x.shape
+    return x.view(B * H, T, D).view(B, H, T, D).transpose(1, 2).reshape(B, T, H * D)
+
+
+def tiled_without_tiling(q, k, v, block_size=64, causal=True):  # the whole score matrix, own softmax and lse
+    scores = _scores(q, k)
+    if causal:
+        scores = scores.masked_fill(~causal_mask(q.shape[-2], k.shape[-2]), -math.inf)
+    m = scores.amax(-1, keepdim=True)
+    e = torch.exp(scores - m)
+    return (e / e.sum(-1, keepdim=True)) @ v, (m + e.sum(-1, keepdim=True).log()).squeeze(-1)
+
+
+def tiled_query_blocks_only(q, k, v, block_size=64, causal=True):  # blocks of queries, each against all keys
+    outs, lses = [], []
+    for q0 in range(0, q.shape[-2], block_size):
+        Tq, Tk = q.shape[-2], k.shape[-2]
+        o, l = tiled_without_tiling(q[:, :, q0 : q0 + block_size], k, v, block_size, False)
+        if causal:
+            qb = q[:, :, q0 : q0 + block_size]
+            scores = _scores(qb, k).masked_fill(torch.arange(Tk) > (Tk - Tq + q0 + torch.arange(qb.shape[-2]))[:, None],
+                                                -math.inf)
+            m = scores.amax(-1, keepdim=True)
+            e = torch.exp(scores - m)
+            o, l = (e / e.sum(-1, keepdim=True)) @ v, (m + e.sum(-1, keepdim=True).log()).squeeze(-1)
+        outs.append(o)
+        lses.append(l)
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
+
+
+def tiled_ignores_block_size(q, k, v, block_size=64, causal=True):
+    return tiled_attention(q, k, v, 128, causal)
+
+
+def tiled_flat_view(q, k, v, block_size=64, causal=True):
+    B, H, Tk, D = k.shape
+    k = k.view(B * H, Tk, D).view(B, H, Tk, D)
+    return tiled_attention(q, k, v, block_size, causal)
+
+
 MISTAKES = [
+    (check_softmax, softmax_axis_keyword, r"softmax in the engine[\s\S]*unexpected keyword argument 'dim'"),
+    (check_softmax, softmax_float32_for_half, r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_softmax, softmax_flat_rows, r"raised RuntimeError[\s\S]*non-contiguous view"),
+    (check_causal_mask, causal_mask_fixed_buffer, r"300 tokens[\s\S]*expected shape \(300, 300\), got \(256, 256\)"),
+    (check_causal_mask, causal_mask_uint8_positions, r"positions go past 255"),
+    (check_causal_mask, causal_mask_cached_by_n_key, r"the same n_key as a case before[\s\S]*nothing may be kept"),
+    (check_attention, attention_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
+    (check_attention, attention_float32_for_half, r"float16 in, float16 out[\s\S]*expected dtype torch.float16"),
+    (check_attention, attention_wrong_in_the_engine, r"attention in the engine[\s\S]*the logits differ"),
+    (check_split_heads, split_heads_reused_buffer, r"split_heads in the engine[\s\S]*not a buffer reused"),
+    (check_split_heads, split_heads_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
+    (check_split_heads, split_heads_float32, r"float16[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_merge_heads, merge_heads_view_after_transpose, r"raised RuntimeError[\s\S]*use \.reshape\(B, T, H \* D\)"),
+    (check_merge_heads, merge_heads_float32, r"expected dtype torch.float16, got torch.float32"),
+    (check_merge_heads, merge_heads_flat_input, r"merge_heads\(x=<float64 \[2, 3, 3, 4\]>\) raised RuntimeError: view size"),
+    (check_tiled_attention, tiled_without_tiling, r"made a tensor of shape \[2, 256, 384\][\s\S]*never the whole"),
+    (check_tiled_attention, tiled_query_blocks_only, r"made a tensor of shape \[2, 32, 384\][\s\S]*nor one block of queries against all the keys"),
+    (check_tiled_attention, tiled_ignores_block_size, r"block_size=32: your function made a tensor of shape \[2, 256, 128\]"),
+    (check_tiled_attention, tiled_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_softmax, softmax_without_max_shift, r"got nan or inf[\s\S]*overflows to inf[\s\S]*subtract each row's max"),
     (check_softmax, softmax_minus_mean, r"got nan or inf[\s\S]*subtract the max, not the mean"),
     (check_softmax, softmax_minus_min, r"got nan or inf[\s\S]*subtract the max, not the min"),

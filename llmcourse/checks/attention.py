@@ -26,7 +26,9 @@ import torch
 from torch import Tensor
 
 from .. import parts
-from .core import Case, Verdict, run_check
+from .core import Case, Verdict, call_learner, run_check
+from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
+from .failed import CheckFailed
 from .forbid import Forbidden
 from .tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
@@ -57,7 +59,18 @@ def _tolerance(dtype: torch.dtype, loose: bool = False) -> tuple[float, float]:
     """(atol, rtol): float64 answers must be float64-accurate, so a float32 detour is caught."""
     if dtype == torch.float64:
         return 1e-10, 1e-10
+    if dtype in HALF_DTYPES:  # computed in float16 / bfloat16: a few roundings of each step (16 eps)
+        eps = torch.finfo(dtype).eps
+        return 16 * eps, 16 * eps
     return (1e-5, 1e-4) if loose else (1e-6, 1e-5)
+
+
+def _in_engine_forbid(forbid: Sequence[Forbidden]) -> list[Forbidden]:
+    """The black boxes that the engine itself does not call once the learner's part is in it."""
+    return [f for f in forbid if not f.target.startswith(("llmcourse.", "torch.nn.functional.multi_head"))]
+
+
+ENGINE_ERROR_HINTS = {"view size is not compatible": NOT_CONTIGUOUS}
 
 
 def _judge(mistakes: Sequence[Mistake] = (), loose: bool = False) -> Callable[[Case, Any], Verdict]:
@@ -122,7 +135,7 @@ def _random_logits(g: torch.Generator, i: int) -> tuple[str, Tensor, int]:
     ndim = _randint(g, 1, 4)
     shape = tuple(_randint(g, 1, 7) for _ in range(ndim))
     dim = _randint(g, -ndim, ndim - 1)
-    dtype = _choice(g, [torch.float32, torch.float64])
+    dtype = _choice(g, [torch.float32, torch.float64, torch.float32, torch.float64, torch.float16, torch.bfloat16])
     scale = _choice(g, [0.1, 1.0, 10.0, 1000.0, 1e4])
     x = torch.randn(shape, generator=g, dtype=torch.float64) * scale
     # each slice along `dim` gets its own offset: far from 0, and far from the other slices
@@ -165,13 +178,24 @@ def check_softmax(fn, *, seed: int = 0, n_random: int = 20) -> None:
         _softmax_case("one element", torch.tensor([[-5.0]])),
         _softmax_case("equal logits give a uniform distribution", torch.full((2, 5), 7.0)),
         _softmax_case("attention scores [B, H, T, T]", (torch.arange(2 * 3 * 4 * 4.0).reshape(2, 3, 4, 4) * 1.7).sin() * 30),
+        _softmax_case("float16 in, float16 out (scores far from 0)", torch.tensor([[300.0, 299.0, -5.0, 290.0]]).half(),
+                      hint="float16 in, float16 out: exp() of a float16 above ~11 overflows, so subtract the max"),
+        _softmax_case("bfloat16 in, bfloat16 out", (torch.arange(12.0).reshape(2, 6).cos() * 40).bfloat16()),
+        _softmax_case("a transposed (non-contiguous) view, dim=-1", (torch.arange(20.0).reshape(4, 5).sin() * 9).T,
+                      hint=NOT_CONTIGUOUS),
+        _softmax_case("1024 keys per row (GPT-2's context), with -inf on the future",
+                      (torch.arange(2 * 1024.0).reshape(2, 1024).sin() * 20).masked_fill(
+                          torch.arange(1024) > torch.tensor([[300], [1023]]), -inf)),
     ]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
         what, x, dim = _random_logits(g, i)
         cases.append(_softmax_case(f"random logits #{i} ({what})", x, dim))
     run_check("softmax", fn, cases, judge=_judge(SOFTMAX_MISTAKES), forbid=SOFTMAX_FAMILY, seconds=5, total_seconds=30,
-              show_call=lambda args: f"softmax({_show_tensor(args[0])}, dim={args[1]})")
+              error_hints=ENGINE_ERROR_HINTS, show_call=lambda args: f"softmax({_show_tensor(args[0])}, dim={args[1]})")
+    check_in_engine("softmax", fn, _in_engine_forbid(SOFTMAX_FAMILY),
+                    hint="the engine calls softmax(scores, dim=-1) (dim by keyword) on [B, H, Tq, Tk] scores with -inf "
+                         "where the mask is False")
 
 
 def _show_tensor(x: Tensor) -> str:
@@ -197,6 +221,8 @@ CAUSAL_MISTAKES: list[Mistake] = [
      "return a bool tensor (True = may attend): a comparison such as `a <= b` gives one"),
     (lambda nq, nk: ~parts.causal_mask(nq, nk),
      "the mask is inverted: True must mean 'may attend'"),
+    (lambda nq, nk: torch.arange(nk)[None, :] % 256 <= torch.arange(nk - nq, nk)[:, None] % 256,
+     "positions go past 255 (GPT-2 has 1024): compare int64 positions (torch.arange gives int64; uint8 wraps at 256)"),
 ]
 
 
@@ -214,15 +240,23 @@ def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
         case(3, 7, "a chunk of 3 queries at the end of 7 positions", "query i sits at position n_key - n_query + i"),
         case(2, 9, "2 queries at the end of 9 positions"),
         case(7, 8, "7 queries at the end of 8 positions"),
+        case(5, 9, "5 queries at the end of 9 positions (the same n_key as a case before)",
+             "build the mask for the n_query and n_key you are given now: nothing may be kept from an earlier call"),
+        case(300, 300, "prefill of 300 tokens (past 255)", "positions go up to 299: compare int64 positions"),
+        case(1, 300, "decode: one query after 299 cached positions"),
+        case(3, 1024, "3 queries at the end of GPT-2's whole context (1024 keys)",
+             "build the mask for n_key keys, however many: nothing of a fixed size (256 or 1024 wide)"),
+        case(1100, 1100, "1100 positions, past GPT-2's 1024", "nothing of a fixed size: compute the mask from n_query "
+                                                              "and n_key"),
     ]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
-        nk = _randint(g, 1, 40)
+        nk = _randint(g, 1, 40) if i % 4 else _randint(g, 41, 1200)
         nq = _choice(g, [nk, 1, _randint(g, 1, nk)])
         cases.append(case(nq, nk, f"random #{i}: n_query={nq}, n_key={nk}"))
     run_check("causal_mask", fn, cases, judge=_judge(CAUSAL_MISTAKES), forbid=[
         Forbidden("llmcourse.parts.causal_mask", "Write it yourself: compare key positions with query positions."),
-    ], seconds=5, total_seconds=20)
+    ], seconds=5, total_seconds=20, show_call=lambda args: f"causal_mask({args[0]}, {args[1]})")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -304,8 +338,32 @@ def _qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, Dv: Optio
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+def _engine_qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, dtype: torch.dtype = torch.float32,
+                cached: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k, v as the engine passes them: q from split_heads (a transposed view of the projection's slice), k and
+    v the first Tk positions of a preallocated cache (a slice), all non-contiguous."""
+    qkv = torch.randn(B, Tq, 3 * H * D, generator=g, dtype=torch.float64).to(dtype)
+    q = qkv[..., : H * D].view(B, Tq, H, D).transpose(1, 2)
+    if not cached:
+        k, v = (t.view(B, Tq, H, D).transpose(1, 2) for t in qkv[..., H * D:].split(H * D, dim=-1))
+        return q, k, v
+    cache = (torch.randn(2, B, H, Tk + 5, D, generator=g, dtype=torch.float64) * 2).to(dtype)
+    return q, cache[0, :, :, :Tk], cache[1, :, :, :Tk]
+
+
+def _engine_padding_mask(lengths: Sequence[int], Tq: int, Tk: int) -> Tensor:
+    """The mask the engine builds for a left-padded batch: [B, 1, Tq, Tk], a padding query sees only itself."""
+    real = torch.stack([torch.arange(Tk) >= Tk - n for n in lengths])  # [B, Tk]
+    key_pos, query_pos = torch.arange(Tk), Tk - Tq + torch.arange(Tq)
+    return ((key_pos <= query_pos[:, None]) & real[:, None, None, :]) | (key_pos == query_pos[:, None])
+
+
 def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
-    """attention(q, k, v, mask=None) -> softmax(q kᵀ / √d, masked) v, [B, H, Tq, Dv]."""
+    """attention(q, k, v, mask=None) -> softmax(q kᵀ / √d, masked) v, [B, H, Tq, Dv].
+
+    Also as the engine calls it: non-contiguous q (split_heads) and k, v (slices of a cache), the engine's
+    masks ([Tq, Tk] causal, [B, 1, Tq, Tk] padding), 300 and 1024 keys, float16 / bfloat16; then inside
+    the engine (`check_in_engine`)."""
     g = torch.Generator().manual_seed(seed)
     pad = torch.tensor([[True, True, True, False, False], [True, True, True, True, True], [False, True, True, True, False]])
     cases = [
@@ -326,21 +384,41 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
         _attention_case("a random mask per head [B, H, Tq, Tk]", *_qkv(g, 2, 3, 4, 6, 8), *_random_mask(g, 3, 2, 3, 4, 6)[1:]),
         _attention_case("scores far from 0 (q and k ×20)", *_qkv(g, 1, 2, 5, 5, 16, scale=20.0), parts.causal_mask(5, 5),
                         "your softmax must be the stable one"),
+        _attention_case("as the engine calls it: q from split_heads, k and v slices of a cache (non-contiguous), "
+                        "causal mask [4, 9]", *_engine_qkv(g, 2, 3, 4, 9, 8), parts.causal_mask(4, 9), NOT_CONTIGUOUS),
+        _attention_case("prefill of 300 tokens (past 256 keys), causal mask [300, 300], non-contiguous q, k, v",
+                        *_engine_qkv(g, 1, 2, 300, 300, 16, cached=False), parts.causal_mask(300, 300),
+                        "build nothing of a fixed size: Tk is k.shape[-2], however many keys"),
+        _attention_case("decode: one query, 1024 keys (GPT-2's context) in a cache", *_engine_qkv(g, 2, 2, 1, 1024, 16),
+                        parts.causal_mask(1, 1024)),
+        _attention_case("the engine's padding mask [B, 1, Tq, Tk] (rows of 6 and 3 real tokens; a padding query sees "
+                        "only itself)", *_engine_qkv(g, 2, 2, 6, 6, 8, cached=False), _engine_padding_mask([6, 3], 6, 6)),
+        _attention_case("float16 in, float16 out (non-contiguous, causal)", *_engine_qkv(g, 1, 2, 5, 7, 16, torch.float16),
+                        parts.causal_mask(5, 7), "float16 in, float16 out"),
+        _attention_case("bfloat16 in, bfloat16 out, a padding mask", *_engine_qkv(g, 2, 1, 4, 4, 8, torch.bfloat16,
+                                                                                  cached=False),
+                        _engine_padding_mask([4, 2], 4, 4)),
     ]
     for i in range(n_random):
         B, H, D = _randint(g, 1, 3), _randint(g, 1, 4), _choice(g, [1, 3, 8, 16, 64])
         Tk = _randint(g, 1, 12)
         Tq = _choice(g, [Tk, 1, _randint(g, 1, Tk)])
         Dv = _choice(g, [D, D, _randint(g, 1, 9)])
-        dtype = _choice(g, [torch.float32, torch.float64])
-        scale = _choice(g, [0.5, 1.0, 5.0])
+        dtype = _choice(g, [torch.float32, torch.float64, torch.float32, torch.float64, torch.float16, torch.bfloat16])
+        scale = _choice(g, [0.5, 1.0, 5.0] if dtype not in HALF_DTYPES else [0.5, 1.0])
         what, mask = _random_mask(g, i % 4, B, H, Tq, Tk)
         q, k, v = _qkv(g, B, H, Tq, Tk, D, Dv, scale=scale, dtype=dtype)
+        if i % 3 == 1:  # the engine's layouts: transposed views
+            q, k, v = (t.transpose(-2, -3).contiguous().transpose(-2, -3) for t in (q, k, v))
         cases.append(_attention_case(f"random #{i} (B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, Dv={Dv}, "
                                      f"{str(dtype)[6:]}, {what})", q, k, v, mask))
     run_check("attention", fn, cases, judge=_judge(ATTENTION_MISTAKES, loose=True), forbid=NO_ATTENTION,
               error_hints={"is not written yet": "attention calls your softmax: if attention is written, write "
-                                                 "softmax (exercise 1) first"}, seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
+                                                 "softmax (exercise 1) first", **ENGINE_ERROR_HINTS},
+              seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
+    check_in_engine("attention", fn, _in_engine_forbid(NO_ATTENTION),
+                    hint="the engine calls attention(q, k, v, mask) with q from split_heads and k, v from its cache "
+                         "(non-contiguous views), mask [Tq, Tk] (causal) or [B, 1, Tq, Tk] (padding)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -381,11 +459,14 @@ def _head_shapes(g: torch.Generator, n_random: int) -> list[tuple[str, tuple[int
               ("batch 3, one head (n_head=1)", (3, 4, 6), 1, torch.float32),
               ("heads of one channel (n_head=C)", (2, 3, 4), 4, torch.float32),
               ("float64", (2, 3, 12), 3, torch.float64),
-              ("GPT-2's sizes: 12 heads of 64", (2, 7, 768), 12, torch.float32)]
+              ("GPT-2's sizes: 12 heads of 64", (2, 7, 768), 12, torch.float32),
+              ("300 positions, the bundled model's 6 heads of 32", (1, 300, 192), 6, torch.float32),
+              ("float16", (2, 3, 8), 2, torch.float16),
+              ("bfloat16", (1, 4, 12), 4, torch.bfloat16)]
     for i in range(n_random):
         n_head, D = _randint(g, 1, 8), _randint(g, 1, 9)
         B, T = _randint(g, 1, 4), _randint(g, 1, 9)
-        dtype = _choice(g, [torch.float32, torch.float64])
+        dtype = _choice(g, [torch.float32, torch.float64, torch.float32, torch.float16, torch.bfloat16])
         shapes.append((f"random #{i}", (B, T, n_head * D), n_head, dtype))
     return shapes
 
@@ -394,25 +475,40 @@ def check_split_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """split_heads(x [B, T, C], n_head) -> [B, n_head, T, C // n_head]; head h holds channels h·D … (h+1)·D - 1."""
     g = torch.Generator().manual_seed(seed)
     cases = []
-    for what, shape, n_head, dtype in _head_shapes(g, n_random):
-        x = _distinct(g, shape, dtype)
+    for i, (what, shape, n_head, dtype) in enumerate(_head_shapes(g, n_random)):
+        if i % 2 and i > 2:  # as the engine passes it: one of the pieces of qkv.split(C, dim=-1), a non-contiguous slice
+            x = _distinct(g, (shape[0], shape[1], 3 * shape[2]), dtype).split(shape[2], dim=-1)[i % 3]
+            what += " (x a slice of qkv, as the engine passes it)"
+        else:
+            x = _distinct(g, shape, dtype)
         cases.append(Case(f"{what}: B={shape[0]}, T={shape[1]}, C={shape[2]}, n_head={n_head}", (x, n_head),
                           parts.split_heads(x, n_head).contiguous()))
-    run_check("split_heads", fn, cases, judge=_judge(SPLIT_MISTAKES), forbid=[
-        Forbidden("llmcourse.parts.split_heads", "Write it yourself with view and transpose."),
-    ], seconds=5, total_seconds=20, show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})")
+    forbid = [Forbidden("llmcourse.parts.split_heads", "Write it yourself with view and transpose.")]
+    run_check("split_heads", fn, cases, judge=_judge(SPLIT_MISTAKES), forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
+              seconds=5, total_seconds=20, show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})")
+    check_in_engine("split_heads", fn, _in_engine_forbid(forbid),
+                    hint="the engine calls split_heads three times (q, k, v) and keeps the three results: return a "
+                         "new view or tensor each time, not a buffer reused between calls")
 
 
 def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """merge_heads(x [B, H, T, D]) -> [B, T, H·D], the inverse of split_heads."""
     g = torch.Generator().manual_seed(seed)
     cases = []
-    for what, (B, T, C), n_head, dtype in _head_shapes(g, n_random):
-        x = _distinct(g, (B, n_head, T, C // n_head), dtype)
+    for i, (what, (B, T, C), n_head, dtype) in enumerate(_head_shapes(g, n_random)):
+        if i % 2:  # a transposed view, as split_heads gives
+            x = _distinct(g, (B, T, n_head, C // n_head), dtype).transpose(1, 2)
+            what += " (x a transposed view)"
+        else:
+            x = _distinct(g, (B, n_head, T, C // n_head), dtype)
         cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), parts.merge_heads(x)))
-    run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=[
-        Forbidden("llmcourse.parts.merge_heads", "Write it yourself with transpose and reshape."),
-    ], seconds=5, total_seconds=20, show_call=lambda args: f"merge_heads(x={_describe(args[0])})")
+    forbid = [Forbidden("llmcourse.parts.merge_heads", "Write it yourself with transpose and reshape.")]
+    run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=forbid, error_hints={
+        "view size is not compatible": "after transpose(1, 2) the memory is not laid out as [B, T, H·D]: use "
+                                       ".reshape(B, T, H * D) (or .contiguous().view(...))"},
+        seconds=5, total_seconds=20, show_call=lambda args: f"merge_heads(x={_describe(args[0])})")
+    check_in_engine("merge_heads", fn, _in_engine_forbid(forbid),
+                    hint="the engine calls merge_heads on attention's [B, H, T, D] output")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,7 +718,55 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
                           *_qkv(g, B, H, Tq, Tk, D, scale=_choice(g, [1.0, 3.0]), dtype=dtype), block, causal))
     if long:
         cases.append(case("GPT-2's context: 1024 positions, 64 per block", *_qkv(g, 1, 1, 1024, 1024, 64), 64))
-    run_check("tiled_attention", fn, cases, judge=_judge_tiled, forbid=[
-        *NO_ATTENTION,
-        Forbidden("llmcourse.tiled_attention", "Write the loop over blocks yourself."),
-    ], seconds=10, total_seconds=60, show_call=_show("tiled_attention", "q", "k", "v", "block_size", "causal"))
+    cases.append(case("as an engine passes them: non-contiguous q, k, v (split_heads' views)",
+                      *_engine_qkv(g, 2, 2, 9, 9, 8, cached=False), 4))
+    forbid = [*NO_ATTENTION, Forbidden("llmcourse.tiled_attention", "Write the loop over blocks yourself.")]
+    show = _show("tiled_attention", "q", "k", "v", "block_size", "causal")
+    run_check("tiled_attention", fn, cases, judge=_judge_tiled, forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
+              seconds=10, total_seconds=60, show_call=show)
+    _check_tiling(fn, forbid, show)
+
+
+def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tuple], str]) -> None:
+    """Tiling is the exercise: at sizes past the small ones, no floating-point tensor the function makes may
+    hold more than one block of scores for all queries ([B, H, Tq, block_size]) or a copy of k or v; the
+    whole [Tq, Tk] score matrix (or one query block against all keys) is refused. Every tensor torch makes
+    during the call is seen (a dispatch mode); work in numpy is not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    B, H, Tq, Tk, D, block = 1, 2, 256, 384, 16, 32
+    g = torch.Generator().manual_seed(22)
+    q, k, v = _qkv(g, B, H, Tq, Tk, D)
+    allowed = max(B * H * Tq * max(block, D), B * H * Tk * D)
+    largest: list = [0, None]
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                if isinstance(t, Tensor) and t.is_floating_point() and t.numel() > largest[0]:
+                    largest[0], largest[1] = t.numel(), tuple(t.shape)
+            return out
+
+    def watched(q, k, v, block_size, causal):
+        with Largest():
+            return fn(q, k, v, block_size, causal)
+
+    args = (q, k, v, block, True)
+    got = call_learner("tiled_attention", watched, args, forbid=forbid, seconds=20, show=show)
+    expected = reference_tiled(*args)
+    verdict = _judge_tiled(Case("", args, expected), got)
+    if verdict:
+        raise CheckFailed(f"✗ tiled_attention — {Tq} queries, {Tk} keys, blocks of {block}: {verdict[0]}\n"
+                          f"  input:    {show(args)}\n  hint: {verdict[1]}")
+    if largest[0] > allowed:
+        raise CheckFailed(
+            f"✗ tiled_attention — {Tq} queries at the end of {Tk} keys, block_size={block}: your function made a tensor "
+            f"of shape {list(largest[1])} ({largest[0]:,} numbers); tiled attention never holds more than one block of "
+            f"scores for all queries, [B, H, Tq, block_size] = {[B, H, Tq, block]} ({B * H * Tq * block:,} numbers)\n"
+            f"  input:    {show(args)}\n"
+            f"  expected: no tensor of more than {allowed:,} numbers (one block of scores, or a copy of k or v)\n"
+            f"  got:      a tensor of shape {list(largest[1])}\n"
+            "  hint: loop over the keys in blocks of block_size (k[:, :, k0 : k0 + block_size]) and keep only the "
+            "running max m, the running sum l and the accumulator: never the whole [Tq, Tk] score matrix, nor one "
+            "block of queries against all the keys")
