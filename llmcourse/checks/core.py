@@ -29,14 +29,20 @@ and, if it wants a specific diagnosis, a judge:
 - **Time**: each call has a limit (`seconds`), and the whole check a budget (`total_seconds`).
   The time-out is a `BaseException` that `except Exception:` does not catch and that comes back
   every 50 ms until the call returns; limits nest (an inner limit never switches an outer one off).
+  What that cannot stop (a loop inside one C call, code that catches the time-out for ever) is ended
+  from outside: every exported check runs in a child process (`isolate`).
+- **Answers out of reach**: a case's expected answer may be `later(reference, *args)`, computed only
+  after the learner's function returned; frame and heap introspection and the checks' own functions
+  are refused. Tensors must be plain `torch.Tensor`s, numbers any Python number type.
 - **Crashes**: anything the learner's code raises — `SystemExit`, a Rust `PanicException`, an error
   while comparing a strange result — becomes a `CheckFailed`; only `KeyboardInterrupt` (the user
   pressing stop) passes through.
 - **Messages** are bounded (`short`) and, in Jupyter, shown without a traceback
   (`CheckFailed._render_traceback_`).
 
-Each of these lives in a module of its own: `show` (bounded text), `limits` (time limits), `forbid`
-(black boxes), `inputs` (unchanged arguments), `failed` (`CheckFailed`).
+Each of these lives in a module of its own: `show` (bounded text), `limits` (time limits), `isolate`
+(the child process), `forbid` (black boxes), `inputs` (unchanged arguments), `failed` (`CheckFailed`),
+`randomness` (the contract of a function that draws random numbers).
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ import signal
 import struct
 import sys
 import time
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -150,7 +151,9 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
         except Exception:
             pass
     read, write = os.pipe()
-    pid = os.fork()
+    with warnings.catch_warnings():  # Python 3.12+ warns about forking a process with threads: the child
+        warnings.simplefilter("ignore", DeprecationWarning)  # takes none of their locks (it prints through the pipe)
+        pid = os.fork()
     if pid == 0:  # the child: run the check, report, and leave without running any exit handler
         try:
             os.close(read)
