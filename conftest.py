@@ -1,6 +1,7 @@
 """nbval on the notebooks: solutions/ must run with their checked outputs unchanged; in chapters/
 (the student release) every graded check, and every cell tagged `needs-exercise`, must fail on the
-stubs (strict xfail: a check that passes on a stub is a broken check)."""
+stubs (strict xfail: a check that passes on a stub is a broken check). A notebook in chapters/ that holds a
+learner's work is not the release: its cells are skipped, saying so (tests/release.py)."""
 
 import os
 
@@ -14,9 +15,17 @@ import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    from tests.release import learner_work
+
+    edited = {}
     for item in items:
         cell = getattr(item, "cell", None)
         if cell is None or "chapters" not in item.path.parts:
+            continue
+        if item.path not in edited:
+            edited[item.path] = learner_work(item.path)
+        if edited[item.path]:
+            item.add_marker(pytest.mark.skip(reason=edited[item.path]))
             continue
         graded = cell.get("metadata", {}).get("nbgrader", {}).get("grade", False)
         if graded or "needs-exercise" in cell.get("metadata", {}).get("tags", []):

@@ -19,6 +19,9 @@ same tokens as without it when greedy, the same distribution when sampling (see
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while).
 
+`model` is an `llmcourse.GPT2` (`load_model(...)`), or the engine `llmcourse.learner.my_engine()` returns (its
+model is used).
+
     >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP
     >>> for piece in stream(model, tok, "ROMEO:", temperature=0.8, seed=1): ...   # doctest: +SKIP
 """
@@ -38,6 +41,22 @@ from .tokenizer import EOT_ID, StreamDecoder
 
 NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled draft model at k = 1 (benchmarks page)
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
+
+
+def as_model(model) -> GPT2:
+    """`model` itself, or the `GPT2` inside `my_engine()`'s `Engine` (model, tokenizer): what generation runs.
+
+    Anything else is refused saying what to pass, rather than failing later on a missing attribute.
+    """
+    if isinstance(model, GPT2):
+        return model
+    inner = getattr(model, "model", None)
+    if isinstance(inner, GPT2):
+        return inner
+    if hasattr(model, "config") and hasattr(model, "new_cache"):  # a GPT2 look-alike (duck typing is fine)
+        return model
+    raise TypeError(f"expected a model (llmcourse.load_model(...)) or my_engine()'s engine, got {type(model).__name__}; "
+                    "e.g. generate_text(llmcourse.load_model(), tokenizer, 'ROMEO:') or my_engine().generate_text('ROMEO:')")
 
 
 def generate(
@@ -67,6 +86,7 @@ def generate(
         >>> generate(model, [15496, 995], max_new_tokens=3)   # doctest: +SKIP
         [13, 314, 1101]
     """
+    model = as_model(model)
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.tolist()
     single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
@@ -117,6 +137,7 @@ def stream(
     Stops at `eos_token_id` (not shown), `max_new_tokens`, or the first of the `stop` strings (the
     text before it is the last thing yielded). Beam search yields its best sequence at the end.
     """
+    model = as_model(model)
     ids = tokenizer.encode(prompt, allowed_special="all")
     settings = SamplingSettings(**sampling)
     check_request(model, [ids], max_new_tokens, eos_token_id)

@@ -22,7 +22,7 @@ import torch
 
 from . import paged_cache
 from .block_manager import BlockManager, blocks_for
-from .generate import check_request, new_generator
+from .generate import as_model, check_request, new_generator
 from .model import GPT2
 from .parts import PartError
 from .sampling import SamplingSettings
@@ -49,6 +49,7 @@ class LLMEngine:
             if not (value is None and name == "num_blocks") and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        model = as_model(model)  # my_engine()'s engine serves its model
         cfg = model.config
         if num_blocks is None:
             num_blocks = max(max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),

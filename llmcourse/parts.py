@@ -102,7 +102,14 @@ def attention_causal_by_default(
 
 
 class PartError(RuntimeError):
-    """A plugged-in part raised, or returned something the engine cannot use."""
+    """A plugged-in part raised, or returned something the engine cannot use.
+
+    Its message says everything (which part, its input, what was wrong, a hint), so IPython shows just the
+    message (`_render_traceback_`), not the engine's frames between the learner's cell and the part.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"PartError: {line}" if i == 0 else line for i, line in enumerate(str(self).splitlines())]
 
 
 def _expected_shape(name: str, args: tuple) -> tuple:
@@ -137,11 +144,13 @@ def _describe(args: tuple) -> str:
     return ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
 
 
-def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _expected_output) -> Callable:
+def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _expected_output,
+            validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None) -> Callable:
     """Wrap a plugged-in function so its failures are reported in the engine's terms.
 
     `expect(name, args)` gives the (shape, dtype) it must return; a long result must hold token ids
-    (in [0, V) for logits [..., V]).
+    (in [0, V) for logits [..., V]). `validate(name, args, out)`, if given, says what else the result breaks
+    (None: nothing), so the part that first broke the contract is named, not a later one that chokes on it.
     """
 
     @functools.wraps(fn)
@@ -170,6 +179,10 @@ def guarded(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _ex
                 f"part '{name}' ({where}) returned token ids {out.tolist()}, expected ids in "
                 f"[0, {args[0].shape[-1]})\n  called with: {_describe(args)}"
             )
+        problem = validate(name, args, out) if validate is not None else None
+        if problem:
+            raise PartError(f"part '{name}' ({where}) {problem}\n  called with: {_describe(args)}\n"
+                            f"  hint: run the check for '{name}' in its chapter to debug it")
         return out
 
     return call
@@ -212,10 +225,11 @@ class Slots:
                 raise ValueError(f"part {name!r} must be a function, got {type(fn).__name__}")
 
     @classmethod
-    def guarded_overrides(cls, overrides: dict, expect: Callable[[str, tuple], tuple] = _expected_output) -> dict:
+    def guarded_overrides(cls, overrides: dict, expect: Callable[[str, tuple], tuple] = _expected_output,
+                          validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None) -> dict:
         """`overrides`, each `guarded` (see `check_overrides` for what is refused)."""
         cls.check_overrides(overrides)
-        return {name: guarded(name, fn, expect) for name, fn in overrides.items()}
+        return {name: guarded(name, fn, expect, validate) for name, fn in overrides.items()}
 
     def overridden(self) -> list[str]:
         """Names of the slots that do not hold the engine's own function."""

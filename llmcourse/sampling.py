@@ -138,7 +138,7 @@ class Sampler(Slots):
     @classmethod
     def with_overrides(cls, **overrides: Callable) -> "Sampler":
         """The engine's sampler with some functions replaced, each guarded (see `parts.guarded`)."""
-        return cls(**cls.guarded_overrides(overrides, _expected_output))
+        return cls(**cls.guarded_overrides(overrides, _expected_output, _processor_contract))
 
     def process(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
         """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
@@ -172,6 +172,29 @@ def _expected_output(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
     if name in ("greedy", "sample"):
         return tuple(logits.shape[:-1]), torch.long
     return tuple(logits.shape), logits.dtype
+
+
+PROCESSORS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
+
+
+def _processor_contract(name: str, args: tuple, out: Tensor) -> Optional[str]:
+    """What a processor's logits break, or None: every row whose input could be sampled from (a finite logit, no
+    NaN) must stay so — a NaN, or a row with every token removed, would only fail later, inside `sample`."""
+    if name not in PROCESSORS:
+        return None
+    logits = args[0]
+    usable = torch.isfinite(logits).any(dim=-1) & ~torch.isnan(logits).any(dim=-1)  # [B]
+    nan = torch.isnan(out).any(dim=-1) & usable
+    if bool(nan.any()):
+        row = int(nan.nonzero()[0])
+        return (f"returned NaN in row {row} (of {out.shape[0]}); a processor returns logits, with -inf for the "
+                "tokens it removes")
+    empty = ~torch.isfinite(out).any(dim=-1) & usable
+    if bool(empty.any()):
+        row = int(empty.nonzero()[0])
+        return (f"removed every token of row {row} (of {out.shape[0]}): no finite logit is left, so no token can be "
+                "chosen; it must keep at least the most likely token")
+    return None
 
 
 ENGINE_SAMPLER = Sampler()

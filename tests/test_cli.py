@@ -11,6 +11,8 @@ import pytest
 
 from llmcourse import generate_text, load_model
 
+from .release import released
+
 
 def run(*args):
     return subprocess.run([sys.executable, "-m", "llmcourse", *args], capture_output=True, text=True, timeout=120)
@@ -121,7 +123,7 @@ def test_parts_runs_your_engine_with_one_notice_per_unwritten_slot(small_folder,
     """`generate --parts chapters/`: the learner's functions where their checks pass, the engine's
     elsewhere, notices on stderr (each once, only for exercises with a slot), the text on stdout."""
     for name in ("00_pipeline", "01_tokenization"):
-        shutil.copytree(ROOT / "chapters" / name, tmp_path / name)
+        shutil.copytree(released(name), tmp_path / name)
     args = ["--model", str(small_folder), "--temperature", "0", "--max-new-tokens", "10", "--device", "cpu", "ROMEO:"]
     out = run("generate", "--parts", str(tmp_path), *args)
     assert out.returncode == 0, out.stderr

@@ -20,6 +20,7 @@ from nbformat import NotebookNode
 
 from llmcourse.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
 
+from .release import released as release_of
 from .test_course import ROOT
 
 SOURCE = "check(f)\n### BEGIN HIDDEN TESTS\ncheck(f, seed=2026)\n### END HIDDEN TESTS"
@@ -95,7 +96,7 @@ def test_a_failed_release_leaves_the_chapter_as_it_was(tmp_path):
     """nbgrader deletes the release before it fails (here: prose marked `solution` but not `grade`)."""
     name = "00_pipeline"
     shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
-    shutil.copytree(ROOT / "chapters" / name, tmp_path / "chapters" / name)
+    shutil.copytree(release_of(name), tmp_path / "chapters" / name)
     source = tmp_path / "solutions" / name / f"{name}.ipynb"
     source.parent.mkdir(parents=True)
     nb = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())
@@ -107,7 +108,7 @@ def test_a_failed_release_leaves_the_chapter_as_it_was(tmp_path):
     assert release(tmp_path, err=err) != 0
     assert f"chapters/{name} is as it was" in err.getvalue()
     released = tmp_path / "chapters" / name / f"{name}.ipynb"
-    assert released.read_bytes() == (ROOT / "chapters" / name / f"{name}.ipynb").read_bytes()
+    assert released.read_bytes() == (release_of(name) / f"{name}.ipynb").read_bytes()
 
 
 def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
@@ -117,7 +118,7 @@ def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
     err = io.StringIO()
     assert release(tmp_path, err=err, names=["00_pipeline"]) == 0, err.getvalue()
     released = tmp_path / "chapters" / "00_pipeline" / "00_pipeline.ipynb"
-    assert released.read_bytes() == (ROOT / "chapters" / "00_pipeline" / "00_pipeline.ipynb").read_bytes()
+    assert released.read_bytes() == (release_of("00_pipeline") / "00_pipeline.ipynb").read_bytes()
     assert not (tmp_path / "chapters" / "01_tokenization").exists()
     assert release(tmp_path, err=err, names=["01_tokenisation"]) == 2
     assert "no chapter 01_tokenisation in solutions/ (the chapters: 00_pipeline, 01_tokenization)" in err.getvalue()

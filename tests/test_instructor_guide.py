@@ -20,6 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from .release import released as release_of
 from .test_course import ROOT, solved_copy
 
 GUIDE = ROOT / "instructor.md"
@@ -67,8 +68,8 @@ STUDENTS = {  # what each student hands in: the release with this many exercises
 def guide_course(tmp_path_factory):
     course = tmp_path_factory.mktemp("guide")
     shutil.copy(ROOT / "nbgrader_config.py", course)
-    for folder in ["solutions", "chapters"]:
-        shutil.copytree(ROOT / folder / CHAPTER, course / folder / CHAPTER)
+    shutil.copytree(ROOT / "solutions" / CHAPTER, course / "solutions" / CHAPTER)
+    shutil.copytree(release_of(CHAPTER), course / "chapters" / CHAPTER)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's tools
     ran = []
     for block in bash_blocks(GUIDE_TEXT):

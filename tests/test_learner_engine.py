@@ -162,3 +162,68 @@ def test_the_engine_sampler_is_a_sampler():
     freq = torch.bincount(draws, minlength=6) / draws.numel()
     expected = torch.tensor([0.4, 0.25, 0.2, 0, 0, 0]) / 0.85
     assert (freq - expected).abs().sum() / 2 < 0.01  # total variation; ~0.004 expected from sampling noise
+
+
+# ----------------------------------------------------------------------------------------------
+# The part that first broke the contract is named, in a few lines (issue 22: a top_p that removed every token
+# was reported as sample's RuntimeError, after 89 lines of engine frames)
+
+def all_removed_top_p(logits, p):
+    return torch.full_like(logits, float("-inf"))
+
+
+@pytest.mark.parametrize("fn, message", [
+    (dict(top_p=all_removed_top_p, sample=MINE["sample"]),
+     r"^part 'top_p' \(all_removed_top_p\) removed every token of row 0 \(of 1\): no finite logit is left"),
+    (dict(temperature=lambda logits, t: logits * float("nan"), sample=MINE["sample"]),
+     r"^part 'temperature' \(<lambda>\) returned NaN in row 0 \(of 1\)"),
+    (dict(min_p=lambda logits, p: logits.masked_fill(logits < logits.max(), float("-inf")) - float("inf")),
+     r"^part 'min_p' \(<lambda>\) removed every token of row 0"),
+])
+def test_the_processor_that_broke_the_logits_is_named_not_sample(model, fn, message):
+    theirs = with_pieces(model, Sampler.with_overrides(**fn))
+    with pytest.raises(PartError, match=message) as caught:
+        llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=3, **SAMPLED)
+    assert "hint: run the check for" in str(caught.value)
+
+
+def test_a_processor_may_remove_tokens_and_keep_rows_that_were_already_empty():
+    """The contract is about what the processor did: a row the input had already emptied is not its fault."""
+    top_p = Sampler.with_overrides(top_p=MINE["top_p"]).top_p
+    logits = torch.tensor([[2.0, 1.0, -1.0], [float("-inf")] * 3])
+    assert torch.isinf(top_p(logits, 0.5)[1]).all()
+
+
+def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
+    """IPython shows `_render_traceback_()`: the message's few lines, not the engine's frames."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    shell = InteractiveShell.instance()
+    shell.user_ns.update(llmcourse=llmcourse, theirs=with_pieces(model, Sampler.with_overrides(
+        top_p=all_removed_top_p, sample=MINE["sample"])), settings=SAMPLED, prompt=PROMPTS[0])
+    with capture_output() as shown:
+        result = shell.run_cell("llmcourse.generate(theirs, prompt, max_new_tokens=3, **settings)")
+    assert isinstance(result.error_in_exec, PartError)
+    lines = (shown.stdout + shown.stderr).strip().splitlines()
+    assert lines[0].startswith("PartError: part 'top_p' (all_removed_top_p) removed every token"), lines
+    assert len(lines) <= 4 and not any("generate.py" in line for line in lines), lines
+
+
+# ----------------------------------------------------------------------------------------------
+# my_engine()'s Engine works where a model does (issue 22: AttributeError: 'Engine' object has no attribute 'config')
+
+def test_my_engines_engine_works_where_a_model_does(model):
+    from llmcourse.learner import Engine
+
+    tok = llmcourse.get_tokenizer()
+    twin = with_pieces(model)
+    engine = Engine(twin, tok)
+    settings = dict(max_new_tokens=6, eos_token_id=None)
+    assert llmcourse.generate(engine, PROMPTS[0], **settings) == llmcourse.generate(model, PROMPTS[0], **settings)
+    assert llmcourse.generate_text(engine, tok, "A:B", **settings) == llmcourse.generate_text(model, tok, "A:B", **settings)
+    assert "".join(llmcourse.stream(engine, tok, "A:B", **settings)) == engine.generate_text("A:B", **settings)
+    served = llmcourse.LLMEngine(engine, max_num_seqs=2, num_blocks=16, block_size=8).generate([PROMPTS[0]], **settings)
+    assert served == [llmcourse.generate(model, PROMPTS[0], **settings)]
+    with pytest.raises(TypeError, match=r"expected a model \(llmcourse.load_model\(...\)\) or my_engine\(\)'s engine, got str"):
+        llmcourse.generate_text("gpt2", tok, "ROMEO:")

@@ -120,3 +120,38 @@ def test_readme_quantization_example_runs_as_written(capsys):
     assert megabytes < floats / 6, (megabytes, floats)
     assert f"{megabytes:.1f} MB of weights (float32: {floats:.1f} MB)" in example
     assert namespace["again"].quantized == "int4"
+
+
+def test_the_readme_gives_one_test_time_and_says_who_runs_what():
+    """One figure for the suite's time (it said 16–21 min in one place and 12 min in another), and the test
+    command is marked as the contributors' (a learner's work in chapters/ is not the release it tests)."""
+    paragraphs = [p for p in re.split(r"\n\s*\n", README) if "test suite" in p or "python -m pytest" in p]
+    figures = {m for p in paragraphs for m in re.findall(r"(\d+(?:\s*(?:–|to)\s*\d+)?)\s*min", p)
+               if "bench" not in p}
+    assert figures == {"20"}, figures
+    flat = " ".join(README.split())
+    assert "contributors: the whole test suite" in flat and "learners check theirs with `python -m llmcourse progress`" in flat
+
+
+def test_the_readme_names_every_default_where_the_command_line_differs():
+    """`generate`'s keyword defaults against the CLI's: each difference is named in the README's sentence."""
+    import inspect
+
+    from llmcourse import generate
+    from llmcourse.__main__ import TEMPERATURE, build_parser
+
+    gen = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))
+    cli = {a.dest: a.default for a in gen._actions if a.default != "==SUPPRESS=="}
+    cli["temperature"] = TEMPERATURE
+    python = {n: p.default for n, p in inspect.signature(generate).parameters.items() if p.default is not p.empty}
+    differ = {n for n in python if n in cli and cli[n] != python[n] and cli[n] is not None}
+    assert differ == {"max_new_tokens", "temperature"}, differ
+    sentence = " ".join(README.split("The command line has the same settings as flags", 1)[1].split("\n\n", 1)[0].split())
+    for name in differ:
+        flag = "--" + name.replace("_", "-")
+        assert f"`{flag} {cli[name]:g}`" in sentence and f"{python[name]:g}" in sentence, (name, sentence)
+
+
+def test_the_readme_says_what_my_engine_returns():
+    assert "It returns an `Engine`, the pair `(model, tokenizer)`" in README
+    assert 'llmcourse.generate_text(engine, tok, "ROMEO:")' in README
