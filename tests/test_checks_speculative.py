@@ -542,7 +542,7 @@ def test_expected_speedup_matches_the_engine_and_the_limits():
 
 
 def round_with(*, target_off=0, draft_rollback=True, feed_last=True, one_pass=True, next_token=True,
-               feed_only_last_to_draft=False):
+               feed_only_last_to_draft=False, draft_unconditional=False):
     """speculative_round with one plausible mistake switched on."""
 
     def round_(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
@@ -562,7 +562,9 @@ def round_with(*, target_off=0, draft_rollback=True, feed_last=True, one_pass=Tr
         while accepted < len(proposals) and proposals[accepted] == best[accepted]:
             accepted += 1
         target_cache.length = n + accepted + target_off
-        if draft_rollback:
+        if draft_unconditional:
+            draft_cache.length = n + accepted
+        elif draft_rollback:
             draft_cache.length = min(draft_cache.length, n + accepted)
         return proposals[:accepted] + ([best[accepted]] if next_token else [])
 
@@ -665,3 +667,119 @@ def test_reference_accept_token_against_the_engine_on_one_hot_and_torch():
     p, q = torch.tensor([0.1, 0.6, 0.3]), torch.tensor([0.5, 0.2, 0.3])
     for x in [0, 0, 1, 2, 0, 2, 0, 0]:
         assert accept_token(p, q, x, g1) == engine.accept_token(p, q, x, g2)
+
+
+# -- issue 22: kinds of hole (randomness contract, joint draws, engine calls, sizes, special ids) -------------
+
+
+def accept_global_rng(p, q, draft_token, generator=None):
+    """Draws from torch's global generator although it is given one (generate(seed=...) would not repeat)."""
+    if torch.rand(()) * q[draft_token] < p[draft_token]:
+        return True, draft_token
+    return False, int(torch.multinomial((p - q).clamp(min=0), 1))
+
+
+def accept_copied_generator(p, q, draft_token, generator=None):
+    """Draws from a copy of the generator's state: the caller's generator never advances."""
+    g = torch.Generator()
+    if generator is not None:
+        g.set_state(generator.get_state())
+    return accept_token(p, q, draft_token, g)
+
+
+def accept_uint8_token(p, q, draft_token, generator=None):
+    """Keeps the token in a uint8 tensor: ids past 255 wrap."""
+    accepted, token = accept_token(p, q, draft_token, generator)
+    return accepted, int(torch.tensor(token).to(torch.uint8))
+
+
+def verify_one_u(p, q, draft_tokens, generator=None):
+    """One uniform for the whole round (0.5 vs 0.25 for both kept in the check's joint case)."""
+    u = torch.rand((), generator=generator)
+    for i, x in enumerate(draft_tokens):
+        if not u * q[i, x] < p[i, x]:
+            return i, int(torch.multinomial((p[i] - q[i]).clamp(min=0), 1, generator=generator))
+    return len(draft_tokens), int(torch.multinomial(p[len(draft_tokens)], 1, generator=generator))
+
+
+def verify_fresh_generator(p, q, draft_tokens, generator=None):
+    """A fresh torch.Generator() when given none: every unseeded call repeats the same draws."""
+    return verify(p, q, draft_tokens, generator if generator is not None else torch.Generator())
+
+
+def verify_drops_generator(p, q, draft_tokens, generator=None):
+    return verify(p, q, draft_tokens, None)
+
+
+def lookup_default_2(tokens, num_draft_tokens, max_ngram=2):
+    return prompt_lookup_draft(tokens, num_draft_tokens, max_ngram)
+
+
+_CACHE = {}
+
+
+def lookup_cached_on_text(tokens, num_draft_tokens, max_ngram=3):
+    """Caches its answer by the text alone (not num_draft_tokens)."""
+    key = tuple(tokens)
+    if key not in _CACHE:
+        _CACHE[key] = prompt_lookup_draft(tokens, num_draft_tokens, max_ngram)
+    return _CACHE[key]
+
+
+def lookup_window_32(tokens, num_draft_tokens, max_ngram=3):
+    """Searches only the last 32 tokens (fine on short texts)."""
+    return prompt_lookup_draft(tokens[-32:], num_draft_tokens, max_ngram)
+
+
+def lookup_zero_is_none(tokens, num_draft_tokens, max_ngram=3):
+    """Stops copying at a token 0, taken for 'nothing'."""
+    out = prompt_lookup_draft(tokens, num_draft_tokens, max_ngram)
+    return out[: out.index(0)] if 0 in out else out
+
+
+ISSUE22_MISTAKES = [
+    (check_accept_token, accept_global_rng, r"randomness: the call used or changed torch's global generator"),
+    (check_accept_token, accept_copied_generator, r"randomness: the generator's state did not change"),
+    (check_accept_token, accept_uint8_token, r"V = 300.*accepted the proposal 299 but returned the token 43"),
+    (check_verify, verify_one_u, r"kept with probability 1/2 each.*num_accepted was 0, 1, 2.*draw a new u at each"),
+    (check_verify, verify_fresh_generator, r"randomness: 8 calls with generator=None gave the same result"),
+    (check_verify, verify_drops_generator, r"randomness: the call used or changed torch's global generator"),
+    (check_prompt_lookup_draft, lookup_default_2, r"without max_ngram: its default must be 3"),
+    (check_prompt_lookup_draft, lookup_cached_on_text, r"a long text.*keyed on part of them"),
+    (check_prompt_lookup_draft, lookup_window_32, r"a long text: \d+ tokens"),
+    (check_prompt_lookup_draft, lookup_zero_is_none, r"token 0.*0 is a token like any other"),
+    (check_speculative_round, round_with(draft_unconditional=True),
+     r"draft's cache never held more than.*only ever shorten the draft's cache"),
+]
+
+
+@pytest.mark.parametrize("check, fn, pattern", ISSUE22_MISTAKES, ids=[f.__name__ if hasattr(f, "__name__") else str(i)
+                                                                      for i, (_, f, _) in enumerate(ISSUE22_MISTAKES)])
+def test_issue22_kinds_are_rejected_and_named(check, fn, pattern):
+    _CACHE.clear()
+    fails(check, fn, pattern)
+
+
+def lookup_reversed_search(tokens, num_draft_tokens, max_ngram=3):
+    """Correct, written differently: the text reversed, str.find-like search with numpy arrays."""
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = arr[-n:]
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)  # starts 0 .. len - n - 1
+        hits = np.nonzero((windows == tail).all(axis=1))[0]
+        if len(hits):
+            start = int(hits[-1])
+            return [int(t) for t in arr[start + n : start + n + num_draft_tokens]]
+    return []
+
+
+def test_prompt_lookup_draft_numpy_alternative_passes(capsys):
+    check_prompt_lookup_draft(lookup_reversed_search)
+    check_prompt_lookup_draft(lookup_reversed_search, seed=101, n_random=200)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_verify_alternative_with_float64_draws_passes(capsys):
+    check_verify(verify_recursive, seed=7)
+    check_accept_token(accept_bernoulli_numpy, seed=7)
+    assert capsys.readouterr().out.count("✓") == 2

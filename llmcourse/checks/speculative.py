@@ -582,7 +582,8 @@ def _lookup_verdict(case: Case, got: Any) -> Verdict:
     elif len(case.args) == 2 and not hint and any(_lookup(tokens, k, n) == got for n in (1, 2, 4, 5, 6, 8)):
         hint = ("the engine calls prompt_lookup_draft(tokens, num_draft_tokens) without max_ngram: its default "
                 "must be 3 (def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3))")
-    elif case.description.startswith("the engine's calls") and not hint:
+    elif not hint and (case.description.startswith("the engine's calls") or any(
+            _lookup(tokens, k2, n2) == got for k2 in range(1, 9) for n2 in range(1, 6) if (k2, n2) != (k, max_ngram))):
         hint = ("each call must depend on its own arguments only: a cache of earlier answers (or of an index of the "
                 "text) keyed on part of them gives a stale answer when the text grows or num_draft_tokens changes")
     return f"expected {short(case.expected, 120)}, got {short(got, 120)}", hint
