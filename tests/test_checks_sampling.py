@@ -800,3 +800,12 @@ def test_stream_text_with_a_prompt_encoded_without_special_tokens_is_told(nb):
         source = source.replace(key, value)
     source = source.replace('tokenizer.encode(prompt, allowed_special="all")', "tokenizer.encode(prompt, disallowed_special=())")
     fails(C.check_stream_text, learner(nb, source, "stream_text"), "endoftext")
+
+
+@pytest.mark.parametrize("source, pattern", [
+    (BEAM.replace("if token == eos_token_id or last", "if (eos_token_id and token == eos_token_id) or last"), "EOS id 0"),
+])
+def test_beam_search_kinds_of_mistake(nb, source, pattern):
+    for key, value in BEAM_RIGHT.items():
+        source = source.replace(key, value)
+    fails(C.check_beam_search, learner(nb, source, "beam_search"), pattern)

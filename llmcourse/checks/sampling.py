@@ -1110,7 +1110,20 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         case(f"2 beams, EOS = {eos}, length_penalty 0.5", seed, prompt, 2, 10, 0.5, eos,
              "a finished beam's score is its sum of log-probabilities / (number of new tokens) ** length_penalty"),
     ]
-    doubles = {s: tiny_model(s).double() for s in models}
+    # EOS id 0: the model with tokens 0 and `eos` swapped (rows of the tied embedding) meets token 0 on the way
+    eos = _greedy_tokens(models[seed], prompt, 3)[2]
+    swapped = tiny_model(seed)
+    with torch.no_grad():
+        swapped.wte.weight[[0, eos]] = swapped.wte.weight[[eos, 0]].clone()
+    models["swapped"] = swapped
+    swap = {0: eos, eos: 0}
+    cases.append(case("3 beams, EOS id 0 (a real token, met on the way)", "swapped", [swap.get(t, t) for t in prompt], 3,
+                      10, 1.0, 0, "token id 0 is a real token: compare with `token == eos_token_id`, not "
+                                  "`if eos_token_id`"))
+    defaults = case("called without length_penalty and eos_token_id (defaults 1.0 and None)", seed, [7, 8, 9], 3, 8,
+                    1.0, None, "the defaults: length_penalty=1.0, eos_token_id=None")
+    cases.append(dataclasses.replace(defaults, args=defaults.args[:4]))
+    doubles = {s: tiny_model(s).double() for s in (seed, seed + 1)}
     attempts = 0
     while len(cases) < 5 + n_random and attempts < 4 * (n_random + 1):
         attempts += 1
@@ -1126,9 +1139,9 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
             cases.append(new)  # no near-tie that float32 rounding (cached or not) could flip
 
     def show(args):
-        model, prompt, num_beams, new, lp, eos = args
-        return (f"beam_search(model, {prompt}, num_beams={num_beams}, max_new_tokens={new}, length_penalty={lp}, "
-                f"eos_token_id={eos})")
+        model, prompt, num_beams, new, *rest = args
+        more = ", length_penalty={}, eos_token_id={}".format(*rest) if rest else ""
+        return f"beam_search(model, {prompt}, num_beams={num_beams}, max_new_tokens={new}{more})"
 
     def compare(got, expected):
         if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
