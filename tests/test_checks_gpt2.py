@@ -338,6 +338,136 @@ def load_str_only(folder):
     return load_gpt2_checkpoint(folder)
 
 
+
+# kinds of issue 22: dtypes, layouts, shapes, parameters, defaults, sizes
+
+
+def layer_norm_view(x, weight, bias, eps):
+    C = x.shape[-1]
+    return layer_norm(x.view(-1, C), weight, bias, eps).view(x.shape)  # fails on a non-contiguous x
+
+
+def layer_norm_half_to_float(x, weight, bias, eps):
+    return layer_norm(x.float(), weight.float(), bias.float(), eps) if x.dtype in (torch.float16, torch.bfloat16) \
+        else layer_norm(x, weight, bias, eps)  # float16 in, float32 out
+
+
+def layer_norm_fixed_eps(x, weight, bias, eps):
+    return layer_norm(x, weight, bias, 1e-5)
+
+
+def gelu_view(x):
+    return gelu(x.view(-1)).view(x.shape)
+
+
+def gelu_half_to_float(x):
+    return gelu(x.float()) if x.dtype in (torch.float16, torch.bfloat16) else gelu(x)
+
+
+def gelu_loop_over_rows(x):
+    return torch.stack([gelu(row) for row in x]) if x.dim() > 1 else gelu(x)[:4]  # drops values of long 1-D inputs
+
+
+def linear_view(x, weight, bias):
+    return (x.view(-1, x.shape[-1]) @ weight + bias).view(*x.shape[:-1], -1)
+
+
+def linear_addmm_2d(x, weight, bias):
+    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1) if x.dim() > 1 else \
+        torch.addmm(bias, x, weight)  # 1-D x: addmm wants a matrix
+
+
+def linear_half_to_float(x, weight, bias):
+    return x.float() @ weight.float() + bias.float() if x.dtype in (torch.float16, torch.bfloat16) else linear(x, weight, bias)
+
+
+def mlp_3d_only(x, w1, b1, w2, b2):
+    B, T, C = x.shape
+    return mlp(x, w1, b1, w2, b2)
+
+
+def mlp_view(x, w1, b1, w2, b2):
+    C = x.shape[-1]
+    return mlp(x.view(-1, C), w1, b1, w2, b2).view(x.shape)
+
+
+def mlp_half_to_float(x, w1, b1, w2, b2):
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return mlp(x.float(), w1.float(), b1.float(), w2.float(), b2.float())
+    return mlp(x, w1, b1, w2, b2)
+
+
+def block_fixed_eps(x, weights, n_head, eps=1e-5):
+    return block(x, weights, n_head)  # eps not passed on
+
+
+def block_wrong_default(x, weights, n_head, eps=1e-6):
+    return block(x, weights, n_head, eps)
+
+
+def block_half_to_float(x, weights, n_head, eps=1e-5):
+    if x.dtype in (torch.float16, torch.bfloat16):
+        return block(x.float(), {k: v.float() for k, v in weights.items()}, n_head, eps)
+    return block(x, weights, n_head, eps)
+
+
+def forward_ln_f_without_affine(sd, ids, n_head, eps=1e-5):
+    sd = {**sd, "ln_f.weight": torch.ones_like(sd["ln_f.weight"]), "ln_f.bias": torch.zeros_like(sd["ln_f.bias"])}
+    return gpt2_forward(sd, ids, n_head, eps)
+
+
+def forward_single_digit_layers(sd, ids, n_head, eps=1e-5):
+    import re
+
+    layers = sorted({int(m.group(1)) for k in sd if (m := re.match(r"h\.(\d)\.", k))})  # h.10 does not match
+    return gpt2_forward(sd, ids, n_head, eps, blocks=layers)
+
+
+def forward_fixed_eps(sd, ids, n_head, eps=1e-5):
+    return gpt2_forward(sd, ids, n_head)
+
+
+def forward_float32(sd, ids, n_head, eps=1e-5):
+    if sd["wte.weight"].dtype in (torch.float16, torch.bfloat16):
+        sd = {k: v.float() for k, v in sd.items()}
+    return gpt2_forward(sd, ids, n_head, eps)
+
+
+def forward_wrong_default(sd, ids, n_head, eps=1e-6):
+    return gpt2_forward(sd, ids, n_head, eps)
+
+
+def load_regex_single_digit(folder):
+    import re
+
+    sd, config = load_gpt2_checkpoint(folder)
+    return {k: v for k, v in sd.items() if not k.startswith("h.") or re.match(r"h\.\d\.", k)}, config
+
+
+def load_half_only(folder):
+    folder = Path(folder)
+    sd = {}
+    for key, tensor in load_file(folder / "model.safetensors").items():
+        key = key.removeprefix("transformer.")
+        if key == "lm_head.weight" or key.endswith((".attn.bias", ".attn.masked_bias")):
+            continue
+        sd[key] = tensor.float() if tensor.dtype == torch.float16 else tensor  # bfloat16 and float64 stay
+    return sd, json.loads((folder / "config.json").read_text())
+
+
+def load_buffers_by_single_digit(folder):
+    import re
+
+    folder = Path(folder)
+    sd = {}
+    for key, tensor in load_file(folder / "model.safetensors").items():
+        key = key.removeprefix("transformer.")
+        if key == "lm_head.weight" or re.fullmatch(r"h\.\d\.attn\.(bias|masked_bias)", key):
+            continue
+        sd[key] = tensor.float()
+    return sd, json.loads((folder / "config.json").read_text())
+
+
 MISTAKES = [
     (check_layer_norm, layer_norm_unbiased, r"biased variance[\s\S]*unbiased=False"),
     (check_layer_norm, layer_norm_std_unbiased, r"biased variance|eps goes inside"),
@@ -382,6 +512,29 @@ MISTAKES = [
     (check_load_gpt2_checkpoint, load_keeping_float16, r"float16[\s\S]*has dtype torch.float16, expected torch.float32[\s\S]*\.float\(\)"),
     (check_load_gpt2_checkpoint, load_config_object, r"the config should be the dict read from config\.json"),
     (check_load_gpt2_checkpoint, load_str_only, r"raised TypeError"),
+    (check_layer_norm, layer_norm_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
+    (check_layer_norm, layer_norm_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (check_layer_norm, layer_norm_fixed_eps, r"eps"),
+    (check_gelu, gelu_view, r"raised RuntimeError: view size[\s\S]*non-contiguous view[\s\S]*reshape"),
+    (check_gelu, gelu_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (check_gelu, gelu_loop_over_rows, r"a few values: expected shape \(7,\), got \(4,\)"),
+    (check_linear, linear_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
+    (check_linear, linear_addmm_2d, r"linear\(x=tensor float32 \[4\][\s\S]*raised RuntimeError[\s\S]*none too"),
+    (check_linear, linear_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (check_mlp, mlp_3d_only, r"mlp\(x=tensor float32 \[8\][\s\S]*values to unpack[\s\S]*any number of leading dimensions"),
+    (check_mlp, mlp_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
+    (check_mlp, mlp_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (check_block, block_fixed_eps, r"eps = 0\.1[\s\S]*pass eps to both layer norms"),
+    (check_block, block_wrong_default, r"without eps[\s\S]*default is GPT-2's layer_norm_epsilon, 1e-5"),
+    (check_block, block_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (check_gpt2_forward, forward_ln_f_without_affine, r"ln_f has a weight and a bias too"),
+    (check_gpt2_forward, forward_single_digit_layers, r"12 layers[\s\S]*h\.10 and h\.11 too"),
+    (check_gpt2_forward, forward_fixed_eps, r"eps = 1e-3[\s\S]*pass eps to every layer norm"),
+    (check_gpt2_forward, forward_float32, r"float16 weights[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_gpt2_forward, forward_wrong_default, r"without eps[\s\S]*default is GPT-2's layer_norm_epsilon, 1e-5"),
+    (check_load_gpt2_checkpoint, load_regex_single_digit, r"12 layers[\s\S]*'h\.10\.[\s\S]* is missing[\s\S]*two digits"),
+    (check_load_gpt2_checkpoint, load_half_only, r"bfloat16[\s\S]*has dtype torch.bfloat16, expected torch.float32"),
+    (check_load_gpt2_checkpoint, load_buffers_by_single_digit, r"12 layers[\s\S]*unexpected key 'h\.10\.attn\.bias'[\s\S]*buffers"),
 ]
 
 
@@ -474,6 +627,68 @@ def load_with_safe_open(folder):
     return sd, config
 
 
+
+def layer_norm_welford(x, weight, bias, eps):
+    """Welford's running mean and variance, one feature at a time (in x's dtype, float32 for half)."""
+    work = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+    mean = torch.zeros(work.shape[:-1], dtype=work.dtype)
+    m2 = torch.zeros_like(mean)
+    for k in range(work.shape[-1]):
+        delta = work[..., k] - mean
+        mean = mean + delta / (k + 1)
+        m2 = m2 + delta * (work[..., k] - mean)
+    var = m2 / work.shape[-1]
+    out = (work - mean[..., None]) / torch.sqrt(var[..., None] + eps) * weight.to(work.dtype) + bias.to(work.dtype)
+    return out.to(x.dtype)
+
+
+def layer_norm_float64_numpy(x, weight, bias, eps):
+    """In float64 with numpy, the answer converted back to x's dtype."""
+    import numpy as np
+
+    a = x.detach().double().numpy()
+    mean = a.mean(-1, keepdims=True)
+    var = np.square(a - mean).mean(-1, keepdims=True)
+    out = (a - mean) / np.sqrt(var + np.float64(eps)) * weight.double().numpy() + bias.double().numpy()
+    return torch.from_numpy(out).to(x.dtype)
+
+
+def gelu_float64_numpy(x):
+    import numpy as np
+
+    a = x.detach().double().numpy()
+    return torch.from_numpy(0.5 * a * (1 + np.tanh(np.sqrt(2 / np.pi) * (a + 0.044715 * a**3)))).to(x.dtype)
+
+
+def linear_float32_accumulation(x, weight, bias):
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return (x.to(wide) @ weight.to(wide) + bias.to(wide)).to(x.dtype)
+
+
+def mlp_float64(x, w1, b1, w2, b2):
+    return mlp(x.double(), w1.double(), b1.double(), w2.double(), b2.double()).to(x.dtype)
+
+
+def block_welford(x, weights, n_head, eps=1e-5):
+    w = weights
+    B, T, C = x.shape
+    h = layer_norm_welford(x, w["ln_1.weight"], w["ln_1.bias"], eps)
+    q, k, v = (split_heads(t, n_head) for t in linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"]).split(C, -1))
+    x = x + linear(merge_heads(attention(q, k, v, causal_mask(T, T))), w["attn.c_proj.weight"], w["attn.c_proj.bias"])
+    return x + mlp(layer_norm_welford(x, w["ln_2.weight"], w["ln_2.bias"], eps), w["mlp.c_fc.weight"],
+                   w["mlp.c_fc.bias"], w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
+
+
+def forward_in_float64(sd, ids, n_head, eps=1e-5):
+    dtype = sd["wte.weight"].dtype
+    return gpt2_forward({k: v.double() for k, v in sd.items()}, ids, n_head, eps).to(dtype)
+
+
+def load_in_sorted_order(folder):
+    sd, config = load_gpt2_checkpoint(folder)
+    return {k: v.to(torch.float32) for k, v in sorted(sd.items())}, config
+
+
 ALTERNATIVES = [
     (check_layer_norm, layer_norm_with_var),
     (check_layer_norm, layer_norm_with_var_mean),
@@ -486,6 +701,14 @@ ALTERNATIVES = [
     (check_block, block_with_fused_heads),
     (check_gpt2_forward, forward_with_wte_indexing),
     (check_load_gpt2_checkpoint, load_with_safe_open),
+    (check_layer_norm, layer_norm_welford),
+    (check_layer_norm, layer_norm_float64_numpy),
+    (check_gelu, gelu_float64_numpy),
+    (check_linear, linear_float32_accumulation),
+    (check_mlp, mlp_float64),
+    (check_block, block_welford),
+    (check_gpt2_forward, forward_in_float64),
+    (check_load_gpt2_checkpoint, load_in_sorted_order),
 ]
 
 
@@ -520,7 +743,7 @@ BLACK_BOXES = [
      r"called llmcourse\.parts\.(linear|gelu)"),
     (check_block, lambda x, w, n_head, eps=1e-5: reference_block(x, w, n_head, eps), r"called llmcourse\.(parts|checks)"),
     (check_gpt2_forward, lambda sd, ids, n_head, eps=1e-5: reference_forward(sd, ids, n_head, eps),
-     r"called llmcourse\.model\.GPT2"),
+     r"called llmcourse\.(model\.GPT2|checks\.gpt2\.reference_forward)"),
     (check_load_gpt2_checkpoint, lambda folder: (llmcourse.load_model(folder).state_dict(), json.loads(
         (Path(folder) / "config.json").read_text())), r"called llmcourse\.loading\.load_model"),
 ]
@@ -603,7 +826,7 @@ def test_reference_forward_equals_transformers(config):
 def test_the_124m_configuration_against_the_engine_and_transformers(capsys):
     """Random weights in GPT-2 small's shapes (12 layers, 12 heads, 768, vocab 50257), batch 2."""
     check_gpt2_forward(gpt2_forward, n_random=0, gpt2_124m=True, transformers=True)
-    assert "✓ gpt2_forward — 5 cases" in capsys.readouterr().out
+    assert "✓ gpt2_forward — 11 cases" in capsys.readouterr().out
     with pytest.raises(CheckFailed, match=r"h\.10 before h\.2"):
         check_gpt2_forward(forward_string_order, seed=0, n_random=0, gpt2_124m=True)
 
