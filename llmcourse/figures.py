@@ -13,6 +13,10 @@ displays it in two representations:
 A slider or menu selects among data computed once in the notebook (every layer, every head, every
 temperature); nothing needs Python after the cell has run.
 
+Every number in the figure is rounded to `DIGITS` significant digits (more than a figure can show, or a hover
+label needs), so a rerun whose floats differ in their last digits (threads summing in another order) stores
+the same output: `python -m llmcourse.refresh` gives no diff for an unchanged notebook.
+
     >>> import plotly.graph_objects as go
     >>> fig = go.Figure(go.Heatmap(z=[[1, 2], [3, 4]]))
     >>> sorted(bundle(fig, "demo"))
@@ -21,11 +25,42 @@ temperature); nothing needs Python after the cell has run.
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 
+import numpy as np
+
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
 CONFIG = {"displaylogo": False, "responsive": True}
+DIGITS = 6  # significant digits kept in a figure's data
+
+
+def round_significant(values: np.ndarray, digits: int = DIGITS) -> np.ndarray:
+    """`values` rounded to `digits` significant digits (same dtype; 0, inf and NaN kept).
+
+        >>> round_significant(np.array([1234.56789, 1.0000001e-9, -0.333333333, 0.0]))
+        array([ 1.23457e+03,  1.00000e-09, -3.33333e-01,  0.00000e+00])
+    """
+    x = np.asarray(values, dtype=np.float64)
+    keep = np.isfinite(x) & (x != 0)
+    magnitude = np.floor(np.log10(np.abs(np.where(keep, x, 1.0))))
+    scale = 10.0 ** (digits - 1 - magnitude)
+    return np.where(keep, np.round(x * scale) / scale, x).astype(np.asarray(values).dtype)
+
+
+def _rounded(node):
+    """A figure's JSON with every float rounded (`round_significant`), typed arrays (plotly's `bdata`) included."""
+    if isinstance(node, float):
+        return float(round_significant(np.array([node]))[0])
+    if isinstance(node, list):
+        return [_rounded(v) for v in node]
+    if isinstance(node, dict):
+        if isinstance(node.get("bdata"), str) and str(node.get("dtype", "")).startswith("f"):
+            data = np.frombuffer(base64.b64decode(node["bdata"]), dtype=np.dtype(node["dtype"]))
+            return {**node, "bdata": base64.b64encode(round_significant(data).tobytes()).decode("ascii")}
+        return {k: _rounded(v) for k, v in node.items()}
+    return node
 
 
 def _check_name(name: str) -> str:
@@ -43,9 +78,9 @@ def bundle(fig, name: str) -> dict:
     import plotly.io as pio
 
     div_id = f"fig-{_check_name(name)}"
-    spec = json.loads(pio.to_json(fig, validate=True))
+    spec = _rounded(json.loads(pio.to_json(fig, validate=True)))
     height = fig.layout.height or 450
-    html = pio.to_html(fig, include_plotlyjs=False, full_html=False, div_id=div_id, config=CONFIG,
+    html = pio.to_html(spec, include_plotlyjs=False, full_html=False, div_id=div_id, config=CONFIG,
                        default_height=f"{height}px", default_width="100%", validate=False)
     return {PLOTLY_MIME: {**spec, "config": CONFIG}, "text/html": html}
 
