@@ -660,9 +660,53 @@ def test_gather_reads_what_slot_mapping_wrote():
 # -- schedule ---------------------------------------------------------------------------------------
 
 
+def learner_policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens,
+                   victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True,
+                   cached_prefix=True, frees_shared=False):
+    """The check's `policy` (the engine's, or one of the mistakes its flags name), as a learner would write it: the
+    check refuses a learner's call to its own functions."""
+    budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
+    queue, i = list(running), 0
+
+    def need_of(seq, n):
+        return blocks_for((seq.num_computed if cached_prefix else 0) + n, block_size) - seq.num_blocks
+
+    while i < len(queue) and budget > 0:
+        seq = queue[i]
+        n = min(seq.num_tokens - seq.num_computed, budget)
+        need = need_of(seq, n)
+        while need > free and len(queue) > i + 1:
+            victim_seq = queue.pop() if victim == "newest" else queue.pop(i + 1)
+            preempted.append(victim_seq.id)
+            free += victim_seq.num_blocks if frees_shared else victim_seq.num_unshared_blocks
+        if need > free:
+            preempted.append(queue.pop(i).id)
+            break
+        chunks[seq.id] = n
+        free, budget, i = free - need, budget - n, i + 1
+    if preempted and not admit_after_preempt:
+        return chunks, preempted
+    for seq in waiting:
+        if len(chunks) >= max_num_seqs or budget == 0:
+            break
+        n = seq.num_tokens - seq.num_computed
+        if chunk_waiting:
+            n = min(n, budget)
+        elif n > budget:
+            break
+        need = need_of(seq, n)
+        if need > free:
+            if skip_unfit:
+                continue
+            break
+        chunks[seq.id] = n
+        free, budget = free - need, budget - n
+    return chunks, preempted
+
+
 def variant(**flags):
     def fn(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
-        return policy(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
+        return learner_policy(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens, **flags)
 
     fn.__name__ = "_".join(f"{k}={v}" for k, v in flags.items())
@@ -838,6 +882,9 @@ def test_policy_without_flags_is_the_engine_policy_and_each_mistake_differs_some
 
     for s in scenarios:
         assert decisions(variant(), s) == decisions(engine_schedule, s)
+    for flags in [{}, *(flags for flags, _ in batching_checks.SCHEDULE_MISTAKES)]:  # the check's policy: the same
+        check_side = functools.partial(policy, **flags)
+        assert all(decisions(check_side, s) == decisions(variant(**flags), s) for s in scenarios[:300]), flags
     for fn, _ in SCHEDULE_MISTAKES[:6]:
         assert sum(decisions(fn, s) != decisions(engine_schedule, s) for s in scenarios[:600]) >= 5, fn.__name__
 
