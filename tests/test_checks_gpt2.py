@@ -884,3 +884,22 @@ def test_an_unwritten_exercise_that_is_called_is_named():
         check_mlp(mlp_with_stub)
     with pytest.raises(CheckFailed, match=r"gpt2_forward is not written yet"):
         check_gpt2_forward(stub)
+
+
+def test_an_answer_just_outside_the_accuracy_contract_says_what_accuracy_was_expected():
+    def layer_norm_slightly_off(x, weight, bias, eps):
+        return layer_norm(x, weight, bias, eps) * (1 + 3e-5)
+
+    with pytest.raises(CheckFailed, match=r"allowed [\d.e-]+ there[\s\S]*close, but not as accurate as expected: "
+                                          r"layer_norm may be off by 8·√C units"):
+        check_layer_norm(layer_norm_slightly_off)
+
+
+def test_a_part_that_fails_only_in_the_engine_is_caught_there_and_the_model_is_not_printed():
+    def gelu_upcasting_in_the_engine(x):
+        return gelu(x).float() if x.shape[-1] == 64 and x.dim() == 3 and x.shape[0] == 3 else gelu(x)  # 4C of the model
+
+    with pytest.raises(CheckFailed, match=r"model = <tiny GPT-2: 2 layers, n_embd 16, float16[^\n]*>; model\.parts = "
+                                          r"Parts\.with_overrides\(gelu=gelu\)[\s\S]*part 'gelu'") as caught:
+        check_gelu(gelu_upcasting_in_the_engine)
+    assert "Affine" not in str(caught.value) and "ModuleList" not in str(caught.value)
