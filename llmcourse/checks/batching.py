@@ -31,7 +31,7 @@ from ..generate import generate
 from ..llm_engine import LLMEngine
 from ..paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
 from ..scheduler import SeqView, schedule as engine_schedule
-from .core import Case, Verdict, run_check
+from .core import Case, Verdict, later, run_check
 from .failed import CheckFailed
 from .forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
@@ -117,13 +117,18 @@ def watched(fn: Callable) -> Callable:
 ENGINE_RUNS: dict[int, tuple] = {}  # seed -> (model, workload): kept out of the cases' arguments, which must not change
 
 
+def _alone_of(seed: int) -> list[list[int]]:
+    return alone(*ENGINE_RUNS[seed])
+
+
 def engine_case(name: str, seed: int) -> Case:
-    """A case that runs `workload(seed)` through LLMEngine with the learner's `name`; expected: the tokens alone."""
+    """A case that runs `workload(seed)` through LLMEngine with the learner's `name`; expected: the tokens alone
+    (computed after the learner's run: no answer is kept where their code could read it)."""
     if seed not in ENGINE_RUNS:
         model = decisive_model(seed)
         work = workload(seed)
-        ENGINE_RUNS[seed] = (model, work, alone(model, work))
-    return Case(f"LLMEngine with your {name}", ("engine", seed), ENGINE_RUNS[seed][2])
+        ENGINE_RUNS[seed] = (model, work)
+    return Case(f"LLMEngine with your {name}", ("engine", seed), later(_alone_of, seed))  # computed after the call
 
 
 def _engine_verdict(name: str, work: Workload, expected: list, got: list) -> Verdict:
@@ -222,14 +227,20 @@ BATCH_RUNS: dict[int, tuple] = {}
 
 
 def batch_run(seed: int) -> tuple:
-    """(tiny random model, a batch of prompts of lengths 5, 1, 9 and 3, each prompt's 8 greedy tokens alone)."""
+    """(tiny random model, a batch of prompts of lengths 5, 1, 9 and 3)."""
     if seed not in BATCH_RUNS:
         model, rng = decisive_model(seed), random.Random(seed)
         prompts = [[rng.randrange(97) for _ in range(n)] for n in (5, 1, 9, 3)]
         prompts[2][0] = prompts[3][1] = 0  # real tokens equal to the pad id the engine uses
-        with one_thread():
-            BATCH_RUNS[seed] = (model, prompts, [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts])
+        BATCH_RUNS[seed] = (model, prompts)
     return BATCH_RUNS[seed]
+
+
+def batch_alone(seed: int) -> list[list[int]]:
+    """Each prompt of `batch_run(seed)`'s 8 greedy tokens alone."""
+    model, prompts = batch_run(seed)
+    with one_thread():
+        return [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts]
 
 
 def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -> None:
@@ -240,7 +251,7 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
 
     def case(description, prompts, pad_id=0, hint=""):
         """pad_id None: called as the engine calls it, left_pad(prompts)."""
-        expected = engine_left_pad(prompts) if pad_id is None else engine_left_pad(prompts, pad_id)
+        expected = later(engine_left_pad, prompts) if pad_id is None else later(engine_left_pad, prompts, pad_id)
         return Case(description, ("pad", prompts, pad_id), expected, hint)
 
     long_prompts = [[rng.randrange(50257) for _ in range(n)] for n in (300, 1, 1024, 257)]
@@ -268,13 +279,13 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
         cases.append(case(f"random #{i}", prompts, rng.choice([0, 0, 50256, 13, None])))
     for j in range(n_models):
         cases.append(Case("llmcourse.generate on a batch of prompts of different lengths, your left_pad installed",
-                          ("generate", seed + j), batch_run(seed + j)[2]))
+                          ("generate", seed + j), later(batch_alone, seed + j)))
 
     def run(kind, *args):
         if kind == "pad":
             prompts, pad_id = args
             return fn(prompts) if pad_id is None else fn(prompts, pad_id)
-        model, prompts, _ = batch_run(args[0])
+        model, prompts = batch_run(args[0])
         before = model.batching
         model.batching = Batching.with_overrides(left_pad=fn)
         try:
@@ -479,7 +490,7 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
     rng = random.Random(seed)
 
     def case(description, num_blocks, ops, hint=""):
-        return Case(description, ("ops", num_blocks, ops), run_allocator(EngineAllocator, num_blocks, ops), hint)
+        return Case(description, ("ops", num_blocks, ops), later(run_allocator, EngineAllocator, num_blocks, ops), hint)
 
     A, S, R = ("allocate",), (lambda b: ("share", b)), (lambda b: ("release", b))
     cases = [
@@ -507,7 +518,8 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
     ops = [(0, A), (1, A), (0, A), (1, S(0)), (1, A), (0, R(0)), (1, R(0)), (1, R(0)), (0, A), (1, A), (0, S(1)),
            (1, R(1))]
     cases.append(Case("two allocators alive at once (two engines), used in turn", ("two", sizes, ops),
-                      [run_allocator(EngineAllocator, n, [op for w, op in ops if w == i]) for i, n in enumerate(sizes)],
+                      later(lambda: [run_allocator(EngineAllocator, n, [op for w, op in ops if w == i])
+                                     for i, n in enumerate(sizes)]),
                       "each allocator keeps its own free list and counts, on the instance (self.free = ... in "
                       "__init__), not on the class"))
     for j in range(n_workloads):
@@ -886,8 +898,8 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
 
     def case(description, running, waiting, free, bs=4, seqs=8, budget=32, hint=""):
         args = (running, waiting, free, bs, seqs, budget)
-        return Case(description, ("step", *args), engine_schedule(running, waiting, free, block_size=bs, max_num_seqs=seqs,
-                                                                 max_num_batched_tokens=budget), hint)
+        return Case(description, ("step", *args), later(engine_schedule, running, waiting, free, block_size=bs,
+                                                        max_num_seqs=seqs, max_num_batched_tokens=budget), hint)
 
     cases = [
         case("nothing to do", [], [], 4),
