@@ -5,6 +5,7 @@ tensors are refused; and the references agree with the engine's functions and wi
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -656,3 +657,127 @@ def test_a_function_that_raises_or_hangs_gets_a_clear_message():
             pass
     msg = fails(q8(forever), r"did not finish within 5 s")
     assert "Traceback" not in msg
+
+
+# -- issue 22: kinds of hole (the engine's inputs and calls, dtypes, layouts, black boxes) --------------------
+
+
+def int8_flat_view(w):
+    """view() instead of reshape: fails on the engine's transposed weight.T."""
+    N, K = w.shape
+    flat = w.float().view(N * K)
+    return quantize_int8(flat.view(N, K))
+
+
+def int8_scale_in_input_dtype(w):
+    """The scale computed in w's dtype (float16 / bfloat16 rounding), then made float32."""
+    scale = (w.abs().amax(dim=-1) / 127).float()
+    q = torch.round(w.float() / torch.where(scale == 0, 1.0, scale)[:, None]).clamp(-127, 127)
+    return q.to(torch.int8), scale
+
+
+def int8_cpu_kernels(w):
+    from llmcourse import cpu_kernels  # noqa: F401  (the engine's kernels: forbidden)
+    return cpu_kernels.quantize_rows(w.float().contiguous())  # the engine's absmax rows
+
+
+def dequantize_scales_dtype(q, scale):
+    """q * scale: the scales' dtype comes back (float16 for a float16 model's table)."""
+    return q * scale[:, None]
+
+
+def q4_default_64(w, group_size=64):
+    return quantize_int4(w, group_size)
+
+
+def q4_flat_view(w, group_size=32):
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"{K} is not a multiple of {group_size}")
+    groups = w.float().view(-1, group_size)  # merges the rows: refused on a transposed view
+    extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True))
+    scales = (extreme / -8).half()
+    q = torch.round(groups / torch.where(scales == 0, 1.0, scales.float())).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.view(N, K)), scales.view(N, -1)
+
+
+def q4_torch_int4pack(w, group_size=32):
+    torch._convert_weight_to_int4pack(torch.zeros(8, 4, dtype=torch.uint8), 2)
+    return quantize_int4(w, group_size)
+
+
+def linear_view(x, q, scale, bias):
+    y = x.view(-1, x.shape[-1]) @ (q.to(x.dtype) * scale.to(x.dtype)[:, None]).T
+    y = y.view(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def linear_2d_only(x, q, scale, bias):
+    """Treats x as [M, K] rows: a single vector comes back as [1, N]."""
+    y = x.reshape(-1, x.shape[-1]) @ (q.to(x.dtype) * scale.to(x.dtype)[:, None]).T
+    y = y.view(-1, q.shape[0]) if x.dim() <= 2 else y.view(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def linear_float32_for_half(x, q, scale, bias):
+    """Computes in float32 and returns float32 for float16 input (float64 stays float64)."""
+    dtype = x.dtype if x.dtype == torch.float64 else torch.float32
+    y = x.to(dtype) @ (q.to(dtype) * scale.to(dtype)[:, None]).T
+    return y if bias is None else y + bias.to(dtype)
+
+
+def linear_int8pack_mm(x, q, scale, bias):
+    y = torch._weight_int8pack_mm(x.reshape(-1, x.shape[-1]).float(), q, scale.float()).to(x.dtype)
+    y = y.view(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+ISSUE22_MISTAKES = [
+    (q8(int8_flat_view), r"transposed view\).*raised RuntimeError.*weight\.T, a transposed view.*use reshape"),
+    (q8(int8_scale_in_input_dtype), r"float16.*scale:.*differ.*|compute in float32"),
+    (q8(int8_cpu_kernels), r"llmcourse\.cpu_kernels"),
+    (q8(de=dequantize_scales_dtype), r"float16 scales.*expected dtype torch.float32, got torch.float16.*whatever the "
+                                     r"scales' dtype"),
+    (q4(q4_default_64), r"called as the engine calls it.*the default must be 32"),
+    (q4(q4_flat_view), r"transposed view\).*raised RuntimeError.*view\(\) cannot merge.*use reshape"),
+    (q4(q4_torch_int4pack), r"_convert_weight_to_int4pack"),
+    (lin(linear_view), r"raised RuntimeError: view size.*x may be a transposed view: use reshape, not view"),
+    (lin(linear_2d_only), r"one vector x \[K\].*expected shape \(12,\), got \(1, 12\)"),
+    (lin(linear_float32_for_half), r"float16.*expected dtype torch.float16, got torch.float32.*return x's dtype"),
+    (lin(linear_int8pack_mm), r"_weight_int8pack_mm"),
+]
+
+
+@pytest.mark.parametrize("check, pattern", ISSUE22_MISTAKES, ids=range(len(ISSUE22_MISTAKES)))
+def test_issue22_kinds_are_rejected_and_named(check, pattern):
+    fails(check, pattern)
+
+
+def int8_numpy(w):
+    """Correct, written differently: numpy in float64 (rint: ties to even), the scale back in float32."""
+    a = w.double().numpy()
+    top = np.abs(a).max(axis=1)
+    q = np.rint(a * np.where(top == 0, 0.0, 127.0 / np.where(top == 0, 1.0, top))[:, None]).clip(-127, 127)
+    return torch.from_numpy(q.astype(np.int8)), torch.from_numpy((top / 127).astype(np.float32))
+
+
+def dequantize_half_aware(q, scale):
+    return torch.mul(q.to(torch.float32), scale.to(torch.float32).unsqueeze(-1))
+
+
+def q4_loops_numpy(w, group_size=32):
+    return quantize_int4_by_loops(w.contiguous(), group_size)
+
+
+def linear_float64_accumulate(x, q, scale, bias):
+    """Correct, other numerics: everything in float64, the result back in x's dtype."""
+    y = x.double() @ (q.double() * scale.double()[:, None]).T
+    y = y if bias is None else y + bias.double()
+    return y.to(x.dtype)
+
+
+@pytest.mark.parametrize("check", [q8(int8_numpy, dequantize_half_aware), q4(q4_loops_numpy),
+                                   lin(linear_float64_accumulate)], ids=["int8_numpy", "int4_loops", "linear_f64"])
+def test_issue22_alternatives_pass(check, capsys):
+    passes(check, capsys)
+    passes(check, capsys, seed=101, n_random=8)

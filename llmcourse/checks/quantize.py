@@ -59,6 +59,9 @@ NO_TORCH_QUANTIZATION = [
 NO_KERNELS = Forbidden("llmcourse.cpu_kernels", "llmcourse.cpu_kernels holds the engine's quantized kernels: write "
                                                  "your own")
 FORBID = [NO_ENGINE, NO_KERNELS, *NO_TORCH_QUANTIZATION]
+VIEW_HINTS = {"view size is not compatible": "quantize_model passes a layer's weight.T, a transposed view: view() "
+                                             "cannot merge its dimensions; use reshape (or index rows and groups as "
+                                             "they are)"}
 
 
 class Raised:
@@ -360,10 +363,10 @@ def check_quantize_int8(quantize_int8: Callable, dequantize_int8: Callable, *, s
                         n_random: int = 4) -> None:
     """quantize_int8(w) -> (q [N, K] int8, scale [N] float32), absmax per row; dequantize_int8(q, scale)."""
     def show_w(args):
-        return f"quantize_int8({short(args[0], 160)})"
+        return f"quantize_int8({short(args[0], 160)}{'' if args[0].is_contiguous() else ' (a transposed view)'})"
 
     run_check("quantize_int8", quantize_int8, int8_cases(seed, n_random), judge=_quantize_int8_verdict,
-              forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20)
+              forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20, error_hints=VIEW_HINTS)
     run_check("dequantize_int8", dequantize_int8, _dequantize_cases(seed, n_random),
               judge=_dequantize_judge(DEQUANTIZE_INT8_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20,
               error_hints={"Byte": "convert q to float first (q.float()): int8 times a float scale is not a "
@@ -751,7 +754,8 @@ def check_quantize_int4(quantize_int4: Callable, dequantize_int4: Callable, *, s
         return f"quantize_int4({short(w, 140)}{layout}" + (f", group_size={args[1]})" if len(args) > 1 else ")")
 
     run_check("quantize_int4", catching_value_errors(quantize_int4), int4_cases(seed, n_random),
-              judge=_quantize_int4_verdict, forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20)
+              judge=_quantize_int4_verdict, forbid=FORBID, show_call=show_w, seconds=5, total_seconds=20,
+              error_hints=VIEW_HINTS)
     run_check("dequantize_int4", dequantize_int4, _dequantize_int4_cases(seed, n_random),
               judge=_dequantize_judge(DEQUANTIZE_INT4_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20)
 
