@@ -228,9 +228,10 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
-            from .learner import your_pieces
+            from .learner import slots_used, your_pieces
 
-            yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True))
+            yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True),
+                                uses=slots_used({**settings, "quantize": args.quantize}))
             tokenizer = yours.tokenizer
         # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
         model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)

@@ -203,9 +203,10 @@ class Pieces(NamedTuple):
             self.parts, self.sampler, self.cache_class, self.batching, self.speculation, self.quantization)
 
 
-def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Pieces:
+def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None) -> Pieces:
     """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching and speculative decoding functions and tokenizer, with
-    one notice for each exercise with a slot that is not used, and one line saying what is yours."""
+    one notice for each exercise with a slot that is not used, and one line saying what is yours (`uses`: the slots
+    the run will use, see `slots_used`; None: grouped by where the engine uses them)."""
     from .model import KVCache
 
     functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify)
@@ -217,9 +218,55 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print) ->
     quantization = Quantization.with_overrides(**{n: f for n, f in functions.items() if n in QUANTIZATION_SLOTS})
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
-    notify(f"your engine: your {', '.join(yours)}, the engine's own for the rest" if yours
-           else "your engine: the engine's own parts (none of yours is used yet)")
+    notify(your_engine_notice(yours, uses))
     return Pieces(parts, sampler, cache_class, batching, speculation, quantization, tokenizer)
+
+
+# Where each of the learner's slots runs, in the order the notice lists them.
+WHERE_USED = (
+    ("every generation", PART_SLOTS + CACHE_SLOTS + ("left_pad",) + TOKENIZER_SLOTS),
+    ("choosing tokens", SAMPLER_SLOTS),
+    ("LLMEngine", tuple(n for n in BATCHING_SLOTS if n != "left_pad")),
+    ("speculative decoding", tuple(n for n in SPECULATION_SLOTS if n != "expected_speedup")),
+    ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "weight_memory")),
+    ("formulas: no generation runs them", ("expected_speedup", "weight_memory")),
+)
+
+
+def slots_used(settings: dict) -> set[str]:
+    """The slots a `generate`/`stream` call with these settings (plus `quantize`, as `generate --quantize` takes
+    it) runs: the forward pass, the cache, left_pad and the tokenizer always; greedy (and the repetition penalty)
+    or the enabled processors and sample; the speculative functions with a draft; the quantization functions
+    with quantize."""
+    used = set(WHERE_USED[0][1])
+    sampled = settings.get("temperature", 0) != 0 and settings.get("num_beams", 1) == 1
+    used |= {"sample"} if sampled else {"greedy"}
+    if settings.get("repetition_penalty", 1) != 1:
+        used.add("repetition_penalty")
+    if sampled:
+        used |= {name for name, off in [("temperature", 1), ("top_k", 0), ("top_p", 1), ("min_p", 0)]
+                 if settings.get(name, off) != off}
+    draft = settings.get("draft")
+    if draft is not None:
+        used |= {"accept_token", "verify", "prompt_lookup_draft" if draft == "prompt-lookup" else "speculative_round"}
+    if settings.get("quantize"):  # 'int8' or 'int4': that format's functions
+        used |= {n for n in QUANTIZATION_SLOTS if settings["quantize"] in n}
+    return used
+
+
+def your_engine_notice(yours: list[str], uses: Optional[set[str]] = None) -> str:
+    """The line saying which of the learner's functions the engine runs: those `uses` names (a run's
+    `slots_used`), or, when the run is not known yet, all of them grouped by where the engine runs them."""
+    if not yours:
+        return "your engine: the engine's own parts (none of yours is used yet)"
+    if uses is not None:
+        shown = [n for n in yours if n in uses]
+        if not shown:
+            return "your engine: the engine's own parts (none of yours is used in this run)"
+        return f"your engine: your {', '.join(shown)}, the engine's own for the rest"
+    groups = [(where, [n for n in yours if n in names]) for where, names in WHERE_USED]
+    listed = "; ".join(f"{', '.join(names)} ({where})" for where, names in groups if names)
+    return f"your engine: your {listed}; the engine's own for the rest"
 
 
 class Engine(NamedTuple):

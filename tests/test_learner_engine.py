@@ -227,3 +227,33 @@ def test_my_engines_engine_works_where_a_model_does(model):
     assert served == [llmcourse.generate(model, PROMPTS[0], **settings)]
     with pytest.raises(TypeError, match=r"expected a model \(llmcourse.load_model\(...\)\) or my_engine\(\)'s engine, got str"):
         llmcourse.generate_text("gpt2", tok, "ROMEO:")
+
+
+# ----------------------------------------------------------------------------------------------
+# "your engine:" lists what the run uses (issue 22: BlockAllocator and quantize_int8 for a plain generate)
+
+def test_the_notice_lists_only_what_the_run_uses():
+    from llmcourse.learner import ENGINE_SLOTS, TOKENIZER_SLOTS, slots_used, your_engine_notice
+
+    everything = [n for n in ENGINE_SLOTS if n not in TOKENIZER_SLOTS] + ["StreamDecoder", "decode", "encode"]
+    plain = your_engine_notice(everything, slots_used(dict(temperature=0.8, top_p=0.95)))
+    assert plain == ("your engine: your embedding, layer_norm, linear, gelu, softmax, attention, split_heads, "
+                     "merge_heads, temperature, top_p, sample, KVCache, left_pad, StreamDecoder, decode, encode, the engine's own "
+                     "for the rest")
+    for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "expected_speedup"]:
+        assert unused not in plain
+    greedy_int8 = your_engine_notice(everything, slots_used(dict(temperature=0, quantize="int8", draft="prompt-lookup")))
+    assert {"greedy", "quantize_int8", "int8_linear", "prompt_lookup_draft", "verify"} <= set(
+        greedy_int8.removeprefix("your engine: your ").split(", "))
+    assert "sample" not in greedy_int8 and "quantize_int4" not in greedy_int8 and "speculative_round" not in greedy_int8
+    assert your_engine_notice(["BlockAllocator"], slots_used({})) == \
+        "your engine: the engine's own parts (none of yours is used in this run)"
+
+
+def test_the_notice_without_a_run_says_where_each_is_used():
+    from llmcourse.learner import your_engine_notice
+
+    notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "weight_memory"])
+    assert notice == ("your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "
+                      "quantize_int8 (quantizing); weight_memory (formulas: no generation runs them); the engine's "
+                      "own for the rest")
