@@ -902,6 +902,28 @@ def test_check_workloads_preempt_share_prefixes_and_chunk_prompts():
     assert model.batching.overridden() == []
 
 
+def test_check_workloads_end_requests_at_eos_id_0():
+    """The engine cases' workloads: every request stops at EOS id 0, several end early (blocks given back mid-run),
+    and relabelling the token as 0 changes nothing else."""
+    for seed in (0, 101, 102, 103):
+        model = decisive_model(seed)
+        plain = workload(seed)
+        before = alone(model, plain)
+        work = batching_checks.ending_at_token_0(model, plain)
+        tokens, _ = run_engine(model, work, Batching())
+        assert tokens == alone(model, work)
+        assert all(s["eos_token_id"] == 0 for s in work.settings)
+        ended = [i for i, row in enumerate(tokens) if row[-1] == 0 and len(row) < work.settings[i]["max_new_tokens"]]
+        assert len(ended) >= 2, (seed, tokens)
+        generated = [t for row in before for t in row[:-1]]
+        swap = {0: max(set(generated), key=generated.count)}
+        swap[swap[0]] = 0
+        for i, row in enumerate(before):
+            if "temperature" not in work.settings[i]:  # greedy: the same tokens, relabelled, up to the first 0
+                relabelled = [swap.get(t, t) for t in row]
+                assert tokens[i] == relabelled[:relabelled.index(0) + 1 if 0 in relabelled else None], (seed, i)
+
+
 def test_engine_with_a_wrong_part_differs_from_alone():
     """What the engine cases are there for: a wrong gather or schedule gives other tokens, or a clear error."""
     work, model = workload(0), decisive_model(0)
