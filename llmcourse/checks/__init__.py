@@ -20,6 +20,7 @@ from .attention import (check_attention, check_causal_mask, check_merge_heads, c
                         check_split_heads, check_tiled_attention)
 from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
                        check_slot_mapping)
+from . import bundled  # noqa: F401 (registers the models every check's child finds loaded)
 from .core import Case, CheckFailed, later, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,

@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from .. import parts
-from .core import Case, Verdict, call_learner, run_check
+from .bundled import bundled_model
+from .core import later, Case, Verdict, call_learner, run_check
 from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
 from .failed import CheckFailed
 from .forbid import Forbidden
@@ -128,7 +129,7 @@ SOFTMAX_MISTAKES: list[Mistake] = [  # the global max first: where it is right, 
 
 
 def _softmax_case(description: str, x: Tensor, dim: int = -1, hint: str = "") -> Case:
-    return Case(description, (x, dim), in_float64(lambda t, d: torch.softmax(t, d), x, dim), hint)
+    return Case(description, (x, dim), later(in_float64, torch.softmax, x, dim), hint)
 
 
 def _random_logits(g: torch.Generator, i: int) -> tuple[str, Tensor, int]:
@@ -229,7 +230,7 @@ CAUSAL_MISTAKES: list[Mistake] = [
 def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """causal_mask(n_query, n_key) -> bool [n_query, n_key], True where query i may see key j."""
     def case(nq: int, nk: int, description: str, hint: str = "") -> Case:
-        return Case(description, (nq, nk), parts.causal_mask(nq, nk), hint)
+        return Case(description, (nq, nk), later(parts.causal_mask, nq, nk), hint)
 
     cases = [
         case(1, 1, "one position sees itself"),
@@ -327,7 +328,7 @@ def _random_mask(g: torch.Generator, kind: int, B: int, H: int, Tq: int, Tk: int
 
 def _attention_case(description: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
                     hint: str = "") -> Case:
-    return Case(description, (q, k, v, mask), reference_attention(q, k, v, mask), hint)
+    return Case(description, (q, k, v, mask), later(reference_attention, q, k, v, mask), hint)
 
 
 def _qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, Dv: Optional[int] = None, *,
@@ -501,7 +502,7 @@ def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
             what += " (x a transposed view)"
         else:
             x = _distinct(g, (B, n_head, T, C // n_head), dtype)
-        cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), parts.merge_heads(x)))
+        cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), later(parts.merge_heads, x)))
     forbid = [Forbidden("llmcourse.parts.merge_heads", "Write it yourself with transpose and reshape.")]
     run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=forbid, error_hints={
         "view size is not compatible": "after transpose(1, 2) the memory is not laid out as [B, T, H·D]: use "
@@ -553,9 +554,7 @@ SELF_ATTENTION_MISTAKES: list[Mistake] = [
 @functools.lru_cache(maxsize=1)
 def _bundled_layer() -> tuple[Tensor, ...]:
     """Layer 0's attention weights of the bundled model, and n_head."""
-    from ..loading import load_model
-
-    model = load_model("gpt2-shakespeare", device="cpu", dtype=torch.float32)
+    model = bundled_model()
     attn = model.h[0].attn
     return (attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone(),
             attn.c_proj.weight.detach().clone(), attn.c_proj.bias.detach().clone(), model.config.n_head)
@@ -567,7 +566,7 @@ def _random_layer(g: torch.Generator, C: int, n_head: int, dtype: torch.dtype) -
 
 
 def _self_attention_case(description: str, x: Tensor, layer: tuple, hint: str = "") -> Case:
-    return Case(description, (x, *layer), reference_self_attention(x, *layer), hint)
+    return Case(description, (x, *layer), later(reference_self_attention, x, *layer), hint)
 
 
 def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
@@ -684,7 +683,7 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
 
     def case(description: str, q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool = True,
              hint: str = "") -> Case:
-        return Case(description, (q, k, v, block_size, causal), reference_tiled(q, k, v, block_size, causal), hint)
+        return Case(description, (q, k, v, block_size, causal), later(reference_tiled, q, k, v, block_size, causal), hint)
 
     # keys whose scores grow along the sequence: the running max changes in every block
     q_up = torch.ones(1, 1, 6, 4)

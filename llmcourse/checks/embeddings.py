@@ -21,7 +21,9 @@ from torch import Tensor
 
 from .. import positions
 from ..parts import embedding as engine_embedding
-from .core import Case, call_learner, failure, run_check
+from . import isolate
+from .bundled import bundled_model
+from .core import later, Case, call_learner, failure, run_check
 from .failed import CheckFailed
 from .forbid import Forbidden
 from .tensors import Mistake, tensor_judge
@@ -60,11 +62,8 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 ENGINE_PROMPT_LENGTHS = (48, 29)  # a left-padded batch, short: a check pays for the model's load and two runs
 
 
-@functools.lru_cache(maxsize=None)
 def _engine_model():
-    from ..loading import load_model
-
-    return load_model("gpt2-shakespeare", device="cpu", dtype=torch.float32)
+    return bundled_model()
 
 
 def _engine_batch() -> list[list[int]]:
@@ -95,6 +94,7 @@ def _engine_steps(model, batch: list[list[int]]) -> list[Tensor]:
     return [t.double() for t in steps]
 
 
+@isolate.preload
 @functools.lru_cache(maxsize=1)
 def _engine_expected() -> list[Tensor]:
     return _engine_steps(_engine_model(), _engine_batch())
@@ -188,7 +188,7 @@ NO_EMBEDDING_IN_ENGINE = [f for f in NO_EMBEDDING if not f.target.startswith("ll
 
 
 def _embedding_case(description: str, weight: Tensor, ids: Tensor, hint: str = "") -> Case:
-    return Case(description, (weight, ids), engine_embedding(weight, ids), hint)
+    return Case(description, (weight, ids), later(engine_embedding, weight, ids), hint)
 
 
 def check_embedding(fn, *, seed: int = 0, n_random: int = 10) -> None:
@@ -304,7 +304,7 @@ def _embed_case(description: str, wte: Tensor, wpe: Tensor, ids: Tensor, pos: Op
                 hint: str = "", *, as_engine: bool = False) -> Case:
     """as_engine: called without position_ids at all, as the engine does (a wrong default fails)."""
     args = (wte, wpe, ids) if as_engine else (wte, wpe, ids, pos)
-    return Case(description, args, reference_embed(*args), hint)
+    return Case(description, args, later(reference_embed, *args), hint)
 
 
 def _embed_tolerance(case: Case) -> tuple[float, float]:
@@ -416,7 +416,7 @@ SINUSOIDAL_MISTAKES: list[Mistake] = [
 
 
 def _sinusoidal_case(description: str, *args, hint: str = "") -> Case:
-    return Case(description, args, positions.sinusoidal_positions(*args), hint)
+    return Case(description, args, later(positions.sinusoidal_positions, *args), hint)
 
 
 def _sinusoidal_tolerance(case: Case) -> tuple[float, float]:

@@ -201,6 +201,8 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
                     continue
                 native = str(getattr(module, "__file__", "") or "").endswith((".so", ".pyd"))
                 for value in list(vars(module).values()):
+                    if isinstance(value, functools._lru_cache_wrapper) and value.__module__ == name:
+                        rules.caches.append(value)  # a cached answer would come back without running its code
                     home = getattr(value, "__module__", None)
                     # defined in the package, or (an extension module's classes may say 'builtins') by this
                     # extension module itself -- not a type a Python module imported (types.ModuleType, ...)
@@ -484,8 +486,6 @@ def _peeking_rules() -> _Rules:
 def _frame_name(frame, module: str, rule: Forbidden) -> str:
     """What the learner reached: a lazy package's `__getattr__(name)` is `package.name`."""
     code = frame.f_code
-    if code.co_name == "<module>":
-        return f"{module} (importing it)"
     name = frame.f_locals.get("name") if code.co_name == "__getattr__" else None
     if isinstance(name, str):
         return f"{rule.target}.{name}"

@@ -211,6 +211,25 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
     raise RuntimeError(f"{payload[1]}: {payload[2]}")
 
 
+_preloads: list[Callable[[], Any]] = []  # what every child needs, computed once in the parent (`preload`)
+_preloaded = False
+
+
+def preload(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """Register `fn` (a cached loader: a model, its logits) to run in this process before the first check's
+    child is forked, so that no check pays for it again. Returns `fn`."""
+    _preloads.append(fn)
+    return fn
+
+
+def _preload() -> None:
+    global _preloaded
+    if not _preloaded:
+        _preloaded = True
+        for fn in _preloads:
+            fn()
+
+
 def isolated(check: Callable) -> Callable:
     """`check` run in a child process when `usable()`, else in this one (see the module's docstring)."""
 
@@ -219,6 +238,7 @@ def isolated(check: Callable) -> Callable:
         __tracebackhide__ = True
         if not usable():
             return check(*args, **kwargs)
+        _preload()
         return _run_in_child(check, args, kwargs)
 
     run.isolated = True

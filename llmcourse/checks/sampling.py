@@ -34,7 +34,8 @@ from ..generate import beam_search as engine_beam_search
 from ..generate import decoded, generate_text, stop_at
 from ..model import GPT2
 from ..tokenizer import EOT_ID, get_tokenizer
-from .core import Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
+from .bundled import bundled_model
+from .core import later, Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
 from .forbid import Forbidden
 from .limits import TimeUp, time_limit
 from .show import short
@@ -157,11 +158,8 @@ def _random_half(g: torch.Generator, dtype: torch.dtype) -> Tensor:
 PROMPT = "ROMEO:\nWhat say you, my lord? I will not stay to hear the"
 
 
-@functools.lru_cache(maxsize=1)
 def _bundled_model() -> GPT2:
-    from ..loading import load_model
-
-    return load_model()
+    return bundled_model()
 
 
 @functools.lru_cache(maxsize=4)
@@ -322,7 +320,7 @@ def check_temperature(fn, *, seed: int = 0, n_random: int = 4) -> None:
                 (lambda x, t: x / max(t, 0.3), "a low temperature is allowed: divide by t whatever it is (t > 0)")]
 
     def case(description, logits, t, hint=""):
-        return Case(description, (logits, t), _exact(S.temperature, logits, t), hint)
+        return Case(description, (logits, t), later(_exact, S.temperature, logits, t), hint)
 
     same = torch.tensor([[2.0, 1.0, -1.0, 0.25]])
     cases = [case("t = 0.5 doubles the logits", torch.tensor([[2.0, 1.0, -1.0]]), 0.5),
@@ -348,7 +346,7 @@ def check_temperature(fn, *, seed: int = 0, n_random: int = 4) -> None:
 def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
     """greedy(logits [B, V]) -> token ids [B] (torch.long): each row's argmax, the lowest id on ties."""
     def case(description, logits, hint=""):
-        return Case(description, (logits,), logits.argmax(dim=-1), hint)
+        return Case(description, (logits,), later(torch.argmax, logits, dim=-1), hint)
 
     cases = [case("one row", torch.tensor([[0.1, 3.0, -2.0]]), "one row in, one token id out: shape [1]"),
              case("two rows: one token per row", torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]),
@@ -423,7 +421,7 @@ def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
         V = _randint(g, 3, 61) | 1
         logits = _random_logits(g, _randint(g, 2, 5), V, _choice(g, ["ties", "ties", "spread", "masked"]), dtype)
         k = _randint(g, 1, V + 2)
-        cases.append(Case(f"random {_row_description(logits)}, k={k}", (logits, k), S.top_k(logits, k)))
+        cases.append(Case(f"random {_row_description(logits)}, k={k}", (logits, k), later(S.top_k, logits, k)))
     _processor_check("top_k", fn, cases, mistakes, [dict(temperature=1.0, top_k=40, seed=seed)])
 
 
@@ -480,7 +478,7 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                 (lambda x, p: S.top_p(x.T, p).T if x.shape[0] > 1 else None,
                  "softmax and sort each row along the vocabulary (dim=-1)")]
     def case(description, logits, p, hint=""):
-        return Case(description, (logits, p), S.top_p(logits, p), hint)
+        return Case(description, (logits, p), later(S.top_p, logits, p), hint)
 
     two_rows = torch.tensor([[3.0, 0.0, 0.5, -1.0], [0.0, 0.3, -0.2, 0.1]])
     cases = [case("probabilities .5 .3 .2, p = 0.6 keeps 2", torch.tensor([[0.5, 0.3, 0.2]]).log(), 0.6,
@@ -521,7 +519,7 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                                     _choice(g, ["ties", "ties", "spread", "masked"]), dtype)
         p = _choice(g, [0.1, 0.3, 0.5, 0.75, 0.9, 0.95])
         if fair(logits, p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), _exact(S.top_p, logits, p)))
+            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.top_p, logits, p)))
     _processor_check("top_p", fn, cases, mistakes, [dict(temperature=1.0, top_p=0.9, seed=seed)])
 
 
@@ -559,7 +557,7 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                                                                                _margin(logits.dtype) * p)
 
     def maybe(description, logits, p):
-        return Case(f"{description}, p={p}", (logits, p), _exact(S.min_p, logits, p)) if fair(logits, p) else None
+        return Case(f"{description}, p={p}", (logits, p), later(_exact, S.min_p, logits, p)) if fair(logits, p) else None
 
     ties = torch.tensor([[3.0, 1.0, 3.0, 2.9, -INF]])
     cases += [Case("p = 1 keeps only the most likely token (and any tied with it)", (ties, 1.0),
@@ -585,7 +583,7 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
                                     _choice(g, ["ties", "spread", "masked"]), dtype)
         p = _choice(g, [0.05, 0.1, 0.3, 0.5, 0.8, 1.0])
         if fair(logits, p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), _exact(S.min_p, logits, p)))
+            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.min_p, logits, p)))
     _processor_check("min_p", fn, cases, mistakes, [dict(temperature=1.0, min_p=0.05, seed=seed)])
 
 
@@ -603,7 +601,7 @@ def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
     ]
 
     def case(description, logits, seen, penalty, hint=""):
-        return Case(description, (logits, seen, penalty), S.repetition_penalty(logits, seen, penalty), hint)
+        return Case(description, (logits, seen, penalty), later(S.repetition_penalty, logits, seen, penalty), hint)
 
     x = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
     seen = torch.tensor([[True, True, False, False, True]])
@@ -613,7 +611,7 @@ def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
              case("two rows with different texts", torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]]),
                   torch.tensor([[True, False, False], [False, True, True]]), 1.3)]
     def exact(description, logits, seen, penalty, hint=""):
-        return Case(description, (logits, seen, penalty), _exact(S.repetition_penalty, logits, seen, penalty), hint)
+        return Case(description, (logits, seen, penalty), later(_exact, S.repetition_penalty, logits, seen, penalty), hint)
 
     zeros = torch.tensor([[0.0, -0.0, 1.0, -1.0]])
     one = real_logits(seed)[0]

@@ -7,7 +7,7 @@ off, where, and whether NaN or inf appeared (the classic sign of an unstable sof
     >>> print(tensor_problem(expected + torch.tensor([[0.0, 0.0], [0.5, 0.0]]), expected))
     the values differ at 1 of 4 positions, most at index [1, 0]: expected 3, got 3.5 (max |difference| 0.5)
     >>> tensor_problem(expected.double(), expected)
-    'expected dtype torch.float32, got torch.float64 (keep the dtype of the input: float64 in, float64 out)'
+    'expected dtype torch.float32, got torch.float64 (keep the dtype of the input: float32 in, float32 out)'
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def tensor_problem(got: Any, expected: torch.Tensor, *, atol: float = 1e-5, rtol
     if got.shape != expected.shape:
         return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
     if got.dtype != expected.dtype:
-        hint = " (keep the dtype of the input: float64 in, float64 out)" if expected.is_floating_point() \
+        kind = str(expected.dtype).replace("torch.", "")
+        hint = f" (keep the dtype of the input: {kind} in, {kind} out)" if expected.is_floating_point() \
             and got.is_floating_point() else ""
         return f"expected dtype {expected.dtype}, got {got.dtype}{hint}"
     got, expected = got.detach().as_subclass(torch.Tensor), expected.detach()
