@@ -236,7 +236,23 @@ def pad_remembers_first_pad(prompts, pad_id=0, _seen={}):
     return left_pad(prompts, _seen[key])
 
 
+class AlwaysEqual(torch.Tensor):
+    """A tensor that says it equals anything."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.equal:
+            return True
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def pad_always_equal(prompts, pad_id=0):
+    shape = (len(prompts), max(map(len, prompts)))
+    return tuple(torch.zeros(shape, dtype=torch.long).as_subclass(AlwaysEqual) for _ in range(3))
+
+
 LEFT_PAD_MISTAKES = [
+    (pad_always_equal, r"input_ids: expected a plain torch\.Tensor, got a AlwaysEqual"),
     (pad_default_eos, r"without pad_id, the padding holds \[50256\]: the default pad_id must be 0"),
     (pad_no_default, r"missing 1 required positional argument.*hint: the engine calls left_pad\(prompts\) without "
                      r"pad_id"),

@@ -36,7 +36,7 @@ from .failed import CheckFailed
 from .forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
 from .show import short
-from .tensors import diagnose, tensor_problem
+from .tensors import diagnose, plain_tensor_problem, tensor_problem
 
 GPT2_POSITIONS = 1024
 
@@ -182,6 +182,9 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
     for name, t in zip(names, got):
         if not isinstance(t, Tensor):
             return f"{name} should be a tensor, got {short(t, 60)}", ""
+        problem = plain_tensor_problem(t, exp_ids)
+        if problem:
+            return f"{name}: {problem}", ""
         if tuple(t.shape) != shape:
             return (f"{name} has shape {tuple(t.shape)}, expected [B, longest] = {shape}",
                     "one row per prompt, as many columns as the longest prompt has tokens")

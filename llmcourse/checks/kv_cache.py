@@ -146,8 +146,8 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
             return (f"cache.{name} should be a list of {config.n_layer} tensors (one per layer), got "
                     f"{short(tensors, 80)}")
         for i, t in enumerate(tensors):
-            if not isinstance(t, Tensor):
-                return f"cache.{name}[{i}] should be a tensor, got {short(t, 80)}"
+            if not isinstance(t, Tensor) or type(t) is not Tensor:
+                return f"cache.{name}[{i}] should be a plain torch.Tensor, got {short(t, 80)}"
             if tuple(t.shape) != shape:
                 grow = " — preallocate all max_len positions once, in __init__ (a cache grown with torch.cat " \
                        "copies everything it holds at every step)" if t.dim() == 4 and t.shape[2] != max_len else ""
