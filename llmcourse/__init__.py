@@ -14,6 +14,9 @@ from .model import GPT2, KVCache
 from .parts import PartError, Parts
 from .speculative import SpeculationStats
 from .tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
+from . import stubs as _stubs
+
+_stubs.install()  # inside IPython (a chapter's notebook): a stub's NotImplementedError shows as one line
 
 __all__ = [
     "CheckpointError",
