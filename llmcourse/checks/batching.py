@@ -6,7 +6,12 @@ Each check compares the learner's code with the engine's (`llmcourse.batching.le
 `llmcourse.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
 with the learner's function in its slot on a small random model: a static batch (`llmcourse.generate`
 on several prompts) or `LLMEngine` (a workload with chunked prefill, a shared prefix and preemption)
-must give every request exactly the tokens it gets alone.
+must give every request exactly the tokens it gets alone (every request stops at EOS id 0, and
+several do end early). The cases reach what the engine meets: `left_pad` called without its pad id
+(as the engine calls it), real tokens equal to the pad id, 1024-token prompts; pools of 300 blocks
+and a block with 300 users, two allocators alive at once; block sizes that are not powers of two and
+a server's scale for `schedule`; the same input with one argument changed; Python ints where the
+engine takes them. Expected answers are computed after the learner's call.
 
     >>> def slot_mapping(block_table, positions, block_size):
     ...     return block_table[positions // block_size] * block_size + positions % block_size

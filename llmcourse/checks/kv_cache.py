@@ -3,10 +3,15 @@ the prefill + decode loop, and the cache-size formula.
 
 Each check compares the learner's code with the engine's (`llmcourse.model.KVCache`, a full
 recompute of the model for every token, the formula) on fixed edge cases and seeded random ones:
-batch > 1, float64, several layers, writes of several positions, a cache whose unused positions
-hold stale values. A cache is also checked for *how* it works: its tensors are allocated once and
-written in place (their `data_ptr()` never changes, and `update` returns views of them), and the
-loop makes one cache for the whole generation, prefills the prompt once and feeds one token per step.
+batch > 1, float64, float16 and bfloat16, several layers, writes of several positions, keys and values
+as the model passes them (views split from the qkv projection: not contiguous), 1024 positions, a
+cache rolled back as speculative decoding does, two caches alive at once, a cache whose unused
+positions hold stale values. A cache is also checked for *how* it works: its tensors are allocated
+once and written in place (their `data_ptr()` never changes, and `update` returns views of them), and
+the engine's generation then runs it as `my_engine` installs it. The loop must make one cache for the
+whole generation, prefill the prompt once and feed one token per step, and the model may compute no
+more positions than that (a loop that also recomputes the whole sequence fails). Expected answers
+are computed after the learner's call.
 
     >>> import torch
     >>> def kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
