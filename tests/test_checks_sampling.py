@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from llmcourse.checks.core import resolved
+
 import llmcourse.sampling as S
 from llmcourse import get_tokenizer
 from llmcourse.checks import CheckFailed
@@ -476,7 +478,7 @@ def captured_cases(check, monkeypatch):
     seen = []
 
     def capture(name, fn, cases, **kwargs):
-        seen.extend(cases)
+        seen.extend(map(resolved, cases))  # expected answers given as later(...) computed now
 
     monkeypatch.setenv("LLMCOURSE_CHECKS_IN_PROCESS", "1")  # the cases are made where they can be captured
     monkeypatch.setattr(C, "run_check", capture)
