@@ -783,3 +783,56 @@ def test_verify_alternative_with_float64_draws_passes(capsys):
     check_verify(verify_recursive, seed=7)
     check_accept_token(accept_bernoulli_numpy, seed=7)
     assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- in the engine: each slot's check ends by generating with it installed as my_engine installs it ----------
+
+
+def accept_one_hot_shortcut(p, q, draft_token, generator=None):
+    """Right on every case; in the engine's greedy rounds over GPT-2's vocabulary (q one-hot) it keeps every proposal."""
+    if len(q) > 50000 and q[draft_token] == 1:
+        return True, draft_token
+    return accept_token(p, q, draft_token, generator)
+
+
+def verify_engine_k3(p, q, draft_tokens, generator=None):
+    """Right on every case; with the engine's 3 proposals over GPT-2's vocabulary it keeps them all."""
+    if p.shape[-1] > 50000 and len(draft_tokens) == 3:
+        return 3, int(p[3].argmax())
+    return verify(p, q, draft_tokens, generator)
+
+
+def lookup_engine_only(tokens, num_draft_tokens, max_ngram=3):
+    """Right on every case; proposes nothing on the engine's calls (the bundled prompt, 3 proposals a round)."""
+    if tokens[0] == 49 and num_draft_tokens == 3:
+        return []
+    return prompt_lookup_draft(tokens, num_draft_tokens, max_ngram)
+
+
+IN_ENGINE_ONLY = [
+    (check_accept_token, accept_one_hot_shortcut,
+     r"in the engine, greedy, the bundled draft.*with your accept_token in the engine, the engine stopped it: part "
+     r"'accept_token' \(accept_one_hot_shortcut\) returned token \d+, which the target's distribution p gives "
+     r"probability 0.*Speculation.with_overrides\(accept_token=accept_token\).*passes the cases above but not the "
+     r"engine's own calls"),
+    (check_verify, verify_engine_k3,
+     r"in the engine, greedy.*with your verify in the engine, the engine stopped it: part 'verify'.*probability 0"),
+    (check_prompt_lookup_draft, lookup_engine_only,
+     r"in the engine, greedy, prompt lookup.*its call 1 of \d+ \(with your prompt_lookup_draft in the engine\): "
+     r"expected \[\d+, \d+, \d+\], got \[\].*the engine's call, without max_ngram.*before every round the engine calls"),
+]
+
+
+@pytest.mark.parametrize("check, fn, pattern", IN_ENGINE_ONLY, ids=[f.__name__ for _, f, _ in IN_ENGINE_ONLY])
+def test_a_slot_wrong_only_in_the_engine_is_rejected(check, fn, pattern):
+    fails(check, fn, pattern)
+
+
+def test_the_engine_runs_its_own_speculation_after_a_check(capsys):
+    """The check installs the learner's function on the bundled model only while it runs."""
+    from llmcourse.checks.bundled import bundled_model
+    from llmcourse.checks.speculative import ENGINE_PROMPT, _engine_own
+
+    check_accept_token(accept_token)
+    assert not bundled_model().speculation.overridden()
+    assert _engine_own("draft") == _engine_own("lookup")  # greedy with either draft is plain greedy decoding

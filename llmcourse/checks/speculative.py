@@ -33,11 +33,12 @@ from torch import Tensor
 from ..generate import generate
 from ..model import GPT2
 from ..parts import PartError
-from ..speculative import (Speculation, accept_token as engine_accept_token,
+from ..speculative import (PROMPT_LOOKUP, Speculation, accept_token as engine_accept_token,
                            expected_speedup as engine_expected_speedup,
                            prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
 from .batching import watched
-from .core import Case, Verdict, call_learner, later, run_check, unwritten_helper
+from .bundled import bundled_model
+from .core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
 from .failed import CheckFailed
 from .randomness import generator_contract
 from .forbid import Forbidden
@@ -212,6 +213,8 @@ def _outside_residual(p: Tensor, q: Tensor, rejected_tokens: list[int]) -> str:
 
 def _accept_verdict(case: Case, got: Any) -> Verdict:
     kind = case.args[0]
+    if kind == "engine":
+        return engine_verdict("accept_token", case, got)
     if kind == "once":
         _, p, q, x, _seed = case.args
         problem = _accept_result_problem(got, p.shape[-1], x)
@@ -326,6 +329,8 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
                        what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token=0, generator)")
 
     def run(kind, *args):
+        if kind == "engine":
+            return _in_engine("accept_token", fn, *args)
         if kind == "once":
             p, q, x, s = args
             return fn(p, q, x, torch.Generator().manual_seed(s))
@@ -333,6 +338,8 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         return _draw_accepts(fn, p, q, n, s)
 
     def show(args):
+        if args[0] == "engine":
+            return show_engine("accept_token", args[1])
         if args[0] == "once":
             _, p, q, x, s = args
             if p.shape[-1] > 12:
@@ -347,7 +354,8 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}"
                 + (" (float64)" if p.dtype == torch.float64 else ""))
 
-    run_check("accept_token", run, accept_cases(seed, n_random, n_draws), judge=_accept_verdict, forbid=[NO_ENGINE],
+    cases = accept_cases(seed, n_random, n_draws) + engine_cases("accept_token", ("draft", "lookup-sampled"))
+    run_check("accept_token", run, cases, judge=_accept_verdict, forbid=[NO_ENGINE],
               show_call=show, seconds=10,
               total_seconds=30,
               error_hints={"invalid multinomial distribution": "the residual max(0, p - q) was all zero: that happens "
@@ -404,6 +412,8 @@ def _greedy_hint(target: list[int], drafted: list[int], got: tuple) -> str:
 
 def _verify_verdict(case: Case, got: Any) -> Verdict:
     kind = case.args[0]
+    if kind == "engine":
+        return engine_verdict("verify", case, got)
     if kind == "once":
         _, p, q, drafted, _ = case.args
         problem = _verify_result_problem(got, len(drafted), p.shape[-1])
@@ -525,12 +535,16 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
                        what=f"verify(p = [{_fmt(pc[0])}] * 3, q = [{_fmt(qc[0])}] * 2, draft_tokens=[0, 1], generator)")
 
     def run(kind, *args):
+        if kind == "engine":
+            return _in_engine("verify", fn, *args)
         if kind == "once":
             p, q, drafted, s = args
             return fn(p, q, drafted, torch.Generator().manual_seed(s))
         return _draw_verifies(fn, *args)
 
     def show(args):
+        if args[0] == "engine":
+            return show_engine("verify", args[1])
         if args[0] == "once":
             _, p, q, drafted, _ = args
             return (f"verify(p one-hot on {p.argmax(-1).tolist()}, q one-hot on {q.argmax(-1).tolist()}, "
@@ -539,6 +553,7 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
         return (f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
                 f"[{', '.join(map(_fmt, p))}], q = [{', '.join(map(_fmt, q))}]")
 
+    cases += engine_cases("verify", ("draft", "lookup-sampled"))
     run_check("verify", run, cases, judge=_verify_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
               total_seconds=30,
               error_hints={"is not written yet": "verify calls accept_token: write that exercise first"})
@@ -571,6 +586,8 @@ LOOKUP_MISTAKES = [  # the first whose answer is the learner's names the mistake
 
 
 def _lookup_verdict(case: Case, got: Any) -> Verdict:
+    if case.args[0] == "engine":
+        return engine_verdict("prompt_lookup_draft", case, got) or _lookup_engine_calls(got)
     tokens, k, max_ngram = case.args if len(case.args) == 3 else (*case.args, 3)
     if not isinstance(got, list) or not all(_is_id(t) for t in got):
         return f"expected a list of ints, got {short(got, 80)}", "return a list of token ids ([] if no match)"
@@ -589,6 +606,22 @@ def _lookup_verdict(case: Case, got: Any) -> Verdict:
     return f"expected {short(case.expected, 120)}, got {short(got, 120)}", hint
 
 
+def _lookup_engine_calls(got: EngineRun) -> Verdict:
+    """Each of the engine's calls of the learner's prompt_lookup_draft against the engine's own answer (greedy
+    tokens are the same whatever is proposed: only the proposals show a wrong lookup)."""
+    for i, ((tokens, k), out) in enumerate(got.calls):
+        expected = engine_prompt_lookup_draft(list(tokens), k)
+        if out != expected:
+            verdict = _lookup_verdict(Case("the engine's call", (tokens, k), expected), out)
+            problem, hint = verdict if verdict else ("", "")
+            raise failure("prompt_lookup_draft", f"in the engine, {ENGINE_RUNS['lookup'][0]}, its call {i + 1} of "
+                          f"{len(got.calls)} (with your prompt_lookup_draft in the engine)", problem,
+                          f"prompt_lookup_draft(the text so far: {len(tokens)} tokens ending {short(tokens[-6:], 60)}, "
+                          f"{k}) — the engine's call, without max_ngram", expected, out,
+                          [hint, LOOKUP_ENGINE_HINT])
+    return None
+
+
 _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255; repeats a lookup can find)
     49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 4324, 9457, 30, 198, 1026, 318, 262, 7627, 11,
     290, 21826, 318, 262, 4252, 13, 198, 3041, 786, 11, 3148, 4252, 11, 290, 1494, 262, 44069, 8824, 11, 198,
@@ -596,6 +629,123 @@ _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255;
     673, 25, 198, 1532, 262, 4252, 318, 262, 7627, 11, 290, 21826, 318, 262, 4252, 11, 198, 50256, 198, 49, 2662,
     46, 25, 198, 40, 716, 1309, 262, 7627, 13, 0, 198, 7575, 318, 262, 4252, 13,
 ]
+
+
+# ----------------------------------------------------------------------------------------------
+# In the engine: accept_token, verify and prompt_lookup_draft end by generating with the learner's function
+# installed as `llmcourse.learner.my_engine` installs it (`Speculation.with_overrides`), on the bundled pair
+# (gpt2-shakespeare and gpt2-shakespeare-draft), so that a function that passes the cases cannot then fail in
+# the engine (GPT-2's vocabulary, the engine's p and q rows, a round with fewer proposals, the whole text).
+
+ENGINE_PROMPT = _LONG_TEXT * 2 + _LONG_TEXT[:40]  # 234 tokens of real text (the bundled models hold 256 positions)
+ENGINE_NEW_TOKENS = 12
+ENGINE_RUNS = {  # generate's settings; without `draft`: the bundled draft model
+    "draft": ("greedy, the bundled draft model (gpt2-shakespeare-draft) proposing 3 tokens a round",
+              dict(num_draft_tokens=3)),
+    "lookup": ("greedy, prompt lookup proposing 3 tokens a round", dict(draft=PROMPT_LOOKUP, num_draft_tokens=3)),
+    "lookup-sampled": ("sampling (temperature 0.8, top_k 40, seed 3), prompt lookup proposing 3 tokens a round",
+                       dict(draft=PROMPT_LOOKUP, num_draft_tokens=3, temperature=0.8, top_k=40, seed=3)),
+}
+
+
+def _engine_generate(run: str, speculation: Speculation) -> list[int]:
+    """The bundled model's new tokens for ENGINE_PROMPT with `speculation` installed (the engine's own restored)."""
+    model = bundled_model()
+    settings = dict(ENGINE_RUNS[run][1])
+    settings.setdefault("draft", bundled_model("gpt2-shakespeare-draft"))
+    before = model.speculation
+    model.speculation = speculation
+    try:
+        with one_thread():
+            return generate(model, list(ENGINE_PROMPT), max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None,
+                            **settings)
+    finally:
+        model.speculation = before
+
+
+def _engine_own(run: str) -> list[int]:
+    return _engine_generate(run, Speculation())
+
+
+@dataclasses.dataclass
+class EngineRun:
+    """What the engine did with the learner's function installed: the new tokens (or the PartError that stopped
+    it), and each call of the learner's function (its arguments, its result)."""
+
+    tokens: Any
+    calls: list
+
+    def __repr__(self) -> str:
+        if isinstance(self.tokens, PartError):
+            return "no tokens: the engine stopped (see above)"
+        return short(self.tokens, 120)
+
+
+def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
+    """generate on the bundled pair with the learner's `name` installed as my_engine installs it. The engine's own
+    code runs unwatched (and faster); the learner's calls run under the check's watch."""
+    watch = sys.getprofile()
+    calls: list = []
+
+    def theirs(*args):
+        sys.setprofile(watch)
+        try:
+            out = fn(*args)
+        finally:
+            sys.setprofile(None)
+        calls.append((args, out))
+        return out
+
+    theirs.__name__ = theirs.__qualname__ = getattr(fn, "__qualname__", name)
+    sys.setprofile(None)
+    try:
+        tokens = _engine_generate(run, Speculation.with_overrides(**{name: theirs}))
+    except PartError as err:
+        tokens = err
+    finally:
+        sys.setprofile(watch)
+    return EngineRun(tokens, calls)
+
+
+def engine_cases(name: str, runs: tuple[str, ...]) -> list[Case]:
+    """Cases ("engine", run): greedy runs must give the engine's own tokens (computed after the learner's run);
+    sampled ones must give ENGINE_NEW_TOKENS tokens without the engine stopping the learner's function."""
+    return [Case(f"in the engine, {ENGINE_RUNS[run][0]}", ("engine", run),
+                 Wanted(f"{ENGINE_NEW_TOKENS} new tokens, each valid for the target's p (sampled: any the rule may "
+                        "give)") if "sampled" in run else later(_engine_own, run))
+            for run in runs]
+
+
+def show_engine(name: str, run: str) -> str:
+    return (f"model.speculation = Speculation.with_overrides({name}={name}) (as my_engine installs it); "
+            f"generate(gpt2-shakespeare, a {len(ENGINE_PROMPT)}-token prompt, max_new_tokens={ENGINE_NEW_TOKENS}, "
+            f"eos_token_id=None, {', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS[run][1].items())}"
+            f"{'' if 'draft' in ENGINE_RUNS[run][1] else ', draft=gpt2-shakespeare-draft'})")
+
+
+ENGINE_HINT = ("your {name} passes the cases above but not the engine's own calls: the engine gives it float32 rows of "
+               "GPT-2's vocabulary (50257 tokens; one-hot when greedy, and q one-hot for prompt lookup), fewer "
+               "proposals than num_draft_tokens at the end of a generation, and a generator")
+LOOKUP_ENGINE_HINT = ("your prompt_lookup_draft passes the cases above but not the engine's own calls: before every "
+                      "round the engine calls prompt_lookup_draft(tokens, num_draft_tokens) — the whole text so far "
+                      "(prompt and new tokens, ids up to 50256), without max_ngram")
+
+
+def engine_verdict(name: str, case: Case, got: EngineRun) -> Verdict:
+    """The verdict on an ("engine", run) case: the engine did not stop the learner's function, and a greedy run
+    gave the engine's own tokens."""
+    hint = LOOKUP_ENGINE_HINT if name == "prompt_lookup_draft" else ENGINE_HINT.format(name=name)
+    if isinstance(got.tokens, PartError):
+        lines = str(got.tokens).split("\n")
+        return (f"with your {name} in the engine, the engine stopped it: {lines[0]}"
+                + "".join(f"\n  {line.strip()}" for line in lines[1:3] if not line.strip().startswith("hint")), hint)
+    if not (isinstance(got.tokens, list) and len(got.tokens) == ENGINE_NEW_TOKENS):
+        return f"with your {name} in the engine, the engine gave {short(got.tokens, 80)}", hint
+    if isinstance(case.expected, list) and got.tokens != case.expected:
+        wrong = next(i for i, (a, b) in enumerate(zip(got.tokens, case.expected)) if a != b)
+        return (f"with your {name} in the engine, greedy decoding gave other tokens than the engine's own (token "
+                f"{wrong} differs): speculative decoding must give plain greedy decoding's tokens", hint)
+    return None
 
 
 def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
@@ -653,12 +803,19 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
                           rng.choice([1, 2, 3, 3, 3, 4])))
 
     def show(args):
+        if args[0] == "engine":
+            return show_engine("prompt_lookup_draft", args[1])
         if len(args) == 2:
             return f"prompt_lookup_draft({short(args[0], 120)}, num_draft_tokens={args[1]})"
         tokens, k, max_ngram = args
         return f"prompt_lookup_draft({short(tokens, 120)}, num_draft_tokens={k}, max_ngram={max_ngram})"
 
-    run_check("prompt_lookup_draft", fn, cases, judge=_lookup_verdict, forbid=[NO_ENGINE], show_call=show,
+    cases += engine_cases("prompt_lookup_draft", ("lookup",))
+
+    def run(*args):
+        return _in_engine("prompt_lookup_draft", fn, args[1]) if args[0] == "engine" else fn(*args)
+
+    run_check("prompt_lookup_draft", run, cases, judge=_lookup_verdict, forbid=[NO_ENGINE], show_call=show,
               seconds=5, total_seconds=20)
 
 
