@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 from typing import Callable
 
 import torch
@@ -127,8 +128,9 @@ def guarded_allocator(cls: Callable) -> Callable:
 
         def allocate(self) -> int:
             block = raising_part(self.inner.allocate, "BlockAllocator")()
-            if isinstance(block, bool) or not isinstance(block, int) or not 0 <= block < self.num_blocks:
+            if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
                 _fail("BlockAllocator", cls, f"allocate() returned {block!r}, not a block id in [0, {self.num_blocks})")
+            block = int(block)  # any integer type (numpy's too): the block tables hold Python ints
             if self.users[block]:
                 _fail("BlockAllocator", cls, f"allocate() returned block {block}, which is in use "
                                              f"({self.users[block]} user(s)): it would be handed out twice")

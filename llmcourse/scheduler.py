@@ -15,6 +15,7 @@ free blocks); `Scheduler` keeps the queues and applies its decisions through the
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from collections import deque
 from typing import Callable, NamedTuple, Optional
 
@@ -194,7 +195,8 @@ def check_decisions(chunks, preempted, running: list[SeqView], waiting: list[Seq
         if rid not in views or rid in preempted:
             fail(f"scheduled request {rid!r}, which is not " + ("running" if rid in preempted else "known"))
         left = views[rid].num_tokens - views[rid].num_computed
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= left:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or not 1 <= n <= left:
             fail(f"gave request {rid} {n!r} tokens; it has {left} to compute (give 1 to {left})")
+        chunks[rid] = int(n)  # any integer type (numpy's too)
     if not chunks and not preempted and (running or waiting):
         fail("scheduled nothing and preempted nothing while requests wait: the engine would never finish")

@@ -438,7 +438,7 @@ class ClassStateAllocator(BlockAllocator):
 
 
 class NumpyIdAllocator(BlockAllocator):
-    """Hands out numpy integers: the engine's block tables take Python ints."""
+    """Correct, written differently: hands out numpy integers (the engine takes any integer type)."""
 
     def __init__(self, num_blocks):
         super().__init__(num_blocks)
@@ -449,7 +449,6 @@ ALLOCATOR_MISTAKES = [
     (Uint8CountAllocator, r"256th user: is the count kept in 8 bits"),
     (Uint8IdAllocator, r"a new BlockAllocator\(300\).*block ids go past 255"),
     (ClassStateAllocator, r"two allocators alive at once.*allocator a, BlockAllocator\(5\).*not on the class"),
-    (NumpyIdAllocator, r"returned (np\.int64\()?0\)? of type numpy\.int64, expected a Python int.*int\(block\)"),
     (LifoAllocator, r"last in, first out"),
     (ReleaseIgnoresUsers, r"had 2 users: release takes one away"),
     (ShareKeepsFreeBlock, r"share must take it off the free list"),
@@ -530,7 +529,7 @@ class NumpyCountAllocator:
             self._free[block] = None
 
 
-@pytest.mark.parametrize("cls", [ListAllocator, NumpyCountAllocator])
+@pytest.mark.parametrize("cls", [ListAllocator, NumpyCountAllocator, NumpyIdAllocator])
 def test_block_allocator_alternative_passes(cls, capsys):
     check_block_allocator(cls)
     check_block_allocator(cls, seed=101, n_random=40, n_workloads=3)
@@ -785,6 +784,7 @@ def schedule_id_table(running, waiting, num_free_blocks, **limits):
 
 
 def schedule_numpy_counts(running, waiting, num_free_blocks, **limits):
+    """Correct, written differently: token counts as numpy integers (the engine takes any integer type)."""
     chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
     return {rid: np.int64(n) for rid, n in chunks.items()}, preempted
 
@@ -803,7 +803,6 @@ SCHEDULE_MISTAKES = [
     (schedule_remembers_queues, r"the same queues, one more free block: scheduled"),
     (schedule_masked_round_up, r"block_size 3 \(not a power of two\).*ceil\(n / 3\)"),
     (schedule_id_table, r"IndexError: list assignment index out of range"),
-    (schedule_numpy_counts, r"is a numpy\.int64, not a Python int"),
 ]
 
 
@@ -881,7 +880,7 @@ def schedule_by_ceil(running, waiting, num_free_blocks, *, block_size, max_num_s
     return chunks, preempted
 
 
-@pytest.mark.parametrize("fn", [schedule_two_phase, schedule_by_ceil])
+@pytest.mark.parametrize("fn", [schedule_two_phase, schedule_by_ceil, schedule_numpy_counts])
 def test_schedule_alternative_passes(fn, capsys):
     check_schedule(fn)
     check_schedule(fn, seed=101, n_random=400, n_workloads=3)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import random
 import sys
 from typing import Any, Callable, Optional
@@ -471,9 +472,9 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
             return f"{at}: expected {type(e.error).__name__}, your allocator {g.outcome()}", hint
         if g.error is not None and e.error is None:
             return f"{at}: your allocator raised {type(g.error).__name__}: {short(str(g.error), 100)}", ""
-        if op == "allocate" and g.error is None and (isinstance(g.result, bool) or not isinstance(g.result, int)):
+        if op == "allocate" and g.error is None and (isinstance(g.result, bool) or not isinstance(g.result, numbers.Integral)):
             return (f"{at} returned {short(g.result, 20)} of type {type(g.result).__module__}.{type(g.result).__name__}"
-                    f", expected a Python int", "the engine takes block ids as Python ints: return int(block)")
+                    f", expected an integer block id", "return the block's id: an int (numpy's integers do too)")
         if op == "allocate" and g.result != e.result:
             hint = "take the block at the FRONT of the free list (popleft): it was freed longest ago"
             if before.free and g.result == before.free[-1]:
@@ -859,12 +860,12 @@ def _schedule_verdict(case: Case, got: Any) -> Verdict:
         return (f"expected a dict and a list, got a {type(chunks).__name__} and a {type(preempted).__name__}",
                 "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
     if got == expected and list(chunks) == list(expected[0]):
-        odd = next((x for x in [*chunks, *chunks.values(), *preempted] if isinstance(x, bool) or not isinstance(x, int)),
-                   None)
+        odd = next((x for x in [*chunks, *chunks.values(), *preempted]
+                    if isinstance(x, bool) or not isinstance(x, numbers.Integral)), None)
         if odd is None:
             return None
-        return (f"the right decisions, but {short(odd, 20)} is a {type(odd).__module__}.{type(odd).__name__}, not a "
-                "Python int", "the engine takes ids and token counts as Python ints: int(n)")
+        return (f"the right decisions, but {short(odd, 20)} is a {type(odd).__module__}.{type(odd).__name__}, not an "
+                "integer", "ids and token counts are integers (an int, or numpy's): int(n)")
     if preempted != expected[1]:
         problem = f"preempted {preempted}, expected {expected[1]} (newest first)"
     elif chunks == expected[0]:
