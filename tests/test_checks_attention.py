@@ -6,6 +6,7 @@ import math
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -425,6 +426,41 @@ def tiled_flat_view(q, k, v, block_size=64, causal=True):
     return tiled_attention(q, k, v, block_size, causal)
 
 
+def self_attention_flat_view(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):  # .view on x
+    B, T, C = x.shape
+    qkv = (x.view(B * T, C) @ c_attn_weight + c_attn_bias).view(B, T, 3 * C)
+    q, k, v = (split_heads(t, n_head) for t in qkv.split(C, dim=-1))
+    return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
+
+
+def self_attention_float32_for_half(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    if x.dtype in (torch.float16, torch.bfloat16):
+        x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias = (
+            t.float() for t in (x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias))
+    return self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
+
+
+def self_attention_fixed_mask_buffer(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    return merge_heads(attention(q, k, v, _MASK_256[:T, :T])) @ c_proj_weight + c_proj_bias
+
+
+def self_attention_one_head(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):  # ignores n_head
+    return self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, 1)
+
+
+def self_attention_without_c_attn_bias(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    return self_attention(x, c_attn_weight, torch.zeros_like(c_attn_bias), c_proj_weight, c_proj_bias, n_head)
+
+
+def self_attention_scaled_by_width(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    T, C = x.shape[1], x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(C)).masked_fill(~causal_mask(T, T), -math.inf)
+    return merge_heads(softmax(scores) @ v) @ c_proj_weight + c_proj_bias
+
+
 MISTAKES = [
     (check_softmax, softmax_axis_keyword, r"softmax in the engine[\s\S]*unexpected keyword argument 'dim'"),
     (check_softmax, softmax_float32_for_half, r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32"),
@@ -482,6 +518,13 @@ MISTAKES = [
     (check_tiled_attention, tiled_dropping_the_last_block, r"does not divide T[\s\S]*out: [\s\S]*the last block is shorter"),
     (check_tiled_attention, tiled_lse_unscaled, r"lse: [\s\S]*SCALED scores"),
     (check_tiled_attention, tiled_returning_out_only, r"expected a tuple \(out, lse\), got Tensor"),
+    (check_self_attention, self_attention_flat_view, r"raised RuntimeError[\s\S]*x is a non-contiguous view here"),
+    (check_self_attention, self_attention_float32_for_half,
+     r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (check_self_attention, self_attention_fixed_mask_buffer, r"raised RuntimeError[\s\S]*nothing of a fixed size"),
+    (check_self_attention, self_attention_one_head, r"use the n_head you are given"),
+    (check_self_attention, self_attention_without_c_attn_bias, r"add the bias of the fused projection"),
+    (check_self_attention, self_attention_scaled_by_width, r"not by 1/√C"),
 ]
 
 
@@ -600,6 +643,171 @@ def _compile_as_learner(source_fn):
 
 engine_tiled_copy = _compile_as_learner(engine_tiled_module.tiled_attention)
 
+# other numerics: numpy, float64 accumulation, a log-sum-exp form, torch.where, einsum, reshape/permute, an online
+# softmax over key blocks in another order
+
+
+def _np(t):
+    return t.detach().double().numpy()
+
+
+def _back(a, like):
+    return torch.from_numpy(np.ascontiguousarray(a)).to(like.dtype)
+
+
+def softmax_numpy(x, dim=-1):
+    a = _np(x)
+    e = np.exp(a - a.max(axis=dim, keepdims=True))
+    return _back(e / e.sum(axis=dim, keepdims=True), x)
+
+
+def softmax_float64_accumulation(x, dim=-1):
+    return softmax(x.double(), dim).to(x.dtype)
+
+
+def softmax_log_sum_exp(x, dim=-1):
+    m = x.amax(dim, keepdim=True)
+    return torch.exp(x - m - torch.log(torch.exp(x - m).sum(dim, keepdim=True)))
+
+
+def causal_mask_numpy(n_query, n_key):
+    return torch.from_numpy(np.tri(n_query, n_key, n_key - n_query, dtype=bool))
+
+
+def causal_mask_where_int32(n_query, n_key):
+    keys = torch.arange(n_key, dtype=torch.int32)
+    queries = torch.arange(n_query, dtype=torch.int32) + (n_key - n_query)
+    return torch.where(keys[None, :] > queries[:, None], False, True)
+
+
+def attention_numpy(q, k, v, mask=None):
+    s = np.einsum("...qd,...kd->...qk", _np(q), _np(k)) / math.sqrt(q.shape[-1])
+    if mask is not None:
+        s = np.where(mask.numpy(), s, -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    return _back((e / e.sum(-1, keepdims=True)) @ _np(v), q)
+
+
+def attention_float64_accumulation(q, k, v, mask=None):
+    return attention(q.double(), k.double(), v.double(), mask).to(q.dtype)
+
+
+def attention_online_over_key_blocks(q, k, v, mask=None):
+    """An online softmax over blocks of 5 keys, the last block first."""
+    Tk = k.shape[-2]
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in reversed(range(0, Tk, 5)):
+        s = q @ k[..., k0 : k0 + 5, :].mT / math.sqrt(q.shape[-1])
+        if mask is not None:
+            s = torch.where(mask[..., k0 : k0 + 5], s, -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = torch.where(m_new.isinf(), 0.0, m_new)
+        r, p = torch.exp(m - safe), torch.exp(s - safe)
+        l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[..., k0 : k0 + 5, :], m_new
+    return acc / l
+
+
+def split_heads_numpy(x, n_head):
+    B, T, C = x.shape
+    return _back(_np(x).reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3), x)
+
+
+def split_heads_reshape_permute(x, n_head):
+    B, T, C = x.shape
+    return x.reshape(B, T, n_head, -1).permute(0, 2, 1, 3)
+
+
+def split_heads_einsum(x, n_head):
+    return torch.einsum("bthd->bhtd", x.unflatten(-1, (n_head, -1)))
+
+
+def merge_heads_numpy(x):
+    B, H, T, D = x.shape
+    return _back(_np(x).transpose(0, 2, 1, 3).reshape(B, T, H * D), x)
+
+
+def merge_heads_permute_flatten(x):
+    return x.permute(0, 2, 1, 3).flatten(2)
+
+
+def merge_heads_einsum(x):
+    return torch.einsum("bhtd->bthd", x).reshape(x.shape[0], x.shape[2], -1)
+
+
+def self_attention_numpy(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    B, T, C = x.shape
+    D = C // n_head
+    qkv = _np(x) @ _np(c_attn_weight) + _np(c_attn_bias)
+    q, k, v = (a.reshape(B, T, n_head, D).transpose(0, 2, 1, 3) for a in np.split(qkv, 3, axis=-1))
+    s = np.where(np.tri(T, T, dtype=bool), q @ k.transpose(0, 1, 3, 2) / math.sqrt(D), -np.inf)
+    e = np.exp(s - s.max(-1, keepdims=True))
+    out = ((e / e.sum(-1, keepdims=True)) @ v).transpose(0, 2, 1, 3).reshape(B, T, C)
+    return _back(out @ _np(c_proj_weight) + _np(c_proj_bias), x)
+
+
+def self_attention_float64_accumulation(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    wide = (t.double() for t in (x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias))
+    return self_attention(*wide, n_head).to(x.dtype)
+
+
+def self_attention_float32_for_half_rounded_back(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    if x.dtype == torch.float64:
+        return self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
+    wide = (t.float() for t in (x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias))
+    return self_attention(*wide, n_head).to(x.dtype)
+
+
+def self_attention_einsum_where(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    B, T, C = x.shape
+    qkv = torch.einsum("btc,cd->btd", x, c_attn_weight) + c_attn_bias
+    q, k, v = (t.reshape(B, T, n_head, -1).permute(0, 2, 1, 3) for t in qkv.tensor_split(3, dim=-1))
+    out = attention_online_over_key_blocks(q, k, v, causal_mask_where_int32(T, T))
+    return torch.einsum("btc,cd->btd", out.permute(0, 2, 1, 3).reshape(B, T, C), c_proj_weight) + c_proj_bias
+
+
+def tiled_reversed_blocks(q, k, v, block_size=64, causal=True):
+    """Key blocks from the last to the first, torch.where for the mask, the max kept finite."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    query_pos = Tk - Tq + torch.arange(Tq)
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in reversed(range(0, Tk, block_size)):
+        s = torch.einsum("bhqd,bhkd->bhqk", q, k[:, :, k0 : k0 + block_size]) / math.sqrt(q.shape[-1])
+        if causal:
+            s = torch.where(k0 + torch.arange(s.shape[-1]) <= query_pos[:, None], s, -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        safe = torch.where(m_new.isinf(), 0.0, m_new)
+        r, p = torch.exp(m - safe), torch.exp(s - safe)
+        l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : k0 + block_size], m_new
+    return acc / l, (m + torch.log(l)).squeeze(-1)
+
+
+def tiled_float64_accumulators(q, k, v, block_size=64, causal=True):
+    out, lse = tiled_attention(q.double(), k.double(), v.double(), block_size, causal)
+    return out.to(q.dtype), lse.to(q.dtype)
+
+
+def tiled_numpy(q, k, v, block_size=64, causal=True):
+    Q, K, V = _np(q), _np(k), _np(v)
+    Tq, Tk = Q.shape[-2], K.shape[-2]
+    query_pos = Tk - Tq + np.arange(Tq)
+    m = np.full((*Q.shape[:-1], 1), -np.inf)
+    l = np.zeros((*Q.shape[:-1], 1))
+    acc = np.zeros((*Q.shape[:-1], V.shape[-1]))
+    for k0 in range(0, Tk, block_size):
+        s = Q @ np.swapaxes(K[:, :, k0 : k0 + block_size], -1, -2) / math.sqrt(Q.shape[-1])
+        if causal:
+            s = np.where(k0 + np.arange(s.shape[-1]) <= query_pos[:, None], s, -np.inf)
+        m_new = np.maximum(m, s.max(-1, keepdims=True))
+        safe = np.where(np.isinf(m_new), 0.0, m_new)
+        r, p = np.exp(m - safe), np.exp(s - safe)
+        l, acc, m = l * r + p.sum(-1, keepdims=True), acc * r + p @ V[:, :, k0 : k0 + block_size], m_new
+    return _back(acc / l, q), _back((m + np.log(l))[..., 0], q)
+
+
 ALTERNATIVES = [
     (check_softmax, softmax_with_division_by_max_exp),
     (check_softmax, softmax_moving_dim_last),
@@ -614,6 +822,27 @@ ALTERNATIVES = [
     (check_self_attention, self_attention_with_chunk_and_addmm),
     (check_tiled_attention, tiled_with_query_blocks),
     (check_tiled_attention, tiled_with_a_list_of_blocks),
+    (check_softmax, softmax_numpy),
+    (check_softmax, softmax_float64_accumulation),
+    (check_softmax, softmax_log_sum_exp),
+    (check_causal_mask, causal_mask_numpy),
+    (check_causal_mask, causal_mask_where_int32),
+    (check_attention, attention_numpy),
+    (check_attention, attention_float64_accumulation),
+    (check_attention, attention_online_over_key_blocks),
+    (check_split_heads, split_heads_numpy),
+    (check_split_heads, split_heads_reshape_permute),
+    (check_split_heads, split_heads_einsum),
+    (check_merge_heads, merge_heads_numpy),
+    (check_merge_heads, merge_heads_permute_flatten),
+    (check_merge_heads, merge_heads_einsum),
+    (check_self_attention, self_attention_numpy),
+    (check_self_attention, self_attention_float64_accumulation),
+    (check_self_attention, self_attention_float32_for_half_rounded_back),
+    (check_self_attention, self_attention_einsum_where),
+    (check_tiled_attention, tiled_reversed_blocks),
+    (check_tiled_attention, tiled_float64_accumulators),
+    (check_tiled_attention, tiled_numpy),
 ]
 
 

@@ -517,10 +517,13 @@ def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
 
 
 def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head, *, order=(0, 1, 2),
-                    causal=True, proj=True, heads_first=False):
-    """GPT-2's attention from the engine's parts; the keyword arguments make the known mistakes."""
+                    causal=True, proj=True, heads_first=False, one_head=False, scale_by_width=False,
+                    attn_bias=True, proj_bias=True):
+    """GPT-2's attention written out (softmax of the masked, scaled scores); the keyword arguments make the
+    known mistakes."""
     C = x.shape[-1]
-    qkv = x @ c_attn_weight + c_attn_bias  # [B, T, 3C]
+    n_head = 1 if one_head else n_head
+    qkv = x @ c_attn_weight + (c_attn_bias if attn_bias else 0)  # [B, T, 3C]
     if heads_first:
         q, k, v = parts.split_heads(qkv, n_head).chunk(3, dim=-1)  # [B, H, T, 3D] cut in three: wrong
     else:
@@ -528,8 +531,8 @@ def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n
         q, k, v = ((q, k, v)[i] for i in order)
     T = x.shape[1]
     mask = parts.causal_mask(T, T) if causal else None
-    out = parts.merge_heads(torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))  # [B, T, C]
-    return out @ c_proj_weight + c_proj_bias if proj else out
+    out = parts.merge_heads(_attention(q, k, v, mask, scale=C ** -0.5 if scale_by_width else None))  # [B, T, C]
+    return out @ c_proj_weight + (c_proj_bias if proj_bias else 0) if proj else out
 
 
 def reference_self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
@@ -548,7 +551,34 @@ SELF_ATTENTION_MISTAKES: list[Mistake] = [
      "finish with the output projection: merged @ c_proj_weight + c_proj_bias"),
     (functools.partial(_self_attention, heads_first=True),
      "split qkv into q, k, v (along the last dim, C each) first, then split each into heads"),
+    (functools.partial(_self_attention, one_head=True),
+     "use the n_head you are given: n_head heads of C // n_head channels each (split_heads(t, n_head)); one head "
+     "over all C channels, or a fixed number of heads, is another attention"),
+    (functools.partial(_self_attention, scale_by_width=True),
+     "each head scales its scores by 1/√D, D = C // n_head its own width (attention does it with q.shape[-1] of "
+     "the split q), not by 1/√C"),
+    (functools.partial(_self_attention, attn_bias=False),
+     "add the bias of the fused projection: qkv = x @ c_attn_weight + c_attn_bias (the check's biases are not 0)"),
+    (functools.partial(_self_attention, proj_bias=False),
+     "add the bias of the output projection: merged @ c_proj_weight + c_proj_bias (the check's biases are not 0)"),
 ]
+
+
+def _self_attention_tolerance(case: Case) -> tuple[float, float]:
+    """The accuracy contract of self_attention: the answer of any correct order of work in x's dtype (or wider),
+    rounded to x's dtype. Each of its steps (two projections, the scores, the softmax, the weighted sum) rounds
+    to the dtype, and the projections sum C products, so the error is relative to the size of the output, not
+    to each entry (an entry near 0 is a difference of large terms): atol = k·eps·max|expected| with k = 1e-5 / eps
+    for float32 (about 100 roundings: float64 accumulation, einsum or numpy pass; a float32 detour for float64
+    does not), 2e-10 for float64, and 16 roundings for float16 / bfloat16 (rtol the same)."""
+    dtype = case.expected.dtype
+    size = max(1.0, float(case.expected.double().abs().max()))
+    if dtype == torch.float64:
+        return 2e-10 * size, 1e-10
+    if dtype in HALF_DTYPES:
+        eps = torch.finfo(dtype).eps
+        return 16 * eps * size, 16 * eps
+    return 1e-5 * size, 1e-4
 
 
 @functools.lru_cache(maxsize=1)
@@ -560,9 +590,22 @@ def _bundled_layer() -> tuple[Tensor, ...]:
             attn.c_proj.weight.detach().clone(), attn.c_proj.bias.detach().clone(), model.config.n_head)
 
 
+def _layer_as(layer: tuple, dtype: torch.dtype, n_head: Optional[int] = None, bias_shift: float = 0.0) -> tuple:
+    """A layer's weights in another dtype, with another n_head, or with its biases moved away from 0."""
+    w, b, pw, pb, h = layer
+    return (w.to(dtype), (b.double() + bias_shift).to(dtype), pw.to(dtype), (pb.double() - bias_shift).to(dtype),
+            h if n_head is None else n_head)
+
+
 def _random_layer(g: torch.Generator, C: int, n_head: int, dtype: torch.dtype) -> tuple:
-    w = lambda *shape, s=1.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * s).to(dtype)  # noqa: E731
-    return w(C, 3 * C, s=C ** -0.5), w(3 * C, s=0.5), w(C, C, s=C ** -0.5), w(C, s=0.5), n_head
+    """Weights of a GPT-2 scale; biases far from 0 (1 ± 0.5), so that a dropped bias shows."""
+    w = lambda *shape, s=1.0, at=0.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * s + at).to(dtype)  # noqa: E731
+    return w(C, 3 * C, s=C ** -0.5), w(3 * C, s=0.5, at=1.0), w(C, C, s=C ** -0.5), w(C, s=0.5, at=-1.0), n_head
+
+
+def _sequence_first(g: torch.Generator, B: int, T: int, C: int, dtype: torch.dtype) -> Tensor:
+    """x [B, T, C] as a transposed view of a [T, B, C] tensor (non-contiguous: x.view(B * T, C) fails)."""
+    return (torch.randn(T, B, C, generator=g, dtype=torch.float64) * 2).to(dtype).transpose(0, 1)
 
 
 def _self_attention_case(description: str, x: Tensor, layer: tuple, hint: str = "") -> Case:
@@ -571,11 +614,16 @@ def _self_attention_case(description: str, x: Tensor, layer: tuple, hint: str = 
 
 def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
     """self_attention(x [B, T, C], c_attn_weight [C, 3C], c_attn_bias [3C], c_proj_weight [C, C],
-    c_proj_bias [C], n_head) -> [B, T, C]: GPT-2's causal multi-head self-attention."""
+    c_proj_bias [C], n_head) -> [B, T, C]: GPT-2's causal multi-head self-attention.
+
+    Not an engine slot (the engine runs its blocks from the parts: split_heads, attention, merge_heads, whose
+    checks end inside it), so this check ends with its own cases: the bundled model's layer in float32, float16
+    and bfloat16 and with another n_head, 300 positions, x a non-contiguous view, biases far from 0."""
     g = torch.Generator().manual_seed(seed)
     bundled = _bundled_layer()
     C = bundled[0].shape[0]
     x = lambda *shape, dtype=torch.float32: (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)  # noqa: E731
+    no_fixed_size = "build the mask from this call's T (causal_mask(T, T)): nothing of a fixed size (256 or 1024 wide)"
     cases = [
         _self_attention_case("one position, 2 heads", x(1, 1, 4), _random_layer(g, 4, 2, torch.float32)),
         _self_attention_case("3 positions, 2 heads of 3", x(1, 3, 6), _random_layer(g, 6, 2, torch.float32)),
@@ -584,22 +632,50 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
                              _random_layer(g, 8, 2, torch.float64)),
         _self_attention_case(f"the bundled model's layer 0 (C={C}, {bundled[-1]} heads), 9 positions", x(1, 9, C), bundled),
         _self_attention_case("the bundled model's layer 0, batch 3", x(3, 6, C), bundled),
+        _self_attention_case(f"the bundled layer's weights split into 3 heads of {C // 3} (n_head is an argument)",
+                             x(2, 7, C), _layer_as(bundled, torch.float32, n_head=3),
+                             "split into the n_head heads you are given, not the bundled model's number"),
+        _self_attention_case("the same weights, 12 heads", x(1, 5, C), _layer_as(bundled, torch.float32, n_head=12)),
+        _self_attention_case("biases far from 0 (c_attn_bias + 2, c_proj_bias - 2)", x(2, 6, C),
+                             _layer_as(bundled, torch.float32, bias_shift=2.0)),
+        _self_attention_case("x a non-contiguous view (a transposed [T, B, C] tensor)",
+                             _sequence_first(g, 2, 5, 12, torch.float32), _random_layer(g, 12, 4, torch.float32),
+                             NOT_CONTIGUOUS),
+        _self_attention_case("300 positions (past 256), the bundled layer", x(1, 300, C), bundled, no_fixed_size),
+        _self_attention_case("float16 in, float16 out (the bundled layer in float16)", x(2, 8, C, dtype=torch.float16),
+                             _layer_as(bundled, torch.float16), "float16 in, float16 out"),
+        _self_attention_case("bfloat16 in, bfloat16 out, 260 positions", x(1, 260, C, dtype=torch.bfloat16),
+                             _layer_as(bundled, torch.bfloat16, n_head=4), no_fixed_size),
     ]
     for i in range(n_random):
         n_head, D = _randint(g, 1, 4), _randint(g, 1, 8)
-        B, T = _randint(g, 1, 3), _randint(g, 1, 10)
-        dtype = _choice(g, [torch.float32, torch.float64])
+        B, T = _randint(g, 1, 3), _randint(g, 1, 10) if i % 5 else _randint(g, 11, 300)
+        dtype = _choice(g, [torch.float32, torch.float64, torch.float32, torch.float64, torch.float16, torch.bfloat16])
+        what = ""
+        if i % 3 == 1:
+            xi, what = _sequence_first(g, B, T, n_head * D, dtype), ", x non-contiguous"
+        else:
+            xi = x(B, T, n_head * D, dtype=dtype)
         cases.append(_self_attention_case(f"random #{i}: B={B}, T={T}, C={n_head * D}, n_head={n_head}, "
-                                          f"{str(dtype)[6:]}", x(B, T, n_head * D, dtype=dtype),
-                                          _random_layer(g, n_head * D, n_head, dtype)))
-    run_check("self_attention", fn, cases, judge=_judge(SELF_ATTENTION_MISTAKES, loose=True), forbid=[
-        *NO_ATTENTION,
-        Forbidden("llmcourse.parts", OWN_PARTS),
-        Forbidden("llmcourse.model", OWN_PARTS),
-        Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
-    ], error_hints={"is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
-                                          "merge_heads (and attention your softmax): write those first"}, seconds=5, total_seconds=30, show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias",
-                                                    "c_proj_weight", "c_proj_bias", "n_head"))
+                                          f"{str(dtype)[6:]}{what}", xi, _random_layer(g, n_head * D, n_head, dtype)))
+    run_check("self_attention", fn, cases, judge=tensor_judge(_self_attention_tolerance, SELF_ATTENTION_MISTAKES),
+              forbid=[
+                  *NO_ATTENTION,
+                  Forbidden("llmcourse.parts", OWN_PARTS),
+                  Forbidden("llmcourse.model", OWN_PARTS),
+                  Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
+              ], error_hints={
+                  "is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
+                                        "merge_heads (and attention your softmax): write those first",
+                  "view size is not compatible": "x is a non-contiguous view here (a transposed [T, B, C] tensor): "
+                                                 ".view() cannot reshape it; x @ c_attn_weight works on any layout, "
+                                                 "or use .reshape() (or .contiguous().view())",
+                  "must match the size of tensor": "a size that does not fit this call: build the mask from this "
+                                                   "call's T (causal_mask(T, T), nothing of a fixed size) and split "
+                                                   "into this call's n_head heads of C // n_head"},
+              seconds=5, total_seconds=30,
+              show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias", "c_proj_weight", "c_proj_bias",
+                              "n_head"))
 
 
 # ----------------------------------------------------------------------------------------------
