@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import numbers
 import time
 from typing import Callable, Iterator, Optional, Union
 
@@ -300,7 +301,8 @@ def _calling(name: str, fn: Callable, *args):
 
 
 def _is_id(x, vocab_size: int) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab_size
+    """A token id of any integer type (numpy's too), not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= x < vocab_size
 
 
 def outside_p(fn: Callable, name: str, p: Tensor, token: int) -> None:
@@ -320,11 +322,11 @@ def guarded_accept_token(fn: Callable) -> Callable:
         if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (bool, Tensor))
                 and _is_id(out[1], p.shape[-1])):
             _fail("accept_token", fn, f"returned {out!r:.120}; expected (accepted: bool, token id in [0, {p.shape[-1]}))")
-        accepted = bool(out[0])
-        if accepted and out[1] != draft_token:
-            _fail("accept_token", fn, f"accepted the proposal {draft_token} but returned token {out[1]}")
-        outside_p(fn, "accept_token", p, out[1])
-        return accepted, out[1]
+        accepted, token = bool(out[0]), int(out[1])
+        if accepted and token != draft_token:
+            _fail("accept_token", fn, f"accepted the proposal {draft_token} but returned token {token}")
+        outside_p(fn, "accept_token", p, token)
+        return accepted, token
 
     return call
 
@@ -333,10 +335,11 @@ def guarded_verify(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(p, q, draft_tokens, generator=None):
         out = _calling("verify", fn, p, q, draft_tokens, generator)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], int) and not isinstance(out[0], bool)
-                and 0 <= out[0] <= len(draft_tokens) and _is_id(out[1], p.shape[-1])):
+        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], numbers.Integral)
+                and not isinstance(out[0], bool) and 0 <= out[0] <= len(draft_tokens) and _is_id(out[1], p.shape[-1])):
             _fail("verify", fn, f"returned {out!r:.120}; expected (number accepted in [0, {len(draft_tokens)}], "
                                 f"next token id in [0, {p.shape[-1]}))")
+        out = (int(out[0]), int(out[1]))
         for i, token in enumerate([*draft_tokens[: out[0]], out[1]]):
             outside_p(fn, "verify", p[i], token)
         return out
@@ -349,10 +352,11 @@ def guarded_lookup(fn: Callable) -> Callable:
     def call(tokens, num_draft_tokens, *args):
         out = _calling("prompt_lookup_draft", fn, list(tokens), num_draft_tokens, *args)
         if not (isinstance(out, list) and len(out) <= num_draft_tokens
-                and all(isinstance(t, int) and not isinstance(t, bool) for t in out) and set(out) <= set(tokens)):
+                and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in out)
+                and set(out) <= set(tokens)):
             _fail("prompt_lookup_draft", fn, f"returned {out!r:.120}; expected a list of at most "
                                              f"{num_draft_tokens} token ids copied from the text")
-        return out
+        return [int(t) for t in out]
 
     return call
 
@@ -384,7 +388,7 @@ def guarded_round(fn: Callable) -> Callable:
                                            f"= {draft_cache.length}; with {len(tokens)} tokens before the round and "
                                            f"{len(out)} new, the target's cache must hold exactly {kept} positions "
                                            f"(all but the last token) and the draft's at most {kept}: roll them back")
-        return out
+        return [int(t) for t in out]
 
     return call
 
