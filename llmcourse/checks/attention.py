@@ -13,7 +13,7 @@ rescaled, ...).
     ...     query_pos = torch.arange(n_key - n_query, n_key)
     ...     return torch.arange(n_key)[None, :] <= query_pos[:, None]
     >>> check_causal_mask(causal_mask)
-    ✓ causal_mask — 27 cases
+    ✓ causal_mask — 32 cases
 """
 
 from __future__ import annotations
