@@ -846,6 +846,13 @@ ALTERNATIVES = [
 ]
 
 
+
+def test_every_exercise_has_two_correct_alternatives():
+    counts = {check.__name__: 0 for check, _ in REFERENCES}
+    for check, _ in ALTERNATIVES:
+        counts[check.__name__] += 1
+    assert min(counts.values()) >= 2, counts
+
 @pytest.mark.parametrize("check, alternative", ALTERNATIVES, ids=[a.__name__ for _, a in ALTERNATIVES])
 def test_correct_alternative_passes(check, alternative, capsys):
     check(alternative)
