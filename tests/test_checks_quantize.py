@@ -781,3 +781,78 @@ def linear_float64_accumulate(x, q, scale, bias):
 def test_issue22_alternatives_pass(check, capsys):
     passes(check, capsys)
     passes(check, capsys, seed=101, n_random=8)
+
+
+# -- in the engine: each slot's check ends by quantizing the bundled GPT-2 with it installed as my_engine does ----
+# Each of these is right on every case (at most a few hundred rows) and wrong only on the engine's token table
+# (50257 rows): work done 8192 rows at a time, forgetting the last, partial chunk.
+
+CHUNK = 8192
+
+
+def _in_chunks(fn, rows, *outs):
+    """fn over rows[start : start + CHUNK] for every FULL chunk; the rest of `outs` left as zeros."""
+    for start in range(0, rows - CHUNK + 1, CHUNK):
+        for out, part in zip(outs, fn(start, start + CHUNK)):
+            out[start : start + CHUNK] = part
+    return outs
+
+
+def quantize_int8_in_chunks(w):
+    if w.shape[0] <= CHUNK:
+        return quantize_int8(w)
+    q, scale = torch.zeros(w.shape, dtype=torch.int8), torch.zeros(w.shape[0])
+    return _in_chunks(lambda a, b: quantize_int8(w[a:b]), w.shape[0], q, scale)
+
+
+def pack_int4_in_chunks(q):
+    if q.shape[0] <= CHUNK or q.dim() != 2:
+        return pack_int4(q)
+    (out,) = _in_chunks(lambda a, b: (pack_int4(q[a:b]),), q.shape[0],
+                        torch.zeros(q.shape[0], q.shape[1] // 2, dtype=torch.uint8))
+    return out
+
+
+def quantize_int4_in_chunks(w, group_size=32):
+    if w.shape[0] <= CHUNK:
+        return quantize_int4(w, group_size)
+    packed = torch.zeros(w.shape[0], w.shape[1] // 2, dtype=torch.uint8)
+    scales = torch.zeros(w.shape[0], w.shape[1] // group_size, dtype=torch.float16)
+    return _in_chunks(lambda a, b: quantize_int4(w[a:b], group_size), w.shape[0], packed, scales)
+
+
+def int8_linear_in_chunks(x, q, scale, bias):
+    if q.shape[0] <= CHUNK:
+        return int8_linear(x, q, scale, bias)
+    y = torch.zeros(*x.shape[:-1], q.shape[0], dtype=x.dtype)
+    for start in range(0, q.shape[0] - CHUNK + 1, CHUNK):
+        part = slice(start, start + CHUNK)
+        y[..., part] = int8_linear(x, q[part], scale[part], None if bias is None else bias[part])
+    return y
+
+
+IN_ENGINE_ONLY = [
+    (q8(quantize_int8_in_chunks),
+     r"quantize_int8 in the engine — quantize_model\(the bundled GPT-2 \(float32\), 'int8'\) with your quantize_int8, "
+     r"dequantize_int8 installed as my_engine installs them.*the engine's call 25 of \d+.*quantize_int8\(<float32 "
+     r"\[50257, 192\](, a transposed view)?>\).*pass(es)? the cases above but not the engine's own calls"),
+    (p4(pack_int4_in_chunks), r"pack_int4 in the engine — quantize_model\(.*'int4'\).*pack_int4\(<int8 \[50257, 192\](, a transposed view)?>\)"),
+    (q4(quantize_int4_in_chunks), r"quantize_int4 in the engine — .*quantize_int4\(<float32 \[50257, 192\](, a transposed view)?>\)"),
+    (lin(int8_linear_in_chunks), r"int8_linear in the engine — .*int8_linear\(<float32 \[1, \d+, 192\]>, <int8 "
+                                 r"\[50257, 192\]>, <float32 \[50257\]>, None\)"),
+]
+
+
+@pytest.mark.parametrize("check, pattern", IN_ENGINE_ONLY, ids=["quantize_int8", "pack_int4", "quantize_int4",
+                                                                  "int8_linear"])
+def test_a_slot_wrong_only_in_the_engine_is_rejected(check, pattern):
+    with pytest.raises(CheckFailed) as err:
+        check()
+    assert re.search(pattern, str(err.value), re.S), str(err.value)
+
+
+def test_the_bundled_model_stays_a_float_model_after_a_check(capsys):
+    from llmcourse.checks.bundled import bundled_model
+
+    lin()()
+    assert bundled_model().quantized is None and not bundled_model().quantization.overridden()

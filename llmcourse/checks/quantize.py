@@ -38,8 +38,10 @@ from ..quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
                         quantize_int8 as engine_quantize_int8, quantize_model, unpack_int4 as engine_unpack_int4,
                         weight_memory as engine_weight_memory)
 from .batching import watched
-from .core import Case, Verdict, later, run_check
+from .bundled import bundled_model
+from .core import Case, Verdict, call_learner, failure, later, run_check
 from .kv_cache import decisive_model, one_thread
+from .failed import CheckFailed
 from .forbid import Forbidden
 from .show import short
 from .tensors import tensor_problem
@@ -137,6 +139,109 @@ def _pair(got: Any, name: str) -> Optional[str]:
     if not (isinstance(got, tuple) and len(got) == 2 and all(isinstance(t, Tensor) for t in got)):
         return f"expected a tuple of two tensors ({name}), got {short(got, 100)}"
     return None
+
+
+# ----------------------------------------------------------------------------------------------
+# In the engine: every slot's check ends by quantizing the bundled GPT-2 with the learner's functions installed as
+# `llmcourse.learner.my_engine` installs them (`Quantization.with_overrides`) and generating a few tokens; each call
+# the engine made of a learner's function is then judged against the engine's own function on the same arguments
+# (computed after the run), with the exercise's own judge. So a function that passes the cases cannot then fail in
+# the engine (GPT-2's token table [50257, 192], the layers' transposed weights, one-row decoding steps, ...).
+
+ENGINE_PROMPT = [49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 4324, 9457, 30, 198, 50256, 0, 198, 41,
+                 6239, 2767, 25]  # "ROMEO:\nBut soft, what light through yonder window breaks?\n", EOS, token 0, 5 more
+ENGINE_NEW_TOKENS = 2  # a prefill of 23 rows, then a one-row decoding step
+
+
+def _engine_run(fmt: str, fns: dict[str, Callable]) -> tuple[Any, list]:
+    """A copy of the bundled GPT-2 quantized to `fmt` with `fns` installed, then ENGINE_NEW_TOKENS greedy tokens.
+    -> (the tokens, or the PartError that stopped the engine; each call of a learner's function: (name, args,
+    result)). Run inside call_learner: the engine's own code runs unwatched, the learner's under the watch."""
+    watch = sys.getprofile()
+    calls: list = []
+
+    def recorded(name: str, fn: Callable) -> Callable:
+        def call(*args):
+            sys.setprofile(watch)
+            try:
+                out = fn(*args)
+            finally:
+                sys.setprofile(None)
+            calls.append((name, args, out))
+            return out
+
+        call.__name__ = call.__qualname__ = getattr(fn, "__qualname__", name)
+        return call
+
+    sys.setprofile(None)
+    try:
+        model = copy.deepcopy(bundled_model())
+        model.quantization = Quantization.with_overrides(**{n: recorded(n, f) for n, f in fns.items()})
+        with one_thread():
+            quantize_model(model, fmt)
+            tokens = generate(model, ENGINE_PROMPT, max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None)
+    except PartError as err:
+        tokens = err
+    finally:
+        sys.setprofile(watch)
+    return tokens, calls
+
+
+def _identical(got: Any, expected: Any) -> bool:
+    if isinstance(expected, tuple):
+        return isinstance(got, tuple) and len(got) == len(expected) and all(map(_identical, got, expected))
+    return (type(got) is Tensor and isinstance(expected, Tensor) and got.dtype == expected.dtype
+            and got.shape == expected.shape and torch.equal(got, expected))
+
+
+def _describe(name: str, args: tuple) -> str:
+    def one(a):
+        if isinstance(a, Tensor):
+            layout = "" if a.is_contiguous() else ", a transposed view"
+            return f"<{str(a.dtype)[6:]} {list(a.shape)}{layout}>"
+        return repr(a)
+
+    return f"{name}({', '.join(map(one, args))})"
+
+
+def check_in_engine(fmt: str, fns: dict[str, Callable], judges: dict[str, tuple[Callable, Callable]], *,
+                    seconds: float = 20.0) -> None:
+    """Quantize the bundled GPT-2 to `fmt` with the learner's `fns` (slot name -> function) installed as my_engine
+    installs them, and generate; raise CheckFailed if the engine stops one of them, or if one of the calls the engine
+    made fails `judges[name] = (judge, reference)` against reference(*args)."""
+    names = ", ".join(fns)
+    what = (f"quantize_model(the bundled GPT-2 (float32), {fmt!r}) with your {names} installed as my_engine installs "
+            f"them (Quantization.with_overrides), then generate(model, a {len(ENGINE_PROMPT)}-token prompt, "
+            f"max_new_tokens={ENGINE_NEW_TOKENS})")
+    tokens, calls = call_learner(names, _engine_run, (fmt, fns), forbid=FORBID, seconds=seconds,
+                                 show=lambda args: what)
+    hint = (f"your {names} pass{'es' if len(fns) == 1 else ''} the cases above but not the engine's own calls: "
+            "quantize_model passes each layer's weight.T (a transposed view: [576, 192], [192, 192], [768, 192], "
+            "[192, 768]) and GPT-2's token table [50257, 192], without optional arguments; the model then "
+            "calls them on a prefill (many rows) and on one-row decoding steps")
+    if isinstance(tokens, PartError):
+        lines = str(tokens).split("\n")
+        raise CheckFailed(f"✗ {names} in the engine — {what}: the engine stopped it: {lines[0]}"
+                          + "".join(f"\n  {line.strip()}" for line in lines[1:3] if line.strip()
+                                    and not line.strip().startswith("hint"))
+                          + f"\n  hint: {hint}") from None
+    judged = set()
+    for i, (name, args, got) in enumerate(calls):
+        # One call per interface (shapes, layouts, dtypes): what the engine adds to the cases, which already judge
+        # values of every kind; the calls are kept alive until here, so their tensors are all different.
+        key = (name, *((a.shape, a.stride(), a.dtype) if isinstance(a, Tensor) else type(a) for a in args))
+        if key in judged:
+            continue
+        judged.add(key)
+        judge, reference = judges[name]
+        case = Case(f"in the engine, call {i + 1} of {len(calls)}", args, reference(*args))
+        if _identical(got, case.expected):  # the usual answer, at once (GPT-2's token table is 9.6M weights)
+            continue
+        verdict = judge(case, got)
+        if verdict:
+            problem, case_hint = verdict
+            raise failure(f"{name} in the engine", f"{what}; the engine's call {i + 1} of {len(calls)}", problem,
+                          _describe(name, args), case.expected, got, [case_hint, hint])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -371,6 +476,9 @@ def check_quantize_int8(quantize_int8: Callable, dequantize_int8: Callable, *, s
               judge=_dequantize_judge(DEQUANTIZE_INT8_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20,
               error_hints={"Byte": "convert q to float first (q.float()): int8 times a float scale is not a "
                                    "float32 tensor"})
+    check_in_engine("int8", {"quantize_int8": quantize_int8, "dequantize_int8": dequantize_int8},
+                    {"quantize_int8": (_quantize_int8_verdict, engine_quantize_int8),
+                     "dequantize_int8": (_dequantize_judge(DEQUANTIZE_INT8_MISTAKES), engine_dequantize_int8)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -543,6 +651,8 @@ def check_pack_int4(pack_int4: Callable, unpack_int4: Callable, *, seed: int = 0
 
     run_check("unpack_int4(pack_int4(q))", round_trip, trips, judge=lambda c, got: _roundtrip_verdict(c, got),
               forbid=FORBID, seconds=5, total_seconds=20)
+    check_in_engine("int4", {"pack_int4": pack_int4, "unpack_int4": unpack_int4},
+                    {"pack_int4": (_pack_verdict, engine_pack_int4), "unpack_int4": (_unpack_verdict, engine_unpack_int4)})
 
 
 def _roundtrip_verdict(case: Case, got: Any) -> Verdict:
@@ -621,16 +731,29 @@ def _quantize_int4_verdict(case: Case, got: Any) -> Verdict:
     if packed.shape != (N, K // 2) or packed.dtype != torch.uint8:
         return (f"packed: expected a torch.uint8 tensor of shape {(N, K // 2)}, got {packed.dtype} "
                 f"{tuple(packed.shape)}", "pack the values with your pack_int4")
-    mistake = next((h for fn, h in INT4_MISTAKES if _same_packed(got, _try(fn, w, group_size))), "")
+    def mistake() -> str:  # computed only for a wrong answer (the engine's calls include GPT-2's token table)
+        return next((h for fn, h in INT4_MISTAKES if _same_packed(got, _try(fn, w, group_size))), "")
+
+    # A group whose largest magnitude is reached by +m and -m alike (GPT-2's weights have some) may take either as
+    # its extreme: the scale is then ±m / 8, and the values follow the scale chosen.
+    groups = w.double().reshape(N, G, group_size)
+    peak = groups.abs().amax(-1)
+    tie = (groups == peak[..., None]).any(-1) & (groups == -peak[..., None]).any(-1) & (peak > 0)
+    other = tie & (scales == -escales)
+    if bool(other.any()):
+        escales = torch.where(other, scales, escales)
+        q = torch.round(groups / torch.where(escales == 0, 1.0, escales.double())[..., None]).clamp(-8, 7)
+        epacked = engine_pack_int4(q.to(torch.int8).reshape(N, K))
     problem = tensor_problem(scales, escales, atol=0, rtol=0)
     if problem:
-        if bool((escales < 0).any()) and bool((scales >= 0).all()) and not mistake:
-            mistake = "the scale keeps the extreme's sign: m / -8, with m the value of largest magnitude in the group"
-        return f"scales: {problem}", mistake
+        named = mistake()
+        if bool((escales < 0).any()) and bool((scales >= 0).all()) and not named:
+            named = "the scale keeps the extreme's sign: m / -8, with m the value of largest magnitude in the group"
+        return f"scales: {problem}", named
     ratio = _int4_values(w, escales)
     problem = values_problem(engine_unpack_int4(packed), engine_unpack_int4(epacked), ratio, "the 4-bit values")
     if problem:
-        return problem, mistake
+        return problem, mistake()
     return None
 
 
@@ -758,6 +881,9 @@ def check_quantize_int4(quantize_int4: Callable, dequantize_int4: Callable, *, s
               error_hints=VIEW_HINTS)
     run_check("dequantize_int4", dequantize_int4, _dequantize_int4_cases(seed, n_random),
               judge=_dequantize_judge(DEQUANTIZE_INT4_MISTAKES), forbid=FORBID, seconds=5, total_seconds=20)
+    check_in_engine("int4", {"quantize_int4": quantize_int4, "dequantize_int4": dequantize_int4},
+                    {"quantize_int4": (_quantize_int4_verdict, engine_quantize_int4),
+                     "dequantize_int4": (_dequantize_judge(DEQUANTIZE_INT4_MISTAKES), engine_dequantize_int4)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -904,6 +1030,7 @@ def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4
                            "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T",
                            "The size of tensor": "scale has one entry per output, a ROW of q: q * scale[:, None] "
                                                  "(or the product's last dimension times scale)"})
+    check_in_engine("int8", {"int8_linear": int8_linear}, {"int8_linear": (_linear_verdict, engine_int8_linear)})
 
 
 # ----------------------------------------------------------------------------------------------
