@@ -98,7 +98,7 @@ def mem(fn=weight_memory):
     return lambda **kw: check_weight_memory(fn, **kw)
 
 
-REFERENCES = [(q8(), 4, 2), (p4(), 6, 3), (q4(), 4, 2), (lin(), 4, 1), (mem(), 6, 1)]
+REFERENCES = [(q8(), 4, 2), (p4(), 6, 4), (q4(), 4, 2), (lin(), 4, 1), (mem(), 6, 1)]
 IDS = ["quantize_int8", "pack_int4", "quantize_int4", "int8_linear", "weight_memory"]
 
 
@@ -110,7 +110,7 @@ def test_reference_passes_visible_and_hidden(check, hidden, lines, capsys):
 
 
 def test_notebook_solutions_pass_their_checks(capsys):
-    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 18
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 20
 
 
 def stub(*args, **kwargs):
@@ -309,7 +309,57 @@ def pack_flat(q):
     return n[0::2] | (n[1::2] << 4)
 
 
+def pack_view_pairs(q):
+    """view() merges the dimensions: fine on a contiguous q, an error on the engine's transposed weight.T values."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    pairs = (q.to(torch.int16) & 0xF).to(torch.uint8).view(-1, 2)
+    return (pairs[:, 0] | (pairs[:, 1] << 4)).view(*q.shape[:-1], -1)
+
+
+def pack_memory_order(q):
+    """Reads q's memory in order, as if q were contiguous: wrong values for a transposed view."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    n = (torch.as_strided(q, (q.numel(),), (1,)).to(torch.int16) & 0xF).to(torch.uint8)
+    return (n[0::2] | (n[1::2] << 4)).reshape(*q.shape[:-1], -1)
+
+
+def pack_unmasked_int8(q):
+    """Shifts done in int8 without masking: a negative low value sign-extends over the high nibble."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+_BUFFER = torch.empty(1 << 23, dtype=torch.uint8)
+
+
+def pack_shared_buffer(q):
+    """A fixed-size buffer kept between calls and returned: the next call overwrites the last result."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    out = _BUFFER[: q.numel() // 2].view(*q.shape[:-1], -1)
+    torch.bitwise_or(n[..., 0::2], n[..., 1::2] << 4, out=out)
+    return out
+
+
+def pack_uint8_index(q):
+    """Column indices held in uint8: they wrap at 256, so rows of more than 256 bytes repeat their start."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"odd {q.shape[-1]}")
+    even = torch.arange(0, q.shape[-1], 2).to(torch.uint8).long()
+    n = (q.to(torch.int16) & 0xF).to(torch.uint8)
+    return n[..., even] | (n[..., even + 1] << 4)
+
+
 PACK_MISTAKES = [
+    (pack_view_pairs, r"transposed view, strides.*raised RuntimeError: view size.*view\(\) cannot merge"),
+    (pack_memory_order, r"transposed view.*reads q's memory as if its rows were contiguous"),
+    (pack_unmasked_int8, r"sign bits spill into the other nibble.*q & 0xF"),
+    (pack_shared_buffer, r"called twice.*first result.*changed when it was called again.*buffer kept between calls"),
+    (pack_uint8_index, r"256 pairs in one row.*first at index \[128\].*more than 255 values.*wraps at 256"),
     (pack_high_first, r"wrong order: value 2i goes in the LOW nibble"),
     (pack_offset, r"offset \(\+8\) encoding"),
     (pack_int8_dtype, r"expected dtype torch.uint8, got torch.int8.*bytes are unsigned"),
@@ -372,9 +422,40 @@ def unpack_by_arithmetic(packed):
     return ((v + 8) % 16 - 8).to(torch.int8)
 
 
-def test_pack_int4_alternative_passes(capsys):
-    passes(p4(pack_by_arithmetic, unpack_by_arithmetic), capsys)
-    passes(p4(pack_by_arithmetic, unpack_by_arithmetic), capsys, seed=101, n_random=10)
+def pack_numpy(q):
+    """Correct, in numpy: the same bit operations on uint8 arrays (numpy copies a transposed view's values)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"{q.shape[-1]} values cannot be packed two per byte")
+    n = q.numpy().astype(np.uint8) & 0xF
+    return torch.from_numpy(n[..., 0::2] | (n[..., 1::2] << 4))
+
+
+def unpack_numpy(packed):
+    p = packed.numpy()
+    v = np.stack([p & 0xF, p >> 4], axis=-1).reshape(*p.shape[:-1], -1).astype(np.int8)
+    return torch.from_numpy(np.where(v >= 8, v - 16, v).astype(np.int8))
+
+
+def pack_by_weights(q):
+    """Correct, another trick: each pair of nibbles times (1, 16), summed (reshape copies a transposed view)."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"{q.shape[-1]} values cannot be packed two per byte")
+    pairs = torch.remainder(q.long(), 16).reshape(*q.shape[:-1], -1, 2)
+    return (pairs * torch.tensor([1, 16])).sum(-1).to(torch.uint8)
+
+
+def unpack_by_arithmetic_shifts(packed):
+    """Correct, another trick: the bytes as int8, whose right shifts are arithmetic and so extend the sign."""
+    s = packed.view(torch.int8)
+    return torch.stack([(s << 4) >> 4, s >> 4], dim=-1).flatten(-2)
+
+
+@pytest.mark.parametrize("pack, unpack", [(pack_by_arithmetic, unpack_by_arithmetic), (pack_numpy, unpack_numpy),
+                                          (pack_by_weights, unpack_by_arithmetic_shifts)],
+                         ids=["arithmetic", "numpy", "weights-and-int8-shifts"])
+def test_pack_int4_alternative_passes(pack, unpack, capsys):
+    passes(p4(pack, unpack), capsys)
+    passes(p4(pack, unpack), capsys, seed=101, n_random=10)
 
 
 def test_pack_int4_exact_bytes_and_round_trip():

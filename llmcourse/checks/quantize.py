@@ -506,6 +506,15 @@ def _pack_halves(q):
     return n[..., : K // 2] | (n[..., K // 2:] << 4)
 
 
+def _pack_unmasked(q):
+    return (q[..., 0::2] | (q[..., 1::2] << 4)).to(torch.uint8)
+
+
+def _pack_memory_order(q):
+    n = (torch.as_strided(q, (q.numel(),), (1,)).to(torch.int16) & 0xF).to(torch.uint8)
+    return (n[0::2] | (n[1::2] << 4)).reshape(*q.shape[:-1], -1)
+
+
 PACK_MISTAKES = [
     (_pack_hi_first, "the nibbles are in the wrong order: value 2i goes in the LOW nibble (bits 0-3) of byte i, "
                      "value 2i + 1 in the high nibble (bits 4-7)"),
@@ -513,7 +522,19 @@ PACK_MISTAKES = [
                    "0 is 0b0000"),
     (_pack_halves, "pair NEIGHBOURS: byte i holds values 2i and 2i + 1 (q[..., 0::2] and q[..., 1::2]), not "
                    "values i and i + K/2"),
+    (_pack_unmasked, "a negative value's sign bits spill into the other nibble: in int8, -1 is 0xFF, so "
+                     "`lo | (hi << 4)` turns the high nibble to 1111 — keep only 4 bits of each value (q & 0xF) "
+                     "before combining"),
+    (_pack_memory_order, "your pack_int4 reads q's memory as if its rows were contiguous (as_strided, "
+                         "untyped_storage, data_ptr, numpy's buffer): quantize_int4 passes a transposed view, whose "
+                         "neighbours in a row are far apart in memory; index the tensor (q[..., 0::2]) instead"),
 ]
+PACK_ERROR_HINTS = {
+    "shift": "shift unsigned bytes: convert the nibbles to torch.uint8 before `<< 4`",
+    "view size is not compatible": "quantize_int4 passes pack_int4 the values of a layer's weight.T, a transposed "
+                                   "view: view() cannot merge its dimensions; use reshape, or index q[..., 0::2] "
+                                   "and q[..., 1::2] as they are",
+}
 
 
 def _unpack_no_sign(p):
@@ -588,9 +609,16 @@ def _unpack_verdict(case: Case, got: Any) -> Verdict:
 def pack_cases(seed: int, n_random: int) -> list[Case]:
     def case(description, values, hint=""):
         q = torch.tensor(values, dtype=torch.int8) if not isinstance(values, Tensor) else values
-        return Case(description, (q,), engine_pack_int4(q), hint)
+        return Case(description, (q,), later(engine_pack_int4, q), hint)
+
+    def values(*shape):
+        return torch.randint(-8, 8, shape, generator=rng, dtype=torch.int8)
 
     rng = torch.Generator().manual_seed(seed)
+    wide = ("rows of more than 255 values: an index, a count or a shift held in uint8 or int8 wraps at 256 (or "
+            "overflows at 128)")
+    transposed = ("quantize_int4 passes the values of a layer's weight.T: a transposed view (strides (1, N)), "
+                  "not contiguous in memory; view() cannot merge its dimensions and its memory is not in row order")
     cases = [
         case("[1, 2] -> 0x21", [1, 2], hint="value 2i in the low nibble: 1 | (2 << 4) = 0x21"),
         case("[-1, 0] -> 0x0F", [-1, 0], hint="-1 in 4-bit two's complement is 0b1111 = 15: (-1) & 0xF"),
@@ -598,7 +626,15 @@ def pack_cases(seed: int, n_random: int) -> list[Case]:
         case("[0, -1] -> 0xF0", [0, -1]),
         case("[-8, -8, 7, 7, 0, -3]", [-8, -8, 7, 7, 0, -3]),
         case("a batch of rows [2, 4]", [[1, 2, 3, 4], [-1, -2, -3, -4]], hint="pack along the last dimension"),
-        case("leading dimensions [2, 3, 8]", torch.randint(-8, 8, (2, 3, 8), generator=rng, dtype=torch.int8)),
+        case("leading dimensions [2, 3, 8]", values(2, 3, 8)),
+        case("every pair of values: 256 pairs in one row [512]",
+             torch.stack(torch.meshgrid(torch.arange(-8, 8), torch.arange(-8, 8), indexing="ij"), -1)
+             .flatten().to(torch.int8), hint=wide),
+        case("a [260, 768] matrix (rows and columns past 255)", values(260, 768), hint=wide),
+        case("a transposed view [576, 192] (as quantize_int4 passes c_attn's weight.T)", values(192, 576).T,
+             hint=transposed),
+        case("a transposed view [300, 512]", values(512, 300).T, hint=transposed),
+        case("one row of a transposed view [1, 64]", values(64, 5).T[2:3], hint=transposed),
         Case("odd size: 3 values", (torch.tensor([1, 2, 3], dtype=torch.int8),),
              Refusal(3, "an odd number of values cannot fill whole bytes")),
         Case("odd size: [2, 5]", (torch.zeros(2, 5, dtype=torch.int8),),
@@ -606,15 +642,39 @@ def pack_cases(seed: int, n_random: int) -> list[Case]:
     ]
     for i in range(n_random):
         shape = [int(torch.randint(1, 6, (), generator=rng)) for _ in range(int(torch.randint(0, 3, (), generator=rng)))]
-        K = 2 * int(torch.randint(1, 40, (), generator=rng))
-        cases.append(case(f"random #{i}: {[*shape, K]}", torch.randint(-8, 8, (*shape, K), generator=rng,
-                                                                        dtype=torch.int8)))
+        K = 2 * int(torch.randint(1, 300, (), generator=rng))
+        q = values(*shape, K) if i % 2 or not shape else values(*shape[:-1], K, shape[-1]).transpose(-1, -2)
+        cases.append(case(f"random #{i}: {[*q.shape]}{'' if q.is_contiguous() else ', a transposed view'}", q))
     return cases
+
+
+def two_packs_cases(seed: int) -> list[Case]:
+    """Two calls, both results kept: a buffer kept between calls and returned is overwritten by the next call."""
+    rng = torch.Generator().manual_seed(seed + 3)
+    q1, q2, q3 = (torch.randint(-8, 8, (4, 64), generator=rng, dtype=torch.int8) for _ in range(3))
+    return [Case("pack_int4(q1), then pack_int4(q2) of the same shape [4, 64]: both results", (q1, q2),
+                 later(lambda a, b: (engine_pack_int4(a), engine_pack_int4(b)), q1, q2)),
+            Case("pack_int4(q1) [4, 64], then pack_int4(q2) [2, 64]: both results", (q3, q2[:2]),
+                 later(lambda a, b: (engine_pack_int4(a), engine_pack_int4(b)), q3, q2[:2]))]
+
+
+def _two_packs_verdict(case: Case, got: Any) -> Verdict:
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"expected the two results, got {short(got, 80)}", ""
+    for which, g, e in zip(("first", "second"), got, case.expected):
+        problem = tensor_problem(g, e)
+        if problem:
+            return (f"the {which} result: {problem}",
+                    "pack_int4 gave the right bytes for q1 alone, but they changed when it was called again: "
+                    "return a new tensor from each call (a buffer kept between calls, e.g. a module-level "
+                    "torch.empty sliced to size, is overwritten by the next call — quantize_model keeps every "
+                    "layer's packed bytes)")
+    return None
 
 
 def unpack_cases(seed: int, n_random: int) -> list[Case]:
     def case(description, packed, hint=""):
-        return Case(description, (packed,), engine_unpack_int4(packed), hint)
+        return Case(description, (packed,), later(engine_unpack_int4, packed), hint)
 
     rng = torch.Generator().manual_seed(seed + 1)
     cases = [
@@ -624,10 +684,13 @@ def unpack_cases(seed: int, n_random: int) -> list[Case]:
         case("all 256 bytes", torch.arange(256, dtype=torch.int64).to(torch.uint8),
              hint="nibbles 0..7 are 0..7, nibbles 8..15 are -8..-1"),
         case("all 256 bytes as a [16, 16] matrix", torch.arange(256).to(torch.uint8).view(16, 16)),
+        case("a [260, 384] matrix (rows and columns past 255, as a layer's [260, 768] values)",
+             engine_pack_int4(torch.randint(-8, 8, (260, 768), generator=rng, dtype=torch.int8)),
+             hint="rows of more than 255 bytes: an index or a count held in uint8 wraps at 256"),
     ]
     for i in range(n_random):
         shape = [int(torch.randint(1, 6, (), generator=rng)) for _ in range(int(torch.randint(0, 3, (), generator=rng)))]
-        q = torch.randint(-8, 8, (*shape, 2 * int(torch.randint(1, 40, (), generator=rng))), generator=rng,
+        q = torch.randint(-8, 8, (*shape, 2 * int(torch.randint(1, 300, (), generator=rng))), generator=rng,
                           dtype=torch.int8)
         cases.append(case(f"random #{i}: packed {[*shape, q.shape[-1] // 2]}", engine_pack_int4(q)))
     return cases
@@ -635,9 +698,18 @@ def unpack_cases(seed: int, n_random: int) -> list[Case]:
 
 def check_pack_int4(pack_int4: Callable, unpack_int4: Callable, *, seed: int = 0, n_random: int = 6) -> None:
     """pack_int4(q [..., K] int8 in [-8, 7]) -> [..., K // 2] uint8 (value 2i low nibble); unpack_int4 inverts it."""
+    def show_q(args):
+        (q,) = args
+        return f"pack_int4({short(q, 120)}{'' if q.is_contiguous() else f', a transposed view, strides {q.stride()}'})"
+
     run_check("pack_int4", catching_value_errors(pack_int4), pack_cases(seed, n_random), judge=_pack_verdict,
-              forbid=FORBID, seconds=5, total_seconds=20,
-              error_hints={"shift": "shift unsigned bytes: convert the nibbles to torch.uint8 before `<< 4`"})
+              forbid=FORBID, seconds=5, total_seconds=20, error_hints=PACK_ERROR_HINTS, show_call=show_q)
+
+    def two_packs(q1, q2):
+        return pack_int4(q1), pack_int4(q2)
+
+    run_check("pack_int4, called twice", two_packs, two_packs_cases(seed), judge=_two_packs_verdict, forbid=FORBID,
+              seconds=5, total_seconds=20)
     run_check("unpack_int4", unpack_int4, unpack_cases(seed, n_random), judge=_unpack_verdict, forbid=FORBID,
               seconds=5, total_seconds=20)
     rng = torch.Generator().manual_seed(seed + 2)
