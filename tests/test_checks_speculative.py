@@ -182,7 +182,7 @@ ACCEPT_MISTAKES = [
     (accept_inverted, r"comparison is inverted"),
     (accept_never, r"gives probability 0.*expected: tokens distributed as p.*0% of the proposals accepted.*"
                   r"you never accept"),
-    (accept_tensor_token, r"the token should be a Python int, got tensor.*int\(\.\.\.\) it"),
+    (accept_tensor_token, r"the token should be an integer \(a Python int\), got tensor.*int\(\.\.\.\) it"),
     (accept_engine, r"llmcourse\.speculative.*write your own"),
     (accept_returns_other_token, r"accepted the proposal \d+ but returned the token \d+"),
 ]
@@ -205,12 +205,12 @@ def accept_by_division(p, q, draft_token, generator=None):
 
 def accept_bernoulli_numpy(p, q, draft_token, generator=None):
     """Correct, written differently: a float64 u, numpy for the ratio, multinomial on the
-    unnormalised residual in float64."""
+    unnormalised residual in float64; the token a numpy.int64 (any integer type is a token id)."""
     ratio = min(1.0, float(np.float64(p[draft_token]) / np.float64(q[draft_token])))
     if torch.rand(1, generator=generator, dtype=torch.float64).item() < ratio:
         return True, draft_token
     residual = (p.double() - q.double()).clamp(min=0)
-    return False, int(np.int64(torch.multinomial(residual, 1, generator=generator).item()))
+    return False, np.int64(torch.multinomial(residual, 1, generator=generator).item())
 
 
 @pytest.mark.parametrize("fn", [accept_by_division, accept_bernoulli_numpy])
@@ -365,12 +365,12 @@ def test_verify_mistakes_are_named(fn, pattern):
 
 
 def verify_recursive(p, q, draft_tokens, generator=None):
-    """Correct, written differently: recursion, and the learner's other correct rule."""
+    """Correct, written differently: recursion, and the learner's other correct rule; numpy.int64 results."""
     if not draft_tokens:
-        return 0, int(torch.multinomial(p[0], 1, generator=generator))
+        return np.int64(0), np.int64(torch.multinomial(p[0], 1, generator=generator).item())
     accepted, token = accept_by_division(p[0], q[0], draft_tokens[0], generator)
     if not accepted:
-        return 0, token
+        return np.int64(0), np.int64(token)
     n, token = verify_recursive(p[1:], q[1:], draft_tokens[1:], generator)
     return n + 1, token
 
@@ -606,7 +606,7 @@ def test_speculative_round_mistakes_are_named(fn, pattern):
 
 def round_with_tensors(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
     """Correct, written differently: the draft's proposals as a tensor, the kept count with cumprod, the draft's
-    cache rolled back before it runs next instead of after (it is at most len(tokens) - 1 here)."""
+    cache rolled back before it runs next instead of after (it is at most len(tokens) - 1 here); numpy.int64 ids."""
     n = len(tokens)
     drafted = torch.empty(0, dtype=torch.long)
     ids = torch.tensor(tokens[draft_cache.length :])[None]
@@ -620,7 +620,7 @@ def round_with_tensors(target, draft, target_cache, draft_cache, tokens, num_dra
     target_cache.length = n + accepted
     if draft_cache.length > n + accepted:
         draft_cache.length = n + accepted
-    return drafted[:accepted].tolist() + [int(best[accepted])]
+    return list(drafted[:accepted].numpy()) + [np.int64(best[accepted])]
 
 
 def test_speculative_round_alternative_passes(capsys):
@@ -761,7 +761,7 @@ def test_issue22_kinds_are_rejected_and_named(check, fn, pattern):
 
 
 def lookup_reversed_search(tokens, num_draft_tokens, max_ngram=3):
-    """Correct, written differently: the text reversed, str.find-like search with numpy arrays."""
+    """Correct, written differently: the text reversed, str.find-like search with numpy arrays; numpy.int64 ids."""
     arr = np.asarray(tokens, dtype=np.int64)
     for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
         tail = arr[-n:]
@@ -769,7 +769,7 @@ def lookup_reversed_search(tokens, num_draft_tokens, max_ngram=3):
         hits = np.nonzero((windows == tail).all(axis=1))[0]
         if len(hits):
             start = int(hits[-1])
-            return [int(t) for t in arr[start + n : start + n + num_draft_tokens]]
+            return list(arr[start + n : start + n + num_draft_tokens])
     return []
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import numbers
 import random
 import sys
 from typing import Any, Callable, Optional
@@ -51,7 +52,8 @@ NO_ENGINE = Forbidden("llmcourse.speculative", "llmcourse.speculative is the eng
 
 
 def _is_id(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+    """An integer of any type (Python's, numpy's), not a bool: what the engine's guards take as a token id."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _dist(values, dtype=torch.float32) -> Tensor:
@@ -167,7 +169,7 @@ def _accept_result_problem(out: Any, V: int, x: int) -> str:
         return (f"`accepted` should be a Python bool, got {short(accepted, 60)}"
                 + (": bool(...) it" if isinstance(accepted, Tensor) else ""))
     if not _is_id(token):
-        return (f"the token should be a Python int, got {short(token, 60)}"
+        return (f"the token should be an integer (a Python int), got {short(token, 60)}"
                 + (": int(...) it" if isinstance(token, Tensor) else ""))
     if not 0 <= token < V:
         return f"the token {token} is not an id of the vocabulary [0, {V})"
@@ -376,11 +378,11 @@ def _verify_result_problem(out: Any, k: int, V: int) -> str:
         return f"expected a tuple (num_accepted, next_token), got {short(out, 80)}"
     n, token = out
     if not _is_id(n):
-        return f"num_accepted should be a Python int, got {short(n, 60)}"
+        return f"num_accepted should be an integer (a Python int), got {short(n, 60)}"
     if not 0 <= n <= k:
         return f"num_accepted = {n}, outside [0, k = {k}]"
     if not _is_id(token):
-        return (f"next_token should be a Python int, got {short(token, 60)}"
+        return (f"next_token should be an integer (a Python int), got {short(token, 60)}"
                 + (": int(...) it" if isinstance(token, Tensor) else ""))
     if not 0 <= token < V:
         return f"next_token {token} is not an id of the vocabulary [0, {V})"
@@ -1107,8 +1109,9 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
         if log.problem:
             run.failed = log
             return run
-        tokens += log.out
-        run.tokens += log.out
+        ids = [int(t) for t in log.out]  # any integer type is a token id (the engine's guard converts them too)
+        tokens += ids
+        run.tokens += ids
     run.tokens = run.tokens[: pair.max_new_tokens]
     return run
 
