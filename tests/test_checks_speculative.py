@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import llmcourse.checks.speculative as spec_checks
 from llmcourse import speculative as engine
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.speculative import (PAIRS, Draws, _accept_verdict, accept_cases, check_accept_token,
+from llmcourse.checks.speculative import (Draws, _accept_verdict, accept_cases, check_accept_token,
                                           check_expected_speedup, check_prompt_lookup_draft, check_speculative_round,
                                           check_verify, chi2, correct_outcomes, decisive_model, noisy_copy)
 from llmcourse.speculative import Speculation
@@ -628,6 +628,22 @@ def test_speculative_round_alternative_passes(capsys):
     assert capsys.readouterr().out.count("✓") == 1
 
 
+def test_speculative_round_expected_tokens_are_out_of_reach():
+    """Plain greedy decoding's tokens are computed after each round returned: no pair holds them, and the check's own
+    greedy helper is refused."""
+    import dataclasses
+
+    from llmcourse.checks import speculative as checks
+
+    assert "expected" not in {f.name for f in dataclasses.fields(checks.Pair)}
+
+    def round_from_the_check(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+        target_cache.length = len(tokens)
+        return checks._greedy(target, tokens, 1)
+
+    fails(check_speculative_round, round_from_the_check, r"llmcourse\.checks")
+
+
 def test_speculative_round_that_raises_gets_a_clear_message():
     def raises(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
         return [int(draft(torch.tensor([tokens]))[0, -1].argmax())][num_draft_tokens]
@@ -737,7 +753,33 @@ def lookup_zero_is_none(tokens, num_draft_tokens, max_ngram=3):
     return out[: out.index(0)] if 0 in out else out
 
 
+def round_crop_256(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    """The text cropped to a fixed 256-token window (nanoGPT's `idx[:, -block_size:]`): the caches hold the whole
+    text, so past 256 tokens the positions no longer match."""
+    return speculative_round(target, draft, target_cache, draft_cache, tokens[-256:], num_draft_tokens)
+
+
+def round_zero_is_no_proposal(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
+    """Takes a proposal 0 for 'no proposal' and stops keeping proposals there (the tokens stay right)."""
+    n = len(tokens)
+    ids = torch.tensor([tokens[draft_cache.length :]])
+    proposals = []
+    for _ in range(num_draft_tokens):
+        proposals.append(int(draft(ids, cache=draft_cache)[0, -1].argmax()))
+        ids = torch.tensor([[proposals[-1]]])
+    best = target(torch.tensor([[tokens[-1], *proposals]]), cache=target_cache)[0].argmax(-1).tolist()
+    accepted = 0
+    while accepted < len(proposals) and proposals[accepted] and proposals[accepted] == best[accepted]:
+        accepted += 1
+    target_cache.length = n + accepted
+    draft_cache.length = min(draft_cache.length, n + accepted)
+    return proposals[:accepted] + [best[accepted]]
+
+
 ISSUE22_MISTAKES = [
+    (check_speculative_round, round_crop_256, r"a prompt of 260 tokens \(positions past 255\).*target_cache\.length"),
+    (check_speculative_round, round_zero_is_no_proposal,
+     r"token 0 among the new tokens.*kept \d proposals; the draft's greedy continuation"),
     (check_accept_token, accept_global_rng, r"randomness: the call used or changed torch's global generator"),
     (check_accept_token, accept_copied_generator, r"randomness: the generator's state did not change"),
     (check_accept_token, accept_uint8_token, r"V = 300.*accepted the proposal 299 but returned the token 43"),

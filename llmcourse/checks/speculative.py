@@ -913,7 +913,8 @@ def noisy_copy(model: GPT2, seed: int, scale: float) -> GPT2:
 
 @dataclasses.dataclass
 class Pair:
-    """A target, a draft, a prompt, and plain greedy decoding's continuation (`expected`)."""
+    """A target, a draft, a prompt. Plain greedy decoding's continuation is not kept here: it is computed only after
+    the learner's round returned (each round's, and the whole run's with `later`), out of the learner's reach."""
 
     description: str
     target: GPT2
@@ -921,29 +922,44 @@ class Pair:
     prompt: list[int]
     max_new_tokens: int
     k: int
-    expected: list[int]
     exact_proposals: bool  # the draft's own greedy continuation is decisive: the kept count can be demanded
+    eos_token_id: Optional[int] = None  # for the engine's run only
+
+    def greedy(self) -> list[int]:
+        """Plain greedy decoding's tokens from the prompt (what the rounds must make)."""
+        return _greedy(self.target, self.prompt, self.max_new_tokens, self.eos_token_id)
 
 
 PAIRS: dict[tuple, Pair] = {}  # kept out of the cases' arguments (models must not be snapshotted)
 
 
-def _greedy(model: GPT2, ids: list[int], n: int) -> list[int]:
-    with one_thread():
-        return generate(model, ids, max_new_tokens=n, eos_token_id=None) if n else []
+def _greedy(model: GPT2, ids: list[int], n: int, eos_token_id: Optional[int] = None) -> list[int]:
+    with one_thread(), torch.inference_mode():
+        return generate(model, ids, max_new_tokens=n, eos_token_id=eos_token_id) if n else []
 
 
 def _pair(key: tuple, description: str, make: Callable[[], tuple], k: int, exact: bool = True) -> Pair:
     if key not in PAIRS:
         target, draft, prompt, n = make()
-        PAIRS[key] = Pair(description, target, draft, prompt, n, k, _greedy(target, prompt, n), exact)
+        PAIRS[key] = Pair(description, target, draft, prompt, n, k, exact)
     return PAIRS[key]
 
 
 def bundled_pair() -> tuple[GPT2, GPT2]:
-    from ..loading import load_model
+    """The bundled GPT-2 and its draft, as loaded once for every check (`bundled_model`)."""
+    return bundled_model("gpt2-shakespeare"), bundled_model("gpt2-shakespeare-draft")
 
-    return load_model("gpt2-shakespeare", device="cpu"), load_model("gpt2-shakespeare-draft", device="cpu")
+
+def token_zero_in_continuation(target: GPT2, prompt: list[int], n: int) -> list[int]:
+    """Relabel the target's vocabulary (in place) so that one of its greedy tokens from `prompt` (the 3rd to the 8th,
+    one that the prompt holds too if there is one) is token 0: the token table's rows 0 and t exchanged (the head is
+    tied to it), so the continuation is the same with t and 0 exchanged; -> the prompt relabeled."""
+    made = _greedy(target, prompt, min(n, 8))
+    t = next((x for x in made[2:] if x in prompt and x != 0), made[min(4, len(made) - 1)])
+    swap = {0: t, t: 0}
+    with torch.no_grad():
+        target.wte.weight[[0, t]] = target.wte.weight[[t, 0]].clone()
+    return [swap.get(x, x) for x in prompt]
 
 
 @dataclasses.dataclass
@@ -976,11 +992,13 @@ class RoundRun:
         return short(self.tokens if self.engine is None else self.engine, 120)
 
 
-def _round_problem(log: RoundLog, pair: Pair, proposals: list[int]) -> None:
-    """Fill log.problem / log.hint for a round whose result or caches are wrong (left empty when right)."""
+def _round_problem(log: RoundLog, pair: Pair) -> None:
+    """Fill log.problem / log.hint for a round whose result or caches are wrong (left empty when right). Called after
+    the round returned: plain greedy decoding's continuation of the text and the draft's proposals are computed
+    only now."""
     out, k, n = log.out, log.k, len(log.tokens)
-    made = n - len(pair.prompt)
-    continuation = pair.expected[made : made + k + 1]
+    continuation = _greedy(pair.target, log.tokens, k + 1)
+    proposals = _greedy(pair.draft, log.tokens, k) if pair.exact_proposals else []
     if not isinstance(out, list) or not all(_is_id(t) for t in out):
         log.problem = f"returned {short(out, 80)}, expected a list of token ids"
         log.hint = "return the kept proposals plus the target's next token, as a list of ints"
@@ -1094,7 +1112,6 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
         k = min(pair.k, pair.max_new_tokens - len(run.tokens) - 1)
         log = RoundLog(len(run.rounds), list(tokens), k)
         run.rounds.append(log)
-        proposals = _greedy(draft, tokens, k) if pair.exact_proposals else []
         log.draft_before = draft_cache.length
         with CountCalls(target) as counter, CountCalls(draft) as drafted:
             drafted.written = draft_cache.length
@@ -1105,7 +1122,7 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
                 sys.setprofile(None)
         log.target_calls, log.draft_written = counter.calls, drafted.written
         log.target_length, log.draft_length = target_cache.length, draft_cache.length
-        _round_problem(log, pair, proposals)
+        _round_problem(log, pair)
         if log.problem:
             run.failed = log
             return run
@@ -1132,7 +1149,7 @@ def _run_engine(fn: Callable, pair: Pair, watch) -> RoundRun:
     target.speculation = Speculation.with_overrides(speculative_round=theirs)
     try:
         with one_thread():
-            out = generate(target, pair.prompt, max_new_tokens=pair.max_new_tokens, eos_token_id=None,
+            out = generate(target, pair.prompt, max_new_tokens=pair.max_new_tokens, eos_token_id=pair.eos_token_id,
                            draft=pair.draft, num_draft_tokens=pair.k)
     except PartError as err:
         out = err
@@ -1166,10 +1183,13 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
     def prompt(n):
         return [rng.randrange(97) for _ in range(n)]
 
-    def tiny(key, description, draft_of, n_prompt, n_new, k):
+    def tiny(key, description, draft_of, n_prompt, n_new, k, n_positions=64, zero=False):
         def make():
-            target = decisive_model(seed + key).requires_grad_(False)
-            return target, draft_of(target).requires_grad_(False), prompt(n_prompt), n_new
+            target = decisive_model(seed + key, n_positions=n_positions).requires_grad_(False)
+            ids = prompt(n_prompt)
+            if zero:
+                ids = token_zero_in_continuation(target, ids, n_new)
+            return target, draft_of(target).requires_grad_(False), ids, n_new
 
         return _pair((seed, key), description, make, k)
 
@@ -1180,6 +1200,10 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         tiny(4, "a draft that disagrees a lot (another random model), k = 6",
              lambda t: decisive_model(seed + 99).requires_grad_(False), 9, 20, 6),
         tiny(5, "k = 1", lambda t: noisy_copy(t, seed + 2, 0.2), 4, 12, 1),
+        tiny(6, "a prompt of 260 tokens (positions past 255), k = 3", lambda t: noisy_copy(t, seed + 3, 0.15), 260,
+             24, 3, n_positions=320),
+        tiny(7, "token 0 among the new tokens (a real token, as EOS may be), k = 3",
+             lambda t: noisy_copy(t, seed + 4, 0.1), 6, 16, 3, zero=True),
     ]
     for i in range(n_random):
         k = rng.randint(1, 6)
@@ -1193,9 +1217,18 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
             return target, draft, get_tokenizer().encode("ROMEO:\nBut soft, what light"), 16
 
         pairs.append(_pair(("bundled",), "the bundled pair (gpt2-shakespeare and its draft), k = 4", make, 4, exact=False))
-    cases = [Case(p.description, ("loop", i), p.expected) for i, p in enumerate(pairs)]
+    zero = next(i for i, p in enumerate(pairs) if p.description.startswith("token 0"))
+    pairs.append(dataclasses.replace(pairs[zero], eos_token_id=0))
+
+    def greedy(i):  # the tokens the rounds must make: computed after the learner's calls
+        return pairs[i].greedy()
+
+    cases = [Case(p.description, ("loop", i), later(greedy, i)) for i, p in enumerate(pairs[:-1])]
     cases.append(Case("llmcourse.generate(target, ids, draft=draft, num_draft_tokens=4) with your round installed",
-                      ("engine", 1), pairs[1].expected))
+                      ("engine", 1), later(greedy, 1)))
+    cases.append(Case("llmcourse.generate(target, ids, draft=draft, num_draft_tokens=3, eos_token_id=0) with your "
+                      "round installed: generation stops at the first token 0", ("engine", len(pairs) - 1),
+                      later(greedy, len(pairs) - 1)))
 
     def run(kind, i):
         watch = sys.getprofile()
@@ -1214,7 +1247,7 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         if args[0] == "engine":
             return (f"target.speculation = Speculation.with_overrides(speculative_round=speculative_round); "
                     f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
-                    f"num_draft_tokens={pair.k}) ({models})")
+                    f"num_draft_tokens={pair.k}, eos_token_id={pair.eos_token_id}) ({models})")
         return (f"rounds of speculative_round(target, draft, target_cache, draft_cache, tokens, {pair.k}) from the "
                 f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})")
 
