@@ -12,7 +12,7 @@ distribution (fixed seeds, so a check gives the same verdict every time it runs)
     >>> def temperature(logits, t):
     ...     return logits / t
     >>> check_temperature(temperature)
-    ✓ temperature — 9 cases
+    ✓ temperature — 18 cases
 
 The engine's own functions (and transformers') are the black boxes: passing them fails.
 """

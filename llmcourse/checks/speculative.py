@@ -57,7 +57,7 @@ def _is_id(x: Any) -> bool:
 
 
 def _dist(values, dtype=torch.float32) -> Tensor:
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.as_tensor(values, dtype=torch.float64)
     return (t / t.sum()).to(dtype)
 
 
