@@ -40,8 +40,8 @@ from ..config import GPT2Config
 from ..model import GPT2
 from .core import Case, Verdict, later, run_check, unwritten_helper
 from .forbid import Forbidden
-from .show import short
-from .tensors import FLOAT32_ACCURACY, in_float64, same_answer, tensor_problem
+from .show import distinct, short
+from .tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_answer, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -114,15 +114,6 @@ def _floor(t: Tensor) -> float:
     return 4 * torch.finfo(t.dtype).tiny if t.is_floating_point() else 0.0
 
 
-def _digits(a: float, b: float) -> tuple[str, str]:
-    """a and b with as many significant digits as it takes to see them differ (6 at least)."""
-    for p in range(6, 18):
-        x, y = f"{a:.{p}g}", f"{b:.{p}g}"
-        if x != y:
-            return x, y
-    return f"{a!r}", f"{b!r}"
-
-
 HALF_DTYPE = ("keep the input's dtype: float16 in, float16 out (bfloat16 the same). The engine runs float16 and "
               "bfloat16 models and refuses a part that returns float32 (no .float() without converting back)")
 
@@ -151,11 +142,12 @@ def accuracy_judge(accuracy: Accuracy, contract: str, mistakes: Sequence[tuple[C
         ratio = (error / allowed).masked_fill(~wrong, 0)
         index = torch.nonzero(ratio == ratio.max())[0]
         at = tuple(index)
-        want, have = _digits(exact[at].item(), got[at].item())
+        want, have = distinct(exact[at].item(), got[at].item())
         problem = (f"the values differ at {int(wrong.sum())} of {wrong.numel()} positions, most at index "
                    f"[{', '.join(str(int(i)) for i in index)}]: expected {want}, got {have} "
                    f"(|difference| {error[at].item():.3g}, allowed {allowed[at].item():.3g} there)")
-        hint = _diagnose(got, case.args, mistakes, exact, allowed)
+        hint = known_mistake(got, case.args, mistakes,
+                             lambda candidate: not bool(((candidate.double() - exact).abs() <= allowed).all()))
         if not hint and got.dtype == torch.float64 and bool((error <= allowed * 2.0**29).all()):
             hint = FLOAT32_ACCURACY
         if not hint and ratio.max().item() < 30:
@@ -163,19 +155,6 @@ def accuracy_judge(accuracy: Accuracy, contract: str, mistakes: Sequence[tuple[C
         return problem, hint
 
     return judge
-
-
-def _diagnose(got: Tensor, args: tuple, mistakes: Sequence[tuple[Callable, str]], exact: Tensor, allowed: Tensor) -> str:
-    """The hint of the first known mistake whose answer on `args` is `got`, and wrong there."""
-    for mistake, hint in mistakes:
-        try:
-            with torch.no_grad():
-                candidate = mistake(*args)
-        except Exception:  # a mistake that cannot run on this input names nothing
-            continue
-        if same_answer(got, candidate) and not bool(((candidate.double() - exact).abs() <= allowed).all()):
-            return hint
-    return ""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from torch import Tensor
 
 from ..config import GPT2Config
 from ..model import GPT2, KVCache as EngineKVCache
+from .bundled import bundled_model
 from .core import Case, Verdict, equal, later, run_check
 from .failed import CheckFailed
 from .forbid import Forbidden
@@ -792,11 +793,9 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
         cases.append(case(f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt", model,
                           [rng.randrange(V) for _ in range(P)], rng.randint(1, 64 - P)))
     if bundled:
-        from ..loading import load_model
         from ..tokenizer import get_tokenizer
 
-        model = load_model("gpt2-shakespeare", device="cpu")
-        cases.append(case("the bundled model, 'ROMEO:'", model, get_tokenizer().encode("ROMEO:"), 20))
+        cases.append(case("the bundled model, 'ROMEO:'", bundled_model(), get_tokenizer().encode("ROMEO:"), 20))
 
     def show(args: tuple) -> str:
         model, prompt, n = args

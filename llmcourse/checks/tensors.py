@@ -113,18 +113,27 @@ def same_answer(got: Any, candidate: Any) -> bool:
     return bool(torch.isclose(got, candidate, rtol=1e-4, atol=1e-6 * max(scale, 1.0), equal_nan=True).all())
 
 
-def diagnose(got: Any, args: tuple, mistakes: Sequence[Mistake], expected: torch.Tensor, *,
-             atol: float, rtol: float) -> str:
-    """The hint of the first known mistake whose answer on `args` is `got` and is wrong there (not within
-    atol/rtol of `expected`); for float64 work done in float32, FLOAT32_ACCURACY; else ''."""
+def known_mistake(got: Any, args: tuple, mistakes: Sequence[Mistake], wrong: Callable[[torch.Tensor], bool]) -> str:
+    """The hint of the first known mistake whose answer on `args` is `got` and is `wrong` there; else ''."""
     for mistake, hint in mistakes:
         try:
             with torch.no_grad():
                 candidate = mistake(*args)
         except Exception:  # a mistake that cannot run on this input names nothing
             continue
-        if same_answer(got, candidate) and tensor_problem(candidate, expected, atol=atol, rtol=rtol) is not None:
+        if same_answer(got, candidate) and wrong(candidate):
             return hint
+    return ""
+
+
+def diagnose(got: Any, args: tuple, mistakes: Sequence[Mistake], expected: torch.Tensor, *,
+             atol: float, rtol: float) -> str:
+    """The hint of the first known mistake whose answer on `args` is `got` and is wrong there (not within
+    atol/rtol of `expected`); for float64 work done in float32, FLOAT32_ACCURACY; else ''."""
+    hint = known_mistake(got, args, mistakes,
+                         lambda candidate: tensor_problem(candidate, expected, atol=atol, rtol=rtol) is not None)
+    if hint:
+        return hint
     if expected.dtype == torch.float64 and isinstance(got, torch.Tensor) and got.dtype == torch.float64 \
             and same_answer(got, expected):
         return FLOAT32_ACCURACY
