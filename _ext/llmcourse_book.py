@@ -10,7 +10,7 @@
   and ends it with a newline, which turns a token-by-token stream into one token per line.
 - The build offers what a reader needs to work offline: ``downloads/llmcourse-chapters.zip`` (the
   exercise notebooks) and the ``llmcourse`` wheel (the engine, its checks, the bundled models).
-- Interactive figures (``llmcourse.figures.show``) are Plotly figures: pages that hold one load the
+- Interactive figures (``llmcourse.course.figures.show``) are Plotly figures: pages that hold one load the
   plotly.js that ships in the plotly package, copied into the build, so they work offline.
 - Static files from ``_ext/static/`` (not the book's ``_static/``, whose every .js jupyter-book loads on
   every page): ``llmcourse.css`` (wide tables show that they scroll on narrow screens) and MathJax 3.2.2
@@ -33,7 +33,7 @@ from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util import logging
 
-from llmcourse.refresh import merge_streams
+from llmcourse.course.refresh import merge_streams
 
 logger = logging.getLogger(__name__)
 

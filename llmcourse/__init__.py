@@ -6,15 +6,15 @@
     >>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
 """
 
-from .config import CheckpointError, GPT2Config
-from .generate import generate, generate_text, stream
-from .llm_engine import LLMEngine
-from .loading import load_model, save_model
-from .model import GPT2, KVCache
-from .parts import PartError, Parts
-from .speculative import SpeculationStats
-from .tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
-from . import stubs as _stubs
+from .engine.config import CheckpointError, GPT2Config
+from .engine.generate import generate, generate_text, stream
+from .serving.llm_engine import LLMEngine
+from .engine.loading import load_model, save_model
+from .engine.model import GPT2, KVCache
+from .engine.parts import PartError, Parts
+from .engine.speculative import SpeculationStats
+from .engine.tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
+from .course import stubs as _stubs
 
 _stubs.install()  # inside IPython (a chapter's notebook): a stub's NotImplementedError shows as one line
 

@@ -16,11 +16,11 @@ import argparse
 import re
 import sys
 
-from .config import CheckpointError
-from .generate import NUM_DRAFT_TOKENS
-from .parts import PartError
-from .speculative import SpeculationStats
-from .tokenizer import TokenizerFileError
+from .engine.config import CheckpointError
+from .engine.generate import NUM_DRAFT_TOKENS
+from .engine.parts import PartError
+from .engine.speculative import SpeculationStats
+from .engine.tokenizer import TokenizerFileError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -183,7 +183,7 @@ def name_list(text: str) -> list[str]:
 
 
 def run_progress(args: argparse.Namespace) -> int:
-    from .progress import default_folder, progress_lines
+    from .course.progress import default_folder, progress_lines
 
     try:
         for line in progress_lines(default_folder() if args.folder is None else args.folder, verbose=args.verbose):
@@ -195,16 +195,16 @@ def run_progress(args: argparse.Namespace) -> int:
 
 
 def run_release(names: list[str]) -> int:
-    from .grading import release
+    from .course.grading import release
 
     return release(names=names or None)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .generate import CompileError, stream
-    from .loading import load_model
-    from .quantize import quantize_model
-    from .tokenizer import get_tokenizer
+    from .engine.generate import CompileError, stream
+    from .engine.loading import load_model
+    from .engine.quantize import quantize_model
+    from .engine.tokenizer import get_tokenizer
 
     def fail(message: str, code: int) -> int:
         print(f"python -m llmcourse generate: error: {message}", file=sys.stderr)
@@ -228,7 +228,7 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
-            from .learner import slots_used, your_pieces
+            from .course.learner import slots_used, your_pieces
 
             yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True),
                                 uses=slots_used({**settings, "quantize": args.quantize}))
@@ -267,8 +267,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from .loading import load_model, save_model
-    from .quantize import resident_bytes
+    from .engine.loading import load_model, save_model
+    from .engine.quantize import resident_bytes
 
     try:
         model = load_model(args.model, device="cpu", quantize=args.format)
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "release":
             return run_release(args.names)
         if args.command == "bench":
-            from .bench import main as bench
+            from .bench.speed import main as bench
 
             return bench(args)
     except KeyboardInterrupt:

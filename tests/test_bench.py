@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from llmcourse import bench
-from llmcourse.bench import FIGURES, decode_step_cost, roofline
-from llmcourse.config import GPT2Config
+from llmcourse.bench import speed as bench
+from llmcourse.bench.speed import FIGURES, decode_step_cost, roofline
+from llmcourse.engine.config import GPT2Config
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).

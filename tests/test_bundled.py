@@ -8,9 +8,10 @@ import sys
 import pytest
 import torch
 
-from llmcourse import generate, get_tokenizer, load_model
-from llmcourse.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
-from llmcourse.shakespeare import validation_figures, validation_tokens
+from llmcourse import get_tokenizer, load_model
+from llmcourse.engine import generate
+from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
+from llmcourse.training.shakespeare import validation_figures, validation_tokens
 
 # Greedy continuation of "ROMEO:" by gpt2-shakespeare, recorded when the model was trained.
 RECORDED_GREEDY = [198, 40, 423, 587, 257, 582, 11, 290, 314, 423, 587, 198, 2514, 423, 257, 582, 13, 198, 198, 44879,

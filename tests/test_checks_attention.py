@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_early
 
-import llmcourse.parts
-from llmcourse import tiled_attention as engine_tiled_module
+import llmcourse.engine.parts
+from llmcourse.engine import tiled_attention as engine_tiled_module
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention,
                                         check_softmax, check_split_heads, check_tiled_attention,
                                         reference_self_attention)
-from llmcourse.parts import softmax as engine_softmax_imported_early
+from llmcourse.engine.parts import softmax as engine_softmax_imported_early
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -900,7 +900,7 @@ def softmax_aten(x, dim=-1):
 
 
 def causal_mask_engine(n_query, n_key):
-    return llmcourse.parts.causal_mask(n_query, n_key)
+    return llmcourse.engine.parts.causal_mask(n_query, n_key)
 
 
 def attention_sdpa(q, k, v, mask=None):
@@ -908,7 +908,7 @@ def attention_sdpa(q, k, v, mask=None):
 
 
 def attention_engine(q, k, v, mask=None):
-    return llmcourse.parts.attention(q, k, v, mask)
+    return llmcourse.engine.parts.attention(q, k, v, mask)
 
 
 def attention_with_torch_softmax(q, k, v, mask=None):
@@ -917,16 +917,16 @@ def attention_with_torch_softmax(q, k, v, mask=None):
 
 
 def split_heads_engine(x, n_head):
-    return llmcourse.parts.split_heads(x, n_head)
+    return llmcourse.engine.parts.split_heads(x, n_head)
 
 
 def merge_heads_engine(x):
-    return llmcourse.parts.merge_heads(x)
+    return llmcourse.engine.parts.merge_heads(x)
 
 
 def self_attention_engine_parts(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
     T, C = x.shape[1], x.shape[2]
-    qkv = llmcourse.parts.linear(x, c_attn_weight, c_attn_bias)
+    qkv = llmcourse.engine.parts.linear(x, c_attn_weight, c_attn_bias)
     q, k, v = (split_heads(t, n_head) for t in qkv.split(C, dim=-1))
     return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
 
@@ -956,17 +956,17 @@ BLACK_BOXES = [
     (check_softmax, softmax_module, r"softmax"),
     (check_softmax, softmax_from_log_softmax, r"log_softmax"),
     (check_softmax, softmax_from_logsumexp, r"called torch.logsumexp"),
-    (check_softmax, softmax_engine, r"llmcourse.parts.softmax|torch.softmax"),
+    (check_softmax, softmax_engine, r"llmcourse.engine.parts.softmax|torch.softmax"),
     (check_softmax, softmax_aten, r"_softmax"),
-    (check_causal_mask, causal_mask_engine, r"llmcourse.parts.causal_mask"),
+    (check_causal_mask, causal_mask_engine, r"llmcourse.engine.parts.causal_mask"),
     (check_attention, attention_sdpa, r"scaled_dot_product_attention"),
-    (check_attention, attention_engine, r"llmcourse.parts.attention|scaled_dot_product_attention"),
+    (check_attention, attention_engine, r"llmcourse.engine.parts.attention|scaled_dot_product_attention"),
     (check_attention, attention_with_torch_softmax, r"called torch.softmax[\s\S]*Use your own softmax"),
-    (check_split_heads, split_heads_engine, r"llmcourse.parts.split_heads"),
-    (check_merge_heads, merge_heads_engine, r"llmcourse.parts.merge_heads"),
-    (check_self_attention, self_attention_engine_parts, r"llmcourse.parts"),
+    (check_split_heads, split_heads_engine, r"llmcourse.engine.parts.split_heads"),
+    (check_merge_heads, merge_heads_engine, r"llmcourse.engine.parts.merge_heads"),
+    (check_self_attention, self_attention_engine_parts, r"llmcourse.engine.parts"),
     (check_self_attention, self_attention_multihead_module, r"MultiheadAttention|multi_head_attention_forward|scaled_dot_product_attention"),
-    (check_tiled_attention, tiled_engine, r"llmcourse.tiled_attention"),
+    (check_tiled_attention, tiled_engine, r"llmcourse.engine.tiled_attention"),
     (check_tiled_attention, tiled_with_torch_softmax_and_logsumexp, r"called torch.softmax"),
 ]
 
@@ -981,7 +981,7 @@ def test_the_engine_still_works_after_a_check_that_forbids_it():
     with pytest.raises(CheckFailed):
         check_attention(attention_engine)
     q = torch.randn(1, 1, 3, 4)
-    assert llmcourse.parts.attention(q, q, q).shape == (1, 1, 3, 4)
+    assert llmcourse.engine.parts.attention(q, q, q).shape == (1, 1, 3, 4)
 
 
 # -- broken functions: errors, hangs, wrong shapes and types -------------------------------------

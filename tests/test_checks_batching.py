@@ -13,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 
-from llmcourse.batching import Batching, left_pad as engine_left_pad
-from llmcourse.block_manager import BlockAllocator as EngineAllocator, blocks_for
+from llmcourse.serving.batching import Batching, left_pad as engine_left_pad
+from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
 import llmcourse.checks.batching as batching_checks
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.batching import (alone, check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
                                        check_slot_mapping, decisive_model, policy, run_engine, schedule_scenario,
                                        workload)
-from llmcourse.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
-from llmcourse.scheduler import SeqView, schedule as engine_schedule
+from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
+from llmcourse.serving.scheduler import SeqView, schedule as engine_schedule
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -310,11 +310,11 @@ def test_left_pad_pad_position_bug_changes_the_tokens_of_the_batch():
     before = [engine_left_pad(prompts)]
     model.batching = Batching.with_overrides(left_pad=pad_positions_count_padding)
     try:
-        from llmcourse import generate
+        from llmcourse.engine import generate
         batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None)
     finally:
         model.batching = Batching()
-    from llmcourse import generate
+    from llmcourse.engine import generate
     assert batched[0] == generate(model, prompts[0], max_new_tokens=8, eos_token_id=None)
     assert batched[1:] != [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts[1:]]
     assert before[0][0].tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 0, 10], [0, 0, 11, 12, 13]]
@@ -763,7 +763,7 @@ def schedule_remembers_queues(running, waiting, num_free_blocks, **limits):
 
 def schedule_masked_round_up(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
     """Rounds up to whole blocks with a bit mask: right for powers of two only."""
-    from llmcourse import block_manager
+    from llmcourse.serving import block_manager
 
     real = block_manager.blocks_for
     try:

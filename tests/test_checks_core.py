@@ -12,10 +12,10 @@ from math import factorial as factorial_imported_early
 import pytest
 import torch
 
-from llmcourse.checks.core import Case, CheckFailed, call_learner, equal, run_check
-from llmcourse.checks.forbid import Forbidden, ForbiddenCall, forbidding
-from llmcourse.checks.limits import TimeUp, time_limit
-from llmcourse.checks.show import short
+from llmcourse.checks.harness.core import Case, CheckFailed, call_learner, equal, run_check
+from llmcourse.checks.harness.forbid import Forbidden, ForbiddenCall, forbidding
+from llmcourse.checks.harness.limits import TimeUp, time_limit
+from llmcourse.checks.harness.show import short
 
 # -- order-aware comparison ---------------------------------------------------------------------
 
@@ -419,8 +419,9 @@ import os  # noqa: E402
 
 import numpy  # noqa: E402
 
-from llmcourse.checks import isolate, later  # noqa: E402
-from llmcourse.checks.randomness import generator_contract  # noqa: E402
+from llmcourse.checks import later  # noqa: E402
+from llmcourse.checks.harness import isolate  # noqa: E402
+from llmcourse.checks.harness.randomness import generator_contract  # noqa: E402
 
 SOFTMAX_RULES = [Forbidden("torch.softmax", "Write it yourself.")]
 
@@ -574,7 +575,7 @@ def test_answers_are_plain_tensors_and_any_python_number():
 
     liar = torch.zeros(2).as_subclass(AlwaysEqual)
     assert "plain torch.Tensor, got a AlwaysEqual" in equal(liar, torch.ones(2))
-    from llmcourse.checks.tensors import tensor_problem
+    from llmcourse.checks.harness.tensors import tensor_problem
     assert "plain torch.Tensor" in tensor_problem(liar, torch.ones(2))
     assert equal(numpy.int64(3), 3) is None and equal(fractions.Fraction(1, 3), 1 / 3) is None
     assert equal(numpy.float32(0.5), 0.5) is None and equal(numpy.bool_(True), True) is None
@@ -584,7 +585,7 @@ def test_answers_are_plain_tensors_and_any_python_number():
 
 def test_messages_show_the_digits_that_differ_where_an_input_changed_and_the_device():
     assert "expected 0.1153642, got 0.1153641" in equal(0.1153641, 0.1153642, rel_tol=1e-9, abs_tol=0)
-    from llmcourse.checks.tensors import tensor_problem
+    from llmcourse.checks.harness.tensors import tensor_problem
     problem = tensor_problem(torch.tensor([0.115366]), torch.tensor([0.115364]), atol=1e-7, rtol=0)
     assert "expected 0.115364, got 0.115366" in problem and "close, but the check asks for" in problem
     assert tensor_problem(torch.zeros(2, device="meta"), torch.zeros(2)) == "expected a tensor on cpu, got one on meta"

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.functional import embedding as embedding_imported_early
 
-import llmcourse.parts
-from llmcourse import positions
+import llmcourse.engine.parts
+from llmcourse.engine import positions
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from tests.notebook_checks import run_notebook_checks
@@ -544,7 +544,7 @@ BLACK_BOXES = [
     (check_embedding, lambda weight, ids: torch.embedding(weight, ids), r"called torch\.embedding"),
     (check_embedding, lambda weight, ids: torch.ops.aten.embedding(weight, ids), r"called .*embedding"),
     (check_embedding, embedding_through_module, r"called torch\.(nn\.(modules\.sparse\.)?Embedding|embedding)"),
-    (check_embedding, lambda weight, ids: llmcourse.parts.embedding(weight, ids), r"called llmcourse\.parts\.embedding"),
+    (check_embedding, lambda weight, ids: llmcourse.engine.parts.embedding(weight, ids), r"called llmcourse\.parts\.embedding"),
     (check_embed, lambda wte, wpe, ids, pos=None: F.embedding(ids, wte) + wpe[: ids.shape[1]],
      r"called torch\.(nn\.functional\.)?embedding"),
     (check_sinusoidal_positions, lambda n, dim, base=10000.0: positions.sinusoidal_positions(n, dim, base),
@@ -569,7 +569,7 @@ def test_the_engine_still_works_after_a_check_that_forbids_it():
     with pytest.raises(CheckFailed):
         check_embedding(lambda weight, ids: F.embedding(ids, weight))
     assert sys.getprofile() is None
-    assert torch.equal(llmcourse.parts.embedding(torch.eye(3), torch.tensor([[2]])), torch.tensor([[[0.0, 0, 1]]]))
+    assert torch.equal(llmcourse.engine.parts.embedding(torch.eye(3), torch.tensor([[2]])), torch.tensor([[[0.0, 0, 1]]]))
 
 
 # -- crashes, hangs, wrong types ------------------------------------------------------------------

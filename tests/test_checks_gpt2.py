@@ -13,13 +13,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import llmcourse
-from llmcourse import GPT2Config, parts
+from llmcourse import GPT2Config
+from llmcourse.engine import parts
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.gpt2 import (BLOCK_KEYS, block_weights, check_block, check_gelu, check_gpt2_forward,
                                    check_layer_norm, check_linear, check_load_gpt2_checkpoint, check_mlp,
                                    checkpoint_folders, hf_logits, lively_state_dict, reference_block,
                                    reference_checkpoint, reference_forward)
-from llmcourse.parts import attention, causal_mask, embedding, merge_heads, split_heads
+from llmcourse.engine.parts import attention, causal_mask, embedding, merge_heads, split_heads
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -859,7 +860,7 @@ def test_checkpoint_folders_load_in_transformers_and_the_engine(tmp_path):
 
 
 def test_the_bundled_model_runs_in_the_learners_forward():
-    sd, config = load_gpt2_checkpoint(llmcourse.loading.MODELS_DIR / "gpt2-shakespeare")
+    sd, config = load_gpt2_checkpoint(llmcourse.engine.loading.MODELS_DIR / "gpt2-shakespeare")
     model = llmcourse.load_model(device="cpu")
     ids = torch.tensor([llmcourse.get_tokenizer().encode("ROMEO:\nBut soft")])
     assert (gpt2_forward(sd, ids, config["n_head"]) - model(ids)).abs().max() < 1e-4

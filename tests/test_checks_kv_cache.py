@@ -18,8 +18,8 @@ from llmcourse.checks import CheckFailed
 from llmcourse.checks.kv_cache import (check_cached_attention, check_generate_greedy, check_kv_cache,
                                        check_kv_cache_bytes, decisive_model, full_recompute, one_thread,
                                        recording_cache, reference_cached_attention, smallest_margin)
-from llmcourse.model import KVCache as EngineKVCache
-from llmcourse.parts import attention
+from llmcourse.engine.model import KVCache as EngineKVCache
+from llmcourse.engine.parts import attention
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -693,7 +693,7 @@ def test_full_recompute_and_the_cache_agree_with_transformers():
     from transformers import GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
 
-    from llmcourse.loading import MODELS_DIR
+    from llmcourse.engine.loading import MODELS_DIR
 
     hf_logging.set_verbosity_error()
     folder = MODELS_DIR / "gpt2-shakespeare"

@@ -10,8 +10,8 @@ import torch
 from torch import topk as topk_imported_early  # an alias made before the check: still the black box
 
 from llmcourse.checks import CheckFailed, check_top_k_next_tokens
-from llmcourse.checks.core import Case, run_check
-from llmcourse.sampling import top_k_next_tokens
+from llmcourse.checks.harness.core import Case, run_check
+from llmcourse.engine.sampling import top_k_next_tokens
 from tests.notebook_checks import run_notebook_checks
 
 ENGINE = top_k_next_tokens

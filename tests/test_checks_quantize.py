@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmcourse import quantize as engine
+from llmcourse.engine import quantize as engine
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
                                        check_weight_memory, fp16_boundary_weights)
@@ -933,7 +933,7 @@ def test_a_slot_wrong_only_in_the_engine_is_rejected(check, pattern):
 
 
 def test_the_bundled_model_stays_a_float_model_after_a_check(capsys):
-    from llmcourse.checks.bundled import bundled_model
+    from llmcourse.checks.harness.bundled import bundled_model
 
     lin()()
     assert bundled_model().quantized is None and not bundled_model().quantization.overridden()

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import llmcourse.sampling as S
+import llmcourse.engine.sampling as S
 from llmcourse import get_tokenizer
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.core import resolved
+from llmcourse.checks.harness.core import resolved
 from llmcourse.checks import sampling as C
 from tests.notebook_checks import notebook_cells, run_notebook_checks
 

@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 
 import llmcourse.checks.speculative as spec_checks
-from llmcourse import speculative as engine
+from llmcourse.engine import speculative as engine
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.speculative import (Draws, _accept_verdict, accept_cases, check_accept_token,
                                           check_expected_speedup, check_prompt_lookup_draft, check_speculative_round,
                                           check_verify, chi2, correct_outcomes, decisive_model, noisy_copy)
-from llmcourse.speculative import Speculation
+from llmcourse.engine.speculative import Speculation
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -576,7 +576,7 @@ def round_engine(target, draft, target_cache, draft_cache, tokens, num_draft_tok
 
 
 def round_via_generate(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
-    from llmcourse import generate
+    from llmcourse.engine import generate
 
     out = generate(target, tokens, max_new_tokens=1, eos_token_id=None)
     target_cache.length = len(tokens)
@@ -654,7 +654,7 @@ def test_speculative_round_that_raises_gets_a_clear_message():
 def test_speculative_round_in_the_engine_equals_plain_greedy():
     """The check's tiny pairs: the engine with the reference round installed gives plain greedy's tokens, and so
     does the engine's own round; the noisy drafts keep some proposals and reject others."""
-    from llmcourse import generate
+    from llmcourse.engine import generate
 
     torch.set_num_threads(1)
     target = decisive_model(3).requires_grad_(False)
@@ -872,7 +872,7 @@ def test_a_slot_wrong_only_in_the_engine_is_rejected(check, fn, pattern):
 
 def test_the_engine_runs_its_own_speculation_after_a_check(capsys):
     """The check installs the learner's function on the bundled model only while it runs."""
-    from llmcourse.checks.bundled import bundled_model
+    from llmcourse.checks.harness.bundled import bundled_model
     from llmcourse.checks.speculative import ENGINE_PROMPT, _engine_own
 
     check_accept_token(accept_token)

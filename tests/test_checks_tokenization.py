@@ -14,14 +14,15 @@ from pathlib import Path
 import pytest
 import regex
 
-import llmcourse.tokenizer
-from llmcourse import bpe, get_tokenizer
-from llmcourse.bpe import merge as engine_merge_imported_early
+import llmcourse.engine.tokenizer
+from llmcourse import get_tokenizer
+from llmcourse.course import bpe
+from llmcourse.course.bpe import merge as engine_merge_imported_early
 from llmcourse.checks import (CheckFailed, check_bpe_encode_chunk, check_bytes_to_unicode, check_decode,
                               check_encode, check_get_pair_counts, check_merge, check_stream_decoder,
                               check_train_bpe)
-from llmcourse.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
-from llmcourse.tokenizer import bytes_to_unicode as engine_table_imported_early
+from llmcourse.engine.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
+from llmcourse.engine.tokenizer import bytes_to_unicode as engine_table_imported_early
 from tests.notebook_checks import run_notebook_checks
 
 tokenizers = pytest.importorskip("tokenizers")  # Hugging Face's (a dependency of transformers): a black box too
@@ -673,7 +674,7 @@ class EngineStreamDecoder:
         return self.inner.flush()
 
 
-class SubclassedEngineStreamDecoder(llmcourse.tokenizer.StreamDecoder):
+class SubclassedEngineStreamDecoder(llmcourse.engine.tokenizer.StreamDecoder):
     """The engine's decoder under another name."""
 
     def __init__(self, vocab):

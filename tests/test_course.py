@@ -11,8 +11,8 @@ import pytest
 import torch
 from nbgrader.validator import Validator
 
-from llmcourse.learner import learner_functions, learner_parts, learner_tokenizer, my_engine
-from llmcourse.progress import grade_chapter, progress_report, read_chapter
+from llmcourse.course.learner import learner_functions, learner_parts, learner_tokenizer, my_engine
+from llmcourse.course.progress import grade_chapter, progress_report, read_chapter
 
 from .release import learner_work, released
 
@@ -315,7 +315,7 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
     exercises without a slot), and the engine runs, the same text as the engine's own."""
     import llmcourse
     from llmcourse import generate_text, get_tokenizer
-    from llmcourse.sampling import Sampler
+    from llmcourse.engine.sampling import Sampler
 
     for name in ("00_pipeline", "01_tokenization"):
         shutil.copytree(released(name), tmp_path / name)
@@ -392,7 +392,7 @@ def test_a_cell_calling_my_engine_is_not_run_again_by_it(tmp_path):
     it must not run the notebooks again (endlessly): that cell fails on its own, the rest is fine."""
     path = notebook(
         tmp_path, "05_topic",
-        ("setup", "from llmcourse.learner import my_engine"),
+        ("setup", "from llmcourse.course.learner import my_engine"),
         ("code", "engine = my_engine()"),
         ("exercise", "fine", "def fine(x):\n    return x"),
         ("check", "fine", "assert fine(1) == 1"),
@@ -411,7 +411,7 @@ def test_the_solved_chapters_02_to_04_run_the_engine_on_every_part(tmp_path):
     import torch
 
     import llmcourse
-    from llmcourse.learner import PART_SLOTS
+    from llmcourse.course.learner import PART_SLOTS
 
     for name in ("02_embeddings", "03_attention", "04_gpt2"):
         solved_copy(name, tmp_path)
@@ -431,8 +431,8 @@ def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_
     """Chapters 05–06 solved as their solutions solve them: the engine's sampler functions and KV cache
     are the learner's, and the engine gives the same tokens as its own, greedy and sampled (same seed)."""
     import llmcourse
-    from llmcourse.learner import SAMPLER_SLOTS, your_pieces
-    from llmcourse.parts import GuardedCache
+    from llmcourse.course.learner import SAMPLER_SLOTS, your_pieces
+    from llmcourse.engine.parts import GuardedCache
 
     for name in ("05_sampling", "06_kv_cache"):
         solved_copy(name, tmp_path)
@@ -455,7 +455,7 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     LLMEngine (paged, continuously batched, prefix-cached, preempting) gives the tokens the engine's own
     functions give, which are those of `generate` alone."""
     import llmcourse
-    from llmcourse.learner import BATCHING_SLOTS, your_pieces
+    from llmcourse.course.learner import BATCHING_SLOTS, your_pieces
 
     solved_copy("07_batching", tmp_path)
     notices = []
@@ -481,8 +481,8 @@ def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_funct
     lookup (the learner's lookup and verify) gives plain greedy's tokens, and sampling (the learner's
     acceptance rule) runs."""
     import llmcourse
-    from llmcourse.learner import SPECULATION_SLOTS, your_pieces
-    from llmcourse.speculative import SpeculationStats
+    from llmcourse.course.learner import SPECULATION_SLOTS, your_pieces
+    from llmcourse.engine.speculative import SpeculationStats
 
     solved_copy("08_speculative", tmp_path)
     notices = []
@@ -509,8 +509,8 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     and int4 dequantizer gives the tokens of the engine's reference functions (dequantize, then multiply) and logits
     close to the engine's fast routes (which also round the activations to int8)."""
     import llmcourse
-    from llmcourse import quantize
-    from llmcourse.learner import QUANTIZATION_SLOTS, your_pieces
+    from llmcourse.engine import quantize
+    from llmcourse.course.learner import QUANTIZATION_SLOTS, your_pieces
 
     solved_copy("09_quantization", tmp_path)
     notices = []

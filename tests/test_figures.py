@@ -1,4 +1,4 @@
-"""`llmcourse.figures`: a figure's stored output does not depend on float noise (issue 22: refreshing an unchanged
+"""`llmcourse.course.figures`: a figure's stored output does not depend on float noise (issue 22: refreshing an unchanged
 chapter 02 reported "outputs changed", the Plotly data differing in their last digits)."""
 
 import json
@@ -7,7 +7,7 @@ import numpy as np
 import plotly.graph_objects as go
 import pytest
 
-from llmcourse.figures import DIGITS, PLOTLY_MIME, bundle, round_significant
+from llmcourse.course.figures import DIGITS, PLOTLY_MIME, bundle, round_significant
 
 
 def noisy(x: np.ndarray) -> np.ndarray:

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 from nbformat import NotebookNode
 
-from llmcourse.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
+from llmcourse.course.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
 
 from .release import released as release_of
 from .test_course import ROOT

@@ -138,7 +138,7 @@ def test_release_again_after_submissions(guide_course, capsys):
     """The instructor fixes a typo and releases again: the gradebook keeps the chapter's notebook."""
     from nbgrader.api import Gradebook
 
-    from llmcourse.grading import release
+    from llmcourse.course.grading import release
 
     assert release(guide_course.course) == 0, capsys.readouterr()
     assert (guide_course.course / "chapters" / CHAPTER / f"{CHAPTER}.ipynb").read_bytes() == guide_course.released

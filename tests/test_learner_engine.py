@@ -6,8 +6,8 @@ import torch
 
 import llmcourse
 from llmcourse import GPT2, GPT2Config, KVCache, PartError
-from llmcourse.parts import GuardedCache
-from llmcourse.sampling import Sampler, SamplingSettings
+from llmcourse.engine.parts import GuardedCache
+from llmcourse.engine.sampling import Sampler, SamplingSettings
 
 from .conftest import lively_model
 from .test_checks_kv_cache import KVCache as MyCache  # a learner's cache: the engine's interface, written independently
@@ -214,7 +214,7 @@ def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
 # my_engine()'s Engine works where a model does (issue 22: AttributeError: 'Engine' object has no attribute 'config')
 
 def test_my_engines_engine_works_where_a_model_does(model):
-    from llmcourse.learner import Engine
+    from llmcourse.course.learner import Engine
 
     tok = llmcourse.get_tokenizer()
     twin = with_pieces(model)
@@ -233,7 +233,7 @@ def test_my_engines_engine_works_where_a_model_does(model):
 # "your engine:" lists what the run uses (issue 22: BlockAllocator and quantize_int8 for a plain generate)
 
 def test_the_notice_lists_only_what_the_run_uses():
-    from llmcourse.learner import ENGINE_SLOTS, TOKENIZER_SLOTS, slots_used, your_engine_notice
+    from llmcourse.course.learner import ENGINE_SLOTS, TOKENIZER_SLOTS, slots_used, your_engine_notice
 
     everything = [n for n in ENGINE_SLOTS if n not in TOKENIZER_SLOTS] + ["StreamDecoder", "decode", "encode"]
     plain = your_engine_notice(everything, slots_used(dict(temperature=0.8, top_p=0.95)))
@@ -251,7 +251,7 @@ def test_the_notice_lists_only_what_the_run_uses():
 
 
 def test_the_notice_without_a_run_says_where_each_is_used():
-    from llmcourse.learner import your_engine_notice
+    from llmcourse.course.learner import your_engine_notice
 
     notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "weight_memory"])
     assert notice == ("your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "

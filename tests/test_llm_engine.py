@@ -28,11 +28,12 @@ from typing import Optional
 import pytest
 import torch
 
-from llmcourse import GPT2, GPT2Config, generate, get_tokenizer, load_model
-from llmcourse.batching import Batching
-from llmcourse.llm_engine import LLMEngine
-from llmcourse.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
-from llmcourse.parts import PartError
+from llmcourse import GPT2, GPT2Config, get_tokenizer, load_model
+from llmcourse.engine import generate
+from llmcourse.serving.batching import Batching
+from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
+from llmcourse.engine.parts import PartError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmcourse import CheckpointError, GPT2Config, load_model
-from llmcourse.loading import close_bundled_name, resolve_device, resolve_dtype
+from llmcourse.engine.loading import close_bundled_name, resolve_device, resolve_dtype
 
 from .conftest import lively_model
 
@@ -160,7 +160,7 @@ def test_hub_name_not_cached_offline_says_what_to_do(tmp_path, monkeypatch):
                                          ("GPT2-Shakespeare", "gpt2-shakespeare"), ("gpt2_shakespeare", "gpt2-shakespeare"),
                                          ("gpt2-shakespeare-drft", "gpt2-shakespeare-draft")])
 def test_a_misspelt_bundled_name_says_what_was_meant(name, meant, monkeypatch):
-    monkeypatch.setattr("llmcourse.loading.hub_snapshot", lambda name: pytest.fail("went to the Hub"))
+    monkeypatch.setattr("llmcourse.engine.loading.hub_snapshot", lambda name: pytest.fail("went to the Hub"))
     with pytest.raises(CheckpointError) as err:
         load_model(name, device="cpu")
     assert str(err.value) == (f"no bundled model {name!r}; did you mean {meant!r}? "
@@ -172,7 +172,7 @@ def test_hub_names_and_folders_are_not_taken_for_misspellings(tmp_path, monkeypa
                  "gpt2-shakespeare", "gpt2-shakespeare-draft"]:
         assert close_bundled_name(name) is None, name
     asked = []
-    monkeypatch.setattr("llmcourse.loading.hub_snapshot", lambda name: asked.append(name) or pytest.skip("no hub"))
+    monkeypatch.setattr("llmcourse.engine.loading.hub_snapshot", lambda name: asked.append(name) or pytest.skip("no hub"))
     monkeypatch.chdir(tmp_path)
     from llmcourse import save_model
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcourse import GPT2, GPT2Config, PartError, Parts
-from llmcourse.parts import attention, attention_with_softmax
+from llmcourse.engine.parts import attention, attention_with_softmax
 
 from .conftest import DEVICES, hf_twin
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from llmcourse.positions import rope, rope_cos_sin, rotate_half, sinusoidal_positions
+from llmcourse.engine.positions import rope, rope_cos_sin, rotate_half, sinusoidal_positions
 
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 from transformers import LlamaConfig  # noqa: E402

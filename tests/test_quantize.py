@@ -1,5 +1,5 @@
 """Weight quantization (int8 absmax per row, int4 Q4_0 groups of 32), proven against references that
-do not use `llmcourse.quantize`: quantizers written here in numpy (a loop over groups, and a
+do not use `llmcourse.engine.quantize`: quantizers written here in numpy (a loop over groups, and a
 vectorized one), a float model holding the dequantized weights (the "twin"), and the float model.
 
 - the formats: q, scales and packed bytes equal to the independent quantizers bit for bit; every
@@ -31,20 +31,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmcourse import GPT2, GPT2Config, generate, generate_text, get_tokenizer, load_model, save_model, stream
-from llmcourse.config import CheckpointError
-from llmcourse.loading import MODELS_DIR
-from llmcourse.quantize import (
+from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, save_model, stream
+from llmcourse.engine import generate
+from llmcourse.engine.config import CheckpointError
+from llmcourse.engine.loading import MODELS_DIR
+from llmcourse.engine.quantize import (
     BYTES_PER_WEIGHT, GROUP_SIZE, Quantization, QuantizedAffine, QuantizedTable, dequantize_int4, dequantize_int8,
     int8_linear, int8_linear_fast, pack_int4, quantize_int4, quantize_int8, quantize_model, resident_bytes,
     unpack_int4, weight_memory,
 )
-from llmcourse.shakespeare import validation_loss, validation_tokens
-from llmcourse.speculative import SpeculationStats
+from llmcourse.training.shakespeare import validation_loss, validation_tokens
+from llmcourse.engine.speculative import SpeculationStats
 
 from .conftest import CUDA, lively_model
 
-generation = importlib.import_module("llmcourse.generate")  # the module (the package exports its function)
+generation = importlib.import_module("llmcourse.engine.generate")  # the module (the package exports its function)
 FORMATS = ["int8", "int4"]
 SMALL = GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=97)
 LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
@@ -116,7 +117,7 @@ def my_dequantize_int4(packed, scales) -> np.ndarray:
 
 
 def twin(model: GPT2) -> GPT2:
-    """A float GPT2 holding a quantized model's weights, dequantized here (not by `llmcourse.quantize`)."""
+    """A float GPT2 holding a quantized model's weights, dequantized here (not by `llmcourse.engine.quantize`)."""
     float_model = GPT2(model.config).init_weights().eval()
     state = {k: v for k, v in model.state_dict().items()}
 
@@ -539,7 +540,7 @@ def test_the_kv_cache_gives_the_logits_of_a_full_recompute(small, fmt):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_llm_engine_gives_the_tokens_of_generate(small, fmt):
-    from llmcourse.llm_engine import LLMEngine
+    from llmcourse.serving.llm_engine import LLMEngine
 
     model = small[fmt]
     expected = [generate(model, p, max_new_tokens=12, eos_token_id=None) for p in PROMPTS]

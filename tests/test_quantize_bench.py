@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcourse import quantize_bench as qb
-from llmcourse.bench import decode_step_cost
-from llmcourse.config import GPT2Config
-from llmcourse.quantize import BYTES_PER_WEIGHT
+from llmcourse.bench import quantize as qb
+from llmcourse.bench.speed import decode_step_cost
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.quantize import BYTES_PER_WEIGHT
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ROWS = ["engine float32", "engine int8", "engine int4", "transformers float32"]

@@ -50,7 +50,7 @@ def test_readme_slot_examples_run_as_written():
     """The snippets that swap in a learner's parts, sampler functions and cache run as written, here
     with stand-ins that compute what the engine's own do: the engine then gives the same tokens."""
     import llmcourse
-    from llmcourse import parts, sampling
+    from llmcourse.engine import parts, sampling
 
     snippets = [block for block in blocks("python") if "with_overrides" in block or "cache_class" in block]
     assert len(snippets) == 2
@@ -116,7 +116,7 @@ def test_readme_quantization_example_runs_as_written(capsys):
     namespace = {"llmcourse": llmcourse, "tok": llmcourse.get_tokenizer()}
     exec(compile(example, "README.md", "exec"), namespace)
     megabytes = float(capsys.readouterr().out.split()[0])
-    floats = llmcourse.quantize.resident_bytes(llmcourse.load_model(device="cpu")) / 1e6
+    floats = llmcourse.engine.quantize.resident_bytes(llmcourse.load_model(device="cpu")) / 1e6
     assert megabytes < floats / 6, (megabytes, floats)
     assert f"{megabytes:.1f} MB of weights (float32: {floats:.1f} MB)" in example
     assert namespace["again"].quantized == "int4"
@@ -137,7 +137,7 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
     """`generate`'s keyword defaults against the CLI's: each difference is named in the README's sentence."""
     import inspect
 
-    from llmcourse import generate
+    from llmcourse.engine import generate
     from llmcourse.__main__ import TEMPERATURE, build_parser
 
     gen = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))

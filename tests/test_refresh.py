@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from llmcourse.refresh import MACHINE_DEPENDENT, canonical, main, merge_streams
+from llmcourse.course.refresh import MACHINE_DEPENDENT, canonical, main, merge_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted(p for p in (ROOT / "solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
@@ -20,7 +20,7 @@ def test_stored_outputs_are_in_canonical_form(path):
             continue
         assert "execution" not in cell.metadata, f"{cell.id}: timing metadata stored"
         assert merge_streams([dict(o) for o in cell.outputs]) == [dict(o) for o in cell.outputs], \
-            f"{cell.id}: a stream split over several outputs (refresh with python -m llmcourse.refresh)"
+            f"{cell.id}: a stream split over several outputs (refresh with python -m llmcourse.course.refresh)"
 
 
 def test_refreshing_an_unchanged_notebook_changes_nothing(tmp_path):

@@ -11,7 +11,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from llmcourse.sampling import SamplingSettings, min_p, next_token, process_logits, repetition_penalty, temperature, top_k, top_p
+from llmcourse.engine.sampling import SamplingSettings, min_p, next_token, process_logits, repetition_penalty, temperature, top_k, top_p
 
 V = 500
 

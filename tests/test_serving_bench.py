@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from llmcourse import serving_bench as sb
-from llmcourse.bench import CONFIGS
-from llmcourse.generate import generate
-from llmcourse.model import GPT2
+from llmcourse.bench import serving as sb
+from llmcourse.bench.speed import CONFIGS
+from llmcourse.engine.generate import generate
+from llmcourse.engine.model import GPT2
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIOS = {"continuous_vs_static_throughput", "static_vs_continuous_ttft_p50", "static_vs_continuous_tpot_p50",

@@ -1,4 +1,4 @@
-"""Speculative decoding, proven against references that do not use `llmcourse.speculative`: plain
+"""Speculative decoding, proven against references that do not use `llmcourse.engine.speculative`: plain
 `generate` without a draft, transformers (plain and assisted generation), and distributions
 computed by hand.
 
@@ -32,11 +32,12 @@ from collections import Counter
 import pytest
 import torch
 
-from llmcourse import GPT2, GPT2Config, generate, generate_text, get_tokenizer, load_model, stream
-from llmcourse.loading import MODELS_DIR
-from llmcourse.parts import PartError
-from llmcourse.shakespeare import validation_tokens
-from llmcourse.speculative import Speculation, SpeculationStats, accept_token, prompt_lookup_draft, verify
+from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, stream
+from llmcourse.engine import generate
+from llmcourse.engine.loading import MODELS_DIR
+from llmcourse.engine.parts import PartError
+from llmcourse.training.shakespeare import validation_tokens
+from llmcourse.engine.speculative import Speculation, SpeculationStats, accept_token, prompt_lookup_draft, verify
 
 from .conftest import lively_model
 

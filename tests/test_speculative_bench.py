@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from llmcourse import speculative_bench as sb
-from llmcourse.bench import CONFIGS
-from llmcourse.model import GPT2
-from llmcourse.speculative import Round, SpeculationStats, expected_speedup
+from llmcourse.bench import speculative as sb
+from llmcourse.bench.speed import CONFIGS
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.speculative import Round, SpeculationStats, expected_speedup
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmcourse.generate import CompileError, decode_step, decode_steps, generate
-from llmcourse.sampling import SamplingSettings
+from llmcourse.engine.generate import CompileError, decode_step, decode_steps, generate
+from llmcourse.engine.sampling import SamplingSettings
 
 from .conftest import CUDA, DEVICES, SMALL, lively_model
 
-generation = importlib.import_module("llmcourse.generate")  # the module (the package exports its function)
+generation = importlib.import_module("llmcourse.engine.generate")  # the module (the package exports its function)
 PROMPTS = [[464, 2068, 7586, 21831, 18045, 625], [15496, 11, 995], [40, 1101, 257, 3303, 2746, 13, 632, 318]]
 
 

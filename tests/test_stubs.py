@@ -35,7 +35,7 @@ def test_only_a_bare_stub_of_the_notebook_is_named():
     from IPython.core.interactiveshell import InteractiveShell
     from IPython.utils.capture import capture_output
 
-    from llmcourse import stubs
+    from llmcourse.course import stubs
 
     shell = InteractiveShell.instance()
     stubs.install(shell)

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmcourse.parts import causal_mask
-from llmcourse.tiled_attention import attention_io_bytes, tiled_attention
+from llmcourse.engine.parts import causal_mask
+from llmcourse.engine.tiled_attention import attention_io_bytes, tiled_attention
 
 from .conftest import DEVICES
 

@@ -7,7 +7,7 @@ import pytest
 import tiktoken
 
 from llmcourse import EOT, EOT_ID, StreamDecoder, get_tokenizer
-from llmcourse.tokenizer import FILE_SHA256, TokenizerFileError, bytes_to_unicode, vocab_files
+from llmcourse.engine.tokenizer import FILE_SHA256, TokenizerFileError, bytes_to_unicode, vocab_files
 
 HARD_STRINGS = [
     "Hello world",

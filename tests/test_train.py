@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import load_file
 
 from llmcourse import GPT2Config, load_model
-from llmcourse.shakespeare import VALIDATION_PLAYS, clean_text
-from llmcourse.train import RECIPES, learning_rate, train
+from llmcourse.training.shakespeare import VALIDATION_PLAYS, clean_text
+from llmcourse.training.train import RECIPES, learning_rate, train
 
 PLAY = """THE TRAGEDY OF {name}
 

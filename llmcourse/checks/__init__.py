@@ -11,7 +11,7 @@
 
 What every check gets from the shared machinery (order-aware comparison, inputs that must not
 change, black boxes caught however they are reached, nestable time limits, bounded messages) is
-described in `llmcourse.checks.core`.
+described in `llmcourse.checks.harness.core`.
 """
 
 import sys
@@ -20,14 +20,14 @@ from .attention import (check_attention, check_causal_mask, check_merge_heads, c
                         check_split_heads, check_tiled_attention)
 from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
                        check_slot_mapping)
-from . import bundled  # noqa: F401 (registers the models every check's child finds loaded)
-from .core import Case, CheckFailed, later, run_check
+from .harness import bundled  # noqa: F401 (registers the models every check's child finds loaded
+from .harness.core import Case, CheckFailed, later, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
                    check_load_gpt2_checkpoint, check_mlp)
-from .forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
+from .harness.forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
-from .limits import time_limit
+from .harness.limits import time_limit
 from .pipeline import check_top_k_next_tokens
 from .quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
                        check_weight_memory)
@@ -59,7 +59,7 @@ __all__ = ["Case", "CheckFailed", "later", "Forbidden", "ForbiddenCall", "NOT_EN
 def _isolate_every_check() -> None:
     """Every exercise check runs in a child process of its own (`isolate`): wrapped here, where the
     modules' functions are gathered, so that a chapter's module needs nothing for it."""
-    from . import isolate
+    from .harness import isolate
     for name in __all__:
         fn = globals()[name]
         if name.startswith("check_") and not getattr(fn, "isolated", False):

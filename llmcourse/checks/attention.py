@@ -1,8 +1,8 @@
 """Checks for chapter 03, attention: softmax, the causal mask, scaled dot-product attention, heads,
 GPT-2's multi-head self-attention and tiled attention with an online softmax.
 
-Each check compares the learner's function with the engine's (`llmcourse.parts`,
-`llmcourse.tiled_attention`), computed in float64 and returned in the input's dtype, on fixed edge
+Each check compares the learner's function with the engine's (`llmcourse.engine.parts`,
+`llmcourse.engine.tiled_attention`), computed in float64 and returned in the input's dtype, on fixed edge
 cases and seeded random ones: batch > 1, several heads, float64, odd sizes, masks of every shape,
 values far from 0. When an answer is wrong, the message also names the mistake when the wrong
 answer is exactly what a known mistake gives (no max shift, dividing by d instead of √d, the mask
@@ -25,13 +25,13 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import parts
-from .bundled import bundled_model
-from .core import later, Case, Verdict, call_learner, run_check
+from llmcourse.engine import parts
+from .harness.bundled import bundled_model
+from .harness.core import later, Case, Verdict, call_learner, run_check
 from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
-from .failed import CheckFailed
-from .forbid import Forbidden
-from .tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
+from .harness.failed import CheckFailed
+from .harness.forbid import Forbidden
+from .harness.tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
 OWN_SOFTMAX = "Write the softmax yourself: subtract the max, exponentiate, divide by the sum."
 SOFTMAX_FAMILY = [
@@ -41,16 +41,16 @@ SOFTMAX_FAMILY = [
     Forbidden("torch.log_softmax", OWN_SOFTMAX),
     Forbidden("torch.special.special_log_softmax", OWN_SOFTMAX),
     Forbidden("torch.logsumexp", "The max shift is the point of this exercise: subtract the max yourself."),
-    Forbidden("llmcourse.parts.softmax", OWN_SOFTMAX),
+    Forbidden("llmcourse.engine.parts.softmax", OWN_SOFTMAX),
 ]
 OWN_ATTENTION = "Write it yourself from your softmax: scores = q @ kᵀ / √d, mask, softmax, @ v."
 NO_ATTENTION = [
     *[Forbidden(f.target, "Use your own softmax.") for f in SOFTMAX_FAMILY],
     Forbidden("torch.nn.functional.scaled_dot_product_attention", OWN_ATTENTION),
     Forbidden("torch.nn.functional.multi_head_attention_forward", OWN_ATTENTION),
-    Forbidden("llmcourse.parts.attention", OWN_ATTENTION),
-    Forbidden("llmcourse.parts.attention_with_softmax", OWN_ATTENTION),
-    Forbidden("llmcourse.tiled_attention", OWN_ATTENTION),
+    Forbidden("llmcourse.engine.parts.attention", OWN_ATTENTION),
+    Forbidden("llmcourse.engine.parts.attention_with_softmax", OWN_ATTENTION),
+    Forbidden("llmcourse.engine.tiled_attention", OWN_ATTENTION),
     Forbidden("transformers", OWN_ATTENTION),
 ]
 OWN_PARTS = "Use your own functions from this chapter (attention, split_heads, merge_heads, causal_mask)."
@@ -256,7 +256,7 @@ def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
         nq = _choice(g, [nk, 1, _randint(g, 1, nk)])
         cases.append(case(nq, nk, f"random #{i}: n_query={nq}, n_key={nk}"))
     run_check("causal_mask", fn, cases, judge=_judge(CAUSAL_MISTAKES), forbid=[
-        Forbidden("llmcourse.parts.causal_mask", "Write it yourself: compare key positions with query positions."),
+        Forbidden("llmcourse.engine.parts.causal_mask", "Write it yourself: compare key positions with query positions."),
     ], seconds=5, total_seconds=20, show_call=lambda args: f"causal_mask({args[0]}, {args[1]})")
 
 
@@ -484,7 +484,7 @@ def check_split_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
             x = _distinct(g, shape, dtype)
         cases.append(Case(f"{what}: B={shape[0]}, T={shape[1]}, C={shape[2]}, n_head={n_head}", (x, n_head),
                           parts.split_heads(x, n_head).contiguous()))
-    forbid = [Forbidden("llmcourse.parts.split_heads", "Write it yourself with view and transpose.")]
+    forbid = [Forbidden("llmcourse.engine.parts.split_heads", "Write it yourself with view and transpose.")]
     run_check("split_heads", fn, cases, judge=_judge(SPLIT_MISTAKES), forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
               seconds=5, total_seconds=20, show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})")
     check_in_engine("split_heads", fn, _in_engine_forbid(forbid),
@@ -503,7 +503,7 @@ def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
         else:
             x = _distinct(g, (B, n_head, T, C // n_head), dtype)
         cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), later(parts.merge_heads, x)))
-    forbid = [Forbidden("llmcourse.parts.merge_heads", "Write it yourself with transpose and reshape.")]
+    forbid = [Forbidden("llmcourse.engine.parts.merge_heads", "Write it yourself with transpose and reshape.")]
     run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=forbid, error_hints={
         "view size is not compatible": "after transpose(1, 2) the memory is not laid out as [B, T, H·D]: use "
                                        ".reshape(B, T, H * D) (or .contiguous().view(...))"},
@@ -661,8 +661,8 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
     run_check("self_attention", fn, cases, judge=tensor_judge(_self_attention_tolerance, SELF_ATTENTION_MISTAKES),
               forbid=[
                   *NO_ATTENTION,
-                  Forbidden("llmcourse.parts", OWN_PARTS),
-                  Forbidden("llmcourse.model", OWN_PARTS),
+                  Forbidden("llmcourse.engine.parts", OWN_PARTS),
+                  Forbidden("llmcourse.engine.model", OWN_PARTS),
                   Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
               ], error_hints={
                   "is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
@@ -795,7 +795,7 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
         cases.append(case("GPT-2's context: 1024 positions, 64 per block", *_qkv(g, 1, 1, 1024, 1024, 64), 64))
     cases.append(case("as an engine passes them: non-contiguous q, k, v (split_heads' views)",
                       *_engine_qkv(g, 2, 2, 9, 9, 8, cached=False), 4))
-    forbid = [*NO_ATTENTION, Forbidden("llmcourse.tiled_attention", "Write the loop over blocks yourself.")]
+    forbid = [*NO_ATTENTION, Forbidden("llmcourse.engine.tiled_attention", "Write the loop over blocks yourself.")]
     show = _show("tiled_attention", "q", "k", "v", "block_size", "causal")
     run_check("tiled_attention", fn, cases, judge=_judge_tiled, forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
               seconds=10, total_seconds=60, show_call=show)

@@ -1,9 +1,9 @@
 """Checks for chapter 07, batching: left padding, the block allocator and slot mapping of a paged KV
 cache, the gather of a request's keys and values through its block table, and one scheduler step.
 
-Each check compares the learner's code with the engine's (`llmcourse.batching.left_pad`,
-`llmcourse.block_manager.BlockAllocator`, `llmcourse.paged_cache.slot_mapping` / `gather_kv`,
-`llmcourse.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
+Each check compares the learner's code with the engine's (`llmcourse.serving.batching.left_pad`,
+`llmcourse.serving.block_manager.BlockAllocator`, `llmcourse.serving.paged_cache.slot_mapping` / `gather_kv`,
+`llmcourse.serving.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
 with the learner's function in its slot on a small random model: a static batch (`llmcourse.generate`
 on several prompts) or `LLMEngine` (a workload with chunked prefill, a shared prefix and preemption)
 must give every request exactly the tokens it gets alone (every request stops at EOS id 0, and
@@ -31,18 +31,18 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..batching import Batching, left_pad as engine_left_pad
-from ..block_manager import BlockAllocator as EngineAllocator, blocks_for
-from ..generate import generate
-from ..llm_engine import LLMEngine
-from ..paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
-from ..scheduler import SeqView, schedule as engine_schedule
-from .core import Case, Verdict, later, run_check
-from .failed import CheckFailed
-from .forbid import Forbidden
+from llmcourse.serving.batching import Batching, left_pad as engine_left_pad
+from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
+from llmcourse.engine.generate import generate
+from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
+from llmcourse.serving.scheduler import SeqView, schedule as engine_schedule
+from .harness.core import Case, Verdict, later, run_check
+from .harness.failed import CheckFailed
+from .harness.forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
-from .show import short
-from .tensors import diagnose, plain_tensor_problem, tensor_problem
+from .harness.show import short
+from .harness.tensors import diagnose, plain_tensor_problem, tensor_problem
 
 GPT2_POSITIONS = 1024
 
@@ -167,7 +167,7 @@ def _engine_verdict(name: str, work: Workload, expected: list, got: list) -> Ver
 # Exercise 1: left_pad
 
 
-NO_ENGINE_PAD = Forbidden("llmcourse.batching.left_pad", "The engine's left_pad is what yours is compared with: "
+NO_ENGINE_PAD = Forbidden("llmcourse.serving.batching.left_pad", "The engine's left_pad is what yours is compared with: "
                                                          "write your own (torch.full, slicing and cumsum).")
 
 
@@ -343,7 +343,7 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
 # Exercise 2: BlockAllocator
 
 
-NO_ENGINE_ALLOCATOR = Forbidden("llmcourse.block_manager.BlockAllocator",
+NO_ENGINE_ALLOCATOR = Forbidden("llmcourse.serving.block_manager.BlockAllocator",
                                 "The engine's BlockAllocator is what yours is compared with: write your own "
                                 "(a collections.deque and a list of counts).")
 
@@ -595,7 +595,7 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
 # Exercise 3: slot_mapping
 
 
-NO_ENGINE_SLOTS = Forbidden("llmcourse.paged_cache.slot_mapping",
+NO_ENGINE_SLOTS = Forbidden("llmcourse.serving.paged_cache.slot_mapping",
                             "The engine's slot_mapping is what yours is compared with: one line of indexing.")
 
 
@@ -683,7 +683,7 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
 # Exercise 4: gather_kv
 
 
-NO_ENGINE_GATHER = Forbidden("llmcourse.paged_cache.gather_kv",
+NO_ENGINE_GATHER = Forbidden("llmcourse.serving.paged_cache.gather_kv",
                              "The engine's gather_kv is what yours is compared with: index the pool with the table.")
 
 
@@ -780,7 +780,7 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
 # Exercise 5: schedule
 
 
-NO_ENGINE_SCHEDULE = Forbidden("llmcourse.scheduler.schedule",
+NO_ENGINE_SCHEDULE = Forbidden("llmcourse.serving.scheduler.schedule",
                                "The engine's schedule is what yours is compared with: write the two loops.")
 
 
@@ -910,7 +910,7 @@ def schedule_scenario(rng: random.Random) -> tuple:
 
 def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 1) -> None:
     """schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens) ->
-    ({request id: tokens to compute}, [preempted ids, newest first]): the policy of llmcourse.scheduler.schedule;
+    ({request id: tokens to compute}, [preempted ids, newest first]): the policy of llmcourse.serving.scheduler.schedule;
     and LLMEngine with it gives every request its tokens alone."""
     rng = random.Random(seed)
 

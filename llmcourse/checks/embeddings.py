@@ -1,7 +1,7 @@
 """Checks for chapter 02, embeddings and positions: `embedding`, `embed`, `sinusoidal_positions`, `rope`.
 
-Each compares the learner's function with the engine's (`llmcourse.parts.embedding`,
-`llmcourse.positions`) on fixed edge cases and seeded random ones, and when an answer is wrong it
+Each compares the learner's function with the engine's (`llmcourse.engine.parts.embedding`,
+`llmcourse.engine.positions`) on fixed edge cases and seeded random ones, and when an answer is wrong it
 also tries the usual mistakes on the same input: if one of them gives the learner's answer, the
 message names it.
 
@@ -19,14 +19,14 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import positions
-from ..parts import embedding as engine_embedding
-from . import isolate
-from .bundled import bundled_model
-from .core import later, Case, call_learner, failure, run_check
-from .failed import CheckFailed
-from .forbid import Forbidden
-from .tensors import Mistake, tensor_judge
+from llmcourse.engine import positions
+from llmcourse.engine.parts import embedding as engine_embedding
+from .harness import isolate
+from .harness.bundled import bundled_model
+from .harness.core import later, Case, call_learner, failure, run_check
+from .harness.failed import CheckFailed
+from .harness.forbid import Forbidden
+from .harness.tensors import Mistake, tensor_judge
 
 LOOK_IT_UP = "Index the rows yourself: weight[ids] picks row ids[b, t] for every position."
 NO_EMBEDDING = [
@@ -34,12 +34,12 @@ NO_EMBEDDING = [
     Forbidden("torch.nn.Embedding", LOOK_IT_UP),
     Forbidden("torch.embedding", LOOK_IT_UP),  # every route: torch.embedding, torch.ops.aten.embedding, ...
     Forbidden("torch.embedding_bag", LOOK_IT_UP),
-    Forbidden("llmcourse.parts.embedding", "Write your own."),
-    Forbidden("llmcourse.model", "Write your own."),
+    Forbidden("llmcourse.engine.parts.embedding", "Write your own."),
+    Forbidden("llmcourse.engine.model", "Write your own."),
     Forbidden("transformers", LOOK_IT_UP),
 ]
 NO_POSITIONS = [
-    Forbidden("llmcourse.positions", "Write your own."),
+    Forbidden("llmcourse.engine.positions", "Write your own."),
     Forbidden("transformers", "Write your own: it is a few lines of torch."),
 ]
 
@@ -55,7 +55,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # ----------------------------------------------------------------------------------------------
 # Every engine slot's check ends by running the learner's part inside the engine, installed as
-# `llmcourse.learner.my_engine` installs it (Parts.with_overrides), so that a part that passes its
+# `llmcourse.course.learner.my_engine` installs it (Parts.with_overrides), so that a part that passes its
 # check cannot then fail in the engine (an interface the cases do not reach: a keyword argument, a
 # non-contiguous view, a buffer reused between calls, a dtype).
 
@@ -77,7 +77,7 @@ def _engine_steps(model, batch: list[list[int]]) -> list[Tensor]:
     """What `generate` asks of the model: a prompt alone (position_ids and mask None), then a left-padded
     batch with a KV cache (prefill, then two decoding steps at each row's own position). The logits of
     each step, float64."""
-    from ..batching import left_pad
+    from llmcourse.serving.batching import left_pad
 
     with torch.no_grad():
         steps = [model(torch.tensor([batch[0]]))[0]]  # [T, V]
@@ -114,7 +114,7 @@ def check_in_engine(name: str, fn: Callable, forbid: Sequence[Forbidden], *, hin
 
     Accuracy: the engine's float32 logits differ from float64 ones by about 1e-5; a float32 part is accepted
     within 1e-3 of the largest logit (100 times that), while a wrong part moves them by far more."""
-    from ..parts import PartError, Parts
+    from llmcourse.engine.parts import PartError, Parts
 
     expected, batch, model = _engine_expected(), _engine_batch(), _engine_model()
     tolerance = 1e-3 * max(float(t.abs().max()) for t in expected)

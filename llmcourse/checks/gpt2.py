@@ -1,8 +1,8 @@
 """Checks for chapter 04, the transformer block and GPT-2: layer norm, GELU, the Conv1D linear layer,
 the MLP, the pre-LN block, the full forward pass, and loading a Hugging Face checkpoint.
 
-Each check compares the learner's function with the engine's (`llmcourse.parts`, `llmcourse.GPT2`,
-`llmcourse.loading`) on fixed edge cases and seeded random inputs: batch > 1, float64, values far from
+Each check compares the learner's function with the engine's (`llmcourse.engine.parts`, `llmcourse.GPT2`,
+`llmcourse.engine.loading`) on fixed edge cases and seeded random inputs: batch > 1, float64, values far from
 0 and from their mean, square weights, 12 layers. Expected tensors are computed in float64 and cast
 to the input's dtype. When an answer is wrong, the message also says what was probably done wrong,
 found by comparing the answer with known mistakes computed on the same input (unbiased variance, eps
@@ -14,7 +14,7 @@ outside the root, GELU's erf form, a transposed weight, post-LN, an untied head,
     >>> check_gelu(gelu)
     ✓ gelu — 20 cases
 
-The engine's own functions are the black boxes: passing `llmcourse.parts.gelu` itself fails.
+The engine's own functions are the black boxes: passing `llmcourse.engine.parts.gelu` itself fails.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from .. import parts as P
-from ..parts import Parts
-from ..config import GPT2Config
-from ..model import GPT2
-from .core import Case, Verdict, later, run_check, unwritten_helper
-from .forbid import Forbidden
-from .show import distinct, short
-from .tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_answer, tensor_problem
+from llmcourse.engine import parts as P
+from llmcourse.engine.parts import Parts
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.model import GPT2
+from .harness.core import Case, Verdict, later, run_check, unwritten_helper
+from .harness.forbid import Forbidden
+from .harness.show import distinct, short
+from .harness.tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_answer, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -59,8 +59,8 @@ NO_LAYER_NORM = [
 NO_GELU = [Forbidden("torch.nn.functional.gelu", f"F.gelu (and nn.GELU) is the black box this exercise opens. {_OWN}")]
 NO_LIBRARIES = [
     Forbidden("transformers", "transformers' GPT-2 is what your code is compared with: build it from your own parts."),
-    Forbidden("llmcourse.model", "The engine's GPT2 is what your code is compared with: build it from your own parts."),
-    Forbidden("llmcourse.loading", "The engine's loader is what your code is compared with: read the files yourself "
+    Forbidden("llmcourse.engine.model", "The engine's GPT2 is what your code is compared with: build it from your own parts."),
+    Forbidden("llmcourse.engine.loading", "The engine's loader is what your code is compared with: read the files yourself "
                                    "(json and safetensors.torch.load_file)."),
 ]
 COMPOSED = [*ENGINE_PARTS, *NO_LAYER_NORM, *NO_GELU, *NO_LIBRARIES]
@@ -1195,7 +1195,7 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
 
 def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
     """(state dict with the engine's key names, config.json as a dict): what the engine's loader reads."""
-    from ..loading import check_weights, read_weights
+    from llmcourse.engine.loading import check_weights, read_weights
 
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -1,7 +1,7 @@
 """Checks for chapter 06, the KV cache: the preallocated cache, attention of one new token over it,
 the prefill + decode loop, and the cache-size formula.
 
-Each check compares the learner's code with the engine's (`llmcourse.model.KVCache`, a full
+Each check compares the learner's code with the engine's (`llmcourse.engine.model.KVCache`, a full
 recompute of the model for every token, the formula) on fixed edge cases and seeded random ones:
 batch > 1, float64, float16 and bfloat16, several layers, writes of several positions, keys and values
 as the model passes them (views split from the qkv projection: not contiguous), 1024 positions, a
@@ -33,29 +33,29 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..config import GPT2Config
-from ..model import GPT2, KVCache as EngineKVCache
-from .bundled import bundled_model
-from .core import Case, Verdict, equal, later, run_check
-from .failed import CheckFailed
-from .forbid import Forbidden
-from .show import short
-from .tensors import in_float64, tensor_judge, tensor_problem
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.model import GPT2, KVCache as EngineKVCache
+from .harness.bundled import bundled_model
+from .harness.core import Case, Verdict, equal, later, run_check
+from .harness.failed import CheckFailed
+from .harness.forbid import Forbidden
+from .harness.show import short
+from .harness.tensors import in_float64, tensor_judge, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
 
-ENGINE_CACHE = Forbidden("llmcourse.model.KVCache", "The engine's KVCache is what yours is compared with: write your own "
+ENGINE_CACHE = Forbidden("llmcourse.engine.model.KVCache", "The engine's KVCache is what yours is compared with: write your own "
                                                     "(torch.zeros and slicing are all it needs).")
 NO_ATTENTION = [
     Forbidden("torch.nn.functional.scaled_dot_product_attention",
               "F.scaled_dot_product_attention is the black box this exercise opens: scores, softmax, weighted sum."),
     Forbidden("torch.nn.functional.multi_head_attention_forward", "Write the attention yourself."),
-    Forbidden("llmcourse.parts.attention", "The engine's attention is the black box here: write it with @ and softmax."),
-    Forbidden("llmcourse.tiled_attention", "The engine's attention is the black box here: write it with @ and softmax."),
+    Forbidden("llmcourse.engine.parts.attention", "The engine's attention is the black box here: write it with @ and softmax."),
+    Forbidden("llmcourse.engine.tiled_attention", "The engine's attention is the black box here: write it with @ and softmax."),
 ]
 NO_ENGINE_LOOP = [
-    Forbidden("llmcourse.generate", "The engine's generation loop is what yours is compared with: write the loop "
+    Forbidden("llmcourse.engine.generate", "The engine's generation loop is what yours is compared with: write the loop "
                                     "with model(ids, cache=cache)."),
     Forbidden("transformers", "transformers' generate is what yours is compared with: write the loop yourself."),
 ]
@@ -360,8 +360,8 @@ def _cache_engine_calls(seed: int) -> tuple:
 
 def _generations(model: GPT2, calls: list, cache_class) -> Any:
     """Every call's tokens with `cache_class` installed in the model; a PartError of the engine's guard as text."""
-    from ..generate import generate
-    from ..parts import PartError
+    from llmcourse.engine.generate import generate
+    from llmcourse.engine.parts import PartError
 
     models = [model] + [settings["draft"] for _, _, settings in calls if "draft" in settings]
     before = [m.cache_class for m in models]
@@ -380,7 +380,7 @@ def _generations(model: GPT2, calls: list, cache_class) -> Any:
 def _run_in_engine(cls, seed: int) -> Any:
     """The engine's generations with `cls` installed as `my_engine` installs it: GuardedCache.of(cls) (in the target
     and the draft model)."""
-    from ..parts import GuardedCache
+    from llmcourse.engine.parts import GuardedCache
 
     model, calls = _cache_engine_calls(seed)
     return _generations(model, calls, GuardedCache.of(cls))
@@ -793,7 +793,7 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
         cases.append(case(f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt", model,
                           [rng.randrange(V) for _ in range(P)], rng.randint(1, 64 - P)))
     if bundled:
-        from ..tokenizer import get_tokenizer
+        from llmcourse.engine.tokenizer import get_tokenizer
 
         cases.append(case("the bundled model, 'ROMEO:'", bundled_model(), get_tokenizer().encode("ROMEO:"), 20))
 

@@ -7,15 +7,15 @@ from typing import Any, Optional
 
 import torch
 
-from ..sampling import top_k_next_tokens
-from .core import Case, run_check
-from .forbid import Forbidden
+from llmcourse.engine.sampling import top_k_next_tokens
+from .harness.core import Case, run_check
+from .harness.forbid import Forbidden
 
 SORT_YOURSELF = "Turn the logits into probabilities, then sort the token ids by probability."
 NO_TOPK = [
     Forbidden("torch.topk", SORT_YOURSELF),  # every route: torch.topk, Tensor.topk, torch.ops.aten.topk, ...
-    Forbidden("llmcourse.sampling.top_k_next_tokens", "Write your own."),
-    Forbidden("llmcourse.sampling.top_k", SORT_YOURSELF),
+    Forbidden("llmcourse.engine.sampling.top_k_next_tokens", "Write your own."),
+    Forbidden("llmcourse.engine.sampling.top_k", SORT_YOURSELF),
     Forbidden("transformers", SORT_YOURSELF),
 ]
 

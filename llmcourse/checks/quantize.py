@@ -30,23 +30,23 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..generate import generate
-from ..parts import PartError
-from ..quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
+from llmcourse.engine.generate import generate
+from llmcourse.engine.parts import PartError
+from llmcourse.engine.quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
                         dequantize_int8 as engine_dequantize_int8, int8_linear as engine_int8_linear,
                         pack_int4 as engine_pack_int4, quantize_int4 as engine_quantize_int4,
                         quantize_int8 as engine_quantize_int8, quantize_model, unpack_int4 as engine_unpack_int4,
                         weight_memory as engine_weight_memory)
 from .batching import watched
-from .bundled import bundled_model
-from .core import Case, Verdict, call_learner, failure, later, run_check
+from .harness.bundled import bundled_model
+from .harness.core import Case, Verdict, call_learner, failure, later, run_check
 from .kv_cache import decisive_model, one_thread
-from .failed import CheckFailed
-from .forbid import Forbidden
-from .show import short
-from .tensors import tensor_problem
+from .harness.failed import CheckFailed
+from .harness.forbid import Forbidden
+from .harness.show import short
+from .harness.tensors import tensor_problem
 
-NO_ENGINE = Forbidden("llmcourse.quantize", "llmcourse.quantize is the engine's quantization, what yours is "
+NO_ENGINE = Forbidden("llmcourse.engine.quantize", "llmcourse.quantize is the engine's quantization, what yours is "
                                             "compared with: write your own")
 NO_TORCH_QUANTIZATION = [
     Forbidden(f"torch.{name}", "torch's quantized tensors do the whole exercise: write the scale and the "
@@ -58,7 +58,7 @@ NO_TORCH_QUANTIZATION = [
                  "fbgemm_linear_int8_weight_fp32_activation", "_convert_weight_to_int4pack", "_weight_int4pack_mm",
                  "_weight_int8pack_mm", "_dyn_quant_pack_4bit_weight", "_dyn_quant_matmul_4bit")
 ]
-NO_KERNELS = Forbidden("llmcourse.cpu_kernels", "llmcourse.cpu_kernels holds the engine's quantized kernels: write "
+NO_KERNELS = Forbidden("llmcourse.engine.cpu_kernels", "llmcourse.cpu_kernels holds the engine's quantized kernels: write "
                                                  "your own")
 FORBID = [NO_ENGINE, NO_KERNELS, *NO_TORCH_QUANTIZATION]
 VIEW_HINTS = {"view size is not compatible": "quantize_model passes a layer's weight.T, a transposed view: view() "
@@ -143,7 +143,7 @@ def _pair(got: Any, name: str) -> Optional[str]:
 
 # ----------------------------------------------------------------------------------------------
 # In the engine: every slot's check ends by quantizing the bundled GPT-2 with the learner's functions installed as
-# `llmcourse.learner.my_engine` installs them (`Quantization.with_overrides`) and generating a few tokens; each call
+# `llmcourse.course.learner.my_engine` installs them (`Quantization.with_overrides`) and generating a few tokens; each call
 # the engine made of a learner's function is then judged against the engine's own function on the same arguments
 # (computed after the run), with the exercise's own judge. So a function that passes the cases cannot then fail in
 # the engine (GPT-2's token table [50257, 192], the layers' transposed weights, one-row decoding steps, ...).

@@ -2,7 +2,7 @@
 top-p, min-p, repetition penalty), greedy and sampled choice, the whole sampler, beam search and the
 generation loop.
 
-Processors are compared with the engine's (`llmcourse.sampling`, itself tested equal to transformers'
+Processors are compared with the engine's (`llmcourse.engine.sampling`, itself tested equal to transformers'
 logits processors) on random logits with ties, in float32 and float64, batch > 1 and odd vocabulary
 sizes; a wrong answer first says which tokens should have been kept. Samplers are tested as samplers:
 many seeded draws in one call, and a chi-square test of their frequencies against the expected
@@ -28,18 +28,18 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .. import sampling as S
-from ..config import GPT2Config
-from ..generate import beam_search as engine_beam_search
-from ..generate import decoded, generate_text, stop_at
-from ..model import GPT2
-from ..tokenizer import EOT_ID, get_tokenizer
-from .bundled import bundled_model
-from .core import later, Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
-from .forbid import Forbidden
-from .limits import TimeUp, time_limit
-from .show import short
-from .tensors import diagnose, same_answer, tensor_judge, tensor_problem
+from llmcourse.engine import sampling as S
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.generate import beam_search as engine_beam_search
+from llmcourse.engine.generate import decoded, generate_text, stop_at
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
+from .harness.bundled import bundled_model
+from .harness.core import later, Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
+from .harness.forbid import Forbidden
+from .harness.limits import TimeUp, time_limit
+from .harness.show import short
+from .harness.tensors import diagnose, same_answer, tensor_judge, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -51,7 +51,7 @@ NO_ENGINE = [Forbidden(f"llmcourse.sampling.{name}", "The engine's version is th
              for name in ENGINE if hasattr(S, name)]
 NO_LIBRARIES = [
     Forbidden("transformers", "transformers' logits processors are what your code is compared with: write your own."),
-    Forbidden("llmcourse.generate", "The engine's generation loop is what your code is compared with: write your own."),
+    Forbidden("llmcourse.engine.generate", "The engine's generation loop is what your code is compared with: write your own."),
 ]
 FORBID = [*NO_ENGINE, *NO_LIBRARIES]
 
@@ -193,9 +193,9 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     installs it, for each of `runs` (`generate`'s settings; 'batch': False for one prompt instead of two): it must
     not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
     `judge` against `reference` on the same arguments (computed after the generation)."""
-    from ..generate import generate
-    from ..parts import PartError
-    from ..sampling import Sampler
+    from llmcourse.engine.generate import generate
+    from llmcourse.engine.parts import PartError
+    from llmcourse.engine.sampling import Sampler
 
     calls: list[tuple[tuple, Any]] = []
 
@@ -754,7 +754,7 @@ def _draws_judge(n_draws: int, extra_hint: Callable[[Any, tuple], str] = lambda 
 def _same_generator_same_tokens(name: str, fn, make_args: Callable[[torch.Generator], tuple], forbid) -> None:
     """The learner's sampler must draw from the generator it is given: equal seeds, equal tokens;
     different seeds, different tokens."""
-    from .core import call_learner
+    from .harness.core import call_learner
 
     def draw(seed):
         return call_learner(name, fn, make_args(torch.Generator().manual_seed(seed)), forbid=forbid, seconds=5.0,
@@ -816,7 +816,7 @@ def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator],
 
 def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """sample(logits [B, V], generator) -> token ids [B] long, drawn from softmax(logits)."""
-    from .randomness import generator_contract
+    from .harness.randomness import generator_contract
 
     base = [("probabilities .5 .3 .2", torch.tensor([[0.5, 0.3, 0.2]]).log(), ""),
             ("removed tokens (-inf)", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]), ""),
@@ -958,7 +958,7 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             return None if problem is None else (problem, "")
         return draws(case, got)
 
-    from .randomness import generator_contract
+    from .harness.randomness import generator_contract
 
     last: dict = {}
 

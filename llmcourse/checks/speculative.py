@@ -31,23 +31,23 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from ..generate import generate
-from ..model import GPT2
-from ..parts import PartError
-from ..speculative import (PROMPT_LOOKUP, Speculation, accept_token as engine_accept_token,
+from llmcourse.engine.generate import generate
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.parts import PartError
+from llmcourse.engine.speculative import (PROMPT_LOOKUP, Speculation, accept_token as engine_accept_token,
                            expected_speedup as engine_expected_speedup,
                            prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
 from .batching import watched
-from .bundled import bundled_model
-from .core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
-from .failed import CheckFailed
-from .randomness import generator_contract
-from .forbid import Forbidden
+from .harness.bundled import bundled_model
+from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
+from .harness.failed import CheckFailed
+from .harness.randomness import generator_contract
+from .harness.forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
 from .sampling import _chi2_limit
-from .show import short
+from .harness.show import short
 
-NO_ENGINE = Forbidden("llmcourse.speculative", "llmcourse.speculative is the engine's speculative decoding, what "
+NO_ENGINE = Forbidden("llmcourse.engine.speculative", "llmcourse.speculative is the engine's speculative decoding, what "
                                                "yours is compared with: write your own")
 
 
@@ -635,7 +635,7 @@ _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255;
 
 # ----------------------------------------------------------------------------------------------
 # In the engine: accept_token, verify and prompt_lookup_draft end by generating with the learner's function
-# installed as `llmcourse.learner.my_engine` installs it (`Speculation.with_overrides`), on the bundled pair
+# installed as `llmcourse.course.learner.my_engine` installs it (`Speculation.with_overrides`), on the bundled pair
 # (gpt2-shakespeare and gpt2-shakespeare-draft), so that a function that passes the cases cannot then fail in
 # the engine (GPT-2's vocabulary, the engine's p and q rows, a round with fewer proposals, the whole text).
 
@@ -1210,7 +1210,7 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         pairs.append(tiny(10 + i, f"random #{i}: k = {k}", lambda t, i=i: noisy_copy(t, seed + 10 + i, rng.random() / 4),
                           rng.randint(1, 20), rng.randint(10, 30), k))
     if bundled:
-        from ..tokenizer import get_tokenizer
+        from llmcourse.engine.tokenizer import get_tokenizer
 
         def make():
             target, draft = bundled_pair()
@@ -1252,5 +1252,5 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
                 f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})")
 
     run_check("speculative_round", run, cases, judge=_round_verdict, forbid=[NO_ENGINE,
-              Forbidden("llmcourse.generate", "generate and stream run the whole loop: write one round yourself")],
+              Forbidden("llmcourse.engine.generate", "generate and stream run the whole loop: write one round yourself")],
               show_call=show, seconds=10, total_seconds=40, may_modify=True)

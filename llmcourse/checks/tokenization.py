@@ -1,7 +1,7 @@
 """Checks for chapter 01, tokenization: byte-level BPE, from pair counts to GPT-2's encoder.
 
-Each check compares the learner's function with the engine's (`llmcourse.bpe`, and
-`llmcourse.tokenizer` for `bytes_to_unicode` and `StreamDecoder`) on fixed edge cases and seeded
+Each check compares the learner's function with the engine's (`llmcourse.course.bpe`, and
+`llmcourse.engine.tokenizer` for `bytes_to_unicode` and `StreamDecoder`) on fixed edge cases and seeded
 random inputs. When an answer is wrong, the message also says what was probably done wrong, worked
 out from the input and the wrong answer (merged overlapping pairs, broke a tie the other way,
 forgot `<|endoftext|>`, skipped the regex pre-split, decoded token by token, emitted half a
@@ -20,7 +20,7 @@ character, ...).
     >>> check_merge(merge)
     ✓ merge — 34 cases
 
-The engine's own functions are the black boxes: passing `llmcourse.bpe.merge` itself fails.
+The engine's own functions are the black boxes: passing `llmcourse.course.bpe.merge` itself fails.
 """
 
 from __future__ import annotations
@@ -29,11 +29,11 @@ import functools
 import random
 from typing import Any, Optional
 
-from .. import bpe
-from ..tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
-from .core import Case, CheckFailed, Verdict, failure, run_check
-from .forbid import Forbidden
-from .show import short
+from llmcourse.course import bpe
+from llmcourse.engine.tokenizer import EOT, EOT_ID, StreamDecoder, bytes_to_unicode
+from .harness.core import Case, CheckFailed, Verdict, failure, run_check
+from .harness.forbid import Forbidden
+from .harness.show import short
 
 
 NO_TIKTOKEN = [Forbidden("tiktoken", "tiktoken is the black box this chapter opens: use your own functions.")]
@@ -402,8 +402,8 @@ def check_bytes_to_unicode(fn, *, seed: int = 0, n_random: int = 20) -> None:
     fits), and so is the order of the keys, which gives the single-byte tokens their ids.
     """
     name = "bytes_to_unicode"
-    forbid = [Forbidden("llmcourse.tokenizer.bytes_to_unicode", "Build the table yourself."),
-              Forbidden("llmcourse.tokenizer.load_mergeable_ranks", "Build the table yourself."), *NO_LIBRARIES]
+    forbid = [Forbidden("llmcourse.engine.tokenizer.bytes_to_unicode", "Build the table yourself."),
+              Forbidden("llmcourse.engine.tokenizer.load_mergeable_ranks", "Build the table yourself."), *NO_LIBRARIES]
     reference = bytes_to_unicode()
     hints = {
         "printable": "bytes that are printable characters in Latin-1 ('!'..'~', '¡'..'¬', '®'..'ÿ') map to chr(byte)",
@@ -812,7 +812,7 @@ def check_stream_decoder(cls, *, seed: int = 0, n_random: int = 20) -> None:
         Forbidden("codecs.IncrementalDecoder", incremental),
         Forbidden("codecs.StreamReader", incremental),
         Forbidden("codecs.utf_8_decode", "Use bytes.decode on the complete part only."),
-        Forbidden("llmcourse.tokenizer.StreamDecoder", "Write your own."),
+        Forbidden("llmcourse.engine.tokenizer.StreamDecoder", "Write your own."),
         *NO_LIBRARIES,
     ]
     run_check("StreamDecoder", stream, cases, judge=_judge_stream, forbid=forbid, show_call=show,

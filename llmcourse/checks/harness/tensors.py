@@ -145,7 +145,7 @@ def tensor_judge(tolerance: Tolerance, mistakes: Sequence[Mistake] = ()) -> Call
     case), and the hint of the known mistake the wrong answer is, if any.
 
         >>> judge = tensor_judge({torch.float32: (1e-6, 1e-5)}, [(lambda x: 2 * x, "double, not square")])
-        >>> from llmcourse.checks.core import Case
+        >>> from llmcourse.checks.harness.core import Case
         >>> judge(Case("x = 2", (torch.tensor([2.0]),), torch.tensor([4.0])), torch.tensor([4.0])) is None
         True
         >>> judge(Case("x = 3", (torch.tensor([3.0]),), torch.tensor([9.0])), torch.tensor([6.0]))[1]

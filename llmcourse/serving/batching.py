@@ -18,8 +18,8 @@ from torch import Tensor
 
 from .block_manager import BlockAllocator
 from .paged_cache import gather_kv, slot_mapping
-from . import parts
-from .parts import Slots, guarded, part_failed
+from llmcourse.engine import parts
+from llmcourse.engine.parts import Slots, guarded, part_failed
 from .scheduler import schedule
 
 

@@ -40,10 +40,10 @@ from typing import Callable
 
 import torch
 
-from .config import GPT2Config
-from .generate import CompileError, generate
-from .loading import load_model, resolve_device, resolve_dtype, save_model
-from .model import GPT2
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.generate import CompileError, generate
+from llmcourse.engine.loading import load_model, resolve_device, resolve_dtype, save_model
+from llmcourse.engine.model import GPT2
 
 CONFIGS = {
     "gpt2": GPT2Config(),
@@ -543,15 +543,15 @@ def save(fig, path: Path) -> Path:
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if getattr(args, "serving", None):
-        from .serving_bench import main as serving
+        from .serving import main as serving
 
         return serving(args.serving, out, device=args.device, dtype=args.dtype)
     if getattr(args, "speculative", False):
-        from .speculative_bench import main as speculative
+        from .speculative import main as speculative
 
         return speculative(out, device=args.device, dtype=args.dtype, repeats=args.repeats)
     if getattr(args, "quantize", False):
-        from .quantize_bench import main as quantize
+        from .quantize import main as quantize
 
         return quantize(out, device=args.device, dtype=args.dtype, repeats=args.repeats, model=args.model)
     out.mkdir(parents=True, exist_ok=True)

@@ -22,12 +22,12 @@ import torch
 
 from . import paged_cache
 from .block_manager import BlockManager, blocks_for
-from .generate import as_model, check_request, new_generator
-from .model import GPT2
-from .parts import PartError
-from .sampling import SamplingSettings
+from llmcourse.engine.generate import as_model, check_request, new_generator
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.parts import PartError
+from llmcourse.engine.sampling import SamplingSettings
 from .scheduler import Request, Scheduler
-from .tokenizer import EOT_ID, get_tokenizer
+from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
 
 SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from .batching import Batching
+from llmcourse.serving.batching import Batching
 from .speculative import Speculation
 from .quantize import Quantization
 from .config import GPT2Config

@@ -15,11 +15,11 @@ never stops), `seed` / `generator` (sampling is reproducible: the same seed give
 `draft` (a model with the target's vocabulary, a bundled name such as 'gpt2-shakespeare-draft', or
 'prompt-lookup') turns on speculative decoding with `num_draft_tokens` proposals per round: the
 same tokens as without it when greedy, the same distribution when sampling (see
-`llmcourse.speculative`); pass `stats=SpeculationStats()` to see how many proposals were accepted.
+`llmcourse.engine.speculative`); pass `stats=SpeculationStats()` to see how many proposals were accepted.
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while).
 
-`model` is an `llmcourse.GPT2` (`load_model(...)`), or the engine `llmcourse.learner.my_engine()` returns (its
+`model` is an `llmcourse.GPT2` (`load_model(...)`), or the engine `llmcourse.course.learner.my_engine()` returns (its
 model is used).
 
     >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP

@@ -12,7 +12,7 @@ runs, in notebook order and without the chapter's demos:
 
 Then each exercise's check cell runs (its visible part). A cell that fails (a syntax error, an
 exception) fails only the exercises whose code or check uses what it defines.
-`llmcourse.learner` runs the chapters the same way to put the learner's functions in the engine.
+`llmcourse.course.learner` runs the chapters the same way to put the learner's functions in the engine.
 
     >>> print(progress_report("chapters"))                 # doctest: +SKIP
 
@@ -35,8 +35,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from .checks.failed import CheckFailed
-from .checks.limits import TimeUp, time_limit
+from llmcourse.checks.harness.failed import CheckFailed
+from llmcourse.checks.harness.limits import TimeUp, time_limit
 
 STUB = "raise NotImplementedError"
 SKIPPED_TAGS = {"needs-exercise"}  # demos of an exercise's answer: never run by progress or the engine

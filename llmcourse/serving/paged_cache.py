@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .config import GPT2Config
+from llmcourse.engine.config import GPT2Config
 
 
 def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -120,7 +120,7 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
 
 def checked_gather(gather: Callable) -> Callable:
     """A learner's gather, compared with the engine's at every call: wrong keys would silently change the text."""
-    from .parts import PartError
+    from llmcourse.engine.parts import PartError
 
     def call(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
         out = gather(pool, block_table, length)
@@ -136,7 +136,7 @@ def checked_gather(gather: Callable) -> Callable:
 
 def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None:
     """A learner's slot mapping must put each position in its own block of the table, or keys land elsewhere."""
-    from .parts import PartError
+    from llmcourse.engine.parts import PartError
 
     bs, at = cache.block_size, 0
     for c in chunks:

@@ -15,7 +15,7 @@ temperature); nothing needs Python after the cell has run.
 
 Every number in the figure is rounded to `DIGITS` significant digits (more than a figure can show, or a hover
 label needs), so a rerun whose floats differ in their last digits (threads summing in another order) stores
-the same output: `python -m llmcourse.refresh` gives no diff for an unchanged notebook.
+the same output: `python -m llmcourse.course.refresh` gives no diff for an unchanged notebook.
 
     >>> import plotly.graph_objects as go
     >>> fig = go.Figure(go.Heatmap(z=[[1, 2], [3, 4]]))

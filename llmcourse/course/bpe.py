@@ -31,9 +31,9 @@ from pathlib import Path
 
 import regex
 
-from .tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, load_mergeable_ranks, vocab_files
+from llmcourse.engine.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, load_mergeable_ranks, vocab_files
 
-CORPUS_FILE = Path(__file__).parent / "data" / "bpe_corpus.txt"  # Antony's speech (Julius Caesar III.2)
+CORPUS_FILE = Path(__file__).parents[1] / "data" / "bpe_corpus.txt"  # Antony's speech (Julius Caesar III.2)
 SPECIAL_TOKENS = {EOT: EOT_ID}  # GPT-2 has one special token; it is never produced by merges
 GPT2_SPLIT = regex.compile(GPT2_SPLIT_PATTERN)  # \p{L} (any letter) needs `regex`; `re` lacks it
 

@@ -1,0 +1,1 @@
+"""How the bundled Shakespeare models were trained (`train`) and evaluated (`shakespeare`)."""
