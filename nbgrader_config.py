@@ -33,12 +33,12 @@ c.ClearSolutions.code_stub = {"python": "# YOUR CODE HERE\nraise NotImplementedE
 
 # Learners never see the hidden tests, not even in their feedback: neither in the check cells nor in
 # the source lines a traceback would quote.
-# (llmcourse.grading.ClearHiddenTests is nbgrader's, minus a spurious config warning.)
+# (llmcourse.course.grading.ClearHiddenTests is nbgrader's, minus a spurious config warning.)
 c.GenerateFeedback.preprocessors = [
     "nbgrader.preprocessors.GetGrades",
     "nbconvert.preprocessors.CSSHTMLHeaderPreprocessor",
-    "llmcourse.grading.ClearHiddenTests",
-    "llmcourse.grading.ShortTracebacks",
+    "llmcourse.course.grading.ClearHiddenTests",
+    "llmcourse.course.grading.ShortTracebacks",
 ]
 
 # nbgrader's autograde sanitizing steps, with OverwriteCells quiet about the hidden tests that the
@@ -47,7 +47,7 @@ c.Autograde.sanitize_preprocessors = [
     "nbgrader.preprocessors.ClearOutput",
     "nbgrader.preprocessors.DeduplicateIds",
     "nbgrader.preprocessors.OverwriteKernelspec",
-    "llmcourse.grading.OverwriteCells",
+    "llmcourse.course.grading.OverwriteCells",
     "nbgrader.preprocessors.CheckCellMetadata",
 ]
 
