@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmcourse import get_tokenizer, load_model
-from llmcourse.engine import generate
+from llmcourse import generate
 from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
 from llmcourse.training.shakespeare import validation_figures, validation_tokens
 

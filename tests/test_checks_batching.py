@@ -310,11 +310,11 @@ def test_left_pad_pad_position_bug_changes_the_tokens_of_the_batch():
     before = [engine_left_pad(prompts)]
     model.batching = Batching.with_overrides(left_pad=pad_positions_count_padding)
     try:
-        from llmcourse.engine import generate
+        from llmcourse import generate
         batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None)
     finally:
         model.batching = Batching()
-    from llmcourse.engine import generate
+    from llmcourse import generate
     assert batched[0] == generate(model, prompts[0], max_new_tokens=8, eos_token_id=None)
     assert batched[1:] != [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts[1:]]
     assert before[0][0].tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 0, 10], [0, 0, 11, 12, 13]]

@@ -576,7 +576,7 @@ def round_engine(target, draft, target_cache, draft_cache, tokens, num_draft_tok
 
 
 def round_via_generate(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
-    from llmcourse.engine import generate
+    from llmcourse import generate
 
     out = generate(target, tokens, max_new_tokens=1, eos_token_id=None)
     target_cache.length = len(tokens)
@@ -654,7 +654,7 @@ def test_speculative_round_that_raises_gets_a_clear_message():
 def test_speculative_round_in_the_engine_equals_plain_greedy():
     """The check's tiny pairs: the engine with the reference round installed gives plain greedy's tokens, and so
     does the engine's own round; the noisy drafts keep some proposals and reject others."""
-    from llmcourse.engine import generate
+    from llmcourse import generate
 
     torch.set_num_threads(1)
     target = decisive_model(3).requires_grad_(False)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from llmcourse import GPT2Config, generate_text, stream
-from llmcourse.engine import generate
+from llmcourse import generate
 from llmcourse.engine.generate import stop_at
 
 from .conftest import DEVICES, hf_twin, lively_model

@@ -7,7 +7,7 @@ import torch
 import llmcourse
 from llmcourse import GPT2, GPT2Config, KVCache, PartError
 from llmcourse.engine.parts import GuardedCache
-from llmcourse.engine.sampling import Sampler, SamplingSettings
+from llmcourse.engine.sampling import Sampler, SamplingParams
 
 from .conftest import lively_model
 from .test_checks_kv_cache import KVCache as MyCache  # a learner's cache: the engine's interface, written independently
@@ -156,7 +156,7 @@ def test_compiled_decoding_keeps_the_engines_cache(model):
 def test_the_engine_sampler_is_a_sampler():
     """The engine's own sample/next_token as samplers: frequencies over many seeded draws."""
     probs = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05, 0.0])
-    settings = SamplingSettings(temperature=1.0, top_p=0.8)  # keeps 0.4, 0.25, 0.2 (0.85 > 0.8)
+    settings = SamplingParams(temperature=1.0, top_p=0.8)  # keeps 0.4, 0.25, 0.2 (0.85 > 0.8)
     g = torch.Generator().manual_seed(0)
     draws = Sampler().next_token(probs.log().expand(20000, 6), settings, generator=g)
     freq = torch.bincount(draws, minlength=6) / draws.numel()

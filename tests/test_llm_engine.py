@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from llmcourse import GPT2, GPT2Config, get_tokenizer, load_model
-from llmcourse.engine import generate
+from llmcourse import generate
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping

@@ -32,7 +32,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, save_model, stream
-from llmcourse.engine import generate
+from llmcourse import generate
 from llmcourse.engine.config import CheckpointError
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.quantize import (

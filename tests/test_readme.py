@@ -137,7 +137,7 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
     """`generate`'s keyword defaults against the CLI's: each difference is named in the README's sentence."""
     import inspect
 
-    from llmcourse.engine import generate
+    from llmcourse import generate
     from llmcourse.__main__ import TEMPERATURE, build_parser
 
     gen = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))

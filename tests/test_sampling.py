@@ -11,7 +11,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from llmcourse.engine.sampling import SamplingSettings, min_p, next_token, process_logits, repetition_penalty, temperature, top_k, top_p
+from llmcourse.engine.sampling import SamplingParams, min_p, next_token, process_logits, repetition_penalty, temperature, top_k, top_p
 
 V = 500
 
@@ -83,7 +83,7 @@ def test_repetition_penalty(penalty):
 def test_all_processors_in_transformers_order(settings):
     logits = random_logits(3)
     ids = torch.randint(0, V, (8, 20), generator=torch.Generator().manual_seed(4))
-    s = SamplingSettings(**settings)
+    s = SamplingParams(**settings)
     chain = LogitsProcessorList()
     if s.repetition_penalty != 1.0:
         chain.append(RepetitionPenaltyLogitsProcessor(s.repetition_penalty))
@@ -99,14 +99,14 @@ def test_all_processors_in_transformers_order(settings):
 
 def test_greedy_picks_the_argmax_after_the_repetition_penalty():
     logits = torch.tensor([[3.0, 2.9, -1.0]])
-    greedy = SamplingSettings(temperature=0.0, repetition_penalty=1.5)
-    assert next_token(logits, SamplingSettings()).tolist() == [0]
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.5)
+    assert next_token(logits, SamplingParams()).tolist() == [0]
     assert next_token(logits, greedy, seen=torch.tensor([[True, False, False]])).tolist() == [1]
 
 
 def test_sampling_is_seeded_and_follows_the_distribution():
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2, 0.0]]))
-    s = SamplingSettings(temperature=1.0)
+    s = SamplingParams(temperature=1.0)
     draw = lambda seed: [next_token(logits, s, generator=torch.Generator().manual_seed(seed)).item() for _ in range(1)]
     assert draw(1) == draw(1)
     g = torch.Generator().manual_seed(0)
@@ -114,7 +114,7 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     freq = counts / counts.sum()
     assert counts[3] == 0
     assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.02)
-    only_top = SamplingSettings(temperature=1.0, top_k=1)
+    only_top = SamplingParams(temperature=1.0, top_k=1)
     assert set(next_token(logits.expand(200, 4), only_top, generator=g).tolist()) == {0}
 
 
@@ -135,4 +135,4 @@ def test_sampling_is_seeded_and_follows_the_distribution():
 )
 def test_impossible_settings_are_refused(settings, message):
     with pytest.raises(ValueError, match=message):
-        SamplingSettings(**settings)
+        SamplingParams(**settings)

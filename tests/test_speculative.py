@@ -33,7 +33,7 @@ import pytest
 import torch
 
 from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, stream
-from llmcourse.engine import generate
+from llmcourse import generate
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.parts import PartError
 from llmcourse.training.shakespeare import validation_tokens

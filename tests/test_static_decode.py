@@ -14,7 +14,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.engine.generate import CompileError, decode_step, decode_steps, generate
-from llmcourse.engine.sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingParams
 
 from .conftest import CUDA, DEVICES, SMALL, lively_model
 
@@ -112,7 +112,7 @@ class SyncCounter(TorchDispatchMode):
 
 
 def count_loop_syncs(model, eos_token_id, steps=20) -> int:
-    loop = decode_steps(model, PROMPTS, SamplingSettings(repetition_penalty=1.2), max_new_tokens=steps,
+    loop = decode_steps(model, PROMPTS, SamplingParams(repetition_penalty=1.2), max_new_tokens=steps,
                         eos_token_id=eos_token_id, generator=None)
     next(loop)  # the prefill, which copies the prompts to the device
     with SyncCounter() as counter:
@@ -141,7 +141,7 @@ def test_rows_past_eos_are_cut_even_when_the_loop_checks_late(model, monkeypatch
 def test_cuda_decode_loop_never_waits_for_the_gpu(model, compile):
     model = model.to("cuda")
     try:
-        loop = decode_steps(model, PROMPTS, SamplingSettings(temperature=0.9, repetition_penalty=1.2),
+        loop = decode_steps(model, PROMPTS, SamplingParams(temperature=0.9, repetition_penalty=1.2),
                             max_new_tokens=24, eos_token_id=None, generator=torch.Generator("cuda").manual_seed(0),
                             compile=compile)
         next(loop)

@@ -42,7 +42,7 @@ import torch
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import decode_steps
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
-from llmcourse.engine.sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingParams
 from .serving import save_section
 
 FIGURE = "bench_quantize.png"
@@ -112,7 +112,7 @@ class Row:
 
 
 def engine_row(model, fmt: str) -> Row:
-    settings = SamplingSettings()
+    settings = SamplingParams()
 
     @torch.inference_mode()
     def decode(prompts, n):

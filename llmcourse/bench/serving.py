@@ -39,7 +39,7 @@ import torch
 
 from llmcourse.engine.generate import check_request, decode_steps
 from llmcourse.serving.llm_engine import LLMEngine
-from llmcourse.engine.sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingParams
 
 FIGURE = "bench_serving.png"
 MODELS = ("gpt2-shakespeare", "gpt2")  # the bundled model and GPT-2 124M's configuration (random weights)
@@ -212,7 +212,7 @@ def run_static(model, workload: Workload, batch_size: int) -> list[Record]:
     check_request(model, workload.prompts, max(workload.max_new_tokens), None)  # [prompt + output] fits
     records = [Record(a, [], []) for a in workload.arrivals]
     order = sorted(range(n), key=lambda i: workload.arrivals[i])
-    greedy = SamplingSettings()
+    greedy = SamplingParams()
     sync(model.device)
     start = time.perf_counter()
     for first in range(0, n, batch_size):
@@ -265,7 +265,7 @@ def decode_step_seconds(model, batch_size: int, prompt_len: int) -> float:
     """Seconds of one static-batching decode step of `batch_size` rows (the difference of two short runs, which
     also warms the model up)."""
     rows = [[i % model.config.vocab_size] * prompt_len for i in range(batch_size)]
-    greedy = SamplingSettings()
+    greedy = SamplingParams()
 
     def seconds(n: int) -> float:
         sync(model.device)

@@ -871,7 +871,7 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
 def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """next_token(logits [B, V], settings, seen=None, generator=None) -> [B] long, as the engine's."""
     fn = unwritten_helper(fn)
-    Settings = S.SamplingSettings
+    Settings = S.SamplingParams
     x = torch.tensor([[2.0, 1.0, 0.0, -1.0, -3.0]])
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     seen = torch.tensor([[True, False, False, False, False]])
@@ -979,7 +979,7 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
     flat = torch.zeros(4, 50)
     generator_contract("next_token", lambda gen: call_learner("next_token", fn, (flat, one_row, None, gen),
                                                               forbid=FORBID, seconds=5.0, may_modify=True),
-                       what="next_token(torch.zeros(4, 50), SamplingSettings(temperature=1.0), None, generator)")
+                       what="next_token(torch.zeros(4, 50), SamplingParams(temperature=1.0), None, generator)")
     _one_row_draws("next_token", fn, lambda logits, gen: (logits, one_row, None, gen),
                    torch.tensor([[0.5, 0.3, 0.2]]).log(), 200, show, seed)
 
@@ -1195,7 +1195,7 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
     """stream_text(model, tokenizer, prompt, settings, max_new_tokens, eos_token_id=EOT_ID, stop=(), seed=0)
     yields text pieces; together they are the engine's `generate_text` with the same settings."""
     tok = get_tokenizer()
-    Settings = S.SamplingSettings
+    Settings = S.SamplingParams
     greedy = Settings()
 
     def run(*args):  # the learner's generator, run to the end: the list of pieces, and when the first came

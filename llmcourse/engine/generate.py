@@ -35,7 +35,7 @@ import torch
 from torch import Tensor
 
 from .model import GPT2
-from .sampling import SamplingSettings
+from .sampling import SamplingParams
 from .speculative import SpeculationStats, check_speculation, resolve_draft, speculative_steps
 from .tokenizer import EOT_ID, StreamDecoder
 
@@ -91,7 +91,7 @@ def generate(
         prompt_ids = prompt_ids.tolist()
     single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
     batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
-    settings = SamplingSettings(temperature, top_k, top_p, min_p, repetition_penalty)
+    settings = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
     check_request(model, batch, max_new_tokens, eos_token_id)
     check_beams(num_beams, length_penalty, settings, compile)
     if draft is not None:
@@ -139,7 +139,7 @@ def stream(
     """
     model = as_model(model)
     ids = tokenizer.encode(prompt, allowed_special="all")
-    settings = SamplingSettings(**sampling)
+    settings = SamplingParams(**sampling)
     check_request(model, [ids], max_new_tokens, eos_token_id)
     check_beams(num_beams, length_penalty, settings, compile)
     if any(not isinstance(s, str) or not s for s in stop):
@@ -231,7 +231,7 @@ def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_
             )
 
 
-def check_beams(num_beams: int, length_penalty: float, settings: SamplingSettings, compile: bool = False) -> None:
+def check_beams(num_beams: int, length_penalty: float, settings: SamplingParams, compile: bool = False) -> None:
     if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
         raise ValueError(f"num_beams must be an integer >= 1 (1 = no beam search), got {num_beams!r}")
     if not isinstance(length_penalty, (int, float)) or not math.isfinite(length_penalty):
@@ -268,7 +268,7 @@ EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}
 def decode_steps(
     model: GPT2,
     batch: list[list[int]],
-    settings: SamplingSettings,
+    settings: SamplingParams,
     *,
     max_new_tokens: int,
     eos_token_id: Optional[int],
@@ -395,7 +395,7 @@ def beam_search(
     best live beam, scored at its current length, cannot beat the worst of them.
     """
     device, V, K = model.device, model.config.vocab_size, num_beams
-    settings = SamplingSettings(repetition_penalty=repetition_penalty)
+    settings = SamplingParams(repetition_penalty=repetition_penalty)
     prompt_t = torch.tensor([prompt], device=device)
     cache = model.new_cache(1, len(prompt) + max_new_tokens)
     logits = model(prompt_t, cache=cache, last_only=True)[:, -1].expand(K, V)  # [K, V]

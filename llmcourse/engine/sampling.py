@@ -22,7 +22,7 @@ from .parts import Slots
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingSettings:
+class SamplingParams:
     """How to pick each next token. temperature=0 means greedy (argmax).
 
     top_k=0, top_p=1, min_p=0 and repetition_penalty=1 switch those processors off.
@@ -123,7 +123,7 @@ class Sampler(Slots):
     `Sampler()` holds the engine's own; `Sampler.with_overrides(top_k=my_top_k)` swaps some for a
     learner's, guarded like the model's parts. A model's generation uses `model.sampler`.
 
-        >>> Sampler().next_token(torch.tensor([[1.0, 3.0, 2.0]]), SamplingSettings())
+        >>> Sampler().next_token(torch.tensor([[1.0, 3.0, 2.0]]), SamplingParams())
         tensor([1])
     """
 
@@ -140,7 +140,7 @@ class Sampler(Slots):
         """The engine's sampler with some functions replaced, each guarded (see `parts.guarded`)."""
         return cls(**cls.guarded_overrides(overrides, _expected_output, _processor_contract))
 
-    def process(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
+    def process(self, logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None) -> Tensor:
         """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
 
         For greedy decoding only the repetition penalty matters: the others never change the argmax.
@@ -159,7 +159,7 @@ class Sampler(Slots):
             logits = self.min_p(logits, settings.min_p)
         return logits
 
-    def next_token(self, logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None,
+    def next_token(self, logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None,
                    generator: Optional[torch.Generator] = None) -> Tensor:
         """Choose one token per row. logits [B, V] -> token ids [B]."""
         scores = self.process(logits.float(), settings, seen)
@@ -200,13 +200,13 @@ def _processor_contract(name: str, args: tuple, out: Tensor) -> Optional[str]:
 ENGINE_SAMPLER = Sampler()
 
 
-def process_logits(logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None) -> Tensor:
+def process_logits(logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None) -> Tensor:
     """The engine's processors in transformers' order; see `Sampler.process`."""
     return ENGINE_SAMPLER.process(logits, settings, seen)
 
 
 def next_token(
-    logits: Tensor, settings: SamplingSettings, seen: Optional[Tensor] = None, generator: Optional[torch.Generator] = None
+    logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None, generator: Optional[torch.Generator] = None
 ) -> Tensor:
     """The engine's choice of one token per row; see `Sampler.next_token`. logits [B, V] -> ids [B]."""
     return ENGINE_SAMPLER.next_token(logits, settings, seen, generator)

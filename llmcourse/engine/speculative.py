@@ -171,9 +171,9 @@ class Distributions:
     model's sampler's processors, then softmax, or one-hot on the argmax when greedy."""
 
     def __init__(self, target, settings=None, seen: Optional[Tensor] = None):
-        from .sampling import SamplingSettings
+        from .sampling import SamplingParams
 
-        self.sampler, self.settings = target.sampler, settings or SamplingSettings()
+        self.sampler, self.settings = target.sampler, settings or SamplingParams()
         self.seen = seen  # [V] bool, the tokens of the text so far (repetition penalty), or None
 
     def __call__(self, logits: Tensor, new_tokens: list[int], first: int = 0) -> Tensor:

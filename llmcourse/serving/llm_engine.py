@@ -25,7 +25,7 @@ from .block_manager import BlockManager, blocks_for
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import PartError
-from llmcourse.engine.sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingParams
 from .scheduler import Request, Scheduler
 from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
 
@@ -86,7 +86,7 @@ class LLMEngine:
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are max_new_tokens, "
                              f"eos_token_id, seed, stop and {', '.join(SAMPLING)}")
-        settings = SamplingSettings(**sampling)
+        settings = SamplingParams(**sampling)
         prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
         check_request(self.model, [prompt], max_new_tokens, eos_token_id)
         if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
@@ -156,7 +156,7 @@ class LLMEngine:
         """The next token of each request, logits [R, V]. Requests with the same greedy settings are decided in
         one call (an argmax per row, as alone); a sampling request draws from its own generator."""
         tokens: dict[int, int] = {}
-        groups: dict[SamplingSettings, list[int]] = {}
+        groups: dict[SamplingParams, list[int]] = {}
         for i, r in enumerate(requests):
             groups.setdefault(r.settings if r.settings.greedy else i, []).append(i)
         for rows in groups.values():

@@ -22,7 +22,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from .block_manager import BlockManager, blocks_for
-from llmcourse.engine.sampling import SamplingSettings
+from llmcourse.engine.sampling import SamplingParams
 
 
 class SeqView(NamedTuple):
@@ -94,7 +94,7 @@ class Request:
 
     id: int
     prompt: list[int]
-    settings: SamplingSettings
+    settings: SamplingParams
     max_new_tokens: int
     eos_token_id: Optional[int]
     stop: tuple[str, ...] = ()
