@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "release":
             return run_release(args.names)
         if args.command == "bench":
-            from .bench.speed import main as bench
+            from .bench.command import main as bench
 
             return bench(args)
     except KeyboardInterrupt:

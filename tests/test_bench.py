@@ -12,9 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from llmcourse.bench import common
 from llmcourse.bench import speed as bench
-from llmcourse.bench.speed import FIGURES, decode_step_cost, roofline
+from llmcourse.bench.common import decode_step_cost, roofline
+from llmcourse.bench.speed import FIGURES
 from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.loading import resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).
@@ -209,9 +212,9 @@ def test_the_benchmarks_page_shows_the_figures_bench_writes():
 def test_the_last_level_cache_is_found():
     if not Path("/sys/devices/system/cpu/cpu0/cache").is_dir():
         pytest.skip("no sysfs cache information here")
-    level, size = bench.last_level_cache()
+    level, size = common.last_level_cache()
     assert level >= 2 and 2**20 <= size <= 2**34
-    m = bench.machine(bench.resolve_device("cpu"), 500 * 10**6)
+    m = common.machine(resolve_device("cpu"), 500 * 10**6)
     assert m["llc_MB"] == size / 2**20 and m["weights_fit_in_llc"] == (size >= 500 * 10**6)
 
 
@@ -223,7 +226,7 @@ def test_matmul_throughput_is_measured_quickly_in_every_dtype(dtype):
     import torch
 
     start = time.perf_counter()
-    assert bench.measure_matmul(torch.device("cpu"), getattr(torch, dtype), repeats=1) > 0
+    assert common.measure_matmul(torch.device("cpu"), getattr(torch, dtype), repeats=1) > 0
     assert time.perf_counter() - start < 20
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from llmcourse.bench import quantize as qb
-from llmcourse.bench.speed import decode_step_cost
+from llmcourse.bench.common import decode_step_cost
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from llmcourse.bench import serving as sb
-from llmcourse.bench.speed import CONFIGS
+from llmcourse.bench.common import CONFIGS
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmcourse.bench import speculative as sb
-from llmcourse.bench.speed import CONFIGS
+from llmcourse.bench.common import CONFIGS
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.speculative import Round, SpeculationStats, expected_speedup
 

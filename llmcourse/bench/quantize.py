@@ -13,7 +13,7 @@ repeat), medians:
 
 Each row is set against its own bandwidth roofline: the bytes one decode step reads (every weight once, in its
 format: `llmcourse.engine.quantize.BYTES_PER_WEIGHT`; the tied head counted quantized, as the engine quantizes the token
-table; plus each row's KV cache) over the memory bandwidth measured in the same run (`bench.measure_bandwidth`). The
+table; plus each row's KV cache) over the memory bandwidth measured in the same run (`common.measure_bandwidth`). The
 greedy tokens of every row are compared with the engine's float32 ones (tokens until the first divergence). To say
 where the time goes, the engine's linear layers alone are timed per format (all 48 of the blocks, and the head).
 
@@ -41,9 +41,14 @@ import torch
 
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import decode_steps
+from llmcourse.engine.loading import resolve_device, save_model
+from llmcourse.engine.model import GPT2
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
 from llmcourse.engine.sampling import SamplingParams
-from .serving import save_section
+from llmcourse.engine.tokenizer import vocab_files
+
+from .common import (CONFIGS, ROOF, STYLE, decode_step_cost, describe_machine, machine, measure_bandwidth,
+                     measure_matmul, roofline, save, save_section, transformers_twin)
 
 FIGURE = "bench_quantize.png"
 ENGINE_FORMATS = ("float32", "int8", "int4")
@@ -59,7 +64,7 @@ NOT_INSTALLED = "CTranslate2 is not installed (pip install ctranslate2): its row
 class Sizes:
     """The benchmark's sizes (`QUICK`: the tests')."""
 
-    model: str = "gpt2"  # a configuration of `bench.CONFIGS`: random weights
+    model: str = "gpt2"  # a configuration of `common.CONFIGS`: random weights
     prompt_len: int = 128
     new_tokens: int = 128
     batch: int = 16
@@ -75,10 +80,8 @@ QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_toke
 
 def step_bytes(config: GPT2Config, context: int, fmt: str, batch: int = 1) -> float:
     """Bytes one decode step reads when the blocks' linear layers and the tied token table are in `fmt` (layer
-    norms, biases, the position rows and the KV cache stay float32): `bench.decode_step_cost` with the quantized
+    norms, biases, the position rows and the KV cache stay float32): `common.decode_step_cost` with the quantized
     weights at `BYTES_PER_WEIGHT[fmt]`."""
-    from .speed import decode_step_cost
-
     C, L, V = config.n_embd, config.n_layer, config.vocab_size
     total, _ = decode_step_cost(config, context, 4, batch)
     return total - (L * 12 * C * C + V * C) * (4 - BYTES_PER_WEIGHT[fmt])
@@ -127,6 +130,7 @@ def engine_row(model, fmt: str) -> Row:
 
 
 def transformers_row(hf) -> Row:
+    # heavy and optional (the course extra): only when comparing with transformers
     from transformers import LogitsProcessor, LogitsProcessorList
 
     class Stamp(LogitsProcessor):
@@ -162,7 +166,7 @@ def ctranslate2_module():
     before = os.environ.get("OMP_WAIT_POLICY")
     os.environ["OMP_WAIT_POLICY"] = before or "PASSIVE"
     try:
-        import ctranslate2
+        import ctranslate2  # optional (not a dependency), and its threads' policy must be set before it loads
     except ImportError:
         return None
     finally:
@@ -200,9 +204,6 @@ def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str],
 
 def saved_folder(model, folder: Path) -> Path:
     """`model` saved as transformers saves GPT-2, with the tokenizer files CTranslate2's converter reads."""
-    from llmcourse.engine.loading import save_model
-    from llmcourse.engine.tokenizer import vocab_files
-
     save_model(model, folder)
     files = vocab_files()
     shutil.copy(files["encoder.json"], folder / "vocab.json")
@@ -270,8 +271,6 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
 # ----------------------------------------------------------------------------------------------------- run
 
 def check_model(name: str) -> None:
-    from .speed import CONFIGS
-
     if name not in CONFIGS:
         raise ValueError(f"bench --quantize runs a configuration with random weights ({', '.join(CONFIGS)}), "
                          f"not {name!r}")
@@ -281,11 +280,6 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
         progress: Callable[[str], None] = print) -> dict:
     """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: torch's and CTranslate2's
     (default: torch's, the machine's cores)."""
-    from .speed import (CONFIGS, decode_step_cost, machine, measure_bandwidth, measure_matmul, roofline,
-                        transformers_twin)
-    from llmcourse.engine.loading import resolve_device
-    from llmcourse.engine.model import GPT2
-
     check_model(sizes.model)
     dev = resolve_device(device)
     before = torch.get_num_threads()
@@ -355,8 +349,6 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
 # ------------------------------------------------------------------------------------------------ reporting
 
 def table(r: dict) -> str:
-    from .speed import describe_machine
-
     b = r["sizes"]["batch"]
     rf = r["roofline"]
     lines = [f"quantization: {r['model']} configuration (random weights), {r['device']}, {r['threads']} threads, "
@@ -402,13 +394,11 @@ COLORS = {"engine": "C0", "transformers": "C1", "ctranslate2": "C3"}
 def plot(r: dict, out: Path) -> Path:
     """Tokens/s per engine and format, batch 1 above batch 16 (readable at phone width): a bar per row, its
     roofline drawn as the light bar behind it."""
-    import matplotlib
+    import matplotlib  # heavy and optional (the course extra): only when plotting
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-
-    from .speed import ROOF, STYLE, save
 
     b = r["sizes"]["batch"]
     names = list(r["rows"])[::-1]  # the first row on top

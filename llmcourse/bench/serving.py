@@ -26,20 +26,21 @@ output token after the first (TPOT), p50 and p99, and the wall time. Every times
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import random
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
 from llmcourse.engine.generate import check_request, decode_steps
-from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.sampling import SamplingParams
+from llmcourse.serving.llm_engine import LLMEngine
+
+from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, load, machine, save, save_section, sync
 
 FIGURE = "bench_serving.png"
 MODELS = ("gpt2-shakespeare", "gpt2")  # the bundled model and GPT-2 124M's configuration (random weights)
@@ -192,10 +193,6 @@ def summary(records: Sequence[Record]) -> dict:
 
 # ------------------------------------------------------------------------------------------------- runners
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def wait_until(deadline: float) -> None:
     if (left := deadline - time.perf_counter()) > 0:
@@ -343,22 +340,9 @@ def serve_model(model, name: str, sizes: Sizes, progress: Callable[[str], None] 
     return out
 
 
-def load(name: str, device: torch.device, dtype: torch.dtype):
-    from .speed import CONFIGS
-    from llmcourse.engine.loading import load_model
-    from llmcourse.engine.model import GPT2
-
-    if name in CONFIGS:  # a configuration: random weights (the timings do not depend on their values)
-        return GPT2(CONFIGS[name]).init_weights(0).to(device, dtype).eval().requires_grad_(False)
-    return load_model(name, device=device, dtype=dtype)
-
-
 def run(models: Sequence[str] = MODELS, *, device: str = "auto", dtype: str = "float32", quick: bool = False,
         progress: Callable[[str], None] = print) -> dict:
     """The serving benchmark on each model; -> the figures (bench.json's "serving" section)."""
-    from .speed import machine
-    from llmcourse.engine.loading import resolve_device, resolve_dtype
-
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     loaded = {name: load(name, dev, dt) for name in models}  # bad names fail before anything runs
     weight_bytes = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in loaded.values())
@@ -385,8 +369,6 @@ def ratios(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    from .speed import describe_machine
-
     lines = [f"serving: {r['device']}, {r['dtype']}, {r['threads']} threads",
              "machine: " + describe_machine(r["machine"])]
     head = f"    {'':<26}{'tok/s':>8}{'TTFT p50':>10}{'p99':>10}{'TPOT p50':>10}{'p99':>10}{'wall':>8}"
@@ -425,12 +407,10 @@ def table(r: dict) -> str:
 def plot(r: dict, out: Path) -> Path:
     """One figure, a column per model, readable at phone width: output tokens/s (static vs continuous), TTFT and
     TPOT percentiles, and TTFT on the shared-prefix workload with prefix caching off and on."""
-    import matplotlib
+    import matplotlib  # heavy and optional (the course extra): only when plotting
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .speed import ENGINE, STYLE, TRANSFORMERS, save
 
     models = list(r["models"].items())
     rows = [("output tok/s", None), ("TTFT (ms)", "ttft"), ("TPOT (ms)", "tpot"), ("TTFT (ms),\nshared prefix", "prefix")]
@@ -478,24 +458,3 @@ def main(models: Sequence[str], out: Path, *, device: str = "auto", dtype: str =
         return plot(results, out)
 
     return save_section(out, "serving", results, report)
-
-
-def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]) -> int:
-    """Write `results` as section `name` of out/bench.json (keeping its other sections), then `report()` (print
-    the table, draw the figure, return its path; it may add derived figures to `results`). A bug in reporting
-    loses no measurement: they are written first."""
-    path = out / "bench.json"
-    whole = json.loads(path.read_text()) if path.exists() else {}
-    whole[name] = results
-    path.write_text(json.dumps(whole, indent=2) + "\n")
-    try:
-        figure = report()
-    except Exception:
-        sys.stdout.flush()
-        traceback.print_exc()
-        print(f"python -m llmcourse bench: error: could not report the {name} benchmark; the measurements are in "
-              f"{path}", file=sys.stderr)
-        return 1
-    path.write_text(json.dumps(whole, indent=2) + "\n")
-    print(f"wrote the {name} section of {path} and {figure}")
-    return 0

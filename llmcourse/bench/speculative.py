@@ -40,8 +40,11 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from llmcourse.engine.generate import NUM_DRAFT_TOKENS, generate
-from .serving import save_section
+from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup, expected_tokens_per_round
+from llmcourse.training.shakespeare import acceptance_rate, validation_tokens
+
+from .common import ENGINE, ROOF, STYLE, TRANSFORMERS, describe_machine, load, machine, save, save_section, sync
 
 FIGURE = "bench_speculative.png"
 TARGET, DRAFT = "gpt2-shakespeare", "gpt2-shakespeare-draft"
@@ -130,10 +133,6 @@ def best_k(speedups: dict) -> int:
 
 
 # ------------------------------------------------------------------------------------------------- timing
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 class ForwardTimer:
@@ -284,11 +283,6 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
         progress: Callable[[str], None] = print) -> dict:
     """The whole benchmark; -> the figures (bench.json's "speculative" section). `threads` torch threads (one, as
     the serving benchmark's figures: on a shared 2-core machine two threads wait for each other)."""
-    from .speed import machine
-    from llmcourse.engine.loading import resolve_device, resolve_dtype
-    from .serving import load  # a model name or a bench configuration (random weights)
-    from llmcourse.training.shakespeare import acceptance_rate, validation_tokens
-
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -366,8 +360,6 @@ def by_k(section: dict) -> list[tuple[int, dict]]:
 
 
 def table(r: dict) -> str:
-    from .speed import describe_machine
-
     costs = r["costs"]
     vr = {int(n): v for n, v in costs["verify_ratio"].items()}
     tm = {int(n): v for n, v in costs["target_ms"].items()}
@@ -404,12 +396,10 @@ def table(r: dict) -> str:
 def plot(r: dict, out: Path) -> Path:
     """Speed-up against k, one panel per draft (stacked, readable at phone width): measured, the formula, the
     refined prediction, and plain decoding at 1."""
-    import matplotlib
+    import matplotlib  # heavy and optional (the course extra): only when plotting
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .speed import ENGINE, ROOF, STYLE, TRANSFORMERS, save
 
     panels = [("draft model (gpt2-shakespeare-draft)", r["draft_model"]),
               ("prompt lookup (text that repeats)", r["prompt_lookup"])]
