@@ -6,15 +6,18 @@
     >>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
 """
 
+from .course import stubs as _stubs
 from .engine.config import CheckpointError, GPT2Config
 from .engine.generate import generate, generate_text, stream
-from .serving.llm_engine import LLMEngine
 from .engine.loading import load_model, save_model
 from .engine.model import GPT2, KVCache
-from .engine.parts import PartError, Parts
+from .engine.parts import Parts
+from .engine.quantize import quantize_model
+from .engine.sampling import Sampler, SamplingParams
+from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
 from .engine.tokenizer import EOT, EOT_ID, StreamDecoder, get_tokenizer
-from .course import stubs as _stubs
+from .serving.llm_engine import LLMEngine
 
 _stubs.install()  # inside IPython (a chapter's notebook): a stub's NotImplementedError shows as one line
 
@@ -28,12 +31,15 @@ __all__ = [
     "LLMEngine",
     "PartError",
     "Parts",
+    "Sampler",
+    "SamplingParams",
     "SpeculationStats",
     "StreamDecoder",
     "generate",
     "generate_text",
     "get_tokenizer",
     "load_model",
+    "quantize_model",
     "save_model",
     "stream",
 ]

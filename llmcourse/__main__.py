@@ -18,7 +18,7 @@ import sys
 
 from .engine.config import CheckpointError
 from .engine.generate import NUM_DRAFT_TOKENS
-from .engine.parts import PartError
+from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
 from .engine.tokenizer import TokenizerFileError
 
@@ -203,7 +203,6 @@ def run_release(names: list[str]) -> int:
 def run_generate(args: argparse.Namespace) -> int:
     from .engine.generate import CompileError, stream
     from .engine.loading import load_model
-    from .engine.quantize import quantize_model
     from .engine.tokenizer import get_tokenizer
 
     def fail(message: str, code: int) -> int:
@@ -236,9 +235,7 @@ def run_generate(args: argparse.Namespace) -> int:
         # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
         model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)
         if yours is not None:
-            yours.install(model)
-            if args.quantize:
-                quantize_model(model, args.quantize)
+            model = yours.install(model, args.quantize)  # an Engine: generation runs the learner's functions
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters

@@ -14,7 +14,7 @@ import torch
 
 from llmcourse.checks.harness.core import Case, CheckFailed, call_learner, equal, run_check
 from llmcourse.checks.harness.forbid import Forbidden, ForbiddenCall, forbidding
-from llmcourse.checks.harness.limits import TimeUp, time_limit
+from llmcourse.course.limits import TimeUp, time_limit
 from llmcourse.checks.harness.show import short
 
 # -- order-aware comparison ---------------------------------------------------------------------

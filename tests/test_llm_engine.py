@@ -33,7 +33,7 @@ from llmcourse import generate
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
-from llmcourse.engine.parts import PartError
+from llmcourse.engine.slots import PartError
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

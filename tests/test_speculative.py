@@ -35,7 +35,7 @@ import torch
 from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, stream
 from llmcourse import generate
 from llmcourse.engine.loading import MODELS_DIR
-from llmcourse.engine.parts import PartError
+from llmcourse.engine.slots import PartError
 from llmcourse.training.shakespeare import validation_tokens
 from llmcourse.engine.speculative import Speculation, SpeculationStats, accept_token, prompt_lookup_draft, verify
 

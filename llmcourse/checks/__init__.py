@@ -27,7 +27,7 @@ from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm
                    check_load_gpt2_checkpoint, check_mlp)
 from .harness.forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
-from .harness.limits import time_limit
+from llmcourse.course.limits import time_limit
 from .pipeline import check_top_k_next_tokens
 from .quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
                        check_weight_memory)

@@ -29,7 +29,7 @@ from llmcourse.engine import parts
 from .harness.bundled import bundled_model
 from .harness.core import later, Case, Verdict, call_learner, run_check
 from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 

@@ -31,14 +31,15 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from llmcourse.serving.batching import Batching, left_pad as engine_left_pad
+from llmcourse.engine.padding import left_pad as engine_left_pad
+from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
 from llmcourse.engine.generate import generate
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
 from llmcourse.serving.scheduler import SeqView, schedule as engine_schedule
 from .harness.core import Case, Verdict, later, run_check
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
 from .harness.show import short

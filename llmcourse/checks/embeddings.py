@@ -24,7 +24,7 @@ from llmcourse.engine.parts import embedding as engine_embedding
 from .harness import isolate
 from .harness.bundled import bundled_model
 from .harness.core import later, Case, call_learner, failure, run_check
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.tensors import Mistake, tensor_judge
 
@@ -114,7 +114,8 @@ def check_in_engine(name: str, fn: Callable, forbid: Sequence[Forbidden], *, hin
 
     Accuracy: the engine's float32 logits differ from float64 ones by about 1e-5; a float32 part is accepted
     within 1e-3 of the largest logit (100 times that), while a wrong part moves them by far more."""
-    from llmcourse.engine.parts import PartError, Parts
+    from llmcourse.engine.parts import Parts
+    from llmcourse.engine.slots import PartError
 
     expected, batch, model = _engine_expected(), _engine_batch(), _engine_model()
     tolerance = 1e-3 * max(float(t.abs().max()) for t in expected)

@@ -37,7 +37,7 @@ from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.model import GPT2, KVCache as EngineKVCache
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, equal, later, run_check
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import in_float64, tensor_judge, tensor_problem
@@ -361,7 +361,7 @@ def _cache_engine_calls(seed: int) -> tuple:
 def _generations(model: GPT2, calls: list, cache_class) -> Any:
     """Every call's tokens with `cache_class` installed in the model; a PartError of the engine's guard as text."""
     from llmcourse.engine.generate import generate
-    from llmcourse.engine.parts import PartError
+    from llmcourse.engine.slots import PartError
 
     models = [model] + [settings["draft"] for _, _, settings in calls if "draft" in settings]
     before = [m.cache_class for m in models]

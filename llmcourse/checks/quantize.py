@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from llmcourse.engine.generate import generate
-from llmcourse.engine.parts import PartError
+from llmcourse.engine.slots import PartError
 from llmcourse.engine.quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
                         dequantize_int8 as engine_dequantize_int8, int8_linear as engine_int8_linear,
                         pack_int4 as engine_pack_int4, quantize_int4 as engine_quantize_int4,
@@ -41,7 +41,7 @@ from .batching import watched
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check
 from .kv_cache import decisive_model, one_thread
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import tensor_problem

@@ -37,7 +37,7 @@ from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
 from .harness.bundled import bundled_model
 from .harness.core import later, Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
 from .harness.forbid import Forbidden
-from .harness.limits import TimeUp, time_limit
+from llmcourse.course.limits import TimeUp, time_limit
 from .harness.show import short
 from .harness.tensors import diagnose, same_answer, tensor_judge, tensor_problem
 
@@ -194,7 +194,7 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
     `judge` against `reference` on the same arguments (computed after the generation)."""
     from llmcourse.engine.generate import generate
-    from llmcourse.engine.parts import PartError
+    from llmcourse.engine.slots import PartError
     from llmcourse.engine.sampling import Sampler
 
     calls: list[tuple[tuple, Any]] = []

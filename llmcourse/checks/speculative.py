@@ -33,14 +33,14 @@ from torch import Tensor
 
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.parts import PartError
+from llmcourse.engine.slots import PartError
 from llmcourse.engine.speculative import (PROMPT_LOOKUP, Speculation, accept_token as engine_accept_token,
                            expected_speedup as engine_expected_speedup,
                            prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
 from .batching import watched
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
-from .harness.failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .harness.randomness import generator_contract
 from .harness.forbid import Forbidden
 from .kv_cache import decisive_model, one_thread

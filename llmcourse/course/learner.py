@@ -12,25 +12,29 @@ in its slot, with one notice saying why.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Iterator, NamedTuple, Optional
 
-from . import bpe
-from llmcourse.serving.batching import Batching
-from llmcourse.engine.speculative import Speculation
+from llmcourse.engine.generate import generate_text, stream
+from llmcourse.engine.loading import load_model
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.parts import Parts
 from llmcourse.engine.quantize import Quantization, quantize_model
-from llmcourse.engine.parts import GuardedCache, Parts
 from llmcourse.engine.sampling import Sampler
+from llmcourse.engine.speculative import Speculation
+from llmcourse.engine.tokenizer import StreamDecoder, get_tokenizer
+from llmcourse.serving.batching import Batching
+
+from . import bpe
+from .guards import guard, guarded
 from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
                        read_chapter, refuse_to_recurse, run_chapter)
-from llmcourse.engine.tokenizer import StreamDecoder, get_tokenizer
 
-PART_SLOTS = tuple(f.name for f in dataclasses.fields(Parts))
-SAMPLER_SLOTS = tuple(f.name for f in dataclasses.fields(Sampler))
+PART_SLOTS = Parts.slot_names()
+SAMPLER_SLOTS = Sampler.slot_names()
 CACHE_SLOTS = ("KVCache",)
-BATCHING_SLOTS = tuple(f.name for f in dataclasses.fields(Batching))
-SPECULATION_SLOTS = tuple(f.name for f in dataclasses.fields(Speculation))
-QUANTIZATION_SLOTS = tuple(f.name for f in dataclasses.fields(Quantization))
+BATCHING_SLOTS = ("left_pad", *Batching.slot_names())  # chapter 07: left_pad is generation's, the rest LLMEngine's
+SPECULATION_SLOTS = Speculation.slot_names()
+QUANTIZATION_SLOTS = Quantization.slot_names()
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
 # what the engine can take from a learner
 ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + QUANTIZATION_SLOTS + TOKENIZER_SLOTS
@@ -77,7 +81,7 @@ def learner_parts(folder: Optional[PathLike] = None, *, notify: Notify = print) 
     """
     mine = learner_functions(folder, slots=PART_SLOTS, notify=notify)
     notify(f"parts: yours for {', '.join(sorted(mine)) or 'none yet'}; the engine's for the rest")
-    return Parts.with_overrides(**mine)
+    return guarded(Parts, **mine)
 
 
 class LearnerTokenizer:
@@ -185,41 +189,44 @@ def learner_tokenizer(folder: Optional[PathLike] = None, *, notify: Notify = pri
 
 
 class Pieces(NamedTuple):
-    """Everything of a learner's that the engine runs: model parts, sampler, KV cache class, batching
-    functions, tokenizer."""
+    """Everything of a learner's that the engine runs, each function guarded once (`guards.guarded`): the forward
+    pass's parts, the drivers' functions by the keyword each driver takes them with (`sampler`, `kv_cache`,
+    `left_pad`, `speculation` for generation; `sampler`, `batching` for `LLMEngine`), the quantization functions
+    and the tokenizer."""
 
     parts: Parts
-    sampler: Sampler
-    cache_class: Callable
-    batching: Batching
-    speculation: Speculation
+    functions: dict
     quantization: Quantization
-    tokenizer: LearnerTokenizer
+    tokenizer: "LearnerTokenizer"
 
-    def install(self, model) -> None:
-        """Put the parts, the sampler, the cache class, the batching, the speculative decoding and the quantization
-        functions into `model` (an `llmcourse.GPT2`)."""
-        model.parts, model.sampler, model.cache_class, model.batching, model.speculation, model.quantization = (
-            self.parts, self.sampler, self.cache_class, self.batching, self.speculation, self.quantization)
+    def install(self, model: GPT2, quantize: Optional[str] = None) -> "Engine":
+        """`model` with these parts in its forward pass (quantized with these functions if `quantize`), as an
+        `Engine` whose generation runs the rest."""
+        model.parts = self.parts
+        if quantize is not None:
+            quantize_model(model, quantize, self.quantization)
+        return Engine(model, self.tokenizer, self.functions)
 
 
 def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None) -> Pieces:
-    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching and speculative decoding functions and tokenizer, with
-    one notice for each exercise with a slot that is not used, and one line saying what is yours (`uses`: the slots
-    the run will use, see `slots_used`; None: grouped by where the engine uses them)."""
-    from llmcourse.engine.model import KVCache
-
+    """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching, speculative decoding
+    and quantization functions and tokenizer, with one notice for each exercise with a slot that is not used, and
+    one line saying what is yours (`uses`: the slots the run will use, see `slots_used`; None: grouped by where the
+    engine uses them)."""
     functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify)
-    parts = Parts.with_overrides(**{n: f for n, f in functions.items() if n in PART_SLOTS})
-    sampler = Sampler.with_overrides(**{n: f for n, f in functions.items() if n in SAMPLER_SLOTS})
-    cache_class = GuardedCache.of(functions["KVCache"]) if "KVCache" in functions else KVCache
-    batching = Batching.with_overrides(**{n: f for n, f in functions.items() if n in BATCHING_SLOTS})
-    speculation = Speculation.with_overrides(**{n: f for n, f in functions.items() if n in SPECULATION_SLOTS})
-    quantization = Quantization.with_overrides(**{n: f for n, f in functions.items() if n in QUANTIZATION_SLOTS})
+
+    def table(cls, slots):
+        return guarded(cls, **{n: f for n, f in functions.items() if n in slots})
+
+    drivers = {"sampler": table(Sampler, SAMPLER_SLOTS), "speculation": table(Speculation, SPECULATION_SLOTS),
+               "batching": table(Batching, Batching.slot_names())}
+    for slot, keyword in (("KVCache", "kv_cache"), ("left_pad", "left_pad")):
+        if slot in functions:
+            drivers[keyword] = guard(slot, functions[slot])
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(your_engine_notice(yours, uses))
-    return Pieces(parts, sampler, cache_class, batching, speculation, quantization, tokenizer)
+    return Pieces(table(Parts, PART_SLOTS), drivers, table(Quantization, QUANTIZATION_SLOTS), tokenizer)
 
 
 # Where each of the learner's slots runs, in the order the notice lists them.
@@ -269,24 +276,27 @@ def your_engine_notice(yours: list[str], uses: Optional[set[str]] = None) -> str
     return f"your engine: your {listed}; the engine's own for the rest"
 
 
-class Engine(NamedTuple):
-    """Your engine: `model` (an `llmcourse.GPT2` with your parts, sampler and KV cache) and `tokenizer` (yours, see
-    `LearnerTokenizer`); `model, tokenizer = my_engine()` unpacks it."""
+class Engine:
+    """Your engine: `model` (an `llmcourse.GPT2` with your parts), `tokenizer` (yours, see `LearnerTokenizer`) and
+    `functions`, the rest of yours by the keyword each driver takes (`generate`, `stream`, `generate_text` and
+    `LLMEngine` run them when given the engine where a model goes). `model, tokenizer = my_engine()` unpacks it."""
 
-    model: "object"
-    tokenizer: LearnerTokenizer
+    def __init__(self, model: GPT2, tokenizer, functions: Optional[dict] = None):
+        self.model, self.tokenizer, self.functions = model, tokenizer, dict(functions or {})
+
+    def __iter__(self):
+        return iter((self.model, self.tokenizer))
+
+    def __repr__(self) -> str:
+        return f"Engine(model={type(self.model).__name__}, functions={sorted(self.functions)})"
 
     def generate_text(self, prompt: str, **settings) -> str:
         """`llmcourse.generate_text` with this engine: the continuation of `prompt` as one string."""
-        from llmcourse.engine.generate import generate_text
-
-        return generate_text(self.model, self.tokenizer, prompt, **settings)
+        return generate_text(self, self.tokenizer, prompt, **settings)
 
     def stream(self, prompt: str, **settings) -> Iterator[str]:
         """`llmcourse.stream` with this engine: the continuation of `prompt`, piece by piece."""
-        from llmcourse.engine.generate import stream
-
-        return stream(self.model, self.tokenizer, prompt, **settings)
+        return stream(self, self.tokenizer, prompt, **settings)
 
 
 def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", device="auto", dtype=None,
@@ -306,13 +316,7 @@ def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", de
         >>> print(engine.generate_text("ROMEO:", temperature=0.8))          # doctest: +SKIP
         >>> model, tokenizer = engine                                       # doctest: +SKIP
     """
-    from llmcourse.engine.loading import load_model
-    from llmcourse.engine.model import GPT2
-
     pieces = your_pieces(folder, notify=notify)
     if not isinstance(model, GPT2):
         model = load_model(model, device=device, dtype=dtype)
-    pieces.install(model)
-    if quantize is not None:
-        quantize_model(model, quantize)
-    return Engine(model, pieces.tokenizer)
+    return pieces.install(model, quantize)

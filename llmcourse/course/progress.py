@@ -35,8 +35,8 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
-from llmcourse.checks.harness.failed import CheckFailed
-from llmcourse.checks.harness.limits import TimeUp, time_limit
+from .failed import CheckFailed
+from .limits import TimeUp, time_limit
 
 STUB = "raise NotImplementedError"
 SKIPPED_TAGS = {"needs-exercise"}  # demos of an exercise's answer: never run by progress or the engine

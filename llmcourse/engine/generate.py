@@ -28,87 +28,100 @@ model is used).
 
 from __future__ import annotations
 
-import math
-from typing import Iterator, Optional, Sequence, Union
+import dataclasses
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from . import padding
 from .model import GPT2
-from .sampling import SamplingParams
-from .speculative import SpeculationStats, check_speculation, resolve_draft, speculative_steps
+from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams
+from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
 from .tokenizer import EOT_ID, StreamDecoder
 
 NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled draft model at k = 1 (benchmarks page)
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
 
 
-def as_model(model) -> GPT2:
-    """`model` itself, or the `GPT2` inside `my_engine()`'s `Engine` (model, tokenizer): what generation runs.
+def as_model(model) -> tuple[GPT2, dict]:
+    """(the model generation runs, the functions it runs with): `model` itself and none of its own, or, for an
+    engine such as `my_engine()`'s (an object with `.model` and `.functions`, a dict of the drivers' keywords:
+    `sampler`, `kv_cache`, `left_pad`, `speculation`, `batching`), its model and its functions.
 
     Anything else is refused saying what to pass, rather than failing later on a missing attribute.
     """
     if isinstance(model, GPT2):
-        return model
+        return model, {}
     inner = getattr(model, "model", None)
     if isinstance(inner, GPT2):
-        return inner
+        return inner, dict(getattr(model, "functions", {}))
     if hasattr(model, "config") and hasattr(model, "new_cache"):  # a GPT2 look-alike (duck typing is fine)
-        return model
+        return model, {}
     raise TypeError(f"expected a model (llmcourse.load_model(...)) or my_engine()'s engine, got {type(model).__name__}; "
                     "e.g. generate_text(llmcourse.load_model(), tokenizer, 'ROMEO:') or my_engine().generate_text('ROMEO:')")
+
+
+def functions_of(engines: dict, **given) -> dict:
+    """The functions a driver runs with, by keyword: each one `given` (not None), else the engine's (`as_model`)."""
+    return {name: engines.get(name) if fn is None else fn for name, fn in given.items()}
 
 
 def generate(
     model: GPT2,
     prompt_ids: PromptIds,
+    params: Optional[SamplingParams] = None,
     *,
-    max_new_tokens: int = 64,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    min_p: float = 0.0,
-    repetition_penalty: float = 1.0,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    eos_token_id: Optional[int] = EOT_ID,
-    seed: int = 0,
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
     draft=None,
     num_draft_tokens: int = NUM_DRAFT_TOKENS,
     stats: Optional[SpeculationStats] = None,
+    sampler: Optional[Sampler] = None,
+    kv_cache: Optional[Callable] = None,
+    left_pad: Optional[Callable] = None,
+    speculation: Optional[Speculation] = None,
+    **settings,
 ) -> Union[list[int], list[list[int]]]:
     """New token ids for one prompt (a list of ids) or for each prompt of a batch (a list of lists).
 
-    A row ends with `eos_token_id` (included) or after `max_new_tokens` tokens.
+    The settings: a `SamplingParams`, or its fields as keywords (over it, if both). A row ends with
+    `eos_token_id` (included) or after `max_new_tokens` tokens. `sampler`, `kv_cache` (a class),
+    `left_pad` and `speculation` replace the engine's own functions there (see the module's docstring).
 
         >>> generate(model, [15496, 995], max_new_tokens=3)   # doctest: +SKIP
         [13, 314, 1101]
     """
-    model = as_model(model)
+    model, engines = as_model(model)
+    fns = functions_of(engines, sampler=sampler, kv_cache=kv_cache, left_pad=left_pad, speculation=speculation)
     if isinstance(prompt_ids, torch.Tensor):
         prompt_ids = prompt_ids.tolist()
     single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
     batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
-    settings = SamplingParams(temperature, top_k, top_p, min_p, repetition_penalty)
-    check_request(model, batch, max_new_tokens, eos_token_id)
-    check_beams(num_beams, length_penalty, settings, compile)
+    params = SamplingParams.of(params, **settings)
+    if params.stop:
+        raise ValueError("stop strings end a text: use stream or generate_text (generate returns token ids)")
+    check_request(model, batch, params.max_new_tokens, params.eos_token_id)
+    check_compile(params, compile)
     if draft is not None:
-        draft = checked_draft(model, draft, batch, num_draft_tokens, max_new_tokens, num_beams, compile)
-        generator = generator or new_generator(model, seed)
-        out = [list(speculative_steps(model, draft, p, settings, num_draft_tokens=num_draft_tokens,
-                                      max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, generator=generator,
-                                      stats=stats)) for p in batch]
-    elif num_beams > 1:
+        draft = checked_draft(model, draft, batch, num_draft_tokens, params, compile)
+        generator = generator or new_generator(model, params.seed)
+        out = [list(speculative_steps(model, draft, p, params, num_draft_tokens=num_draft_tokens, generator=generator,
+                                      stats=stats, speculation=fns.get("speculation"), sampler=fns.get("sampler"),
+                                      kv_cache=fns.get("kv_cache"))) for p in batch]
+    elif params.num_beams > 1:
         out = [
-            beam_search(model, p, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
-                        eos_token_id=eos_token_id, repetition_penalty=repetition_penalty)
+            beam_search(model, p, num_beams=params.num_beams, max_new_tokens=params.max_new_tokens,
+                        length_penalty=params.length_penalty, eos_token_id=params.eos_token_id,
+                        repetition_penalty=params.repetition_penalty, sampler=fns.get("sampler"),
+                        kv_cache=fns.get("kv_cache"))
             for p in batch
         ]
     else:
-        steps = decode_steps(model, batch, settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             generator=generator or new_generator(model, seed), compile=compile)
+        eos_token_id = params.eos_token_id
+        steps = decode_steps(model, batch, params, max_new_tokens=params.max_new_tokens, eos_token_id=eos_token_id,
+                             generator=generator or new_generator(model, params.seed), compile=compile,
+                             sampler=fns.get("sampler"), kv_cache=fns.get("kv_cache"), left_pad=fns.get("left_pad"))
         rows = torch.stack(list(steps), dim=1).tolist()  # one copy to the host, after the last step
         out = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
     return out[0] if single else out
@@ -118,51 +131,52 @@ def stream(
     model: GPT2,
     tokenizer,
     prompt: str,
+    params: Optional[SamplingParams] = None,
     *,
-    stop: Sequence[str] = (),
-    max_new_tokens: int = 64,
-    num_beams: int = 1,
-    length_penalty: float = 1.0,
-    eos_token_id: Optional[int] = EOT_ID,
-    seed: int = 0,
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
     draft=None,
     num_draft_tokens: int = NUM_DRAFT_TOKENS,
     stats: Optional[SpeculationStats] = None,
-    **sampling,
+    sampler: Optional[Sampler] = None,
+    kv_cache: Optional[Callable] = None,
+    left_pad: Optional[Callable] = None,
+    speculation: Optional[Speculation] = None,
+    **settings,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` as text pieces, as soon as they are complete characters.
 
-    Stops at `eos_token_id` (not shown), `max_new_tokens`, or the first of the `stop` strings (the
-    text before it is the last thing yielded). Beam search yields its best sequence at the end.
+    Takes `generate`'s settings and functions. Stops at `eos_token_id` (not shown), `max_new_tokens`, or the
+    first of the `stop` strings (the text before it is the last thing yielded). Beam search yields its best
+    sequence at the end.
     """
-    model = as_model(model)
+    model, engines = as_model(model)
+    fns = functions_of(engines, sampler=sampler, kv_cache=kv_cache, left_pad=left_pad, speculation=speculation)
     ids = tokenizer.encode(prompt, allowed_special="all")
-    settings = SamplingParams(**sampling)
-    check_request(model, [ids], max_new_tokens, eos_token_id)
-    check_beams(num_beams, length_penalty, settings, compile)
-    if any(not isinstance(s, str) or not s for s in stop):
-        raise ValueError(f"stop must be a list of non-empty strings, got {list(stop)!r}")
+    params = SamplingParams.of(params, **settings)
+    check_request(model, [ids], params.max_new_tokens, params.eos_token_id)
+    check_compile(params, compile)
     if draft is not None:
-        draft = checked_draft(model, draft, [ids], num_draft_tokens, max_new_tokens, num_beams, compile)
-        tokens = speculative_steps(model, draft, ids, settings, num_draft_tokens=num_draft_tokens,
-                                   max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                                   generator=generator or new_generator(model, seed), stats=stats)
-    elif num_beams > 1:
-        tokens = iter(generate(model, ids, max_new_tokens=max_new_tokens, num_beams=num_beams,
-                               length_penalty=length_penalty, eos_token_id=eos_token_id, **sampling))
+        draft = checked_draft(model, draft, [ids], num_draft_tokens, params, compile)
+        tokens = speculative_steps(model, draft, ids, params, num_draft_tokens=num_draft_tokens,
+                                   generator=generator or new_generator(model, params.seed), stats=stats,
+                                   speculation=fns.get("speculation"), sampler=fns.get("sampler"),
+                                   kv_cache=fns.get("kv_cache"))
+    elif params.num_beams > 1:
+        tokens = iter(generate(model, ids, dataclasses.replace(params, stop=()), **fns))
     else:
-        steps = decode_steps(model, [ids], settings, max_new_tokens=max_new_tokens, eos_token_id=eos_token_id,
-                             generator=generator or new_generator(model, seed), compile=compile)
+        steps = decode_steps(model, [ids], params, max_new_tokens=params.max_new_tokens,
+                             eos_token_id=params.eos_token_id, generator=generator or new_generator(model, params.seed),
+                             compile=compile, sampler=fns.get("sampler"), kv_cache=fns.get("kv_cache"),
+                             left_pad=fns.get("left_pad"))
         tokens = (int(t) for t in steps)
     # Checked above and returned (not yielded from here) so that bad input raises at the call.
-    return stop_at(decoded(tokens, tokenizer, eos_token_id), stop)
+    return stop_at(decoded(tokens, tokenizer, params.eos_token_id), params.stop)
 
 
-def generate_text(model: GPT2, tokenizer, prompt: str, **settings) -> str:
-    """The continuation of `prompt` as one string; takes the same settings as `stream`."""
-    return "".join(stream(model, tokenizer, prompt, **settings))
+def generate_text(model: GPT2, tokenizer, prompt: str, params: Optional[SamplingParams] = None, **settings) -> str:
+    """The continuation of `prompt` as one string; takes the same settings and functions as `stream`."""
+    return "".join(stream(model, tokenizer, prompt, params, **settings))
 
 
 def decoded(tokens: Iterator[int], tokenizer, eos_token_id: Optional[int]) -> Iterator[str]:
@@ -231,29 +245,23 @@ def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_
             )
 
 
-def check_beams(num_beams: int, length_penalty: float, settings: SamplingParams, compile: bool = False) -> None:
-    if isinstance(num_beams, bool) or not isinstance(num_beams, int) or num_beams < 1:
-        raise ValueError(f"num_beams must be an integer >= 1 (1 = no beam search), got {num_beams!r}")
-    if not isinstance(length_penalty, (int, float)) or not math.isfinite(length_penalty):
-        raise ValueError(f"length_penalty must be a finite number, got {length_penalty!r}")
-    if num_beams > 1 and not settings.greedy:
-        raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
-    if num_beams > 1 and compile:
+def check_compile(params: SamplingParams, compile: bool) -> None:
+    if params.num_beams > 1 and compile:
         raise ValueError("compile=True applies to greedy decoding and sampling; beam search runs uncompiled, "
                          "so use num_beams=1 or compile=False")
 
 
-def checked_draft(model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, max_new_tokens: int,
-                  num_beams: int, compile: bool):
+def checked_draft(model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, params: SamplingParams,
+                  compile: bool):
     """`draft` resolved (a model, or 'prompt-lookup'), refused where speculative decoding does not apply."""
-    if num_beams > 1:
+    if params.num_beams > 1:
         raise ValueError("speculative decoding (draft=...) samples or decodes greedily; it does not combine with "
                          "beam search: use num_beams=1")
     if compile:
         raise ValueError("compile=True applies to plain decoding; speculative decoding (draft=...) runs uncompiled, "
                          "so leave out compile=True or the draft")
     draft = resolve_draft(model, draft)
-    check_speculation(model, draft, batch, num_draft_tokens, max_new_tokens)
+    check_speculation(model, draft, batch, num_draft_tokens, params.max_new_tokens)
     return draft
 
 
@@ -274,8 +282,12 @@ def decode_steps(
     eos_token_id: Optional[int],
     generator: Optional[torch.Generator],
     compile: bool = False,
+    sampler: Optional[Sampler] = None,
+    kv_cache: Optional[Callable] = None,
+    left_pad: Optional[Callable] = None,
 ) -> Iterator[Tensor]:
-    """Yield the next token of every row [B], step by step (finished rows repeat `eos_token_id`).
+    """Yield the next token of every row [B], step by step (finished rows repeat `eos_token_id`), choosing
+    with `sampler`, caching in a `kv_cache` (each the engine's own by default), padding with `left_pad`.
 
     Prompts of different lengths are left-padded; the attention mask hides the padding and the
     position ids count only real tokens, so a row computes what it would alone. The tokens stay
@@ -286,7 +298,8 @@ def decode_steps(
     total = longest + max_new_tokens
     if compile:  # a compiled step is specialized to the cache's length: round it up to reuse one more often
         total = min(-(-total // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP, model.config.n_positions)
-    input_ids, prompt_mask, positions = model.batching.left_pad(batch)  # [B, longest] each
+    sampler = sampler or ENGINE_SAMPLER
+    input_ids, prompt_mask, positions = (left_pad or padding.left_pad)(batch)  # [B, longest] each
     mask = torch.cat([prompt_mask, torch.ones(B, total - longest, dtype=torch.long)], dim=1)  # generated: real
     input_ids, mask, positions = input_ids.to(device), mask.to(device), positions.to(device)
     padded = any(len(ids) < longest for ids in batch)
@@ -298,14 +311,14 @@ def decode_steps(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
 
-    cache = model.new_cache(B, total, compiled=compile)
+    cache = model.new_cache(B, total, cache_class=None if compile else kv_cache)  # a compiled step: the engine's
     logits = model(input_ids, position_ids=positions, attention_mask=mask[:, :longest] if padded else None,
                    cache=cache, last_only=True)[:, -1]  # [B, V]
     next_pos = positions[:, -1:] + 1  # [B, 1]
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
-        token = model.sampler.next_token(logits, settings, seen, generator)  # [B]
+        token = sampler.next_token(logits, settings, seen, generator)  # [B]
         if eos_token_id is not None:
             token = token.masked_fill(finished, eos_token_id)
             finished |= token == eos_token_id
@@ -385,6 +398,8 @@ def beam_search(
     length_penalty: float = 1.0,
     eos_token_id: Optional[int] = EOT_ID,
     repetition_penalty: float = 1.0,
+    sampler: Optional[Sampler] = None,
+    kv_cache: Optional[Callable] = None,
 ) -> list[int]:
     """The highest-scoring continuation found by beam search, as transformers computes it.
 
@@ -395,9 +410,9 @@ def beam_search(
     best live beam, scored at its current length, cannot beat the worst of them.
     """
     device, V, K = model.device, model.config.vocab_size, num_beams
-    settings = SamplingParams(repetition_penalty=repetition_penalty)
+    settings, sampler = SamplingParams(repetition_penalty=repetition_penalty), sampler or ENGINE_SAMPLER
     prompt_t = torch.tensor([prompt], device=device)
-    cache = model.new_cache(1, len(prompt) + max_new_tokens)
+    cache = model.new_cache(1, len(prompt) + max_new_tokens, cache_class=kv_cache)
     logits = model(prompt_t, cache=cache, last_only=True)[:, -1].expand(K, V)  # [K, V]
     cache.reorder(torch.zeros(K, dtype=torch.long, device=device))
     beams = [[] for _ in range(K)]  # tokens generated by each live beam
@@ -412,7 +427,7 @@ def beam_search(
             seen[:, prompt_t[0]] = True
             for row, tokens in enumerate(beams):
                 seen[row, tokens] = True
-        log_probs = model.sampler.process(torch.log_softmax(logits.float(), dim=-1), settings, seen)  # [K, V]
+        log_probs = sampler.process(torch.log_softmax(logits.float(), dim=-1), settings, seen)  # [K, V]
         total = (log_probs + scores[:, None]).view(-1)  # [K * V]
         top_scores, top_index = torch.topk(total, 2 * K)
         new_len, last_step = step + 1, step == max_new_tokens - 1

@@ -226,9 +226,10 @@ def save_model(model: GPT2, folder: Union[str, Path], *, dtype: Optional[torch.d
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     model.config.to_json(folder / CONFIG_FILE)
-    if model.quantized:
+    fmt = quantization.quantized_format(model)
+    if fmt:
         config = json.loads((folder / CONFIG_FILE).read_text())
-        config[quantization.CONFIG_KEY] = quantization.config_entry(model.quantized)
+        config[quantization.CONFIG_KEY] = quantization.config_entry(fmt)
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     def stored(k: str, v: torch.Tensor) -> torch.Tensor:

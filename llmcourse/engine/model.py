@@ -1,7 +1,9 @@
 """GPT-2, written as a composition of swappable parts, with a static KV cache.
 
 Parameter names are GPT-2's checkpoint keys (`wte`, `h.0.attn.c_attn`, `ln_f`, ...), and linear
-weights keep the checkpoint's [C_in, C_out] layout, so loading is a plain copy.
+weights keep the checkpoint's [C_in, C_out] layout, so loading is a plain copy. The forward pass calls
+the functions of `model.parts` (`Parts`); each layer computes with them, or, once quantized
+(`quantize.quantize_model`), with its own kernel: the model never asks which.
 
     >>> model = GPT2(GPT2Config(n_layer=2, n_head=2, n_embd=8, n_positions=16, vocab_size=10))
     >>> model(torch.tensor([[1, 2, 3]])).shape
@@ -10,26 +12,26 @@ weights keep the checkpoint's [C_in, C_out] layout, so loading is a plain copy.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor, nn
 
-from llmcourse.serving.batching import Batching
-from .speculative import Speculation
-from .quantize import Quantization
 from .config import GPT2Config
 from .parts import Parts
-from .sampling import Sampler
 
 
 class Affine(nn.Module):
-    """Weights of one GPT-2 linear layer (HF's `Conv1D`): y = x @ weight + bias."""
+    """Weights of one GPT-2 linear layer (HF's `Conv1D`): y = x @ weight + bias, with the `linear` part."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(n_in, n_out))
         self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, x: Tensor, linear: Callable) -> Tensor:
+        """x [..., C_in] -> [..., C_out]."""
+        return linear(x, self.weight, self.bias)
 
 
 class Norm(nn.Module):
@@ -50,6 +52,14 @@ class Table(nn.Module):
     def __init__(self, n: int, dim: int, column_major: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(dim, n).T if column_major else torch.empty(n, dim))
+
+    def forward(self, ids: Tensor, embedding: Callable, dtype: Optional[torch.dtype] = None) -> Tensor:
+        """Rows of the table, with the `embedding` part: ids [B, T] -> [B, T, C]."""
+        return embedding(self.weight, ids)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The tied head, x @ weight.T: [..., C] -> [..., N]."""
+        return x @ self.weight.T
 
 
 class Attention(nn.Module):
@@ -129,13 +139,7 @@ class GPT2(nn.Module):
     def __init__(self, config: GPT2Config, parts: Optional[Parts] = None):
         super().__init__()
         self.config = config
-        self.parts = parts or Parts()
-        self.sampler = Sampler()  # how generation picks each next token (a learner's may be swapped in)
-        self.cache_class = KVCache  # what `new_cache` builds (a learner's may be swapped in)
-        self.batching = Batching()  # left padding here, and the paged pieces of `LLMEngine` (a learner's may be swapped in)
-        self.speculation = Speculation()  # speculative decoding's rule, verify step, prompt lookup, round (same)
-        self.quantization = Quantization()  # how quantized weights are made and multiplied (same)
-        self.quantized: Optional[str] = None  # 'int8' or 'int4' once `quantize.quantize_model` has run
+        self.parts = parts or Parts()  # the functions the forward pass calls
         self.wte = Table(config.vocab_size, config.n_embd, column_major=True)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
@@ -163,9 +167,9 @@ class GPT2(nn.Module):
                     p.copy_(torch.randn(p.shape, generator=g) * std)
         return self
 
-    def new_cache(self, batch_size: int, max_len: Optional[int] = None, *, compiled: bool = False) -> KVCache:
-        """An empty cache of `self.cache_class`; the engine's own for a compiled step (it writes at a slot)."""
-        cls = KVCache if compiled else self.cache_class
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, *, cache_class: Optional[Callable] = None):
+        """An empty cache for this model: a `KVCache`, or of `cache_class` (same constructor)."""
+        cls = cache_class or KVCache
         return cls(self.config, batch_size, max_len or self.config.n_positions, device=self.device, dtype=self.dtype)
 
     def forward(
@@ -223,8 +227,7 @@ class GPT2(nn.Module):
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Token plus position embeddings: ids [B, T] -> [B, T, C]."""
         p = self.parts
-        tokens = self.quantization.rows(self.wte, input_ids, self.dtype) if self.quantized else p.embedding(self.wte.weight, input_ids)
-        return tokens + p.embedding(self.wpe.weight, position_ids)
+        return self.wte(input_ids, p.embedding, self.dtype) + self.wpe(position_ids, p.embedding)
 
     def blocks(self, x: Tensor, attend) -> Tensor:
         """The transformer blocks, x [B, T, C] -> [B, T, C]. `attend(layer, q, k, v)` [B, H, T, D] -> [B, H, T, D]
@@ -232,24 +235,16 @@ class GPT2(nn.Module):
         p, cfg = self.parts, self.config
         for i, block in enumerate(self.h):
             a = p.layer_norm(x, block.ln_1.weight, block.ln_1.bias, cfg.layer_norm_epsilon)
-            qkv = self.linear(a, block.attn.c_attn)  # [B, T, 3C]
+            qkv = block.attn.c_attn(a, p.linear)  # [B, T, 3C]
             q, k, v = (p.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))  # [B, H, T, D]
             a = p.merge_heads(attend(i, q, k, v))  # [B, T, C]
-            x = x + self.linear(a, block.attn.c_proj)
+            x = x + block.attn.c_proj(a, p.linear)
             m = p.layer_norm(x, block.ln_2.weight, block.ln_2.bias, cfg.layer_norm_epsilon)
-            m = p.gelu(self.linear(m, block.mlp.c_fc))  # [B, T, 4C]
-            x = x + self.linear(m, block.mlp.c_proj)
+            m = p.gelu(block.mlp.c_fc(m, p.linear))  # [B, T, 4C]
+            x = x + block.mlp.c_proj(m, p.linear)
         return x
-
-    def linear(self, x: Tensor, layer: nn.Module) -> Tensor:
-        """x [..., C_in] through one linear layer of the blocks (float `Affine` or quantized) -> [..., C_out]."""
-        if self.quantized:
-            return self.quantization.linear(x, layer, layer.bias)
-        return self.parts.linear(x, layer.weight, layer.bias)
 
     def head(self, x: Tensor) -> Tensor:
         """Final layer norm and the head, tied to the token embedding: [..., C] -> [..., vocab_size]."""
         x = self.parts.layer_norm(x, self.ln_f.weight, self.ln_f.bias, self.config.layer_norm_epsilon)
-        if self.quantized:
-            return self.quantization.linear(x, self.wte)
-        return x @ self.wte.weight.T
+        return self.wte.logits(x)

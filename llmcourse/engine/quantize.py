@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
-from .parts import Slots, part_failed, raising_part
+from .slots import Slots
 
 FORMATS = ("int8", "int4")
 GROUP_SIZE = 32  # int4: inputs per scale
@@ -176,15 +176,21 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
 class QuantizedAffine(nn.Module):
     """A GPT-2 linear layer with quantized weights (it replaces `model.Affine`). Rows are outputs, as in
     `nn.Linear`: int8 `qweight` [C_out, C_in] with `scales` [C_out]; int4 `qweight` [C_out, C_in // 2]
-    (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out] keeps the float dtype."""
+    (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out] keeps the float dtype.
+    It computes with `quantization`'s functions (the engine's own unless `quantize_model` was given others)."""
 
-    def __init__(self, n_in: int, n_out: int, fmt: str):
+    def __init__(self, n_in: int, n_out: int, fmt: str, quantization: Optional["Quantization"] = None):
         super().__init__()
         self.format = check_format(fmt)
+        self.quantization = quantization or Quantization()
         int8 = fmt == "int8"
         self.register_buffer("qweight", torch.zeros(n_out, n_in if int8 else n_in // 2, dtype=torch.int8 if int8 else torch.uint8))
         self.register_buffer("scales", torch.zeros(n_out) if int8 else torch.zeros(n_out, n_in // GROUP_SIZE, dtype=torch.float16))
         self.register_buffer("bias", torch.zeros(n_out))
+
+    def forward(self, x: Tensor, linear: Optional[Callable] = None) -> Tensor:
+        """x [..., C_in] -> [..., C_out]. (`linear`, the float layers' part, is not what a quantized layer runs.)"""
+        return self.quantization.linear(x, self, self.bias)
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` converts the float buffers, but int4 scales stay float16 (the format's)."""
@@ -197,9 +203,17 @@ class QuantizedAffine(nn.Module):
 class QuantizedTable(QuantizedAffine):
     """The token table [vocab_size, C] quantized by rows (a row per token), which is also the tied head."""
 
-    def __init__(self, n: int, dim: int, fmt: str):
-        super().__init__(dim, n, fmt)
+    def __init__(self, n: int, dim: int, fmt: str, quantization: Optional["Quantization"] = None):
+        super().__init__(dim, n, fmt, quantization)
         del self.bias
+
+    def forward(self, ids: Tensor, embedding: Optional[Callable] = None, dtype: torch.dtype = torch.float32) -> Tensor:
+        """Token embeddings: ids [B, T] -> [B, T, C] in `dtype`."""
+        return self.quantization.rows(self, ids, dtype)
+
+    def logits(self, x: Tensor) -> Tensor:
+        """The tied head: x [..., C] -> [..., vocab_size]."""
+        return self.quantization.linear(x, self)
 
 
 def check_format(fmt) -> str:
@@ -210,7 +224,8 @@ def check_format(fmt) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Quantization(Slots):
-    """The functions a quantized model is built and run with (chapter 09); `model.quantization` holds them.
+    """The functions a quantized model is built and run with (chapter 09): `quantize_model(model, fmt,
+    quantization)` builds the layers with them, and each quantized layer keeps them for its forward pass.
     The engine's own `int8_linear` takes a faster route to the same product (`int8_linear_fast`)."""
 
     quantize_int8: Callable = quantize_int8
@@ -221,18 +236,6 @@ class Quantization(Slots):
     dequantize_int4: Callable = dequantize_int4
     int8_linear: Callable = int8_linear
     weight_memory: Callable = weight_memory
-
-    @classmethod
-    def with_overrides(cls, **overrides: Callable) -> "Quantization":
-        """A learner's functions, guarded (a wrong shape, dtype or range is reported as the part's error). A
-        learner's `pack_int4` / `unpack_int4` alone are used through the engine's `quantize_int4` / `dequantize_int4`."""
-        cls.check_overrides(overrides)
-        slots = {name: guarded(name, fn) for name, fn in overrides.items()}
-        if "pack_int4" in slots and "quantize_int4" not in slots:
-            slots["quantize_int4"] = functools.partial(quantize_int4, pack=slots["pack_int4"])
-        if "unpack_int4" in slots and "dequantize_int4" not in slots:
-            slots["dequantize_int4"] = functools.partial(dequantize_int4, unpack=slots["unpack_int4"])
-        return cls(**slots)
 
     def linear(self, x: Tensor, layer: QuantizedAffine, bias: Optional[Tensor] = None) -> Tensor:
         """x [..., C_in] through a quantized layer -> [..., C_out]."""
@@ -254,73 +257,9 @@ class Quantization(Slots):
         return self.quantize_int8(weight) if fmt == "int8" else self.quantize_int4(weight)
 
 
-def _tensor_problem(got, shape: tuple, dtypes: tuple, what: str) -> Optional[str]:
-    if not isinstance(got, Tensor):
-        return f"returned {type(got).__name__} for {what}; expected a tensor"
-    if tuple(got.shape) != tuple(shape):
-        return f"returned {what} of shape {tuple(got.shape)}; expected {tuple(shape)}"
-    if got.dtype not in dtypes:
-        return f"returned {what} of dtype {got.dtype}; expected {' or '.join(str(d) for d in dtypes)}"
-    return None
-
-
-def _pair_problem(got, shapes: tuple, dtypes: tuple, names: tuple) -> Optional[str]:
-    if not (isinstance(got, tuple) and len(got) == 2):
-        return f"returned {type(got).__name__}; expected a pair ({', '.join(names)})"
-    return next((p for p in map(_tensor_problem, got, shapes, dtypes, names) if p), None)
-
-
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _validate(name: str, args: tuple, out) -> Optional[str]:
-    """What is wrong with a learner's `name(*args)` returning `out`, or None."""
-    if name == "quantize_int8":
-        (w,) = args[:1]
-        problem = _pair_problem(out, (w.shape, w.shape[:1]), ((torch.int8,), FLOATS), ("q", "scale"))
-        if problem is None and out[0].numel() and out[0].min() < -127:
-            problem = f"returned q with the value {int(out[0].min())}; int8 absmax values lie in [-127, 127]"
-        return problem
-    if name == "quantize_int4":
-        w, group = args[0], args[1] if len(args) > 1 else GROUP_SIZE
-        N, K = w.shape
-        return _pair_problem(out, ((N, K // 2), (N, K // group)), ((torch.uint8,), FLOATS), ("packed", "scales"))
-    if name in ("dequantize_int8", "dequantize_int4"):
-        shape = args[0].shape if name == "dequantize_int8" else (args[0].shape[0], 2 * args[0].shape[1])
-        return _tensor_problem(out, shape, FLOATS, "the weights")
-    if name == "pack_int4":
-        return _tensor_problem(out, (*args[0].shape[:-1], args[0].shape[-1] // 2), (torch.uint8,), "the packed bytes")
-    if name == "unpack_int4":
-        problem = _tensor_problem(out, (*args[0].shape[:-1], 2 * args[0].shape[-1]), (torch.int8,), "the values")
-        if problem is None and out.numel() and (out.min() < -8 or out.max() > 7):
-            problem = f"returned values from {int(out.min())} to {int(out.max())}; signed 4-bit values lie in [-8, 7]"
-        return problem
-    if name == "int8_linear":
-        x, q = args[0], args[1]
-        return _tensor_problem(out, (*x.shape[:-1], q.shape[0]), (x.dtype,), "y")
-    if name == "weight_memory":
-        return None if isinstance(out, (int, float)) and not isinstance(out, bool) else \
-            f"returned {out!r:.60}; expected a number of bytes"
-    return None
-
-
-def guarded(name: str, fn: Callable) -> Callable:
-    """A learner's chapter 09 function whose errors and wrong results are reported as the part's."""
-    call = raising_part(fn, name, "09")
-
-    @functools.wraps(fn)
-    def checked(*args, **kwargs):
-        out = call(*args, **kwargs)
-        problem = _validate(name, args, out)
-        if problem:
-            part_failed(name, fn, problem, "09")
-        return out
-
-    return checked
-
-
-def quantize_model(model, fmt: str):
-    """Replace `model`'s linear layers and token table by quantized ones, in place; returns the model.
+def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None):
+    """Replace `model`'s linear layers and token table by quantized ones made and run with `quantization`'s
+    functions (the engine's own by default), in place; returns the model.
 
         >>> from llmcourse.engine.model import GPT2, GPT2Config
         >>> model = quantize_model(GPT2(GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=100)).init_weights(), "int4")
@@ -328,19 +267,25 @@ def quantize_model(model, fmt: str):
         (torch.Size([256, 32]), torch.Size([256, 2]))
     """
     check_format(fmt)
-    if model.quantized == fmt:
+    current = quantized_format(model)
+    if current == fmt:
         return model
-    if model.quantized:
-        raise ValueError(f"this model is already quantized to {model.quantized}; load the float checkpoint to quantize it again")
-    qz = model.quantization
+    if current:
+        raise ValueError(f"this model is already quantized to {current}; load the float checkpoint to quantize it again")
+    qz = quantization or Quantization()
     with torch.no_grad():
         for parent, name, old in affine_layers(model):
             n_in, n_out = old.weight.shape
-            setattr(parent, name, filled(QuantizedAffine(n_in, n_out, fmt), *qz.quantize(old.weight.T, fmt), old.bias, model.dtype))
-        table = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
+            layer = QuantizedAffine(n_in, n_out, fmt, qz)
+            setattr(parent, name, filled(layer, *qz.quantize(old.weight.T, fmt), old.bias, model.dtype))
+        table = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt, qz)
         model.wte = filled(table, *qz.quantize(model.wte.weight, fmt), None, model.dtype)
-    model.quantized = fmt
     return model
+
+
+def quantized_format(model) -> Optional[str]:
+    """'int8' or 'int4' for a model whose weights `quantize_model` (or loading a quantized folder) quantized, else None."""
+    return model.wte.format if isinstance(model.wte, QuantizedTable) else None
 
 
 def affine_layers(model):
@@ -363,7 +308,6 @@ def empty_quantized(model, fmt: str):
     for parent, name, old in affine_layers(model):
         setattr(parent, name, QuantizedAffine(*old.weight.shape, fmt))
     model.wte = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
-    model.quantized = fmt
     return model
 
 

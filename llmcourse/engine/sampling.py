@@ -13,19 +13,30 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from .parts import Slots
+from .slots import Slots
+from .tokenizer import EOT_ID
 
 
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
-    """How to pick each next token. temperature=0 means greedy (argmax).
+    """Every setting of one generation, validated here and only here (vLLM calls it the same).
+    `generate`, `stream`, `generate_text` and `LLMEngine.add_request` take it, or its fields as keywords.
 
-    top_k=0, top_p=1, min_p=0 and repetition_penalty=1 switch those processors off.
+    temperature=0 means greedy (argmax); top_k=0, top_p=1, min_p=0 and repetition_penalty=1 switch those
+    processors off. A row ends with `eos_token_id` (None: never) or after `max_new_tokens`; `stop` strings end
+    a text (`stream`, `generate_text`, `LLMEngine`). `num_beams` > 1 is beam search (greedy only).
+
+        >>> SamplingParams(temperature=0.8, top_p=0.95).greedy
+        False
+        >>> SamplingParams.of(None, top_k=-1)
+        Traceback (most recent call last):
+        ...
+        ValueError: top_k must be an integer >= 0 (0 = off), got -1
     """
 
     temperature: float = 0.0
@@ -33,11 +44,17 @@ class SamplingParams:
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
+    max_new_tokens: int = 64
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    eos_token_id: Optional[int] = EOT_ID
+    seed: int = 0
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not _real(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0 (0 = greedy), got {self.temperature!r}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+        if not _integer(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _real(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1] (1 = off), got {self.top_p!r}")
@@ -48,14 +65,49 @@ class SamplingParams:
                 f"repetition_penalty must be a number > 0 (1 = off, > 1 discourages repeats), "
                 f"got {self.repetition_penalty!r}"
             )
+        if not _integer(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not _integer(self.num_beams) or self.num_beams < 1:
+            raise ValueError(f"num_beams must be an integer >= 1 (1 = no beam search), got {self.num_beams!r}")
+        if not _real(self.length_penalty):
+            raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
+        if self.num_beams > 1 and not self.greedy:
+            raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
+        if self.eos_token_id is not None and (not _integer(self.eos_token_id) or self.eos_token_id < 0):
+            raise ValueError(f"eos_token_id must be a token id or None, got {self.eos_token_id!r}")
+        if not _integer(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must be a list of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(self.stop))
+
+    @classmethod
+    def of(cls, params: Optional["SamplingParams"] = None, *, allowed: Optional[Sequence[str]] = None,
+           **settings) -> "SamplingParams":
+        """`params` (default: every default) with `settings` over it, refusing names that are not settings
+        (or not among `allowed`, where a driver takes only some)."""
+        names = [f.name for f in dataclasses.fields(cls)] if allowed is None else list(allowed)
+        unknown = sorted(set(settings) - set(names))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}")
+        return dataclasses.replace(params, **settings) if params is not None else cls(**settings)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def processors(self) -> tuple:
+        """The settings that change the logits (rows with equal ones are processed alike)."""
+        return self.temperature, self.top_k, self.top_p, self.min_p, self.repetition_penalty
+
 
 def _real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _integer(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def repetition_penalty(logits: Tensor, seen: Tensor, penalty: float) -> Tensor:
@@ -120,8 +172,8 @@ def sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tenso
 class Sampler(Slots):
     """The functions that turn logits into the next token: the processors, `greedy` and `sample`.
 
-    `Sampler()` holds the engine's own; `Sampler.with_overrides(top_k=my_top_k)` swaps some for a
-    learner's, guarded like the model's parts. A model's generation uses `model.sampler`.
+    `Sampler()` holds the engine's own; `Sampler().replace(top_k=my_top_k)` swaps some. Generation,
+    `LLMEngine` and speculative decoding take one as `sampler=`.
 
         >>> Sampler().next_token(torch.tensor([[1.0, 3.0, 2.0]]), SamplingParams())
         tensor([1])
@@ -134,11 +186,6 @@ class Sampler(Slots):
     min_p: Callable = min_p
     greedy: Callable = greedy
     sample: Callable = sample
-
-    @classmethod
-    def with_overrides(cls, **overrides: Callable) -> "Sampler":
-        """The engine's sampler with some functions replaced, each guarded (see `parts.guarded`)."""
-        return cls(**cls.guarded_overrides(overrides, _expected_output, _processor_contract))
 
     def process(self, logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None) -> Tensor:
         """Apply the enabled processors in transformers' order. logits [B, V] -> [B, V].
@@ -166,36 +213,7 @@ class Sampler(Slots):
         return self.greedy(scores) if settings.greedy else self.sample(scores, generator)
 
 
-def _expected_output(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
-    """The shape and dtype each sampler function must return: ids [B] for a choice, else logits' own."""
-    logits = args[0]
-    if name in ("greedy", "sample"):
-        return tuple(logits.shape[:-1]), torch.long
-    return tuple(logits.shape), logits.dtype
-
-
-PROCESSORS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
-
-
-def _processor_contract(name: str, args: tuple, out: Tensor) -> Optional[str]:
-    """What a processor's logits break, or None: every row whose input could be sampled from (a finite logit, no
-    NaN) must stay so — a NaN, or a row with every token removed, would only fail later, inside `sample`."""
-    if name not in PROCESSORS:
-        return None
-    logits = args[0]
-    usable = torch.isfinite(logits).any(dim=-1) & ~torch.isnan(logits).any(dim=-1)  # [B]
-    nan = torch.isnan(out).any(dim=-1) & usable
-    if bool(nan.any()):
-        row = int(nan.nonzero()[0])
-        return (f"returned NaN in row {row} (of {out.shape[0]}); a processor returns logits, with -inf for the "
-                "tokens it removes")
-    empty = ~torch.isfinite(out).any(dim=-1) & usable
-    if bool(empty.any()):
-        row = int(empty.nonzero()[0])
-        return (f"removed every token of row {row} (of {out.shape[0]}): no finite logit is left, so no token can be "
-                "chosen; it must keep at least the most likely token")
-    return None
-
+PROCESSORS = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")  # in the order they run
 
 ENGINE_SAMPLER = Sampler()
 

@@ -30,8 +30,6 @@ greedy decoding's, token for token.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import numbers
 import time
 from typing import Callable, Iterator, Optional, Union
 
@@ -39,7 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from .parts import Slots, part_failed, raising_part
+from .loading import load_model
+from .model import GPT2
+from .sampling import Sampler, SamplingParams
+from .slots import Slots
 
 PROMPT_LOOKUP = "prompt-lookup"
 
@@ -111,7 +112,7 @@ def speculative_round(target, draft, target_cache, draft_cache, tokens: list[int
     `num_draft_tokens` tokens, the target scores them in one forward pass, both caches are rolled back to
     the tokens kept. -> the new tokens: the accepted proposals and the target's next token."""
     return draft_verify(target, DraftModel(draft, draft_cache), target_cache, tokens, num_draft_tokens,
-                        Distributions(target))[0]
+                        Distributions(SamplingParams()))[0]
 
 
 @dataclasses.dataclass
@@ -168,12 +169,10 @@ class SpeculationStats:
 
 class Distributions:
     """The processed next-token distributions generation samples from, [n, V] for logits [n, V]: the
-    model's sampler's processors, then softmax, or one-hot on the argmax when greedy."""
+    sampler's processors (the engine's own by default), then softmax, or one-hot on the argmax when greedy."""
 
-    def __init__(self, target, settings=None, seen: Optional[Tensor] = None):
-        from .sampling import SamplingParams
-
-        self.sampler, self.settings = target.sampler, settings or SamplingParams()
+    def __init__(self, settings: SamplingParams, seen: Optional[Tensor] = None, sampler: Optional[Sampler] = None):
+        self.settings, self.sampler = settings, sampler or Sampler()
         self.seen = seen  # [V] bool, the tokens of the text so far (repetition penalty), or None
 
     def __call__(self, logits: Tensor, new_tokens: list[int], first: int = 0) -> Tensor:
@@ -269,8 +268,8 @@ def draft_verify(target, proposer, target_cache, tokens: list[int], k: int, dist
 
 @dataclasses.dataclass(frozen=True)
 class Speculation(Slots):
-    """The functions speculative decoding calls (chapter 08); `model.speculation` of the target holds them.
-    `Speculation.with_overrides(verify=my_verify)` swaps some for a learner's, guarded. A learner's
+    """The functions speculative decoding calls (chapter 08): `generate(..., draft=..., speculation=...)` takes
+    them (`Speculation().replace(verify=my_verify)` swaps some). A replaced
     `speculative_round` is greedy: it runs for greedy decoding with a draft model (without repetition
     penalty); sampling and prompt lookup run the engine's round with the learner's `verify` and `accept_token`."""
 
@@ -280,125 +279,10 @@ class Speculation(Slots):
     expected_speedup: Callable = expected_speedup
     speculative_round: Callable = speculative_round
 
-    @classmethod
-    def with_overrides(cls, **overrides: Callable) -> "Speculation":
-        cls.check_overrides(overrides)
-        guards = {"accept_token": guarded_accept_token, "verify": guarded_verify,
-                  "prompt_lookup_draft": guarded_lookup, "expected_speedup": guarded_speedup,
-                  "speculative_round": guarded_round}
-        slots = {name: guards[name](fn) for name, fn in overrides.items()}
-        if "accept_token" in slots and "verify" not in slots:  # so that the learner's rule is the one used
-            slots["verify"] = functools.partial(verify, accept_token=slots["accept_token"])
-        return cls(**slots)
-
-
-def _fail(name: str, fn: Callable, problem: str, cause: Optional[Exception] = None):
-    part_failed(name, fn, problem, "08", cause)
-
-
-def _calling(name: str, fn: Callable, *args):
-    return raising_part(fn, name, "08")(*args)
-
-
-def _is_id(x, vocab_size: int) -> bool:
-    """A token id of any integer type (numpy's too), not a bool."""
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and 0 <= x < vocab_size
-
-
-def outside_p(fn: Callable, name: str, p: Tensor, token: int) -> None:
-    """Every token the rule keeps or draws has p > 0: accepted ones with probability min(1, p/q), the
-    residual max(0, p - q) and the bonus lie inside p's support. (Greedy: p is one-hot, so this is exact.)"""
-    if not p[token] > 0:
-        _fail(name, fn, f"returned token {token}, which the target's distribution p gives probability 0: an accepted "
-                        f"proposal needs p > 0, and a correction or bonus token is drawn from max(0, p - q) or p")
-
-
-def guarded_accept_token(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def call(p, q, draft_token, generator=None):
-        out = _calling("accept_token", fn, p, q, draft_token, generator)
-        if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Tensor) and out[1].numel() == 1:
-            out = (out[0], int(out[1]))
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (bool, Tensor))
-                and _is_id(out[1], p.shape[-1])):
-            _fail("accept_token", fn, f"returned {out!r:.120}; expected (accepted: bool, token id in [0, {p.shape[-1]}))")
-        accepted, token = bool(out[0]), int(out[1])
-        if accepted and token != draft_token:
-            _fail("accept_token", fn, f"accepted the proposal {draft_token} but returned token {token}")
-        outside_p(fn, "accept_token", p, token)
-        return accepted, token
-
-    return call
-
-
-def guarded_verify(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def call(p, q, draft_tokens, generator=None):
-        out = _calling("verify", fn, p, q, draft_tokens, generator)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], numbers.Integral)
-                and not isinstance(out[0], bool) and 0 <= out[0] <= len(draft_tokens) and _is_id(out[1], p.shape[-1])):
-            _fail("verify", fn, f"returned {out!r:.120}; expected (number accepted in [0, {len(draft_tokens)}], "
-                                f"next token id in [0, {p.shape[-1]}))")
-        out = (int(out[0]), int(out[1]))
-        for i, token in enumerate([*draft_tokens[: out[0]], out[1]]):
-            outside_p(fn, "verify", p[i], token)
-        return out
-
-    return call
-
-
-def guarded_lookup(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def call(tokens, num_draft_tokens, *args):
-        out = _calling("prompt_lookup_draft", fn, list(tokens), num_draft_tokens, *args)
-        if not (isinstance(out, list) and len(out) <= num_draft_tokens
-                and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in out)
-                and set(out) <= set(tokens)):
-            _fail("prompt_lookup_draft", fn, f"returned {out!r:.120}; expected a list of at most "
-                                             f"{num_draft_tokens} token ids copied from the text")
-        return [int(t) for t in out]
-
-    return call
-
-
-def guarded_speedup(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def call(alpha, k, c):
-        out = _calling("expected_speedup", fn, alpha, k, c)
-        if isinstance(out, Tensor) and out.numel() == 1:
-            out = float(out)
-        if isinstance(out, bool) or not isinstance(out, (int, float)):
-            _fail("expected_speedup", fn, f"returned {out!r:.80}; expected a number")
-        return float(out)
-
-    return call
-
-
-def guarded_round(fn: Callable) -> Callable:
-    @functools.wraps(fn)
-    def call(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
-        out = _calling("speculative_round", fn, target, draft, target_cache, draft_cache, list(tokens), num_draft_tokens)
-        V = target.config.vocab_size
-        if not (isinstance(out, list) and 1 <= len(out) <= num_draft_tokens + 1 and all(_is_id(t, V) for t in out)):
-            _fail("speculative_round", fn, f"returned {out!r:.120}; expected a list of 1 to {num_draft_tokens + 1} "
-                                           f"token ids: the accepted proposals and the target's next token")
-        kept = len(tokens) + len(out) - 1
-        if target_cache.length != kept or draft_cache.length > kept:
-            _fail("speculative_round", fn, f"left target_cache.length = {target_cache.length} and draft_cache.length "
-                                           f"= {draft_cache.length}; with {len(tokens)} tokens before the round and "
-                                           f"{len(out)} new, the target's cache must hold exactly {kept} positions "
-                                           f"(all but the last token) and the draft's at most {kept}: roll them back")
-        return [int(t) for t in out]
-
-    return call
-
 
 def resolve_draft(target, draft) -> Union[str, object]:
     """`draft` as a model on the target's device and dtype (or the string 'prompt-lookup'), checked to
     share the target's vocabulary."""
-    from .loading import load_model
-    from .model import GPT2
-
     if isinstance(draft, str) and draft == PROMPT_LOOKUP:
         return draft
     if isinstance(draft, str) or hasattr(draft, "__fspath__"):
@@ -433,23 +317,27 @@ def check_speculation(target, draft, batch: list[list[int]], num_draft_tokens, m
 
 
 @torch.inference_mode()
-def speculative_steps(target, draft, prompt: list[int], settings, *, num_draft_tokens: int, max_new_tokens: int,
-                      eos_token_id: Optional[int], generator: Optional[torch.Generator],
-                      stats: Optional[SpeculationStats] = None) -> Iterator[int]:
-    """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup').
-    Ends after `eos_token_id` (included) or `max_new_tokens`, exactly where plain decoding ends."""
+def speculative_steps(target, draft, prompt: list[int], settings: SamplingParams, *, num_draft_tokens: int,
+                      generator: Optional[torch.Generator], stats: Optional[SpeculationStats] = None,
+                      speculation: Optional["Speculation"] = None, sampler: Optional[Sampler] = None,
+                      kv_cache: Optional[Callable] = None) -> Iterator[int]:
+    """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup'),
+    with `speculation`'s functions, `sampler`'s processors and target caches of class `kv_cache` (each the
+    engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
+    exactly where plain decoding ends."""
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter() - stats.seconds  # a batch's prompts add up
-    spec, device = target.speculation, target.device
+    spec, device = speculation or Speculation(), target.device
+    max_new_tokens, eos_token_id = settings.max_new_tokens, settings.eos_token_id
     tokens = list(prompt)
-    target_cache = target.new_cache(1, len(prompt) + max_new_tokens)
+    target_cache = target.new_cache(1, len(prompt) + max_new_tokens, cache_class=kv_cache)
     if len(prompt) > 1:  # the caches hold everything but the last token, which each round feeds
         target(torch.tensor([prompt[:-1]], device=device), cache=target_cache, last_only=True)
     seen = None
     if settings.repetition_penalty != 1.0:
         seen = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=device)
         seen[prompt] = True
-    dist = Distributions(target, settings, seen)
+    dist = Distributions(settings, seen, sampler)
     if draft == PROMPT_LOOKUP:
         proposer = PromptLookup(spec.prompt_lookup_draft, target.config.vocab_size, device)
     else:

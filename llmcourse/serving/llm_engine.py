@@ -20,16 +20,20 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import paged_cache
-from .block_manager import BlockManager, blocks_for
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.parts import PartError
-from llmcourse.engine.sampling import SamplingParams
-from .scheduler import Request, Scheduler
-from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
+from llmcourse.engine.sampling import Sampler, SamplingParams
+from llmcourse.engine.slots import PartError
+from llmcourse.engine.tokenizer import get_tokenizer
 
-SAMPLING = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")
+from . import paged_cache
+from .batching import Batching
+from .block_manager import BlockManager, blocks_for
+from .scheduler import Request, Scheduler
+
+# generation's settings without beam search, which the engine does not do
+SETTINGS = ("max_new_tokens", "eos_token_id", "seed", "stop", "temperature", "top_k", "top_p", "min_p",
+            "repetition_penalty")
 
 
 class LLMEngine:
@@ -39,23 +43,26 @@ class LLMEngine:
     requests of 256 tokens, and at least one of the model's longest). max_num_seqs: requests running at
     once. max_num_batched_tokens: tokens computed per step (decodes plus prefill chunks); a longer
     prompt is prefilled in chunks over several steps. prefix_caching: share the blocks of common
-    prefixes. tokenizer: decodes text for `stop` strings (default: GPT-2's).
+    prefixes. tokenizer: decodes text for `stop` strings (default: GPT-2's). sampler, batching: the functions
+    that choose tokens (`Sampler`) and run the paged batches (`Batching`), the engine's own by default.
     """
 
     def __init__(self, model: GPT2, *, block_size: int = 16, num_blocks: Optional[int] = None, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, tokenizer=None):
+                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, tokenizer=None,
+                 sampler: Optional[Sampler] = None, batching: Optional[Batching] = None):
         for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
                             ("max_num_batched_tokens", max_num_batched_tokens), ("num_blocks", num_blocks)):
             if not (value is None and name == "num_blocks") and (
                     isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-        model = as_model(model)  # my_engine()'s engine serves its model
+        model, engines = as_model(model)  # my_engine()'s engine serves its model, with its functions
         cfg = model.config
         if num_blocks is None:
             num_blocks = max(max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
                              blocks_for(cfg.n_positions, block_size))
         self.model, self.tokenizer = model, tokenizer
-        self.batching = model.batching
+        self.sampler = sampler or engines.get("sampler") or Sampler()
+        self.batching = batching or engines.get("batching") or Batching()
         self.cache = paged_cache.PagedKVCache(cfg, num_blocks, block_size, device=model.device, dtype=model.dtype)
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching,
                                    allocator_class=self.batching.BlockAllocator)
@@ -67,11 +74,11 @@ class LLMEngine:
         self.last_step: list[tuple[int, int]] = []  # (request id, tokens computed) in the latest step
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
-    def add_request(self, prompt_ids: Sequence[int], **settings) -> int:
-        """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings (and `stop` strings:
-        the request ends with the token that completes one). A request that can never run is refused with a
-        ValueError, and the engine goes on with the others."""
-        return self._add(self._request(prompt_ids, **settings))
+    def add_request(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, **settings) -> int:
+        """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings, as a `SamplingParams`
+        or keywords (`stop` strings end the request with the token that completes one; no beam search). A request
+        that can never run is refused with a ValueError, and the engine goes on with the others."""
+        return self._add(self._request(prompt_ids, params, **settings))
 
     def _add(self, request: Request) -> int:
         request.id = len(self.requests)
@@ -79,18 +86,14 @@ class LLMEngine:
         self.scheduler.add(request)
         return request.id
 
-    def _request(self, prompt_ids: Sequence[int], *, max_new_tokens: int = 64, eos_token_id: Optional[int] = EOT_ID,
-                 seed: int = 0, stop: Sequence[str] = (), **sampling) -> Request:
+    def _request(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, **settings) -> Request:
         """A checked request, not queued yet (its id is given when it is)."""
-        unknown = set(sampling) - set(SAMPLING)
-        if unknown:
-            raise ValueError(f"unknown setting(s) {', '.join(sorted(unknown))}; the settings are max_new_tokens, "
-                             f"eos_token_id, seed, stop and {', '.join(SAMPLING)}")
-        settings = SamplingParams(**sampling)
+        settings = SamplingParams.of(params, allowed=SETTINGS, **settings)
+        if settings.num_beams != 1:
+            raise ValueError(f"LLMEngine does not do beam search: num_beams must be 1, got {settings.num_beams}")
+        max_new_tokens, eos_token_id, stop = settings.max_new_tokens, settings.eos_token_id, settings.stop
         prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
         check_request(self.model, [prompt], max_new_tokens, eos_token_id)
-        if isinstance(stop, str) or any(not isinstance(s, str) or not s for s in stop):
-            raise ValueError(f"stop must be a list of non-empty strings, got {stop!r}")
         need, bs = blocks_for(len(prompt) + max_new_tokens, self.blocks.block_size), self.blocks.block_size
         if need > self.blocks.num_blocks:
             raise ValueError(f"a request of {len(prompt)} prompt tokens and max_new_tokens={max_new_tokens} needs "
@@ -98,8 +101,8 @@ class LLMEngine:
                              "lower max_new_tokens or make the pool bigger")
         if stop and self.tokenizer is None:
             self.tokenizer = get_tokenizer()
-        generator = None if settings.greedy else new_generator(self.model, seed)
-        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, tuple(stop), generator)
+        generator = None if settings.greedy else new_generator(self.model, settings.seed)
+        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, stop, generator)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -156,9 +159,9 @@ class LLMEngine:
         """The next token of each request, logits [R, V]. Requests with the same greedy settings are decided in
         one call (an argmax per row, as alone); a sampling request draws from its own generator."""
         tokens: dict[int, int] = {}
-        groups: dict[SamplingParams, list[int]] = {}
+        groups: dict[object, list[int]] = {}
         for i, r in enumerate(requests):
-            groups.setdefault(r.settings if r.settings.greedy else i, []).append(i)
+            groups.setdefault(r.settings.processors if r.settings.greedy else i, []).append(i)
         for rows in groups.values():
             settings, seen = requests[rows[0]].settings, None
             if settings.repetition_penalty != 1.0:
@@ -166,7 +169,7 @@ class LLMEngine:
                 for k, i in enumerate(rows):
                     seen[k, torch.tensor(requests[i].tokens, device=logits.device)] = True
             scores = logits if len(rows) == len(requests) else logits[rows]  # [len(rows), V]
-            chosen = self.model.sampler.next_token(scores, settings, seen, requests[rows[0]].generator)
+            chosen = self.sampler.next_token(scores, settings, seen, requests[rows[0]].generator)
             tokens.update(zip(rows, chosen.tolist()))
         return [tokens[i] for i in range(len(requests))]
 
@@ -181,8 +184,8 @@ class LLMEngine:
     def generate(self, prompts: Sequence[Sequence[int]], arrivals: Optional[Sequence[int]] = None,
                  settings: Optional[Sequence[dict]] = None, **common) -> list[list[int]]:
         """New token ids for each prompt, in the order given. `arrivals[i]`: the step at which prompt i arrives
-        (default: all at step 0). `settings[i]`: prompt i's own settings, over the `common` ones. Every request
-        is checked before any runs."""
+        (default: all at step 0). `settings[i]`: prompt i's own settings (a dict, over the `common` ones).
+        Every request is checked before any runs."""
         n = len(prompts)
         arrivals = [0] * n if arrivals is None else list(arrivals)
         settings = [{}] * n if settings is None else list(settings)

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmcourse.engine.slots import PartError
 from llmcourse.engine.config import GPT2Config
 
 
@@ -120,8 +121,6 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
 
 def checked_gather(gather: Callable) -> Callable:
     """A learner's gather, compared with the engine's at every call: wrong keys would silently change the text."""
-    from llmcourse.engine.parts import PartError
-
     def call(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
         out = gather(pool, block_table, length)
         want = torch.cat([pool[b] for b in block_table.tolist()])[:length].transpose(0, 1)  # [H, length, D]
@@ -136,8 +135,6 @@ def checked_gather(gather: Callable) -> Callable:
 
 def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None:
     """A learner's slot mapping must put each position in its own block of the table, or keys land elsewhere."""
-    from llmcourse.engine.parts import PartError
-
     bs, at = cache.block_size, 0
     for c in chunks:
         got = slots[at : at + len(c.tokens)].tolist()

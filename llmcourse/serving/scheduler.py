@@ -21,6 +21,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
+from llmcourse.engine.slots import PartError
 from .block_manager import BlockManager, blocks_for
 from llmcourse.engine.sampling import SamplingParams
 
@@ -177,8 +178,6 @@ class Scheduler:
 
 def check_decisions(chunks, preempted, running: list[SeqView], waiting: list[SeqView]) -> None:
     """Refuse decisions the engine cannot carry out (a learner's policy), naming what is wrong."""
-    from llmcourse.engine.parts import PartError
-
     def fail(problem: str):
         raise PartError(f"part 'schedule' {problem}\n  running: {running}\n  waiting: {waiting}\n"
                         "  hint: run the check for 'schedule' in chapter 07 to debug it")

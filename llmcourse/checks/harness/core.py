@@ -61,10 +61,10 @@ from typing import Any, Callable, Collection, Iterable, Optional, Sequence, Unio
 import torch
 
 from . import isolate
-from .failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .forbid import Forbidden, forbidding
 from .inputs import _describe_change, _Inputs, _modify_hint
-from .limits import TimeUp, time_limit
+from llmcourse.course.limits import TimeUp, time_limit
 from .show import distinct, short
 from .tensors import plain_tensor_problem
 

@@ -22,7 +22,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import limits
+from llmcourse.course import limits
 
 NOT_ENFORCEABLE = [
     "answers computed before the check runs and reused inside the function (a table built in another "
@@ -278,7 +278,7 @@ _HARNESS_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _CHECKS_DIR = os.path.dirname(_HARNESS_DIR.rstrip(os.sep)) + os.sep
 # The watch's own modules run inside the learner's call (the time-out's signal handler, the child's output,
 # the aten watch): never refused.
-_MACHINERY = {os.path.join(_HARNESS_DIR, f"{name}.py") for name in ("limits", "forbid", "isolate", "failed", "core")}
+_MACHINERY = {os.path.join(_HARNESS_DIR, f"{name}.py") for name in ("forbid", "isolate", "core")}
 _LIBRARIES = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "purelib", "platlib")} if p)
 
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 
 GRACE = 3.0  # seconds past a call's own limit before the child is ended by force
 CAP = 600.0  # no check may run longer than this, whatever it does

@@ -24,7 +24,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .core import equal
-from .failed import CheckFailed
+from llmcourse.course.failed import CheckFailed
 from .show import short
 
 try:
