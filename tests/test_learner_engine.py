@@ -1,4 +1,4 @@
-"""A learner's sampler and KV cache inside the engine: `Sampler.with_overrides`, `model.cache_class`
+"""A learner's sampler and KV cache inside the engine: `guarded(Sampler, ...)`, `guard("KVCache", ...)`
 and the guard that checks a learner's cache at every step (chapters 05 and 06 plug into these)."""
 
 import pytest
@@ -6,7 +6,8 @@ import torch
 
 import llmcourse
 from llmcourse import GPT2, GPT2Config, KVCache, PartError
-from llmcourse.engine.parts import GuardedCache
+from llmcourse.course.guards import GuardedCache, guard, guarded
+from llmcourse.course.learner import Engine
 from llmcourse.engine.sampling import Sampler, SamplingParams
 
 from .conftest import lively_model
@@ -71,33 +72,31 @@ class WholeBufferCache(MyCache):
 
 
 def with_pieces(model, sampler=None, cache_class=None):
+    """A twin of `model` as my_engine() makes it: an Engine whose generation runs `sampler` and `cache_class`."""
     twin = GPT2(model.config)
     twin.load_state_dict(model.state_dict())
-    if sampler is not None:
-        twin.sampler = sampler
-    if cache_class is not None:
-        twin.cache_class = cache_class
-    return twin.eval()
+    functions = {"sampler": sampler, "kv_cache": cache_class}
+    return Engine(twin.eval(), None, {name: fn for name, fn in functions.items() if fn is not None})
 
 
 @pytest.mark.parametrize("settings", [dict(eos_token_id=None), SAMPLED, dict(temperature=1.3, seed=11, eos_token_id=None)], ids=["greedy", "all", "plain"])
 def test_a_learners_sampler_and_cache_give_the_engines_tokens(model, settings):
-    theirs = with_pieces(model, Sampler.with_overrides(**MINE), GuardedCache.of(MyCache))
-    assert sorted(theirs.sampler.overridden()) == sorted(MINE)
+    theirs = with_pieces(model, guarded(Sampler, **MINE), guard("KVCache", MyCache))
+    assert sorted(theirs.functions["sampler"].overridden()) == sorted(MINE)
     expected = llmcourse.generate(model, PROMPTS, max_new_tokens=20, **settings)
     assert llmcourse.generate(theirs, PROMPTS, max_new_tokens=20, **settings) == expected
     assert any(len(set(row)) > 3 for row in expected)  # the comparison is between varied texts
 
 
 def test_beam_search_runs_on_a_learners_cache(model):
-    theirs = with_pieces(model, cache_class=GuardedCache.of(MyCache))
+    theirs = with_pieces(model, cache_class=guard("KVCache", MyCache))
     settings = dict(max_new_tokens=12, num_beams=3, eos_token_id=None)
     assert llmcourse.generate(theirs, PROMPTS[1], **settings) == llmcourse.generate(model, PROMPTS[1], **settings)
 
 
 def test_a_biased_sampler_changes_the_text(model):
     """The swap is real: a learner's sampler that picks differently gives different text."""
-    biased = with_pieces(model, Sampler.with_overrides(sample=lambda logits, g: logits.argmax(-1)))
+    biased = with_pieces(model, guarded(Sampler, sample=lambda logits, g: logits.argmax(-1)))
     assert llmcourse.generate(biased, PROMPTS[0], max_new_tokens=20, **SAMPLED) != \
         llmcourse.generate(model, PROMPTS[0], max_new_tokens=20, **SAMPLED)
 
@@ -108,7 +107,7 @@ def test_a_biased_sampler_changes_the_text(model):
                        r"shape \(1, 2, 3, 16\): the 3 positions filled so far"),
 ])
 def test_a_wrong_cache_is_stopped_with_a_clear_error(model, cache, message):
-    theirs = with_pieces(model, cache_class=GuardedCache.of(cache))
+    theirs = with_pieces(model, cache_class=guard("KVCache", cache))
     with pytest.raises(PartError, match=r"part 'KVCache' \(" + cache.__qualname__ + r"\.update\) " + message):
         llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=5, eos_token_id=None)
 
@@ -136,21 +135,33 @@ def test_a_cache_that_raises_or_has_the_wrong_layout_is_named():
     (dict(temperature=lambda logits, t: 1 / 0), r"part 'temperature' \(<lambda>\) raised ZeroDivisionError"),
 ])
 def test_a_wrong_sampler_function_is_named(model, fn, message):
-    theirs = with_pieces(model, Sampler.with_overrides(**fn))
+    theirs = with_pieces(model, guarded(Sampler, **fn))
     with pytest.raises(PartError, match=message):
         llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=3, **SAMPLED)
 
 
 def test_unknown_sampler_slots_are_refused():
     with pytest.raises(ValueError, match=r"unknown part 'topk'; the parts are: greedy, min_p, repetition_penalty"):
-        Sampler.with_overrides(topk=lambda logits, k: logits)
+        guarded(Sampler, topk=lambda logits, k: logits)
 
 
-def test_compiled_decoding_keeps_the_engines_cache(model):
+def test_compiled_decoding_keeps_the_engines_cache(model, monkeypatch):
     """A compiled step writes the cache at a slot tensor, which only the engine's KVCache does."""
-    theirs = with_pieces(model, cache_class=GuardedCache.of(MyCache))
-    assert type(theirs.new_cache(1, 8, compiled=True)) is KVCache
-    assert isinstance(theirs.new_cache(1, 8), GuardedCache)
+    from llmcourse.engine import generate as generation
+
+    caches = []
+
+    def recording_step(model):  # stands in for the compiled step: records the cache it is given
+        def step(m, token, position_ids, mask, cache, slot):
+            caches.append(type(cache))
+            return generation.decode_step(m, token, position_ids, mask, cache, slot)
+        return step
+
+    monkeypatch.setattr(generation, "compiled_decode_step", recording_step)
+    theirs = with_pieces(model, cache_class=guard("KVCache", MyCache))
+    llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=3, compile=True, eos_token_id=None)
+    assert caches and set(caches) == {KVCache}
+    assert isinstance(theirs.model.new_cache(1, 8, cache_class=theirs.functions["kv_cache"]), GuardedCache)
 
 
 def test_the_engine_sampler_is_a_sampler():
@@ -181,7 +192,7 @@ def all_removed_top_p(logits, p):
      r"^part 'min_p' \(<lambda>\) removed every token of row 0"),
 ])
 def test_the_processor_that_broke_the_logits_is_named_not_sample(model, fn, message):
-    theirs = with_pieces(model, Sampler.with_overrides(**fn))
+    theirs = with_pieces(model, guarded(Sampler, **fn))
     with pytest.raises(PartError, match=message) as caught:
         llmcourse.generate(theirs, PROMPTS[0], max_new_tokens=3, **SAMPLED)
     assert "hint: run the check for" in str(caught.value)
@@ -189,7 +200,7 @@ def test_the_processor_that_broke_the_logits_is_named_not_sample(model, fn, mess
 
 def test_a_processor_may_remove_tokens_and_keep_rows_that_were_already_empty():
     """The contract is about what the processor did: a row the input had already emptied is not its fault."""
-    top_p = Sampler.with_overrides(top_p=MINE["top_p"]).top_p
+    top_p = guarded(Sampler, top_p=MINE["top_p"]).top_p
     logits = torch.tensor([[2.0, 1.0, -1.0], [float("-inf")] * 3])
     assert torch.isinf(top_p(logits, 0.5)[1]).all()
 
@@ -200,7 +211,7 @@ def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
     from IPython.utils.capture import capture_output
 
     shell = InteractiveShell.instance()
-    shell.user_ns.update(llmcourse=llmcourse, theirs=with_pieces(model, Sampler.with_overrides(
+    shell.user_ns.update(llmcourse=llmcourse, theirs=with_pieces(model, guarded(Sampler, 
         top_p=all_removed_top_p, sample=MINE["sample"])), settings=SAMPLED, prompt=PROMPTS[0])
     with capture_output() as shown:
         result = shell.run_cell("llmcourse.generate(theirs, prompt, max_new_tokens=3, **settings)")
@@ -214,10 +225,8 @@ def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
 # my_engine()'s Engine works where a model does (issue 22: AttributeError: 'Engine' object has no attribute 'config')
 
 def test_my_engines_engine_works_where_a_model_does(model):
-    from llmcourse.course.learner import Engine
-
     tok = llmcourse.get_tokenizer()
-    twin = with_pieces(model)
+    twin = with_pieces(model).model
     engine = Engine(twin, tok)
     settings = dict(max_new_tokens=6, eos_token_id=None)
     assert llmcourse.generate(engine, PROMPTS[0], **settings) == llmcourse.generate(model, PROMPTS[0], **settings)

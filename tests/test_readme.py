@@ -52,20 +52,26 @@ def test_readme_slot_examples_run_as_written():
     import llmcourse
     from llmcourse.engine import parts, sampling
 
-    snippets = [block for block in blocks("python") if "with_overrides" in block or "cache_class" in block]
+    from llmcourse.course.guards import GuardedCache
+
+    snippets = [block for block in blocks("python") if "guarded(llmcourse." in block or "guard(" in block]
     assert len(snippets) == 2
     model = llmcourse.load_model(device="cpu")
     prompt = llmcourse.get_tokenizer().encode("ROMEO:")
     settings = dict(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=2)
     expected = llmcourse.generate(model, prompt, **settings)
-    stand_ins = {"llmcourse": llmcourse, "model": model, "my_gelu": parts.gelu, "my_softmax": parts.softmax,
-                 "my_top_p": sampling.top_p, "my_sample": sampling.sample, "MyKVCache": llmcourse.KVCache}
+    stand_ins = {"llmcourse": llmcourse, "model": model, "prompt": prompt, "my_gelu": parts.gelu,
+                 "my_softmax": parts.softmax, "my_top_p": sampling.top_p, "my_sample": sampling.sample,
+                 "MyKVCache": llmcourse.KVCache}
     for snippet in snippets:
         exec(compile(snippet, "README.md", "exec"), stand_ins)
     # a swapped-in softmax brings the written-out attention that calls it
-    assert model.parts.overridden() == ["gelu", "softmax", "attention"] and model.sampler.overridden() == ["top_p", "sample"]
-    assert isinstance(model.new_cache(1, 4), parts.GuardedCache)
-    assert llmcourse.generate(model, prompt, **settings) == expected
+    functions = stand_ins["functions"]
+    assert model.parts.overridden() == ["gelu", "softmax", "attention"]
+    assert functions["sampler"].overridden() == ["top_p", "sample"]
+    assert isinstance(model.new_cache(1, 4, cache_class=functions["kv_cache"]), GuardedCache)
+    assert f"max_new_tokens={settings['max_new_tokens']}, temperature=0.9, top_p=0.9, seed=2" in snippets[1]
+    assert stand_ins["ids"] == expected
 
 
 def test_readme_serving_example_runs_as_written(capsys):
@@ -119,7 +125,7 @@ def test_readme_quantization_example_runs_as_written(capsys):
     floats = llmcourse.engine.quantize.resident_bytes(llmcourse.load_model(device="cpu")) / 1e6
     assert megabytes < floats / 6, (megabytes, floats)
     assert f"{megabytes:.1f} MB of weights (float32: {floats:.1f} MB)" in example
-    assert namespace["again"].quantized == "int4"
+    assert llmcourse.engine.quantize.quantized_format(namespace["again"]) == "int4"
 
 
 def test_the_readme_gives_one_test_time_and_says_who_runs_what():
@@ -137,13 +143,17 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
     """`generate`'s keyword defaults against the CLI's: each difference is named in the README's sentence."""
     import inspect
 
-    from llmcourse import generate
+    import dataclasses
+
+    from llmcourse import SamplingParams, generate
     from llmcourse.__main__ import TEMPERATURE, build_parser
 
     gen = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith("generate"))
     cli = {a.dest: a.default for a in gen._actions if a.default != "==SUPPRESS=="}
     cli["temperature"] = TEMPERATURE
     python = {n: p.default for n, p in inspect.signature(generate).parameters.items() if p.default is not p.empty}
+    # the settings' defaults (stop: () here, [] on the command line, both none)
+    python |= {f.name: list(f.default) if f.name == "stop" else f.default for f in dataclasses.fields(SamplingParams)}
     differ = {n for n in python if n in cli and cli[n] != python[n] and cli[n] is not None}
     assert differ == {"max_new_tokens", "temperature"}, differ
     sentence = " ".join(README.split("The command line has the same settings as flags", 1)[1].split("\n\n", 1)[0].split())
