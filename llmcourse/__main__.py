@@ -16,11 +16,16 @@ import argparse
 import re
 import sys
 
+from .bench.command import main as bench
+from .course.learner import slots_used, your_pieces
+from .course.progress import default_folder, progress_lines
 from .engine.config import CheckpointError
-from .engine.generate import NUM_DRAFT_TOKENS
+from .engine.generate import NUM_DRAFT_TOKENS, CompileError, stream
+from .engine.loading import load_model, save_model
+from .engine.quantize import resident_bytes
 from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
-from .engine.tokenizer import TokenizerFileError
+from .engine.tokenizer import TokenizerFileError, get_tokenizer
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -183,8 +188,6 @@ def name_list(text: str) -> list[str]:
 
 
 def run_progress(args: argparse.Namespace) -> int:
-    from .course.progress import default_folder, progress_lines
-
     try:
         for line in progress_lines(default_folder() if args.folder is None else args.folder, verbose=args.verbose):
             print(line, flush=True)
@@ -195,16 +198,12 @@ def run_progress(args: argparse.Namespace) -> int:
 
 
 def run_release(names: list[str]) -> int:
-    from .course.grading import release
+    from .course.grading import release  # nbgrader: an instructor's tool, not a dependency of the package
 
     return release(names=names or None)
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from .engine.generate import CompileError, stream
-    from .engine.loading import load_model
-    from .engine.tokenizer import get_tokenizer
-
     def fail(message: str, code: int) -> int:
         print(f"python -m llmcourse generate: error: {message}", file=sys.stderr)
         return code
@@ -227,8 +226,6 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
-            from .course.learner import slots_used, your_pieces
-
             yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True),
                                 uses=slots_used({**settings, "quantize": args.quantize}))
             tokenizer = yours.tokenizer
@@ -264,9 +261,6 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def run_quantize(args: argparse.Namespace) -> int:
-    from .engine.loading import load_model, save_model
-    from .engine.quantize import resident_bytes
-
     try:
         model = load_model(args.model, device="cpu", quantize=args.format)
     except ValueError as err:  # CheckpointError too
@@ -292,8 +286,6 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "release":
             return run_release(args.names)
         if args.command == "bench":
-            from .bench.command import main as bench
-
             return bench(args)
     except KeyboardInterrupt:
         return 130

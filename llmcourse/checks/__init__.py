@@ -20,7 +20,7 @@ from .attention import (check_attention, check_causal_mask, check_merge_heads, c
                         check_split_heads, check_tiled_attention)
 from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
                        check_slot_mapping)
-from .harness import bundled  # noqa: F401 (registers the models every check's child finds loaded
+from .harness import bundled, isolate  # noqa: F401 (bundled registers the models every check's child finds loaded
 from .harness.core import Case, CheckFailed, later, run_check
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
@@ -59,7 +59,6 @@ __all__ = ["Case", "CheckFailed", "later", "Forbidden", "ForbiddenCall", "NOT_EN
 def _isolate_every_check() -> None:
     """Every exercise check runs in a child process of its own (`isolate`): wrapped here, where the
     modules' functions are gathered, so that a chapter's module needs nothing for it."""
-    from .harness import isolate
     for name in __all__:
         fn = globals()[name]
         if name.startswith("check_") and not getattr(fn, "isolated", False):

@@ -75,7 +75,7 @@ def bundle(fig, name: str) -> dict:
     `name` (unique on the page) becomes the element id `fig-<name>`, so a notebook run twice writes
     the same output.
     """
-    import plotly.io as pio
+    import plotly.io as pio  # the course extra, not the engine's: imported when a figure is shown
 
     div_id = f"fig-{_check_name(name)}"
     spec = _rounded(json.loads(pio.to_json(fig, validate=True)))
@@ -87,6 +87,6 @@ def bundle(fig, name: str) -> dict:
 
 def show(fig, name: str) -> None:
     """Display a Plotly figure so that it is interactive in JupyterLab and on the static page."""
-    from IPython.display import display
+    from IPython.display import display  # the course extra: only inside a notebook
 
     display(bundle(fig, name), raw=True)

@@ -69,6 +69,7 @@ def canonical(nb, stored) -> None:
 
 def refresh(path: Path, timeout: int = 600) -> bool:
     """Execute the notebook at `path` and store its canonical outputs; True if the file changed."""
+    # an instructor's tools (requirements.txt), not dependencies of the package
     import nbformat
     from nbclient import NotebookClient
 

@@ -143,7 +143,7 @@ def close_bundled_name(name: str) -> Optional[str]:
 def hub_snapshot(name: str) -> Path:
     """The cached snapshot of Hub model `name`, downloading it only if a network is reachable."""
     try:
-        from huggingface_hub import snapshot_download
+        from huggingface_hub import snapshot_download  # heavy (HTTP stack): only for a Hub model
     except ImportError:
         raise CheckpointError(
             f"loading {name!r} from the Hugging Face Hub needs the package huggingface_hub "

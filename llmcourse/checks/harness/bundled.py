@@ -15,14 +15,14 @@ import functools
 
 import torch
 
+from llmcourse.engine.loading import load_model
+
 from . import isolate
 
 
 @functools.lru_cache(maxsize=None)
 def bundled_model(name: str = "gpt2-shakespeare") -> torch.nn.Module:
     """The bundled GPT-2 (or its draft, "gpt2-shakespeare-draft") on the CPU in float32, in eval mode."""
-    from llmcourse.engine.loading import load_model
-
     return load_model(name, device="cpu", dtype=torch.float32)
 
 
