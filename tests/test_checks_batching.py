@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from llmcourse.serving.batching import Batching, left_pad as engine_left_pad
+from llmcourse.course.guards import guard, guarded
+from llmcourse.engine.padding import left_pad as engine_left_pad
+from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
 import llmcourse.checks.batching as batching_checks
 from llmcourse.checks import CheckFailed
@@ -267,7 +269,7 @@ LEFT_PAD_MISTAKES = [
     (pad_negative_positions, r"position ids on the padding are \[-1\], outside \[0, n_positions\).*clamp"),
     (pad_float_mask, r"attention_mask has dtype torch\.float32, expected torch\.int64"),
     (pad_lists, r"input_ids should be a tensor"),
-    (pad_engine, r"llmcourse\.batching\.left_pad.*write your own"),
+    (pad_engine, r"llmcourse\.engine\.padding\.left_pad.*write your own"),
     (pad_sorts_prompts, r"changed its input"),
 ]
 
@@ -308,13 +310,9 @@ def test_left_pad_pad_position_bug_changes_the_tokens_of_the_batch():
     """The bug also shows in the engine: the generate case alone (no padding cases before it) catches it."""
     model, prompts = decisive_model(0), [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
     before = [engine_left_pad(prompts)]
-    model.batching = Batching.with_overrides(left_pad=pad_positions_count_padding)
-    try:
-        from llmcourse import generate
-        batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None)
-    finally:
-        model.batching = Batching()
     from llmcourse import generate
+    batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None,
+                       left_pad=guard("left_pad", pad_positions_count_padding))
     assert batched[0] == generate(model, prompts[0], max_new_tokens=8, eos_token_id=None)
     assert batched[1:] != [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts[1:]]
     assert before[0][0].tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 0, 10], [0, 0, 11, 12, 13]]
@@ -456,7 +454,7 @@ ALLOCATOR_MISTAKES = [
     (ReleaseToFront, r"goes to the BACK of the free list"),
     (NoMemoryError, r"expected MemoryError, your allocator raised IndexError"),
     (SetFreeList, r"release\(0\).*allocate\(\) returned 0, expected 1|expected free = \[2, 3, 0\]"),
-    (EngineSubclass, r"llmcourse\.block_manager\.BlockAllocator.*write your own"),
+    (EngineSubclass, r"llmcourse\.serving\.block_manager\.BlockAllocator.*write your own"),
 ]
 
 
@@ -578,7 +576,7 @@ SLOT_MISTAKES = [
     (slots_positions, r"a request's positions are not the pool's slots"),
     (slots_no_scale, r"a slot counts positions: block \* block_size \+ offset"),
     (slots_float, r"dtype"),
-    (slots_engine, r"llmcourse\.paged_cache\.slot_mapping"),
+    (slots_engine, r"llmcourse\.serving\.paged_cache\.slot_mapping"),
 ]
 
 
@@ -639,7 +637,7 @@ GATHER_MISTAKES = [
     (gather_view, r"transpose to \[n_head, length, head_dim\]"),
     (gather_one_block_short, r"expected shape|block_table\[0\] holds positions 0"),
     (gather_float32, r"dtype torch\.float64|float64"),
-    (gather_engine, r"llmcourse\.paged_cache\.gather_kv"),
+    (gather_engine, r"llmcourse\.serving\.paged_cache\.gather_kv"),
 ]
 
 
@@ -799,7 +797,7 @@ SCHEDULE_MISTAKES = [
     (schedule_mutates, r"changed its input `running`"),
     (schedule_list, r"expected a tuple \(chunks, preempted\)"),
     (schedule_waiting_first, r"another order.*running requests first"),
-    (schedule_engine, r"llmcourse\.scheduler\.schedule"),
+    (schedule_engine, r"llmcourse\.serving\.scheduler\.schedule"),
     (schedule_remembers_queues, r"the same queues, one more free block: scheduled"),
     (schedule_masked_round_up, r"block_size 3 \(not a power of two\).*ceil\(n / 3\)"),
     (schedule_id_table, r"IndexError: list assignment index out of range"),
@@ -914,7 +912,7 @@ def test_check_workloads_preempt_share_prefixes_and_chunk_prompts():
         assert tokens == alone(model, work)
         assert stats["preemptions"] > 0 and stats["cached_tokens"] > 0, stats
         assert max(map(len, work.prompts)) > work.engine["max_num_batched_tokens"]
-    assert model.batching.overridden() == []
+    assert not hasattr(model, "batching") and model.parts.overridden() == []  # nothing left installed on the model
 
 
 def test_check_workloads_end_requests_at_eos_id_0():
@@ -949,7 +947,7 @@ def test_engine_with_a_wrong_part_differs_from_alone():
         got = None
     assert got != expected
     with pytest.raises(Exception, match="schedule|blocks"):
-        run_engine(model, work, Batching.with_overrides(schedule=variant(cached_prefix=False)))
+        run_engine(model, work, guarded(Batching, schedule=variant(cached_prefix=False)))
 
 
 def test_left_pad_gives_transformers_each_prompt_alone_and_the_bug_does_not(small_pair):

@@ -18,6 +18,7 @@ from llmcourse.checks import CheckFailed
 from llmcourse.checks.speculative import (Draws, _accept_verdict, accept_cases, check_accept_token,
                                           check_expected_speedup, check_prompt_lookup_draft, check_speculative_round,
                                           check_verify, chi2, correct_outcomes, decisive_model, noisy_copy)
+from llmcourse.course.guards import guarded
 from llmcourse.engine.speculative import Speculation
 from tests.notebook_checks import run_notebook_checks
 
@@ -593,7 +594,7 @@ ROUND_MISTAKES = [
     (round_with(feed_only_last_to_draft=True), r"kept \d proposals; the draft's greedy continuation.*"
                                                r"tokens\[draft_cache\.length:\]"),
     (round_engine, r"llmcourse\.speculative.*write your own"),
-    (round_via_generate, r"llmcourse\.generate.*write one round yourself"),
+    (round_via_generate, r"llmcourse\.engine\.generate.*write one round yourself"),
 ]
 
 
@@ -652,8 +653,9 @@ def test_speculative_round_that_raises_gets_a_clear_message():
 
 
 def test_speculative_round_in_the_engine_equals_plain_greedy():
-    """The check's tiny pairs: the engine with the reference round installed gives plain greedy's tokens, and so
-    does the engine's own round; the noisy drafts keep some proposals and reject others."""
+    """The check's tiny pairs: the engine with the reference round (`speculation=guarded(Speculation, ...)`) gives
+    plain greedy's tokens, and so does the engine's own round; the noisy drafts keep some proposals and reject
+    others."""
     from llmcourse import generate
 
     torch.set_num_threads(1)
@@ -664,12 +666,8 @@ def test_speculative_round_in_the_engine_equals_plain_greedy():
             stats = engine.SpeculationStats()
             assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft,
                             num_draft_tokens=k, stats=stats) == plain
-            target.speculation = Speculation.with_overrides(speculative_round=speculative_round)
-            try:
-                assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft,
-                                num_draft_tokens=k) == plain
-            finally:
-                target.speculation = Speculation()
+            assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft, num_draft_tokens=k,
+                            speculation=guarded(Speculation, speculative_round=speculative_round)) == plain
 
 
 def test_reference_accept_token_against_the_engine_on_one_hot_and_torch():
@@ -855,7 +853,8 @@ IN_ENGINE_ONLY = [
     (check_accept_token, accept_one_hot_shortcut,
      r"in the engine, greedy, the bundled draft.*with your accept_token in the engine, the engine stopped it: part "
      r"'accept_token' \(accept_one_hot_shortcut\) returned token \d+, which the target's distribution p gives "
-     r"probability 0.*Speculation.with_overrides\(accept_token=accept_token\).*passes the cases above but not the "
+     r"probability 0.*speculation=guarded\(Speculation, accept_token=accept_token\).*passes the cases above but not "
+     r"the "
      r"engine's own calls"),
     (check_verify, verify_engine_k3,
      r"in the engine, greedy.*with your verify in the engine, the engine stopped it: part 'verify'.*probability 0"),
@@ -871,10 +870,10 @@ def test_a_slot_wrong_only_in_the_engine_is_rejected(check, fn, pattern):
 
 
 def test_the_engine_runs_its_own_speculation_after_a_check(capsys):
-    """The check installs the learner's function on the bundled model only while it runs."""
+    """The check gives the learner's function to generate (`speculation=`): nothing of it stays on the bundled model."""
     from llmcourse.checks.harness.bundled import bundled_model
     from llmcourse.checks.speculative import ENGINE_PROMPT, _engine_own
 
     check_accept_token(accept_token)
-    assert not bundled_model().speculation.overridden()
+    assert not hasattr(bundled_model(), "speculation") and not bundled_model().parts.overridden()
     assert _engine_own("draft") == _engine_own("lookup")  # greedy with either draft is plain greedy decoding

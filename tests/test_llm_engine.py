@@ -30,6 +30,9 @@ import torch
 
 from llmcourse import GPT2, GPT2Config, get_tokenizer, load_model
 from llmcourse import generate
+from llmcourse.course.guards import guard, guarded
+from llmcourse.course.learner import Engine
+from llmcourse.engine.generate import as_model
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
@@ -233,11 +236,14 @@ class Tally:
 
 
 def run_workloads(seeds, make_model, tally: Tally) -> None:
+    """make_model(seed): a model, or an `Engine` with a learner's functions (both drivers, generate for the
+    references and LLMEngine, run them)."""
     model = None
     for seed in seeds:
         if seed % 10 == 0 or model is None:  # a new random model every 10 workloads
             model = make_model(seed)
-        w = random_workload(seed, model)
+        plain, _ = as_model(model)
+        w = random_workload(seed, plain)
         expected = with_eos_mid_way(random.Random(seed + 1), model, w)
         engine = LLMEngine(model, **w.engine)
         try:
@@ -247,7 +253,7 @@ def run_workloads(seeds, make_model, tally: Tally) -> None:
                 got = engine.generate(w.prompts, arrivals=w.arrivals, settings=w.settings, **COMMON)
         except (PartError, ValueError, RuntimeError) as err:
             raise AssertionError(f"{w.describe()}\n  the engine raised {type(err).__name__}: {err}") from err
-        assert got == expected, first_difference(model, w, expected, got)
+        assert got == expected, first_difference(plain, w, expected, got)
         assert_idle(engine, w)
         stats = engine.stats
         tally.workloads += 1
@@ -297,9 +303,7 @@ def test_engine_gives_every_request_its_alone_tokens_on_cuda(dtype):
 def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own(mine):
     """Requests 1 and 2 share the block of [1, 2, 3, 4]; when request 0 needs a block, preempting request 2
     frees only its own block, not the shared one (found by the property test, workload seed 115)."""
-    model = tiny_model(3)
-    if mine:
-        model.batching = Batching.with_overrides(**MINE)
+    model = learner_model(3, **MINE) if mine else tiny_model(3)
     engine = LLMEngine(model, block_size=4, num_blocks=4)
     w = Workload(0, [[17], [1, 2, 3, 4, 20, 35], [1, 2, 3, 4, 44, 24]], [{"max_new_tokens": n} for n in (5, 4, 5)],
                  [0, 1, 2], dict(block_size=4, num_blocks=4), 4)
@@ -532,10 +536,15 @@ MINE = dict(left_pad=my_left_pad, BlockAllocator=MyBlockAllocator, slot_mapping=
             gather_kv=my_gather_kv, schedule=my_schedule)
 
 
-def learner_model(seed: int = 7, **overrides) -> GPT2:
-    model = tiny_model(seed)
-    model.batching = Batching.with_overrides(**overrides)
-    return model
+def learner_model(seed: int = 7, **overrides) -> Engine:
+    """tiny_model(seed) with a learner's functions, as `my_engine()` gives them: LLMEngine takes the batching
+    functions (`batching=guarded(Batching, ...)`), generate the left_pad (`left_pad=guard("left_pad", ...)`)."""
+    functions = {}
+    if "left_pad" in overrides:
+        functions["left_pad"] = guard("left_pad", overrides.pop("left_pad"))
+    if overrides:
+        functions["batching"] = guarded(Batching, **overrides)
+    return Engine(tiny_model(seed), None, functions)
 
 
 def my_schedule_only_preempts(running, waiting, num_free_blocks, **limits):

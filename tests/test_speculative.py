@@ -11,7 +11,8 @@ computed by hand.
 - end to end on the bundled pair: the first and second sampled tokens follow the target's
   processed distribution (temperature, top-k, top-p, min-p, repetition penalty) computed with
   transformers' model and logits processors;
-- statistics, refusals, the command line, and a learner's slots (`Speculation.with_overrides`).
+- statistics, refusals, the command line, and a learner's slots
+  (`generate(..., speculation=guarded(Speculation, ...))`).
 
 Measured when written (CPU, torch 2.13, one thread). This file compares about 700 tokens of the
 bundled pair (9 prompts: held-out passages, random ids, one token; k = 1..8; plain and assisted
@@ -34,6 +35,7 @@ import torch
 
 from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, stream
 from llmcourse import generate
+from llmcourse.course.guards import guarded
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.slots import PartError
 from llmcourse.training.shakespeare import validation_tokens
@@ -691,22 +693,10 @@ def test_the_command_line_speculates_and_reports(capsys):
 
 
 # ---------------------------------------------------------------------------------------------
-# A learner's slots, installed with Speculation.with_overrides.
+# A learner's slots, given to generate as `speculation=guarded(Speculation, **fns)`.
 
 
-@pytest.fixture
-def learner(small, monkeypatch):
-    """Install `Speculation.with_overrides(**fns)` on the small target for one test."""
-    target, _ = small
-
-    def install(**fns):
-        monkeypatch.setattr(target, "speculation", Speculation.with_overrides(**fns))
-        return target
-
-    return install
-
-
-def test_a_learners_correct_slots_give_the_engines_tokens(small, learner):
+def test_a_learners_correct_slots_give_the_engines_tokens(small):
     target, drafts = small
     mine = dict(accept_token=my_accept_token, verify=my_verify, prompt_lookup_draft=my_prompt_lookup,
                 speculative_round=my_round)
@@ -714,12 +704,14 @@ def test_a_learners_correct_slots_give_the_engines_tokens(small, learner):
     expected = [plain(target, p, max_new_tokens=new) for p, k, new in cases]
     engine_samples = plain(target, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"])
     for fns in (mine, dict(speculative_round=my_round), dict(accept_token=my_accept_token)):
-        model = learner(**fns)
+        speculation = guarded(Speculation, **fns)
         for (prompt, k, new), want in zip(cases, expected):
             for draft in (drafts["other"], drafts["near"], "prompt-lookup"):
-                got = plain(model, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k)
+                got = plain(target, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k,
+                            speculation=speculation)
                 assert got == want, (fns, k, draft)
-        sampled = plain(model, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"])
+        sampled = plain(target, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"],
+                        speculation=speculation)
         assert len(sampled) == 30 and (sampled == engine_samples) == ("verify" not in fns and "accept_token" not in fns)
 
 
@@ -796,10 +788,10 @@ def lookup_inventing_tokens(tokens, k, max_ngram=3):
     ("prompt_lookup_draft", lookup_proposing_too_many, r"expected a list of at most \d+ token ids"),
     ("prompt_lookup_draft", lookup_inventing_tokens, r"returned \[4, 4, 4, 4\]; .*copied from the text"),
 ])
-def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, learner, slot, fn, message):
+def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, slot, fn, message):
     target, drafts = small
-    model = learner(**{slot: fn})
+    speculation = guarded(Speculation, **{slot: fn})
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: prompt lookup proposes
     draft = "prompt-lookup" if slot == "prompt_lookup_draft" else drafts["other"]
     with pytest.raises(PartError, match=rf"part '{slot}' \({fn.__name__}\) .*{message}"):
-        plain(model, prompt, max_new_tokens=30, draft=draft, num_draft_tokens=4)
+        plain(target, prompt, max_new_tokens=30, draft=draft, num_draft_tokens=4, speculation=speculation)

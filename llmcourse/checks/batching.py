@@ -1,7 +1,7 @@
 """Checks for chapter 07, batching: left padding, the block allocator and slot mapping of a paged KV
 cache, the gather of a request's keys and values through its block table, and one scheduler step.
 
-Each check compares the learner's code with the engine's (`llmcourse.serving.batching.left_pad`,
+Each check compares the learner's code with the engine's (`llmcourse.engine.padding.left_pad`,
 `llmcourse.serving.block_manager.BlockAllocator`, `llmcourse.serving.paged_cache.slot_mapping` / `gather_kv`,
 `llmcourse.serving.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
 with the learner's function in its slot on a small random model: a static batch (`llmcourse.generate`
@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from llmcourse.engine.padding import left_pad as engine_left_pad
+from llmcourse.course.guards import guard, guarded
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
 from llmcourse.engine.generate import generate
@@ -106,19 +107,17 @@ def alone(model, work: Workload) -> list[list[int]]:
 
 
 def run_engine(model, work: Workload, batching: Batching) -> tuple[list[list[int]], dict]:
-    """The workload through LLMEngine with `batching` installed on the model (the engine's own restored after).
+    """The workload through `LLMEngine(model, ..., batching=batching)`.
     -> the tokens of each request, and the engine's stats."""
-    before, watch = model.batching, sys.getprofile()
-    model.batching = batching
+    watch = sys.getprofile()
     sys.setprofile(None)  # the engine's own code is not watched (and runs faster): `watched` re-arms it for theirs
     try:
         with one_thread():
-            engine = LLMEngine(model, **work.engine)
+            engine = LLMEngine(model, **work.engine, batching=batching)
             tokens = engine.generate(work.prompts, work.arrivals, work.settings, eos_token_id=None)
             return tokens, engine.stats
     finally:
         sys.setprofile(watch)
-        model.batching = before
 
 
 def watched(fn: Callable) -> Callable:
@@ -168,7 +167,7 @@ def _engine_verdict(name: str, work: Workload, expected: list, got: list) -> Ver
 # Exercise 1: left_pad
 
 
-NO_ENGINE_PAD = Forbidden("llmcourse.serving.batching.left_pad", "The engine's left_pad is what yours is compared with: "
+NO_ENGINE_PAD = Forbidden("llmcourse.engine.padding.left_pad", "The engine's left_pad is what yours is compared with: "
                                                          "write your own (torch.full, slicing and cumsum).")
 
 
@@ -312,19 +311,14 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
             prompts, pad_id = args
             return fn(prompts) if pad_id is None else fn(prompts, pad_id)
         model, prompts = batch_run(args[0])
-        before = model.batching
-        model.batching = Batching.with_overrides(left_pad=fn)
-        try:
-            with one_thread():
-                return generate(model, prompts, max_new_tokens=8, eos_token_id=None)
-        finally:
-            model.batching = before
+        with one_thread():
+            return generate(model, prompts, max_new_tokens=8, eos_token_id=None, left_pad=guard("left_pad", fn))
 
     def show(args):
         if args[0] == "pad":
             return f"left_pad({short(args[1], 120)}" + (")" if args[2] is None else f", pad_id={args[2]})")
-        return (f"model.batching = Batching.with_overrides(left_pad=left_pad); llmcourse.generate(tiny random model, "
-                f"{short(batch_run(args[1])[1], 120)}, max_new_tokens=8)")
+        return (f"llmcourse.generate(tiny random model, {short(batch_run(args[1])[1], 120)}, max_new_tokens=8, "
+                'left_pad=guard("left_pad", left_pad))')
 
     def judge(case, got):
         if case.args[0] == "pad":
@@ -556,7 +550,7 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
             return run_allocator(cls, *args)
         if kind == "two":
             return run_allocators(cls, *args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(BlockAllocator=cls))[0]
+        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, BlockAllocator=cls))[0]
 
     def show(args):
         if args[0] == "ops":
@@ -659,7 +653,7 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
     def run(kind, *args):
         if kind == "slots":
             return fn(*args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(slot_mapping=watched(fn)))[0]
+        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, slot_mapping=watched(fn)))[0]
 
     def show(args):
         if args[0] == "slots":
@@ -754,7 +748,7 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
     def run(kind, *args):
         if kind == "gather":
             return fn(*args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], Batching.with_overrides(gather_kv=watched(fn)))[0]
+        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, gather_kv=watched(fn)))[0]
 
     def show(args):
         if args[0] == "gather":
@@ -984,7 +978,7 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
         if kind == "step":
             return fn(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
                       max_num_batched_tokens=max_num_batched_tokens)
-        return run_engine(*ENGINE_RUNS[running][:2], Batching.with_overrides(schedule=watched(fn)))[0]  # running: the seed
+        return run_engine(*ENGINE_RUNS[running][:2], guarded(Batching, schedule=watched(fn)))[0]  # running: the seed
 
     def show(args):
         if args[0] == "step":

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from llmcourse.course.guards import guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.slots import PartError
@@ -634,10 +635,10 @@ _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255;
 
 
 # ----------------------------------------------------------------------------------------------
-# In the engine: accept_token, verify and prompt_lookup_draft end by generating with the learner's function
-# installed as `llmcourse.course.learner.my_engine` installs it (`Speculation.with_overrides`), on the bundled pair
-# (gpt2-shakespeare and gpt2-shakespeare-draft), so that a function that passes the cases cannot then fail in
-# the engine (GPT-2's vocabulary, the engine's p and q rows, a round with fewer proposals, the whole text).
+# In the engine: accept_token, verify and prompt_lookup_draft end by generating with the learner's function,
+# given to generate as `llmcourse.course.learner.my_engine` gives it (`speculation=guarded(Speculation, ...)`), on the
+# bundled pair (gpt2-shakespeare and gpt2-shakespeare-draft), so that a function that passes the cases cannot then
+# fail in the engine (GPT-2's vocabulary, the engine's p and q rows, a round with fewer proposals, the whole text).
 
 ENGINE_PROMPT = _LONG_TEXT * 2 + _LONG_TEXT[:40]  # 234 tokens of real text (the bundled models hold 256 positions)
 ENGINE_NEW_TOKENS = 12
@@ -651,18 +652,13 @@ ENGINE_RUNS = {  # generate's settings; without `draft`: the bundled draft model
 
 
 def _engine_generate(run: str, speculation: Speculation) -> list[int]:
-    """The bundled model's new tokens for ENGINE_PROMPT with `speculation` installed (the engine's own restored)."""
+    """The bundled model's new tokens for ENGINE_PROMPT, generated with `speculation`'s functions."""
     model = bundled_model()
     settings = dict(ENGINE_RUNS[run][1])
     settings.setdefault("draft", bundled_model("gpt2-shakespeare-draft"))
-    before = model.speculation
-    model.speculation = speculation
-    try:
-        with one_thread():
-            return generate(model, list(ENGINE_PROMPT), max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None,
-                            **settings)
-    finally:
-        model.speculation = before
+    with one_thread():
+        return generate(model, list(ENGINE_PROMPT), max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None,
+                        speculation=speculation, **settings)
 
 
 def _engine_own(run: str) -> list[int]:
@@ -684,7 +680,7 @@ class EngineRun:
 
 
 def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
-    """generate on the bundled pair with the learner's `name` installed as my_engine installs it. The engine's own
+    """generate on the bundled pair with the learner's `name`, given as my_engine gives it. The engine's own
     code runs unwatched (and faster); the learner's calls run under the check's watch."""
     watch = sys.getprofile()
     calls: list = []
@@ -701,7 +697,7 @@ def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
     theirs.__name__ = theirs.__qualname__ = getattr(fn, "__qualname__", name)
     sys.setprofile(None)
     try:
-        tokens = _engine_generate(run, Speculation.with_overrides(**{name: theirs}))
+        tokens = _engine_generate(run, guarded(Speculation, **{name: theirs}))
     except PartError as err:
         tokens = err
     finally:
@@ -719,10 +715,10 @@ def engine_cases(name: str, runs: tuple[str, ...]) -> list[Case]:
 
 
 def show_engine(name: str, run: str) -> str:
-    return (f"model.speculation = Speculation.with_overrides({name}={name}) (as my_engine installs it); "
-            f"generate(gpt2-shakespeare, a {len(ENGINE_PROMPT)}-token prompt, max_new_tokens={ENGINE_NEW_TOKENS}, "
+    return (f"generate(gpt2-shakespeare, a {len(ENGINE_PROMPT)}-token prompt, max_new_tokens={ENGINE_NEW_TOKENS}, "
             f"eos_token_id=None, {', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS[run][1].items())}"
-            f"{'' if 'draft' in ENGINE_RUNS[run][1] else ', draft=gpt2-shakespeare-draft'})")
+            f"{'' if 'draft' in ENGINE_RUNS[run][1] else ', draft=gpt2-shakespeare-draft'}, "
+            f"speculation=guarded(Speculation, {name}={name})) (as my_engine runs it)")
 
 
 ENGINE_HINT = ("your {name} passes the cases above but not the engine's own calls: the engine gives it float32 rows of "
@@ -1134,7 +1130,7 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
 
 
 def _run_engine(fn: Callable, pair: Pair, watch) -> RoundRun:
-    """llmcourse.generate with the learner's round installed (guarded by the engine)."""
+    """llmcourse.generate with the learner's round (`speculation=guarded(Speculation, speculative_round=...)`)."""
     target = pair.target
 
     def theirs(*args):
@@ -1145,16 +1141,13 @@ def _run_engine(fn: Callable, pair: Pair, watch) -> RoundRun:
             sys.setprofile(None)
 
     theirs.__qualname__ = getattr(fn, "__qualname__", "speculative_round")
-    before = target.speculation
-    target.speculation = Speculation.with_overrides(speculative_round=theirs)
     try:
         with one_thread():
             out = generate(target, pair.prompt, max_new_tokens=pair.max_new_tokens, eos_token_id=pair.eos_token_id,
-                           draft=pair.draft, num_draft_tokens=pair.k)
+                           draft=pair.draft, num_draft_tokens=pair.k,
+                           speculation=guarded(Speculation, speculative_round=theirs))
     except PartError as err:
         out = err
-    finally:
-        target.speculation = before
     return RoundRun([], [], engine=out)
 
 
@@ -1245,9 +1238,9 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         models = (f"target {c.n_layer} layers × {c.n_embd}, draft {d.n_layer} layers × {d.n_embd}, "
                   f"vocabulary {c.vocab_size}")
         if args[0] == "engine":
-            return (f"target.speculation = Speculation.with_overrides(speculative_round=speculative_round); "
-                    f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
-                    f"num_draft_tokens={pair.k}, eos_token_id={pair.eos_token_id}) ({models})")
+            return (f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
+                    f"num_draft_tokens={pair.k}, eos_token_id={pair.eos_token_id}, "
+                    f"speculation=guarded(Speculation, speculative_round=speculative_round)) ({models})")
         return (f"rounds of speculative_round(target, draft, target_cache, draft_cache, tokens, {pair.k}) from the "
                 f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})")
 
