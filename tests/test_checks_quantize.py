@@ -202,7 +202,7 @@ QUANTIZE_INT8_MISTAKES = [
     (lambda w: quantize_int8(w)[0], r"expected a tuple of two tensors"),
     (lambda w: (quantize_int8(w)[0].float(), quantize_int8(w)[1]), r"q: expected dtype torch.int8"),
     (lambda w: (quantize_int8(w)[0], quantize_int8(w)[1][:, None]), r"amax\(dim=-1\) without keepdim"),
-    (int8_engine, r"llmcourse\.quantize.*write your own"),
+    (int8_engine, r"llmcourse\.engine\.quantize.*write your own"),
     (int8_torch_quantized, r"torch's quantized tensors"),
 ]
 
@@ -367,7 +367,7 @@ PACK_MISTAKES = [
     (pack_vague_error, r"does not name the size 3"),
     (pack_halves, r"pair NEIGHBOURS"),
     (pack_flat, r"expected shape \(2, 2\)"),
-    (lambda q: engine.pack_int4(q), r"llmcourse\.quantize.*write your own"),
+    (lambda q: engine.pack_int4(q), r"llmcourse\.engine\.quantize.*write your own"),
 ]
 
 
@@ -538,7 +538,7 @@ QUANTIZE_INT4_MISTAKES = [
     (q4_columns_transposed_scales, r"differ"),
     (lambda w, g=32: (quantize_int4(w, g)[0], quantize_int4(w, g)[1].float()), r"expected dtype torch.float16"),
     (q4_no_error, r"K = 48.*expected a ValueError"),
-    (lambda w, g=32: engine.quantize_int4(w, g), r"llmcourse\.quantize.*write your own"),
+    (lambda w, g=32: engine.quantize_int4(w, g), r"llmcourse\.engine\.quantize.*write your own"),
 ]
 
 
@@ -639,8 +639,8 @@ INT8_LINEAR_MISTAKES = [
     (linear_transposed, r"expected shape \(1, 2\), got \(2, 1\).*the output is \[\.\.\., N\]"),
     (linear_float32_out, r"expected dtype torch.float64, got torch.float32.*return x's dtype"),
     (linear_no_scale, r"multiply by the scales"),
-    (lambda x, q, s, b: engine.int8_linear(x, q, s, b), r"llmcourse\.quantize.*write your own"),
-    (lambda x, q, s, b: engine.int8_linear_fast(x, q, s, b), r"llmcourse\.quantize.*write your own"),
+    (lambda x, q, s, b: engine.int8_linear(x, q, s, b), r"llmcourse\.engine\.quantize.*write your own"),
+    (lambda x, q, s, b: engine.int8_linear_fast(x, q, s, b), r"llmcourse\.engine\.quantize.*write your own"),
 ]
 
 
@@ -697,7 +697,7 @@ WEIGHT_MEMORY_MISTAKES = [
     (lambda n, f: n * BYTES.get(f, 4), r"unknown format 'int3'.*expected a ValueError"),
     (lambda n, f: torch.tensor(n * BYTES[f]), r"expected a number.*float\(\.\.\.\)"),
     (lambda n, f: n * {"float32": 4, "float16": 2, "int8": 1, "int4": 0.5625}[f], r"raised KeyError.*bfloat16"),
-    (lambda n, f: engine.weight_memory(n, f), r"llmcourse\.quantize.*write your own"),
+    (lambda n, f: engine.weight_memory(n, f), r"llmcourse\.engine\.quantize.*write your own"),
 ]
 
 
@@ -758,7 +758,7 @@ def int8_scale_in_input_dtype(w):
 
 
 def int8_cpu_kernels(w):
-    from llmcourse import cpu_kernels  # noqa: F401  (the engine's kernels: forbidden)
+    from llmcourse.engine import cpu_kernels  # noqa: F401  (the engine's kernels: forbidden)
     return cpu_kernels.quantize_rows(w.float().contiguous())  # the engine's absmax rows
 
 
@@ -816,7 +816,7 @@ def linear_int8pack_mm(x, q, scale, bias):
 ISSUE22_MISTAKES = [
     (q8(int8_flat_view), r"transposed view\).*raised RuntimeError.*weight\.T, a transposed view.*use reshape"),
     (q8(int8_scale_in_input_dtype), r"float16.*scale:.*differ.*|compute in float32"),
-    (q8(int8_cpu_kernels), r"llmcourse\.cpu_kernels"),
+    (q8(int8_cpu_kernels), r"llmcourse\.engine\.cpu_kernels"),
     (q8(de=dequantize_scales_dtype), r"float16 scales.*expected dtype torch.float32, got torch.float16.*whatever the "
                                      r"scales' dtype"),
     (q4(q4_default_64), r"called as the engine calls it.*the default must be 32"),
@@ -914,10 +914,12 @@ def int8_linear_in_chunks(x, q, scale, bias):
 
 IN_ENGINE_ONLY = [
     (q8(quantize_int8_in_chunks),
-     r"quantize_int8 in the engine — quantize_model\(the bundled GPT-2 \(float32\), 'int8'\) with your quantize_int8, "
-     r"dequantize_int8 installed as my_engine installs them.*the engine's call 25 of \d+.*quantize_int8\(<float32 "
+     r"quantize_int8 in the engine — quantize_model\(the bundled GPT-2 \(float32\), 'int8', guarded\(Quantization, "
+     r"quantize_int8=quantize_int8, dequantize_int8=dequantize_int8\)\) \(your quantize_int8, dequantize_int8 "
+     r"installed as my_engine installs them\).*the engine's call 25 of \d+.*quantize_int8\(<float32 "
      r"\[50257, 192\](, a transposed view)?>\).*pass(es)? the cases above but not the engine's own calls"),
-    (p4(pack_int4_in_chunks), r"pack_int4 in the engine — quantize_model\(.*'int4'\).*pack_int4\(<int8 \[50257, 192\](, a transposed view)?>\)"),
+    (p4(pack_int4_in_chunks), r"pack_int4 in the engine — quantize_model\(.*'int4', guarded\(Quantization, "
+                              r"pack_int4=pack_int4.*\).*pack_int4\(<int8 \[50257, 192\](, a transposed view)?>\)"),
     (q4(quantize_int4_in_chunks), r"quantize_int4 in the engine — .*quantize_int4\(<float32 \[50257, 192\](, a transposed view)?>\)"),
     (lin(int8_linear_in_chunks), r"int8_linear in the engine — .*int8_linear\(<float32 \[1, \d+, 192\]>, <int8 "
                                  r"\[50257, 192\]>, <float32 \[50257\]>, None\)"),
@@ -934,6 +936,9 @@ def test_a_slot_wrong_only_in_the_engine_is_rejected(check, pattern):
 
 def test_the_bundled_model_stays_a_float_model_after_a_check(capsys):
     from llmcourse.checks.harness.bundled import bundled_model
+    from llmcourse.engine.quantize import quantized_format
 
     lin()()
-    assert bundled_model().quantized is None and not bundled_model().quantization.overridden()
+    # float layers only: no quantized layer (nor the table of functions it would keep) left in it
+    assert quantized_format(bundled_model()) is None
+    assert not any(hasattr(m, "quantization") for m in bundled_model().modules())

@@ -37,8 +37,8 @@ from llmcourse.engine.config import CheckpointError
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.quantize import (
     BYTES_PER_WEIGHT, GROUP_SIZE, Quantization, QuantizedAffine, QuantizedTable, dequantize_int4, dequantize_int8,
-    int8_linear, int8_linear_fast, pack_int4, quantize_int4, quantize_int8, quantize_model, resident_bytes,
-    unpack_int4, weight_memory,
+    int8_linear, int8_linear_fast, pack_int4, quantize_int4, quantize_int8, quantize_model, quantized_format,
+    resident_bytes, unpack_int4, weight_memory,
 )
 from llmcourse.training.shakespeare import validation_loss, validation_tokens
 from llmcourse.engine.speculative import SpeculationStats
@@ -123,7 +123,7 @@ def twin(model: GPT2) -> GPT2:
 
     def weight(prefix):
         q, s = state[f"{prefix}.qweight"].numpy(), state[f"{prefix}.scales"].float().numpy()
-        w = q.astype(np.float32) * s[:, None] if model.quantized == "int8" else my_dequantize_int4(q, s)
+        w = q.astype(np.float32) * s[:, None] if quantized_format(model) == "int8" else my_dequantize_int4(q, s)
         return torch.from_numpy(np.ascontiguousarray(w))  # [C_out, C_in]
 
     with torch.no_grad():
@@ -553,7 +553,7 @@ def test_speculative_decoding_is_plain_greedy_of_the_quantized_target(bundled, f
     tok = get_tokenizer()
     target = bundled[fmt]
     draft = load_model("gpt2-shakespeare-draft", device="cpu", quantize=fmt)
-    assert draft.quantized == fmt
+    assert quantized_format(draft) == fmt
     prompt = tok.encode("ROMEO:\nBut soft, what light through yonder window breaks?\nROMEO:\nBut soft, what")
     plain = generate(target, prompt, max_new_tokens=16, eos_token_id=None)
     for settings in (dict(draft=draft, num_draft_tokens=4), dict(draft="prompt-lookup")):
@@ -666,11 +666,11 @@ def test_a_saved_quantized_model_loads_as_it_was(bundled, saved, fmt, monkeypatc
 
     with monkeypatch.context() as patch:  # only while loading: the int8 route quantizes activations
         for name in ("quantize_int8", "quantize_int4", "quantize_model"):
-            patch.setattr(f"llmcourse.quantize.{name}", refuse)
+            patch.setattr(f"llmcourse.engine.quantize.{name}", refuse)
         patch.setattr(Quantization, "quantize", refuse)
         loaded = load_model(saved[fmt], device="cpu")
-        assert load_model(saved[fmt], device="cpu", quantize=fmt).quantized == fmt  # the format it holds: fine
-    assert loaded.quantized == fmt
+        assert quantized_format(load_model(saved[fmt], device="cpu", quantize=fmt)) == fmt  # the format it holds: fine
+    assert quantized_format(loaded) == fmt
     original = bundled[fmt].state_dict()
     assert loaded.state_dict().keys() == original.keys()
     for name, tensor in loaded.state_dict().items():

@@ -233,9 +233,10 @@ def measure(rows: list[Row], prompts: list[list[int]], new_tokens: int, repeats:
 
 @torch.inference_mode()
 def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
-    """ms of the engine's linear layers alone for `rows` input rows, per format: all of the blocks'
-    (`model.linear`) and the head (`model.head`: the final layer norm and the tied table), and the weight bytes
-    they read per ms (GB/s). The formats and row counts are interleaved, repeat after repeat."""
+    """ms of the engine's linear layers alone for `rows` input rows, per format: all of the blocks' (each called
+    as the model calls it, `layer(x, model.parts.linear)`) and the head (`model.head`: the final layer norm and the
+    tied table), and the weight bytes they read per ms (GB/s). The formats and row counts are interleaved, repeat
+    after repeat."""
     g = torch.Generator().manual_seed(0)
     cfg = next(iter(models.values())).config
     C, L, V = cfg.n_embd, cfg.n_layer, cfg.vocab_size
@@ -246,7 +247,7 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
                   for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
         for m in rows:
             xs = [x.to(model.device, model.dtype) for x in inputs[m]]
-            runs[fmt, m, "blocks"] = lambda model=model, layers=layers, xs=xs: [model.linear(x, layer)
+            runs[fmt, m, "blocks"] = lambda model=model, layers=layers, xs=xs: [layer(x, model.parts.linear)
                                                                                 for layer, x in zip(layers, xs)]
             runs[fmt, m, "head"] = lambda model=model, x=xs[0]: model.head(x)
     times = {key: [] for key in runs}

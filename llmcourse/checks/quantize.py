@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from llmcourse.course.guards import guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.quantize import (Quantization, dequantize_int4 as engine_dequantize_int4,
@@ -46,8 +47,8 @@ from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import tensor_problem
 
-NO_ENGINE = Forbidden("llmcourse.engine.quantize", "llmcourse.quantize is the engine's quantization, what yours is "
-                                            "compared with: write your own")
+NO_ENGINE = Forbidden("llmcourse.engine.quantize", "llmcourse.engine.quantize is the engine's quantization, what yours "
+                                                   "is compared with: write your own")
 NO_TORCH_QUANTIZATION = [
     Forbidden(f"torch.{name}", "torch's quantized tensors do the whole exercise: write the scale and the "
                                "rounding yourself")
@@ -58,8 +59,8 @@ NO_TORCH_QUANTIZATION = [
                  "fbgemm_linear_int8_weight_fp32_activation", "_convert_weight_to_int4pack", "_weight_int4pack_mm",
                  "_weight_int8pack_mm", "_dyn_quant_pack_4bit_weight", "_dyn_quant_matmul_4bit")
 ]
-NO_KERNELS = Forbidden("llmcourse.engine.cpu_kernels", "llmcourse.cpu_kernels holds the engine's quantized kernels: write "
-                                                 "your own")
+NO_KERNELS = Forbidden("llmcourse.engine.cpu_kernels", "llmcourse.engine.cpu_kernels holds the engine's quantized "
+                                                       "kernels: write your own")
 FORBID = [NO_ENGINE, NO_KERNELS, *NO_TORCH_QUANTIZATION]
 VIEW_HINTS = {"view size is not compatible": "quantize_model passes a layer's weight.T, a transposed view: view() "
                                              "cannot merge its dimensions; use reshape (or index rows and groups as "
@@ -143,8 +144,8 @@ def _pair(got: Any, name: str) -> Optional[str]:
 
 # ----------------------------------------------------------------------------------------------
 # In the engine: every slot's check ends by quantizing the bundled GPT-2 with the learner's functions installed as
-# `llmcourse.course.learner.my_engine` installs them (`Quantization.with_overrides`) and generating a few tokens; each call
-# the engine made of a learner's function is then judged against the engine's own function on the same arguments
+# `llmcourse.course.learner.my_engine` installs them (`guarded(Quantization, ...)`) and generating a few tokens; each
+# call the engine made of a learner's function is then judged against the engine's own function on the same arguments
 # (computed after the run), with the exercise's own judge. So a function that passes the cases cannot then fail in
 # the engine (GPT-2's token table [50257, 192], the layers' transposed weights, one-row decoding steps, ...).
 
@@ -176,9 +177,9 @@ def _engine_run(fmt: str, fns: dict[str, Callable]) -> tuple[Any, list]:
     sys.setprofile(None)
     try:
         model = copy.deepcopy(bundled_model())
-        model.quantization = Quantization.with_overrides(**{n: recorded(n, f) for n, f in fns.items()})
+        quantization = guarded(Quantization, **{n: recorded(n, f) for n, f in fns.items()})
         with one_thread():
-            quantize_model(model, fmt)
+            quantize_model(model, fmt, quantization)
             tokens = generate(model, ENGINE_PROMPT, max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None)
     except PartError as err:
         tokens = err
@@ -210,9 +211,10 @@ def check_in_engine(fmt: str, fns: dict[str, Callable], judges: dict[str, tuple[
     installs them, and generate; raise CheckFailed if the engine stops one of them, or if one of the calls the engine
     made fails `judges[name] = (judge, reference)` against reference(*args)."""
     names = ", ".join(fns)
-    what = (f"quantize_model(the bundled GPT-2 (float32), {fmt!r}) with your {names} installed as my_engine installs "
-            f"them (Quantization.with_overrides), then generate(model, a {len(ENGINE_PROMPT)}-token prompt, "
-            f"max_new_tokens={ENGINE_NEW_TOKENS})")
+    installed = ", ".join(f"{n}={n}" for n in fns)
+    what = (f"quantize_model(the bundled GPT-2 (float32), {fmt!r}, guarded(Quantization, {installed})) "
+            f"(your {names} installed as my_engine installs them), then generate(model, a {len(ENGINE_PROMPT)}-token "
+            f"prompt, max_new_tokens={ENGINE_NEW_TOKENS})")
     tokens, calls = call_learner(names, _engine_run, (fmt, fns), forbid=FORBID, seconds=seconds,
                                  show=lambda args: what)
     hint = (f"your {names} pass{'es' if len(fns) == 1 else ''} the cases above but not the engine's own calls: "
