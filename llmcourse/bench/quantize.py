@@ -397,8 +397,8 @@ def plot(r: dict, out: Path) -> Path:
     roofline drawn as the light bar behind it."""
     import matplotlib  # heavy and optional (the course extra): only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
+    import matplotlib.pyplot as plt  # optional, as matplotlib above
     from matplotlib.patches import Patch
 
     b = r["sizes"]["batch"]

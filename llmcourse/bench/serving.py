@@ -409,8 +409,8 @@ def plot(r: dict, out: Path) -> Path:
     TPOT percentiles, and TTFT on the shared-prefix workload with prefix caching off and on."""
     import matplotlib  # heavy and optional (the course extra): only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
+    import matplotlib.pyplot as plt  # optional, as matplotlib above
 
     models = list(r["models"].items())
     rows = [("output tok/s", None), ("TTFT (ms)", "ttft"), ("TPOT (ms)", "tpot"), ("TTFT (ms),\nshared prefix", "prefix")]

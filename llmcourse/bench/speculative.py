@@ -398,8 +398,8 @@ def plot(r: dict, out: Path) -> Path:
     refined prediction, and plain decoding at 1."""
     import matplotlib  # heavy and optional (the course extra): only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
+    import matplotlib.pyplot as plt  # optional, as matplotlib above
 
     panels = [("draft model (gpt2-shakespeare-draft)", r["draft_model"]),
               ("prompt lookup (text that repeats)", r["prompt_lookup"])]

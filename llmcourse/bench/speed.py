@@ -263,8 +263,8 @@ def plot(r: dict, out: Path) -> list[Path]:
     """Write one PNG per measurement (`FIGURES`) into the folder `out`; return their paths."""
     import matplotlib  # heavy and optional (the course extra): only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
+    import matplotlib.pyplot as plt  # optional, as matplotlib above
     from matplotlib.ticker import MaxNLocator, NullLocator
 
     def log_axis(ax, values):
