@@ -1090,12 +1090,13 @@ def test_reference_self_attention_is_the_engines_layer():
 
 def test_learner_parts_run_the_model_like_the_engine():
     from llmcourse import Parts, load_model
+    from llmcourse.course.guards import guarded
 
     model = load_model("gpt2-shakespeare", device="cpu")
     ids = torch.tensor([[464, 1110, 286, 262, 3329, 11, 290]])
     with torch.no_grad():
         engine = model(ids)
-        model.parts = Parts.with_overrides(softmax=softmax, attention=attention, split_heads=split_heads,
-                                           merge_heads=merge_heads)
+        model.parts = guarded(Parts, softmax=softmax, attention=attention, split_heads=split_heads,
+                              merge_heads=merge_heads)
         mine = model(ids)
     assert (mine - engine).abs().max() < 1e-4

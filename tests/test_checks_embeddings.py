@@ -544,16 +544,16 @@ BLACK_BOXES = [
     (check_embedding, lambda weight, ids: torch.embedding(weight, ids), r"called torch\.embedding"),
     (check_embedding, lambda weight, ids: torch.ops.aten.embedding(weight, ids), r"called .*embedding"),
     (check_embedding, embedding_through_module, r"called torch\.(nn\.(modules\.sparse\.)?Embedding|embedding)"),
-    (check_embedding, lambda weight, ids: llmcourse.engine.parts.embedding(weight, ids), r"called llmcourse\.parts\.embedding"),
+    (check_embedding, lambda weight, ids: llmcourse.engine.parts.embedding(weight, ids), r"called llmcourse\.engine\.parts\.embedding"),
     (check_embed, lambda wte, wpe, ids, pos=None: F.embedding(ids, wte) + wpe[: ids.shape[1]],
      r"called torch\.(nn\.functional\.)?embedding"),
     (check_sinusoidal_positions, lambda n, dim, base=10000.0: positions.sinusoidal_positions(n, dim, base),
-     r"called llmcourse\.positions\.sinusoidal_positions"),
-    (check_rope, lambda x, pos, base=10000.0: positions.rope(x, pos, base), r"called llmcourse\.positions\.rope"),
-    (check_rope, lambda x, pos, base=10000.0: x * 0 + positions.rotate_half(x), r"called llmcourse\.positions"),
+     r"called llmcourse\.engine\.positions\.sinusoidal_positions"),
+    (check_rope, lambda x, pos, base=10000.0: positions.rope(x, pos, base), r"called llmcourse\.engine\.positions\.rope"),
+    (check_rope, lambda x, pos, base=10000.0: x * 0 + positions.rotate_half(x), r"called llmcourse\.engine\.positions"),
     (check_rope, lambda x, pos, base=10000.0: sys.modules["transformers.models.llama.modeling_llama"]
      .apply_rotary_pos_emb(x, x, *positions.rope_cos_sin(pos, x.shape[-1], base, x.dtype))[0],
-     r"called (transformers|llmcourse\.positions)"),
+     r"called (transformers|llmcourse\.engine\.positions)"),
 ]
 
 

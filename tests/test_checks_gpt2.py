@@ -734,19 +734,19 @@ BLACK_BOXES = [
      r"called torch.ops.aten.native_layer_norm"),
     (check_layer_norm, lambda x, w, b, eps: F.group_norm(x.reshape(-1, 1, x.shape[-1]), 1, eps=eps).reshape(x.shape) * w + b,
      r"called torch.*group_norm"),
-    (check_layer_norm, lambda x, w, b, eps: parts.layer_norm(x, w, b, eps), r"called llmcourse\.parts\.layer_norm"),
+    (check_layer_norm, lambda x, w, b, eps: parts.layer_norm(x, w, b, eps), r"called llmcourse\.engine\.parts\.layer_norm"),
     (check_gelu, lambda x: F.gelu(x, approximate="tanh"), r"called torch.*gelu"),
     (check_gelu, lambda x: torch.nn.GELU("tanh")(x), r"called torch.*gelu"),
     (check_gelu, lambda x: torch.ops.aten.gelu(x, approximate="tanh"), r"called torch.ops.aten.gelu"),
-    (check_gelu, lambda x: parts.gelu(x), r"called llmcourse\.parts\.gelu"),
-    (check_linear, lambda x, w, b: parts.linear(x, w, b), r"called llmcourse\.parts\.linear"),
+    (check_gelu, lambda x: parts.gelu(x), r"called llmcourse\.engine\.parts\.gelu"),
+    (check_linear, lambda x, w, b: parts.linear(x, w, b), r"called llmcourse\.engine\.parts\.linear"),
     (check_mlp, lambda x, w1, b1, w2, b2: parts.linear(parts.gelu(parts.linear(x, w1, b1)), w2, b2),
-     r"called llmcourse\.parts\.(linear|gelu)"),
-    (check_block, lambda x, w, n_head, eps=1e-5: reference_block(x, w, n_head, eps), r"called llmcourse\.(parts|checks)"),
+     r"called llmcourse\.engine\.parts\.(linear|gelu)"),
+    (check_block, lambda x, w, n_head, eps=1e-5: reference_block(x, w, n_head, eps), r"called llmcourse\.(engine\.parts|checks)"),
     (check_gpt2_forward, lambda sd, ids, n_head, eps=1e-5: reference_forward(sd, ids, n_head, eps),
-     r"called llmcourse\.(model\.GPT2|checks\.gpt2\.reference_forward)"),
+     r"called llmcourse\.(engine\.model\.GPT2|checks\.gpt2\.reference_forward)"),
     (check_load_gpt2_checkpoint, lambda folder: (llmcourse.load_model(folder).state_dict(), json.loads(
-        (Path(folder) / "config.json").read_text())), r"called llmcourse\.loading\.load_model"),
+        (Path(folder) / "config.json").read_text())), r"called llmcourse\.engine\.loading\.load_model"),
 ]
 
 
@@ -901,6 +901,6 @@ def test_a_part_that_fails_only_in_the_engine_is_caught_there_and_the_model_is_n
         return gelu(x).float() if x.shape[-1] == 64 and x.dim() == 3 and x.shape[0] == 3 else gelu(x)  # 4C of the model
 
     with pytest.raises(CheckFailed, match=r"model = <tiny GPT-2: 2 layers, n_embd 16, float16[^\n]*>; model\.parts = "
-                                          r"Parts\.with_overrides\(gelu=gelu\)[\s\S]*part 'gelu'") as caught:
+                                          r"guarded\(Parts, gelu=gelu\)[\s\S]*part 'gelu'") as caught:
         check_gelu(gelu_upcasting_in_the_engine)
     assert "Affine" not in str(caught.value) and "ModuleList" not in str(caught.value)

@@ -156,7 +156,7 @@ def swallows_the_black_box_error(logits, k):
         (sorts_in_place, r"changed its input `logits`"),
         (topk_alias, r"called torch\.topk, the black box"),
         (topk_through_aten, r"called torch\.ops\.aten\.topk \(that is torch\.topk\)"),
-        (engine_alias, r"called llmcourse\.sampling\.top_k_next_tokens, the black box"),
+        (engine_alias, r"called llmcourse\.engine\.sampling\.top_k_next_tokens, the black box"),
         (swallows_the_black_box_error, r"called torch\.Tensor\.topk"),
     ],
 )

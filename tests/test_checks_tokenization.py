@@ -711,12 +711,12 @@ BLACK_BOXES = [
     (check_decode, lambda ids, vocab: TOKENIZER.decode(ids), r"called tiktoken\.core\.Encoding\.decode\b"),
     (check_decode, lambda ids, vocab: TOKENIZER.decode_bytes(ids).decode("utf-8", "replace"),
      r"called tiktoken\.core\.Encoding\.decode_bytes"),
-    (check_merge, lambda ids, pair, new_id: bpe.merge(ids, pair, new_id), r"called llmcourse\.bpe\.merge"),
-    (check_merge, lambda ids, pair, new_id: engine_merge_imported_early(ids, pair, new_id), r"called llmcourse\.bpe\.merge"),
-    (check_train_bpe, lambda text, n: bpe.train_bpe(text, n), r"called llmcourse\.bpe\.train_bpe"),
-    (check_bytes_to_unicode, lambda: dict(engine_table_imported_early()), r"called llmcourse\.tokenizer\.bytes_to_unicode"),
+    (check_merge, lambda ids, pair, new_id: bpe.merge(ids, pair, new_id), r"called llmcourse\.course\.bpe\.merge"),
+    (check_merge, lambda ids, pair, new_id: engine_merge_imported_early(ids, pair, new_id), r"called llmcourse\.course\.bpe\.merge"),
+    (check_train_bpe, lambda text, n: bpe.train_bpe(text, n), r"called llmcourse\.course\.bpe\.train_bpe"),
+    (check_bytes_to_unicode, lambda: dict(engine_table_imported_early()), r"called llmcourse\.engine\.tokenizer\.bytes_to_unicode"),
     (check_bpe_encode_chunk, lambda chunk, ranks: bpe.encode(chunk.decode("utf-8", "replace")),
-     r"called llmcourse\.bpe\.encode"),
+     r"called llmcourse\.course\.bpe\.encode"),
     (check_bytes_to_unicode, lambda: dict(zip(range(256), tokenizers_byte_level().alphabet())),
      r"called ByteLevel\.alphabet \(part of tokenizers\)"),
     (check_stream_decoder, DecodeStreamDecoder, r"called DecodeStream\.step \(part of tokenizers\)"),
@@ -725,8 +725,8 @@ BLACK_BOXES = [
     (check_stream_decoder, LookupStreamDecoder, r"called codecs\.BufferedIncrementalDecoder"),
     (check_stream_decoder, EncodingsStreamDecoder, r"called codecs\.BufferedIncrementalDecoder"),
     (check_stream_decoder, RawCodecStreamDecoder, r"called codecs\.utf_8_decode"),
-    (check_stream_decoder, EngineStreamDecoder, r"called llmcourse\.tokenizer\.StreamDecoder"),
-    (check_stream_decoder, SubclassedEngineStreamDecoder, r"called llmcourse\.tokenizer\.StreamDecoder\.__init__"),
+    (check_stream_decoder, EngineStreamDecoder, r"called llmcourse\.engine\.tokenizer\.StreamDecoder"),
+    (check_stream_decoder, SubclassedEngineStreamDecoder, r"called llmcourse\.engine\.tokenizer\.StreamDecoder\.__init__"),
 ]
 
 

@@ -5,6 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcourse import GPT2, GPT2Config, PartError, Parts
+from llmcourse.course.guards import guarded
 from llmcourse.engine.parts import attention, attention_with_softmax
 
 from .conftest import DEVICES, hf_twin
@@ -104,15 +105,15 @@ def test_swapped_parts_give_the_same_logits(small_pair):
 
     with torch.inference_mode():
         reference = model(ids)
-        model.parts = Parts.with_overrides(gelu=my_gelu, layer_norm=my_layer_norm, softmax=counting_softmax,
-                                           embedding=lambda w, i: w[i])
+        model.parts = guarded(Parts, gelu=my_gelu, layer_norm=my_layer_norm, softmax=counting_softmax,
+                              embedding=lambda w, i: w[i])
         try:
             swapped = model(ids)
         finally:
             model.parts = Parts()
     assert len(calls) == model.config.n_layer  # the swapped-in softmax really ran, once per layer
     assert (swapped - reference).abs().max().item() < 1e-3
-    assert Parts.with_overrides(gelu=my_gelu).overridden() == ["gelu"]
+    assert guarded(Parts, gelu=my_gelu).overridden() == ["gelu"]
 
 
 def test_swapped_in_attention_reads_no_mask_as_no_mask(small_pair):
@@ -133,7 +134,7 @@ def test_swapped_in_attention_reads_no_mask_as_no_mask(small_pair):
     padding[1, :4] = 0
     with torch.inference_mode():
         reference = [model(ids), model(ids, attention_mask=padding)]
-        model.parts = Parts.with_overrides(attention=plain_attention)
+        model.parts = guarded(Parts, attention=plain_attention)
         try:
             swapped = [model(ids), model(ids, attention_mask=padding)]
         finally:
@@ -165,7 +166,7 @@ def test_written_out_attention_equals_fused():
 )
 def test_broken_parts_fail_with_a_clear_error(small_pair, part, broken, message):
     model = small_pair[0]
-    model.parts = Parts.with_overrides(**{part: broken})
+    model.parts = guarded(Parts, **{part: broken})
     try:
         with torch.inference_mode(), pytest.raises(PartError, match=message):
             model(torch.tensor([[1, 2, 3]]))
@@ -175,9 +176,9 @@ def test_broken_parts_fail_with_a_clear_error(small_pair, part, broken, message)
 
 def test_unknown_part_name_lists_the_parts():
     with pytest.raises(ValueError, match="unknown part 'gleu'.*gelu"):
-        Parts.with_overrides(gleu=my_gelu)
+        guarded(Parts, gleu=my_gelu)
     with pytest.raises(ValueError, match="must be a function"):
-        Parts.with_overrides(gelu=3)
+        guarded(Parts, gelu=3)
 
 
 @pytest.mark.parametrize("device", DEVICES)

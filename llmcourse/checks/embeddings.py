@@ -55,7 +55,7 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 # ----------------------------------------------------------------------------------------------
 # Every engine slot's check ends by running the learner's part inside the engine, installed as
-# `llmcourse.course.learner.my_engine` installs it (Parts.with_overrides), so that a part that passes its
+# `llmcourse.course.learner.my_engine` installs it (guarded(Parts, ...)), so that a part that passes its
 # check cannot then fail in the engine (an interface the cases do not reach: a keyword argument, a
 # non-contiguous view, a buffer reused between calls, a dtype).
 
@@ -77,7 +77,7 @@ def _engine_steps(model, batch: list[list[int]]) -> list[Tensor]:
     """What `generate` asks of the model: a prompt alone (position_ids and mask None), then a left-padded
     batch with a KV cache (prefill, then two decoding steps at each row's own position). The logits of
     each step, float64."""
-    from llmcourse.serving.batching import left_pad
+    from llmcourse.engine.padding import left_pad
 
     with torch.no_grad():
         steps = [model(torch.tensor([batch[0]]))[0]]  # [T, V]
@@ -114,6 +114,7 @@ def check_in_engine(name: str, fn: Callable, forbid: Sequence[Forbidden], *, hin
 
     Accuracy: the engine's float32 logits differ from float64 ones by about 1e-5; a float32 part is accepted
     within 1e-3 of the largest logit (100 times that), while a wrong part moves them by far more."""
+    from llmcourse.course.guards import guarded
     from llmcourse.engine.parts import Parts
     from llmcourse.engine.slots import PartError
 
@@ -123,7 +124,7 @@ def check_in_engine(name: str, fn: Callable, forbid: Sequence[Forbidden], *, hin
 
     def run():
         saved = model.parts
-        model.parts = Parts.with_overrides(**{name: fn})
+        model.parts = guarded(Parts, **{name: fn})
         try:
             return _engine_steps(model, batch)
         except PartError as err:

@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from llmcourse.course.guards import guarded
 from llmcourse.engine import parts as P
 from llmcourse.engine.parts import Parts
 from llmcourse.engine.config import GPT2Config
@@ -47,7 +48,7 @@ from .harness.tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_a
 # Black boxes
 
 _OWN = "Write it yourself with tensor operations (+, *, @, mean, sqrt, tanh, ...)."
-ENGINE_PARTS = [Forbidden(f"llmcourse.parts.{name}", "The engine's version is the black box here: use your own "
+ENGINE_PARTS = [Forbidden(f"llmcourse.engine.parts.{name}", "The engine's version is the black box here: use your own "
                           f"`{name}` from this chapter.") for name in ("layer_norm", "gelu", "linear")]
 NO_LAYER_NORM = [
     Forbidden("torch.nn.functional.layer_norm", f"F.layer_norm is the black box this exercise opens. {_OWN}"),
@@ -158,7 +159,7 @@ def accuracy_judge(accuracy: Accuracy, contract: str, mistakes: Sequence[tuple[C
 
 
 # ----------------------------------------------------------------------------------------------
-# The learner's part inside the engine (the way `llmcourse.my_engine` installs it)
+# The learner's part inside the engine (the way `llmcourse.course.learner.my_engine` installs it)
 
 ENGINE_K = 16  # a whole model's logits: within 16·√C units of rounding of the largest |logit|
 ENGINE_CONTRACT = ("the logits of a model may be off by 16·√C units of rounding of the input's dtype (C = n_embd) "
@@ -167,7 +168,7 @@ ENGINE_CONTRACT = ("the logits of a model may be off by 16·√C units of roundi
 
 class EngineRun:
     """A tiny GPT-2 (non-default weights everywhere) that runs with the learner's part in its slot:
-    `model.parts = Parts.with_overrides(part=fn)`, then `model(input_ids)` or `model(input_ids, last_only=True)`
+    `model.parts = guarded(Parts, part=fn)`, then `model(input_ids)` or `model(input_ids, last_only=True)`
     (which gives `ln_f` the non-contiguous view x[:, -1:]). Prints as a short description, never the model."""
 
     def __init__(self, part: str, dtype: torch.dtype, seed: int, *, last_only: bool = False, eps: float = 1e-5):
@@ -192,7 +193,7 @@ class EngineRun:
 
     def show(self) -> str:
         call = "model(input_ids, last_only=True)" if self.last_only else "model(input_ids)"
-        return (f"model = {self!r}; model.parts = Parts.with_overrides({self.part}={self.part}); {call} "
+        return (f"model = {self!r}; model.parts = guarded(Parts, {self.part}={self.part}); {call} "
                 f"with input_ids {_desc(self.ids)}")
 
 
@@ -229,7 +230,7 @@ def with_engine_runs(fn: Callable, accuracy: Accuracy, contract: str,
         if args and isinstance(args[0], EngineRun):
             engine = args[0]
             model, before = engine.model, engine.model.parts
-            model.parts = Parts.with_overrides(**{engine.part: fn})
+            model.parts = guarded(Parts, **{engine.part: fn})
             try:
                 with torch.no_grad():
                     return model(engine.ids, last_only=engine.last_only)

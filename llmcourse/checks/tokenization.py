@@ -45,7 +45,7 @@ NO_LIBRARIES = [
 
 
 def _engine(*names: str, instead: str) -> list[Forbidden]:
-    return [Forbidden(f"llmcourse.bpe.{name}", instead) for name in names]
+    return [Forbidden(f"llmcourse.course.bpe.{name}", instead) for name in names]
 
 
 # ----------------------------------------------------------------------------------------------
