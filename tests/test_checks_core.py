@@ -648,3 +648,24 @@ def test_the_randomness_contract_rejects_what_breaks_it(sampler, message):
     with pytest.raises(CheckFailed, match=message):
         generator_contract("sample", _draws(sampler))
     assert torch.equal(torch.random.get_rng_state(), state)  # the contract's own draws leave it as it was
+
+
+def test_every_forbidden_name_of_the_package_resolves():
+    """A rule naming an llmcourse function that does not exist (a module moved, a typo) would forbid nothing: the
+    checks' rules all compile, and such a rule is refused."""
+    import importlib
+    import pkgutil
+
+    from llmcourse import checks
+    from llmcourse.checks.harness import forbid
+
+    rules = []
+    for info in pkgutil.iter_modules(checks.__path__):
+        module = importlib.import_module(f"llmcourse.checks.{info.name}")
+        for value in vars(module).values():
+            values = value if isinstance(value, (list, tuple)) else [value]
+            rules += [v for v in values if isinstance(v, Forbidden) and v.target.startswith("llmcourse.")]
+    assert len(rules) > 20
+    forbid._compile(rules)  # raises on a name that resolves to nothing
+    with pytest.raises(ValueError, match=r"Forbidden\('llmcourse.parts.softmax'\) names nothing in llmcourse"):
+        forbid._compile([Forbidden("llmcourse.parts.softmax", "moved")])

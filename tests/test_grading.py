@@ -1,4 +1,4 @@
-"""The course's nbgrader pieces (llmcourse.grading) one by one.
+"""The course's nbgrader pieces (llmcourse.course.grading) one by one.
 
 The whole round trip — release, autograde, feedback, export, as instructor.md says — is
 tests/test_instructor_guide.py for chapter 01; every other chapter is graded end to end here too.

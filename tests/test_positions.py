@@ -1,4 +1,4 @@
-"""llmcourse.positions against independent references: transformers' Llama rotary embedding and
+"""llmcourse.engine.positions against independent references: transformers' Llama rotary embedding and
 `apply_rotary_pos_emb`, the formula of *Attention Is All You Need* written out entry by entry, and
 the property RoPE exists for (q·k depends only on the distance between the positions)."""
 

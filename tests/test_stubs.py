@@ -1,5 +1,5 @@
 """A demo cell that calls an exercise still a stub says so in one line (issue 22: a bare 20-line
-NotImplementedError traceback). `import llmcourse` inside IPython installs it (llmcourse.stubs)."""
+NotImplementedError traceback). `import llmcourse` inside IPython installs it (llmcourse.course.stubs)."""
 
 import nbformat
 from nbclient import NotebookClient

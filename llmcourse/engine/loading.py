@@ -35,7 +35,7 @@ from . import quantize as quantization
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 MODELS_DIR = Path(__file__).parents[1] / "models"
-BUNDLED = ("gpt2-shakespeare", "gpt2-shakespeare-draft")  # trained by llmcourse.train, shipped in MODELS_DIR
+BUNDLED = ("gpt2-shakespeare", "gpt2-shakespeare-draft")  # trained by llmcourse.training.train, shipped in MODELS_DIR
 DEFAULT_MODEL = "gpt2-shakespeare"
 HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -227,8 +227,11 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
         try:
             owner, name = _resolve(target)
             obj = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
-        except (ValueError, AttributeError, ImportError):
-            continue  # not installed: nothing to call
+        except (ValueError, AttributeError, ImportError) as err:
+            if target.split(".")[0] == "llmcourse":  # the package's own: a name that resolves to nothing is a bug
+                raise ValueError(f"Forbidden({target!r}) names nothing in llmcourse ({err}): the rule would "
+                                 "forbid nothing") from err
+            continue  # a library that is not installed: nothing to call
         if isinstance(obj, type):
             _add_class(rules, obj, rule)
         else:

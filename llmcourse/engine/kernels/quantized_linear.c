@@ -1,10 +1,10 @@
 /* int4 x int8 and int8 x int8 matrix-vector products for the CPU (x86-64 with AVX2, F16C and FMA), called by
-   llmcourse.cpu_kernels.
+   llmcourse.engine.cpu_kernels.
 
    Weights: llmcourse's int4 format (Q4_0-style): rows of K values in groups of 32, two 4-bit two's-complement
    values per byte (value 2j in the low nibble of byte j), one float16 scale per group.
    Activations: each row quantized to int8 with its own scale (absmax / 127), exactly as
-   llmcourse.quantize.quantize_int8 does, and laid out in the order the nibbles come out of the weights' bytes:
+   llmcourse.engine.quantize.quantize_int8 does, and laid out in the order the nibbles come out of the weights' bytes:
    for each pair of groups (2p, 2p + 1), 32 bytes of packed weights hold group 2p's 16 bytes then group 2p + 1's,
    so the activations are stored as the 16 even-indexed values of group 2p, the 16 even-indexed of 2p + 1 (the
    low nibbles), then the 16 odd-indexed of 2p and of 2p + 1 (the high nibbles). A last unpaired group is
