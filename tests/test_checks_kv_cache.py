@@ -285,7 +285,7 @@ KV_CACHE_MISTAKES = [
     (Float32Cache, r"has dtype torch\.float32, expected torch\.float64"),
     (NoBatchCache, r"has shape \(1, 3, 7, 4\), expected .* \(2, 3, 7, 4\)"),
     (OffByOneCache, r"returned keys of shape \(1, 2, 2, 4\), expected \(1, 2, 3, 4\)"),
-    (EngineSubclass, r"llmcourse\.model\.KVCache.*write your own"),
+    (EngineSubclass, r"llmcourse\.engine\.model\.KVCache.*write your own"),
     (TupleLayersCache, r"cache\.k is a tuple: make it a list"),
     (ListReturnCache, r"returned a list \[keys, values\], expected a tuple"),
     (FlatViewCache, r"view size is not compatible.*hint: k and v are views split from the qkv projection"),

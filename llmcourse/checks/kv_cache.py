@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import numbers
 import random
@@ -88,7 +89,7 @@ def _randn(g: torch.Generator, *shape: int, dtype=torch.float32) -> Tensor:
 # with k and v as the model passes them (views of the attention's qkv projection, split into heads: not
 # contiguous), then advances cache.length by T; a step may also set cache.length back (speculative decoding
 # rolls a cache back past rejected tokens). The check ends with the engine's generation running the learner's
-# class exactly as `my_engine` installs it (`GuardedCache.of(cls)` in `model.cache_class`).
+# class exactly as `my_engine` installs it (`guard("KVCache", cls)`, passed to `generate` as `kv_cache`).
 
 
 @dataclasses.dataclass
@@ -358,32 +359,38 @@ def _cache_engine_calls(seed: int) -> tuple:
     return CACHE_ENGINE_RUNS[seed]
 
 
-def _generations(model: GPT2, calls: list, cache_class) -> Any:
-    """Every call's tokens with `cache_class` installed in the model; a PartError of the engine's guard as text."""
+def _generations(model: GPT2, calls: list, kv_cache) -> Any:
+    """Every call's tokens generated with `kv_cache` (generate's `kv_cache=`, the target's caches), the draft model's
+    caches of the same class; a PartError of the engine's guard as text."""
     from llmcourse.engine.generate import generate
     from llmcourse.engine.slots import PartError
 
-    models = [model] + [settings["draft"] for _, _, settings in calls if "draft" in settings]
-    before = [m.cache_class for m in models]
-    for m in models:  # the draft model too: the engine's own cache is the black box of this check
-        m.cache_class = cache_class
+    drafts = [settings["draft"] for _, _, settings in calls if "draft" in settings]
+    for m in drafts:  # the draft model too: the engine's own cache is the black box of this check
+        m.new_cache = functools.partial(_draft_cache, m, kv_cache)
     try:
         with one_thread():
-            return [generate(model, prompt, eos_token_id=None, **settings) for _, prompt, settings in calls]
+            return [generate(model, prompt, eos_token_id=None, kv_cache=kv_cache, **settings)
+                    for _, prompt, settings in calls]
     except PartError as err:
         return f"{err}".split("\n  hint:")[0]
     finally:
-        for m, cls in zip(models, before):
-            m.cache_class = cls
+        for m in drafts:
+            del m.new_cache
+
+
+def _draft_cache(draft: GPT2, kv_cache, batch_size: int, max_len=None, *, cache_class=None):
+    """The draft model's `new_cache` in the check's generations: a cache of `kv_cache`, as the target's."""
+    return GPT2.new_cache(draft, batch_size, max_len, cache_class=cache_class or kv_cache)
 
 
 def _run_in_engine(cls, seed: int) -> Any:
-    """The engine's generations with `cls` installed as `my_engine` installs it: GuardedCache.of(cls) (in the target
-    and the draft model)."""
-    from llmcourse.engine.parts import GuardedCache
+    """The engine's generations with `cls` installed as `my_engine` installs it: generate(..., kv_cache=guard("KVCache",
+    cls))."""
+    from llmcourse.course.guards import guard
 
     model, calls = _cache_engine_calls(seed)
-    return _generations(model, calls, GuardedCache.of(cls))
+    return _generations(model, calls, guard("KVCache", cls))
 
 
 def _engine_tokens(seed: int) -> list:
@@ -446,14 +453,14 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
         dtype = (f32, f64, f16, bf16)[i % 4]
         cases.append(case(f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
                           f"{str(dtype)[6:]}, T = {chunks}", config, rng.randint(1, 3), max_len, chunks, dtype))
-    cases.append(Case("the engine's generation with your KVCache, as my_engine installs it (GuardedCache): greedy, "
+    cases.append(Case("the engine's generation with your KVCache, as my_engine installs it (guarded): greedy, "
                       "a left-padded batch, beam search, speculative decoding",
                       ("engine", seed), later(_engine_tokens, seed)))
 
     def show(args: tuple) -> str:
         if args[0] == "engine":
             calls = _cache_engine_calls(args[1])[1]
-            return ("model.cache_class = GuardedCache.of(KVCache); llmcourse.generate(tiny random model, ...) for: "
+            return ("llmcourse.generate(tiny random model, ..., kv_cache=guard(\"KVCache\", KVCache)) for: "
                     + "; ".join(d for d, _, _ in calls))
         _, specs, steps, defaults = args
         made = "; ".join(

@@ -46,7 +46,7 @@ from .harness.tensors import diagnose, same_answer, tensor_judge, tensor_problem
 
 ENGINE = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "process_logits", "next_token",
           "greedy", "sample")
-NO_ENGINE = [Forbidden(f"llmcourse.sampling.{name}", "The engine's version is the black box here: write your own "
+NO_ENGINE = [Forbidden(f"llmcourse.engine.sampling.{name}", "The engine's version is the black box here: write your own "
                        "(and use your own functions from this chapter).")
              for name in ENGINE if hasattr(S, name)]
 NO_LIBRARIES = [
@@ -184,7 +184,7 @@ def real_logits(seed: int = 0) -> tuple[Tensor, Tensor]:
 
 # ----------------------------------------------------------------------------------------------
 # In the engine: a slot's check ends by generating with the learner's function installed as `my_engine`
-# installs it (`Sampler.with_overrides`), on the bundled GPT-2
+# installs it (`guarded(Sampler, name=fn)`, passed to `generate`), on the bundled GPT-2
 
 
 def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Callable[[Case, Any], Verdict]] = None,
@@ -193,6 +193,7 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     installs it, for each of `runs` (`generate`'s settings; 'batch': False for one prompt instead of two): it must
     not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
     `judge` against `reference` on the same arguments (computed after the generation)."""
+    from llmcourse.course.guards import guarded
     from llmcourse.engine.generate import generate
     from llmcourse.engine.slots import PartError
     from llmcourse.engine.sampling import Sampler
@@ -210,12 +211,12 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     tokenizer = get_tokenizer()
     prompts = [tokenizer.encode(PROMPT), tokenizer.encode("JULIET:\nO")]
     limit = time_limit(seconds)
-    model.sampler = Sampler.with_overrides(**{name: recorded})
+    sampler = guarded(Sampler, **{name: recorded})
     try:
         with limit:
             for run in map(dict, runs):
                 generate(model, prompts if run.pop("batch", True) else prompts[0], max_new_tokens=4, eos_token_id=None,
-                         **run)
+                         sampler=sampler, **run)
     except (TimeUp, KeyboardInterrupt):
         raise
     except BaseException as err:
@@ -226,8 +227,6 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
         lines = text.split("\n")
         raise CheckFailed(f"✗ {name} in the engine (the bundled GPT-2 generating with your {name}, as my_engine() "
                           f"will): {lines[0]}" + "".join(f"\n  {line.strip()}" for line in lines[1:3])) from None
-    finally:
-        model.sampler = Sampler()
     if judge is None:
         return
     for i, (args, got) in enumerate(calls):
