@@ -24,6 +24,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.engine import parts
 from .harness.bundled import bundled_model
@@ -807,8 +808,6 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
     hold more than one block of scores for all queries ([B, H, Tq, block_size]) or a copy of k or v; the
     whole [Tq, Tk] score matrix (or one query block against all keys) is refused. Every tensor torch makes
     during the call is seen (a dispatch mode); work in numpy is not."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     B, H, Tq, Tk, D, block = 1, 2, 256, 384, 16, 32
     g = torch.Generator().manual_seed(22)
     q, k, v = _qkv(g, B, H, Tq, Tk, D)

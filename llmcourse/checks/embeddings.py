@@ -27,6 +27,10 @@ from .harness.core import later, Case, call_learner, failure, run_check
 from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.tensors import Mistake, tensor_judge
+from llmcourse.engine.padding import left_pad
+from llmcourse.course.guards import guarded
+from llmcourse.engine.parts import Parts
+from llmcourse.engine.slots import PartError
 
 LOOK_IT_UP = "Index the rows yourself: weight[ids] picks row ids[b, t] for every position."
 NO_EMBEDDING = [
@@ -77,7 +81,6 @@ def _engine_steps(model, batch: list[list[int]]) -> list[Tensor]:
     """What `generate` asks of the model: a prompt alone (position_ids and mask None), then a left-padded
     batch with a KV cache (prefill, then two decoding steps at each row's own position). The logits of
     each step, float64."""
-    from llmcourse.engine.padding import left_pad
 
     with torch.no_grad():
         steps = [model(torch.tensor([batch[0]]))[0]]  # [T, V]
@@ -114,9 +117,6 @@ def check_in_engine(name: str, fn: Callable, forbid: Sequence[Forbidden], *, hin
 
     Accuracy: the engine's float32 logits differ from float64 ones by about 1e-5; a float32 part is accepted
     within 1e-3 of the largest logit (100 times that), while a wrong part moves them by far more."""
-    from llmcourse.course.guards import guarded
-    from llmcourse.engine.parts import Parts
-    from llmcourse.engine.slots import PartError
 
     expected, batch, model = _engine_expected(), _engine_batch(), _engine_model()
     tolerance = 1e-3 * max(float(t.abs().max()) for t in expected)

@@ -43,6 +43,9 @@ from .harness.core import Case, Verdict, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
 from .harness.show import distinct, short
 from .harness.tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_answer, tensor_problem
+from safetensors.torch import save_file
+import warnings
+from llmcourse.engine.loading import check_weights, read_weights
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -1087,7 +1090,7 @@ def check_gpt2_forward(fn, *, seed: int = 0, n_random: int = 2, gpt2_124m: bool 
 
 def hf_logits(state_dict: dict, input_ids: Tensor, n_head: int, eps: float = 1e-5) -> Tensor:
     """Logits of transformers' GPT2LMHeadModel with these weights (the engine's key names)."""
-    import transformers
+    import transformers  # heavy (seconds to import): only for the hidden comparison with transformers
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -1129,7 +1132,6 @@ def _also_transformers(judge: Callable[[Case, Any], Verdict]) -> Callable[[Case,
 
 
 def _save(folder: Path, config: GPT2Config, tensors: dict[str, Tensor]) -> Path:
-    from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     config.to_json(folder / "config.json")
@@ -1140,9 +1142,7 @@ def _save(folder: Path, config: GPT2Config, tensors: dict[str, Tensor]) -> Path:
 
 def _hf_save_pretrained(folder: Path, state_dict: dict, config: GPT2Config) -> Path:
     """What transformers' save_pretrained writes for these weights."""
-    import warnings
-
-    import transformers
+    import transformers  # heavy (seconds to import): only for the hidden comparison with transformers
     from transformers.utils import logging
 
     logging.set_verbosity_error()
@@ -1196,7 +1196,6 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
 
 def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
     """(state dict with the engine's key names, config.json as a dict): what the engine's loader reads."""
-    from llmcourse.engine.loading import check_weights, read_weights
 
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))

@@ -34,7 +34,10 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from llmcourse.course.guards import guard
 from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.generate import generate
+from llmcourse.engine.slots import PartError
 from llmcourse.engine.model import GPT2, KVCache as EngineKVCache
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, equal, later, run_check
@@ -42,6 +45,7 @@ from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import in_float64, tensor_judge, tensor_problem
+from llmcourse.engine.tokenizer import get_tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -360,35 +364,19 @@ def _cache_engine_calls(seed: int) -> tuple:
 
 
 def _generations(model: GPT2, calls: list, kv_cache) -> Any:
-    """Every call's tokens generated with `kv_cache` (generate's `kv_cache=`, the target's caches), the draft model's
-    caches of the same class; a PartError of the engine's guard as text."""
-    from llmcourse.engine.generate import generate
-    from llmcourse.engine.slots import PartError
-
-    drafts = [settings["draft"] for _, _, settings in calls if "draft" in settings]
-    for m in drafts:  # the draft model too: the engine's own cache is the black box of this check
-        m.new_cache = functools.partial(_draft_cache, m, kv_cache)
+    """Every call's tokens generated with `kv_cache` (generate's `kv_cache=`: the target's and the draft's caches);
+    a PartError of the engine's guard as text."""
     try:
         with one_thread():
             return [generate(model, prompt, eos_token_id=None, kv_cache=kv_cache, **settings)
                     for _, prompt, settings in calls]
     except PartError as err:
         return f"{err}".split("\n  hint:")[0]
-    finally:
-        for m in drafts:
-            del m.new_cache
-
-
-def _draft_cache(draft: GPT2, kv_cache, batch_size: int, max_len=None, *, cache_class=None):
-    """The draft model's `new_cache` in the check's generations: a cache of `kv_cache`, as the target's."""
-    return GPT2.new_cache(draft, batch_size, max_len, cache_class=cache_class or kv_cache)
 
 
 def _run_in_engine(cls, seed: int) -> Any:
     """The engine's generations with `cls` installed as `my_engine` installs it: generate(..., kv_cache=guard("KVCache",
     cls))."""
-    from llmcourse.course.guards import guard
-
     model, calls = _cache_engine_calls(seed)
     return _generations(model, calls, guard("KVCache", cls))
 
@@ -800,7 +788,6 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
         cases.append(case(f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt", model,
                           [rng.randrange(V) for _ in range(P)], rng.randint(1, 64 - P)))
     if bundled:
-        from llmcourse.engine.tokenizer import get_tokenizer
 
         cases.append(case("the bundled model, 'ROMEO:'", bundled_model(), get_tokenizer().encode("ROMEO:"), 20))
 

@@ -40,6 +40,12 @@ from .harness.forbid import Forbidden
 from llmcourse.course.limits import TimeUp, time_limit
 from .harness.show import short
 from .harness.tensors import diagnose, same_answer, tensor_judge, tensor_problem
+from llmcourse.course.guards import guarded
+from llmcourse.engine.generate import generate
+from llmcourse.engine.slots import PartError
+from llmcourse.engine.sampling import Sampler
+from .harness.core import call_learner
+from .harness.randomness import generator_contract
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
@@ -193,10 +199,6 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     installs it, for each of `runs` (`generate`'s settings; 'batch': False for one prompt instead of two): it must
     not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
     `judge` against `reference` on the same arguments (computed after the generation)."""
-    from llmcourse.course.guards import guarded
-    from llmcourse.engine.generate import generate
-    from llmcourse.engine.slots import PartError
-    from llmcourse.engine.sampling import Sampler
 
     calls: list[tuple[tuple, Any]] = []
 
@@ -753,7 +755,6 @@ def _draws_judge(n_draws: int, extra_hint: Callable[[Any, tuple], str] = lambda 
 def _same_generator_same_tokens(name: str, fn, make_args: Callable[[torch.Generator], tuple], forbid) -> None:
     """The learner's sampler must draw from the generator it is given: equal seeds, equal tokens;
     different seeds, different tokens."""
-    from .harness.core import call_learner
 
     def draw(seed):
         return call_learner(name, fn, make_args(torch.Generator().manual_seed(seed)), forbid=forbid, seconds=5.0,
@@ -815,7 +816,6 @@ def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator],
 
 def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """sample(logits [B, V], generator) -> token ids [B] long, drawn from softmax(logits)."""
-    from .harness.randomness import generator_contract
 
     base = [("probabilities .5 .3 .2", torch.tensor([[0.5, 0.3, 0.2]]).log(), ""),
             ("removed tokens (-inf)", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]), ""),
@@ -957,7 +957,6 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             return None if problem is None else (problem, "")
         return draws(case, got)
 
-    from .harness.randomness import generator_contract
 
     last: dict = {}
 

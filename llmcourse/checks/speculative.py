@@ -47,8 +47,9 @@ from .harness.forbid import Forbidden
 from .kv_cache import decisive_model, one_thread
 from .sampling import _chi2_limit
 from .harness.show import short
+from llmcourse.engine.tokenizer import get_tokenizer
 
-NO_ENGINE = Forbidden("llmcourse.engine.speculative", "llmcourse.speculative is the engine's speculative decoding, what "
+NO_ENGINE = Forbidden("llmcourse.engine.speculative", "llmcourse.engine.speculative is the engine's speculative decoding, what "
                                                "yours is compared with: write your own")
 
 
@@ -1203,7 +1204,6 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         pairs.append(tiny(10 + i, f"random #{i}: k = {k}", lambda t, i=i: noisy_copy(t, seed + 10 + i, rng.random() / 4),
                           rng.randint(1, 20), rng.randint(10, 30), k))
     if bundled:
-        from llmcourse.engine.tokenizer import get_tokenizer
 
         def make():
             target, draft = bundled_pair()

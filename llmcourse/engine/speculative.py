@@ -322,8 +322,8 @@ def speculative_steps(target, draft, prompt: list[int], settings: SamplingParams
                       speculation: Optional["Speculation"] = None, sampler: Optional[Sampler] = None,
                       kv_cache: Optional[Callable] = None) -> Iterator[int]:
     """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup'),
-    with `speculation`'s functions, `sampler`'s processors and target caches of class `kv_cache` (each the
-    engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
+    with `speculation`'s functions, `sampler`'s processors and caches (target's and draft's) of class `kv_cache`
+    (each the engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
     exactly where plain decoding ends."""
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter() - stats.seconds  # a batch's prompts add up
@@ -341,7 +341,7 @@ def speculative_steps(target, draft, prompt: list[int], settings: SamplingParams
     if draft == PROMPT_LOOKUP:
         proposer = PromptLookup(spec.prompt_lookup_draft, target.config.vocab_size, device)
     else:
-        proposer = DraftModel(draft, draft.new_cache(1, len(prompt) + max_new_tokens))
+        proposer = DraftModel(draft, draft.new_cache(1, len(prompt) + max_new_tokens, cache_class=kv_cache))
     # The engine's own greedy round is `draft_verify` itself (which also reports the proposals).
     learners_round = ("speculative_round" in spec.overridden() and isinstance(proposer, DraftModel)
                       and settings.greedy and seen is None)
