@@ -9,7 +9,9 @@ import os
 # the kernels and commands it starts (OMP_NUM_THREADS is inherited), or torch's threads, which spin
 # while they wait, fight over the same cores. Set before torch is imported.
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+    )
 
 import pytest  # noqa: E402
 

@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[1]
 STATIC = Path(__file__).resolve().parent / "static"
-DOWNLOADS = "downloads"                    # folder of the HTML output that holds the reader's downloads
+DOWNLOADS = "downloads"  # folder of the HTML output that holds the reader's downloads
 CHAPTERS_ZIP = "llmcourse-chapters.zip"
 PLOTLY_JS = "plotly.min.js"
 
@@ -96,8 +96,10 @@ def _patch_myst_nb() -> None:
     from myst_nb.core import render
 
     if not hasattr(render, "coalesce_streams"):
-        raise ExtensionError("llmcourse_book: myst_nb.core.render.coalesce_streams is gone; "
-                             "check how this myst-nb version merges stream outputs")
+        raise ExtensionError(
+            "llmcourse_book: myst_nb.core.render.coalesce_streams is gone; "
+            "check how this myst-nb version merges stream outputs"
+        )
     render.coalesce_streams = coalesce_streams
 
 
@@ -128,11 +130,28 @@ def build_wheel(dest: Path) -> Path:
         src.mkdir()
         for name in ["pyproject.toml", "README.md"]:
             shutil.copy2(ROOT / name, src / name)
-        shutil.copytree(ROOT / "llmcourse", src / "llmcourse",
-                        ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints"))
-        done = subprocess.run([sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation",
-                               "--no-index", "--quiet", "--wheel-dir", str(Path(tmp) / "wheels")],
-                              capture_output=True, text=True)
+        shutil.copytree(
+            ROOT / "llmcourse",
+            src / "llmcourse",
+            ignore=shutil.ignore_patterns("__pycache__", "*.pyc", ".ipynb_checkpoints"),
+        )
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "wheel",
+                str(src),
+                "--no-deps",
+                "--no-build-isolation",
+                "--no-index",
+                "--quiet",
+                "--wheel-dir",
+                str(Path(tmp) / "wheels"),
+            ],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             raise ExtensionError(f"llmcourse_book: building the llmcourse wheel failed:\n{done.stdout}\n{done.stderr}")
         (wheel,) = (Path(tmp) / "wheels").glob("llmcourse-*.whl")
@@ -152,8 +171,11 @@ def _on_build_finished(app: Sphinx, exception) -> None:
         served = outdir / "_sources" / (docname + ".ipynb")
         release = release_notebook(docname)
         if release is None or not release.is_file():
-            logger.warning(f"{docname}: no exercise notebook to offer for download (expected {release}); "
-                           "run `python -m llmcourse release`", location=docname)
+            logger.warning(
+                f"{docname}: no exercise notebook to offer for download (expected {release}); "
+                "run `python -m llmcourse release`",
+                location=docname,
+            )
             served.unlink(missing_ok=True)
         elif served.exists():
             shutil.copyfile(release, served)

@@ -1,9 +1,9 @@
 """llmcourse: a GPT-2 inference engine built from parts that learners write themselves.
 
-    >>> import llmcourse
-    >>> tok = llmcourse.get_tokenizer()
-    >>> model = llmcourse.load_model("path/to/gpt2-folder")             # doctest: +SKIP
-    >>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
+>>> import llmcourse
+>>> tok = llmcourse.get_tokenizer()
+>>> model = llmcourse.load_model("path/to/gpt2-folder")             # doctest: +SKIP
+>>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
 """
 
 from .course import stubs as _stubs

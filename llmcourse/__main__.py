@@ -1,13 +1,13 @@
 """Command line.
 
-    $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
-    $ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
-    $ python -m llmcourse progress [PATH]            # a learner's dashboard
-    $ python -m llmcourse release                    # regenerate chapters/ from solutions/
-    $ python -m llmcourse bench                      # engine vs transformers vs the roofline
-    $ python -m llmcourse bench --serving            # static batching vs LLMEngine, prefix caching
-    $ python -m llmcourse bench --speculative        # plain vs speculative decoding (draft model, prompt lookup)
-    $ python -m llmcourse bench --quantize           # float32 / int8 / int4 vs transformers and CTranslate2
+$ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
+$ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
+$ python -m llmcourse progress [PATH]            # a learner's dashboard
+$ python -m llmcourse release                    # regenerate chapters/ from solutions/
+$ python -m llmcourse bench                      # engine vs transformers vs the roofline
+$ python -m llmcourse bench --serving            # static batching vs LLMEngine, prefix caching
+$ python -m llmcourse bench --speculative        # plain vs speculative decoding (draft model, prompt lookup)
+$ python -m llmcourse bench --quantize           # float32 / int8 / int4 vs transformers and CTranslate2
 """
 
 from __future__ import annotations
@@ -39,9 +39,16 @@ TEMPERATURE = 0.8  # the command line samples by default (greedy with --num-beam
 
 # The library's keyword arguments and the flags that set them, to say errors in flag terms.
 FLAGS = {
-    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
-    "min_p": "--min-p", "repetition_penalty": "--repetition-penalty", "num_beams": "--num-beams",
-    "length_penalty": "--length-penalty", "num_draft_tokens": "--num-draft-tokens", "quantize": "--quantize",
+    "max_new_tokens": "--max-new-tokens",
+    "temperature": "--temperature",
+    "top_k": "--top-k",
+    "top_p": "--top-p",
+    "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty",
+    "num_beams": "--num-beams",
+    "length_penalty": "--length-penalty",
+    "num_draft_tokens": "--num-draft-tokens",
+    "quantize": "--quantize",
 }
 
 
@@ -67,106 +74,208 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     gen.add_argument("prompt", metavar="PROMPT", help="the text to continue")
-    gen.add_argument("--model", default="gpt2-shakespeare",
-                     help="a bundled model (gpt2-shakespeare, gpt2-shakespeare-draft), a folder with config.json + "
-                          "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache")
+    gen.add_argument(
+        "--model",
+        default="gpt2-shakespeare",
+        help="a bundled model (gpt2-shakespeare, gpt2-shakespeare-draft), a folder with config.json + "
+        "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache",
+    )
     gen.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
-    gen.add_argument("--temperature", type=float, default=argparse.SUPPRESS, metavar="T",
-                     help=f"sampling temperature; 0 = greedy (always the most likely token) (default: {TEMPERATURE:g}, "
-                          "or 0 with --num-beams > 1: beam search is greedy)")
-    gen.add_argument("--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off")
-    gen.add_argument("--top-p", type=float, default=1.0, metavar="P",
-                     help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off")
-    gen.add_argument("--min-p", type=float, default=0.0, metavar="P",
-                     help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 = off")
-    gen.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
-                     help="> 1 makes tokens already in the text less likely; 1 = off")
-    gen.add_argument("--num-beams", type=int, default=1, metavar="B",
-                     help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off")
-    gen.add_argument("--length-penalty", type=float, default=1.0, metavar="L",
-                     help="beam search: finished beams score sum(logprob) / length**L")
-    gen.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                     help="stop before this text (repeat the option for several)")
+    gen.add_argument(
+        "--temperature",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="T",
+        help=f"sampling temperature; 0 = greedy (always the most likely token) (default: {TEMPERATURE:g}, "
+        "or 0 with --num-beams > 1: beam search is greedy)",
+    )
+    gen.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off"
+    )
+    gen.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off",
+    )
+    gen.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 = off",
+    )
+    gen.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="> 1 makes tokens already in the text less likely; 1 = off",
+    )
+    gen.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        metavar="B",
+        help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
+    )
+    gen.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        metavar="L",
+        help="beam search: finished beams score sum(logprob) / length**L",
+    )
+    gen.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop before this text (repeat the option for several)",
+    )
     gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
     gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
-    gen.add_argument("--quantize", choices=["int8", "int4"], default=None,
-                     help="weights in 8 bits (a scale per output row) or 4 bits (groups of 32, Q4_0): less memory, "
-                          "faster decoding; a model folder saved quantized loads as it is")
-    gen.add_argument("--compile", action="store_true",
-                     help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
-                          "compiling takes a while before the first token")
-    gen.add_argument("--draft", metavar="MODEL", default=argparse.SUPPRESS,
-                     help="speculative decoding: a draft model (a --model value with the same tokenizer, e.g. "
-                          "gpt2-shakespeare-draft) or 'prompt-lookup' (proposals copied from earlier in the text) "
-                          "proposes tokens that the model checks several at a time; same text when greedy, same "
-                          "distribution when sampling; a summary goes to stderr")
-    gen.add_argument("--num-draft-tokens", type=int, default=NUM_DRAFT_TOKENS, metavar="K",
-                     help="with --draft: tokens proposed per round")
-    gen.add_argument("--parts", metavar="FOLDER", default=argparse.SUPPRESS,
-                     help="run your own engine: your functions from the chapter notebooks in FOLDER (e.g. chapters/; "
-                          "the saved notebooks) wherever their checks pass, the engine's own elsewhere (notices on "
-                          "stderr say which)")
+    gen.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weights in 8 bits (a scale per output row) or 4 bits (groups of 32, Q4_0): less memory, "
+        "faster decoding; a model folder saved quantized loads as it is",
+    )
+    gen.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
+        "compiling takes a while before the first token",
+    )
+    gen.add_argument(
+        "--draft",
+        metavar="MODEL",
+        default=argparse.SUPPRESS,
+        help="speculative decoding: a draft model (a --model value with the same tokenizer, e.g. "
+        "gpt2-shakespeare-draft) or 'prompt-lookup' (proposals copied from earlier in the text) "
+        "proposes tokens that the model checks several at a time; same text when greedy, same "
+        "distribution when sampling; a summary goes to stderr",
+    )
+    gen.add_argument(
+        "--num-draft-tokens",
+        type=int,
+        default=NUM_DRAFT_TOKENS,
+        metavar="K",
+        help="with --draft: tokens proposed per round",
+    )
+    gen.add_argument(
+        "--parts",
+        metavar="FOLDER",
+        default=argparse.SUPPRESS,
+        help="run your own engine: your functions from the chapter notebooks in FOLDER (e.g. chapters/; "
+        "the saved notebooks) wherever their checks pass, the engine's own elsewhere (notices on "
+        "stderr say which)",
+    )
     prog = commands.add_parser(
-        "progress", help="your dashboard: which exercises pass, with points",
+        "progress",
+        help="your dashboard: which exercises pass, with points",
         description="Run the checks of your chapter notebooks on your functions. It reads the saved notebooks: save "
-                    "yours in JupyterLab first (Ctrl+S). It runs the setup cells, the exercise cells and every other "
-                    "cell that only defines things (imports, def, class, assignments), then each check.")
-    prog.add_argument("folder", nargs="?", default=None, metavar="PATH",
-                      help="your chapters folder (holding NN_topic/NN_topic.ipynb), one chapter's folder, or a "
-                           "notebook (default: ./chapters)")
-    prog.add_argument("-v", "--verbose", action="store_true",
-                      help="show each failing check's whole message (input, expected, got, hint)")
+        "yours in JupyterLab first (Ctrl+S). It runs the setup cells, the exercise cells and every other "
+        "cell that only defines things (imports, def, class, assignments), then each check.",
+    )
+    prog.add_argument(
+        "folder",
+        nargs="?",
+        default=None,
+        metavar="PATH",
+        help="your chapters folder (holding NN_topic/NN_topic.ipynb), one chapter's folder, or a "
+        "notebook (default: ./chapters)",
+    )
+    prog.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="show each failing check's whole message (input, expected, got, hint)",
+    )
     quant = commands.add_parser(
-        "quantize", help="quantize a model's weights and save them (int8 or int4)",
+        "quantize",
+        help="quantize a model's weights and save them (int8 or int4)",
         description="Load MODEL, quantize its linear layers and token table to FORMAT and save the result to OUT "
-                    "(config.json + model.safetensors); then run it with `generate --model OUT`.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "(config.json + model.safetensors); then run it with `generate --model OUT`.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     quant.add_argument("format", choices=["int8", "int4"], metavar="FORMAT", help="int8 or int4")
     quant.add_argument("--model", default="gpt2-shakespeare", help="any --model of generate")
     quant.add_argument("--out", required=True, metavar="FOLDER", help="the folder to write")
     release = commands.add_parser(
-        "release", help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
+        "release",
+        help="regenerate chapters/ from solutions/ with nbgrader (instructors)",
         description="Run `nbgrader generate_assignment NAME --notebook=NAME --force` for every chapter in solutions/ "
-                    "(or the chapters named), recording each in the gradebook so that `nbgrader autograde` finds it; "
-                    "run it in the course folder (where nbgrader_config.py is).")
+        "(or the chapters named), recording each in the gradebook so that `nbgrader autograde` finds it; "
+        "run it in the course folder (where nbgrader_config.py is).",
+    )
     release.add_argument("names", nargs="*", metavar="NN_topic", help="only these chapters (default: all)")
     bench = commands.add_parser(
-        "bench", help="benchmark the engine against transformers and this machine's roofline",
+        "bench",
+        help="benchmark the engine against transformers and this machine's roofline",
         description="Measure decode and prefill speed (engine vs transformers, same weights), the roofline, the KV "
-                    "cache and batching; print a table and write bench.json and one figure per measurement "
-                    "(bench_*.png).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    bench.add_argument("--model", default="gpt2",
-                       help="'gpt2' (124M configuration, random weights: no download), 'tiny', or any --model of generate")
+        "cache and batching; print a table and write bench.json and one figure per measurement "
+        "(bench_*.png).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument(
+        "--model",
+        default="gpt2",
+        help="'gpt2' (124M configuration, random weights: no download), 'tiny', or any --model of generate",
+    )
     bench.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     bench.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     bench.add_argument("--prompt-len", type=int, default=128, metavar="N", help="prompt length for decode")
     bench.add_argument("--new-tokens", type=int, default=128, metavar="N", help="tokens to generate for decode")
     bench.add_argument("--prefill-lens", type=int_list, default=[128, 512, 1024], metavar="N,N,...")
-    bench.add_argument("--contexts", type=int_list, default=[128, 512, 1024], metavar="N,N,...",
-                       help="context lengths for KV cache vs recompute")
+    bench.add_argument(
+        "--contexts",
+        type=int_list,
+        default=[128, 512, 1024],
+        metavar="N,N,...",
+        help="context lengths for KV cache vs recompute",
+    )
     bench.add_argument("--batch-sizes", type=int_list, default=[1, 4, 16, 32], metavar="N,N,...")
     bench.add_argument("--repeats", type=int, default=3, metavar="R", help="interleaved repeats; medians are reported")
     bench.add_argument("--no-transformers", action="store_true", help="skip the transformers comparison")
-    bench.add_argument("--no-compile", action="store_true",
-                       help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)")
-    bench.add_argument("--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)")
+    bench.add_argument(
+        "--no-compile",
+        action="store_true",
+        help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)",
+    )
+    bench.add_argument(
+        "--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)"
+    )
     instead = bench.add_mutually_exclusive_group()
-    instead.add_argument("--serving", nargs="?", const=["gpt2-shakespeare", "gpt2"], type=name_list, metavar="MODEL,...",
-                         default=argparse.SUPPRESS,
-                         help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
-                              "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
-                              "bench.json and bench_serving.png")
-    instead.add_argument("--speculative", action="store_true",
-                         help="instead, run the speculative decoding benchmark (gpt2-shakespeare with its draft model "
-                              "and with prompt lookup, k = 1...8, against plain greedy decoding; uses --device, --dtype, "
-                              "--repeats); it writes the 'speculative' section of bench.json and bench_speculative.png")
-    instead.add_argument("--quantize", action="store_true",
-                         help="instead, run the quantization benchmark (the engine in float32, int8 and int4 against "
-                              "transformers and CTranslate2, batch 1 and 16, each against its roofline; uses --model "
-                              "(a configuration: random weights), --device, --repeats; float32 only); it writes the 'quantize' section "
-                              "of bench.json and bench_quantize.png")
+    instead.add_argument(
+        "--serving",
+        nargs="?",
+        const=["gpt2-shakespeare", "gpt2"],
+        type=name_list,
+        metavar="MODEL,...",
+        default=argparse.SUPPRESS,
+        help="instead, run the serving benchmark (static batching vs LLMEngine, prefix caching) on these "
+        "models (without a value: gpt2-shakespeare,gpt2); it writes the 'serving' section of "
+        "bench.json and bench_serving.png",
+    )
+    instead.add_argument(
+        "--speculative",
+        action="store_true",
+        help="instead, run the speculative decoding benchmark (gpt2-shakespeare with its draft model "
+        "and with prompt lookup, k = 1...8, against plain greedy decoding; uses --device, --dtype, "
+        "--repeats); it writes the 'speculative' section of bench.json and bench_speculative.png",
+    )
+    instead.add_argument(
+        "--quantize",
+        action="store_true",
+        help="instead, run the quantization benchmark (the engine in float32, int8 and int4 against "
+        "transformers and CTranslate2, batch 1 and 16, each against its roofline; uses --model "
+        "(a configuration: random weights), --device, --repeats; float32 only); it writes the 'quantize' section "
+        "of bench.json and bench_quantize.png",
+    )
     return parser
 
 
@@ -209,15 +318,26 @@ def run_generate(args: argparse.Namespace) -> int:
         return code
 
     if not args.prompt:
-        return fail('PROMPT is empty: give some text to continue, e.g. "ROMEO:" (to start from nothing, '
-                    'give "<|endoftext|>", the token GPT-2 saw between documents)', 2)
+        return fail(
+            'PROMPT is empty: give some text to continue, e.g. "ROMEO:" (to start from nothing, '
+            'give "<|endoftext|>", the token GPT-2 saw between documents)',
+            2,
+        )
     if any(not s for s in args.stop):
         return fail("--stop needs a non-empty text", 2)
     temperature = getattr(args, "temperature", 0.0 if args.num_beams > 1 else TEMPERATURE)
     settings = dict(
-        max_new_tokens=args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
-        min_p=args.min_p, repetition_penalty=args.repetition_penalty, num_beams=args.num_beams,
-        length_penalty=args.length_penalty, stop=args.stop, seed=args.seed, compile=args.compile,
+        max_new_tokens=args.max_new_tokens,
+        temperature=temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        stop=args.stop,
+        seed=args.seed,
+        compile=args.compile,
     )
     stats = None
     if hasattr(args, "draft"):
@@ -226,8 +346,11 @@ def run_generate(args: argparse.Namespace) -> int:
     try:
         tokenizer, yours = get_tokenizer(), None
         if hasattr(args, "parts"):
-            yours = your_pieces(args.parts, notify=lambda line: print(line, file=sys.stderr, flush=True),
-                                uses=slots_used({**settings, "quantize": args.quantize}))
+            yours = your_pieces(
+                args.parts,
+                notify=lambda line: print(line, file=sys.stderr, flush=True),
+                uses=slots_used({**settings, "quantize": args.quantize}),
+            )
             tokenizer = yours.tokenizer
         # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
         model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)
@@ -268,8 +391,10 @@ def run_quantize(args: argparse.Namespace) -> int:
         return 1
     folder = save_model(model, args.out)
     size = resident_bytes(model)
-    print(f"{args.model} quantized to {args.format}: {size / 1e6:.1f} MB of weights, saved to {folder}; "
-          f"run it with: python -m llmcourse generate --model {folder} PROMPT")
+    print(
+        f"{args.model} quantized to {args.format}: {size / 1e6:.1f} MB of weights, saved to {folder}; "
+        f"run it with: python -m llmcourse generate --model {folder} PROMPT"
+    )
     return 0
 
 

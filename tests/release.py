@@ -28,16 +28,23 @@ def learner_work(path: Path) -> Optional[str]:
     """Why the notebook at `path` is not the release as generated (a learner's edits: cells changed since the
     release, per nbgrader's own checksums, or outputs saved), or None when it is untouched."""
     nb = nbformat.read(path, as_version=4)
-    edited = [c.id for c in nb.cells if "checksum" in c.metadata.get("nbgrader", {})
-              and compute_checksum(c) != c.metadata.nbgrader.checksum]
+    edited = [
+        c.id
+        for c in nb.cells
+        if "checksum" in c.metadata.get("nbgrader", {}) and compute_checksum(c) != c.metadata.nbgrader.checksum
+    ]
     ran = [c.id for c in nb.cells if c.cell_type == "code" and (c.get("outputs") or c.get("execution_count"))]
     if not edited and not ran:
         return None
-    what = [f"cells edited since the release: {', '.join(edited[:3])}{' …' if len(edited) > 3 else ''}"] if edited else []
+    what = (
+        [f"cells edited since the release: {', '.join(edited[:3])}{' …' if len(edited) > 3 else ''}"] if edited else []
+    )
     what += [f"{len(ran)} cell(s) with saved outputs"] if ran else []
-    return (f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} holds a learner's work ({'; '.join(what)}); "
-            "the release's tests use the release generated from solutions/ (`python -m llmcourse progress` checks "
-            "your work)")
+    return (
+        f"{path.relative_to(ROOT) if path.is_relative_to(ROOT) else path} holds a learner's work ({'; '.join(what)}); "
+        "the release's tests use the release generated from solutions/ (`python -m llmcourse progress` checks "
+        "your work)"
+    )
 
 
 @cache
@@ -60,7 +67,21 @@ def generated(name: str) -> Path:
     if not (course / "nbgrader_config.py").is_file():
         shutil.copy(ROOT / "nbgrader_config.py", course)
     shutil.copytree(ROOT / "solutions" / name, course / "solutions" / name, dirs_exist_ok=True)
-    done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, f"--notebook={name}",
-                           "--force", "--no-db", "--log-level=ERROR"], cwd=course, capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nbgrader",
+            "generate_assignment",
+            name,
+            f"--notebook={name}",
+            "--force",
+            "--no-db",
+            "--log-level=ERROR",
+        ],
+        cwd=course,
+        capture_output=True,
+        text=True,
+    )
     assert done.returncode == 0, f"nbgrader could not generate {name}:\n{done.stdout}\n{done.stderr}"
     return course / "chapters" / name

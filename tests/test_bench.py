@@ -21,8 +21,22 @@ from llmcourse.engine.loading import resolve_device
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).
-TINY = ["--model", "tiny", "--prompt-len", "16", "--new-tokens", "8", "--prefill-lens", "16,32",
-        "--contexts", "16,32", "--batch-sizes", "1,2", "--repeats", "1"]
+TINY = [
+    "--model",
+    "tiny",
+    "--prompt-len",
+    "16",
+    "--new-tokens",
+    "8",
+    "--prefill-lens",
+    "16,32",
+    "--contexts",
+    "16,32",
+    "--batch-sizes",
+    "1,2",
+    "--repeats",
+    "1",
+]
 # Every command line the end-to-end tests below run (before TINY and --out); `bench --help` must list
 # no option that none of them uses.
 OPTIONS_RUN = ["--no-compile --no-transformers --device cpu --dtype float16"]
@@ -37,8 +51,11 @@ def documented_commands() -> list[str]:
     for page in ("benchmarks.md", "README.md"):
         text = (ROOT / page).read_text()
         for block in re.findall(r"```bash\n(.*?)```", text, re.S):
-            commands += [line.split("#")[0].strip() for line in block.splitlines()
-                         if line.strip().startswith("python -m llmcourse bench")]
+            commands += [
+                line.split("#")[0].strip()
+                for line in block.splitlines()
+                if line.strip().startswith("python -m llmcourse bench")
+            ]
         commands += re.findall(r"`(python -m llmcourse bench[^`]*)`", text)
     return sorted(set(commands))
 
@@ -47,8 +64,9 @@ def run_bench(command: str, out: Path) -> tuple[subprocess.CompletedProcess, dic
     args = shlex.split(command)
     assert args[:4] == ["python", "-m", "llmcourse", "bench"], command
     more = [] if "--no-compile" in args else COMPILED_BATCHES
-    done = subprocess.run([sys.executable, *args[1:], *TINY, *more, "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, *args[1:], *TINY, *more, "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
     return done, json.loads((out / "bench.json").read_text())
 
@@ -59,8 +77,9 @@ def png_size(path: Path) -> tuple[int, int]:
     return struct.unpack(">II", data[16:24])
 
 
-def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled: bool, transformers: bool,
-              dtype: str = "float32") -> None:
+def check_run(
+    done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled: bool, transformers: bool, dtype: str = "float32"
+) -> None:
     """The JSON, the table and the figures are all there, with sane numbers."""
     assert r["device"] == "cpu" or r["device"].startswith("cuda")
     assert r["dtype"] == dtype and r["model"] == "tiny" and r["config"]["n_layer"] == 2
@@ -79,20 +98,31 @@ def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled
     batches = {"1"} if compiled else {"1", "2"}
     assert set(r["prefill"]) == {"16", "32"} and set(r["kv_cache"]) == {"16", "32"} and set(r["batching"]) == batches
     names = ["engine", "engine_compiled"][: 1 + compiled]
-    speeds = [*r["decode"].values(), *(v for p in r["prefill"].values() for v in p.values()),
-              r["roofline"]["bound_tokens_per_s"],
-              *(v[k] for v in r["batching"].values() for k in ["bound_tokens_per_s", *names])]
+    speeds = [
+        *r["decode"].values(),
+        *(v for p in r["prefill"].values() for v in p.values()),
+        r["roofline"]["bound_tokens_per_s"],
+        *(v[k] for v in r["batching"].values() for k in ["bound_tokens_per_s", *names]),
+    ]
     assert all(isinstance(x, float) and math.isfinite(x) and 0 < x < 1e7 for x in speeds), speeds
-    others = [r["roofline"]["bandwidth_GBps"], r["roofline"]["matmul_GFLOPs"], r["roofline"]["decode_step_MB"],
-              *(r["roofline"][f"{n}_fraction"] for n in names),
-              *(v[k] for v in r["kv_cache"].values() for k in ("cached_ms", "recompute_ms", "speedup"))]
+    others = [
+        r["roofline"]["bandwidth_GBps"],
+        r["roofline"]["matmul_GFLOPs"],
+        r["roofline"]["decode_step_MB"],
+        *(r["roofline"][f"{n}_fraction"] for n in names),
+        *(v[k] for v in r["kv_cache"].values() for k in ("cached_ms", "recompute_ms", "speedup")),
+    ]
     assert all(isinstance(x, float) and math.isfinite(x) and 0 < x < 1e6 for x in others), others
     if not compiled:  # the bound of a batch counts the weights once and each row's cache and arithmetic
         one, two = r["batching"]["1"], r["batching"]["2"]
         assert two["bound_tokens_per_s"] > one["bound_tokens_per_s"] or two["bound_is"] == "compute"
     ratios = {"decode_roofline_fraction", "kv_cache_speedup_16", "kv_cache_speedup_32"}
     ratios |= {"decode_compiled_roofline_fraction"} if compiled else {"batch_2_vs_batch_1"}
-    ratios |= {"decode_vs_transformers", "prefill_16_vs_transformers", "prefill_32_vs_transformers"} if transformers else set()
+    ratios |= (
+        {"decode_vs_transformers", "prefill_16_vs_transformers", "prefill_32_vs_transformers"}
+        if transformers
+        else set()
+    )
     ratios |= {"decode_compiled_vs_transformers"} if compiled and transformers else set()
     assert set(r["ratios"]) == ratios and all(0 < v < 1e7 for v in r["ratios"].values())
     if r["device"] == "cpu":
@@ -107,15 +137,20 @@ def check_run(done: subprocess.CompletedProcess, r: dict, out: Path, *, compiled
 
 
 def test_the_documentation_shows_the_commands_tested_here():
-    assert documented_commands() == ["python -m llmcourse bench", "python -m llmcourse bench --no-compile",
-                                     "python -m llmcourse bench --quantize", "python -m llmcourse bench --serving",
-                                     "python -m llmcourse bench --speculative"]
+    assert documented_commands() == [
+        "python -m llmcourse bench",
+        "python -m llmcourse bench --no-compile",
+        "python -m llmcourse bench --quantize",
+        "python -m llmcourse bench --serving",
+        "python -m llmcourse bench --speculative",
+    ]
 
 
 # `bench --serving`, `bench --speculative` and `bench --quantize` run end to end in tests/test_serving_bench.py,
 # tests/test_speculative_bench.py and tests/test_quantize_bench.py
-@pytest.mark.parametrize("command", [c for c in documented_commands()
-                                     if not c.endswith(("--serving", "--speculative", "--quantize"))])
+@pytest.mark.parametrize(
+    "command", [c for c in documented_commands() if not c.endswith(("--serving", "--speculative", "--quantize"))]
+)
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):
     """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""
     done, r = run_bench(command, tmp_path)
@@ -132,8 +167,9 @@ def test_bench_options_run_end_to_end(options, tmp_path):
 
 
 def test_every_bench_option_is_run_by_a_test():
-    help_text = subprocess.run([sys.executable, "-m", "llmcourse", "bench", "--help"], capture_output=True,
-                               text=True, timeout=60).stdout
+    help_text = subprocess.run(
+        [sys.executable, "-m", "llmcourse", "bench", "--help"], capture_output=True, text=True, timeout=60
+    ).stdout
     options = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]+)", help_text)) - {"--help"}
     assert {"--no-compile", "--no-transformers", "--out", "--device", "--dtype"} <= options
     run = " ".join(documented_commands() + OPTIONS_RUN + TINY + COMPILED_BATCHES + ["--out"])
@@ -250,5 +286,7 @@ def test_roofline_picks_the_binding_limit():
 
 
 def test_bad_bench_option_is_one_line():
-    out = subprocess.run([sys.executable, "-m", "llmcourse", "bench", "--batch-sizes", "1,x"], capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmcourse", "bench", "--batch-sizes", "1,x"], capture_output=True, text=True
+    )
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "comma-separated integers" in out.stderr

@@ -27,8 +27,12 @@ CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.na
 def book(tmp_path_factory):
     out = tmp_path_factory.mktemp("book")
     jb = Path(sys.executable).with_name("jupyter-book")
-    done = subprocess.run([str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
-                          capture_output=True, text=True, timeout=1800)
+    done = subprocess.run(
+        [str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, f"book build failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
     log = done.stdout + done.stderr
     sphinx_warnings = [line for line in log.splitlines() if "WARNING:" in line]  # not the kernel's "WARNING |"
@@ -63,7 +67,12 @@ def test_landing_and_instructor_pages(book):
     assert "<this repository>" not in landing
     assert "Python 3.11 or newer" in landing and "3.10" not in landing  # numpy 2.4 and transformers 5 need 3.11
     instructor = text(page(book, "instructor.html"))
-    for command in ["nbgrader autograde", "nbgrader generate_feedback", "nbgrader export", "python -m llmcourse release"]:
+    for command in [
+        "nbgrader autograde",
+        "nbgrader generate_feedback",
+        "nbgrader export",
+        "python -m llmcourse release",
+    ]:
         assert command in instructor
 
 
@@ -201,16 +210,30 @@ def test_wheel_holds_the_models_and_runs_alone(book, tmp_path):
         zf.extractall(tmp_path / "site")
     assert "Requires-Python: >=3.11" in metadata
     assert "Provides-Extra: course" in metadata
-    for need in ["jupyterlab", "ipywidgets", "matplotlib", "plotly", "transformers"]:  # what the chapter notebooks import besides llmcourse
+    for need in [
+        "jupyterlab",
+        "ipywidgets",
+        "matplotlib",
+        "plotly",
+        "transformers",
+    ]:  # what the chapter notebooks import besides llmcourse
         assert re.search(rf"Requires-Dist: {need}\b.*extra == \"course\"", metadata), need
     # The installed wheel alone (not this checkout) loads the bundled model and the tokenizer offline.
-    probe = ("import llmcourse, pathlib, sys; "
-             "assert pathlib.Path(llmcourse.__file__).is_relative_to(sys.argv[1]), llmcourse.__file__; "
-             "tok = llmcourse.get_tokenizer(); m = llmcourse.load_model('gpt2-shakespeare', device='cpu'); "
-             "print(llmcourse.generate_text(m, tok, 'ROMEO:', max_new_tokens=5))")
+    probe = (
+        "import llmcourse, pathlib, sys; "
+        "assert pathlib.Path(llmcourse.__file__).is_relative_to(sys.argv[1]), llmcourse.__file__; "
+        "tok = llmcourse.get_tokenizer(); m = llmcourse.load_model('gpt2-shakespeare', device='cpu'); "
+        "print(llmcourse.generate_text(m, tok, 'ROMEO:', max_new_tokens=5))"
+    )
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "site"), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", probe, str(tmp_path / "site")], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path / "site")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip()
 
@@ -233,31 +256,51 @@ def browse(book, rel, *, width=1400, probe=None):
     target = book / rel
     made = []
     if probe is not None:
-        script = ("<script>window.addEventListener('load', () => setTimeout(async () => {"
-                  "let r; try { r = await (async () => { %s })(); } catch (e) { r = {error: String(e)}; }"
-                  "const top = window.top.document, p = top.createElement('pre'); p.id = 'llmcourse-probe';"
-                  "p.textContent = JSON.stringify(r); top.body.appendChild(p);"
-                  "}, 1000));</script></body>" % probe)
+        script = (
+            "<script>window.addEventListener('load', () => setTimeout(async () => {"
+            "let r; try { r = await (async () => { %s })(); } catch (e) { r = {error: String(e)}; }"
+            "const top = window.top.document, p = top.createElement('pre'); p.id = 'llmcourse-probe';"
+            "p.textContent = JSON.stringify(r); top.body.appendChild(p);"
+            "}, 1000));</script></body>" % probe
+        )
         target = target.with_name(f"_probe_{target.name}")
         target.write_text(page(book, rel).replace("</body>", script, 1), encoding="utf-8")
         made.append(target)
     if width < SMALLEST_WINDOW:
         assert probe is not None, "a phone-width page can only be probed"
         frame = target.with_name(f"_phone_{target.name}")
-        frame.write_text(f'<html><body style="margin:0"><iframe src="{target.name}" '
-                         f'style="width:{width}px;height:900px;border:0"></iframe></body></html>', encoding="utf-8")
+        frame.write_text(
+            f'<html><body style="margin:0"><iframe src="{target.name}" '
+            f'style="width:{width}px;height:900px;border:0"></iframe></body></html>',
+            encoding="utf-8",
+        )
         made.append(frame)
         target = frame
     try:
         with tempfile.TemporaryDirectory() as profile:
             done = subprocess.run(
-                [CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND",  # offline
-                 "--allow-file-access-from-files",  # the probe in a phone-width frame writes to the page around it
-                 f"--window-size={max(width, SMALLEST_WINDOW)},900", "--virtual-time-budget=8000", "--dump-dom",
-                 target.as_uri()],
-                capture_output=True, text=True, timeout=120)
+                [
+                    CHROMIUM,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--disable-quic",
+                    "--no-first-run",
+                    "--disable-background-networking",
+                    "--disable-component-update",
+                    "--disable-sync",
+                    f"--user-data-dir={profile}",
+                    "--host-resolver-rules=MAP * ~NOTFOUND",  # offline
+                    "--allow-file-access-from-files",  # the probe in a phone-width frame writes to the page around it
+                    f"--window-size={max(width, SMALLEST_WINDOW)},900",
+                    "--virtual-time-budget=8000",
+                    "--dump-dom",
+                    target.as_uri(),
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
     finally:
         for path in made:
             path.unlink()
@@ -343,7 +386,11 @@ def test_maths_renders_offline(book):
 @needs_chromium
 def test_menu_opens_on_a_phone(book):
     """At 400 px the ☰ button opens the chapter list (pydata-sphinx-theme needs navbar_persistent: [])."""
-    found = browse(book, "intro.html", width=400, probe="""
+    found = browse(
+        book,
+        "intro.html",
+        width=400,
+        probe="""
         const buttons = [...document.querySelectorAll('button.primary-toggle')]
             .filter(b => b.offsetParent !== null && b.getBoundingClientRect().width > 0);
         if (!buttons.length) return {visible: 0};
@@ -351,7 +398,8 @@ def test_menu_opens_on_a_phone(book):
         const dialog = document.querySelector('#pst-primary-sidebar-modal');
         const links = dialog ? [...dialog.querySelectorAll('a')].map(a => a.textContent.trim()) : [];
         return {visible: buttons.length, open: !!(dialog && dialog.open), links: links};
-    """)
+    """,
+    )
     assert found.get("visible"), found
     assert found["open"], found
     assert any("The pipeline" in link for link in found["links"]), found
@@ -359,13 +407,18 @@ def test_menu_opens_on_a_phone(book):
 
 @needs_chromium
 def test_wide_tables_show_that_they_scroll_on_a_phone(book):
-    found = browse(book, "benchmarks.html", width=400, probe="""
+    found = browse(
+        book,
+        "benchmarks.html",
+        width=400,
+        probe="""
         return [...document.querySelectorAll('.pst-scrollable-table-container')].map(c => {
             const s = getComputedStyle(c);
             return {overflows: c.scrollWidth > c.clientWidth + 1, overflowX: s.overflowX,
                     background: s.backgroundImage};
         });
-    """)
+    """,
+    )
     wide = [t for t in found if t["overflows"]]
     assert wide, f"no table overflows at 400 px: {found}"
     for table in wide:

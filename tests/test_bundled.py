@@ -8,14 +8,53 @@ import sys
 import pytest
 import torch
 
-from llmcourse import get_tokenizer, load_model
-from llmcourse import generate
+from llmcourse import generate, get_tokenizer, load_model
 from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
 from llmcourse.training.shakespeare import validation_figures, validation_tokens
 
 # Greedy continuation of "ROMEO:" by gpt2-shakespeare, recorded when the model was trained.
-RECORDED_GREEDY = [198, 40, 423, 587, 257, 582, 11, 290, 314, 423, 587, 198, 2514, 423, 257, 582, 13, 198, 198, 44879,
-                   40, 3535, 1565, 2937, 25, 198, 40, 423, 587, 257, 582, 11, 198, 40, 1183, 407, 257, 582, 13, 198]
+RECORDED_GREEDY = [
+    198,
+    40,
+    423,
+    587,
+    257,
+    582,
+    11,
+    290,
+    314,
+    423,
+    587,
+    198,
+    2514,
+    423,
+    257,
+    582,
+    13,
+    198,
+    198,
+    44879,
+    40,
+    3535,
+    1565,
+    2937,
+    25,
+    198,
+    40,
+    423,
+    587,
+    257,
+    582,
+    11,
+    198,
+    40,
+    1183,
+    407,
+    257,
+    582,
+    13,
+    198,
+]
 # = "\nI have been a man, and I have been\nTo have a man.\n\nCORIOLANUS:\nI have been a man,\nI'll not a man.\n"
 
 
@@ -99,8 +138,13 @@ def test_transformers_loads_the_bundled_model_with_equal_logits(target):
 
 def test_cli_default_model_writes_shakespeare_offline():
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-m", "llmcourse", "generate", "--max-new-tokens", "60", "ROMEO:"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "llmcourse", "generate", "--max-new-tokens", "60", "ROMEO:"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     text = out.stdout
     assert len(text.split()) > 20

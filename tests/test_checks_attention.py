@@ -13,11 +13,18 @@ import torch.nn.functional as F
 from torch.nn.functional import scaled_dot_product_attention as sdpa_imported_early
 
 import llmcourse.engine.parts
-from llmcourse.engine import tiled_attention as engine_tiled_module
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention,
-                                        check_softmax, check_split_heads, check_tiled_attention,
-                                        reference_self_attention)
+from llmcourse.checks.attention import (
+    check_attention,
+    check_causal_mask,
+    check_merge_heads,
+    check_self_attention,
+    check_softmax,
+    check_split_heads,
+    check_tiled_attention,
+    reference_self_attention,
+)
+from llmcourse.engine import tiled_attention as engine_tiled_module
 from llmcourse.engine.parts import softmax as engine_softmax_imported_early
 from tests.notebook_checks import run_notebook_checks
 
@@ -288,8 +295,11 @@ def tiled_without_offset(q, k, v, block_size=64, causal=True):
 def tiled_dropping_the_last_block(q, k, v, block_size=64, causal=True):
     """Off by one in the last block: only whole blocks are visited."""
     full = (k.shape[-2] // block_size) * block_size or block_size
-    return tiled_attention(q, k[..., :full, :], v[..., :full, :], block_size, causal, offset=False) \
-        if k.shape[-2] == q.shape[-2] else tiled_attention(q, k, v, block_size, causal)
+    return (
+        tiled_attention(q, k[..., :full, :], v[..., :full, :], block_size, causal, offset=False)
+        if k.shape[-2] == q.shape[-2]
+        else tiled_attention(q, k, v, block_size, causal)
+    )
 
 
 def tiled_lse_unscaled(q, k, v, block_size=64, causal=True):
@@ -349,8 +359,11 @@ def attention_flat_view(q, k, v, mask=None):  # .view on the engine's transposed
 
 
 def attention_float32_for_half(q, k, v, mask=None):
-    return attention(q.float(), k.float(), v.float(), mask) if q.dtype in (torch.float16, torch.bfloat16) \
+    return (
+        attention(q.float(), k.float(), v.float(), mask)
+        if q.dtype in (torch.float16, torch.bfloat16)
         else attention(q, k, v, mask)
+    )
 
 
 def attention_wrong_in_the_engine(q, k, v, mask=None):  # right on every case; ignores a [B, 1, Tq, Tk] mask of 6 heads
@@ -406,8 +419,9 @@ def tiled_query_blocks_only(q, k, v, block_size=64, causal=True):  # blocks of q
         o, l = tiled_without_tiling(q[:, :, q0 : q0 + block_size], k, v, block_size, False)
         if causal:
             qb = q[:, :, q0 : q0 + block_size]
-            scores = _scores(qb, k).masked_fill(torch.arange(Tk) > (Tk - Tq + q0 + torch.arange(qb.shape[-2]))[:, None],
-                                                -math.inf)
+            scores = _scores(qb, k).masked_fill(
+                torch.arange(Tk) > (Tk - Tq + q0 + torch.arange(qb.shape[-2]))[:, None], -math.inf
+            )
             m = scores.amax(-1, keepdim=True)
             e = torch.exp(scores - m)
             o, l = (e / e.sum(-1, keepdim=True)) @ v, (m + e.sum(-1, keepdim=True).log()).squeeze(-1)
@@ -436,7 +450,8 @@ def self_attention_flat_view(x, c_attn_weight, c_attn_bias, c_proj_weight, c_pro
 def self_attention_float32_for_half(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
     if x.dtype in (torch.float16, torch.bfloat16):
         x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias = (
-            t.float() for t in (x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias))
+            t.float() for t in (x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias)
+        )
     return self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head)
 
 
@@ -463,7 +478,11 @@ def self_attention_scaled_by_width(x, c_attn_weight, c_attn_bias, c_proj_weight,
 
 MISTAKES = [
     (check_softmax, softmax_axis_keyword, r"softmax in the engine[\s\S]*unexpected keyword argument 'dim'"),
-    (check_softmax, softmax_float32_for_half, r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (
+        check_softmax,
+        softmax_float32_for_half,
+        r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32",
+    ),
     (check_softmax, softmax_flat_rows, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_causal_mask, causal_mask_fixed_buffer, r"300 tokens[\s\S]*expected shape \(300, 300\), got \(256, 256\)"),
     (check_causal_mask, causal_mask_uint8_positions, r"positions go past 255"),
@@ -476,10 +495,22 @@ MISTAKES = [
     (check_split_heads, split_heads_float32, r"float16[\s\S]*expected dtype torch.float16, got torch.float32"),
     (check_merge_heads, merge_heads_view_after_transpose, r"raised RuntimeError[\s\S]*use \.reshape\(B, T, H \* D\)"),
     (check_merge_heads, merge_heads_float32, r"expected dtype torch.float16, got torch.float32"),
-    (check_merge_heads, merge_heads_flat_input, r"merge_heads\(x=<float64 \[2, 3, 3, 4\]>\) raised RuntimeError: view size"),
+    (
+        check_merge_heads,
+        merge_heads_flat_input,
+        r"merge_heads\(x=<float64 \[2, 3, 3, 4\]>\) raised RuntimeError: view size",
+    ),
     (check_tiled_attention, tiled_without_tiling, r"made a tensor of shape \[2, 256, 384\][\s\S]*never the whole"),
-    (check_tiled_attention, tiled_query_blocks_only, r"made a tensor of shape \[2, 32, 384\][\s\S]*nor one block of queries against all the keys"),
-    (check_tiled_attention, tiled_ignores_block_size, r"block_size=32: your function made a tensor of shape \[2, 256, 128\]"),
+    (
+        check_tiled_attention,
+        tiled_query_blocks_only,
+        r"made a tensor of shape \[2, 32, 384\][\s\S]*nor one block of queries against all the keys",
+    ),
+    (
+        check_tiled_attention,
+        tiled_ignores_block_size,
+        r"block_size=32: your function made a tensor of shape \[2, 256, 128\]",
+    ),
     (check_tiled_attention, tiled_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_softmax, softmax_without_max_shift, r"got nan or inf[\s\S]*overflows to inf[\s\S]*subtract each row's max"),
     (check_softmax, softmax_minus_mean, r"got nan or inf[\s\S]*subtract the max, not the mean"),
@@ -515,12 +546,19 @@ MISTAKES = [
     (check_tiled_attention, tiled_without_rescale, r"out: [\s\S]*multiply both the running sum l and the accumulator"),
     (check_tiled_attention, tiled_lse_without_max, r"lse: [\s\S]*add the running max m back"),
     (check_tiled_attention, tiled_without_offset, r"out: [\s\S]*the queries are the LAST Tq positions"),
-    (check_tiled_attention, tiled_dropping_the_last_block, r"does not divide T[\s\S]*out: [\s\S]*the last block is shorter"),
+    (
+        check_tiled_attention,
+        tiled_dropping_the_last_block,
+        r"does not divide T[\s\S]*out: [\s\S]*the last block is shorter",
+    ),
     (check_tiled_attention, tiled_lse_unscaled, r"lse: [\s\S]*SCALED scores"),
     (check_tiled_attention, tiled_returning_out_only, r"expected a tuple \(out, lse\), got Tensor"),
     (check_self_attention, self_attention_flat_view, r"raised RuntimeError[\s\S]*x is a non-contiguous view here"),
-    (check_self_attention, self_attention_float32_for_half,
-     r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32"),
+    (
+        check_self_attention,
+        self_attention_float32_for_half,
+        r"float16 in, float16 out[\s\S]*expected dtype torch.float16, got torch.float32",
+    ),
     (check_self_attention, self_attention_fixed_mask_buffer, r"raised RuntimeError[\s\S]*nothing of a fixed size"),
     (check_self_attention, self_attention_one_head, r"use the n_head you are given"),
     (check_self_attention, self_attention_without_c_attn_bias, r"add the bias of the fused projection"),
@@ -626,8 +664,10 @@ def tiled_with_a_list_of_blocks(q, k, v, block_size=64, causal=True):
         m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
         block_lse = m_safe + torch.log(torch.exp(s - m_safe[..., None]).sum(-1))
         new_lse = torch.logaddexp(lse, block_lse)
-        out = out * torch.exp(lse - new_lse)[..., None].nan_to_num(0.0) + \
-            torch.exp(s - new_lse[..., None]) @ v[:, :, k0 : k0 + block_size]
+        out = (
+            out * torch.exp(lse - new_lse)[..., None].nan_to_num(0.0)
+            + torch.exp(s - new_lse[..., None]) @ v[:, :, k0 : k0 + block_size]
+        )
         lse = new_lse
     return out, lse
 
@@ -846,12 +886,12 @@ ALTERNATIVES = [
 ]
 
 
-
 def test_every_exercise_has_two_correct_alternatives():
     counts = {check.__name__: 0 for check, _ in REFERENCES}
     for check, _ in ALTERNATIVES:
         counts[check.__name__] += 1
     assert min(counts.values()) >= 2, counts
+
 
 @pytest.mark.parametrize("check, alternative", ALTERNATIVES, ids=[a.__name__ for _, a in ALTERNATIVES])
 def test_correct_alternative_passes(check, alternative, capsys):
@@ -965,7 +1005,11 @@ BLACK_BOXES = [
     (check_split_heads, split_heads_engine, r"llmcourse.engine.parts.split_heads"),
     (check_merge_heads, merge_heads_engine, r"llmcourse.engine.parts.merge_heads"),
     (check_self_attention, self_attention_engine_parts, r"llmcourse.engine.parts"),
-    (check_self_attention, self_attention_multihead_module, r"MultiheadAttention|multi_head_attention_forward|scaled_dot_product_attention"),
+    (
+        check_self_attention,
+        self_attention_multihead_module,
+        r"MultiheadAttention|multi_head_attention_forward|scaled_dot_product_attention",
+    ),
     (check_tiled_attention, tiled_engine, r"llmcourse.engine.tiled_attention"),
     (check_tiled_attention, tiled_with_torch_softmax_and_logsumexp, r"called torch.softmax"),
 ]
@@ -1012,7 +1056,9 @@ def softmax_that_hangs(x, dim=-1):
 
 
 def test_an_error_names_the_line_and_the_call():
-    with pytest.raises(CheckFailed, match=r"attention\(q=<float32 \[1, 1, 1, 2\]>[\s\S]*raised RuntimeError[\s\S]*at line"):
+    with pytest.raises(
+        CheckFailed, match=r"attention\(q=<float32 \[1, 1, 1, 2\]>[\s\S]*raised RuntimeError[\s\S]*at line"
+    ):
         check_attention(attention_that_raises)
 
 
@@ -1081,10 +1127,17 @@ def test_reference_self_attention_is_the_engines_layer():
     with torch.no_grad():
         qkv = model.parts.linear(x, block.attn.c_attn.weight, block.attn.c_attn.bias)
         q, k, v = (model.parts.split_heads(t, cfg.n_head) for t in qkv.split(cfg.n_embd, dim=-1))
-        engine = model.parts.linear(model.parts.merge_heads(model.parts.attention(q, k, v)),
-                                    block.attn.c_proj.weight, block.attn.c_proj.bias)
-        ours = reference_self_attention(x, block.attn.c_attn.weight, block.attn.c_attn.bias, block.attn.c_proj.weight,
-                                        block.attn.c_proj.bias, cfg.n_head)
+        engine = model.parts.linear(
+            model.parts.merge_heads(model.parts.attention(q, k, v)), block.attn.c_proj.weight, block.attn.c_proj.bias
+        )
+        ours = reference_self_attention(
+            x,
+            block.attn.c_attn.weight,
+            block.attn.c_attn.bias,
+            block.attn.c_proj.weight,
+            block.attn.c_proj.bias,
+            cfg.n_head,
+        )
     assert (ours - engine).abs().max() < 1e-5
 
 
@@ -1096,7 +1149,8 @@ def test_learner_parts_run_the_model_like_the_engine():
     ids = torch.tensor([[464, 1110, 286, 262, 3329, 11, 290]])
     with torch.no_grad():
         engine = model(ids)
-        model.parts = guarded(Parts, softmax=softmax, attention=attention, split_heads=split_heads,
-                              merge_heads=merge_heads)
+        model.parts = guarded(
+            Parts, softmax=softmax, attention=attention, split_heads=split_heads, merge_heads=merge_heads
+        )
         mine = model(ids)
     assert (mine - engine).abs().max() < 1e-4

@@ -13,17 +13,29 @@ import numpy as np
 import pytest
 import torch
 
+import llmcourse.checks.batching as batching_checks
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.batching import (
+    alone,
+    check_block_allocator,
+    check_gather_kv,
+    check_left_pad,
+    check_schedule,
+    check_slot_mapping,
+    decisive_model,
+    policy,
+    run_engine,
+    schedule_scenario,
+    workload,
+)
 from llmcourse.course.guards import guard, guarded
 from llmcourse.engine.padding import left_pad as engine_left_pad
 from llmcourse.serving.batching import Batching
-from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
-import llmcourse.checks.batching as batching_checks
-from llmcourse.checks import CheckFailed
-from llmcourse.checks.batching import (alone, check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
-                                       check_slot_mapping, decisive_model, policy, run_engine, schedule_scenario,
-                                       workload)
-from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
-from llmcourse.serving.scheduler import SeqView, schedule as engine_schedule
+from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator
+from llmcourse.serving.block_manager import blocks_for
+from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv
+from llmcourse.serving.paged_cache import slot_mapping as engine_slot_mapping
+from llmcourse.serving.scheduler import schedule as engine_schedule
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -38,8 +50,8 @@ def left_pad(prompts, pad_id=0):
     input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
     attention_mask = torch.zeros(len(prompts), longest, dtype=torch.long)
     for row, ids in enumerate(prompts):
-        input_ids[row, longest - len(ids):] = torch.tensor(ids)
-        attention_mask[row, longest - len(ids):] = 1
+        input_ids[row, longest - len(ids) :] = torch.tensor(ids)
+        attention_mask[row, longest - len(ids) :] = 1
     return input_ids, attention_mask, (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
@@ -140,9 +152,17 @@ def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-@pytest.mark.parametrize("check, fn", [(check_left_pad, stub), (check_block_allocator, StubAllocator),
-                                       (check_slot_mapping, stub), (check_gather_kv, stub), (check_schedule, stub)],
-                         ids=IDS)
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (check_left_pad, stub),
+        (check_block_allocator, StubAllocator),
+        (check_slot_mapping, stub),
+        (check_gather_kv, stub),
+        (check_schedule, stub),
+    ],
+    ids=IDS,
+)
 def test_stub_is_not_written_yet(check, fn):
     with pytest.raises(CheckFailed, match="is not written yet"):
         check(fn)
@@ -256,8 +276,11 @@ def pad_always_equal(prompts, pad_id=0):
 LEFT_PAD_MISTAKES = [
     (pad_always_equal, r"input_ids: expected a plain torch\.Tensor, got a AlwaysEqual"),
     (pad_default_eos, r"without pad_id, the padding holds \[50256\]: the default pad_id must be 0"),
-    (pad_no_default, r"missing 1 required positional argument.*hint: the engine calls left_pad\(prompts\) without "
-                     r"pad_id"),
+    (
+        pad_no_default,
+        r"missing 1 required positional argument.*hint: the engine calls left_pad\(prompts\) without "
+        r"pad_id",
+    ),
     (pad_mask_from_ids, r"the attention mask is 0 on real tokens equal to pad_id = \d+.*not from input_ids != pad_id"),
     (pad_positions_uint8, r"right below 255 and wrong from there on.*int64"),
     (pad_remembers_first_pad, r"the same prompts, pad_id = 13: the padding holds \[50256\], expected pad_id = 13"),
@@ -282,8 +305,14 @@ def test_left_pad_mistakes_are_named(fn, pattern):
 def left_pad_by_rows(prompts, pad_id=0):
     """Correct, written differently: rows built as lists, padding positions = the row's padding length (in range)."""
     longest = max(map(len, prompts))
-    rows = [([pad_id] * (longest - len(p)) + list(p), [0] * (longest - len(p)) + [1] * len(p),
-             [longest - len(p)] * (longest - len(p)) + list(range(len(p)))) for p in prompts]
+    rows = [
+        (
+            [pad_id] * (longest - len(p)) + list(p),
+            [0] * (longest - len(p)) + [1] * len(p),
+            [longest - len(p)] * (longest - len(p)) + list(range(len(p))),
+        )
+        for p in prompts
+    ]
     return tuple(torch.tensor([r[i] for r in rows]) for i in range(3))
 
 
@@ -295,7 +324,7 @@ def left_pad_numpy(prompts, pad_id=0):
     columns = np.arange(longest)[None, :]
     mask = (columns >= longest - lengths[:, None]).astype(np.int64)
     for row, p in enumerate(prompts):
-        ids[row, longest - len(p):] = p
+        ids[row, longest - len(p) :] = p
     return torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(np.maximum(mask.cumsum(-1) - 1, 0))
 
 
@@ -311,8 +340,10 @@ def test_left_pad_pad_position_bug_changes_the_tokens_of_the_batch():
     model, prompts = decisive_model(0), [[5, 6, 7, 8, 9], [10], [11, 12, 13]]
     before = [engine_left_pad(prompts)]
     from llmcourse import generate
-    batched = generate(model, prompts, max_new_tokens=8, eos_token_id=None,
-                       left_pad=guard("left_pad", pad_positions_count_padding))
+
+    batched = generate(
+        model, prompts, max_new_tokens=8, eos_token_id=None, left_pad=guard("left_pad", pad_positions_count_padding)
+    )
     assert batched[0] == generate(model, prompts[0], max_new_tokens=8, eos_token_id=None)
     assert batched[1:] != [generate(model, p, max_new_tokens=8, eos_token_id=None) for p in prompts[1:]]
     assert before[0][0].tolist() == [[5, 6, 7, 8, 9], [0, 0, 0, 0, 10], [0, 0, 11, 12, 13]]
@@ -587,8 +618,11 @@ def test_slot_mapping_mistakes_are_named(fn, pattern):
 
 def test_slot_mapping_failure_always_has_a_hint():
     """A wrong answer that is none of the known mistakes still gets a hint line (it had none)."""
-    message = fails(check_slot_mapping, lambda block_table, positions, block_size: slot_mapping(
-        block_table, positions, block_size) + 1, r"values differ")
+    message = fails(
+        check_slot_mapping,
+        lambda block_table, positions, block_size: slot_mapping(block_table, positions, block_size) + 1,
+        r"values differ",
+    )
     assert "\n  hint: " in message and "block_table[p // block_size] * block_size + p % block_size" in message
 
 
@@ -673,9 +707,21 @@ def test_gather_reads_what_slot_mapping_wrote():
 # -- schedule ---------------------------------------------------------------------------------------
 
 
-def learner_policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens,
-                   victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True,
-                   cached_prefix=True, frees_shared=False):
+def learner_policy(
+    running,
+    waiting,
+    num_free_blocks,
+    *,
+    block_size,
+    max_num_seqs,
+    max_num_batched_tokens,
+    victim="newest",
+    admit_after_preempt=False,
+    skip_unfit=False,
+    chunk_waiting=True,
+    cached_prefix=True,
+    frees_shared=False,
+):
     """The check's `policy` (the engine's, or one of the mistakes its flags name), as a learner would write it: the
     check refuses a learner's call to its own functions."""
     budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
@@ -719,8 +765,15 @@ def learner_policy(running, waiting, num_free_blocks, *, block_size, max_num_seq
 
 def variant(**flags):
     def fn(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
-        return learner_policy(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens, **flags)
+        return learner_policy(
+            running,
+            waiting,
+            num_free_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            **flags,
+        )
 
     fn.__name__ = "_".join(f"{k}={v}" for k, v in flags.items())
     return fn
@@ -740,8 +793,10 @@ def schedule_list(running, waiting, num_free_blocks, **limits):
 def schedule_waiting_first(running, waiting, num_free_blocks, **limits):
     chunks, preempted = schedule(running, waiting, num_free_blocks, **limits)
     waiting_ids = {s.id for s in waiting}
-    return {**{k: v for k, v in chunks.items() if k in waiting_ids},
-            **{k: v for k, v in chunks.items() if k not in waiting_ids}}, preempted
+    return {
+        **{k: v for k, v in chunks.items() if k in waiting_ids},
+        **{k: v for k, v in chunks.items() if k not in waiting_ids},
+    }, preempted
 
 
 def schedule_engine(running, waiting, num_free_blocks, **limits):
@@ -766,8 +821,14 @@ def schedule_masked_round_up(running, waiting, num_free_blocks, *, block_size, m
     real = block_manager.blocks_for
     try:
         globals()["blocks_for"] = lambda n, bs: ((n + bs - 1) & ~(bs - 1)) // bs
-        return schedule(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens)
+        return schedule(
+            running,
+            waiting,
+            num_free_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
     finally:
         globals()["blocks_for"] = real
 
@@ -934,7 +995,7 @@ def test_check_workloads_end_requests_at_eos_id_0():
         for i, row in enumerate(before):
             if "temperature" not in work.settings[i]:  # greedy: the same tokens, relabelled, up to the first 0
                 relabelled = [swap.get(t, t) for t in row]
-                assert tokens[i] == relabelled[:relabelled.index(0) + 1 if 0 in relabelled else None], (seed, i)
+                assert tokens[i] == relabelled[: relabelled.index(0) + 1 if 0 in relabelled else None], (seed, i)
 
 
 def test_engine_with_a_wrong_part_differs_from_alone():

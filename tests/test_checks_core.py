@@ -14,8 +14,8 @@ import torch
 
 from llmcourse.checks.harness.core import Case, CheckFailed, call_learner, equal, run_check
 from llmcourse.checks.harness.forbid import Forbidden, ForbiddenCall, forbidding
-from llmcourse.course.limits import TimeUp, time_limit
 from llmcourse.checks.harness.show import short
+from llmcourse.course.limits import TimeUp, time_limit
 
 # -- order-aware comparison ---------------------------------------------------------------------
 
@@ -48,11 +48,21 @@ def test_run_check_compares_dicts_in_order_by_default():
 # -- bounded messages ---------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("value", [
-    bytes(97), b"ab" + bytes(5000) + b"cd", "x" * 10**6, "".join(map(chr, range(32, 20000))), list(range(10**5)),
-    [[0] * 1000] * 1000, {i: bytes([i % 256]) * 50 for i in range(5000)}, torch.randn(50257), (b"\xff" * 300,),
-    {"nested": [{"deep": "y" * 10**4}]},
-])
+@pytest.mark.parametrize(
+    "value",
+    [
+        bytes(97),
+        b"ab" + bytes(5000) + b"cd",
+        "x" * 10**6,
+        "".join(map(chr, range(32, 20000))),
+        list(range(10**5)),
+        [[0] * 1000] * 1000,
+        {i: bytes([i % 256]) * 50 for i in range(5000)},
+        torch.randn(50257),
+        (b"\xff" * 300,),
+        {"nested": [{"deep": "y" * 10**4}]},
+    ],
+)
 def test_short_bounds_every_value(value):
     assert len(short(value)) <= 300
     assert len(short(value, 60)) <= 60
@@ -84,11 +94,14 @@ def test_a_failing_check_cell_shows_the_message_in_a_kernel():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(
-        "from llmcourse.checks import check_merge\n"
-        "def merge(ids, pair, new_id):\n"
-        "    return list(ids)\n"
-        "check_merge(merge)")]
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from llmcourse.checks import check_merge\n"
+            "def merge(ids, pair, new_id):\n"
+            "    return list(ids)\n"
+            "check_merge(merge)"
+        )
+    ]
     nbclient.NotebookClient(nb, timeout=120, kernel_name="python3", allow_errors=True).execute()
     (error,) = [out for out in nb.cells[0].outputs if out["output_type"] == "error"]
     assert error["ename"] == "CheckFailed" and "nothing was merged" in error["evalue"]  # what nbgrader records
@@ -122,7 +135,11 @@ def test_a_changed_list_dict_or_tensor_is_reported():
         return 0
 
     for fn, args, message in [
-        (appends, ([1, 2],), r"changed its input `ids`[\s\S]*before the call: \[1, 2\][\s\S]*after the call:  \[1, 2, 0\]"),
+        (
+            appends,
+            ([1, 2],),
+            r"changed its input `ids`[\s\S]*before the call: \[1, 2\][\s\S]*after the call:  \[1, 2, 0\]",
+        ),
         (adds_a_key, ({"a": 1, "b": 2},), r"changed its input `table`[\s\S]*dict\(d\)"),
         (reorders, ({"a": 1, "b": 2},), r"changed its input `table`"),
         (scales, (torch.ones(3),), r"changed its input `x`[\s\S]*in-place operation"),
@@ -182,8 +199,12 @@ def test_a_python_function_is_caught_through_any_alias():
 def test_a_cached_function_is_caught_even_when_its_answer_is_cached():
     cached_black_box(1)  # cached before the check
     with pytest.raises(CheckFailed, match="called .*cached_black_box"):
-        run_check("f", lambda x: cached_black_box(x), [Case("a case", (1,), 2)],
-                  forbid=[Forbidden(f"{__name__}.cached_black_box")])
+        run_check(
+            "f",
+            lambda x: cached_black_box(x),
+            [Case("a case", (1,), 2)],
+            forbid=[Forbidden(f"{__name__}.cached_black_box")],
+        )
 
 
 def test_a_class_is_caught_in_subclasses_too():
@@ -191,14 +212,19 @@ def test_a_class_is_caught_in_subclasses_too():
         pass
 
     with pytest.raises(CheckFailed, match=r"BlackBoxClass\.run \(that is .*BlackBoxClass\)"):
-        run_check("f", lambda x: Mine().run(x), [Case("a case", (1,), 0)],
-                  forbid=[Forbidden(f"{__name__}.BlackBoxClass")])
+        run_check(
+            "f", lambda x: Mine().run(x), [Case("a case", (1,), 0)], forbid=[Forbidden(f"{__name__}.BlackBoxClass")]
+        )
 
 
 def test_a_c_function_is_caught_through_an_alias_imported_before():
     with pytest.raises(CheckFailed, match=r"called math\.factorial"):
-        run_check("f", lambda n: factorial_imported_early(n), [Case("a case", (5,), 120)],
-                  forbid=[Forbidden("math.factorial", "Multiply yourself.")])
+        run_check(
+            "f",
+            lambda n: factorial_imported_early(n),
+            [Case("a case", (5,), 120)],
+            forbid=[Forbidden("math.factorial", "Multiply yourself.")],
+        )
 
 
 def test_a_c_method_is_caught():
@@ -225,15 +251,31 @@ def test_a_package_is_caught_even_if_imported_during_the_call(tmp_path, monkeypa
 def test_torch_functions_are_caught_by_name_on_every_route():
     from torch import sort as sort_imported_early
 
-    routes = [lambda x: sort_imported_early(x), lambda x: x.sort(), lambda x: torch.sort(x),
-              lambda x: torch.ops.aten.sort(x), lambda x: torch.ops.aten.sort.default(x),
-              lambda x: torch.Tensor.sort(x), lambda x: torch._C._VariableFunctions.sort(x)]
+    routes = [
+        lambda x: sort_imported_early(x),
+        lambda x: x.sort(),
+        lambda x: torch.sort(x),
+        lambda x: torch.ops.aten.sort(x),
+        lambda x: torch.ops.aten.sort.default(x),
+        lambda x: torch.Tensor.sort(x),
+        lambda x: torch._C._VariableFunctions.sort(x),
+    ]
     for route in routes:
         with pytest.raises(CheckFailed, match=r"called torch\.(ops\.aten\.|Tensor\.)?sort\b"):
-            run_check("f", route, [Case("a case", (torch.tensor([2.0, 1.0]),), None)],
-                      forbid=[Forbidden("torch.sort")], judge=lambda case, got: None)
-    run_check("f", lambda x: torch.argsort(x), [Case("a case", (torch.tensor([2.0, 1.0]),), None)],
-              forbid=[Forbidden("torch.sort")], judge=lambda case, got: None)  # another name: allowed
+            run_check(
+                "f",
+                route,
+                [Case("a case", (torch.tensor([2.0, 1.0]),), None)],
+                forbid=[Forbidden("torch.sort")],
+                judge=lambda case, got: None,
+            )
+    run_check(
+        "f",
+        lambda x: torch.argsort(x),
+        [Case("a case", (torch.tensor([2.0, 1.0]),), None)],
+        forbid=[Forbidden("torch.sort")],
+        judge=lambda case, got: None,
+    )  # another name: allowed
 
 
 def test_a_caught_refusal_still_fails_the_check():
@@ -354,7 +396,9 @@ def test_errors_that_are_not_exceptions_become_messages():
     def exits(x):
         sys.exit(1)
 
-    with pytest.raises(CheckFailed, match=r"raised PanicException: called `Result::unwrap\(\)`[\s\S]*line \d+ in panics"):
+    with pytest.raises(
+        CheckFailed, match=r"raised PanicException: called `Result::unwrap\(\)`[\s\S]*line \d+ in panics"
+    ):
         run_check("f", panics, [Case("a case", (1,), 1)])
     with pytest.raises(CheckFailed, match=r"called exit\(\)"):
         run_check("f", exits, [Case("a case", (1,), 1)])
@@ -405,8 +449,9 @@ def test_the_case_hint_and_the_judge_hint_are_both_shown():
 
 def test_the_time_out_hint_is_the_checks_own():
     with pytest.raises(CheckFailed, match=r"hint: is the loop over the tokens\?") as caught:
-        run_check("f", lambda x: spin(), [Case("a case", (1,), 1)], seconds=0.2,
-                  timeout_hint="is the loop over the tokens?")
+        run_check(
+            "f", lambda x: spin(), [Case("a case", (1,), 1)], seconds=0.2, timeout_hint="is the loop over the tokens?"
+        )
     assert "merge" not in str(caught.value)
 
 
@@ -470,8 +515,11 @@ def test_a_check_in_a_child_prints_here_and_a_crash_is_a_clear_failure(capsys):
 def test_the_child_uses_torch_safely_after_the_parent_used_its_threads():
     a = torch.randn(512, 512)
     a @ a  # the parent's OpenMP threads have run
-    _isolated_check(lambda x: (x @ x).sum(), [Case("a matmul", (a,), later(lambda: (a @ a).sum()))],
-                    compare=lambda got, expected: None if torch.allclose(got, expected, rtol=1e-4) else "differ")
+    _isolated_check(
+        lambda x: (x @ x).sum(),
+        [Case("a matmul", (a,), later(lambda: (a @ a).sum()))],
+        compare=lambda got, expected: None if torch.allclose(got, expected, rtol=1e-4) else "differ",
+    )
 
 
 def _softmax_routes():
@@ -482,12 +530,18 @@ def _softmax_routes():
         "_safe_softmax": lambda x: torch.ops.aten._safe_softmax(x, -1),
         "_masked_softmax": lambda x: torch._masked_softmax(x, torch.zeros_like(x, dtype=torch.bool)),
         "log_softmax": lambda x: torch.ops.aten._log_softmax(x, -1, False).exp(),
-        "cross_entropy": lambda x: torch.stack([
-            (-torch.nn.functional.cross_entropy(x[None], torch.tensor([i]), reduction="none")).exp()[0]
-            for i in range(x.shape[-1])]),
+        "cross_entropy": lambda x: torch.stack(
+            [
+                (-torch.nn.functional.cross_entropy(x[None], torch.tensor([i]), reduction="none")).exp()[0]
+                for i in range(x.shape[-1])
+            ]
+        ),
         "sdpa as softmax": lambda x: torch.nn.functional.scaled_dot_product_attention(
-            torch.zeros(1, 1, x.shape[-1]), torch.zeros(1, x.shape[-1], 1), torch.eye(x.shape[-1])[None],
-            attn_mask=x[None, None]).flatten(),
+            torch.zeros(1, 1, x.shape[-1]),
+            torch.zeros(1, x.shape[-1], 1),
+            torch.eye(x.shape[-1])[None],
+            attn_mask=x[None, None],
+        ).flatten(),
         "jit.script": lambda x: scripted(x, -1),
     }
 
@@ -500,23 +554,26 @@ def test_a_black_box_is_caught_by_what_it_computes_however_it_is_reached(route):
         run_check("softmax", fn, [Case("a case", (x,), torch.softmax(x, -1))], forbid=SOFTMAX_RULES)
 
 
-@pytest.mark.parametrize("target, route", [
-    ("torch.nn.functional.gelu", lambda x: torch._C._nn.gelu_(x.clone(), approximate="tanh")),
-    ("torch.nn.functional.layer_norm", lambda x: torch.group_norm(x[:, None], 1)[:, 0]),
-    ("torch.nn.functional.layer_norm", lambda x: torch.rms_norm(x - x.mean(-1, keepdim=True), (x.shape[-1],))),
-    ("torch.nn.functional.embedding", lambda x: torch.nn.functional.embedding_bag(torch.tensor([[0]]), x)),
-])
+@pytest.mark.parametrize(
+    "target, route",
+    [
+        ("torch.nn.functional.gelu", lambda x: torch._C._nn.gelu_(x.clone(), approximate="tanh")),
+        ("torch.nn.functional.layer_norm", lambda x: torch.group_norm(x[:, None], 1)[:, 0]),
+        ("torch.nn.functional.layer_norm", lambda x: torch.rms_norm(x - x.mean(-1, keepdim=True), (x.shape[-1],))),
+        ("torch.nn.functional.embedding", lambda x: torch.nn.functional.embedding_bag(torch.tensor([[0]]), x)),
+    ],
+)
 def test_private_kernels_of_the_same_job_are_caught(target, route):
     x = torch.randn(2, 4)
     with pytest.raises(CheckFailed, match="your function called torch"):
-        run_check("f", route, [Case("a case", (x,), None)], forbid=[Forbidden(target)],
-                  judge=lambda case, got: None)
+        run_check("f", route, [Case("a case", (x,), None)], forbid=[Forbidden(target)], judge=lambda case, got: None)
 
 
 def test_an_allowed_function_of_another_name_stays_allowed():
     x = torch.tensor([3.0, 1.0, 2.0])
-    run_check("f", lambda x: x.exp() / x.exp().sum(), [Case("a case", (x,), torch.softmax(x, -1))],
-              forbid=SOFTMAX_RULES)  # exp, sum, div: the exercise's own ingredients
+    run_check(
+        "f", lambda x: x.exp() / x.exp().sum(), [Case("a case", (x,), torch.softmax(x, -1))], forbid=SOFTMAX_RULES
+    )  # exp, sum, div: the exercise's own ingredients
 
 
 @pytest.mark.parametrize("peek", ["sys._getframe", "inspect.stack", "gc.get_objects", "setprofile", "pop mode"])
@@ -563,8 +620,12 @@ def test_the_checks_own_functions_are_refused():
     ids = torch.tensor([[1, 2]])
     wte, wpe = torch.randn(5, 3), torch.randn(4, 3)
     with pytest.raises(CheckFailed, match="llmcourse.checks.embeddings.reference_embed, one of the check's own"):
-        run_check("embed", lambda *a: embeddings.reference_embed(*a), [Case("a case", (wte, wpe, ids), None)],
-                  judge=lambda case, got: None)
+        run_check(
+            "embed",
+            lambda *a: embeddings.reference_embed(*a),
+            [Case("a case", (wte, wpe, ids), None)],
+            judge=lambda case, got: None,
+        )
 
 
 def test_answers_are_plain_tensors_and_any_python_number():
@@ -576,6 +637,7 @@ def test_answers_are_plain_tensors_and_any_python_number():
     liar = torch.zeros(2).as_subclass(AlwaysEqual)
     assert "plain torch.Tensor, got a AlwaysEqual" in equal(liar, torch.ones(2))
     from llmcourse.checks.harness.tensors import tensor_problem
+
     assert "plain torch.Tensor" in tensor_problem(liar, torch.ones(2))
     assert equal(numpy.int64(3), 3) is None and equal(fractions.Fraction(1, 3), 1 / 3) is None
     assert equal(numpy.float32(0.5), 0.5) is None and equal(numpy.bool_(True), True) is None
@@ -586,6 +648,7 @@ def test_answers_are_plain_tensors_and_any_python_number():
 def test_messages_show_the_digits_that_differ_where_an_input_changed_and_the_device():
     assert "expected 0.1153642, got 0.1153641" in equal(0.1153641, 0.1153642, rel_tol=1e-9, abs_tol=0)
     from llmcourse.checks.harness.tensors import tensor_problem
+
     problem = tensor_problem(torch.tensor([0.115366]), torch.tensor([0.115364]), atol=1e-7, rtol=0)
     assert "expected 0.115364, got 0.115366" in problem and "close, but the check asks for" in problem
     assert tensor_problem(torch.zeros(2, device="meta"), torch.zeros(2)) == "expected a tensor on cpu, got one on meta"
@@ -595,8 +658,12 @@ def test_messages_show_the_digits_that_differ_where_an_input_changed_and_the_dev
         return cache
 
     with pytest.raises(CheckFailed, match=r"first at k_cache\[1, 2\]: 0\.0 before the call, 7\.0 after it"):
-        run_check("f", lambda k_cache: writes(k_cache), [Case("a case", (torch.zeros(3, 4),), None)],
-                  judge=lambda case, got: None)
+        run_check(
+            "f",
+            lambda k_cache: writes(k_cache),
+            [Case("a case", (torch.zeros(3, 4),), None)],
+            judge=lambda case, got: None,
+        )
     assert short(torch.nn.Linear(3, 2)) == "<Linear: 8 parameters (float32)>"
 
 
@@ -637,12 +704,15 @@ def test_the_randomness_contract_accepts_samplers_that_keep_it(sampler):
     generator_contract("sample", _draws(sampler))
 
 
-@pytest.mark.parametrize("sampler, message", [
-    (_ignores_generator, "used or changed torch's global generator"),
-    (_copies_state, "the generator's state did not change"),
-    (_reseeds_global, "used or changed torch's global generator"),
-    (_fresh_when_none, "calls with generator=None gave the same result"),
-])
+@pytest.mark.parametrize(
+    "sampler, message",
+    [
+        (_ignores_generator, "used or changed torch's global generator"),
+        (_copies_state, "the generator's state did not change"),
+        (_reseeds_global, "used or changed torch's global generator"),
+        (_fresh_when_none, "calls with generator=None gave the same result"),
+    ],
+)
 def test_the_randomness_contract_rejects_what_breaks_it(sampler, message):
     state = torch.random.get_rng_state()
     with pytest.raises(CheckFailed, match=message):

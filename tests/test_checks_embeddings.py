@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.nn.functional import embedding as embedding_imported_early
 
 import llmcourse.engine.parts
-from llmcourse.engine import positions
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
+from llmcourse.engine import positions
 from tests.notebook_checks import run_notebook_checks
 
 NOTEBOOK = Path(__file__).parents[1] / "solutions/02_embeddings/02_embeddings.ipynb"
@@ -54,8 +54,12 @@ def rope(x, position_ids, base=10000.0):
     return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
 
 
-REFERENCES = [(check_embedding, embedding), (check_embed, embed),
-              (check_sinusoidal_positions, sinusoidal_positions), (check_rope, rope)]
+REFERENCES = [
+    (check_embedding, embedding),
+    (check_embed, embed),
+    (check_sinusoidal_positions, sinusoidal_positions),
+    (check_rope, rope),
+]
 IDS = [check.__name__ for check, _ in REFERENCES]
 
 
@@ -95,8 +99,11 @@ def embedding_from_one(weight, ids):
 
 
 def embedding_first_row_only(weight, ids):  # right for a batch of one
-    return torch.stack([weight[i] for i in ids[0].tolist()])[None].expand(*ids.shape, -1) if ids.dim() == 2 \
+    return (
+        torch.stack([weight[i] for i in ids[0].tolist()])[None].expand(*ids.shape, -1)
+        if ids.dim() == 2
         else weight[ids]
+    )
 
 
 def embedding_float32(weight, ids):  # right unless the table is float64
@@ -246,7 +253,9 @@ def embed_uint8_positions(wte, wpe, input_ids, position_ids=None):
 
 
 def embed_float32_sum(wte, wpe, input_ids, position_ids=None):  # right for float32 and float64 only
-    out = torch.zeros(*input_ids.shape, wte.shape[1], dtype=torch.float64 if wte.dtype == torch.float64 else torch.float32)
+    out = torch.zeros(
+        *input_ids.shape, wte.shape[1], dtype=torch.float64 if wte.dtype == torch.float64 else torch.float32
+    )
     if position_ids is None:
         position_ids = torch.arange(input_ids.shape[1]).expand_as(input_ids)
     return out + wte[input_ids] + wpe[position_ids]
@@ -322,12 +331,18 @@ def rope_table_by_head_dim(x, position_ids, base=10000.0):  # transformers-like 
 
 MISTAKES = [
     (check_embedding, embedding_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view[\s\S]*use \.reshape\(\)"),
-    (check_embedding, embedding_float32_unless_float64,
-     r"float16 weights[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*no \.float\(\)"),
+    (
+        check_embedding,
+        embedding_float32_unless_float64,
+        r"float16 weights[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*no \.float\(\)",
+    ),
     (check_embedding, embedding_int16_ids, r"GPT-2's vocabulary[\s\S]*int16 holds ids only up to 32767"),
     (check_embedding, embedding_cached_by_ids, r"another table of the same shape[\s\S]*nothing may be kept"),
-    (check_embedding, embedding_wrong_in_the_engine,
-     r"embedding in the engine — the bundled GPT-2[\s\S]*the logits differ[\s\S]*1e-3 of the largest logit"),
+    (
+        check_embedding,
+        embedding_wrong_in_the_engine,
+        r"embedding in the engine — the bundled GPT-2[\s\S]*the logits differ[\s\S]*1e-3 of the largest logit",
+    ),
     (check_embed, embed_without_default, r"missing 1 required positional argument[\s\S]*position_ids=None\)"),
     (check_embed, embed_eos_as_padding, r"<\|endoftext\|> \(50256\) inside the text[\s\S]*a real token, not padding"),
     (check_embed, embed_uint8_positions, r"300 tokens[\s\S]*positions go past 255"),
@@ -335,8 +350,11 @@ MISTAKES = [
     (check_embed, embed_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_sinusoidal_positions, sinusoidal_cached_by_shape, r"base 100 \(a table kept[\s\S]*a cache keyed on"),
     (check_sinusoidal_positions, sinusoidal_uint8_positions, r"positions go past 255"),
-    (check_sinusoidal_positions, sinusoidal_fixed_table,
-     r"4096 positions[\s\S]*expected shape \(4096, 64\), got \(2048, 64\)[\s\S]*no table of a fixed size"),
+    (
+        check_sinusoidal_positions,
+        sinusoidal_fixed_table,
+        r"4096 positions[\s\S]*expected shape \(4096, 64\), got \(2048, 64\)[\s\S]*no table of a fixed size",
+    ),
     (check_rope, rope_flat_rows, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_rope, rope_float32_for_half, r"float16 stays float16[\s\S]*expected dtype torch.float16, got torch.float32"),
     (check_rope, rope_cached_by_shape, r"\[5, 6, 7\][\s\S]*use position_ids"),
@@ -368,8 +386,7 @@ MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", MISTAKES,
-                         ids=[getattr(w, "__name__", "?") for _, w, _ in MISTAKES])
+@pytest.mark.parametrize("check, wrong, message", MISTAKES, ids=[getattr(w, "__name__", "?") for _, w, _ in MISTAKES])
 def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check(wrong)
@@ -439,7 +456,7 @@ def rope_numpy(x, position_ids, base=10000.0):
     angle = position_ids.numpy()[..., None] * np.power(float(base), -np.arange(0, d, 2) / d)  # [B, T, D/2]
     angle = np.concatenate([angle, angle], axis=-1)[:, None]
     xs = x.double().numpy()
-    rotated = np.concatenate([-xs[..., d // 2:], xs[..., : d // 2]], axis=-1)
+    rotated = np.concatenate([-xs[..., d // 2 :], xs[..., : d // 2]], axis=-1)
     return torch.from_numpy(xs * np.cos(angle) + rotated * np.sin(angle)).to(x.dtype)
 
 
@@ -539,26 +556,48 @@ def embedding_through_module(weight, ids):
 
 BLACK_BOXES = [
     (check_embedding, lambda weight, ids: F.embedding(ids, weight), r"called torch\.(nn\.functional\.)?embedding"),
-    (check_embedding, lambda weight, ids: embedding_imported_early(ids, weight),
-     r"called torch\.(nn\.functional\.)?embedding"),
+    (
+        check_embedding,
+        lambda weight, ids: embedding_imported_early(ids, weight),
+        r"called torch\.(nn\.functional\.)?embedding",
+    ),
     (check_embedding, lambda weight, ids: torch.embedding(weight, ids), r"called torch\.embedding"),
     (check_embedding, lambda weight, ids: torch.ops.aten.embedding(weight, ids), r"called .*embedding"),
     (check_embedding, embedding_through_module, r"called torch\.(nn\.(modules\.sparse\.)?Embedding|embedding)"),
-    (check_embedding, lambda weight, ids: llmcourse.engine.parts.embedding(weight, ids), r"called llmcourse\.engine\.parts\.embedding"),
-    (check_embed, lambda wte, wpe, ids, pos=None: F.embedding(ids, wte) + wpe[: ids.shape[1]],
-     r"called torch\.(nn\.functional\.)?embedding"),
-    (check_sinusoidal_positions, lambda n, dim, base=10000.0: positions.sinusoidal_positions(n, dim, base),
-     r"called llmcourse\.engine\.positions\.sinusoidal_positions"),
-    (check_rope, lambda x, pos, base=10000.0: positions.rope(x, pos, base), r"called llmcourse\.engine\.positions\.rope"),
+    (
+        check_embedding,
+        lambda weight, ids: llmcourse.engine.parts.embedding(weight, ids),
+        r"called llmcourse\.engine\.parts\.embedding",
+    ),
+    (
+        check_embed,
+        lambda wte, wpe, ids, pos=None: F.embedding(ids, wte) + wpe[: ids.shape[1]],
+        r"called torch\.(nn\.functional\.)?embedding",
+    ),
+    (
+        check_sinusoidal_positions,
+        lambda n, dim, base=10000.0: positions.sinusoidal_positions(n, dim, base),
+        r"called llmcourse\.engine\.positions\.sinusoidal_positions",
+    ),
+    (
+        check_rope,
+        lambda x, pos, base=10000.0: positions.rope(x, pos, base),
+        r"called llmcourse\.engine\.positions\.rope",
+    ),
     (check_rope, lambda x, pos, base=10000.0: x * 0 + positions.rotate_half(x), r"called llmcourse\.engine\.positions"),
-    (check_rope, lambda x, pos, base=10000.0: sys.modules["transformers.models.llama.modeling_llama"]
-     .apply_rotary_pos_emb(x, x, *positions.rope_cos_sin(pos, x.shape[-1], base, x.dtype))[0],
-     r"called (transformers|llmcourse\.engine\.positions)"),
+    (
+        check_rope,
+        lambda x, pos, base=10000.0: sys.modules["transformers.models.llama.modeling_llama"].apply_rotary_pos_emb(
+            x, x, *positions.rope_cos_sin(pos, x.shape[-1], base, x.dtype)
+        )[0],
+        r"called (transformers|llmcourse\.engine\.positions)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", BLACK_BOXES,
-                         ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(BLACK_BOXES)])
+@pytest.mark.parametrize(
+    "check, wrong, message", BLACK_BOXES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(BLACK_BOXES)]
+)
 def test_black_box_is_rejected_however_it_is_reached(check, wrong, message):
     pytest.importorskip("transformers.models.llama.modeling_llama")
     with pytest.raises(CheckFailed, match=message):
@@ -569,7 +608,9 @@ def test_the_engine_still_works_after_a_check_that_forbids_it():
     with pytest.raises(CheckFailed):
         check_embedding(lambda weight, ids: F.embedding(ids, weight))
     assert sys.getprofile() is None
-    assert torch.equal(llmcourse.engine.parts.embedding(torch.eye(3), torch.tensor([[2]])), torch.tensor([[[0.0, 0, 1]]]))
+    assert torch.equal(
+        llmcourse.engine.parts.embedding(torch.eye(3), torch.tensor([[2]])), torch.tensor([[[0.0, 0, 1]]])
+    )
 
 
 # -- crashes, hangs, wrong types ------------------------------------------------------------------

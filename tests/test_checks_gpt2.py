@@ -14,12 +14,25 @@ from safetensors.torch import load_file
 
 import llmcourse
 from llmcourse import GPT2Config
-from llmcourse.engine import parts
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.gpt2 import (BLOCK_KEYS, block_weights, check_block, check_gelu, check_gpt2_forward,
-                                   check_layer_norm, check_linear, check_load_gpt2_checkpoint, check_mlp,
-                                   checkpoint_folders, hf_logits, lively_state_dict, reference_block,
-                                   reference_checkpoint, reference_forward)
+from llmcourse.checks.gpt2 import (
+    BLOCK_KEYS,
+    block_weights,
+    check_block,
+    check_gelu,
+    check_gpt2_forward,
+    check_layer_norm,
+    check_linear,
+    check_load_gpt2_checkpoint,
+    check_mlp,
+    checkpoint_folders,
+    hf_logits,
+    lively_state_dict,
+    reference_block,
+    reference_checkpoint,
+    reference_forward,
+)
+from llmcourse.engine import parts
 from llmcourse.engine.parts import attention, causal_mask, embedding, merge_heads, split_heads
 from tests.notebook_checks import run_notebook_checks
 
@@ -245,7 +258,9 @@ def block_ln2_on_input(x, w, n_head, eps=1e-5):
 
 def block_not_causal(x, w, n_head, eps=1e-5):
     T = x.shape[1]
-    x = x + attend(layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps), w, n_head, mask=torch.ones(T, T, dtype=torch.bool))
+    x = x + attend(
+        layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps), w, n_head, mask=torch.ones(T, T, dtype=torch.bool)
+    )
     return x + mlp_of(layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
 
 
@@ -253,7 +268,10 @@ def block_heads_mixed_up(x, w, n_head, eps=1e-5):
     """Splits the heads with a plain view (no transpose): right for one head, wrong for several."""
     h = layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps)
     B, T, C = h.shape
-    q, k, v = (t.reshape(B, n_head, T, C // n_head) for t in linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"]).split(C, -1))
+    q, k, v = (
+        t.reshape(B, n_head, T, C // n_head)
+        for t in linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"]).split(C, -1)
+    )
     a = attention(q, k, v, causal_mask(T, T)).reshape(B, T, C)
     x = x + linear(a, w["attn.c_proj.weight"], w["attn.c_proj.bias"])
     return x + mlp_of(layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
@@ -339,7 +357,6 @@ def load_str_only(folder):
     return load_gpt2_checkpoint(folder)
 
 
-
 # kinds of issue 22: dtypes, layouts, shapes, parameters, defaults, sizes
 
 
@@ -349,8 +366,11 @@ def layer_norm_view(x, weight, bias, eps):
 
 
 def layer_norm_half_to_float(x, weight, bias, eps):
-    return layer_norm(x.float(), weight.float(), bias.float(), eps) if x.dtype in (torch.float16, torch.bfloat16) \
-        else layer_norm(x, weight, bias, eps)  # float16 in, float32 out
+    return (
+        layer_norm(x.float(), weight.float(), bias.float(), eps)
+        if x.dtype in (torch.float16, torch.bfloat16)
+        else layer_norm(x, weight, bias, eps)
+    )  # float16 in, float32 out
 
 
 def layer_norm_fixed_eps(x, weight, bias, eps):
@@ -374,12 +394,19 @@ def linear_view(x, weight, bias):
 
 
 def linear_addmm_2d(x, weight, bias):
-    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1) if x.dim() > 1 else \
-        torch.addmm(bias, x, weight)  # 1-D x: addmm wants a matrix
+    return (
+        torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).reshape(*x.shape[:-1], -1)
+        if x.dim() > 1
+        else torch.addmm(bias, x, weight)
+    )  # 1-D x: addmm wants a matrix
 
 
 def linear_half_to_float(x, weight, bias):
-    return x.float() @ weight.float() + bias.float() if x.dtype in (torch.float16, torch.bfloat16) else linear(x, weight, bias)
+    return (
+        x.float() @ weight.float() + bias.float()
+        if x.dtype in (torch.float16, torch.bfloat16)
+        else linear(x, weight, bias)
+    )
 
 
 def mlp_3d_only(x, w1, b1, w2, b2):
@@ -505,37 +532,77 @@ MISTAKES = [
     (check_gpt2_forward, forward_string_order, r"12 layers[\s\S]*h\.10 before h\.2"),
     (check_gpt2_forward, forward_positions_over_the_batch, r"batch of 3[\s\S]*first sequence is right"),
     (check_load_gpt2_checkpoint, load_transposing, r"has shape \(24, 8\), expected \(8, 24\)[\s\S]*no transpose"),
-    (check_load_gpt2_checkpoint, load_transposing_square_only, r"values of 'h\.0\.attn\.c_proj\.weight'[\s\S]*no transpose"),
+    (
+        check_load_gpt2_checkpoint,
+        load_transposing_square_only,
+        r"values of 'h\.0\.attn\.c_proj\.weight'[\s\S]*no transpose",
+    ),
     (check_load_gpt2_checkpoint, load_keeping_prefix, r"unexpected key 'transformer\.[\s\S]*drop the prefix"),
     (check_load_gpt2_checkpoint, load_keeping_buffers, r"unexpected key 'h\.0\.attn\.bias'[\s\S]*buffers"),
     (check_load_gpt2_checkpoint, load_keeping_lm_head, r"unexpected key 'lm_head\.weight'[\s\S]*tied"),
     (check_load_gpt2_checkpoint, load_dropping_c_attn_bias, r"the key 'h\.0\.attn\.c_attn\.bias' is missing"),
-    (check_load_gpt2_checkpoint, load_keeping_float16, r"float16[\s\S]*has dtype torch.float16, expected torch.float32[\s\S]*\.float\(\)"),
+    (
+        check_load_gpt2_checkpoint,
+        load_keeping_float16,
+        r"float16[\s\S]*has dtype torch.float16, expected torch.float32[\s\S]*\.float\(\)",
+    ),
     (check_load_gpt2_checkpoint, load_config_object, r"the config should be the dict read from config\.json"),
     (check_load_gpt2_checkpoint, load_str_only, r"raised TypeError"),
     (check_layer_norm, layer_norm_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
-    (check_layer_norm, layer_norm_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (
+        check_layer_norm,
+        layer_norm_half_to_float,
+        r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out",
+    ),
     (check_layer_norm, layer_norm_fixed_eps, r"eps"),
     (check_gelu, gelu_view, r"raised RuntimeError: view size[\s\S]*non-contiguous view[\s\S]*reshape"),
-    (check_gelu, gelu_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (
+        check_gelu,
+        gelu_half_to_float,
+        r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out",
+    ),
     (check_gelu, gelu_loop_over_rows, r"a few values: expected shape \(7,\), got \(4,\)"),
     (check_linear, linear_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
     (check_linear, linear_addmm_2d, r"linear\(x=tensor float32 \[4\][\s\S]*raised RuntimeError[\s\S]*none too"),
-    (check_linear, linear_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
-    (check_mlp, mlp_3d_only, r"mlp\(x=tensor float32 \[8\][\s\S]*values to unpack[\s\S]*any number of leading dimensions"),
+    (
+        check_linear,
+        linear_half_to_float,
+        r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out",
+    ),
+    (
+        check_mlp,
+        mlp_3d_only,
+        r"mlp\(x=tensor float32 \[8\][\s\S]*values to unpack[\s\S]*any number of leading dimensions",
+    ),
     (check_mlp, mlp_view, r"non-contiguous view[\s\S]*raised RuntimeError: view size[\s\S]*reshape"),
-    (check_mlp, mlp_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (
+        check_mlp,
+        mlp_half_to_float,
+        r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out",
+    ),
     (check_block, block_fixed_eps, r"eps = 0\.1[\s\S]*pass eps to both layer norms"),
     (check_block, block_wrong_default, r"without eps[\s\S]*default is GPT-2's layer_norm_epsilon, 1e-5"),
-    (check_block, block_half_to_float, r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out"),
+    (
+        check_block,
+        block_half_to_float,
+        r"float16[\s\S]*expected dtype torch.float16, got torch.float32[\s\S]*float16 in, float16 out",
+    ),
     (check_gpt2_forward, forward_ln_f_without_affine, r"ln_f has a weight and a bias too"),
     (check_gpt2_forward, forward_single_digit_layers, r"12 layers[\s\S]*h\.10 and h\.11 too"),
     (check_gpt2_forward, forward_fixed_eps, r"eps = 1e-3[\s\S]*pass eps to every layer norm"),
     (check_gpt2_forward, forward_float32, r"float16 weights[\s\S]*expected dtype torch.float16, got torch.float32"),
     (check_gpt2_forward, forward_wrong_default, r"without eps[\s\S]*default is GPT-2's layer_norm_epsilon, 1e-5"),
-    (check_load_gpt2_checkpoint, load_regex_single_digit, r"12 layers[\s\S]*'h\.10\.[\s\S]* is missing[\s\S]*two digits"),
+    (
+        check_load_gpt2_checkpoint,
+        load_regex_single_digit,
+        r"12 layers[\s\S]*'h\.10\.[\s\S]* is missing[\s\S]*two digits",
+    ),
     (check_load_gpt2_checkpoint, load_half_only, r"bfloat16[\s\S]*has dtype torch.bfloat16, expected torch.float32"),
-    (check_load_gpt2_checkpoint, load_buffers_by_single_digit, r"12 layers[\s\S]*unexpected key 'h\.10\.attn\.bias'[\s\S]*buffers"),
+    (
+        check_load_gpt2_checkpoint,
+        load_buffers_by_single_digit,
+        r"12 layers[\s\S]*unexpected key 'h\.10\.attn\.bias'[\s\S]*buffers",
+    ),
 ]
 
 
@@ -603,11 +670,15 @@ def forward_with_wte_indexing(sd, ids, n_head, eps=1e-5):
     x = sd["wte.weight"][ids] + sd["wpe.weight"][:T]
     i = 0
     while f"h.{i}.ln_1.weight" in sd:
-        x = block_with_fused_heads(x, {k.removeprefix(f"h.{i}."): v for k, v in sd.items() if k.startswith(f"h.{i}.")},
-                                   n_head, eps)
+        x = block_with_fused_heads(
+            x, {k.removeprefix(f"h.{i}."): v for k, v in sd.items() if k.startswith(f"h.{i}.")}, n_head, eps
+        )
         i += 1
-    return linear(layer_norm(x, sd["ln_f.weight"], sd["ln_f.bias"], eps), sd["wte.weight"].T,
-                  torch.zeros(sd["wte.weight"].shape[0], dtype=x.dtype))
+    return linear(
+        layer_norm(x, sd["ln_f.weight"], sd["ln_f.bias"], eps),
+        sd["wte.weight"].T,
+        torch.zeros(sd["wte.weight"].shape[0], dtype=x.dtype),
+    )
 
 
 def load_with_safe_open(folder):
@@ -626,7 +697,6 @@ def load_with_safe_open(folder):
                 continue
             sd[name] = f.get_tensor(key).to(torch.float32)
     return sd, config
-
 
 
 def layer_norm_welford(x, weight, bias, eps):
@@ -676,8 +746,13 @@ def block_welford(x, weights, n_head, eps=1e-5):
     h = layer_norm_welford(x, w["ln_1.weight"], w["ln_1.bias"], eps)
     q, k, v = (split_heads(t, n_head) for t in linear(h, w["attn.c_attn.weight"], w["attn.c_attn.bias"]).split(C, -1))
     x = x + linear(merge_heads(attention(q, k, v, causal_mask(T, T))), w["attn.c_proj.weight"], w["attn.c_proj.bias"])
-    return x + mlp(layer_norm_welford(x, w["ln_2.weight"], w["ln_2.bias"], eps), w["mlp.c_fc.weight"],
-                   w["mlp.c_fc.bias"], w["mlp.c_proj.weight"], w["mlp.c_proj.bias"])
+    return x + mlp(
+        layer_norm_welford(x, w["ln_2.weight"], w["ln_2.bias"], eps),
+        w["mlp.c_fc.weight"],
+        w["mlp.c_fc.bias"],
+        w["mlp.c_proj.weight"],
+        w["mlp.c_proj.bias"],
+    )
 
 
 def forward_in_float64(sd, ids, n_head, eps=1e-5):
@@ -730,28 +805,55 @@ class LayerNormModule(torch.nn.LayerNorm):
 BLACK_BOXES = [
     (check_layer_norm, lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps), r"called torch.*layer_norm"),
     (check_layer_norm, lambda x, w, b, eps: torch.layer_norm(x, x.shape[-1:], w, b, eps), r"called torch.*layer_norm"),
-    (check_layer_norm, lambda x, w, b, eps: torch.ops.aten.native_layer_norm(x, x.shape[-1:], w, b, eps)[0],
-     r"called torch.ops.aten.native_layer_norm"),
-    (check_layer_norm, lambda x, w, b, eps: F.group_norm(x.reshape(-1, 1, x.shape[-1]), 1, eps=eps).reshape(x.shape) * w + b,
-     r"called torch.*group_norm"),
-    (check_layer_norm, lambda x, w, b, eps: parts.layer_norm(x, w, b, eps), r"called llmcourse\.engine\.parts\.layer_norm"),
+    (
+        check_layer_norm,
+        lambda x, w, b, eps: torch.ops.aten.native_layer_norm(x, x.shape[-1:], w, b, eps)[0],
+        r"called torch.ops.aten.native_layer_norm",
+    ),
+    (
+        check_layer_norm,
+        lambda x, w, b, eps: F.group_norm(x.reshape(-1, 1, x.shape[-1]), 1, eps=eps).reshape(x.shape) * w + b,
+        r"called torch.*group_norm",
+    ),
+    (
+        check_layer_norm,
+        lambda x, w, b, eps: parts.layer_norm(x, w, b, eps),
+        r"called llmcourse\.engine\.parts\.layer_norm",
+    ),
     (check_gelu, lambda x: F.gelu(x, approximate="tanh"), r"called torch.*gelu"),
     (check_gelu, lambda x: torch.nn.GELU("tanh")(x), r"called torch.*gelu"),
     (check_gelu, lambda x: torch.ops.aten.gelu(x, approximate="tanh"), r"called torch.ops.aten.gelu"),
     (check_gelu, lambda x: parts.gelu(x), r"called llmcourse\.engine\.parts\.gelu"),
     (check_linear, lambda x, w, b: parts.linear(x, w, b), r"called llmcourse\.engine\.parts\.linear"),
-    (check_mlp, lambda x, w1, b1, w2, b2: parts.linear(parts.gelu(parts.linear(x, w1, b1)), w2, b2),
-     r"called llmcourse\.engine\.parts\.(linear|gelu)"),
-    (check_block, lambda x, w, n_head, eps=1e-5: reference_block(x, w, n_head, eps), r"called llmcourse\.(engine\.parts|checks)"),
-    (check_gpt2_forward, lambda sd, ids, n_head, eps=1e-5: reference_forward(sd, ids, n_head, eps),
-     r"called llmcourse\.(engine\.model\.GPT2|checks\.gpt2\.reference_forward)"),
-    (check_load_gpt2_checkpoint, lambda folder: (llmcourse.load_model(folder).state_dict(), json.loads(
-        (Path(folder) / "config.json").read_text())), r"called llmcourse\.engine\.loading\.load_model"),
+    (
+        check_mlp,
+        lambda x, w1, b1, w2, b2: parts.linear(parts.gelu(parts.linear(x, w1, b1)), w2, b2),
+        r"called llmcourse\.engine\.parts\.(linear|gelu)",
+    ),
+    (
+        check_block,
+        lambda x, w, n_head, eps=1e-5: reference_block(x, w, n_head, eps),
+        r"called llmcourse\.(engine\.parts|checks)",
+    ),
+    (
+        check_gpt2_forward,
+        lambda sd, ids, n_head, eps=1e-5: reference_forward(sd, ids, n_head, eps),
+        r"called llmcourse\.(engine\.model\.GPT2|checks\.gpt2\.reference_forward)",
+    ),
+    (
+        check_load_gpt2_checkpoint,
+        lambda folder: (
+            llmcourse.load_model(folder).state_dict(),
+            json.loads((Path(folder) / "config.json").read_text()),
+        ),
+        r"called llmcourse\.engine\.loading\.load_model",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", BLACK_BOXES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in
-                                                                   enumerate(BLACK_BOXES)])
+@pytest.mark.parametrize(
+    "check, wrong, message", BLACK_BOXES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(BLACK_BOXES)]
+)
 def test_black_box_is_rejected_however_it_is_reached(check, wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check(wrong)
@@ -812,10 +914,14 @@ def test_reference_block_equals_the_engines_one_layer_model():
     assert torch.allclose(reference_block(x, w, 4), block(x, w, 4), atol=1e-5)
 
 
-@pytest.mark.parametrize("config", [
-    GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=500),
-    GPT2Config(n_layer=12, n_head=2, n_embd=8, n_positions=16, vocab_size=30),
-], ids=["small", "12-layers"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        GPT2Config(n_layer=2, n_head=4, n_embd=32, n_positions=64, vocab_size=500),
+        GPT2Config(n_layer=12, n_head=2, n_embd=8, n_positions=16, vocab_size=30),
+    ],
+    ids=["small", "12-layers"],
+)
 def test_reference_forward_equals_transformers(config):
     sd = lively_state_dict(config, seed=5)
     ids = torch.randint(config.vocab_size, (3, 11), generator=torch.Generator().manual_seed(1))
@@ -891,8 +997,11 @@ def test_an_answer_just_outside_the_accuracy_contract_says_what_accuracy_was_exp
     def layer_norm_slightly_off(x, weight, bias, eps):
         return layer_norm(x, weight, bias, eps) * (1 + 3e-5)
 
-    with pytest.raises(CheckFailed, match=r"allowed [\d.e-]+ there[\s\S]*close, but not as accurate as expected: "
-                                          r"layer_norm may be off by 8·√C units"):
+    with pytest.raises(
+        CheckFailed,
+        match=r"allowed [\d.e-]+ there[\s\S]*close, but not as accurate as expected: "
+        r"layer_norm may be off by 8·√C units",
+    ):
         check_layer_norm(layer_norm_slightly_off)
 
 
@@ -900,7 +1009,10 @@ def test_a_part_that_fails_only_in_the_engine_is_caught_there_and_the_model_is_n
     def gelu_upcasting_in_the_engine(x):
         return gelu(x).float() if x.shape[-1] == 64 and x.dim() == 3 and x.shape[0] == 3 else gelu(x)  # 4C of the model
 
-    with pytest.raises(CheckFailed, match=r"model = <tiny GPT-2: 2 layers, n_embd 16, float16[^\n]*>; model\.parts = "
-                                          r"guarded\(Parts, gelu=gelu\)[\s\S]*part 'gelu'") as caught:
+    with pytest.raises(
+        CheckFailed,
+        match=r"model = <tiny GPT-2: 2 layers, n_embd 16, float16[^\n]*>; model\.parts = "
+        r"guarded\(Parts, gelu=gelu\)[\s\S]*part 'gelu'",
+    ) as caught:
         check_gelu(gelu_upcasting_in_the_engine)
     assert "Affine" not in str(caught.value) and "ModuleList" not in str(caught.value)

@@ -8,16 +8,24 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 import llmcourse
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.kv_cache import (check_cached_attention, check_generate_greedy, check_kv_cache,
-                                       check_kv_cache_bytes, decisive_model, full_recompute, one_thread,
-                                       recording_cache, reference_cached_attention, smallest_margin)
+from llmcourse.checks.kv_cache import (
+    check_cached_attention,
+    check_generate_greedy,
+    check_kv_cache,
+    check_kv_cache_bytes,
+    decisive_model,
+    full_recompute,
+    one_thread,
+    recording_cache,
+    reference_cached_attention,
+    smallest_margin,
+)
 from llmcourse.engine.model import KVCache as EngineKVCache
 from llmcourse.engine.parts import attention
 from tests.notebook_checks import run_notebook_checks
@@ -41,8 +49,8 @@ class KVCache:
         end = self.length + k.shape[2]
         if end > self.max_len:
             raise ValueError(f"the cache is full: {end} > {self.max_len}")
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -97,8 +105,16 @@ def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-@pytest.mark.parametrize("check, fn", [(check_kv_cache, StubCache), (check_cached_attention, stub),
-                                       (check_generate_greedy, stub), (check_kv_cache_bytes, stub)], ids=IDS)
+@pytest.mark.parametrize(
+    "check, fn",
+    [
+        (check_kv_cache, StubCache),
+        (check_cached_attention, stub),
+        (check_generate_greedy, stub),
+        (check_kv_cache_bytes, stub),
+    ],
+    ids=IDS,
+)
 def test_stub_is_not_written_yet(check, fn):
     with pytest.raises(CheckFailed, match="is not written yet"):
         check(fn)
@@ -137,8 +153,8 @@ class CatIntoPreallocated(KVCache):
         if end > self.max_len:
             raise ValueError("full")
         rest = self.k[layer][:, :, end:]
-        self.k[layer] = torch.cat([self.k[layer][:, :, :self.length], k, rest], dim=2)
-        self.v[layer] = torch.cat([self.v[layer][:, :, :self.length], v, self.v[layer][:, :, end:]], dim=2)
+        self.k[layer] = torch.cat([self.k[layer][:, :, : self.length], k, rest], dim=2)
+        self.v[layer] = torch.cat([self.v[layer][:, :, : self.length], v, self.v[layer][:, :, end:]], dim=2)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -179,8 +195,8 @@ class SilentlyFullCache(KVCache):
         room = self.max_len - self.length
         k, v = k[:, :, :room], v[:, :, :room]  # drops what does not fit
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -197,9 +213,9 @@ class NoBatchCache(KVCache):
 class OffByOneCache(KVCache):
     def update(self, layer, k, v):
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end - 1], self.v[layer][:, :, :end - 1]
+        self.k[layer][:, :, self.length : end] = k
+        self.v[layer][:, :, self.length : end] = v
+        return self.k[layer][:, :, : end - 1], self.v[layer][:, :, : end - 1]
 
 
 class EngineSubclass(EngineKVCache):
@@ -228,8 +244,8 @@ class FlatViewCache(KVCache):
         end = self.length + T
         if end > self.max_len:
             raise ValueError("full")
-        self.k[layer][:, :, self.length:end] = k.view(B, H, T * D).view(B, H, T, D)
-        self.v[layer][:, :, self.length:end] = v.view(B, H, T * D).view(B, H, T, D)
+        self.k[layer][:, :, self.length : end] = k.view(B, H, T * D).view(B, H, T, D)
+        self.v[layer][:, :, self.length : end] = v.view(B, H, T * D).view(B, H, T, D)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -305,8 +321,9 @@ class OneBlockCache:
     """Correct, written differently: one tensor for everything, k and v views of it; index_copy_; max_len a property."""
 
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
-        self.kv = torch.zeros(config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim,
-                              device=device, dtype=dtype)
+        self.kv = torch.zeros(
+            config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim, device=device, dtype=dtype
+        )
         self.k = [self.kv[i, 0] for i in range(config.n_layer)]
         self.v = [self.kv[i, 1] for i in range(config.n_layer)]
         self.length = 0
@@ -423,7 +440,9 @@ CACHED_ATTENTION_MISTAKES = [
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", CACHED_ATTENTION_MISTAKES, ids=[f.__name__ for f, _ in CACHED_ATTENTION_MISTAKES])
+@pytest.mark.parametrize(
+    "fn, pattern", CACHED_ATTENTION_MISTAKES, ids=[f.__name__ for f, _ in CACHED_ATTENTION_MISTAKES]
+)
 def test_cached_attention_mistakes_are_named(fn, pattern):
     fails(check_cached_attention, fn, pattern)
 
@@ -476,7 +495,7 @@ def loop_refeeds_everything(model, prompt_ids, max_new_tokens, cache_class=KVCac
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         ids.append(int(model(torch.tensor([ids]), cache=cache)[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @torch.no_grad()
@@ -485,7 +504,7 @@ def loop_new_cache_each_step(model, prompt_ids, max_new_tokens, cache_class=KVCa
     for _ in range(max_new_tokens):
         cache = new_cache(model, cache_class, len(ids))
         ids.append(int(model(torch.tensor([ids]), cache=cache)[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 @torch.no_grad()
@@ -542,7 +561,7 @@ def loop_checks_with_full_recompute(model, prompt_ids, max_new_tokens, cache_cla
     while len(ids) < len(prompt_ids) + max_new_tokens:
         model(torch.tensor([ids[-1:]]), cache=cache)
         ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 REMEMBERED = {}
@@ -567,8 +586,11 @@ def loop_cache_of_256(model, prompt_ids, max_new_tokens, cache_class=KVCache):
 
 
 LOOP_MISTAKES = [
-    (loop_checks_with_full_recompute, r"the model computed \d+ positions for a 1-token prompt and 6 new tokens; a "
-                                      r"cached loop computes 6.*full recompute"),
+    (
+        loop_checks_with_full_recompute,
+        r"the model computed \d+ positions for a 1-token prompt and 6 new tokens; a "
+        r"cached loop computes 6.*full recompute",
+    ),
     (loop_remembers_answers, r"nothing kept from an earlier call.*made no cache"),
     (loop_cache_of_256, r"cache is full.*max_len is 256"),
     (loop_forgets_last_prompt_token, r"the prefill put \d+ of the \d+ prompt tokens in the cache"),
@@ -641,8 +663,9 @@ def test_full_recompute_equals_the_engine_and_the_cache_records_its_use():
     with one_thread():
         model = decisive_model(5, n_layer=3)
         prompt = [3, 1, 4, 1, 5]
-        assert full_recompute(model, prompt, 12) == llmcourse.generate(model, prompt, max_new_tokens=12,
-                                                                        eos_token_id=None)
+        assert full_recompute(model, prompt, 12) == llmcourse.generate(
+            model, prompt, max_new_tokens=12, eos_token_id=None
+        )
         cache_class = recording_cache()
         generate_greedy(model, prompt, 4, cache_class)
         assert len(cache_class.made) == 1 and cache_class.made[0].writes == [(0, 5), (5, 1), (6, 1), (7, 1)]
@@ -652,16 +675,36 @@ def test_full_recompute_equals_the_engine_and_the_cache_records_its_use():
 
 
 BYTES_MISTAKES = [
-    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-     n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value, r"the factor 2"),
-    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-     2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value * 8, r"bytes, not bits"),
-    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-     2 * n_layer * n_kv_head * head_dim * positions * bytes_per_value, r"multiply by batch"),
-    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-     2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value / 2**30, r"return bytes \(not KB"),
-    (lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-     2 * n_layer * n_kv_head * head_dim * positions * batch * 2, r"multiply by bytes_per_value"),
+    (
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+        ),
+        r"the factor 2",
+    ),
+    (
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value * 8
+        ),
+        r"bytes, not bits",
+    ),
+    (
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            2 * n_layer * n_kv_head * head_dim * positions * bytes_per_value
+        ),
+        r"multiply by batch",
+    ),
+    (
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value / 2**30
+        ),
+        r"return bytes \(not KB",
+    ),
+    (
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            2 * n_layer * n_kv_head * head_dim * positions * batch * 2
+        ),
+        r"multiply by bytes_per_value",
+    ),
 ]
 
 
@@ -672,8 +715,13 @@ def test_kv_cache_bytes_mistakes_are_named(fn, pattern):
 
 def test_kv_cache_bytes_alternative_passes(capsys):
     check_kv_cache_bytes(lambda *sizes: math.prod((2, *sizes)) if len(sizes) == 6 else math.prod((2, *sizes, 2)))
-    check_kv_cache_bytes(lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2:
-                         2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value, seed=101, n_random=40)
+    check_kv_cache_bytes(
+        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
+            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+        ),
+        seed=101,
+        n_random=40,
+    )
     assert capsys.readouterr().out.count("✓") == 2
 
 
@@ -702,7 +750,7 @@ def test_full_recompute_and_the_cache_agree_with_transformers():
         model = llmcourse.load_model("gpt2-shakespeare", device="cpu")
         prompt = llmcourse.get_tokenizer().encode("ROMEO:\nWhat light")
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=15, do_sample=False, pad_token_id=0)
-        assert out[0, len(prompt):].tolist() == full_recompute(model, prompt, 15)
+        assert out[0, len(prompt) :].tolist() == full_recompute(model, prompt, 15)
         past = hf(torch.tensor([prompt]), use_cache=True).past_key_values
         cache = model.new_cache(1, len(prompt))
         model(torch.tensor([prompt]), cache=cache)

@@ -201,8 +201,11 @@ def softmax_by_hand_on_a_copy(logits, k):
     x -= x.max()  # in place, but on a copy: fine
     x = x.exp()
     x /= x.sum()
-    order = sorted(range(x.numel()), key=lambda i: -x[i].item()) if x.numel() < 1000 else \
-        torch.argsort(x, descending=True, stable=True).tolist()
+    order = (
+        sorted(range(x.numel()), key=lambda i: -x[i].item())
+        if x.numel() < 1000
+        else torch.argsort(x, descending=True, stable=True).tolist()
+    )
     return [(int(i), float(x[i])) for i in order[:k]]
 
 

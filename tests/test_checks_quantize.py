@@ -10,10 +10,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmcourse.engine import quantize as engine
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
-                                       check_weight_memory, fp16_boundary_weights)
+from llmcourse.checks.quantize import (
+    check_int8_linear,
+    check_pack_int4,
+    check_quantize_int4,
+    check_quantize_int8,
+    check_weight_memory,
+    fp16_boundary_weights,
+)
+from llmcourse.engine import quantize as engine
 from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
@@ -149,6 +155,7 @@ def int8_with(scale_of, rounding=torch.round, clamp=True, zero_safe=True):
         scale = scale_of(w)
         ratio = rounding(w / (torch.where(scale == 0, 1.0, scale) if zero_safe else scale))
         return (ratio.clamp(-127, 127) if clamp else ratio).to(torch.int8), scale.reshape(-1)
+
     return quantize
 
 
@@ -180,8 +187,13 @@ def int8_engine(w):
 
 def int8_torch_quantized(w):
     scale = w.float().abs().amax(dim=-1) / 127
-    qt = torch.quantize_per_channel(w.float(), torch.where(scale == 0, 1.0, scale).double(),
-                                    torch.zeros(len(scale), dtype=torch.long), 0, torch.qint8)
+    qt = torch.quantize_per_channel(
+        w.float(),
+        torch.where(scale == 0, 1.0, scale).double(),
+        torch.zeros(len(scale), dtype=torch.long),
+        0,
+        torch.qint8,
+    )
     return qt.int_repr(), scale
 
 
@@ -192,7 +204,10 @@ QUANTIZE_INT8_MISTAKES = [
     (int8_with(absmax, rounding=lambda r: r), r"round to the nearest integer.*cut toward zero"),  # .to(int8) only
     (int8_with(absmax, rounding=torch.floor), r"not down \(floor\)"),
     (int8_with(lambda w: w.abs().amax().expand(w.shape[0], 1) / 127), r"one scale per ROW"),
-    (int8_with(lambda w: w.abs().amax(dim=0, keepdim=True) / 127), r"scale: expected shape \(\d+,\), got|not over the rows"),
+    (
+        int8_with(lambda w: w.abs().amax(dim=0, keepdim=True) / 127),
+        r"scale: expected shape \(\d+,\), got|not over the rows",
+    ),
     (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 128, clamp=False), r"not 128"),
     (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True) / 255), r"not 255"),
     (int8_with(lambda w: w.abs().amax(dim=-1, keepdim=True)), r"scale:.*differ"),
@@ -218,7 +233,7 @@ def test_int8_per_column_scale_is_caught_on_square_rows():
 
 
 DEQUANTIZE_INT8_MISTAKES = [
-    (lambda q, s: q.float() * s[None, :q.shape[1]], r"each ROW has its scale"),
+    (lambda q, s: q.float() * s[None, : q.shape[1]], r"each ROW has its scale"),
     (lambda q, s: q.float() / s[:, None], r"dequantizing multiplies"),
     (lambda q, s: q.float() * s[:, None] / 127, r"already holds the / 127"),
     (lambda q, s: q * s[:, None].double(), r"expected dtype torch.float32, got torch.float64.*return float32"),
@@ -299,7 +314,7 @@ def pack_vague_error(q):
 def pack_halves(q):
     K = q.shape[-1]
     n = (q.to(torch.int16) & 0xF).to(torch.uint8)
-    return n[..., : K // 2] | (n[..., K // 2:] << 4)
+    return n[..., : K // 2] | (n[..., K // 2 :] << 4)
 
 
 def pack_flat(q):
@@ -412,7 +427,7 @@ def pack_by_arithmetic(q):
     """Correct, written differently: % 16 gives the two's complement nibble, * 16 shifts."""
     if q.shape[-1] % 2 == 1:
         raise ValueError(f"{q.shape[-1]} values cannot be packed two per byte")
-    n = (q.long() % 16)
+    n = q.long() % 16
     return (n[..., ::2] + 16 * n[..., 1::2]).to(torch.uint8)
 
 
@@ -450,9 +465,15 @@ def unpack_by_arithmetic_shifts(packed):
     return torch.stack([(s << 4) >> 4, s >> 4], dim=-1).flatten(-2)
 
 
-@pytest.mark.parametrize("pack, unpack", [(pack_by_arithmetic, unpack_by_arithmetic), (pack_numpy, unpack_numpy),
-                                          (pack_by_weights, unpack_by_arithmetic_shifts)],
-                         ids=["arithmetic", "numpy", "weights-and-int8-shifts"])
+@pytest.mark.parametrize(
+    "pack, unpack",
+    [
+        (pack_by_arithmetic, unpack_by_arithmetic),
+        (pack_numpy, unpack_numpy),
+        (pack_by_weights, unpack_by_arithmetic_shifts),
+    ],
+    ids=["arithmetic", "numpy", "weights-and-int8-shifts"],
+)
 def test_pack_int4_alternative_passes(pack, unpack, capsys):
     passes(p4(pack, unpack), capsys)
     passes(p4(pack, unpack), capsys, seed=101, n_random=10)
@@ -480,6 +501,7 @@ def q4_with(scale_of, half_first=True, group_dim="row"):
         used = scales.half().float() if half_first else scales
         q = torch.round(groups / torch.where(used == 0, 1.0, used)).clamp(-8, 7).to(torch.int8)
         return pack_int4(q.view(N, K)), scales.reshape(N, -1).half()
+
     return quantize
 
 
@@ -529,11 +551,17 @@ def q4_no_error(w, group_size=32):
 
 
 QUANTIZE_INT4_MISTAKES = [
-    (q4_with(lambda g: g.abs().amax(dim=-1, keepdim=True) / 7), r"the value of largest magnitude m \(with its sign\) maps to -8"),
+    (
+        q4_with(lambda g: g.abs().amax(dim=-1, keepdim=True) / 7),
+        r"the value of largest magnitude m \(with its sign\) maps to -8",
+    ),
     (q4_with(lambda g: g.abs().amax(dim=-1, keepdim=True) / 8), r"scale keeps the extreme's sign"),
     (q4_with(signed_extreme, half_first=False), r"round the scale to float16 BEFORE dividing"),
     (q4_per_row, r"scales:.*differ|one scale per GROUP"),
-    (lambda w, g=32: (q4_per_row(w, g)[0], q4_per_row(w, g)[1][:, 0]), r"one scale per GROUP of 32 values, not per row"),
+    (
+        lambda w, g=32: (q4_per_row(w, g)[0], q4_per_row(w, g)[1][:, 0]),
+        r"one scale per GROUP of 32 values, not per row",
+    ),
     (q4_columns, r"scales: expected shape"),
     (q4_columns_transposed_scales, r"differ"),
     (lambda w, g=32: (quantize_int4(w, g)[0], quantize_int4(w, g)[1].float()), r"expected dtype torch.float16"),
@@ -548,11 +576,19 @@ def test_quantize_int4_mistakes_are_named(fn, pattern):
 
 
 DEQUANTIZE_INT4_MISTAKES = [
-    (lambda p, s: (unpack_no_sign(p).float().view(p.shape[0], s.shape[1], -1) * s.float()[..., None])
-     .view(p.shape[0], -1), r"signed: unpack nibbles 8..15"),
+    (
+        lambda p, s: (unpack_no_sign(p).float().view(p.shape[0], s.shape[1], -1) * s.float()[..., None]).view(
+            p.shape[0], -1
+        ),
+        r"signed: unpack nibbles 8..15",
+    ),
     (lambda p, s: unpack_int4(p).float() * s.float()[:, :1], r"each group of K // G values has its own scale"),
-    (lambda p, s: (unpack_int4(p).float().view(p.shape[0], -1, s.shape[1]) * s.float()[:, None, :])
-     .view(p.shape[0], -1), r"CONSECUTIVE values"),
+    (
+        lambda p, s: (unpack_int4(p).float().view(p.shape[0], -1, s.shape[1]) * s.float()[:, None, :]).view(
+            p.shape[0], -1
+        ),
+        r"CONSECUTIVE values",
+    ),
     (lambda p, s: dequantize_int4(p, s).half(), r"expected dtype torch.float32, got torch.float16"),
 ]
 
@@ -569,7 +605,7 @@ def quantize_int4_by_loops(w, group_size=32):
         raise ValueError(f"rows of {K} values do not split into groups of {group_size}")
     values, scales = [], []
     for start in range(0, K, group_size):
-        g = w[:, start:start + group_size].float()  # [N, group]
+        g = w[:, start : start + group_size].float()  # [N, group]
         hi, lo = g.max(dim=1).values, g.min(dim=1).values
         m = torch.where(hi.abs() > lo.abs(), hi, lo)
         s = (-m / 8).to(torch.float16)
@@ -596,7 +632,9 @@ def test_reference_int4_matches_the_engine_and_bounds_the_error():
     epacked, escales = engine.quantize_int4(w)
     assert torch.equal(packed, epacked) and torch.equal(scales, escales)
     err = (dequantize_int4(packed, scales) - w).abs().view(48, 8, 32)
-    assert bool((err <= scales.float().abs()[..., None] + 1e-6).all())  # half a step; a full one where +8 is clamped to 7
+    assert bool(
+        (err <= scales.float().abs()[..., None] + 1e-6).all()
+    )  # half a step; a full one where +8 is clamped to 7
 
 
 # -- int8_linear ---------------------------------------------------------------------------------------
@@ -684,6 +722,7 @@ def memory_table(table, divide=1):
         if fmt not in table:
             raise ValueError(f"unknown format {fmt}")
         return n_params * table[fmt] / divide
+
     return weight_memory
 
 
@@ -691,7 +730,7 @@ BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}
 WEIGHT_MEMORY_MISTAKES = [
     (memory_table({**BYTES, "int4": 0.5}), r"3\.5e\+09.*0\.5 \+ 2 / 32 bytes per weight"),
     (memory_table({f: 8 * v for f, v in BYTES.items()}), r"these are bits"),
-    (memory_table(BYTES, 2 ** 30), r"not GiB"),
+    (memory_table(BYTES, 2**30), r"not GiB"),
     (memory_table(BYTES, 1e9), r"not GB"),
     (memory_table({**BYTES, "int4": 0.625}), r"2 / 32 bytes per weight"),
     (lambda n, f: n * BYTES.get(f, 4), r"unknown format 'int3'.*expected a ValueError"),
@@ -731,11 +770,13 @@ def test_weight_memory_numbers():
 def test_a_function_that_raises_or_hangs_gets_a_clear_message():
     def boom(q):
         raise IndexError("index 9 is out of bounds")
+
     fails(p4(boom), r"pack_int4\(tensor.*raised IndexError: index 9 is out of bounds.*at line")
 
     def forever(w):
         while True:
             pass
+
     msg = fails(q8(forever), r"did not finish within 5 s")
     assert "Traceback" not in msg
 
@@ -759,6 +800,7 @@ def int8_scale_in_input_dtype(w):
 
 def int8_cpu_kernels(w):
     from llmcourse.engine import cpu_kernels  # noqa: F401  (the engine's kernels: forbidden)
+
     return cpu_kernels.quantize_rows(w.float().contiguous())  # the engine's absmax rows
 
 
@@ -817,8 +859,11 @@ ISSUE22_MISTAKES = [
     (q8(int8_flat_view), r"transposed view\).*raised RuntimeError.*weight\.T, a transposed view.*use reshape"),
     (q8(int8_scale_in_input_dtype), r"float16.*scale:.*differ.*|compute in float32"),
     (q8(int8_cpu_kernels), r"llmcourse\.engine\.cpu_kernels"),
-    (q8(de=dequantize_scales_dtype), r"float16 scales.*expected dtype torch.float32, got torch.float16.*whatever the "
-                                     r"scales' dtype"),
+    (
+        q8(de=dequantize_scales_dtype),
+        r"float16 scales.*expected dtype torch.float32, got torch.float16.*whatever the "
+        r"scales' dtype",
+    ),
     (q4(q4_default_64), r"called as the engine calls it.*the default must be 32"),
     (q4(q4_flat_view), r"transposed view\).*raised RuntimeError.*view\(\) cannot merge.*use reshape"),
     (q4(q4_torch_int4pack), r"_convert_weight_to_int4pack"),
@@ -857,8 +902,11 @@ def linear_float64_accumulate(x, q, scale, bias):
     return y.to(x.dtype)
 
 
-@pytest.mark.parametrize("check", [q8(int8_numpy, dequantize_half_aware), q4(q4_loops_numpy),
-                                   lin(linear_float64_accumulate)], ids=["int8_numpy", "int4_loops", "linear_f64"])
+@pytest.mark.parametrize(
+    "check",
+    [q8(int8_numpy, dequantize_half_aware), q4(q4_loops_numpy), lin(linear_float64_accumulate)],
+    ids=["int8_numpy", "int4_loops", "linear_f64"],
+)
 def test_issue22_alternatives_pass(check, capsys):
     passes(check, capsys)
     passes(check, capsys, seed=101, n_random=8)
@@ -889,8 +937,9 @@ def quantize_int8_in_chunks(w):
 def pack_int4_in_chunks(q):
     if q.shape[0] <= CHUNK or q.dim() != 2:
         return pack_int4(q)
-    (out,) = _in_chunks(lambda a, b: (pack_int4(q[a:b]),), q.shape[0],
-                        torch.zeros(q.shape[0], q.shape[1] // 2, dtype=torch.uint8))
+    (out,) = _in_chunks(
+        lambda a, b: (pack_int4(q[a:b]),), q.shape[0], torch.zeros(q.shape[0], q.shape[1] // 2, dtype=torch.uint8)
+    )
     return out
 
 
@@ -913,21 +962,33 @@ def int8_linear_in_chunks(x, q, scale, bias):
 
 
 IN_ENGINE_ONLY = [
-    (q8(quantize_int8_in_chunks),
-     r"quantize_int8 in the engine — quantize_model\(the bundled GPT-2 \(float32\), 'int8', guarded\(Quantization, "
-     r"quantize_int8=quantize_int8, dequantize_int8=dequantize_int8\)\) \(your quantize_int8, dequantize_int8 "
-     r"installed as my_engine installs them\).*the engine's call 25 of \d+.*quantize_int8\(<float32 "
-     r"\[50257, 192\](, a transposed view)?>\).*pass(es)? the cases above but not the engine's own calls"),
-    (p4(pack_int4_in_chunks), r"pack_int4 in the engine — quantize_model\(.*'int4', guarded\(Quantization, "
-                              r"pack_int4=pack_int4.*\).*pack_int4\(<int8 \[50257, 192\](, a transposed view)?>\)"),
-    (q4(quantize_int4_in_chunks), r"quantize_int4 in the engine — .*quantize_int4\(<float32 \[50257, 192\](, a transposed view)?>\)"),
-    (lin(int8_linear_in_chunks), r"int8_linear in the engine — .*int8_linear\(<float32 \[1, \d+, 192\]>, <int8 "
-                                 r"\[50257, 192\]>, <float32 \[50257\]>, None\)"),
+    (
+        q8(quantize_int8_in_chunks),
+        r"quantize_int8 in the engine — quantize_model\(the bundled GPT-2 \(float32\), 'int8', guarded\(Quantization, "
+        r"quantize_int8=quantize_int8, dequantize_int8=dequantize_int8\)\) \(your quantize_int8, dequantize_int8 "
+        r"installed as my_engine installs them\).*the engine's call 25 of \d+.*quantize_int8\(<float32 "
+        r"\[50257, 192\](, a transposed view)?>\).*pass(es)? the cases above but not the engine's own calls",
+    ),
+    (
+        p4(pack_int4_in_chunks),
+        r"pack_int4 in the engine — quantize_model\(.*'int4', guarded\(Quantization, "
+        r"pack_int4=pack_int4.*\).*pack_int4\(<int8 \[50257, 192\](, a transposed view)?>\)",
+    ),
+    (
+        q4(quantize_int4_in_chunks),
+        r"quantize_int4 in the engine — .*quantize_int4\(<float32 \[50257, 192\](, a transposed view)?>\)",
+    ),
+    (
+        lin(int8_linear_in_chunks),
+        r"int8_linear in the engine — .*int8_linear\(<float32 \[1, \d+, 192\]>, <int8 "
+        r"\[50257, 192\]>, <float32 \[50257\]>, None\)",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, pattern", IN_ENGINE_ONLY, ids=["quantize_int8", "pack_int4", "quantize_int4",
-                                                                  "int8_linear"])
+@pytest.mark.parametrize(
+    "check, pattern", IN_ENGINE_ONLY, ids=["quantize_int8", "pack_int4", "quantize_int4", "int8_linear"]
+)
 def test_a_slot_wrong_only_in_the_engine_is_rejected(check, pattern):
     with pytest.raises(CheckFailed) as err:
         check()

@@ -10,8 +10,8 @@ import torch
 import llmcourse.engine.sampling as S
 from llmcourse import get_tokenizer
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.harness.core import resolved
 from llmcourse.checks import sampling as C
+from llmcourse.checks.harness.core import resolved
 from tests.notebook_checks import notebook_cells, run_notebook_checks
 
 NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions/05_sampling/05_sampling.ipynb"
@@ -44,8 +44,18 @@ def stub(*args, **kwargs):
     raise NotImplementedError()
 
 
-CHECKS = ["temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty", "sample", "next_token",
-          "beam_search", "stream_text"]
+CHECKS = [
+    "temperature",
+    "greedy",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "sample",
+    "next_token",
+    "beam_search",
+    "stream_text",
+]
 
 
 def test_the_notebook_passes_its_checks(capsys):
@@ -70,31 +80,42 @@ def test_transformers_is_refused():
 
 
 def test_a_next_token_that_uses_the_engines_is_refused():
-    fails(C.check_next_token, lambda logits, settings, seen=None, generator=None:
-          S.next_token(logits, settings, seen, generator), "black box")
+    fails(
+        C.check_next_token,
+        lambda logits, settings, seen=None, generator=None: S.next_token(logits, settings, seen, generator),
+        "black box",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Processors
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def temperature(logits, t):\n    return logits * t", "do not multiply"),
-    ("def temperature(logits, t):\n    return torch.softmax(logits / t, dim=-1)", "not probabilities"),
-    ("def temperature(logits, t):\n    logits /= t\n    return logits", "changed its input"),
-    ("def temperature(logits, t):\n    return logits.float() / t", "float64 in, float64 out"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        ("def temperature(logits, t):\n    return logits * t", "do not multiply"),
+        ("def temperature(logits, t):\n    return torch.softmax(logits / t, dim=-1)", "not probabilities"),
+        ("def temperature(logits, t):\n    logits /= t\n    return logits", "changed its input"),
+        ("def temperature(logits, t):\n    return logits.float() / t", "float64 in, float64 out"),
+    ],
+)
 def test_temperature_mistakes(nb, source, pattern):
     fails(C.check_temperature, learner(nb, source, "temperature"), pattern)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def greedy(logits):\n    return logits.argmax(dim=0)", "expected shape"),
-    ("def greedy(logits):\n    return logits.max(dim=-1).values", "token ids"),
-    ("def greedy(logits):\n    return logits.argmax(dim=-1, keepdim=True)", "1-d tensor"),
-    ("def greedy(logits):\n    V = logits.shape[-1]\n    return V - 1 - logits.flip(-1).argmax(dim=-1)",
-     "a tie: the lowest id wins"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        ("def greedy(logits):\n    return logits.argmax(dim=0)", "expected shape"),
+        ("def greedy(logits):\n    return logits.max(dim=-1).values", "token ids"),
+        ("def greedy(logits):\n    return logits.argmax(dim=-1, keepdim=True)", "1-d tensor"),
+        (
+            "def greedy(logits):\n    V = logits.shape[-1]\n    return V - 1 - logits.flip(-1).argmax(dim=-1)",
+            "a tie: the lowest id wins",
+        ),
+    ],
+)
 def test_greedy_mistakes(nb, source, pattern):
     fails(C.check_greedy, learner(nb, source, "greedy"), pattern)
 
@@ -107,17 +128,34 @@ def top_k(logits, k):
 """
 
 
-@pytest.mark.parametrize("source, pattern", [
-    (TOP_K_STRICT, "ties with the k-th are kept.*\n(.*\n)*.*hint: keep every token tied"),
-    ("def top_k(logits, k):\n    kth = torch.topk(logits, k).values[:, -1:]\n"
-     "    return logits.masked_fill(logits < kth, float('-inf'))", "k may be larger than the vocabulary"),
-    ("def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    kth = torch.topk(logits, k).values[:, -1:]\n"
-     "    return logits.masked_fill(logits < kth, 0.0)", "must be -inf"),
-    ("def top_k(logits, k):\n    kth = torch.sort(logits.flatten(), descending=True).values[min(k, logits.shape[-1]) - 1]\n"
-     "    return logits.masked_fill(logits < kth, float('-inf'))", "not of the whole batch"),
-    ("def top_k(logits, k):\n    k = min(k + 1, logits.shape[-1])\n    kth = torch.topk(logits, k).values[:, -1:]\n"
-     "    return logits.masked_fill(logits < kth, float('-inf'))", "expected 2 tokens kept"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (TOP_K_STRICT, "ties with the k-th are kept.*\n(.*\n)*.*hint: keep every token tied"),
+        (
+            "def top_k(logits, k):\n    kth = torch.topk(logits, k).values[:, -1:]\n"
+            "    return logits.masked_fill(logits < kth, float('-inf'))",
+            "k may be larger than the vocabulary",
+        ),
+        (
+            "def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    kth = torch.topk(logits, k).values[:, -1:]\n"
+            "    return logits.masked_fill(logits < kth, 0.0)",
+            "must be -inf",
+        ),
+        (
+            "def top_k(logits, k):\n    kth = torch.sort(logits.flatten(), descending=True).values[min(k, "
+            "logits.shape[-1]) - 1]\n"
+            "    return logits.masked_fill(logits < kth, float('-inf'))",
+            "not of the whole batch",
+        ),
+        (
+            "def top_k(logits, k):\n    k = min(k + 1, logits.shape[-1])\n    kth = torch.topk(logits, "
+            "k).values[:, -1:]\n"
+            "    return logits.masked_fill(logits < kth, float('-inf'))",
+            "expected 2 tokens kept",
+        ),
+    ],
+)
 def test_top_k_mistakes(nb, source, pattern):
     fails(C.check_top_k, learner(nb, source, "top_k"), pattern)
 
@@ -165,12 +203,15 @@ def test_top_p_descending_is_accepted(nb):
     C.check_top_p(learner(nb, TOP_P_DESCENDING, "top_p"), seed=101, n_random=30)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    (TOP_P_TOO_FEW, "one token too few"),
-    (TOP_P_SWAPPED, "expected 2 tokens kept: \\[0, 1\\], got 1 kept"),
-    (TOP_P_LOGITS, "tokens kept"),
-    (TOP_P_NO_SCATTER, "tokens kept"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (TOP_P_TOO_FEW, "one token too few"),
+        (TOP_P_SWAPPED, "expected 2 tokens kept: \\[0, 1\\], got 1 kept"),
+        (TOP_P_LOGITS, "tokens kept"),
+        (TOP_P_NO_SCATTER, "tokens kept"),
+    ],
+)
 def test_top_p_mistakes(nb, source, pattern):
     fails(C.check_top_p, learner(nb, source, "top_p"), pattern)
 
@@ -187,39 +228,67 @@ def test_min_p_in_log_space_is_accepted(nb):
     C.check_min_p(learner(nb, MIN_P_LOG, "min_p"), seed=101, n_random=30)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def min_p(logits, p):\n    return logits.masked_fill(torch.softmax(logits, -1) < p, float('-inf'))",
-     "LARGEST probability of its row"),
-    ("def min_p(logits, p):\n    return logits.masked_fill(logits < p * logits.amax(-1, keepdim=True), float('-inf'))",
-     "compare probabilities"),
-    ("def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
-     "    return logits.masked_fill(probs < p * probs.max(), float('-inf'))", "each row has its own"),
-    ("def min_p(logits, p):\n    probs = logits.exp() / logits.exp().sum(-1, keepdim=True)\n"
-     "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))", "large logits"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def min_p(logits, p):\n    return logits.masked_fill(torch.softmax(logits, -1) < p, float('-inf'))",
+            "LARGEST probability of its row",
+        ),
+        (
+            "def min_p(logits, p):\n    return logits.masked_fill(logits < p * logits.amax(-1, keepdim=True), "
+            "float('-inf'))",
+            "compare probabilities",
+        ),
+        (
+            "def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
+            "    return logits.masked_fill(probs < p * probs.max(), float('-inf'))",
+            "each row has its own",
+        ),
+        (
+            "def min_p(logits, p):\n    probs = logits.exp() / logits.exp().sum(-1, keepdim=True)\n"
+            "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
+            "large logits",
+        ),
+    ],
+)
 def test_min_p_mistakes(nb, source, pattern):
     fails(C.check_min_p, learner(nb, source, "min_p"), pattern)
 
 
 def test_repetition_penalty_with_a_mask_product_is_accepted(nb):
-    source = ("def repetition_penalty(logits, seen, penalty):\n"
-              "    factor = torch.where(logits > 0, torch.full_like(logits, 1 / penalty), torch.full_like(logits, penalty))\n"
-              "    return torch.where(seen, logits * factor, logits)")
+    source = (
+        "def repetition_penalty(logits, seen, penalty):\n"
+        "    factor = torch.where(logits > 0, torch.full_like(logits, 1 / penalty), torch.full_like(logits, penalty))\n"
+        "    return torch.where(seen, logits * factor, logits)"
+    )
     C.check_repetition_penalty(learner(nb, source, "repetition_penalty"), seed=101, n_random=30)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits * penalty, logits)",
-     "MORE likely"),
-    ("def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits / penalty, logits)",
-     "negative logit is multiplied"),
-    ("def repetition_penalty(logits, seen, penalty):\n"
-     "    return torch.where(~seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)",
-     "that ARE in the text"),
-    ("def repetition_penalty(logits, seen, penalty):\n"
-     "    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)\n"
-     "    return logits", "changed its input"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits * penalty, logits)",
+            "MORE likely",
+        ),
+        (
+            "def repetition_penalty(logits, seen, penalty):\n    return torch.where(seen, logits / penalty, logits)",
+            "negative logit is multiplied",
+        ),
+        (
+            "def repetition_penalty(logits, seen, penalty):\n"
+            "    return torch.where(~seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)",
+            "that ARE in the text",
+        ),
+        (
+            "def repetition_penalty(logits, seen, penalty):\n"
+            "    logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)\n"
+            "    return logits",
+            "changed its input",
+        ),
+    ],
+)
 def test_repetition_penalty_mistakes(nb, source, pattern):
     fails(C.check_repetition_penalty, learner(nb, source, "repetition_penalty"), pattern)
 
@@ -247,24 +316,47 @@ def test_other_correct_samplers_are_accepted(nb, source):
     C.check_sample(fn, seed=101, n_random=8)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def sample(logits, generator):\n    return torch.argmax(logits, dim=-1)", "chi-square"),
-    ("def sample(logits, generator):\n    probs = logits - logits.amin(-1, keepdim=True)\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "did not|chi-square|raised"),
-    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1) ** 2\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square"),
-    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=0)\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square"),
-    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator)",
-     "squeeze"),
-    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)",
-     "used or changed torch's global generator"),
-    ("def sample(logits, generator):\n    g = torch.Generator().manual_seed(0)\n"
-     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(-1)",
-     "generator's state did not change"),
-    ("def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "probability is 0"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        ("def sample(logits, generator):\n    return torch.argmax(logits, dim=-1)", "chi-square"),
+        (
+            "def sample(logits, generator):\n    probs = logits - logits.amin(-1, keepdim=True)\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "did not|chi-square|raised",
+        ),
+        (
+            "def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1) ** 2\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "chi-square",
+        ),
+        (
+            "def sample(logits, generator):\n    probs = torch.softmax(logits, dim=0)\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "chi-square",
+        ),
+        (
+            "def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1, "
+            "generator=generator)",
+            "squeeze",
+        ),
+        (
+            "def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), "
+            "1).squeeze(-1)",
+            "used or changed torch's global generator",
+        ),
+        (
+            "def sample(logits, generator):\n    g = torch.Generator().manual_seed(0)\n"
+            "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g).squeeze(-1)",
+            "generator's state did not change",
+        ),
+        (
+            "def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "probability is 0",
+        ),
+    ],
+)
 def test_sample_mistakes(nb, source, pattern):
     fails(C.check_sample, learner(nb, source, "sample"), pattern)
 
@@ -295,34 +387,61 @@ def test_next_token_written_differently_is_accepted(nb):
     C.check_next_token(next_token_variant(nb), seed=101, n_random=8)
 
 
-@pytest.mark.parametrize("order, greedy, pattern", [
-    ('["repetition_penalty", "top_p", "temperature", "top_k", "min_p"]', "greedy(logits)", "temperature 0.5 before top-p"),
-    ('["repetition_penalty", "min_p", "temperature", "top_k", "top_p"]', "greedy(logits)", "temperature 2 before min-p"),
-    ('["repetition_penalty", "temperature", "top_p", "top_k", "min_p"]', "greedy(logits)", "top-k 3 before top-p"),
-    ('["temperature", "top_k", "repetition_penalty", "top_p", "min_p"]', "greedy(logits)", "repetition penalty before"),
-])
+@pytest.mark.parametrize(
+    "order, greedy, pattern",
+    [
+        (
+            '["repetition_penalty", "top_p", "temperature", "top_k", "min_p"]',
+            "greedy(logits)",
+            "temperature 0.5 before top-p",
+        ),
+        (
+            '["repetition_penalty", "min_p", "temperature", "top_k", "top_p"]',
+            "greedy(logits)",
+            "temperature 2 before min-p",
+        ),
+        ('["repetition_penalty", "temperature", "top_p", "top_k", "min_p"]', "greedy(logits)", "top-k 3 before top-p"),
+        (
+            '["temperature", "top_k", "repetition_penalty", "top_p", "min_p"]',
+            "greedy(logits)",
+            "repetition penalty before",
+        ),
+    ],
+)
 def test_next_token_order_mistakes(nb, order, greedy, pattern):
     fails(C.check_next_token, next_token_variant(nb, order, greedy), pattern)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    # the repetition penalty forgotten when greedy
-    ("def next_token(logits, settings, seen=None, generator=None):\n"
-     "    if settings.temperature == 0:\n        return greedy(logits)\n"
-     "    return sample(temperature(logits, settings.temperature), generator)", "repetition penalty first"),
-    # sampling from logits, not their softmax
-    ("def next_token(logits, settings, seen=None, generator=None):\n"
-     "    if seen is not None and settings.repetition_penalty != 1:\n"
-     "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
-     "    if settings.temperature == 0:\n        return greedy(logits)\n"
-     "    x = temperature(logits, settings.temperature)\n"
-     "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
-     "    probs = (x - x.amax(-1, keepdim=True)).clamp(min=-30) + 30\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "chi-square|probability is 0|top-k 1"),
-    # divides by zero at temperature 0
-    ("def next_token(logits, settings, seen=None, generator=None):\n"
-     "    return sample(temperature(logits, settings.temperature), generator)", "expected|raised"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        # the repetition penalty forgotten when greedy
+        (
+            "def next_token(logits, settings, seen=None, generator=None):\n"
+            "    if settings.temperature == 0:\n        return greedy(logits)\n"
+            "    return sample(temperature(logits, settings.temperature), generator)",
+            "repetition penalty first",
+        ),
+        # sampling from logits, not their softmax
+        (
+            "def next_token(logits, settings, seen=None, generator=None):\n"
+            "    if seen is not None and settings.repetition_penalty != 1:\n"
+            "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+            "    if settings.temperature == 0:\n        return greedy(logits)\n"
+            "    x = temperature(logits, settings.temperature)\n"
+            "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
+            "    probs = (x - x.amax(-1, keepdim=True)).clamp(min=-30) + 30\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "chi-square|probability is 0|top-k 1",
+        ),
+        # divides by zero at temperature 0
+        (
+            "def next_token(logits, settings, seen=None, generator=None):\n"
+            "    return sample(temperature(logits, settings.temperature), generator)",
+            "expected|raised",
+        ),
+    ],
+)
 def test_next_token_mistakes(nb, source, pattern):
     fails(C.check_next_token, learner(nb, source, "next_token"), pattern)
 
@@ -333,8 +452,11 @@ def test_next_token_that_calls_an_unwritten_exercise_says_which(nb):
 
 
 def test_a_sampler_that_hangs_is_stopped(nb):
-    fails(C.check_sample, learner(nb, "def sample(logits, generator):\n    while True:\n        pass", "sample"),
-          "did not finish")
+    fails(
+        C.check_sample,
+        learner(nb, "def sample(logits, generator):\n    while True:\n        pass", "sample"),
+        "did not finish",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -388,20 +510,27 @@ def test_beam_search_written_differently_is_accepted(nb):
     C.check_beam_search(beam_variant(nb), seed=101, n_random=6)
 
 
-@pytest.mark.parametrize("changes, pattern", [
-    (dict(FINAL="score"), "length_penalty"),
-    (dict(FIRST="0.0"), "expand only the first"),
-    (dict(STOP="bool(finished)"), "keep searching until num_beams beams are finished"),
-    (dict(FINAL="score / (n + len(prompt_ids))**length_penalty"), "length_penalty"),
-])
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        (dict(FINAL="score"), "length_penalty"),
+        (dict(FIRST="0.0"), "expand only the first"),
+        (dict(STOP="bool(finished)"), "keep searching until num_beams beams are finished"),
+        (dict(FINAL="score / (n + len(prompt_ids))**length_penalty"), "length_penalty"),
+    ],
+)
 def test_beam_search_mistakes(nb, changes, pattern):
     fails(C.check_beam_search, beam_variant(nb, **changes), pattern)
 
 
 def test_beam_search_that_returns_a_tensor_is_told(nb):
-    fn = learner(nb, "def beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, "
-                     "eos_token_id=None):\n    return torch.tensor(BEAM(model, prompt_ids, num_beams, max_new_tokens, "
-                     "length_penalty, eos_token_id))", "beam_search")
+    fn = learner(
+        nb,
+        "def beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, "
+        "eos_token_id=None):\n    return torch.tensor(BEAM(model, prompt_ids, num_beams, max_new_tokens, "
+        "length_penalty, eos_token_id))",
+        "beam_search",
+    )
     fn.__globals__["BEAM"] = nb["beam_search"]
     fails(C.check_beam_search, fn, "a list of token ids")
 
@@ -440,8 +569,13 @@ def stream_text(model, tokenizer, prompt, settings, max_new_tokens, eos_token_id
     if cut > shown:
         yield text[shown:cut]
 """
-STREAM_RIGHT = dict(STEPS="max_new_tokens", EOS_EARLY="if token == eos_token_id:\n            break",
-                    EOS_LATE="", PUSH="decoder.push(token)", FIND="text.find(s) for s in stop")
+STREAM_RIGHT = dict(
+    STEPS="max_new_tokens",
+    EOS_EARLY="if token == eos_token_id:\n            break",
+    EOS_LATE="",
+    PUSH="decoder.push(token)",
+    FIND="text.find(s) for s in stop",
+)
 
 
 def stream_variant(nb, **changes):
@@ -452,13 +586,16 @@ def test_stream_text_written_differently_is_accepted(nb):
     C.check_stream_text(stream_variant(nb), seed=101, n_random=2)
 
 
-@pytest.mark.parametrize("changes, pattern", [
-    (dict(EOS_EARLY="", EOS_LATE="if token == eos_token_id:\n            break"), "EOS ends the text"),
-    (dict(STEPS="max_new_tokens - 1"), "max_new_tokens = 3"),
-    (dict(STEPS="max_new_tokens + 1"), "max_new_tokens = 3"),
-    (dict(PUSH="tokenizer.decode([token])"), "unfinished UTF-8 character"),
-    (dict(FIND="(text.find(s) if s in piece else -1) for s in stop"), "a stop string spread over two tokens"),
-])
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        (dict(EOS_EARLY="", EOS_LATE="if token == eos_token_id:\n            break"), "EOS ends the text"),
+        (dict(STEPS="max_new_tokens - 1"), "max_new_tokens = 3"),
+        (dict(STEPS="max_new_tokens + 1"), "max_new_tokens = 3"),
+        (dict(PUSH="tokenizer.decode([token])"), "unfinished UTF-8 character"),
+        (dict(FIND="(text.find(s) if s in piece else -1) for s in stop"), "a stop string spread over two tokens"),
+    ],
+)
 def test_stream_text_mistakes(nb, changes, pattern):
     fails(C.check_stream_text, stream_variant(nb, **changes), pattern)
 
@@ -486,8 +623,9 @@ def captured_cases(check, monkeypatch):
     return seen
 
 
-@pytest.mark.parametrize("name, warper", [("top_k", "TopKLogitsWarper"), ("top_p", "TopPLogitsWarper"),
-                                          ("min_p", "MinPLogitsWarper")])
+@pytest.mark.parametrize(
+    "name, warper", [("top_k", "TopKLogitsWarper"), ("top_p", "TopPLogitsWarper"), ("min_p", "MinPLogitsWarper")]
+)
 def test_expected_answers_equal_transformers(monkeypatch, name, warper):
     import transformers
 
@@ -541,81 +679,135 @@ def test_scripted_model_steers_the_engine_and_the_loop_alike():
 # argument, randomness as a contract, statistical power, defaults, streaming, the part to blame
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def temperature(logits, t):\n    x = logits if logits.dtype == torch.float64 else logits.float()\n    return x / t",
-     "expected dtype torch.float16"),
-    ("def temperature(logits, t):\n    return logits / max(t, 0.3)", "t = 0.05"),
-    ("def temperature(logits, t):\n    if t not in CACHE:\n        CACHE[t] = logits / t\n    return CACHE[t]",
-     "one call must not remember another|values differ|expected shape"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def temperature(logits, t):\n    x = logits if logits.dtype == torch.float64 else logits.float()\n    "
+            "return x / t",
+            "expected dtype torch.float16",
+        ),
+        ("def temperature(logits, t):\n    return logits / max(t, 0.3)", "t = 0.05"),
+        (
+            "def temperature(logits, t):\n    if t not in CACHE:\n        CACHE[t] = logits / t\n    return CACHE[t]",
+            "one call must not remember another|values differ|expected shape",
+        ),
+    ],
+)
 def test_temperature_kinds_of_mistake(nb, source, pattern):
     fails(C.check_temperature, learner(dict(nb, CACHE={}), source, "temperature"), pattern)
 
 
-@pytest.mark.parametrize("source", [
-    "def temperature(logits, t):\n    return logits * (1.0 / t)",
-    "def temperature(logits, t):\n    return (logits.double() / t).to(logits.dtype)",
-    "import numpy as np\ndef temperature(logits, t):\n    return logits / np.float64(t)",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def temperature(logits, t):\n    return logits * (1.0 / t)",
+        "def temperature(logits, t):\n    return (logits.double() / t).to(logits.dtype)",
+        "import numpy as np\ndef temperature(logits, t):\n    return logits / np.float64(t)",
+    ],
+)
 def test_temperature_other_numerics_are_accepted(nb, source):
     C.check_temperature(learner(nb, source, "temperature"))
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def greedy(logits):\n    return logits.argmax(dim=-1).int()", "token ids are torch.long"),
-    ("def greedy(logits):\n    flat = logits.view(-1)\n    return flat.view(-1, logits.shape[-1]).argmax(dim=-1)",
-     "not be contiguous"),
-    ("def greedy(logits):\n    return logits.argmax() if logits.shape[0] == 1 else logits.argmax(dim=-1)",
-     "even when B = 1"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        ("def greedy(logits):\n    return logits.argmax(dim=-1).int()", "token ids are torch.long"),
+        (
+            "def greedy(logits):\n    flat = logits.view(-1)\n    return flat.view(-1, "
+            "logits.shape[-1]).argmax(dim=-1)",
+            "not be contiguous",
+        ),
+        (
+            "def greedy(logits):\n    return logits.argmax() if logits.shape[0] == 1 else logits.argmax(dim=-1)",
+            "even when B = 1",
+        ),
+    ],
+)
 def test_greedy_kinds_of_mistake(nb, source, pattern):
     fails(C.check_greedy, learner(nb, source, "greedy"), pattern)
 
 
-@pytest.mark.parametrize("source", [
-    "def greedy(logits):\n    return logits.max(dim=-1).indices",
-    "import numpy as np\ndef greedy(logits):\n    return torch.from_numpy(np.argmax(logits.double().numpy(), axis=-1))",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def greedy(logits):\n    return logits.max(dim=-1).indices",
+        "import numpy as np\ndef greedy(logits):\n    return torch.from_numpy(np.argmax(logits.double().numpy(), "
+        "axis=-1))",
+    ],
+)
 def test_greedy_other_ways_are_accepted(nb, source):
     C.check_greedy(learner(nb, source, "greedy"))
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    x = logits.float()\n"
-     "    return x.masked_fill(x < torch.topk(x, k).values[:, -1:], float('-inf'))", "expected dtype torch.float16"),
-    ("def top_k(logits, k):\n    V = logits.shape[-1]\n    x = logits.view(-1).view(-1, V)\n"
-     "    return x.masked_fill(x < torch.topk(x, min(k, V)).values[:, -1:], float('-inf'))", "not be contiguous"),
-    ("def top_k(logits, k):\n    key = logits.data_ptr()\n    if key not in CACHE:\n"
-     "        CACHE[key] = torch.topk(logits, min(k, logits.shape[-1])).values[:, -1:]\n"
-     "    return logits.masked_fill(logits < CACHE[key], float('-inf'))", "tokens kept"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n    x = logits.float()\n"
+            "    return x.masked_fill(x < torch.topk(x, k).values[:, -1:], float('-inf'))",
+            "expected dtype torch.float16",
+        ),
+        (
+            "def top_k(logits, k):\n    V = logits.shape[-1]\n    x = logits.view(-1).view(-1, V)\n"
+            "    return x.masked_fill(x < torch.topk(x, min(k, V)).values[:, -1:], float('-inf'))",
+            "not be contiguous",
+        ),
+        (
+            "def top_k(logits, k):\n    key = logits.data_ptr()\n    if key not in CACHE:\n"
+            "        CACHE[key] = torch.topk(logits, min(k, logits.shape[-1])).values[:, -1:]\n"
+            "    return logits.masked_fill(logits < CACHE[key], float('-inf'))",
+            "tokens kept",
+        ),
+    ],
+)
 def test_top_k_kinds_of_mistake(nb, source, pattern):
     fails(C.check_top_k, learner(dict(nb, CACHE={}), source, "top_k"), pattern)
 
 
-@pytest.mark.parametrize("source", [
-    "def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
-    "    kth = torch.sort(logits.double(), dim=-1, descending=True).values[:, k - 1 : k].to(logits.dtype)\n"
-    "    return torch.where(logits >= kth, logits, torch.full_like(logits, float('-inf')))",
-    "import numpy as np\ndef top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
-    "    kth = np.sort(logits.double().numpy(), axis=-1)[:, -k][:, None]\n"
-    "    return logits.masked_fill(torch.from_numpy(logits.double().numpy() < kth), float('-inf'))",
-])
+@pytest.mark.parametrize(
+    "source",
+    [
+        "def top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
+        "    kth = torch.sort(logits.double(), dim=-1, descending=True).values[:, k - 1 : k].to(logits.dtype)\n"
+        "    return torch.where(logits >= kth, logits, torch.full_like(logits, float('-inf')))",
+        "import numpy as np\ndef top_k(logits, k):\n    k = min(k, logits.shape[-1])\n"
+        "    kth = np.sort(logits.double().numpy(), axis=-1)[:, -k][:, None]\n"
+        "    return logits.masked_fill(torch.from_numpy(logits.double().numpy() < kth), float('-inf'))",
+    ],
+)
 def test_top_k_other_ways_are_accepted(nb, source):
     C.check_top_k(learner(nb, source, "top_k"))
 
 
-@pytest.mark.parametrize("source, pattern", [
-    (TOP_P_DESCENDING.replace("return logits.masked_fill", "return logits.float().masked_fill"),
-     "expected dtype torch.float16"),
-    (TOP_P_DESCENDING.replace("torch.sort(torch.softmax(logits, dim=-1)",
-                              "torch.sort(torch.softmax(logits.view(-1).view(logits.shape), dim=-1)"),
-     "not be contiguous"),
-    (TOP_P_DESCENDING.replace("    before = probs", "    if logits.data_ptr() in CACHE:\n        return CACHE[logits.data_ptr()]\n    before = probs")
-     .replace("    return logits.masked_fill(~keep, float(\"-inf\"))",
-              "    CACHE[logits.data_ptr()] = logits.masked_fill(~keep, float(\"-inf\"))\n    return CACHE[logits.data_ptr()]"),
-     "one call must not remember another"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            TOP_P_DESCENDING.replace("return logits.masked_fill", "return logits.float().masked_fill"),
+            "expected dtype torch.float16",
+        ),
+        (
+            TOP_P_DESCENDING.replace(
+                "torch.sort(torch.softmax(logits, dim=-1)",
+                "torch.sort(torch.softmax(logits.view(-1).view(logits.shape), dim=-1)",
+            ),
+            "not be contiguous",
+        ),
+        (
+            TOP_P_DESCENDING.replace(
+                "    before = probs",
+                "    if logits.data_ptr() in CACHE:\n        return CACHE[logits.data_ptr()]\n    before = probs",
+            ).replace(
+                '    return logits.masked_fill(~keep, float("-inf"))',
+                '    CACHE[logits.data_ptr()] = logits.masked_fill(~keep, float("-inf"))\n    return '
+                "CACHE[logits.data_ptr()]",
+            ),
+            "one call must not remember another",
+        ),
+    ],
+)
 def test_top_p_kinds_of_mistake(nb, source, pattern):
     fails(C.check_top_p, learner(dict(nb, CACHE={}), source, "top_p"), pattern)
 
@@ -625,68 +817,113 @@ def test_top_p_in_float64_is_accepted(nb):
     C.check_top_p(learner(nb, source, "top_p"), seed=101, n_random=30)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
-     "    return logits.masked_fill(probs <= p * probs.amax(-1, keepdim=True), float('-inf'))", "compare with <, not <="),
-    ("def min_p(logits, p):\n    probs = torch.softmax(logits.float(), -1)\n"
-     "    return logits.float().masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
-     "expected dtype torch.float16"),
-    ("def min_p(logits, p):\n    probs = torch.softmax(logits.view(-1).view(logits.shape), -1)\n"
-     "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))", "not be contiguous"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
+            "    return logits.masked_fill(probs <= p * probs.amax(-1, keepdim=True), float('-inf'))",
+            "compare with <, not <=",
+        ),
+        (
+            "def min_p(logits, p):\n    probs = torch.softmax(logits.float(), -1)\n"
+            "    return logits.float().masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
+            "expected dtype torch.float16",
+        ),
+        (
+            "def min_p(logits, p):\n    probs = torch.softmax(logits.view(-1).view(logits.shape), -1)\n"
+            "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
+            "not be contiguous",
+        ),
+    ],
+)
 def test_min_p_kinds_of_mistake(nb, source, pattern):
     fails(C.check_min_p, learner(nb, source, "min_p"), pattern)
 
 
 def test_min_p_in_float64_is_accepted(nb):
-    source = ("def min_p(logits, p):\n    probs = torch.softmax(logits.double(), -1)\n"
-              "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))")
+    source = (
+        "def min_p(logits, p):\n    probs = torch.softmax(logits.double(), -1)\n"
+        "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))"
+    )
     C.check_min_p(learner(nb, source, "min_p"))
 
 
-@pytest.mark.parametrize("source, pattern", [
-    ("def repetition_penalty(logits, seen, penalty):\n    x = logits.float()\n"
-     "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)", "expected dtype torch.float16"),
-    ("def repetition_penalty(logits, seen, penalty):\n    x = logits.view(-1)\n    s = seen.view(-1)\n"
-     "    return torch.where(s, torch.where(x > 0, x / penalty, x * penalty), x).view(logits.shape)", "not be contiguous"),
-    ("def repetition_penalty(logits, seen, penalty):\n    seen = seen.any(0, keepdim=True)\n"
-     "    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)", "row|values differ"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def repetition_penalty(logits, seen, penalty):\n    x = logits.float()\n"
+            "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)",
+            "expected dtype torch.float16",
+        ),
+        (
+            "def repetition_penalty(logits, seen, penalty):\n    x = logits.view(-1)\n    s = seen.view(-1)\n"
+            "    return torch.where(s, torch.where(x > 0, x / penalty, x * penalty), x).view(logits.shape)",
+            "not be contiguous",
+        ),
+        (
+            "def repetition_penalty(logits, seen, penalty):\n    seen = seen.any(0, keepdim=True)\n"
+            "    return torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)",
+            "row|values differ",
+        ),
+    ],
+)
 def test_repetition_penalty_kinds_of_mistake(nb, source, pattern):
     fails(C.check_repetition_penalty, learner(nb, source, "repetition_penalty"), pattern)
 
 
 def test_repetition_penalty_in_float64_is_accepted(nb):
-    source = ("def repetition_penalty(logits, seen, penalty):\n    x = logits.double()\n"
-              "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x).to(logits.dtype)")
+    source = (
+        "def repetition_penalty(logits, seen, penalty):\n    x = logits.double()\n"
+        "    return torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x).to(logits.dtype)"
+    )
     C.check_repetition_penalty(learner(nb, source, "repetition_penalty"))
 
 
-@pytest.mark.parametrize("source, pattern", [
-    # 0-d for one row
-    ("def sample(logits, generator):\n"
-     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze()", "a tensor \\[1\\]"),
-    # greedy below 50 rows
-    ("def sample(logits, generator):\n    if logits.shape[0] < 50:\n        return logits.argmax(-1)\n"
-     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
-     "calls with one row|successive calls|drew nothing"),
-    # drops every probability below 1e-4
-    ("def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1)\n"
-     "    probs = probs.masked_fill(probs < 1e-4, 0)\n"
-     "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)", "probability below 0.0001"),
-    # one uniform for all rows (inverse CDF)
-    ("def sample(logits, generator):\n    cdf = torch.softmax(logits.double(), -1).cumsum(-1)\n"
-     "    u = torch.rand(1, 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]\n"
-     "    return torch.searchsorted(cdf, u.expand(cdf.shape[0], 1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)",
-     "not independent|chi-square"),
-    # ignores the generator when it is given
-    ("def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), 1).squeeze(-1)",
-     "global generator"),
-    # a fresh generator when given none
-    ("def sample(logits, generator):\n    generator = generator or torch.Generator().manual_seed(0)\n"
-     "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
-     "generator=None gave the same result"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        # 0-d for one row
+        (
+            "def sample(logits, generator):\n"
+            "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze()",
+            "a tensor \\[1\\]",
+        ),
+        # greedy below 50 rows
+        (
+            "def sample(logits, generator):\n    if logits.shape[0] < 50:\n        return logits.argmax(-1)\n"
+            "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
+            "calls with one row|successive calls|drew nothing",
+        ),
+        # drops every probability below 1e-4
+        (
+            "def sample(logits, generator):\n    probs = torch.softmax(logits, dim=-1)\n"
+            "    probs = probs.masked_fill(probs < 1e-4, 0)\n"
+            "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)",
+            "probability below 0.0001",
+        ),
+        # one uniform for all rows (inverse CDF)
+        (
+            "def sample(logits, generator):\n    cdf = torch.softmax(logits.double(), -1).cumsum(-1)\n"
+            "    u = torch.rand(1, 1, generator=generator, dtype=cdf.dtype) * cdf[:, -1:]\n"
+            "    return torch.searchsorted(cdf, u.expand(cdf.shape[0], 1)).squeeze(-1).clamp(max=logits.shape[-1] - 1)",
+            "not independent|chi-square",
+        ),
+        # ignores the generator when it is given
+        (
+            "def sample(logits, generator):\n    return torch.multinomial(torch.softmax(logits, dim=-1), "
+            "1).squeeze(-1)",
+            "global generator",
+        ),
+        # a fresh generator when given none
+        (
+            "def sample(logits, generator):\n    generator = generator or torch.Generator().manual_seed(0)\n"
+            "    return torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=generator).squeeze(-1)",
+            "generator=None gave the same result",
+        ),
+    ],
+)
 def test_sample_kinds_of_mistake(nb, source, pattern):
     fails(C.check_sample, learner(nb, source, "sample"), pattern)
 
@@ -695,8 +932,10 @@ def test_sample_hint_about_minus_inf_only_when_one_was_drawn(nb):
     with pytest.raises(CheckFailed) as err:
         C.check_sample(learner(nb, "def sample(logits, generator):\n    return torch.argmax(logits, dim=-1)", "sample"))
     assert "exp(-inf)" not in str(err.value)
-    source = ("def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
-              "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)")
+    source = (
+        "def sample(logits, generator):\n    probs = torch.softmax(logits.clamp(min=-1e4), dim=-1) + 1e-3\n"
+        "    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)"
+    )
     fails(C.check_sample, learner(nb, source, "sample"), "exp\\(-inf\\)")
 
 
@@ -712,32 +951,51 @@ def test_the_tail_test_sees_a_cut_at_1e_4_on_gpt2s_logits():
     assert "below 0.0001" in C.frequency_problem(wrong, probs)
 
 
-@pytest.mark.parametrize("source, pattern", [
-    # top_k = 1 treated as 'off'
-    (NEXT_TOKEN.replace("if settings.top_k else x", "if settings.top_k > 1 else x")
-     .replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)"), "top-k 1"),
-    # repetition penalty applied with seen=None
-    ("def next_token(logits, settings, seen=None, generator=None):\n"
-     "    if settings.repetition_penalty != 1.0:\n"
-     "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
-     "    if settings.temperature == 0:\n        return greedy(logits)\n"
-     "    return sample(temperature(logits, settings.temperature), generator)", "seen=None"),
-    # its own generator when given none
-    (NEXT_TOKEN.replace("return sample(logits, generator)",
-                        "return sample(logits, generator or torch.Generator().manual_seed(0))")
-     .replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)"), "generator=None gave the same result"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        # top_k = 1 treated as 'off'
+        (
+            NEXT_TOKEN.replace("if settings.top_k else x", "if settings.top_k > 1 else x")
+            .replace("ORDER", RIGHT)
+            .replace("GREEDY", "greedy(logits)"),
+            "top-k 1",
+        ),
+        # repetition penalty applied with seen=None
+        (
+            "def next_token(logits, settings, seen=None, generator=None):\n"
+            "    if settings.repetition_penalty != 1.0:\n"
+            "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+            "    if settings.temperature == 0:\n        return greedy(logits)\n"
+            "    return sample(temperature(logits, settings.temperature), generator)",
+            "seen=None",
+        ),
+        # its own generator when given none
+        (
+            NEXT_TOKEN.replace(
+                "return sample(logits, generator)",
+                "return sample(logits, generator or torch.Generator().manual_seed(0))",
+            )
+            .replace("ORDER", RIGHT)
+            .replace("GREEDY", "greedy(logits)"),
+            "generator=None gave the same result",
+        ),
+    ],
+)
 def test_next_token_kinds_of_mistake(nb, source, pattern):
     fails(C.check_next_token, learner(nb, source, "next_token"), pattern)
 
 
 def test_next_token_names_the_part_that_broke(nb):
-    broken_top_p = ("def top_p(logits, p):\n    return torch.full_like(logits, float('-inf'))")
+    broken_top_p = "def top_p(logits, p):\n    return torch.full_like(logits, float('-inf'))"
     namespace = dict(nb)
     exec(compile(broken_top_p, "<learner's cell>", "exec"), namespace)
-    fn = learner(namespace, "def next_token(logits, settings, seen=None, generator=None):\n" +
-                 "\n".join(NEXT_TOKEN.replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)").split("\n")[2:]),
-                 "next_token")
+    fn = learner(
+        namespace,
+        "def next_token(logits, settings, seen=None, generator=None):\n"
+        + "\n".join(NEXT_TOKEN.replace("ORDER", RIGHT).replace("GREEDY", "greedy(logits)").split("\n")[2:]),
+        "next_token",
+    )
     with pytest.raises(CheckFailed) as err:
         C.check_next_token(fn)
     assert "your top_p removed every token" in str(err.value) and "check_top_p" in str(err.value)
@@ -745,27 +1003,34 @@ def test_next_token_names_the_part_that_broke(nb):
 
 
 def test_next_token_written_with_numpy_draws_is_accepted(nb):
-    source = ("import numpy as np\n"
-              "def next_token(logits, settings, seen=None, generator=None):\n"
-              "    if seen is not None and settings.repetition_penalty != 1.0:\n"
-              "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
-              "    if settings.temperature == 0:\n        return greedy(logits)\n"
-              "    x = temperature(logits, settings.temperature)\n"
-              "    if settings.top_k:\n        x = top_k(x, settings.top_k)\n"
-              "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
-              "    if settings.min_p:\n        x = min_p(x, settings.min_p)\n"
-              "    cdf = torch.softmax(x.double(), -1).cumsum(-1)\n"
-              "    u = torch.rand(x.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]\n"
-              "    return torch.from_numpy(np.minimum((cdf.numpy() < u.numpy()).sum(-1), x.shape[-1] - 1))")
+    source = (
+        "import numpy as np\n"
+        "def next_token(logits, settings, seen=None, generator=None):\n"
+        "    if seen is not None and settings.repetition_penalty != 1.0:\n"
+        "        logits = repetition_penalty(logits, seen, settings.repetition_penalty)\n"
+        "    if settings.temperature == 0:\n        return greedy(logits)\n"
+        "    x = temperature(logits, settings.temperature)\n"
+        "    if settings.top_k:\n        x = top_k(x, settings.top_k)\n"
+        "    if settings.top_p < 1:\n        x = top_p(x, settings.top_p)\n"
+        "    if settings.min_p:\n        x = min_p(x, settings.min_p)\n"
+        "    cdf = torch.softmax(x.double(), -1).cumsum(-1)\n"
+        "    u = torch.rand(x.shape[0], 1, generator=generator, dtype=torch.float64) * cdf[:, -1:]\n"
+        "    return torch.from_numpy(np.minimum((cdf.numpy() < u.numpy()).sum(-1), x.shape[-1] - 1))"
+    )
     C.check_next_token(learner(nb, source, "next_token"))
 
 
-@pytest.mark.parametrize("changes, pattern", [
-    (dict(EOS_EARLY="if eos_token_id and token == eos_token_id:\n            break"), "EOS id 0"),
-    (dict(EOS_EARLY="if token == eos_token_id:\n            break\n        eos_token_id = eos_token_id or None"),
-     "EOS id 0"),
-    (dict(FIND="(text.find(s) for s in stop) if False else (-1 for s in stop)"), "stop string"),
-])
+@pytest.mark.parametrize(
+    "changes, pattern",
+    [
+        (dict(EOS_EARLY="if eos_token_id and token == eos_token_id:\n            break"), "EOS id 0"),
+        (
+            dict(EOS_EARLY="if token == eos_token_id:\n            break\n        eos_token_id = eos_token_id or None"),
+            "EOS id 0",
+        ),
+        (dict(FIND="(text.find(s) for s in stop) if False else (-1 for s in stop)"), "stop string"),
+    ],
+)
 def test_stream_text_kinds_of_mistake(nb, changes, pattern):
     fails(C.check_stream_text, stream_variant(nb, **changes), pattern)
 
@@ -778,7 +1043,6 @@ def test_stream_text_with_a_wrong_default_is_told(nb):
 
 
 def test_stream_text_without_flush_is_told_to_flush(nb):
-    fn = stream_variant(nb)
     source = STREAM
     for key, value in STREAM_RIGHT.items():
         source = source.replace(key, value)
@@ -789,8 +1053,11 @@ def test_stream_text_without_flush_is_told_to_flush(nb):
 
 
 def test_stream_text_that_yields_only_at_the_end_is_told(nb):
-    fn = learner(nb, "def stream_text(*args, **kwargs):\n    pieces = list(STREAM(*args, **kwargs))\n"
-                     "    yield from pieces", "stream_text")
+    fn = learner(
+        nb,
+        "def stream_text(*args, **kwargs):\n    pieces = list(STREAM(*args, **kwargs))\n    yield from pieces",
+        "stream_text",
+    )
     fn.__globals__["STREAM"] = nb["stream_text"]
     fails(C.check_stream_text, fn, "before computing the next token|came in one piece")
 
@@ -799,13 +1066,21 @@ def test_stream_text_with_a_prompt_encoded_without_special_tokens_is_told(nb):
     source = STREAM
     for key, value in STREAM_RIGHT.items():
         source = source.replace(key, value)
-    source = source.replace('tokenizer.encode(prompt, allowed_special="all")', "tokenizer.encode(prompt, disallowed_special=())")
+    source = source.replace(
+        'tokenizer.encode(prompt, allowed_special="all")', "tokenizer.encode(prompt, disallowed_special=())"
+    )
     fails(C.check_stream_text, learner(nb, source, "stream_text"), "endoftext")
 
 
-@pytest.mark.parametrize("source, pattern", [
-    (BEAM.replace("if token == eos_token_id or last", "if (eos_token_id and token == eos_token_id) or last"), "EOS id 0"),
-])
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            BEAM.replace("if token == eos_token_id or last", "if (eos_token_id and token == eos_token_id) or last"),
+            "EOS id 0",
+        ),
+    ],
+)
 def test_beam_search_kinds_of_mistake(nb, source, pattern):
     for key, value in BEAM_RIGHT.items():
         source = source.replace(key, value)

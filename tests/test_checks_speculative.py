@@ -13,12 +13,23 @@ import torch
 import torch.nn.functional as F
 
 import llmcourse.checks.speculative as spec_checks
-from llmcourse.engine import speculative as engine
 from llmcourse.checks import CheckFailed
-from llmcourse.checks.speculative import (Draws, _accept_verdict, accept_cases, check_accept_token,
-                                          check_expected_speedup, check_prompt_lookup_draft, check_speculative_round,
-                                          check_verify, chi2, correct_outcomes, decisive_model, noisy_copy)
+from llmcourse.checks.speculative import (
+    Draws,
+    _accept_verdict,
+    accept_cases,
+    check_accept_token,
+    check_expected_speedup,
+    check_prompt_lookup_draft,
+    check_speculative_round,
+    check_verify,
+    chi2,
+    correct_outcomes,
+    decisive_model,
+    noisy_copy,
+)
 from llmcourse.course.guards import guarded
+from llmcourse.engine import speculative as engine
 from llmcourse.engine.speculative import Speculation
 from tests.notebook_checks import run_notebook_checks
 
@@ -174,15 +185,24 @@ def accept_returns_other_token(p, q, draft_token, generator=None):
 
 
 ACCEPT_MISTAKES = [
-    (accept_inverse_cdf_unnormalised, r"returned a token that the residual max\(0, p - q\) gives probability 0.*"
-                                      r"token 2 has max\(0, p - q\) = 0.*u · sum"),
-    (accept_correction_from_p, r"returned a token that the residual.*gives probability 0.*residual max\(0, p - q\), "
-                              r"normalised — not from p"),
+    (
+        accept_inverse_cdf_unnormalised,
+        r"returned a token that the residual max\(0, p - q\) gives probability 0.*"
+        r"token 2 has max\(0, p - q\) = 0.*u · sum",
+    ),
+    (
+        accept_correction_from_p,
+        r"returned a token that the residual.*gives probability 0.*residual max\(0, p - q\), "
+        r"normalised — not from p",
+    ),
     (accept_if_p_at_least_q, r"p\(x\) >= q\(x\), without drawing"),
     (accept_with_probability_p, r"accept with probability p\(x\): the rule is min\(1, p\(x\)/q\(x\)\)"),
     (accept_inverted, r"comparison is inverted"),
-    (accept_never, r"gives probability 0.*expected: tokens distributed as p.*0% of the proposals accepted.*"
-                  r"you never accept"),
+    (
+        accept_never,
+        r"gives probability 0.*expected: tokens distributed as p.*0% of the proposals accepted.*"
+        r"you never accept",
+    ),
     (accept_tensor_token, r"the token should be an integer \(a Python int\), got tensor.*int\(\.\.\.\) it"),
     (accept_engine, r"llmcourse\.speculative.*write your own"),
     (accept_returns_other_token, r"accepted the proposal \d+ but returned the token \d+"),
@@ -244,11 +264,16 @@ def test_accept_token_check_at_fixed_seeds_passes_a_correct_rule_on_every_draw(s
 def test_accept_token_check_rejects_each_wrong_rule_on_every_draw():
     """...and the counts of each wrong rule (`_accept_mistakes`: accept iff p >= q, with probability p, inverted,
     the correction from p or from q, never accept) are rejected, with that rule's hint, in all 50 draws."""
-    for index, hint_start in enumerate(["you accept exactly when p(x) >= q(x)", "you accept with probability p(x)",
-                                        "the comparison is inverted", "after a rejection the token must come from "
-                                        "the residual max(0, p - q), normalised — not from p", "after a rejection the "
-                                        "token must come from the residual max(0, p - q), normalised — not from q",
-                                        "you never accept"]):
+    for index, hint_start in enumerate(
+        [
+            "you accept exactly when p(x) >= q(x)",
+            "you accept with probability p(x)",
+            "the comparison is inverted",
+            "after a rejection the token must come from the residual max(0, p - q), normalised — not from p",
+            "after a rejection the token must come from the residual max(0, p - q), normalised — not from q",
+            "you never accept",
+        ]
+    ):
         for draw in range(50):
             verdicts = []
             for case in FREQUENCY_CASES:
@@ -388,8 +413,12 @@ def test_verify_that_calls_an_unwritten_accept_token_says_so():
             stub(p[i], q[i], x, generator)
         return 0, 0
 
-    fails(check_verify, verify_calling_stub, r"(accept_token|it calls stub, which is not written yet): write that "
-                                              r"exercise first")
+    fails(
+        check_verify,
+        verify_calling_stub,
+        r"(accept_token|it calls stub, which is not written yet): write that "
+        r"exercise first",
+    )
 
 
 # -- prompt_lookup_draft ---------------------------------------------------------------------------
@@ -481,7 +510,7 @@ def test_prompt_lookup_draft_alternative_passes(capsys):
 
 
 def speedup_alpha_k(alpha, k, c):
-    return (1 - alpha ** k) / (1 - alpha) / (k * c + 1) if alpha != 1 else k / (k * c + 1)
+    return (1 - alpha**k) / (1 - alpha) / (k * c + 1) if alpha != 1 else k / (k * c + 1)
 
 
 def speedup_no_cost(alpha, k, c):
@@ -523,7 +552,7 @@ def test_expected_speedup_mistakes_are_named(fn, pattern):
 
 def speedup_by_sum(alpha, k, c):
     """Correct, written differently: the sum 1 + α + … + α^k (no special case needed)."""
-    return sum(alpha ** i for i in range(k + 1)) / (1 + k * c)
+    return sum(alpha**i for i in range(k + 1)) / (1 + k * c)
 
 
 def test_expected_speedup_alternative_passes(capsys):
@@ -542,8 +571,16 @@ def test_expected_speedup_matches_the_engine_and_the_limits():
 # -- speculative_round -----------------------------------------------------------------------------
 
 
-def round_with(*, target_off=0, draft_rollback=True, feed_last=True, one_pass=True, next_token=True,
-               feed_only_last_to_draft=False, draft_unconditional=False):
+def round_with(
+    *,
+    target_off=0,
+    draft_rollback=True,
+    feed_last=True,
+    one_pass=True,
+    next_token=True,
+    feed_only_last_to_draft=False,
+    draft_unconditional=False,
+):
     """speculative_round with one plausible mistake switched on."""
 
     def round_(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
@@ -591,16 +628,31 @@ ROUND_MISTAKES = [
     (round_with(feed_last=False), r"plain greedy decoding continues with.*feed the target \[tokens\[-1\], d1"),
     (round_with(one_pass=False), r"called the target \d times in one round.*ONE forward pass"),
     (round_with(next_token=False), r"returned \d tokens.*(1 to|the next token)"),
-    (round_with(feed_only_last_to_draft=True), r"kept \d proposals; the draft's greedy continuation.*"
-                                               r"tokens\[draft_cache\.length:\]"),
+    (
+        round_with(feed_only_last_to_draft=True),
+        r"kept \d proposals; the draft's greedy continuation.*"
+        r"tokens\[draft_cache\.length:\]",
+    ),
     (round_engine, r"llmcourse\.speculative.*write your own"),
     (round_via_generate, r"llmcourse\.engine\.generate.*write one round yourself"),
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", ROUND_MISTAKES, ids=["target_one_short", "target_one_long", "no_draft_rollback",
-                                                             "no_last_token", "one_pass_per_proposal", "no_next_token",
-                                                             "draft_fed_last_only", "engine", "generate"])
+@pytest.mark.parametrize(
+    "fn, pattern",
+    ROUND_MISTAKES,
+    ids=[
+        "target_one_short",
+        "target_one_long",
+        "no_draft_rollback",
+        "no_last_token",
+        "one_pass_per_proposal",
+        "no_next_token",
+        "draft_fed_last_only",
+        "engine",
+        "generate",
+    ],
+)
 def test_speculative_round_mistakes_are_named(fn, pattern):
     fails(check_speculative_round, fn, pattern)
 
@@ -664,10 +716,30 @@ def test_speculative_round_in_the_engine_equals_plain_greedy():
         plain = generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None)
         for k in (1, 6):
             stats = engine.SpeculationStats()
-            assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft,
-                            num_draft_tokens=k, stats=stats) == plain
-            assert generate(target, [5, 6, 7], max_new_tokens=20, eos_token_id=None, draft=draft, num_draft_tokens=k,
-                            speculation=guarded(Speculation, speculative_round=speculative_round)) == plain
+            assert (
+                generate(
+                    target,
+                    [5, 6, 7],
+                    max_new_tokens=20,
+                    eos_token_id=None,
+                    draft=draft,
+                    num_draft_tokens=k,
+                    stats=stats,
+                )
+                == plain
+            )
+            assert (
+                generate(
+                    target,
+                    [5, 6, 7],
+                    max_new_tokens=20,
+                    eos_token_id=None,
+                    draft=draft,
+                    num_draft_tokens=k,
+                    speculation=guarded(Speculation, speculative_round=speculative_round),
+                )
+                == plain
+            )
 
 
 def test_reference_accept_token_against_the_engine_on_one_hot_and_torch():
@@ -776,8 +848,11 @@ def round_zero_is_no_proposal(target, draft, target_cache, draft_cache, tokens, 
 
 ISSUE22_MISTAKES = [
     (check_speculative_round, round_crop_256, r"a prompt of 260 tokens \(positions past 255\).*target_cache\.length"),
-    (check_speculative_round, round_zero_is_no_proposal,
-     r"token 0 among the new tokens.*kept \d proposals; the draft's greedy continuation"),
+    (
+        check_speculative_round,
+        round_zero_is_no_proposal,
+        r"token 0 among the new tokens.*kept \d proposals; the draft's greedy continuation",
+    ),
     (check_accept_token, accept_global_rng, r"randomness: the call used or changed torch's global generator"),
     (check_accept_token, accept_copied_generator, r"randomness: the generator's state did not change"),
     (check_accept_token, accept_uint8_token, r"V = 300.*accepted the proposal 299 but returned the token 43"),
@@ -788,13 +863,19 @@ ISSUE22_MISTAKES = [
     (check_prompt_lookup_draft, lookup_cached_on_text, r"a long text.*keyed on part of them"),
     (check_prompt_lookup_draft, lookup_window_32, r"a long text: \d+ tokens"),
     (check_prompt_lookup_draft, lookup_zero_is_none, r"token 0.*0 is a token like any other"),
-    (check_speculative_round, round_with(draft_unconditional=True),
-     r"draft's cache never held more than.*only ever shorten the draft's cache"),
+    (
+        check_speculative_round,
+        round_with(draft_unconditional=True),
+        r"draft's cache never held more than.*only ever shorten the draft's cache",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, fn, pattern", ISSUE22_MISTAKES, ids=[f.__name__ if hasattr(f, "__name__") else str(i)
-                                                                      for i, (_, f, _) in enumerate(ISSUE22_MISTAKES)])
+@pytest.mark.parametrize(
+    "check, fn, pattern",
+    ISSUE22_MISTAKES,
+    ids=[f.__name__ if hasattr(f, "__name__") else str(i) for i, (_, f, _) in enumerate(ISSUE22_MISTAKES)],
+)
 def test_issue22_kinds_are_rejected_and_named(check, fn, pattern):
     _CACHE.clear()
     fails(check, fn, pattern)
@@ -829,7 +910,8 @@ def test_verify_alternative_with_float64_draws_passes(capsys):
 
 
 def accept_one_hot_shortcut(p, q, draft_token, generator=None):
-    """Right on every case; in the engine's greedy rounds over GPT-2's vocabulary (q one-hot) it keeps every proposal."""
+    """Right on every case; in the engine's greedy rounds over GPT-2's vocabulary (q one-hot) it keeps every
+    proposal."""
     if len(q) > 50000 and q[draft_token] == 1:
         return True, draft_token
     return accept_token(p, q, draft_token, generator)
@@ -850,17 +932,27 @@ def lookup_engine_only(tokens, num_draft_tokens, max_ngram=3):
 
 
 IN_ENGINE_ONLY = [
-    (check_accept_token, accept_one_hot_shortcut,
-     r"in the engine, greedy, the bundled draft.*with your accept_token in the engine, the engine stopped it: part "
-     r"'accept_token' \(accept_one_hot_shortcut\) returned token \d+, which the target's distribution p gives "
-     r"probability 0.*speculation=guarded\(Speculation, accept_token=accept_token\).*passes the cases above but not "
-     r"the "
-     r"engine's own calls"),
-    (check_verify, verify_engine_k3,
-     r"in the engine, greedy.*with your verify in the engine, the engine stopped it: part 'verify'.*probability 0"),
-    (check_prompt_lookup_draft, lookup_engine_only,
-     r"in the engine, greedy, prompt lookup.*its call 1 of \d+ \(with your prompt_lookup_draft in the engine\): "
-     r"expected \[\d+, \d+, \d+\], got \[\].*the engine's call, without max_ngram.*before every round the engine calls"),
+    (
+        check_accept_token,
+        accept_one_hot_shortcut,
+        r"in the engine, greedy, the bundled draft.*with your accept_token in the engine, the engine stopped it: part "
+        r"'accept_token' \(accept_one_hot_shortcut\) returned token \d+, which the target's distribution p gives "
+        r"probability 0.*speculation=guarded\(Speculation, accept_token=accept_token\).*passes the cases above but not "
+        r"the "
+        r"engine's own calls",
+    ),
+    (
+        check_verify,
+        verify_engine_k3,
+        r"in the engine, greedy.*with your verify in the engine, the engine stopped it: part 'verify'.*probability 0",
+    ),
+    (
+        check_prompt_lookup_draft,
+        lookup_engine_only,
+        r"in the engine, greedy, prompt lookup.*its call 1 of \d+ \(with your prompt_lookup_draft in the engine\): "
+        r"expected \[\d+, \d+, \d+\], got \[\].*the engine's call, without max_ngram.*before every round the "
+        r"engine calls",
+    ),
 ]
 
 
@@ -872,7 +964,7 @@ def test_a_slot_wrong_only_in_the_engine_is_rejected(check, fn, pattern):
 def test_the_engine_runs_its_own_speculation_after_a_check(capsys):
     """The check gives the learner's function to generate (`speculation=`): nothing of it stays on the bundled model."""
     from llmcourse.checks.harness.bundled import bundled_model
-    from llmcourse.checks.speculative import ENGINE_PROMPT, _engine_own
+    from llmcourse.checks.speculative import _engine_own
 
     check_accept_token(accept_token)
     assert not hasattr(bundled_model(), "speculation") and not bundled_model().parts.overridden()

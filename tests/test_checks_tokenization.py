@@ -16,18 +16,24 @@ import regex
 
 import llmcourse.engine.tokenizer
 from llmcourse import get_tokenizer
+from llmcourse.checks import (
+    CheckFailed,
+    check_bpe_encode_chunk,
+    check_bytes_to_unicode,
+    check_decode,
+    check_encode,
+    check_get_pair_counts,
+    check_merge,
+    check_stream_decoder,
+    check_train_bpe,
+)
 from llmcourse.course import bpe
 from llmcourse.course.bpe import merge as engine_merge_imported_early
-from llmcourse.checks import (CheckFailed, check_bpe_encode_chunk, check_bytes_to_unicode, check_decode,
-                              check_encode, check_get_pair_counts, check_merge, check_stream_decoder,
-                              check_train_bpe)
 from llmcourse.engine.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
 from llmcourse.engine.tokenizer import bytes_to_unicode as engine_table_imported_early
 from tests.notebook_checks import run_notebook_checks
 
 tokenizers = pytest.importorskip("tokenizers")  # Hugging Face's (a dependency of transformers): a black box too
-import tokenizers.decoders  # noqa: E402
-import tokenizers.pre_tokenizers  # noqa: E402
 
 
 def copy_of(fn):
@@ -264,7 +270,11 @@ MISTAKES = [
     (check_merge, merge_right_to_left, r"right length, wrong ids[\s\S]*left to right"),
     (check_train_bpe, train_ties_by_smallest_pair, r"a tie: both pairs occur \d+ times"),
     (check_train_bpe, train_stops_at_count_one, r"even a pair that occurs only once"),
-    (check_train_bpe, train_without_applying_merges, r"none of your merges uses a merged id[\s\S]*count the pairs again"),
+    (
+        check_train_bpe,
+        train_without_applying_merges,
+        r"none of your merges uses a merged id[\s\S]*count the pairs again",
+    ),
     (check_bpe_encode_chunk, chunk_first_pair_in_ranks, r"expected the parts[\s\S]*lowest rank"),
     (check_bpe_encode_chunk, chunk_returns_parts, r"item 0 should be an int[\s\S]*not the parts"),
     (check_encode, encode_without_presplit, r"a blank line[\s\S]*without the regex pre-split[\s\S]*GPT2_SPLIT_PATTERN"),
@@ -276,8 +286,16 @@ MISTAKES = [
     (check_stream_decoder, TokenByTokenStreamDecoder, r"'🦙'[\s\S]*emitted half a character"),
     (check_stream_decoder, SilentStreamDecoder, r"held back text that was already complete"),
     (check_stream_decoder, StreamDecoderReturningBytes, r"push\(\d+\) returned a bytes"),
-    (check_bytes_to_unicode, bytes_to_unicode_in_byte_order, r"order of the table[\s\S]*entry #0 is byte 0, expected byte 33"),
-    (check_bytes_to_unicode, bytes_to_unicode_offset_by_256, r"byte 127[\s\S]*expected: 'ġ'[\s\S]*chr\(256\), chr\(257\)"),
+    (
+        check_bytes_to_unicode,
+        bytes_to_unicode_in_byte_order,
+        r"order of the table[\s\S]*entry #0 is byte 0, expected byte 33",
+    ),
+    (
+        check_bytes_to_unicode,
+        bytes_to_unicode_offset_by_256,
+        r"byte 127[\s\S]*expected: 'ġ'[\s\S]*chr\(256\), chr\(257\)",
+    ),
 ]
 
 
@@ -316,7 +334,7 @@ def train_with_most_common(text, num_merges):
         counts = Counter(zip(ids, ids[1:]))
         if not counts:
             break
-        (pair, _), = counts.most_common(1)  # equal counts come out in order of first occurrence
+        ((pair, _),) = counts.most_common(1)  # equal counts come out in order of first occurrence
         ids, merges[pair] = merge_with_flag(ids, pair, new_id), new_id
     return merges
 
@@ -475,7 +493,7 @@ def train_on_characters(text, num_merges):
         counts = Counter(zip(ids, ids[1:]))
         if not counts:
             break
-        (pair, _), = counts.most_common(1)
+        ((pair, _),) = counts.most_common(1)
         ids, merges[pair] = merge_with_flag(ids, pair, new_id), new_id
     return merges
 
@@ -525,7 +543,7 @@ class StreamDecoderReplacingTooEarly(ManualStreamDecoder):
         self.buffer += self.vocab[token_id]
         valid = self.buffer.decode("utf-8", errors="ignore").encode("utf-8")
         if self.buffer.startswith(valid) and len(self.buffer) - len(valid) < 4 and valid:
-            text, self.buffer = valid.decode(), self.buffer[len(valid):]
+            text, self.buffer = valid.decode(), self.buffer[len(valid) :]
             return text
         text, self.buffer = self.buffer.decode("utf-8", errors="replace"), b""
         return text
@@ -567,14 +585,20 @@ NEAR_MISSES = [
     (check_train_bpe, train_sorted_by_new_id_descending, r"different order"),
     (check_get_pair_counts, pair_counts_most_common_first, r"different order"),
     (check_merge, merge_by_text, r"ids whose digits run together[\s\S]*compare ids, not their text"),
-    (check_get_pair_counts, pair_counts_by_text,
-     r"ids whose digits run together: the pair \(1, 2\) should have count 1, got 2[\s\S]*not pieces of their text"),
+    (
+        check_get_pair_counts,
+        pair_counts_by_text,
+        r"ids whose digits run together: the pair \(1, 2\) should have count 1, got 2[\s\S]*not pieces of their text",
+    ),
     (check_train_bpe, train_on_characters, r"non-ASCII[\s\S]*hint: train on the UTF-8 bytes"),
     (check_decode, decode_latin1, r"Latin-1[\s\S]*hint: [\s\S]*\.decode\('utf-8', errors='replace'\)"),
     (check_decode, decode_ignoring_errors, r"were dropped[\s\S]*errors='ignore' drops it"),
     (check_encode, encode_with_w, r"beyond ASCII[\s\S]*\\p\{L\}"),
-    (check_stream_decoder, StreamDecoderStuckAfterInvalidByte,
-     r"after d\.push\(\d+\) \(its bytes b'\\xff'\)[\s\S]*must not hold the stream up"),
+    (
+        check_stream_decoder,
+        StreamDecoderStuckAfterInvalidByte,
+        r"after d\.push\(\d+\) \(its bytes b'\\xff'\)[\s\S]*must not hold the stream up",
+    ),
     (check_stream_decoder, StreamDecoderDroppingInvalidBytes, r"text so far should be"),
     (check_stream_decoder, StreamDecoderReplacingTooEarly, r"emitted half a character"),
     (check_merge, merge_in_place, r"changed its input `ids`[\s\S]*before the call: \[[\s\S]*build a new list"),
@@ -703,22 +727,45 @@ class DecodeStreamDecoder:
 
 
 BLACK_BOXES = [
-    (check_encode, lambda text, ranks: TOKENIZER.encode(text, allowed_special="all"),
-     r"called tiktoken\.core\.Encoding\.encode \(part of tiktoken\)"),
+    (
+        check_encode,
+        lambda text, ranks: TOKENIZER.encode(text, allowed_special="all"),
+        r"called tiktoken\.core\.Encoding\.encode \(part of tiktoken\)",
+    ),
     (check_encode, lambda text, ranks: TOKENIZER._core_bpe.encode(text, {EOT}), r"called CoreBPE\.encode"),
-    (check_encode, lambda text, ranks: sys.modules["tiktoken.core"].Encoding.encode(TOKENIZER, text, allowed_special="all"),
-     r"called tiktoken\.core\.Encoding\.encode"),
+    (
+        check_encode,
+        lambda text, ranks: sys.modules["tiktoken.core"].Encoding.encode(TOKENIZER, text, allowed_special="all"),
+        r"called tiktoken\.core\.Encoding\.encode",
+    ),
     (check_decode, lambda ids, vocab: TOKENIZER.decode(ids), r"called tiktoken\.core\.Encoding\.decode\b"),
-    (check_decode, lambda ids, vocab: TOKENIZER.decode_bytes(ids).decode("utf-8", "replace"),
-     r"called tiktoken\.core\.Encoding\.decode_bytes"),
+    (
+        check_decode,
+        lambda ids, vocab: TOKENIZER.decode_bytes(ids).decode("utf-8", "replace"),
+        r"called tiktoken\.core\.Encoding\.decode_bytes",
+    ),
     (check_merge, lambda ids, pair, new_id: bpe.merge(ids, pair, new_id), r"called llmcourse\.course\.bpe\.merge"),
-    (check_merge, lambda ids, pair, new_id: engine_merge_imported_early(ids, pair, new_id), r"called llmcourse\.course\.bpe\.merge"),
+    (
+        check_merge,
+        lambda ids, pair, new_id: engine_merge_imported_early(ids, pair, new_id),
+        r"called llmcourse\.course\.bpe\.merge",
+    ),
     (check_train_bpe, lambda text, n: bpe.train_bpe(text, n), r"called llmcourse\.course\.bpe\.train_bpe"),
-    (check_bytes_to_unicode, lambda: dict(engine_table_imported_early()), r"called llmcourse\.engine\.tokenizer\.bytes_to_unicode"),
-    (check_bpe_encode_chunk, lambda chunk, ranks: bpe.encode(chunk.decode("utf-8", "replace")),
-     r"called llmcourse\.course\.bpe\.encode"),
-    (check_bytes_to_unicode, lambda: dict(zip(range(256), tokenizers_byte_level().alphabet())),
-     r"called ByteLevel\.alphabet \(part of tokenizers\)"),
+    (
+        check_bytes_to_unicode,
+        lambda: dict(engine_table_imported_early()),
+        r"called llmcourse\.engine\.tokenizer\.bytes_to_unicode",
+    ),
+    (
+        check_bpe_encode_chunk,
+        lambda chunk, ranks: bpe.encode(chunk.decode("utf-8", "replace")),
+        r"called llmcourse\.course\.bpe\.encode",
+    ),
+    (
+        check_bytes_to_unicode,
+        lambda: dict(zip(range(256), tokenizers_byte_level().alphabet())),
+        r"called ByteLevel\.alphabet \(part of tokenizers\)",
+    ),
     (check_stream_decoder, DecodeStreamDecoder, r"called DecodeStream\.step \(part of tokenizers\)"),
     (check_stream_decoder, IncrementalStreamDecoder, r"called codecs\.getincrementaldecoder"),
     (check_stream_decoder, AliasedIncrementalStreamDecoder, r"called codecs\.getincrementaldecoder"),
@@ -726,12 +773,17 @@ BLACK_BOXES = [
     (check_stream_decoder, EncodingsStreamDecoder, r"called codecs\.BufferedIncrementalDecoder"),
     (check_stream_decoder, RawCodecStreamDecoder, r"called codecs\.utf_8_decode"),
     (check_stream_decoder, EngineStreamDecoder, r"called llmcourse\.engine\.tokenizer\.StreamDecoder"),
-    (check_stream_decoder, SubclassedEngineStreamDecoder, r"called llmcourse\.engine\.tokenizer\.StreamDecoder\.__init__"),
+    (
+        check_stream_decoder,
+        SubclassedEngineStreamDecoder,
+        r"called llmcourse\.engine\.tokenizer\.StreamDecoder\.__init__",
+    ),
 ]
 
 
-@pytest.mark.parametrize("check, wrong, message", BLACK_BOXES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in
-                                                                   enumerate(BLACK_BOXES)])
+@pytest.mark.parametrize(
+    "check, wrong, message", BLACK_BOXES, ids=[f"{c.__name__}-{i}" for i, (c, _, _) in enumerate(BLACK_BOXES)]
+)
 def test_black_box_is_rejected_however_it_is_reached(check, wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check(wrong)
@@ -827,10 +879,21 @@ def test_the_notebook_solutions_pass_every_check(capsys):
 # -- the engine's reference against tiktoken (what makes it a reference) ------------------------
 
 
-@pytest.mark.parametrize("text", [
-    "", "Hello world", "   spaces   ", "I'm sure they'll", "1234567 2024", "naïve café — 中文 🦙👨‍👩‍👧‍👦",
-    "the end<|endoftext|>new", "<|endoftext|", "def f(x):\n\treturn x  # ok\n\n", "a" * 500,
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "Hello world",
+        "   spaces   ",
+        "I'm sure they'll",
+        "1234567 2024",
+        "naïve café — 中文 🦙👨‍👩‍👧‍👦",
+        "the end<|endoftext|>new",
+        "<|endoftext|",
+        "def f(x):\n\treturn x  # ok\n\n",
+        "a" * 500,
+    ],
+)
 def test_reference_encode_equals_tiktoken(text):
     tokenizer = get_tokenizer()
     assert bpe.encode(text) == tokenizer.encode(text, allowed_special="all")

@@ -1,6 +1,5 @@
 """`python -m llmcourse generate`, run as a user runs it."""
 
-import json
 import re
 import shutil
 import subprocess
@@ -34,9 +33,23 @@ def run_here(capsys, *args):
 def test_help_documents_every_option():
     out = run("generate", "--help")
     assert out.returncode == 0
-    for option in ["--model", "--max-new-tokens", "--temperature", "--top-k", "--top-p", "--min-p",
-                   "--repetition-penalty", "--num-beams", "--length-penalty", "--stop", "--seed", "--device", "--dtype",
-                   "--compile", "--parts"]:
+    for option in [
+        "--model",
+        "--max-new-tokens",
+        "--temperature",
+        "--top-k",
+        "--top-p",
+        "--min-p",
+        "--repetition-penalty",
+        "--num-beams",
+        "--length-penalty",
+        "--stop",
+        "--seed",
+        "--device",
+        "--dtype",
+        "--compile",
+        "--parts",
+    ]:
         assert option in out.stdout, option
     assert "PROMPT" in out.stdout
 
@@ -45,8 +58,20 @@ def test_generates_from_a_folder_saved_by_transformers(tmp_path, tokenizer):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, n_positions=128)).save_pretrained(tmp_path)
-    out = run("generate", "--model", str(tmp_path), "--max-new-tokens", "12", "--temperature", "0.9", "--seed", "3",
-              "--device", "cpu", "Once upon a time")
+    out = run(
+        "generate",
+        "--model",
+        str(tmp_path),
+        "--max-new-tokens",
+        "12",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "3",
+        "--device",
+        "cpu",
+        "Once upon a time",
+    )
     assert out.returncode == 0, out.stderr
     model = load_model(tmp_path, device="cpu")
     expected = generate_text(model, tokenizer, "Once upon a time", max_new_tokens=12, temperature=0.9, seed=3)
@@ -54,8 +79,10 @@ def test_generates_from_a_folder_saved_by_transformers(tmp_path, tokenizer):
     assert len(tokenizer.encode(expected)) >= 10
 
 
-PARAMETER = re.compile(r"(?<![-\w])(max_new_tokens|temperature|top_k|top_p|min_p|repetition_penalty|num_beams|"
-                       r"length_penalty|compile)(?![-\w])")
+PARAMETER = re.compile(
+    r"(?<![-\w])(max_new_tokens|temperature|top_k|top_p|min_p|repetition_penalty|num_beams|"
+    r"length_penalty|compile)(?![-\w])"
+)
 
 
 @pytest.mark.parametrize(
@@ -69,8 +96,11 @@ PARAMETER = re.compile(r"(?<![-\w])(max_new_tokens|temperature|top_k|top_p|min_p
         (["--num-beams", "2", "--temperature", "0.5"], "with --num-beams > 1 use --temperature 0"),
         (["--num-beams", "0"], "--num-beams must be an integer >= 1"),
         (["--num-beams", "2", "--compile"], "beam search runs uncompiled, so use --num-beams 1 or leave out --compile"),
-        (["--max-new-tokens", "5000"], "--max-new-tokens is 5000: 5001 positions, but the model has only "
-                                       "n_positions=256; lower --max-new-tokens to at most 255"),
+        (
+            ["--max-new-tokens", "5000"],
+            "--max-new-tokens is 5000: 5001 positions, but the model has only "
+            "n_positions=256; lower --max-new-tokens to at most 255",
+        ),
         (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
         (["--stop", ""], "--stop needs a non-empty text"),
         (["--dtype", "int3"], "argument --dtype: invalid choice"),
@@ -99,12 +129,23 @@ def test_default_temperature_samples_and_beams_are_greedy(small_folder, tokenize
     """Without --temperature the command line samples at 0.8; with --num-beams it is greedy (beam
     search needs it), so `--num-beams 3` alone works."""
     model = load_model(small_folder, device="cpu")
-    sampled = run("generate", "--model", str(small_folder), "--max-new-tokens", "12", "--seed", "5", "--device", "cpu",
-                  "Hello")
+    sampled = run(
+        "generate", "--model", str(small_folder), "--max-new-tokens", "12", "--seed", "5", "--device", "cpu", "Hello"
+    )
     assert sampled.returncode == 0, sampled.stderr
     assert sampled.stdout == generate_text(model, tokenizer, "Hello", max_new_tokens=12, temperature=0.8, seed=5) + "\n"
-    beams = run("generate", "--model", str(small_folder), "--num-beams", "3", "--max-new-tokens", "8", "--device", "cpu",
-                "Hello")
+    beams = run(
+        "generate",
+        "--model",
+        str(small_folder),
+        "--num-beams",
+        "3",
+        "--max-new-tokens",
+        "8",
+        "--device",
+        "cpu",
+        "Hello",
+    )
     assert beams.returncode == 0, beams.stderr
     assert beams.stdout == generate_text(model, tokenizer, "Hello", max_new_tokens=8, num_beams=3) + "\n"
     assert "default: 0.8, or 0 with --num-beams > 1" in " ".join(run("generate", "--help").stdout.split())
@@ -140,7 +181,9 @@ def test_parts_runs_your_engine_with_one_notice_per_unwritten_slot(small_folder,
     solved_copy("01_tokenization", tmp_path)
     solved = run("generate", "--parts", str(tmp_path / "01_tokenization"), *args)
     assert solved.returncode == 0 and solved.stdout == out.stdout, solved.stderr
-    assert solved.stderr.splitlines() == ["your engine: your StreamDecoder, decode, encode, the engine's own for the rest"]
+    assert solved.stderr.splitlines() == [
+        "your engine: your StreamDecoder, decode, encode, the engine's own for the rest"
+    ]
     missing = run("generate", "--parts", str(tmp_path / "nope"), *args)
     assert missing.returncode == 2 and "--parts: no folder" in missing.stderr and missing.stderr.count("\n") == 1
 

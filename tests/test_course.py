@@ -24,7 +24,9 @@ CHAPTERS = [s.parent.name for s in SOURCES]
 def test_every_chapter_has_a_source_and_a_release():
     assert CHAPTERS[:2] == ["00_pipeline", "01_tokenization"]
     for name in CHAPTERS:
-        assert (ROOT / "chapters" / name / f"{name}.ipynb").is_file(), f"chapters/{name} missing: python -m llmcourse release"
+        assert (ROOT / "chapters" / name / f"{name}.ipynb").is_file(), (
+            f"chapters/{name} missing: python -m llmcourse release"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +94,9 @@ def test_progress_sees_solved_and_unsolved(tmp_path, name):
     fresh = grade_chapter(released(name) / f"{name}.ipynb")
     assert fresh and all(r.status == "not started" and r.points == 0 for r in fresh)
     done = grade_chapter(solved_copy(name, tmp_path))
-    assert all(r.status == "passing" and r.points == r.max_points for r in done), [r for r in done if r.status != "passing"]
+    assert all(r.status == "passing" and r.points == r.max_points for r in done), [
+        r for r in done if r.status != "passing"
+    ]
 
 
 def test_progress_reports_a_failing_exercise_with_its_reason(tmp_path):
@@ -101,9 +105,11 @@ def test_progress_reports_a_failing_exercise_with_its_reason(tmp_path):
     for cell in nb["cells"]:
         if cell["id"] == "top_k_next_tokens-solution":
             # a plausible bug: probabilities of the wrong tokens (forgot to sort)
-            cell["source"] = ["def top_k_next_tokens(logits, k):\n",
-                              "    probs = torch.softmax(logits, -1)\n",
-                              "    return [(i, float(probs[i])) for i in range(k)]\n"]
+            cell["source"] = [
+                "def top_k_next_tokens(logits, k):\n",
+                "    probs = torch.softmax(logits, -1)\n",
+                "    return [(i, float(probs[i])) for i in range(k)]\n",
+            ]
     path.write_text(json.dumps(nb))
     (result,) = grade_chapter(path)
     assert result.status == "failing" and result.points == 0
@@ -119,8 +125,9 @@ def test_progress_reports_a_failing_exercise_with_its_reason(tmp_path):
 
 
 def progress(*args):
-    return subprocess.run([sys.executable, "-m", "llmcourse", "progress", *map(str, args)], capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "llmcourse", "progress", *map(str, args)], capture_output=True, text=True, timeout=300
+    )
 
 
 def test_progress_on_a_missing_folder_is_one_clear_error(tmp_path):
@@ -138,7 +145,8 @@ def test_progress_takes_a_chapter_folder_or_a_notebook_and_says_to_save(tmp_path
     empty = progress(ROOT / "tests")
     assert empty.returncode == 2 and "no chapter notebooks in" in empty.stderr and "Traceback" not in empty.stderr
     assert "save yours in JupyterLab first" in subprocess.run(
-        [sys.executable, "-m", "llmcourse", "progress", "--help"], capture_output=True, text=True).stdout.replace("\n", " ")
+        [sys.executable, "-m", "llmcourse", "progress", "--help"], capture_output=True, text=True
+    ).stdout.replace("\n", " ")
 
 
 def notebook(folder: Path, name: str, *cells) -> Path:
@@ -154,8 +162,16 @@ def notebook(folder: Path, name: str, *cells) -> Path:
             meta = {"nbgrader": {"solution": True, "grade": False, "grade_id": rest[0]}}
         elif kind == "check":
             meta = {"nbgrader": {"solution": False, "grade": True, "grade_id": f"{rest[0]}_check", "points": 1}}
-        made.append({"cell_type": "code", "id": f"c{n}", "metadata": meta, "source": source, "outputs": [],
-                     "execution_count": None})
+        made.append(
+            {
+                "cell_type": "code",
+                "id": f"c{n}",
+                "metadata": meta,
+                "source": source,
+                "outputs": [],
+                "execution_count": None,
+            }
+        )
     made.insert(0, {"cell_type": "markdown", "id": "intro", "metadata": {}, "source": "# A chapter\n\nProse."})
     path = folder / name / f"{name}.ipynb"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -172,11 +188,12 @@ def test_progress_runs_helper_cells_and_keeps_a_broken_cell_to_its_exercise(tmp_
     exception, a BaseException or exit() in one exercise fails that exercise only, naming its line."""
     class_panic = "class PanicException(BaseException):\n    pass\n"
     path = notebook(
-        tmp_path, "05_topic",
+        tmp_path,
+        "05_topic",
         ("setup", "import math\nfrom llmcourse.checks import CheckFailed"),
-        ("code", "def helper(x):\n    return x + 1\n\nLIMIT = 3"),       # the learner's own cell
-        ("code", "print(1 / 0)"),                                             # a demo: not run
-        ("demo", "LIMIT = helper(None)"),                                     # tagged needs-exercise: not run
+        ("code", "def helper(x):\n    return x + 1\n\nLIMIT = 3"),  # the learner's own cell
+        ("code", "print(1 / 0)"),  # a demo: not run
+        ("demo", "LIMIT = helper(None)"),  # tagged needs-exercise: not run
         ("exercise", "uses_helper", "def uses_helper(x):\n    return helper(x) * LIMIT"),
         ("check", "uses_helper", "assert uses_helper(1) == 6, 'uses_helper(1) should be 6'"),
         ("exercise", "typo", "def typo(x):\n    return x +* 2\n"),
@@ -197,7 +214,11 @@ def test_progress_runs_helper_cells_and_keeps_a_broken_cell_to_its_exercise(tmp_
     assert "second line" in progress_report(path, verbose=True)
     got = statuses(path)
     assert got["uses_helper"] == ("passing", "") and got["fine"] == ("passing", "")
-    assert got["typo"][0] == "failing" and "SyntaxError" in got["typo"][1] and "typo, line 2: `return x +* 2`" in got["typo"][1]
+    assert (
+        got["typo"][0] == "failing"
+        and "SyntaxError" in got["typo"][1]
+        and "typo, line 2: `return x +* 2`" in got["typo"][1]
+    )
     assert got["raises"][0] == "failing" and got["raises"][1].startswith("your cell raised ValueError")
     assert "raises, line 6: `int('seven')`" in got["raises"][1]
     assert got["panics"][0] == "failing" and "PanicException: boom" in got["panics"][1]
@@ -207,7 +228,8 @@ def test_progress_runs_helper_cells_and_keeps_a_broken_cell_to_its_exercise(tmp_
 
 def test_progress_bounds_a_hang(tmp_path):
     path = notebook(
-        tmp_path, "05_topic",
+        tmp_path,
+        "05_topic",
         ("exercise", "loops", "def loops(x):\n    return x\n\nwhile True:\n    pass\n"),
         ("check", "loops", "assert loops(1) == 1"),
         ("exercise", "slow", "def slow(x):\n    while True:\n        pass\n"),
@@ -226,7 +248,8 @@ def test_progress_bounds_a_hang(tmp_path):
 def test_progress_chapter_limit_holds_through_the_checks_own_limits(tmp_path):
     """The chapter's overall limit is not switched off by the per-call limit inside a check."""
     path = notebook(
-        tmp_path, "05_topic",
+        tmp_path,
+        "05_topic",
         ("setup", "import time\nfrom llmcourse.checks import Case, run_check"),
         ("exercise", "slow", "def slow(x):\n    time.sleep(0.3)\n    return x"),
         ("check", "slow", "run_check('slow', slow, [Case(str(i), (i,), i) for i in range(30)])"),
@@ -245,7 +268,9 @@ def test_an_exercise_needing_an_unwritten_one_says_so(tmp_path):
     the engine falls back to its own encode with one notice, and generation works."""
     path = solved_copy("01_tokenization", tmp_path)
     nb = json.loads(path.read_text())
-    release = {c["id"]: c for c in json.loads((released("01_tokenization") / "01_tokenization.ipynb").read_text())["cells"]}
+    release = {
+        c["id"]: c for c in json.loads((released("01_tokenization") / "01_tokenization.ipynb").read_text())["cells"]
+    }
     for cell in nb["cells"]:
         if cell["id"] == "chunk-solution":
             cell["source"] = release[cell["id"]]["source"]
@@ -259,7 +284,8 @@ def test_an_exercise_needing_an_unwritten_one_says_so(tmp_path):
     assert set(tokenizer.mine) == {"decode", "StreamDecoder"}
     assert [n for n in notices if "encode" in n and "engine's encode" in n] == [
         "01_tokenization: encode does not pass its check (it uses bpe_encode_chunk, which is not written yet: "
-        "write the exercise 'bpe_encode_chunk' first); the engine's encode runs instead"]
+        "write the exercise 'bpe_encode_chunk' first); the engine's encode runs instead"
+    ]
     assert not any("bpe_encode_chunk runs" in n or "train_bpe" in n for n in notices), "only exercises with a slot"
     assert tokenizer.encode("ROMEO: café") == __import__("llmcourse").get_tokenizer().encode("ROMEO: café")
 
@@ -275,14 +301,22 @@ def test_learner_functions_are_those_whose_checks_pass(tmp_path):
     assert functions["top_k_next_tokens"](__import__("torch").tensor([0.0, 1.0]), 1)[0][0] == 1
 
 
-GELU = "def gelu(x):\n    CALLS.append(1)\n    return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))"
+GELU = (
+    "def gelu(x):\n    CALLS.append(1)\n    return 0.5 * x * (1 + torch.tanh(0.7978845608 * (x + 0.044715 * x ** 3)))"
+)
 
 
 def test_learner_parts_plug_into_the_engine(tmp_path):
     """A learner's gelu, written in a chapter notebook, runs inside the model."""
-    notebook(tmp_path, "04_block", ("setup", "import torch\nCALLS = []"), ("exercise", "gelu", GELU),
-             ("check", "gelu", "assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3"))
+    notebook(
+        tmp_path,
+        "04_block",
+        ("setup", "import torch\nCALLS = []"),
+        ("exercise", "gelu", GELU),
+        ("check", "gelu", "assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3"),
+    )
     import torch
+
     from llmcourse import GPT2, GPT2Config
 
     notices = []
@@ -299,15 +333,21 @@ def test_learner_parts_plug_into_the_engine(tmp_path):
 
 
 def test_a_part_failing_its_check_is_not_used(tmp_path):
-    notebook(tmp_path, "04_block", ("setup", "import torch\nCALLS = []"),
-             ("exercise", "gelu", GELU.replace("0.5 * x", "0.4 * x")),
-             ("check", "gelu", "assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3, 'gelu(1.0) should be 0.8412'"))
+    notebook(
+        tmp_path,
+        "04_block",
+        ("setup", "import torch\nCALLS = []"),
+        ("exercise", "gelu", GELU.replace("0.5 * x", "0.4 * x")),
+        ("check", "gelu", "assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3, 'gelu(1.0) should be 0.8412'"),
+    )
     notices = []
     assert learner_parts(tmp_path, notify=notices.append).overridden() == []
-    assert notices == ["04_block: gelu does not pass its check (the check raised AssertionError: gelu(1.0) should be 0.8412 "
-                       f"({tmp_path.name}/04_block: gelu check, line 1: `assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3, "
-                       "'gelu(1.0) should be 0.8412'`)); the engine's gelu runs instead",
-                       "parts: yours for none yet; the engine's for the rest"]
+    assert notices == [
+        "04_block: gelu does not pass its check (the check raised AssertionError: gelu(1.0) should be 0.8412 "
+        f"({tmp_path.name}/04_block: gelu check, line 1: `assert abs(float(gelu(torch.tensor(1.0))) - 0.8412) < 1e-3, "
+        "'gelu(1.0) should be 0.8412'`)); the engine's gelu runs instead",
+        "parts: yours for none yet; the engine's for the rest",
+    ]
 
 
 def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pair):
@@ -319,8 +359,13 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
 
     for name in ("00_pipeline", "01_tokenization"):
         shutil.copytree(released(name), tmp_path / name)
-    notebook(tmp_path, "04_block", ("setup", "import torch\nCALLS = []"), ("exercise", "gelu", GELU),
-             ("check", "gelu", "assert gelu(torch.tensor([0.0])).tolist() == [0.0]"))
+    notebook(
+        tmp_path,
+        "04_block",
+        ("setup", "import torch\nCALLS = []"),
+        ("exercise", "gelu", GELU),
+        ("check", "gelu", "assert gelu(torch.tensor([0.0])).tolist() == [0.0]"),
+    )
     notices = []
     model = small_pair[0]
     engine = my_engine(tmp_path, model=model, notify=notices.append)
@@ -343,15 +388,23 @@ def test_a_learner_function_failing_in_the_engine_falls_back_naming_its_line(tmp
     from llmcourse import get_tokenizer
 
     notebook(
-        tmp_path, "01_tokenization",
+        tmp_path,
+        "01_tokenization",
         ("setup", "import llmcourse\nreference = llmcourse.get_tokenizer()"),
-        ("exercise", "encode", "def encode(text, ranks):\n    if 'x' in text:\n        raise KeyError(text)\n"
-                               "    return reference.encode(text, allowed_special='all')"),
+        (
+            "exercise",
+            "encode",
+            "def encode(text, ranks):\n    if 'x' in text:\n        raise KeyError(text)\n"
+            "    return reference.encode(text, allowed_special='all')",
+        ),
         ("check", "encode", "assert encode('ab', None) == [397]"),
-        ("exercise", "stream_decoder",
-         "class StreamDecoder:\n    def __init__(self, vocab):\n        self.vocab, self.n = vocab, 0\n\n"
-         "    def push(self, token_id):\n        self.n += 1\n        assert self.n < 3, 'tired'\n"
-         "        return self.vocab[token_id].decode()\n\n    def flush(self):\n        return ''\n"),
+        (
+            "exercise",
+            "stream_decoder",
+            "class StreamDecoder:\n    def __init__(self, vocab):\n        self.vocab, self.n = vocab, 0\n\n"
+            "    def push(self, token_id):\n        self.n += 1\n        assert self.n < 3, 'tired'\n"
+            "        return self.vocab[token_id].decode()\n\n    def flush(self):\n        return ''\n",
+        ),
         ("check", "stream_decoder", "assert StreamDecoder({1: b'a'}).push(1) == 'a'"),
     )
     notices = []
@@ -359,8 +412,10 @@ def test_a_learner_function_failing_in_the_engine_falls_back_naming_its_line(tmp
     assert set(tokenizer.mine) == {"encode", "StreamDecoder"}
     assert tokenizer.encode("ab") == [397]
     assert tokenizer.encode("xy") == get_tokenizer().encode("xy") and "encode" not in tokenizer.mine
-    assert f"your encode raised KeyError: 'xy' ({tmp_path.name}/01_tokenization: encode, line 3: `raise KeyError(text)`); " \
-           "the engine's encode runs from now on" in notices
+    assert (
+        f"your encode raised KeyError: 'xy' ({tmp_path.name}/01_tokenization: encode, line 3: `raise KeyError(text)`); "
+        "the engine's encode runs from now on" in notices
+    )
     decoder = tokenizer.stream_decoder()
     ids = get_tokenizer().encode("one two 🦙 three")
     text = "".join(decoder.push(i) for i in ids) + decoder.flush()
@@ -376,7 +431,10 @@ def test_learner_tokenizer_runs_generation_with_the_learners_chapter_01(tmp_path
     notices = []
     shutil.copytree(released("01_tokenization"), tmp_path / "01_tokenization")
     untouched = learner_tokenizer(tmp_path, notify=notices.append)
-    assert untouched.mine == {} and "01_tokenization: encode is not written yet; the engine's encode runs instead" in notices
+    assert (
+        untouched.mine == {}
+        and "01_tokenization: encode is not written yet; the engine's encode runs instead" in notices
+    )
     solved_copy("01_tokenization", tmp_path)
     notices.clear()
     mine = learner_tokenizer(tmp_path, notify=notices.append)
@@ -391,7 +449,8 @@ def test_a_cell_calling_my_engine_is_not_run_again_by_it(tmp_path):
     """`engine = my_engine()` alone in a cell only defines a name, so progress and my_engine run it;
     it must not run the notebooks again (endlessly): that cell fails on its own, the rest is fine."""
     path = notebook(
-        tmp_path, "05_topic",
+        tmp_path,
+        "05_topic",
         ("setup", "from llmcourse.course.learner import my_engine"),
         ("code", "engine = my_engine()"),
         ("exercise", "fine", "def fine(x):\n    return x"),
@@ -444,8 +503,11 @@ def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_
     pieces.install(mine)
     assert isinstance(mine.new_cache(1, 8), GuardedCache)
     prompts = [llmcourse.get_tokenizer().encode(p) for p in ("ROMEO:", "JULIET:\nO Romeo, Romeo!")]
-    for settings in (dict(), dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.2, seed=5),
-                     dict(num_beams=3)):
+    for settings in (
+        dict(),
+        dict(temperature=0.8, top_k=50, top_p=0.95, min_p=0.05, repetition_penalty=1.2, seed=5),
+        dict(num_beams=3),
+    ):
         expected = llmcourse.generate(engine, prompts, max_new_tokens=30, **settings)
         assert llmcourse.generate(mine, prompts, max_new_tokens=30, **settings) == expected, settings
 
@@ -463,7 +525,9 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     assert sorted(pieces.batching.overridden()) == sorted(BATCHING_SLOTS), notices
     model = llmcourse.load_model(device="cpu")
     tok = llmcourse.get_tokenizer()
-    system = tok.encode("KING HENRY:\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious.")
+    system = tok.encode(
+        "KING HENRY:\nNow, lords, for France; the enterprise whereof\nShall be to you, as us, like glorious."
+    )
     prompts = [system + tok.encode(p) for p in ("\nROMEO:", "\nJULIET:", "\nHAMLET: To be")] + [tok.encode("ROMEO:")]
     settings = [dict(), dict(temperature=0.8, top_p=0.95, seed=3), dict(max_new_tokens=9), dict(repetition_penalty=1.3)]
     alone = [llmcourse.generate(model, p, **{"max_new_tokens": 24, **s}) for p, s in zip(prompts, settings)]
@@ -496,8 +560,10 @@ def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_funct
     pieces.install(model)
     for proposer in (draft, "prompt-lookup"):
         stats = SpeculationStats()
-        assert llmcourse.generate(model, prompts, max_new_tokens=30, draft=proposer, num_draft_tokens=3,
-                                  stats=stats) == plain
+        assert (
+            llmcourse.generate(model, prompts, max_new_tokens=30, draft=proposer, num_draft_tokens=3, stats=stats)
+            == plain
+        )
         assert stats.new_tokens == 60 and len(stats.rounds) < 60, stats.summary()
     sampled = llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
     assert sampled == llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
@@ -509,8 +575,8 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     and int4 dequantizer gives the tokens of the engine's reference functions (dequantize, then multiply) and logits
     close to the engine's fast routes (which also round the activations to int8)."""
     import llmcourse
-    from llmcourse.engine import quantize
     from llmcourse.course.learner import QUANTIZATION_SLOTS, your_pieces
+    from llmcourse.engine import quantize
 
     solved_copy("09_quantization", tmp_path)
     notices = []
@@ -519,16 +585,21 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     prompt = llmcourse.get_tokenizer().encode("ROMEO:")
     for fmt in ("int8", "int4"):
         fast = llmcourse.load_model(device="cpu", quantize=fmt)
-        reference = llmcourse.load_model(device="cpu", quantize=fmt)  # the reference functions, guarded like a learner's
-        reference.quantization = quantize.Quantization.with_overrides(int8_linear=quantize.int8_linear,
-                                                                      dequantize_int4=quantize.dequantize_int4)
+        reference = llmcourse.load_model(
+            device="cpu", quantize=fmt
+        )  # the reference functions, guarded like a learner's
+        reference.quantization = quantize.Quantization.with_overrides(
+            int8_linear=quantize.int8_linear, dequantize_int4=quantize.dequantize_int4
+        )
         mine = llmcourse.load_model(device="cpu")
         pieces.install(mine)
         quantize.quantize_model(mine, fmt)
         theirs = dict(fast.named_buffers())
         for name, tensor in mine.named_buffers():
             assert torch.equal(tensor, theirs[name]), (fmt, name)
-        assert llmcourse.generate(mine, prompt, max_new_tokens=30) == llmcourse.generate(reference, prompt, max_new_tokens=30)
+        assert llmcourse.generate(mine, prompt, max_new_tokens=30) == llmcourse.generate(
+            reference, prompt, max_new_tokens=30
+        )
         ids = torch.tensor([prompt + llmcourse.generate(fast, prompt, max_new_tokens=30)])
         error = (mine(ids) - fast(ids)).abs().max() / fast(ids).abs().max()
         assert error < 0.03, (fmt, error)  # measured 0.004 (int8), 0.013 (int4)

@@ -1,5 +1,5 @@
-"""`llmcourse.course.figures`: a figure's stored output does not depend on float noise (issue 22: refreshing an unchanged
-chapter 02 reported "outputs changed", the Plotly data differing in their last digits)."""
+"""`llmcourse.course.figures`: a figure's stored output does not depend on float noise (issue 22: refreshing an
+unchanged chapter 02 reported "outputs changed", the Plotly data differing in their last digits)."""
 
 import json
 
@@ -37,7 +37,9 @@ def test_rounding_keeps_what_a_figure_can_show():
 
 
 def test_typed_arrays_stay_typed_and_integers_untouched():
-    fig = go.Figure(go.Scatter(x=np.arange(5, dtype=np.int64) * 123456789, y=np.linspace(0, 1, 5, dtype=np.float32) / 3))
+    fig = go.Figure(
+        go.Scatter(x=np.arange(5, dtype=np.int64) * 123456789, y=np.linspace(0, 1, 5, dtype=np.float32) / 3)
+    )
     spec = bundle(fig, "typed")[PLOTLY_MIME]["data"][0]
     assert spec["y"]["dtype"] == "f4"
     x = spec["x"]

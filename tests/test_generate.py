@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from llmcourse import GPT2Config, generate_text, stream
-from llmcourse import generate
+from llmcourse import GPT2Config, generate, generate_text, stream
 from llmcourse.engine.generate import stop_at
 
 from .conftest import DEVICES, hf_twin, lively_model
@@ -20,9 +19,15 @@ NEW = 48
 
 
 def hf_generate(hf, ids, **kwargs):
-    out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                      do_sample=False, pad_token_id=0, max_new_tokens=NEW, **kwargs)
-    return out[0, len(ids):].tolist()
+    out = hf.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        do_sample=False,
+        pad_token_id=0,
+        max_new_tokens=NEW,
+        **kwargs,
+    )
+    return out[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -146,7 +151,11 @@ def test_stop_at_holds_back_partial_matches():
     [
         (dict(prompt_ids=[]), r"the prompt is empty: give at least one token.*50256"),
         (dict(prompt_ids=[[1, 2], []]), r"prompt 1 is empty"),
-        (dict(prompt_ids=list(range(250)), max_new_tokens=10), r"250 token\(s\) and max_new_tokens is 10: 260 positions.*n_positions=256; lower max_new_tokens to at most 6"),
+        (
+            dict(prompt_ids=list(range(250)), max_new_tokens=10),
+            r"250 token\(s\) and max_new_tokens is 10: 260 positions.*n_positions=256; lower max_new_tokens to at "
+            r"most 6",
+        ),
         (dict(prompt_ids=list(range(300))), r"300 token\(s\).*shorten the prompt"),
         (dict(prompt_ids=[1, 50257]), r"holds 50257, not a token id in \[0, 50257\)"),
         (dict(prompt_ids=[1, -3]), r"holds -3, not a token id"),

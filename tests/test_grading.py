@@ -28,8 +28,15 @@ RELEASED = "check(f)"
 
 
 def check_cell(source):
-    return NotebookNode(cell_type="code", source=source, outputs=[], execution_count=None, metadata=NotebookNode(
-        nbgrader=NotebookNode(grade=True, solution=False, locked=True, points=1, grade_id="f_check")))
+    return NotebookNode(
+        cell_type="code",
+        source=source,
+        outputs=[],
+        execution_count=None,
+        metadata=NotebookNode(
+            nbgrader=NotebookNode(grade=True, solution=False, locked=True, points=1, grade_id="f_check")
+        ),
+    )
 
 
 class Gradebook:
@@ -81,8 +88,14 @@ def test_clear_hidden_tests_accepts_the_exporters_display_priority(caplog):
 
 def test_feedback_tracebacks_are_cut_to_the_checks_message():
     cell = check_cell(SOURCE)
-    cell.outputs = [NotebookNode(output_type="error", ename="CheckFailed", evalue="f(2) should be 4, got 5",
-                                 traceback=["----", "check(f, seed=2026)  # a hidden line", "CheckFailed: ..."])]
+    cell.outputs = [
+        NotebookNode(
+            output_type="error",
+            ename="CheckFailed",
+            evalue="f(2) should be 4, got 5",
+            traceback=["----", "check(f, seed=2026)  # a hidden line", "CheckFailed: ..."],
+        )
+    ]
     cell, _ = ShortTracebacks().preprocess_cell(cell, {}, 0)
     assert cell.outputs[0]["traceback"] == ["CheckFailed: f(2) should be 4, got 5"]
 
@@ -101,8 +114,14 @@ def test_a_failed_release_leaves_the_chapter_as_it_was(tmp_path):
     source.parent.mkdir(parents=True)
     nb = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())
     prose = next(c for c in nb["cells"] if c["cell_type"] == "markdown")
-    prose["metadata"]["nbgrader"] = {"solution": True, "grade": False, "locked": False, "grade_id": "prose",
-                                     "schema_version": 3, "task": False}
+    prose["metadata"]["nbgrader"] = {
+        "solution": True,
+        "grade": False,
+        "locked": False,
+        "grade_id": "prose",
+        "schema_version": 3,
+        "task": False,
+    }
     source.write_text(json.dumps(nb))
     err = io.StringIO()
     assert release(tmp_path, err=err) != 0
@@ -124,8 +143,9 @@ def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
     assert "no chapter 01_tokenisation in solutions/ (the chapters: 00_pipeline, 01_tokenization)" in err.getvalue()
 
 
-OTHER_CHAPTERS = [name for name in sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb"))
-                  if name != "01_tokenization"]  # tests/test_instructor_guide.py grades chapter 01 as the guide says
+OTHER_CHAPTERS = [
+    name for name in sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb")) if name != "01_tokenization"
+]  # tests/test_instructor_guide.py grades chapter 01 as the guide says
 
 
 @pytest.mark.parametrize("name", OTHER_CHAPTERS)
@@ -138,9 +158,12 @@ def test_every_chapter_round_trips_through_nbgrader(tmp_path, name):
     shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
     shutil.copytree(ROOT / "solutions" / name, tmp_path / "solutions" / name)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's tools
-    steps = [[sys.executable, "-m", "llmcourse", "release", name], None,
-             [sys.executable, "-m", "nbgrader", "autograde", name, "--log-level=ERROR"],
-             [sys.executable, "-m", "nbgrader", "export", "--log-level=ERROR"]]
+    steps = [
+        [sys.executable, "-m", "llmcourse", "release", name],
+        None,
+        [sys.executable, "-m", "nbgrader", "autograde", name, "--log-level=ERROR"],
+        [sys.executable, "-m", "nbgrader", "export", "--log-level=ERROR"],
+    ]
     for step in steps:
         if step is None:  # the student hands in the notebook
             solved_copy(name, tmp_path / "submitted" / "ada")

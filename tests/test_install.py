@@ -28,8 +28,13 @@ def imported_modules(path: Path) -> dict[str, str]:
             continue
         code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in cell.source.splitlines())
         for node in ast.walk(ast.parse(code)):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module else [])
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module]
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module
+                else []
+            )
             for name in names:
                 found.setdefault(name.split(".")[0], cell.get("id", "?"))
     return found
@@ -91,9 +96,11 @@ def test_every_import_comes_with_the_wheel_and_its_course_extra(path):
     for dist in installed_closure(declared_requirements()):
         provided |= by_dist.get(dist, set())
     missing = {module: cell for module, cell in imported_modules(path).items() if module not in provided}
-    assert missing == {}, (f"{path.stem} imports {sorted(missing)} (cells {sorted(missing.values())}), which "
-                           f'`pip install "llmcourse-...whl[course]"` does not install: add its distribution to '
-                           "the `course` extra in pyproject.toml")
+    assert missing == {}, (
+        f"{path.stem} imports {sorted(missing)} (cells {sorted(missing.values())}), which "
+        f'`pip install "llmcourse-...whl[course]"` does not install: add its distribution to '
+        "the `course` extra in pyproject.toml"
+    )
 
 
 def test_the_check_sees_a_missing_module(tmp_path):

@@ -78,10 +78,17 @@ def guide_course(tmp_path_factory):
                 solved_copy(CHAPTER, course / "submitted" / student, solve=solved)
         script = runnable(block, CHAPTER)
         start = time.perf_counter()
-        done = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=course, env=env,
-                              capture_output=True, text=True, timeout=600)
-        ran.append(SimpleNamespace(script=script, output=done.stdout + done.stderr,
-                                   seconds=time.perf_counter() - start))
+        done = subprocess.run(
+            ["bash", "-e", "-o", "pipefail", "-c", script],
+            cwd=course,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        ran.append(
+            SimpleNamespace(script=script, output=done.stdout + done.stderr, seconds=time.perf_counter() - start)
+        )
         assert done.returncode == 0, f"instructor.md's commands failed:\n{script}\n{done.stdout}\n{done.stderr}"
     print("\n".join(f"{r.seconds:6.1f} s  {r.script.splitlines()[0]} …" for r in ran))  # pytest -s shows them
     with open(course / "grades.csv") as f:
@@ -129,8 +136,11 @@ def test_grading_prints_no_warnings(guide_course):
     tolerated = ["[IPKernelApp] WARNING | Kernel is running over TCP without encryption"]
     output = "\n".join(r.output for r in guide_course.ran)
     assert "checksum" not in output and "not recognized" not in output and "SAWarning" not in output
-    noisy = [line for line in output.splitlines() if re.search(r"warn|error", line, re.I)
-             and not any(line.startswith(t) for t in tolerated)]
+    noisy = [
+        line
+        for line in output.splitlines()
+        if re.search(r"warn|error", line, re.I) and not any(line.startswith(t) for t in tolerated)
+    ]
     assert noisy == []
 
 

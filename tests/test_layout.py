@@ -31,8 +31,9 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
     package = module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
     found = []
     tree = ast.parse(path.read_text())
-    in_function = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
-                   for n in ast.walk(f)}
+    in_function = {
+        id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(f)
+    }
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level:
@@ -69,8 +70,9 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_module_lives_in_a_sub_package():
-    loose = sorted(n for n in MODULES if n.count(".") == 1 and n.split(".")[1] not in LEVELS
-                   and n not in ("llmcourse.__main__",))
+    loose = sorted(
+        n for n in MODULES if n.count(".") == 1 and n.split(".")[1] not in LEVELS and n not in ("llmcourse.__main__",)
+    )
     assert loose == [], f"modules outside engine/, serving/, course/, checks/, bench/, training/: {loose}"
 
 
@@ -98,7 +100,7 @@ def test_no_import_cycle():
         stack.append(node)
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                cycles.append(stack[stack.index(nxt):] + [nxt])
+                cycles.append(stack[stack.index(nxt) :] + [nxt])
             elif nxt not in state:
                 visit(nxt)
         stack.pop()
@@ -147,8 +149,10 @@ def test_imports_inside_functions_only_for_heavy_optional_dependencies():
 def test_the_engine_runs_without_the_rest():
     """Importing the engine's modules loads none of serving, bench, course, checks or training (the package's
     __init__ aside, which a fresh interpreter runs first: it is imported, then the engine is checked alone)."""
-    code = ("import sys, llmcourse.engine.generate, llmcourse.engine.loading, llmcourse.engine.quantize; "
-            "print(sorted(m for m in sys.modules if m.startswith('llmcourse.engine')))")
+    code = (
+        "import sys, llmcourse.engine.generate, llmcourse.engine.loading, llmcourse.engine.quantize; "
+        "print(sorted(m for m in sys.modules if m.startswith('llmcourse.engine')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "llmcourse.engine.generate" in out
     for path in (PACKAGE / "engine").glob("*.py"):
@@ -164,6 +168,5 @@ def test_the_linter_and_formatter_are_clean():
     """pyproject.toml's [tool.ruff]: line length, unused imports, import order, and the formatter's style."""
     lint = subprocess.run([str(RUFF), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert lint.returncode == 0, lint.stdout + lint.stderr
-    fmt = subprocess.run([str(RUFF), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True,
-                         text=True)
+    fmt = subprocess.run([str(RUFF), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
     assert fmt.returncode == 0, "run `ruff format .`:\n" + fmt.stdout + fmt.stderr

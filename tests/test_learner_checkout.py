@@ -24,8 +24,9 @@ def test_an_untouched_release_is_the_release(tmp_path):
 
 
 def test_the_release_regenerated_for_a_learner_is_the_committed_one():
-    assert (generated("00_pipeline") / "00_pipeline.ipynb").read_bytes() == \
-        (ROOT / "chapters" / "00_pipeline" / "00_pipeline.ipynb").read_bytes()
+    assert (generated("00_pipeline") / "00_pipeline.ipynb").read_bytes() == (
+        ROOT / "chapters" / "00_pipeline" / "00_pipeline.ipynb"
+    ).read_bytes()
 
 
 def test_a_learners_edits_and_outputs_are_their_work(tmp_path):
@@ -50,9 +51,26 @@ def test_pytest_skips_a_learners_chapter_saying_why(tmp_path):
     for name in ["__init__.py", "release.py", "nbval_sanitize.cfg"]:
         shutil.copy(ROOT / "tests" / name, tmp_path / "tests")
     solved_copy("00_pipeline", tmp_path / "chapters")
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-rs",
-                           "-o", "addopts=--nbval-lax --nbval-current-env", "chapters"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-n",
+            "0",
+            "-p",
+            "no:cacheprovider",
+            "-rs",
+            "-o",
+            "addopts=--nbval-lax --nbval-current-env",
+            "chapters",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "XPASS" not in done.stdout and " skipped" in done.stdout and " passed" not in done.stdout, done.stdout
     assert "holds a learner's work (cells edited since the release: top_k_next_tokens-solution" in done.stdout

@@ -25,6 +25,7 @@ def model():
 
 # A learner's functions, written differently from the engine's but with the same answers.
 
+
 def my_top_k(logits, k):
     kth = logits.sort(dim=-1, descending=True).values[:, min(k, logits.shape[-1]) - 1 : min(k, logits.shape[-1])]
     return torch.where(logits >= kth, logits, torch.full_like(logits, float("-inf")))
@@ -48,7 +49,10 @@ def my_repetition_penalty(logits, seen, penalty):
 
 MINE = dict(
     temperature=lambda logits, t: logits * (1 / t),
-    top_k=my_top_k, top_p=my_top_p, min_p=my_min_p, repetition_penalty=my_repetition_penalty,
+    top_k=my_top_k,
+    top_p=my_top_p,
+    min_p=my_min_p,
+    repetition_penalty=my_repetition_penalty,
     greedy=lambda logits: logits.max(dim=-1).indices,
     sample=lambda logits, generator: torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0],
 )
@@ -79,7 +83,11 @@ def with_pieces(model, sampler=None, cache_class=None):
     return Engine(twin.eval(), None, {name: fn for name, fn in functions.items() if fn is not None})
 
 
-@pytest.mark.parametrize("settings", [dict(eos_token_id=None), SAMPLED, dict(temperature=1.3, seed=11, eos_token_id=None)], ids=["greedy", "all", "plain"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(eos_token_id=None), SAMPLED, dict(temperature=1.3, seed=11, eos_token_id=None)],
+    ids=["greedy", "all", "plain"],
+)
 def test_a_learners_sampler_and_cache_give_the_engines_tokens(model, settings):
     theirs = with_pieces(model, guarded(Sampler, **MINE), guard("KVCache", MyCache))
     assert sorted(theirs.functions["sampler"].overridden()) == sorted(MINE)
@@ -97,15 +105,22 @@ def test_beam_search_runs_on_a_learners_cache(model):
 def test_a_biased_sampler_changes_the_text(model):
     """The swap is real: a learner's sampler that picks differently gives different text."""
     biased = with_pieces(model, guarded(Sampler, sample=lambda logits, g: logits.argmax(-1)))
-    assert llmcourse.generate(biased, PROMPTS[0], max_new_tokens=20, **SAMPLED) != \
-        llmcourse.generate(model, PROMPTS[0], max_new_tokens=20, **SAMPLED)
+    assert llmcourse.generate(biased, PROMPTS[0], max_new_tokens=20, **SAMPLED) != llmcourse.generate(
+        model, PROMPTS[0], max_new_tokens=20, **SAMPLED
+    )
 
 
-@pytest.mark.parametrize("cache, message", [
-    (GrowingCache, r"reallocated the cache: write the new keys and values into the preallocated tensors in place"),
-    (WholeBufferCache, r"returned \[\(1, 2, 8, 16\), \(1, 2, 8, 16\)\], expected \(keys, values\), each of "
-                       r"shape \(1, 2, 3, 16\): the 3 positions filled so far"),
-])
+@pytest.mark.parametrize(
+    "cache, message",
+    [
+        (GrowingCache, r"reallocated the cache: write the new keys and values into the preallocated tensors in place"),
+        (
+            WholeBufferCache,
+            r"returned \[\(1, 2, 8, 16\), \(1, 2, 8, 16\)\], expected \(keys, values\), each of "
+            r"shape \(1, 2, 3, 16\): the 3 positions filled so far",
+        ),
+    ],
+)
 def test_a_wrong_cache_is_stopped_with_a_clear_error(model, cache, message):
     theirs = with_pieces(model, cache_class=guard("KVCache", cache))
     with pytest.raises(PartError, match=r"part 'KVCache' \(" + cache.__qualname__ + r"\.update\) " + message):
@@ -122,18 +137,35 @@ def test_a_cache_that_raises_or_has_the_wrong_layout_is_named():
             super().__init__(config, batch_size, max_len, **kw)
             self.k = self.k[0]
 
-    with pytest.raises(PartError, match=r"Raises\.update\) raised IndexError: boom\n  hint: run the check for 'KVCache'"):
+    with pytest.raises(
+        PartError, match=r"Raises\.update\) raised IndexError: boom\n  hint: run the check for 'KVCache'"
+    ):
         GuardedCache(Raises, CONFIG, 1, 8).update(0, torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16))
-    with pytest.raises(PartError, match=r"cache\.k must be a list of 2 tensors \(one per layer\) of shape \(1, 2, 8, 16\)"):
+    with pytest.raises(
+        PartError, match=r"cache\.k must be a list of 2 tensors \(one per layer\) of shape \(1, 2, 8, 16\)"
+    ):
         GuardedCache(OneTensor, CONFIG, 1, 8)
 
 
-@pytest.mark.parametrize("fn, message", [
-    (dict(sample=lambda logits, g: logits.argmax(-1).int()), r"part 'sample' \(<lambda>\) returned shape \(1,\) dtype torch.int32, expected shape \(1,\) dtype torch.int64"),
-    (dict(sample=lambda logits, g: logits.argmax(-1) + 1000), r"part 'sample' \(<lambda>\) returned token ids \[\d+\], expected ids in \[0, 97\)"),
-    (dict(top_k=lambda logits, k: logits[:, :k]), r"part 'top_k' \(<lambda>\) returned shape \(1, 40\) dtype torch.float32, expected shape \(1, 97\)"),
-    (dict(temperature=lambda logits, t: 1 / 0), r"part 'temperature' \(<lambda>\) raised ZeroDivisionError"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (
+            dict(sample=lambda logits, g: logits.argmax(-1).int()),
+            r"part 'sample' \(<lambda>\) returned shape \(1,\) dtype torch.int32, expected shape \(1,\) dtype "
+            r"torch.int64",
+        ),
+        (
+            dict(sample=lambda logits, g: logits.argmax(-1) + 1000),
+            r"part 'sample' \(<lambda>\) returned token ids \[\d+\], expected ids in \[0, 97\)",
+        ),
+        (
+            dict(top_k=lambda logits, k: logits[:, :k]),
+            r"part 'top_k' \(<lambda>\) returned shape \(1, 40\) dtype torch.float32, expected shape \(1, 97\)",
+        ),
+        (dict(temperature=lambda logits, t: 1 / 0), r"part 'temperature' \(<lambda>\) raised ZeroDivisionError"),
+    ],
+)
 def test_a_wrong_sampler_function_is_named(model, fn, message):
     theirs = with_pieces(model, guarded(Sampler, **fn))
     with pytest.raises(PartError, match=message):
@@ -155,6 +187,7 @@ def test_compiled_decoding_keeps_the_engines_cache(model, monkeypatch):
         def step(m, token, position_ids, mask, cache, slot):
             caches.append(type(cache))
             return generation.decode_step(m, token, position_ids, mask, cache, slot)
+
         return step
 
     monkeypatch.setattr(generation, "compiled_decode_step", recording_step)
@@ -179,18 +212,28 @@ def test_the_engine_sampler_is_a_sampler():
 # The part that first broke the contract is named, in a few lines (issue 22: a top_p that removed every token
 # was reported as sample's RuntimeError, after 89 lines of engine frames)
 
+
 def all_removed_top_p(logits, p):
     return torch.full_like(logits, float("-inf"))
 
 
-@pytest.mark.parametrize("fn, message", [
-    (dict(top_p=all_removed_top_p, sample=MINE["sample"]),
-     r"^part 'top_p' \(all_removed_top_p\) removed every token of row 0 \(of 1\): no finite logit is left"),
-    (dict(temperature=lambda logits, t: logits * float("nan"), sample=MINE["sample"]),
-     r"^part 'temperature' \(<lambda>\) returned NaN in row 0 \(of 1\)"),
-    (dict(min_p=lambda logits, p: logits.masked_fill(logits < logits.max(), float("-inf")) - float("inf")),
-     r"^part 'min_p' \(<lambda>\) removed every token of row 0"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (
+            dict(top_p=all_removed_top_p, sample=MINE["sample"]),
+            r"^part 'top_p' \(all_removed_top_p\) removed every token of row 0 \(of 1\): no finite logit is left",
+        ),
+        (
+            dict(temperature=lambda logits, t: logits * float("nan"), sample=MINE["sample"]),
+            r"^part 'temperature' \(<lambda>\) returned NaN in row 0 \(of 1\)",
+        ),
+        (
+            dict(min_p=lambda logits, p: logits.masked_fill(logits < logits.max(), float("-inf")) - float("inf")),
+            r"^part 'min_p' \(<lambda>\) removed every token of row 0",
+        ),
+    ],
+)
 def test_the_processor_that_broke_the_logits_is_named_not_sample(model, fn, message):
     theirs = with_pieces(model, guarded(Sampler, **fn))
     with pytest.raises(PartError, match=message) as caught:
@@ -211,8 +254,12 @@ def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
     from IPython.utils.capture import capture_output
 
     shell = InteractiveShell.instance()
-    shell.user_ns.update(llmcourse=llmcourse, theirs=with_pieces(model, guarded(Sampler, 
-        top_p=all_removed_top_p, sample=MINE["sample"])), settings=SAMPLED, prompt=PROMPTS[0])
+    shell.user_ns.update(
+        llmcourse=llmcourse,
+        theirs=with_pieces(model, guarded(Sampler, top_p=all_removed_top_p, sample=MINE["sample"])),
+        settings=SAMPLED,
+        prompt=PROMPTS[0],
+    )
     with capture_output() as shown:
         result = shell.run_cell("llmcourse.generate(theirs, prompt, max_new_tokens=3, **settings)")
     assert isinstance(result.error_in_exec, PartError)
@@ -224,45 +271,60 @@ def test_a_part_error_shows_in_a_notebook_as_its_message_only(model):
 # ----------------------------------------------------------------------------------------------
 # my_engine()'s Engine works where a model does (issue 22: AttributeError: 'Engine' object has no attribute 'config')
 
+
 def test_my_engines_engine_works_where_a_model_does(model):
     tok = llmcourse.get_tokenizer()
     twin = with_pieces(model).model
     engine = Engine(twin, tok)
     settings = dict(max_new_tokens=6, eos_token_id=None)
     assert llmcourse.generate(engine, PROMPTS[0], **settings) == llmcourse.generate(model, PROMPTS[0], **settings)
-    assert llmcourse.generate_text(engine, tok, "A:B", **settings) == llmcourse.generate_text(model, tok, "A:B", **settings)
+    assert llmcourse.generate_text(engine, tok, "A:B", **settings) == llmcourse.generate_text(
+        model, tok, "A:B", **settings
+    )
     assert "".join(llmcourse.stream(engine, tok, "A:B", **settings)) == engine.generate_text("A:B", **settings)
     served = llmcourse.LLMEngine(engine, max_num_seqs=2, num_blocks=16, block_size=8).generate([PROMPTS[0]], **settings)
     assert served == [llmcourse.generate(model, PROMPTS[0], **settings)]
-    with pytest.raises(TypeError, match=r"expected a model \(llmcourse.load_model\(...\)\) or my_engine\(\)'s engine, got str"):
+    with pytest.raises(
+        TypeError, match=r"expected a model \(llmcourse.load_model\(...\)\) or my_engine\(\)'s engine, got str"
+    ):
         llmcourse.generate_text("gpt2", tok, "ROMEO:")
 
 
 # ----------------------------------------------------------------------------------------------
 # "your engine:" lists what the run uses (issue 22: BlockAllocator and quantize_int8 for a plain generate)
 
+
 def test_the_notice_lists_only_what_the_run_uses():
     from llmcourse.course.learner import ENGINE_SLOTS, TOKENIZER_SLOTS, slots_used, your_engine_notice
 
     everything = [n for n in ENGINE_SLOTS if n not in TOKENIZER_SLOTS] + ["StreamDecoder", "decode", "encode"]
     plain = your_engine_notice(everything, slots_used(dict(temperature=0.8, top_p=0.95)))
-    assert plain == ("your engine: your embedding, layer_norm, linear, gelu, softmax, attention, split_heads, "
-                     "merge_heads, temperature, top_p, sample, KVCache, left_pad, StreamDecoder, decode, encode, the engine's own "
-                     "for the rest")
+    assert plain == (
+        "your engine: your embedding, layer_norm, linear, gelu, softmax, attention, split_heads, "
+        "merge_heads, temperature, top_p, sample, KVCache, left_pad, StreamDecoder, decode, encode, the engine's own "
+        "for the rest"
+    )
     for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "expected_speedup"]:
         assert unused not in plain
-    greedy_int8 = your_engine_notice(everything, slots_used(dict(temperature=0, quantize="int8", draft="prompt-lookup")))
+    greedy_int8 = your_engine_notice(
+        everything, slots_used(dict(temperature=0, quantize="int8", draft="prompt-lookup"))
+    )
     assert {"greedy", "quantize_int8", "int8_linear", "prompt_lookup_draft", "verify"} <= set(
-        greedy_int8.removeprefix("your engine: your ").split(", "))
+        greedy_int8.removeprefix("your engine: your ").split(", ")
+    )
     assert "sample" not in greedy_int8 and "quantize_int4" not in greedy_int8 and "speculative_round" not in greedy_int8
-    assert your_engine_notice(["BlockAllocator"], slots_used({})) == \
-        "your engine: the engine's own parts (none of yours is used in this run)"
+    assert (
+        your_engine_notice(["BlockAllocator"], slots_used({}))
+        == "your engine: the engine's own parts (none of yours is used in this run)"
+    )
 
 
 def test_the_notice_without_a_run_says_where_each_is_used():
     from llmcourse.course.learner import your_engine_notice
 
     notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "weight_memory"])
-    assert notice == ("your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "
-                      "quantize_int8 (quantizing); weight_memory (formulas: no generation runs them); the engine's "
-                      "own for the rest")
+    assert notice == (
+        "your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "
+        "quantize_int8 (quantizing); weight_memory (formulas: no generation runs them); the engine's "
+        "own for the rest"
+    )

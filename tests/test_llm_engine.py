@@ -28,16 +28,14 @@ from typing import Optional
 import pytest
 import torch
 
-from llmcourse import GPT2, GPT2Config, get_tokenizer, load_model
-from llmcourse import generate
+from llmcourse import GPT2, GPT2Config, generate, get_tokenizer, load_model
 from llmcourse.course.guards import guard, guarded
 from llmcourse.course.learner import Engine
 from llmcourse.engine.generate import as_model
+from llmcourse.engine.slots import PartError
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
-from llmcourse.engine.slots import PartError
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,8 +50,13 @@ def tiny_model(seed: int, dtype: torch.dtype = torch.float32) -> GPT2:
     """
     rng = random.Random(seed)
     n_head = rng.choice([1, 2, 4])
-    config = GPT2Config(n_layer=rng.choice([1, 2]), n_head=n_head, n_embd=n_head * rng.choice([8, 16]),
-                        n_positions=128, vocab_size=rng.choice([61, 97]))
+    config = GPT2Config(
+        n_layer=rng.choice([1, 2]),
+        n_head=n_head,
+        n_embd=n_head * rng.choice([8, 16]),
+        n_positions=128,
+        vocab_size=rng.choice([61, 97]),
+    )
     model = GPT2(config).init_weights(seed)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -81,8 +84,10 @@ class Workload:
 
     def describe(self) -> str:
         lengths = [len(p) for p in self.prompts]
-        return (f"workload seed={self.seed}: engine {self.engine}, prefix {self.prefix_len} tokens, "
-                f"prompt lengths {lengths}, arrivals {self.arrivals}, settings {self.settings}")
+        return (
+            f"workload seed={self.seed}: engine {self.engine}, prefix {self.prefix_len} tokens, "
+            f"prompt lengths {lengths}, arrivals {self.arrivals}, settings {self.settings}"
+        )
 
 
 COMMON = dict(eos_token_id=None)  # tiny vocabularies have no <|endoftext|>
@@ -126,8 +131,12 @@ def random_workload(seed: int, model: GPT2) -> Workload:
     largest = max(-(-(len(p) + s["max_new_tokens"]) // bs) for p, s in zip(prompts, settings))
     total = sum(len(p) + s["max_new_tokens"] for p, s in zip(prompts, settings))
     budgets = [3, 7, 16, 64, 512] + ([1] if total < 80 else [])  # one token a step: short workloads only
-    engine = dict(block_size=bs, max_num_seqs=rng.randint(1, 8), max_num_batched_tokens=rng.choice(budgets),
-                  prefix_caching=rng.random() < 0.75)
+    engine = dict(
+        block_size=bs,
+        max_num_seqs=rng.randint(1, 8),
+        max_num_batched_tokens=rng.choice(budgets),
+        prefix_caching=rng.random() < 0.75,
+    )
     tight = rng.random()
     if tight < 0.5:
         engine["num_blocks"] = largest + rng.randint(0, 1)  # just enough for the largest: preemption
@@ -182,8 +191,10 @@ def first_difference(model: GPT2, w: Workload, expected: list[list[int]], got: l
                 with torch.inference_mode():
                     logits = model(torch.tensor([w.prompts[r] + e[:i]]))[0, -1]
                 gap = f"; logits there: expected token {logits[e[i]].item():.6g}, got token {logits[g[i]].item():.6g}"
-            return (f"{w.describe()}\n  request {r} ({w.settings[r]}) differs at new token {i}:\n"
-                    f"  alone:  {e}\n  engine: {g}{gap}")
+            return (
+                f"{w.describe()}\n  request {r} ({w.settings[r]}) differs at new token {i}:\n"
+                f"  alone:  {e}\n  engine: {g}{gap}"
+            )
     return ""
 
 
@@ -305,8 +316,14 @@ def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own(mine)
     frees only its own block, not the shared one (found by the property test, workload seed 115)."""
     model = learner_model(3, **MINE) if mine else tiny_model(3)
     engine = LLMEngine(model, block_size=4, num_blocks=4)
-    w = Workload(0, [[17], [1, 2, 3, 4, 20, 35], [1, 2, 3, 4, 44, 24]], [{"max_new_tokens": n} for n in (5, 4, 5)],
-                 [0, 1, 2], dict(block_size=4, num_blocks=4), 4)
+    w = Workload(
+        0,
+        [[17], [1, 2, 3, 4, 20, 35], [1, 2, 3, 4, 44, 24]],
+        [{"max_new_tokens": n} for n in (5, 4, 5)],
+        [0, 1, 2],
+        dict(block_size=4, num_blocks=4),
+        4,
+    )
     expected = [alone(tiny_model(3), p, s) for p, s in zip(w.prompts, w.settings)]
     assert run_streaming(engine, w) == expected
     assert engine.stats["preemptions"] > 0 and engine.stats["cached_tokens"] > 0
@@ -338,8 +355,14 @@ def test_step_on_an_idle_engine_returns_nothing():
 # --------------------------------------------------------------------------------------------------
 # The bundled model: text prompts with a shared system prompt, sampling, stop strings
 
-SHAKESPEARE = ["ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo", "HAMLET:\nTo be, or not",
-               "KING RICHARD III:\nNow is the winter", "MACBETH:\nIs this a dagger", "First Citizen:\nBefore we"]
+SHAKESPEARE = [
+    "ROMEO:\nBut soft, what light",
+    "JULIET:\nO Romeo, Romeo",
+    "HAMLET:\nTo be, or not",
+    "KING RICHARD III:\nNow is the winter",
+    "MACBETH:\nIs this a dagger",
+    "First Citizen:\nBefore we",
+]
 
 
 @pytest.fixture(scope="module")
@@ -389,13 +412,16 @@ def test_refused_requests_leave_the_engine_serving_the_others():
     ids = [engine.add_request(good[0], max_new_tokens=8, eos_token_id=None)]
     engine.step()
     refusals = [
-        (dict(prompt_ids=list(range(30)), max_new_tokens=20), r"needs 13 blocks of 4 positions, but the pool has "
-                                                             r"num_blocks=10; lower max_new_tokens or make the pool"),
+        (
+            dict(prompt_ids=list(range(30)), max_new_tokens=20),
+            r"needs 13 blocks of 4 positions, but the pool has "
+            r"num_blocks=10; lower max_new_tokens or make the pool",
+        ),
         (dict(prompt_ids=[1] * 120, max_new_tokens=9), r"n_positions=128; lower max_new_tokens to at most 8"),
         (dict(prompt_ids=[1] * 128, max_new_tokens=1), r"n_positions=128; shorten the prompt"),
         (dict(prompt_ids=[]), r"empty: give at least one token"),
         (dict(prompt_ids=[1, V]), rf"holds {V}, not a token id in \[0, {V}\)"),
-        (dict(prompt_ids=[1, -1]), rf"holds -1, not a token id"),
+        (dict(prompt_ids=[1, -1]), r"holds -1, not a token id"),
         (dict(prompt_ids=[1, 2.0]), r"holds 2.0, not a token id"),
         (dict(prompt_ids=[1, True]), r"holds True, not a token id"),
         (dict(prompt_ids=[1], temperature=-0.5), r"temperature must be a number >= 0"),
@@ -419,9 +445,19 @@ def test_refused_requests_leave_the_engine_serving_the_others():
     assert engine.blocks.num_free == 10
 
 
-@pytest.mark.parametrize("name, value", [("block_size", 0), ("num_blocks", 0), ("max_num_seqs", 0),
-                                         ("max_num_batched_tokens", 0), ("block_size", 2.5), ("max_num_seqs", True),
-                                         ("num_blocks", "8"), ("max_num_batched_tokens", -3)])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("block_size", 0),
+        ("num_blocks", 0),
+        ("max_num_seqs", 0),
+        ("max_num_batched_tokens", 0),
+        ("block_size", 2.5),
+        ("max_num_seqs", True),
+        ("num_blocks", "8"),
+        ("max_num_batched_tokens", -3),
+    ],
+)
 def test_bad_engine_arguments_are_refused(name, value):
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {value!r}"):
         LLMEngine(tiny_model(0), **{name: value})
@@ -431,25 +467,30 @@ def test_generate_refuses_bad_arrivals_and_settings_before_running_anything():
     model = tiny_model(1)
     engine = LLMEngine(model, block_size=4)
     prompts = [[1, 2], [3]]
-    for kwargs, message in [(dict(arrivals=[0]), r"arrivals must hold one step number >= 0 per prompt \(2\)"),
-                            (dict(arrivals=[0, 1, 2]), r"arrivals must hold one step number"),
-                            (dict(arrivals=[0, -1]), r"arrivals must hold one step number"),
-                            (dict(arrivals=[0, 1.5]), r"arrivals must hold one step number"),
-                            (dict(settings=[{}]), r"settings must hold one dict per prompt \(2\)"),
-                            (dict(settings=[{}, 0.7]), r"settings must hold one dict per prompt"),
-                            (dict(settings=[{}, {"temperature": -1}]), r"prompt 1: temperature must be"),
-                            (dict(settings=[{"top_q": 0.9}, {}]), r"prompt 0: unknown setting\(s\) top_q"),
-                            (dict(max_new_tokens=200), r"prompt 0: .*n_positions=128")]:
+    for kwargs, message in [
+        (dict(arrivals=[0]), r"arrivals must hold one step number >= 0 per prompt \(2\)"),
+        (dict(arrivals=[0, 1, 2]), r"arrivals must hold one step number"),
+        (dict(arrivals=[0, -1]), r"arrivals must hold one step number"),
+        (dict(arrivals=[0, 1.5]), r"arrivals must hold one step number"),
+        (dict(settings=[{}]), r"settings must hold one dict per prompt \(2\)"),
+        (dict(settings=[{}, 0.7]), r"settings must hold one dict per prompt"),
+        (dict(settings=[{}, {"temperature": -1}]), r"prompt 1: temperature must be"),
+        (dict(settings=[{"top_q": 0.9}, {}]), r"prompt 0: unknown setting\(s\) top_q"),
+        (dict(max_new_tokens=200), r"prompt 0: .*n_positions=128"),
+    ]:
         with pytest.raises(ValueError, match=message):
             engine.generate(prompts, eos_token_id=None, **kwargs)
     with pytest.raises(ValueError, match=r"prompt 1: the prompt is empty"):
         engine.generate([[1], []], eos_token_id=None)
     assert engine.requests == {} and engine.stats["steps"] == 0  # nothing ran
     # settings override the common ones, per prompt
-    got = engine.generate(prompts, settings=[{"max_new_tokens": 3}, {"temperature": 0.9, "seed": 4}],
-                          eos_token_id=None, max_new_tokens=5)
-    assert got == [alone(model, [1, 2], {"max_new_tokens": 3}),
-                   alone(model, [3], {"max_new_tokens": 5, "temperature": 0.9, "seed": 4})]
+    got = engine.generate(
+        prompts, settings=[{"max_new_tokens": 3}, {"temperature": 0.9, "seed": 4}], eos_token_id=None, max_new_tokens=5
+    )
+    assert got == [
+        alone(model, [1, 2], {"max_new_tokens": 3}),
+        alone(model, [3], {"max_new_tokens": 5, "temperature": 0.9, "seed": 4}),
+    ]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -459,8 +500,14 @@ def test_generate_refuses_bad_arrivals_and_settings_before_running_anything():
 
 def my_left_pad(prompts, pad_id=0):
     width = max(len(p) for p in prompts)
-    rows = [([pad_id] * (width - len(p)) + list(p), [0] * (width - len(p)) + [1] * len(p),
-             [0] * (width - len(p)) + list(range(len(p)))) for p in prompts]
+    rows = [
+        (
+            [pad_id] * (width - len(p)) + list(p),
+            [0] * (width - len(p)) + [1] * len(p),
+            [0] * (width - len(p)) + list(range(len(p))),
+        )
+        for p in prompts
+    ]
     return tuple(torch.tensor([row[i] for row in rows]) for i in range(3))
 
 
@@ -532,8 +579,13 @@ def my_schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, 
     return plan, preempted
 
 
-MINE = dict(left_pad=my_left_pad, BlockAllocator=MyBlockAllocator, slot_mapping=my_slot_mapping,
-            gather_kv=my_gather_kv, schedule=my_schedule)
+MINE = dict(
+    left_pad=my_left_pad,
+    BlockAllocator=MyBlockAllocator,
+    slot_mapping=my_slot_mapping,
+    gather_kv=my_gather_kv,
+    schedule=my_schedule,
+)
 
 
 def learner_model(seed: int = 7, **overrides) -> Engine:
@@ -559,16 +611,18 @@ def test_a_step_that_only_preempts_computes_nothing_and_the_tokens_stay_exact():
     prompts = [[9, 9], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7]]
     settings = [{"max_new_tokens": 5}, {"max_new_tokens": 4, "temperature": 1.0, "seed": 2}, {"max_new_tokens": 3}]
     engine = LLMEngine(model, block_size=4, num_blocks=5)
-    assert engine.generate(prompts, settings=settings, **COMMON) == [alone(reference, p, s)
-                                                                      for p, s in zip(prompts, settings)]
+    assert engine.generate(prompts, settings=settings, **COMMON) == [
+        alone(reference, p, s) for p, s in zip(prompts, settings)
+    ]
     assert engine.stats["preemptions"] >= 8
 
 
 def test_my_batching_functions_give_the_same_tokens():
     reference, model = tiny_model(7), learner_model(7, **MINE)
     prompts = [[1, 2, 3, 4, 5], [6], [7, 8, 9]]
-    assert generate(model, prompts, max_new_tokens=6, eos_token_id=None) == \
-        [alone(reference, p, {"max_new_tokens": 6}) for p in prompts]  # left_pad: a static batch
+    assert generate(model, prompts, max_new_tokens=6, eos_token_id=None) == [
+        alone(reference, p, {"max_new_tokens": 6}) for p in prompts
+    ]  # left_pad: a static batch
     tally = Tally()
     run_workloads(range(2000, 2024), lambda seed: model, tally)  # the references come from the same model
     print(f"\nmy batching functions: {tally}")
@@ -626,11 +680,17 @@ def my_schedule_thrashes(running, waiting, num_free_blocks, *, block_size, **lim
 
 
 BROKEN = [
-    ("gather_kv", my_broken_gather_ignores_the_table,
-     r"part 'gather_kv' read positions 0..\d+ through block table \[\d+(, \d+)*\] wrongly"),
+    (
+        "gather_kv",
+        my_broken_gather_ignores_the_table,
+        r"part 'gather_kv' read positions 0..\d+ through block table \[\d+(, \d+)*\] wrongly",
+    ),
     ("gather_kv", my_gather_kv_raises, r"part 'gather_kv' \(my_gather_kv_raises\) raised IndexError"),
-    ("BlockAllocator", MyAllocatorHandsOutABlockTwice,
-     r"part 'BlockAllocator' \(MyAllocatorHandsOutABlockTwice\) num_free is \d+, but \d+ blocks are not in use"),
+    (
+        "BlockAllocator",
+        MyAllocatorHandsOutABlockTwice,
+        r"part 'BlockAllocator' \(MyAllocatorHandsOutABlockTwice\) num_free is \d+, but \d+ blocks are not in use",
+    ),
     ("schedule", my_schedule_does_nothing, r"part 'schedule' scheduled nothing and preempted nothing"),
     ("schedule", my_schedule_ignores_the_free_blocks, r"the scheduler gave out more blocks than were free"),
     ("schedule", my_schedule_gives_too_many_tokens, r"part 'schedule' gave request 0 \d+ tokens; it has \d+ to"),
@@ -660,8 +720,11 @@ def test_broken_batching_functions_are_stopped_naming_the_part(part, fn, message
 
 def test_a_broken_left_pad_is_stopped_naming_the_part():
     model = learner_model(8, left_pad=my_left_pad_forgets_positions)
-    with pytest.raises(PartError, match=r"(?s)part 'left_pad' \(my_left_pad_forgets_positions\) returned .*; expected "
-                                        r"\(input_ids, attention_mask, position_ids\)"):
+    with pytest.raises(
+        PartError,
+        match=r"(?s)part 'left_pad' \(my_left_pad_forgets_positions\) returned .*; expected "
+        r"\(input_ids, attention_mask, position_ids\)",
+    ):
         generate(model, [[1, 2], [3]], max_new_tokens=2, eos_token_id=None)
 
 
@@ -707,10 +770,12 @@ def test_paged_forward_of_a_mixed_batch_matches_each_request_alone(dtype, atol):
     seqs = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
     tables = [[free.pop() for _ in range(-(-n // bs))] for n in lengths]
     # {request: (computed before the step, after it)}: decodes (n-1 -> n), prefill chunks, whole prompts
-    steps = [{0: (0, 8), 1: (0, 7), 3: (0, 12), 4: (0, 2)},  # prefills of several requests
-             {0: (8, 9), 1: (7, 13), 2: (0, 1), 3: (12, 20), 4: (2, 3), 5: (0, 16)},  # 3 one-token rows, 3 chunks
-             {3: (20, 21), 4: (3, 4), 5: (16, 17)},  # decodes only
-             {3: (21, 22), 4: (4, 6)}]  # one decode, one chunk
+    steps = [
+        {0: (0, 8), 1: (0, 7), 3: (0, 12), 4: (0, 2)},  # prefills of several requests
+        {0: (8, 9), 1: (7, 13), 2: (0, 1), 3: (12, 20), 4: (2, 3), 5: (0, 16)},  # 3 one-token rows, 3 chunks
+        {3: (20, 21), 4: (3, 4), 5: (16, 17)},  # decodes only
+        {3: (21, 22), 4: (4, 6)},
+    ]  # one decode, one chunk
     worst = 0.0
     for step in steps:
         chunks = [Chunk(seqs[r][a:b], a, tables[r]) for r, (a, b) in step.items()]

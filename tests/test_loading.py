@@ -16,7 +16,8 @@ from .conftest import lively_model
 @pytest.fixture(scope="module")
 def hf_saved(tmp_path_factory):
     """A GPT-2 written by transformers' own save_pretrained (random weights, small config)."""
-    from transformers import GPT2Config as HFConfig, GPT2LMHeadModel
+    from transformers import GPT2Config as HFConfig
+    from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
     hf = GPT2LMHeadModel(HFConfig(n_layer=2, n_head=2, n_embd=32, n_positions=64)).eval()
@@ -68,9 +69,14 @@ def test_keys_without_prefix_explicit_head_and_old_buffers_load(hf_saved, tmp_pa
     "change, message",
     [
         (lambda t: t.pop("transformer.h.1.mlp.c_proj.bias"), r"missing tensor 'h\.1\.mlp\.c_proj\.bias'"),
-        (lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}), r"unexpected tensor 'h\.2\.ln_1\.weight'"),
-        (lambda t: t.update({"transformer.h.0.attn.c_attn.weight": torch.zeros(32, 64)}),
-         r"tensor 'h\.0\.attn\.c_attn\.weight' has shape \(32, 64\).*needs \(32, 96\)"),
+        (
+            lambda t: t.update({"transformer.h.2.ln_1.weight": torch.ones(32)}),
+            r"unexpected tensor 'h\.2\.ln_1\.weight'",
+        ),
+        (
+            lambda t: t.update({"transformer.h.0.attn.c_attn.weight": torch.zeros(32, 64)}),
+            r"tensor 'h\.0\.attn\.c_attn\.weight' has shape \(32, 64\).*needs \(32, 96\)",
+        ),
         (lambda t: t.update({"lm_head.weight": torch.zeros(50257, 32)}), r"lm_head\.weight differs from wte\.weight"),
     ],
 )
@@ -152,31 +158,54 @@ def test_hub_name_resolves_from_the_local_cache_offline(hf_saved, tmp_path, monk
 def test_hub_name_not_cached_offline_says_what_to_do(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
-    with pytest.raises(CheckpointError, match=r"(?s)'gpt2' is not in the local Hugging Face cache.*hf download gpt2.*local model folder"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)'gpt2' is not in the local Hugging Face cache.*hf download gpt2.*local model folder",
+    ):
         load_model("gpt2", device="cpu")
 
 
-@pytest.mark.parametrize("name, meant", [("gpt2-shakespear", "gpt2-shakespeare"), ("shakespeare", "gpt2-shakespeare"),
-                                         ("GPT2-Shakespeare", "gpt2-shakespeare"), ("gpt2_shakespeare", "gpt2-shakespeare"),
-                                         ("gpt2-shakespeare-drft", "gpt2-shakespeare-draft")])
+@pytest.mark.parametrize(
+    "name, meant",
+    [
+        ("gpt2-shakespear", "gpt2-shakespeare"),
+        ("shakespeare", "gpt2-shakespeare"),
+        ("GPT2-Shakespeare", "gpt2-shakespeare"),
+        ("gpt2_shakespeare", "gpt2-shakespeare"),
+        ("gpt2-shakespeare-drft", "gpt2-shakespeare-draft"),
+    ],
+)
 def test_a_misspelt_bundled_name_says_what_was_meant(name, meant, monkeypatch):
     monkeypatch.setattr("llmcourse.engine.loading.hub_snapshot", lambda name: pytest.fail("went to the Hub"))
     with pytest.raises(CheckpointError) as err:
         load_model(name, device="cpu")
-    assert str(err.value) == (f"no bundled model {name!r}; did you mean {meant!r}? "
-                              "(bundled: gpt2-shakespeare, gpt2-shakespeare-draft)")
+    assert str(err.value) == (
+        f"no bundled model {name!r}; did you mean {meant!r}? (bundled: gpt2-shakespeare, gpt2-shakespeare-draft)"
+    )
 
 
 def test_hub_names_and_folders_are_not_taken_for_misspellings(tmp_path, monkeypatch):
-    for name in ["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "distilgpt2", "someone/gpt2-shakespeare",
-                 "gpt2-shakespeare", "gpt2-shakespeare-draft"]:
+    for name in [
+        "gpt2",
+        "gpt2-medium",
+        "gpt2-large",
+        "gpt2-xl",
+        "distilgpt2",
+        "someone/gpt2-shakespeare",
+        "gpt2-shakespeare",
+        "gpt2-shakespeare-draft",
+    ]:
         assert close_bundled_name(name) is None, name
     asked = []
-    monkeypatch.setattr("llmcourse.engine.loading.hub_snapshot", lambda name: asked.append(name) or pytest.skip("no hub"))
+    monkeypatch.setattr(
+        "llmcourse.engine.loading.hub_snapshot", lambda name: asked.append(name) or pytest.skip("no hub")
+    )
     monkeypatch.chdir(tmp_path)
     from llmcourse import save_model
 
-    save_model(lively_model(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=300)), "gpt2-shakespear")
+    save_model(
+        lively_model(GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=300)), "gpt2-shakespear"
+    )
     assert load_model("gpt2-shakespear", device="cpu").config.n_embd == 16  # a folder of that name
     with pytest.raises(pytest.skip.Exception):
         load_model("gpt2-medium", device="cpu")

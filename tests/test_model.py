@@ -25,7 +25,9 @@ def test_logits_equal_transformers(name, tmp_path):
     config = CONFIGS[name]
     ours = GPT2(config).init_weights(seed=7).eval()
     theirs = hf_twin(ours, tmp_path)
-    ids = torch.randint(0, config.vocab_size, (2, min(64, config.n_positions)), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(
+        0, config.vocab_size, (2, min(64, config.n_positions)), generator=torch.Generator().manual_seed(1)
+    )
     with torch.no_grad():
         expected = theirs(ids).logits
         got = ours(ids)
@@ -105,8 +107,9 @@ def test_swapped_parts_give_the_same_logits(small_pair):
 
     with torch.inference_mode():
         reference = model(ids)
-        model.parts = guarded(Parts, gelu=my_gelu, layer_norm=my_layer_norm, softmax=counting_softmax,
-                              embedding=lambda w, i: w[i])
+        model.parts = guarded(
+            Parts, gelu=my_gelu, layer_norm=my_layer_norm, softmax=counting_softmax, embedding=lambda w, i: w[i]
+        )
         try:
             swapped = model(ids)
         finally:

@@ -16,8 +16,13 @@ from transformers import LlamaConfig  # noqa: E402
 def hf_rope(x, position_ids, base):
     """transformers' RoPE for Llama: LlamaRotaryEmbedding (cos, sin) + apply_rotary_pos_emb."""
     head_dim = x.shape[-1]
-    config = LlamaConfig(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim,
-                         max_position_embeddings=4096, rope_parameters={"rope_type": "default", "rope_theta": base})
+    config = LlamaConfig(
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        rope_parameters={"rope_type": "default", "rope_theta": base},
+    )
     cos, sin = llama.LlamaRotaryEmbedding(config)(x, position_ids)  # [B, T, D] each, computed in float32
     q, k = llama.apply_rotary_pos_emb(x, x.flip(-2), cos, sin)
     return q, k
@@ -54,7 +59,8 @@ def test_rope_in_float64_equals_apply_rotary_pos_emb_with_float64_angles():
     assert (out - q).abs().max() < 1e-12
     # transformers' own cos/sin are float32 angles: at position 100000 they are visibly off
     hf_cos, _ = llama.LlamaRotaryEmbedding(LlamaConfig(hidden_size=16, num_attention_heads=1, head_dim=16))(
-        x, position_ids)
+        x, position_ids
+    )
     assert (hf_cos - cos).abs().max() > 1e-4
 
 
@@ -77,8 +83,10 @@ def test_rope_is_a_rotation_of_each_half_split_pair():
 
 def test_rope_scores_depend_only_on_the_distance():
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(1, 1, 1, 64, generator=g, dtype=torch.float64), torch.randn(1, 1, 1, 64, generator=g,
-                                                                                   dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 1, 1, 64, generator=g, dtype=torch.float64),
+        torch.randn(1, 1, 1, 64, generator=g, dtype=torch.float64),
+    )
 
     def score(m, n):
         return float((rope(q, torch.tensor([[m]])) * rope(k, torch.tensor([[n]]))).sum())
@@ -88,8 +96,9 @@ def test_rope_scores_depend_only_on_the_distance():
     assert not math.isclose(score(5, 2), score(6, 2), abs_tol=1e-3)
 
 
-@pytest.mark.parametrize("n_positions, dim, base", [(1, 2, 10000.0), (50, 16, 10000.0), (300, 64, 100.0),
-                                                    (7, 5, 10000.0)])
+@pytest.mark.parametrize(
+    "n_positions, dim, base", [(1, 2, 10000.0), (50, 16, 10000.0), (300, 64, 100.0), (7, 5, 10000.0)]
+)
 def test_sinusoidal_positions_is_the_papers_formula(n_positions, dim, base):
     pe = sinusoidal_positions(n_positions, dim, base)
     assert pe.dtype == torch.float32 and pe.shape == (n_positions, dim)

@@ -31,17 +31,30 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, save_model, stream
-from llmcourse import generate
+from llmcourse import GPT2, GPT2Config, generate, generate_text, get_tokenizer, load_model, save_model, stream
 from llmcourse.engine.config import CheckpointError
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.quantize import (
-    BYTES_PER_WEIGHT, GROUP_SIZE, Quantization, QuantizedAffine, QuantizedTable, dequantize_int4, dequantize_int8,
-    int8_linear, int8_linear_fast, pack_int4, quantize_int4, quantize_int8, quantize_model, quantized_format,
-    resident_bytes, unpack_int4, weight_memory,
+    BYTES_PER_WEIGHT,
+    GROUP_SIZE,
+    Quantization,
+    QuantizedAffine,
+    QuantizedTable,
+    dequantize_int4,
+    dequantize_int8,
+    int8_linear,
+    int8_linear_fast,
+    pack_int4,
+    quantize_int4,
+    quantize_int8,
+    quantize_model,
+    quantized_format,
+    resident_bytes,
+    unpack_int4,
+    weight_memory,
 )
-from llmcourse.training.shakespeare import validation_loss, validation_tokens
 from llmcourse.engine.speculative import SpeculationStats
+from llmcourse.training.shakespeare import validation_loss, validation_tokens
 
 from .conftest import CUDA, lively_model
 
@@ -287,7 +300,7 @@ def test_int8_linear_equals_dequantize_then_multiply(dtype):
     g = torch.Generator().manual_seed(3)
     w = torch.randn(40, 24, generator=g) * torch.logspace(-2, 2, 40)[:, None]
     q, scale = quantize_int8(w)
-    x = (torch.randn(2, 3, 24, generator=g, dtype=torch.float64) * 5 + 3)
+    x = torch.randn(2, 3, 24, generator=g, dtype=torch.float64) * 5 + 3
     bias = torch.randn(40, generator=g)
     expected = x @ (q.double() * scale.double()[:, None]).T + bias.double()  # [2, 3, 40], float64
     for b in (bias, None):
@@ -377,10 +390,17 @@ def test_quantize_model_holds_the_independent_quantizers_values(bundled, fmt):
     for name, tensor in float_model.state_dict().items():  # what stays float stays equal
         if "ln_" in name or name == "wpe.weight":
             assert torch.equal(model.state_dict()[name], tensor), name
-    expected = {"int8": (torch.int8, (576, 192), torch.float32, (576,)),
-                "int4": (torch.uint8, (576, 96), torch.float16, (576, 6))}[fmt]
+    expected = {
+        "int8": (torch.int8, (576, 192), torch.float32, (576,)),
+        "int4": (torch.uint8, (576, 96), torch.float16, (576, 6)),
+    }[fmt]
     c_attn = model.h[0].attn.c_attn
-    assert (c_attn.qweight.dtype, tuple(c_attn.qweight.shape), c_attn.scales.dtype, tuple(c_attn.scales.shape)) == expected
+    assert (
+        c_attn.qweight.dtype,
+        tuple(c_attn.qweight.shape),
+        c_attn.scales.dtype,
+        tuple(c_attn.scales.shape),
+    ) == expected
     assert quantize_model(model, fmt) is model  # already in this format: nothing to do
 
 
@@ -394,8 +414,10 @@ def test_validation_loss_stays_within_bounds(bundled):
     tokens = validation_tokens()[:VALIDATION_TOKENS]
     loss = {fmt: validation_loss(bundled[fmt], tokens) for fmt in (None, *FORMATS)}
     rel = {fmt: loss[fmt] / loss[None] - 1 for fmt in FORMATS}
-    print(f"\nvalidation loss on {VALIDATION_TOKENS} tokens: fp32 {loss[None]:.4f}, int8 {loss['int8']:.4f} "
-          f"({rel['int8']:+.2%}), int4 {loss['int4']:.4f} ({rel['int4']:+.2%})")
+    print(
+        f"\nvalidation loss on {VALIDATION_TOKENS} tokens: fp32 {loss[None]:.4f}, int8 {loss['int8']:.4f} "
+        f"({rel['int8']:+.2%}), int4 {loss['int4']:.4f} ({rel['int4']:+.2%})"
+    )
     assert 3.5 < loss[None] < 5.0
     assert abs(rel["int8"]) < 0.005, rel
     assert abs(rel["int4"]) < 0.03, rel
@@ -418,8 +440,10 @@ def test_greedy_continuations_agree_with_fp32(bundled):
         out = generate(bundled[fmt], prompts, max_new_tokens=32, eos_token_id=None)
         agreement[fmt] = [first_difference(a, b) for a, b in zip(reference, out)]
     mean = {fmt: sum(v) / len(v) for fmt, v in agreement.items()}
-    print(f"\ngreedy agreement with fp32 (of 32): int8 {agreement['int8']} mean {mean['int8']:.1f}, "
-          f"int4 {agreement['int4']} mean {mean['int4']:.1f}")
+    print(
+        f"\ngreedy agreement with fp32 (of 32): int8 {agreement['int8']} mean {mean['int8']:.1f}, "
+        f"int4 {agreement['int4']} mean {mean['int4']:.1f}"
+    )
     assert mean["int8"] >= 16, agreement
     assert mean["int4"] >= 3, agreement
 
@@ -440,8 +464,10 @@ def test_logits_error_on_random_124m_weights(gpt2_124m):
     for fmt in FORMATS:
         diff = logits[fmt] - logits[None]
         report[fmt] = (diff.abs().max().item(), (diff.norm() / logits[None].norm()).item())
-    print(f"\n124M random weights, 32 tokens, logits up to {scale:.3g}: " + ", ".join(
-        f"{fmt} max error {m:.2e}, relative {r:.2%}" for fmt, (m, r) in report.items()))
+    print(
+        f"\n124M random weights, 32 tokens, logits up to {scale:.3g}: "
+        + ", ".join(f"{fmt} max error {m:.2e}, relative {r:.2%}" for fmt, (m, r) in report.items())
+    )
     assert report["int8"][1] < 0.05 and report["int4"][1] < 0.35, report
     assert report["int8"][0] < 0.05 * scale and report["int4"][0] < 0.4 * scale, report
     assert report["int8"][1] < report["int4"][1] / 4  # 8 bits are much closer than 4
@@ -578,8 +604,11 @@ def test_float64_and_bfloat16_activations(bundled, fmt):
     integers; bfloat16: `load_model(dtype=, quantize=)`. The activations take the dtype, the integers stay."""
     tok = get_tokenizer()
     ids = torch.tensor([tok.encode("ROMEO:\nWhat light is this")])
-    models = {torch.float32: bundled[fmt], torch.float64: copy.deepcopy(bundled[fmt]).double(),
-              torch.bfloat16: load_model("gpt2-shakespeare", device="cpu", dtype="bfloat16", quantize=fmt)}
+    models = {
+        torch.float32: bundled[fmt],
+        torch.float64: copy.deepcopy(bundled[fmt]).double(),
+        torch.bfloat16: load_model("gpt2-shakespeare", device="cpu", dtype="bfloat16", quantize=fmt),
+    }
     quantized64 = quantize_model(copy.deepcopy(bundled[None]).double(), fmt)
     with torch.inference_mode():
         logits = {dtype: model(ids) for dtype, model in models.items()}
@@ -587,7 +616,11 @@ def test_float64_and_bfloat16_activations(bundled, fmt):
     for dtype, model in models.items():
         assert logits[dtype].dtype == dtype and torch.isfinite(logits[dtype]).all()
         assert model.h[3].mlp.c_fc.qweight.dtype == (torch.int8 if fmt == "int8" else torch.uint8)
-        assert model.ln_f.weight.dtype == dtype and model.wpe.weight.dtype == dtype and model.h[3].mlp.c_fc.bias.dtype == dtype
+        assert (
+            model.ln_f.weight.dtype == dtype
+            and model.wpe.weight.dtype == dtype
+            and model.h[3].mlp.c_fc.bias.dtype == dtype
+        )
         assert model.h[3].mlp.c_fc.scales.dtype == (dtype if fmt == "int8" else torch.float16)
     assert torch.equal(quantized64.h[3].mlp.c_fc.qweight, bundled[fmt].h[3].mlp.c_fc.qweight)
     assert torch.equal(quantized64.wte.qweight, bundled[fmt].wte.qweight)
@@ -598,7 +631,9 @@ def test_float64_and_bfloat16_activations(bundled, fmt):
     # bfloat16: the float weights are rounded to bfloat16 before quantizing (measured: int8 2.4 %, int4 8 %)
     assert (logits[torch.bfloat16].float() - logits[torch.float32]).abs().max() < 0.15 * scale
     prompt = ids[0].tolist()
-    assert generate(models[torch.float64], prompt, max_new_tokens=12) == generate(bundled[fmt], prompt, max_new_tokens=12)
+    assert generate(models[torch.float64], prompt, max_new_tokens=12) == generate(
+        bundled[fmt], prompt, max_new_tokens=12
+    )
     assert len(generate(models[torch.bfloat16], prompt, max_new_tokens=4, eos_token_id=None)) == 4
 
 
@@ -623,8 +658,13 @@ def test_compile_traces_the_quantized_step_in_one_graph(fmt, monkeypatch):
     test below compiles for real."""
     real_compile = torch.compile
     monkeypatch.setattr(generation, "_compiled", {})  # nothing cached from, or left to, other tests
-    monkeypatch.setattr(torch, "compile", lambda fn, *, fullgraph=False, dynamic=None, **_: real_compile(
-        fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic))
+    monkeypatch.setattr(
+        torch,
+        "compile",
+        lambda fn, *, fullgraph=False, dynamic=None, **_: real_compile(
+            fn, backend="eager", fullgraph=fullgraph, dynamic=dynamic
+        ),
+    )
     model = quantize_model(lively_model(TINY, seed=2), fmt)
     eager = generate(model, PROMPTS[:2], max_new_tokens=6, eos_token_id=None)
     assert generate(model, PROMPTS[:2], max_new_tokens=6, eos_token_id=None, compile=True) == eager
@@ -642,7 +682,9 @@ def test_on_cuda_the_model_computes_what_its_twin_computes(small, fmt):
     greedy = [generate(model, p, max_new_tokens=16, eos_token_id=None) for p in PROMPTS]
     assert greedy == [generate(float_twin, p, max_new_tokens=16, eos_token_id=None) for p in PROMPTS]
     assert generate(model, PROMPTS, max_new_tokens=16, eos_token_id=None) == greedy
-    assert generate(model, PROMPTS[:2], max_new_tokens=8, eos_token_id=None, compile=True) == [g[:8] for g in greedy[:2]]
+    assert generate(model, PROMPTS[:2], max_new_tokens=8, eos_token_id=None, compile=True) == [
+        g[:8] for g in greedy[:2]
+    ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -658,8 +700,11 @@ def saved(bundled, tmp_path_factory):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_saved_quantized_model_loads_as_it_was(bundled, saved, fmt, monkeypatch):
     config = json.loads((saved[fmt] / "config.json").read_text())
-    assert config["quantization_config"] == {"quant_method": "llmcourse", "format": fmt,
-                                             "group_size": 32 if fmt == "int4" else None}
+    assert config["quantization_config"] == {
+        "quant_method": "llmcourse",
+        "format": fmt,
+        "group_size": 32 if fmt == "int4" else None,
+    }
 
     def refuse(*args, **kwargs):
         raise AssertionError("loading a quantized checkpoint must not quantize again")
@@ -714,14 +759,31 @@ def test_a_corrupt_quantized_checkpoint_is_refused_naming_the_tensor(saved, bund
     key = "transformer.h.2.mlp.c_fc.qweight"
     q = load_file(str(saved["int8"] / "model.safetensors"))[key]
     cases = [
-        (saved["int8"], dict(tensors={key: q[:, :100].contiguous()}), r"tensor 'h\.2\.mlp\.c_fc\.qweight' has shape \(768, 100\)"),
-        (saved["int8"], dict(tensors={key: q.float()}), r"tensor 'h\.2\.mlp\.c_fc\.qweight' is torch\.float32.*quantization_config"),
-        (saved["int8"], dict(config={"quantization_config": {"quant_method": "llmcourse", "format": "int4", "group_size": 32}}),
-         r"tensor 'wte\.qweight' has shape \(50257, 192\).*needs \(50257, 96\)"),
-        (saved["int4"], dict(tensors={"transformer.h.0.attn.c_proj.scales": torch.zeros(192, 5, dtype=torch.float16)}),
-         r"tensor 'h\.0\.attn\.c_proj\.scales' has shape \(192, 5\)"),
-        (MODELS_DIR / "gpt2-shakespeare", dict(config={"quantization_config": {"quant_method": "llmcourse", "format": "int8"}}),
-         r"missing tensor 'wte\.qweight'"),
+        (
+            saved["int8"],
+            dict(tensors={key: q[:, :100].contiguous()}),
+            r"tensor 'h\.2\.mlp\.c_fc\.qweight' has shape \(768, 100\)",
+        ),
+        (
+            saved["int8"],
+            dict(tensors={key: q.float()}),
+            r"tensor 'h\.2\.mlp\.c_fc\.qweight' is torch\.float32.*quantization_config",
+        ),
+        (
+            saved["int8"],
+            dict(config={"quantization_config": {"quant_method": "llmcourse", "format": "int4", "group_size": 32}}),
+            r"tensor 'wte\.qweight' has shape \(50257, 192\).*needs \(50257, 96\)",
+        ),
+        (
+            saved["int4"],
+            dict(tensors={"transformer.h.0.attn.c_proj.scales": torch.zeros(192, 5, dtype=torch.float16)}),
+            r"tensor 'h\.0\.attn\.c_proj\.scales' has shape \(192, 5\)",
+        ),
+        (
+            MODELS_DIR / "gpt2-shakespeare",
+            dict(config={"quantization_config": {"quant_method": "llmcourse", "format": "int8"}}),
+            r"missing tensor 'wte\.qweight'",
+        ),
     ]
     for i, (folder, change, message) in enumerate(cases):
         path = tmp_path / str(i)

@@ -31,6 +31,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- metrics
 
+
 def test_step_bytes_count_the_blocks_and_the_head_in_the_format():
     cfg = GPT2Config()  # 124M: 12 x 12 x 768² in the blocks' matrices, 50257 x 768 in the tied head
     quantized = 12 * 12 * 768**2 + 50257 * 768
@@ -56,30 +57,53 @@ def test_first_divergence():
 
 def rows(**speeds) -> dict:
     """Hand-made rows: name -> (batch 1 tok/s, batch 16 tok/s)."""
-    return {name.replace("_", " "): {"batch_1": {"tokens_per_s": one}, "batch_16": {"tokens_per_s": many}}
-            for name, (one, many) in speeds.items()}
+    return {
+        name.replace("_", " "): {"batch_1": {"tokens_per_s": one}, "batch_16": {"tokens_per_s": many}}
+        for name, (one, many) in speeds.items()
+    }
 
 
 def test_ratios_are_the_targets_of_the_issue_at_both_batch_sizes():
-    got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(56.0, 240.0),
-                         ctranslate2_float32=(25.0, 160.0), ctranslate2_int8=(32.0, 100.0),
-                         transformers_float32=(24.0, 90.0)), batch=16)
-    assert list(got) == ["engine float32 / ctranslate2 float32, batch 1", "engine int8 / ctranslate2 int8, batch 1",
-                         "engine int4 / engine int8, batch 1", "engine float32 / ctranslate2 float32, batch 16",
-                         "engine int8 / ctranslate2 int8, batch 16", "engine int4 / engine int8, batch 16"]
+    got = qb.ratios(
+        rows(
+            engine_float32=(30.0, 150.0),
+            engine_int8=(40.0, 200.0),
+            engine_int4=(56.0, 240.0),
+            ctranslate2_float32=(25.0, 160.0),
+            ctranslate2_int8=(32.0, 100.0),
+            transformers_float32=(24.0, 90.0),
+        ),
+        batch=16,
+    )
+    assert list(got) == [
+        "engine float32 / ctranslate2 float32, batch 1",
+        "engine int8 / ctranslate2 int8, batch 1",
+        "engine int4 / engine int8, batch 1",
+        "engine float32 / ctranslate2 float32, batch 16",
+        "engine int8 / ctranslate2 int8, batch 16",
+        "engine int4 / engine int8, batch 16",
+    ]
     values = [(v["ratio"], v["target"], v["met"]) for v in got.values()]
-    assert values == [(pytest.approx(1.2), 1.0, True), (pytest.approx(1.25), 1.0, True), (pytest.approx(1.4), 1.3, True),
-                      (pytest.approx(150 / 160), 1.0, False), (pytest.approx(2.0), 1.0, True),
-                      (pytest.approx(1.2), 1.3, False)]
+    assert values == [
+        (pytest.approx(1.2), 1.0, True),
+        (pytest.approx(1.25), 1.0, True),
+        (pytest.approx(1.4), 1.3, True),
+        (pytest.approx(150 / 160), 1.0, False),
+        (pytest.approx(2.0), 1.0, True),
+        (pytest.approx(1.2), 1.3, False),
+    ]
 
 
 def test_ratios_without_ctranslate2_keep_the_engines_own():
     got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(20.0, 300.0)), batch=16)
-    assert {k: v["ratio"] for k, v in got.items()} == {"engine int4 / engine int8, batch 1": 0.5,
-                                                       "engine int4 / engine int8, batch 16": 1.5}
+    assert {k: v["ratio"] for k, v in got.items()} == {
+        "engine int4 / engine int8, batch 1": 0.5,
+        "engine int4 / engine int8, batch 16": 1.5,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- the run
+
 
 @pytest.fixture(scope="module")
 def quick():
@@ -118,8 +142,10 @@ def test_the_benchmark_measures_every_row(quick):
     assert r["resident_MB"]["int4"] < r["resident_MB"]["int8"] < r["resident_MB"]["float32"]
     assert len(r["ratios"]) == 6 and all(v["ratio"] > 0 for v in r["ratios"].values())
     assert set(r["linear_ms"]) == {"float32", "int8", "int4"}
-    assert all(set(v) == {1, b} and all(t["blocks_ms"] > 0 and t["head_ms"] > 0 for t in v.values())
-               for v in r["linear_ms"].values())
+    assert all(
+        set(v) == {1, b} and all(t["blocks_ms"] > 0 and t["head_ms"] > 0 for t in v.values())
+        for v in r["linear_ms"].values()
+    )
     assert any("batch 1" in line for line in lines) and not any("not installed" in line for line in lines)
     json.dumps(r)  # all of it goes into bench.json
 
@@ -156,6 +182,7 @@ def test_table_and_figure(quick, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the command
 
+
 def test_bench_quantize_end_to_end_keeps_the_rest_of_bench_json(quick, tmp_path, monkeypatch, capsys):
     """`python -m llmcourse bench --quantize`, in this process, on the measurements above: the flags reach it, the
     JSON keeps the other sections, the table and the figure come."""
@@ -185,12 +212,20 @@ def test_a_failing_figure_loses_no_measurement(quick, tmp_path, monkeypatch, cap
     assert json.loads((tmp_path / "bench.json").read_text())["quantize"] == measured
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--model", "gpt2-shakespeare"], "bench --quantize runs a configuration with random weights (gpt2, tiny), "
-                                      "not 'gpt2-shakespeare'"),
-    (["--dtype", "bfloat16"], "bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
-                              "--dtype bfloat16 is not supported"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--model", "gpt2-shakespeare"],
+            "bench --quantize runs a configuration with random weights (gpt2, tiny), not 'gpt2-shakespeare'",
+        ),
+        (
+            ["--dtype", "bfloat16"],
+            "bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
+            "--dtype bfloat16 is not supported",
+        ),
+    ],
+)
 def test_a_bad_option_is_one_line(args, message, tmp_path, capsys):
     from llmcourse.__main__ import main
 

@@ -2,7 +2,6 @@
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -32,8 +31,14 @@ def test_the_readme_shows_the_learners_commands():
 
 @pytest.mark.parametrize("command", commands())
 def test_readme_command_runs_as_written(command):
-    done = subprocess.run(["bash", "-c", command], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run(
+        ["bash", "-c", command],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.strip()) > 20, done.stdout
 
@@ -50,9 +55,8 @@ def test_readme_slot_examples_run_as_written():
     """The snippets that swap in a learner's parts, sampler functions and cache run as written, here
     with stand-ins that compute what the engine's own do: the engine then gives the same tokens."""
     import llmcourse
-    from llmcourse.engine import parts, sampling
-
     from llmcourse.course.guards import GuardedCache
+    from llmcourse.engine import parts, sampling
 
     snippets = [block for block in blocks("python") if "guarded(llmcourse." in block or "guard(" in block]
     assert len(snippets) == 2
@@ -60,9 +64,16 @@ def test_readme_slot_examples_run_as_written():
     prompt = llmcourse.get_tokenizer().encode("ROMEO:")
     settings = dict(max_new_tokens=12, temperature=0.9, top_p=0.9, seed=2)
     expected = llmcourse.generate(model, prompt, **settings)
-    stand_ins = {"llmcourse": llmcourse, "model": model, "prompt": prompt, "my_gelu": parts.gelu,
-                 "my_softmax": parts.softmax, "my_top_p": sampling.top_p, "my_sample": sampling.sample,
-                 "MyKVCache": llmcourse.KVCache}
+    stand_ins = {
+        "llmcourse": llmcourse,
+        "model": model,
+        "prompt": prompt,
+        "my_gelu": parts.gelu,
+        "my_softmax": parts.softmax,
+        "my_top_p": sampling.top_p,
+        "my_sample": sampling.sample,
+        "MyKVCache": llmcourse.KVCache,
+    }
     for snippet in snippets:
         exec(compile(snippet, "README.md", "exec"), stand_ins)
     # a swapped-in softmax brings the written-out attention that calls it
@@ -84,8 +95,10 @@ def test_readme_serving_example_runs_as_written(capsys):
     namespace = {"llmcourse": llmcourse, "model": model, "tok": tok}
     exec(compile(example, "README.md", "exec"), namespace)
     prompts = [tok.encode("KING:"), tok.encode("QUEEN:")]
-    alone = [llmcourse.generate(model, prompts[0], temperature=0.8, seed=1),
-             llmcourse.generate(model, prompts[1], max_new_tokens=8)]
+    alone = [
+        llmcourse.generate(model, prompts[0], temperature=0.8, seed=1),
+        llmcourse.generate(model, prompts[1], max_new_tokens=8),
+    ]
     assert namespace["outputs"] == alone
     hamlet = llmcourse.generate(model, tok.encode("HAMLET:"), max_new_tokens=10)
     cut = next((i + 1 for i in range(len(hamlet)) if "\n" in tok.decode(hamlet[: i + 1])), len(hamlet))
@@ -132,18 +145,19 @@ def test_the_readme_gives_one_test_time_and_says_who_runs_what():
     """One figure for the suite's time (it said 16–21 min in one place and 12 min in another), and the test
     command is marked as the contributors' (a learner's work in chapters/ is not the release it tests)."""
     paragraphs = [p for p in re.split(r"\n\s*\n", README) if "test suite" in p or "python -m pytest" in p]
-    figures = {m for p in paragraphs for m in re.findall(r"(\d+(?:\s*(?:–|to)\s*\d+)?)\s*min", p)
-               if "bench" not in p}
+    figures = {m for p in paragraphs for m in re.findall(r"(\d+(?:\s*(?:–|to)\s*\d+)?)\s*min", p) if "bench" not in p}
     assert figures == {"20"}, figures
     flat = " ".join(README.split())
-    assert "contributors: the whole test suite" in flat and "learners check theirs with `python -m llmcourse progress`" in flat
+    assert (
+        "contributors: the whole test suite" in flat
+        and "learners check theirs with `python -m llmcourse progress`" in flat
+    )
 
 
 def test_the_readme_names_every_default_where_the_command_line_differs():
     """`generate`'s keyword defaults against the CLI's: each difference is named in the README's sentence."""
-    import inspect
-
     import dataclasses
+    import inspect
 
     from llmcourse import SamplingParams, generate
     from llmcourse.__main__ import TEMPERATURE, build_parser
@@ -156,7 +170,9 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
     python |= {f.name: list(f.default) if f.name == "stop" else f.default for f in dataclasses.fields(SamplingParams)}
     differ = {n for n in python if n in cli and cli[n] != python[n] and cli[n] is not None}
     assert differ == {"max_new_tokens", "temperature"}, differ
-    sentence = " ".join(README.split("The command line has the same settings as flags", 1)[1].split("\n\n", 1)[0].split())
+    sentence = " ".join(
+        README.split("The command line has the same settings as flags", 1)[1].split("\n\n", 1)[0].split()
+    )
     for name in differ:
         flag = "--" + name.replace("_", "-")
         assert f"`{flag} {cli[name]:g}`" in sentence and f"{python[name]:g}" in sentence, (name, sentence)

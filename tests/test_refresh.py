@@ -19,8 +19,9 @@ def test_stored_outputs_are_in_canonical_form(path):
         if cell.cell_type != "code":
             continue
         assert "execution" not in cell.metadata, f"{cell.id}: timing metadata stored"
-        assert merge_streams([dict(o) for o in cell.outputs]) == [dict(o) for o in cell.outputs], \
+        assert merge_streams([dict(o) for o in cell.outputs]) == [dict(o) for o in cell.outputs], (
             f"{cell.id}: a stream split over several outputs (refresh with python -m llmcourse.course.refresh)"
+        )
 
 
 def test_refreshing_an_unchanged_notebook_changes_nothing(tmp_path):
@@ -34,15 +35,19 @@ def test_refreshing_an_unchanged_notebook_changes_nothing(tmp_path):
 
 def test_machine_dependent_cells_keep_their_outputs_until_their_source_changes():
     stored = nbformat.v4.new_notebook()
-    stored.cells = [nbformat.v4.new_code_cell("print(time.time())", id="timing"),
-                    nbformat.v4.new_code_cell("print(1)", id="plain")]
+    stored.cells = [
+        nbformat.v4.new_code_cell("print(time.time())", id="timing"),
+        nbformat.v4.new_code_cell("print(1)", id="plain"),
+    ]
     stored.cells[0].metadata["tags"] = [MACHINE_DEPENDENT]
     for cell in stored.cells:
         cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="old\n")]
     fresh = nbformat.reads(nbformat.writes(stored), as_version=4)
     for cell in fresh.cells:
-        cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="new"),
-                        nbformat.v4.new_output("stream", name="stdout", text="\n")]
+        cell.outputs = [
+            nbformat.v4.new_output("stream", name="stdout", text="new"),
+            nbformat.v4.new_output("stream", name="stdout", text="\n"),
+        ]
     canonical(fresh, stored)  # the stored outputs were made by an unknown source: the new ones are kept
     assert [o["text"] for o in fresh.cells[0].outputs] == ["new\n"]
     assert [o["text"] for o in fresh.cells[1].outputs] == ["new\n"]

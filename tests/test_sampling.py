@@ -11,7 +11,16 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from llmcourse.engine.sampling import SamplingParams, min_p, next_token, process_logits, repetition_penalty, temperature, top_k, top_p
+from llmcourse.engine.sampling import (
+    SamplingParams,
+    min_p,
+    next_token,
+    process_logits,
+    repetition_penalty,
+    temperature,
+    top_k,
+    top_p,
+)
 
 V = 500
 
@@ -110,7 +119,9 @@ def test_sampling_is_seeded_and_follows_the_distribution():
     draw = lambda seed: [next_token(logits, s, generator=torch.Generator().manual_seed(seed)).item() for _ in range(1)]
     assert draw(1) == draw(1)
     g = torch.Generator().manual_seed(0)
-    counts = torch.bincount(torch.cat([next_token(logits.expand(1000, 4), s, generator=g) for _ in range(10)]), minlength=4)
+    counts = torch.bincount(
+        torch.cat([next_token(logits.expand(1000, 4), s, generator=g) for _ in range(10)]), minlength=4
+    )
     freq = counts / counts.sum()
     assert counts[3] == 0
     assert torch.allclose(freq[:3], torch.tensor([0.5, 0.3, 0.2]), atol=0.02)

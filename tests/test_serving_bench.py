@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from llmcourse.bench import serving as sb
 from llmcourse.bench.common import CONFIGS
@@ -21,8 +20,13 @@ from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 
 ROOT = Path(__file__).resolve().parent.parent
-RATIOS = {"continuous_vs_static_throughput", "static_vs_continuous_ttft_p50", "static_vs_continuous_tpot_p50",
-          "prefix_cache_ttft_p50_speedup", "prefix_cache_ttft_p99_speedup"}
+RATIOS = {
+    "continuous_vs_static_throughput",
+    "static_vs_continuous_ttft_p50",
+    "static_vs_continuous_tpot_p50",
+    "prefix_cache_ttft_p50_speedup",
+    "prefix_cache_ttft_p99_speedup",
+}
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +41,7 @@ def png_size(path: Path) -> tuple[int, int]:
 
 
 # ---------------------------------------------------------------------------------------------- metrics
+
 
 def test_summary_of_a_hand_made_timeline():
     records = [
@@ -74,6 +79,7 @@ def test_percentile_is_numpys_linear_one(n):
 
 
 # ---------------------------------------------------------------------------------------------- workloads
+
 
 def test_mixed_workload_is_seeded_spread_and_fits_the_model():
     w = sb.mixed_workload(200, vocab_size=1000, n_positions=256, rate=5.0, seed=3)
@@ -114,6 +120,7 @@ def test_a_bad_rate_is_refused(rate):
 
 
 # ---------------------------------------------------------------------------------------------- runners
+
 
 def small_workload() -> sb.Workload:
     rng = random.Random(1)
@@ -163,6 +170,7 @@ def test_bad_batch_size_is_refused(tiny):
 
 # ---------------------------------------------------------------------------------------------- end to end
 
+
 @pytest.fixture(scope="module")
 def tiny_results():
     """The whole benchmark on the tiny configuration, quick sizes (a few seconds)."""
@@ -200,8 +208,14 @@ def test_ratios_table_and_figure(tiny_results, tmp_path):
     q = r["ratios"]["tiny"]
     m = r["models"]["tiny"]
     assert set(q) == RATIOS and all(0 < v < 1e6 for v in q.values())
-    assert q["continuous_vs_static_throughput"] == m["mixed"]["engine"]["tokens_per_s"] / m["mixed"]["static"]["tokens_per_s"]
-    assert q["prefix_cache_ttft_p50_speedup"] == m["prefix"]["uncached"]["ttft_p50_ms"] / m["prefix"]["cached"]["ttft_p50_ms"]
+    assert (
+        q["continuous_vs_static_throughput"]
+        == m["mixed"]["engine"]["tokens_per_s"] / m["mixed"]["static"]["tokens_per_s"]
+    )
+    assert (
+        q["prefix_cache_ttft_p50_speedup"]
+        == m["prefix"]["uncached"]["ttft_p50_ms"] / m["prefix"]["cached"]["ttft_p50_ms"]
+    )
     text = sb.table(r)
     assert f"continuous / static throughput {q['continuous_vs_static_throughput']:.2f}x" in text
     assert f"prefix caching cuts TTFT p50 {q['prefix_cache_ttft_p50_speedup']:.1f}x" in text
@@ -249,10 +263,13 @@ def test_bench_serving_without_a_value_means_both_models():
     assert getattr(build_parser().parse_args(["bench"]), "serving", None) is None
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--serving", ""], "expected comma-separated model names"),
-    (["--serving", "tiny,"], "expected comma-separated model names"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--serving", ""], "expected comma-separated model names"),
+        (["--serving", "tiny,"], "expected comma-separated model names"),
+    ],
+)
 def test_bad_serving_flags_are_one_line_errors(args, message, capsys):
     from llmcourse.__main__ import main
 
@@ -263,8 +280,12 @@ def test_bad_serving_flags_are_one_line_errors(args, message, capsys):
 
 
 def test_an_unknown_model_is_a_one_line_error_before_anything_runs(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "llmcourse", "bench", "--serving", "tiny,gpt2-shakspeare", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "llmcourse", "bench", "--serving", "tiny,gpt2-shakspeare", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert "did you mean 'gpt2-shakespeare'" in done.stderr and "serving, tiny" not in done.stdout
     assert not (tmp_path / "bench.json").exists()

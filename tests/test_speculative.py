@@ -33,13 +33,12 @@ from collections import Counter
 import pytest
 import torch
 
-from llmcourse import GPT2, GPT2Config, generate_text, get_tokenizer, load_model, stream
-from llmcourse import generate
+from llmcourse import GPT2, GPT2Config, generate, generate_text, get_tokenizer, load_model, stream
 from llmcourse.course.guards import guarded
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.slots import PartError
-from llmcourse.training.shakespeare import validation_tokens
 from llmcourse.engine.speculative import Speculation, SpeculationStats, accept_token, prompt_lookup_draft, verify
+from llmcourse.training.shakespeare import validation_tokens
 
 from .conftest import lively_model
 
@@ -76,8 +75,12 @@ def small():
     with torch.no_grad():
         for w in near.parameters():
             w.add_(0.2 * w.std() * torch.randn(w.shape, generator=g))
-    drafts = {"other": lively_model(SMALL, seed=2), "tiny": lively_model(TINY, seed=3), "near": near,
-              "same": copy.deepcopy(target)}
+    drafts = {
+        "other": lively_model(SMALL, seed=2),
+        "tiny": lively_model(TINY, seed=3),
+        "near": near,
+        "same": copy.deepcopy(target),
+    }
     return target, drafts
 
 
@@ -164,8 +167,15 @@ def test_greedy_with_the_bundled_draft_is_plain_greedy(bundled, bundled_cases, k
     prompts, expected = bundled_cases
     chosen = [(k + 3 * j) % len(prompts) for j in range(3)]  # 3 prompts per k, every prompt with several k's
     stats = SpeculationStats()
-    got = generate(target, [prompts[i] for i in chosen], max_new_tokens=16, eos_token_id=None, draft=draft,
-                   num_draft_tokens=k, stats=stats)
+    got = generate(
+        target,
+        [prompts[i] for i in chosen],
+        max_new_tokens=16,
+        eos_token_id=None,
+        draft=draft,
+        num_draft_tokens=k,
+        stats=stats,
+    )
     assert got == [expected[i] for i in chosen]
     assert 0 < stats.acceptance_rate < 1 and stats.new_tokens == 48
 
@@ -177,15 +187,19 @@ def test_greedy_with_the_bundled_draft_is_plain_greedy_on_cuda(bundled_cases):
     prompts, _ = bundled_cases
     expected = [plain(target, p, max_new_tokens=16) for p in prompts]
     for k in range(1, 9):
-        assert generate(target, prompts, max_new_tokens=16, eos_token_id=None, draft=draft, num_draft_tokens=k) == \
-            expected, k
+        assert (
+            generate(target, prompts, max_new_tokens=16, eos_token_id=None, draft=draft, num_draft_tokens=k) == expected
+        ), k
 
 
 @pytest.fixture(scope="module")
 def small_cases(small):
     """(k, prompt, max_new_tokens, plain greedy's tokens) for k = 1..8."""
-    return [(k, prompt, new, plain(small[0], prompt, max_new_tokens=new))
-            for k in range(1, 9) for prompt, new in zip(random_prompts(seed=k, n=6), (1, 2, 3, 7, 19, 30))]
+    return [
+        (k, prompt, new, plain(small[0], prompt, max_new_tokens=new))
+        for k in range(1, 9)
+        for prompt, new in zip(random_prompts(seed=k, n=6), (1, 2, 3, 7, 19, 30))
+    ]
 
 
 @pytest.mark.parametrize("kind", ["other", "tiny", "near", "same"])
@@ -195,8 +209,9 @@ def test_greedy_with_random_small_models_is_plain_greedy(small, small_cases, kin
     target, drafts = small
     stats = SpeculationStats()
     for k, prompt, new, expected in small_cases:
-        assert plain(target, prompt, max_new_tokens=new, draft=drafts[kind], num_draft_tokens=k, stats=stats) == \
-            expected, (kind, k, prompt, new)
+        assert (
+            plain(target, prompt, max_new_tokens=new, draft=drafts[kind], num_draft_tokens=k, stats=stats) == expected
+        ), (kind, k, prompt, new)
     rate = stats.acceptance_rate
     assert {"other": rate < 0.3, "tiny": rate < 0.3, "near": 0.3 < rate < 1, "same": rate == 1}[kind], rate
 
@@ -229,8 +244,9 @@ def test_sampling_with_top_k_1_is_plain_greedy(small):
     target, drafts = small
     for k, prompt in zip((1, 3, 5, 8), random_prompts(seed=70, n=4)):
         for draft in (drafts["other"], drafts["near"], "prompt-lookup"):
-            assert plain(target, prompt, max_new_tokens=20, temperature=0.8, top_k=1, seed=k, draft=draft,
-                         num_draft_tokens=k) == plain(target, prompt, max_new_tokens=20), (k, draft)
+            assert plain(
+                target, prompt, max_new_tokens=20, temperature=0.8, top_k=1, seed=k, draft=draft, num_draft_tokens=k
+            ) == plain(target, prompt, max_new_tokens=20), (k, draft)
 
 
 def test_greedy_in_float64_is_plain_greedy(small, bundled, tok):
@@ -241,8 +257,9 @@ def test_greedy_in_float64_is_plain_greedy(small, bundled, tok):
     for kind in ("other", "near"):
         draft64 = copy.deepcopy(drafts[kind]).double()
         for k, prompt in zip((1, 3, 8), random_prompts(seed=20, n=3)):
-            assert plain(target64, prompt, max_new_tokens=25, draft=draft64, num_draft_tokens=k) == \
-                plain(target64, prompt, max_new_tokens=25)
+            assert plain(target64, prompt, max_new_tokens=25, draft=draft64, num_draft_tokens=k) == plain(
+                target64, prompt, max_new_tokens=25
+            )
     big64 = copy.deepcopy(bundled[0]).double()
     ids = tok.encode("JULIET:\nO Romeo, Romeo")
     expected = plain(big64, ids, max_new_tokens=12)
@@ -260,13 +277,15 @@ def test_greedy_with_repetition_penalty_is_plain_greedy(small, bundled, tok):
     target, drafts = small
     for k, prompt in zip(range(1, 9), random_prompts(seed=30, n=8)):
         for draft in (drafts["other"] if k % 2 else drafts["near"], "prompt-lookup"):
-            assert plain(target, prompt, max_new_tokens=20, repetition_penalty=1.3, draft=draft,
-                         num_draft_tokens=k) == plain(target, prompt, max_new_tokens=20, repetition_penalty=1.3)
+            assert plain(
+                target, prompt, max_new_tokens=20, repetition_penalty=1.3, draft=draft, num_draft_tokens=k
+            ) == plain(target, prompt, max_new_tokens=20, repetition_penalty=1.3)
     big, big_draft = bundled
     ids = tok.encode("KING:\nAy, ay, ay, ay, my lord")
     for penalty in (1.3, 0.8):
-        assert plain(big, ids, max_new_tokens=20, repetition_penalty=penalty, draft=big_draft, num_draft_tokens=3) == \
-            plain(big, ids, max_new_tokens=20, repetition_penalty=penalty)
+        assert plain(
+            big, ids, max_new_tokens=20, repetition_penalty=penalty, draft=big_draft, num_draft_tokens=3
+        ) == plain(big, ids, max_new_tokens=20, repetition_penalty=penalty)
 
 
 def test_prompt_lookup_is_plain_greedy_and_proposes_what_the_text_repeats(bundled, small, tok):
@@ -291,15 +310,17 @@ def test_prompt_lookup_is_plain_greedy_and_proposes_what_the_text_repeats(bundle
     # proposes one token a round: the latest occurrence of a run's tail is the run shifted by one.
     repeater = GPT2(SMALL).init_weights(0).eval()
     stats = SpeculationStats()
-    assert plain(repeater, [5, 5, 5], max_new_tokens=40, draft="prompt-lookup", stats=stats) == \
-        plain(repeater, [5, 5, 5], max_new_tokens=40)
+    assert plain(repeater, [5, 5, 5], max_new_tokens=40, draft="prompt-lookup", stats=stats) == plain(
+        repeater, [5, 5, 5], max_new_tokens=40
+    )
     assert stats.acceptance_rate > 0.9 and stats.tokens_per_forward > 1.8
     # Random small models, all k and prompt lengths (mostly no repeats: few or no proposals).
     target, _ = small
     for k in range(1, 9):
         for new, prompt in zip((1, 5, 33), random_prompts(seed=40 + k, n=3, longest=40)):
-            assert plain(target, prompt, max_new_tokens=new, draft="prompt-lookup", num_draft_tokens=k) == \
-                plain(target, prompt, max_new_tokens=new)
+            assert plain(target, prompt, max_new_tokens=new, draft="prompt-lookup", num_draft_tokens=k) == plain(
+                target, prompt, max_new_tokens=new
+            )
 
 
 def test_prompt_lookup_on_text_without_repeats_proposes_nothing(bundled, tok):
@@ -325,8 +346,15 @@ def test_eos_mid_round_ends_where_plain_greedy_ends(small):
         assert plain(target, prompt, max_new_tokens=30, eos_token_id=free[j]) == expected
         for kind in ("same", "other", "near"):
             stats = SpeculationStats()
-            got = plain(target, prompt, max_new_tokens=30, eos_token_id=free[j], draft=drafts[kind],
-                        num_draft_tokens=k, stats=stats)
+            got = plain(
+                target,
+                prompt,
+                max_new_tokens=30,
+                eos_token_id=free[j],
+                draft=drafts[kind],
+                num_draft_tokens=k,
+                stats=stats,
+            )
             assert got == expected and stats.new_tokens == j + 1, (kind, j)
 
 
@@ -343,8 +371,9 @@ def test_stop_strings_and_eos_with_stream_and_generate_text(bundled, tok):
     pieces = list(stream(big, tok, prompt, max_new_tokens=30, draft=big_draft, num_draft_tokens=5))
     assert "".join(pieces) == free and len(pieces) > 10  # streamed piece by piece, not once at the end
     eos = generate(big, tok.encode(prompt), max_new_tokens=30, eos_token_id=None)[17]
-    assert generate_text(big, tok, prompt, max_new_tokens=30, eos_token_id=eos, draft=big_draft) == \
-        generate_text(big, tok, prompt, max_new_tokens=30, eos_token_id=eos)
+    assert generate_text(big, tok, prompt, max_new_tokens=30, eos_token_id=eos, draft=big_draft) == generate_text(
+        big, tok, prompt, max_new_tokens=30, eos_token_id=eos
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,13 +400,21 @@ def hf_greedy(model, ids, new, **kwargs):
     x = torch.tensor([ids])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new,
-                             pad_token_id=0, eos_token_id=None, **kwargs)
+        out = model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            do_sample=False,
+            max_new_tokens=new,
+            pad_token_id=0,
+            eos_token_id=None,
+            **kwargs,
+        )
     return out[0, len(ids) :].tolist()
 
 
-def test_transformers_plain_and_assisted_generation_give_our_tokens(bundled, hf_bundled, bundled_cases, small,
-                                                                    tmp_path):
+def test_transformers_plain_and_assisted_generation_give_our_tokens(
+    bundled, hf_bundled, bundled_cases, small, tmp_path
+):
     from llmcourse import save_model
 
     target, draft = bundled
@@ -571,8 +608,13 @@ def test_verify_greedy_one_hots_keeps_proposals_while_they_are_the_argmax():
 
 def processed(hf_model, ids: list[int], temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0):
     """The target's next-token distribution [V] after `ids`, processed by transformers' processors."""
-    from transformers.generation.logits_process import (MinPLogitsWarper, RepetitionPenaltyLogitsProcessor,
-                                                        TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        RepetitionPenaltyLogitsProcessor,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     x = torch.tensor([ids])
     with torch.no_grad():
@@ -587,10 +629,13 @@ def processed(hf_model, ids: list[int], temperature=1.0, top_k=0, top_p=1.0, min
     return torch.softmax(scores, -1)[0]
 
 
-@pytest.mark.parametrize("settings, n, k", [
-    (dict(temperature=1.0), 128, 2),
-    (dict(temperature=0.7, top_k=5, top_p=0.95, min_p=0.05, repetition_penalty=1.3), 100, 1),
-])
+@pytest.mark.parametrize(
+    "settings, n, k",
+    [
+        (dict(temperature=1.0), 128, 2),
+        (dict(temperature=0.7, top_k=5, top_p=0.95, min_p=0.05, repetition_penalty=1.3), 100, 1),
+    ],
+)
 def test_speculative_sampling_follows_the_targets_distribution(bundled, hf_bundled, tok, settings, n, k):
     """n samples of speculative sampling with the bundled draft (one batch call: each prompt is its own
     sample). The first token ~ the target's processed distribution after the prompt; the second,
@@ -598,8 +643,17 @@ def test_speculative_sampling_follows_the_targets_distribution(bundled, hf_bundl
     target, draft = bundled
     ids = tok.encode("O")  # the draft agrees about half the time (alpha ~ 0.5 at temperature 1)
     stats = SpeculationStats()
-    rows = generate(target, [ids] * n, max_new_tokens=k + 1, eos_token_id=None, draft=draft, num_draft_tokens=k,
-                    seed=3, stats=stats, **settings)
+    rows = generate(
+        target,
+        [ids] * n,
+        max_new_tokens=k + 1,
+        eos_token_id=None,
+        draft=draft,
+        num_draft_tokens=k,
+        seed=3,
+        stats=stats,
+        **settings,
+    )
     assert 0.2 < stats.acceptance_rate < 0.9  # both paths (accepted proposals, residual draws) are exercised
     p_first = processed(hf_bundled[0], ids, **settings)
     assert chi_square_p_value([r[0] for r in rows], p_first) > 1e-4
@@ -610,8 +664,13 @@ def test_speculative_sampling_follows_the_targets_distribution(bundled, hf_bundl
         assert chi_square_p_value(seconds, p_second) > 1e-4, tok.decode([first])
     # The reference itself is sharp: the draft's own distribution fails the same test.
     q_first = processed(hf_bundled[1], ids, **settings)
-    assert chi_square_p_value(torch.multinomial(q_first, n, replacement=True,
-                                                generator=torch.Generator().manual_seed(0)).tolist(), p_first) < 1e-6
+    assert (
+        chi_square_p_value(
+            torch.multinomial(q_first, n, replacement=True, generator=torch.Generator().manual_seed(0)).tolist(),
+            p_first,
+        )
+        < 1e-6
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -623,8 +682,16 @@ def test_stats_add_up(bundled, bundled_cases):
     prompts, _ = bundled_cases
     for k, kw in [(3, {}), (5, dict(temperature=0.8, seed=4))]:
         stats = SpeculationStats()
-        out = generate(target, prompts[:3], max_new_tokens=10, eos_token_id=None, draft=draft, num_draft_tokens=k,
-                       stats=stats, **kw)
+        out = generate(
+            target,
+            prompts[:3],
+            max_new_tokens=10,
+            eos_token_id=None,
+            draft=draft,
+            num_draft_tokens=k,
+            stats=stats,
+            **kw,
+        )
         assert stats.new_tokens == sum(map(len, out)) == 30
         assert 0 <= stats.acceptance_rate <= 1 and stats.drafted == sum(len(r.drafted) for r in stats.rounds)
         assert stats.tokens_per_forward == stats.new_tokens / len(stats.rounds)
@@ -662,8 +729,11 @@ def test_drafts_that_cannot_work_are_refused_with_the_reason(bundled, small, tok
         with pytest.raises(ValueError, match=message):
             generate(target, ids, max_new_tokens=4, **kw)
     short = GPT2(GPT2Config(n_layer=1, n_head=1, n_embd=16, n_positions=16)).init_weights(0)
-    with pytest.raises(ValueError, match=r"draft model has only n_positions=16, but the longest prompt plus "
-                                         r"max_new_tokens is 22 positions"):
+    with pytest.raises(
+        ValueError,
+        match=r"draft model has only n_positions=16, but the longest prompt plus "
+        r"max_new_tokens is 22 positions",
+    ):
         generate(target, [ids, list(range(12))], max_new_tokens=10, draft=short)
     assert generate(target, ids, max_new_tokens=10, draft=short) == generate(target, ids, max_new_tokens=10)  # 12 fit
 
@@ -698,8 +768,9 @@ def test_the_command_line_speculates_and_reports(capsys):
 
 def test_a_learners_correct_slots_give_the_engines_tokens(small):
     target, drafts = small
-    mine = dict(accept_token=my_accept_token, verify=my_verify, prompt_lookup_draft=my_prompt_lookup,
-                speculative_round=my_round)
+    mine = dict(
+        accept_token=my_accept_token, verify=my_verify, prompt_lookup_draft=my_prompt_lookup, speculative_round=my_round
+    )
     cases = [(p, k, new) for k, (p, new) in zip((1, 2, 4, 8), zip(random_prompts(seed=60, n=4), (1, 2, 17, 30)))]
     expected = [plain(target, p, max_new_tokens=new) for p, k, new in cases]
     engine_samples = plain(target, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"])
@@ -707,11 +778,19 @@ def test_a_learners_correct_slots_give_the_engines_tokens(small):
         speculation = guarded(Speculation, **fns)
         for (prompt, k, new), want in zip(cases, expected):
             for draft in (drafts["other"], drafts["near"], "prompt-lookup"):
-                got = plain(target, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k,
-                            speculation=speculation)
+                got = plain(
+                    target, prompt, max_new_tokens=new, draft=draft, num_draft_tokens=k, speculation=speculation
+                )
                 assert got == want, (fns, k, draft)
-        sampled = plain(target, cases[3][0], max_new_tokens=30, temperature=0.9, seed=7, draft=drafts["near"],
-                        speculation=speculation)
+        sampled = plain(
+            target,
+            cases[3][0],
+            max_new_tokens=30,
+            temperature=0.9,
+            seed=7,
+            draft=drafts["near"],
+            speculation=speculation,
+        )
         assert len(sampled) == 30 and (sampled == engine_samples) == ("verify" not in fns and "accept_token" not in fns)
 
 
@@ -773,21 +852,24 @@ def lookup_inventing_tokens(tokens, k, max_ngram=3):
     return [max(tokens) + 1] * k
 
 
-@pytest.mark.parametrize("slot, fn, message", [
-    ("speculative_round", round_without_target_rollback, r"left target_cache.length = \d+.*roll them back"),
-    ("speculative_round", round_one_short, r"target's cache must hold exactly \d+ positions"),
-    ("speculative_round", round_without_draft_rollback, r"and the draft's at most \d+"),
-    ("speculative_round", round_returning_nothing, r"returned \[\]; expected a list of 1 to \d+ token ids"),
-    ("speculative_round", round_that_raises, r"raised \w+"),
-    ("speculative_round", round_returning_a_tensor, r"returned tensor.*expected a list"),
-    ("verify", verify_accepting_one_too_many, r"returned \(\d+, 0\); expected \(number accepted in \[0, \d+\]"),
-    ("verify", verify_returning_a_negative_count, r"returned \(-1, 0\)"),
-    ("verify", verify_returning_a_bool, r"returned \(True, \d+\)"),
-    ("verify", verify_returning_a_token_out_of_range, r"next token id in \[0, 97\)"),
-    ("accept_token", accept_token_switching_the_proposal, r"accepted the proposal \d+ but returned token \d+"),
-    ("prompt_lookup_draft", lookup_proposing_too_many, r"expected a list of at most \d+ token ids"),
-    ("prompt_lookup_draft", lookup_inventing_tokens, r"returned \[4, 4, 4, 4\]; .*copied from the text"),
-])
+@pytest.mark.parametrize(
+    "slot, fn, message",
+    [
+        ("speculative_round", round_without_target_rollback, r"left target_cache.length = \d+.*roll them back"),
+        ("speculative_round", round_one_short, r"target's cache must hold exactly \d+ positions"),
+        ("speculative_round", round_without_draft_rollback, r"and the draft's at most \d+"),
+        ("speculative_round", round_returning_nothing, r"returned \[\]; expected a list of 1 to \d+ token ids"),
+        ("speculative_round", round_that_raises, r"raised \w+"),
+        ("speculative_round", round_returning_a_tensor, r"returned tensor.*expected a list"),
+        ("verify", verify_accepting_one_too_many, r"returned \(\d+, 0\); expected \(number accepted in \[0, \d+\]"),
+        ("verify", verify_returning_a_negative_count, r"returned \(-1, 0\)"),
+        ("verify", verify_returning_a_bool, r"returned \(True, \d+\)"),
+        ("verify", verify_returning_a_token_out_of_range, r"next token id in \[0, 97\)"),
+        ("accept_token", accept_token_switching_the_proposal, r"accepted the proposal \d+ but returned token \d+"),
+        ("prompt_lookup_draft", lookup_proposing_too_many, r"expected a list of at most \d+ token ids"),
+        ("prompt_lookup_draft", lookup_inventing_tokens, r"returned \[4, 4, 4, 4\]; .*copied from the text"),
+    ],
+)
 def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, slot, fn, message):
     target, drafts = small
     speculation = guarded(Speculation, **{slot: fn})

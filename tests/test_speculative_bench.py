@@ -27,11 +27,14 @@ def png_size(path: Path) -> tuple[int, int]:
 
 # ---------------------------------------------------------------------------------------------- metrics
 
+
 def test_alpha_per_proposal_counts_one_rejection_per_round_that_stopped():
-    rounds = [Round([1, 2, 3], 3, 4),  # all kept: 3 accepted, no rejection
-              Round([5, 6, 7], 0, 8),  # first rejected: 0 accepted, 1 rejection (6 and 7 never judged)
-              Round([5, 6, 7], 2, 8),  # 2 accepted, 1 rejection
-              Round([], 0, 9)]  # prompt lookup found nothing: neither
+    rounds = [
+        Round([1, 2, 3], 3, 4),  # all kept: 3 accepted, no rejection
+        Round([5, 6, 7], 0, 8),  # first rejected: 0 accepted, 1 rejection (6 and 7 never judged)
+        Round([5, 6, 7], 2, 8),  # 2 accepted, 1 rejection
+        Round([], 0, 9),
+    ]  # prompt lookup found nothing: neither
     assert sb.alpha_per_proposal(rounds) == pytest.approx(5 / 7)
     stats = SpeculationStats(rounds=rounds, new_tokens=10)
     f = sb.round_figures(stats)
@@ -68,11 +71,21 @@ def test_refined_speedup_is_the_formula_with_the_verify_cost():
 
 def test_predict_pools_alpha_over_every_k_and_picks_the_best_k():
     def row(accepted, rejections, speedup, rounds, lengths):
-        return {"accepted": accepted, "rejections": rejections, "speedup": speedup, "seconds": 2 / speedup,
-                "rounds": rounds, "proposal_lengths": lengths}
+        return {
+            "accepted": accepted,
+            "rejections": rejections,
+            "speedup": speedup,
+            "seconds": 2 / speedup,
+            "rounds": rounds,
+            "proposal_lengths": lengths,
+        }
 
-    section = {"prompts": 2, "new_tokens": 10, "plain": {"seconds": 2.0},
-               "ks": {1: row(3, 1, 0.9, 5, {1: 5}), 2: row(5, 3, 1.1, 4, {2: 4}), 3: row(4, 3, 1.1, 4, {0: 1, 3: 3})}}
+    section = {
+        "prompts": 2,
+        "new_tokens": 10,
+        "plain": {"seconds": 2.0},
+        "ks": {1: row(3, 1, 0.9, 5, {1: 5}), 2: row(5, 3, 1.1, 4, {2: 4}), 3: row(4, 3, 1.1, 4, {0: 1, 3: 3})},
+    }
     costs = {"target_ms": {1: 10.0, 2: 12.0, 3: 15.0, 4: 25.0}, "verify_ratio": {2: 1.2, 3: 1.5, 4: 2.5}}
     sb.predict(section, costs, draft_ms=2.5)
     alpha, c = 12 / 19, 0.25
@@ -93,6 +106,7 @@ def test_predict_pools_alpha_over_every_k_and_picks_the_best_k():
 
 # ---------------------------------------------------------------------------------------------- workloads
 
+
 def test_passages_are_evenly_spaced_and_whole():
     tokens = list(range(1000))
     got = sb.passages(tokens, 3, 40)
@@ -110,6 +124,7 @@ def test_the_self_quote_holds_the_passage_its_continuation_and_the_passage_again
 
 
 # ---------------------------------------------------------------------------------------------- runners
+
 
 @pytest.fixture(scope="module")
 def tiny_pair():
@@ -171,6 +186,7 @@ def test_forward_costs_and_greedy_agreement(tiny_pair):
 
 # ---------------------------------------------------------------------------------------------- end to end
 
+
 @pytest.fixture(scope="module")
 def quick_results():
     """The whole benchmark on the bundled pair with quick sizes (a few seconds)."""
@@ -193,7 +209,9 @@ def test_the_benchmark_measures_every_figure(quick_results):
         for k, v in s["ks"].items():
             for key in ("seconds", "tokens_per_s", "speedup", "formula", "refined", "tokens_per_forward"):
                 assert isinstance(v[key], float) and math.isfinite(v[key]) and v[key] > 0, (name, k, key)
-            assert v["refined"] == pytest.approx(sb.refined_speedup(s["alpha"], k, s["c"], r["costs"]["verify_ratio"][k + 1]))
+            assert v["refined"] == pytest.approx(
+                sb.refined_speedup(s["alpha"], k, s["c"], r["costs"]["verify_ratio"][k + 1])
+            )
     assert r["prompt_lookup"]["c"] == 0 and r["draft_model"]["c"] == r["costs"]["c"]
     assert "small" not in r and any("prompt lookup" in line for line in lines)
     json.dumps(r)  # all of it goes into bench.json
@@ -221,7 +239,18 @@ def test_bench_speculative_end_to_end_keeps_the_rest_of_bench_json(quick_results
     measured = json.loads(json.dumps(quick_results[0]))
     monkeypatch.setattr(sb, "run", lambda **kw: calls.append(kw) or measured)
     (tmp_path / "bench.json").write_text(json.dumps({"decode": {"engine": 1.0}}))
-    args = ["bench", "--speculative", "--device", "cpu", "--dtype", "bfloat16", "--repeats", "5", "--out", str(tmp_path)]
+    args = [
+        "bench",
+        "--speculative",
+        "--device",
+        "cpu",
+        "--dtype",
+        "bfloat16",
+        "--repeats",
+        "5",
+        "--out",
+        str(tmp_path),
+    ]
     assert main(args) == 0
     assert len(calls) == 1 and calls[0]["device"] == "cpu" and calls[0]["dtype"] == "bfloat16"
     assert calls[0]["sizes"] == sb.Sizes(repeats=5)

@@ -48,8 +48,9 @@ def test_slot_step_equals_growing_cache_step(model):
 def test_slot_needs_a_mask_over_the_whole_cache(model):
     cache = model.new_cache(1, 8)
     with torch.inference_mode(), pytest.raises(ValueError, match="attention_mask over all cache.max_len"):
-        model(torch.tensor([[1]]), attention_mask=torch.ones(1, 4, dtype=torch.long), cache=cache,
-              slot=torch.tensor([3]))
+        model(
+            torch.tensor([[1]]), attention_mask=torch.ones(1, 4, dtype=torch.long), cache=cache, slot=torch.tensor([3])
+        )
 
 
 @pytest.mark.parametrize(
@@ -98,8 +99,11 @@ class SyncCounter(TorchDispatchMode):
     """Counts reads of a tensor's value into Python (`bool(t)`, `t.item()`): on a GPU each one waits
     for all queued work. (Copies to the host are caught by the CUDA test below.)"""
 
-    SCALAR_READS = {torch.ops.aten.is_nonzero.default, torch.ops.aten.item.default,
-                    torch.ops.aten._local_scalar_dense.default}
+    SCALAR_READS = {
+        torch.ops.aten.is_nonzero.default,
+        torch.ops.aten.item.default,
+        torch.ops.aten._local_scalar_dense.default,
+    }
 
     def __init__(self):
         super().__init__()
@@ -112,8 +116,14 @@ class SyncCounter(TorchDispatchMode):
 
 
 def count_loop_syncs(model, eos_token_id, steps=20) -> int:
-    loop = decode_steps(model, PROMPTS, SamplingParams(repetition_penalty=1.2), max_new_tokens=steps,
-                        eos_token_id=eos_token_id, generator=None)
+    loop = decode_steps(
+        model,
+        PROMPTS,
+        SamplingParams(repetition_penalty=1.2),
+        max_new_tokens=steps,
+        eos_token_id=eos_token_id,
+        generator=None,
+    )
     next(loop)  # the prefill, which copies the prompts to the device
     with SyncCounter() as counter:
         for _ in loop:
@@ -141,9 +151,15 @@ def test_rows_past_eos_are_cut_even_when_the_loop_checks_late(model, monkeypatch
 def test_cuda_decode_loop_never_waits_for_the_gpu(model, compile):
     model = model.to("cuda")
     try:
-        loop = decode_steps(model, PROMPTS, SamplingParams(temperature=0.9, repetition_penalty=1.2),
-                            max_new_tokens=24, eos_token_id=None, generator=torch.Generator("cuda").manual_seed(0),
-                            compile=compile)
+        loop = decode_steps(
+            model,
+            PROMPTS,
+            SamplingParams(temperature=0.9, repetition_penalty=1.2),
+            max_new_tokens=24,
+            eos_token_id=None,
+            generator=torch.Generator("cuda").manual_seed(0),
+            compile=compile,
+        )
         next(loop)
         torch.cuda.set_sync_debug_mode("error")
         try:

@@ -5,8 +5,10 @@ import nbformat
 from nbclient import NotebookClient
 
 STUB = "def embedding(weight, ids):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
-ONE_LINE = ("NotImplementedError: `embedding` is not written yet: write it in its exercise cell above first (its check "
-            "must pass), then run this cell again")
+ONE_LINE = (
+    "NotImplementedError: `embedding` is not written yet: write it in its exercise cell above first (its check "
+    "must pass), then run this cell again"
+)
 
 
 def run(*sources):
@@ -22,8 +24,12 @@ def errors(outputs):
 
 def test_a_stub_called_from_a_demo_cell_is_one_line_in_a_kernel():
     setup, stub, demo, other, elsewhere = run(
-        "import llmcourse, torch", STUB, "x = embedding(torch.zeros(3, 2), torch.tensor([0]))",
-        "1 / 0", "raise NotImplementedError('not a stub')")
+        "import llmcourse, torch",
+        STUB,
+        "x = embedding(torch.zeros(3, 2), torch.tensor([0]))",
+        "1 / 0",
+        "raise NotImplementedError('not a stub')",
+    )
     (error,) = errors(demo)
     assert error.ename == "NotImplementedError" and error.traceback == [ONE_LINE]
     # everything else keeps IPython's traceback, and a failing cell still fails
@@ -40,7 +46,9 @@ def test_only_a_bare_stub_of_the_notebook_is_named():
     shell = InteractiveShell.instance()
     stubs.install(shell)
     with capture_output() as shown:
-        shell.run_cell(STUB + "\nclass KVCache:\n    def update(self, layer, k, v):\n        raise NotImplementedError()")
+        shell.run_cell(
+            STUB + "\nclass KVCache:\n    def update(self, layer, k, v):\n        raise NotImplementedError()"
+        )
         shell.run_cell("KVCache().update(0, None, None)")
         shell.run_cell("embedding(1, 2)")
         shell.run_cell("raise NotImplementedError")  # a raise outside any function

@@ -15,10 +15,10 @@ from .conftest import DEVICES
 SHAPES = [  # B, H, Tq, Tk, D, Dv, block_size, causal
     (1, 1, 1, 1, 4, 4, 64, True),
     (2, 3, 16, 16, 8, 8, 4, True),
-    (1, 2, 13, 13, 8, 8, 5, True),          # the block size does not divide T
-    (2, 2, 7, 13, 16, 16, 4, True),         # queries at the end of the keys
-    (1, 1, 1, 11, 8, 8, 3, True),           # decode
-    (2, 2, 10, 10, 8, 5, 3, False),         # values of another width, no mask
+    (1, 2, 13, 13, 8, 8, 5, True),  # the block size does not divide T
+    (2, 2, 7, 13, 16, 16, 4, True),  # queries at the end of the keys
+    (1, 1, 1, 11, 8, 8, 3, True),  # decode
+    (2, 2, 10, 10, 8, 5, 3, False),  # values of another width, no mask
     (1, 2, 6, 9, 8, 8, 2, False),
     (1, 1, 9, 9, 4, 4, 1, True),
     (1, 2, 300, 300, 64, 64, 64, True),

@@ -22,7 +22,7 @@ HARD_STRINGS = [
     "中文分词测试，日本語のテキスト、한국어 텍스트",
     "Emoji: 🦙🔥👨‍👩‍👧‍👦 ❤️ 🇫🇷 and 🏳️‍🌈",
     "def f(x):\n    return x ** 2  # square\n\n\tif x != 0: pass",
-    "<html><body class=\"a\">&amp; &#x1F600;</body></html>",
+    '<html><body class="a">&amp; &#x1F600;</body></html>',
     "SolidGoldMagikarp  petertodd   \u00a0\u200b zero-width",
     "a" * 300,
     "the end<|endoftext|>new document",

@@ -41,20 +41,28 @@ def corpus_cache(tmp_path_factory):
     return cache
 
 
-TINY = dataclasses.replace(RECIPES["gpt2-shakespeare"], config=GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32),
-                           steps=4, batch_size=2, warmup=2)
+TINY = dataclasses.replace(
+    RECIPES["gpt2-shakespeare"],
+    config=GPT2Config(n_layer=1, n_head=2, n_embd=16, n_positions=32),
+    steps=4,
+    batch_size=2,
+    warmup=2,
+)
 
 
 def test_training_is_deterministic_resumable_and_writes_a_loadable_model(tmp_path, corpus_cache):
     common = dict(cache=corpus_cache, recipe=TINY, validation_file=tmp_path / "val.txt")
     stats = train("gpt2-shakespeare", tmp_path / "a", **common)
     train("gpt2-shakespeare", tmp_path / "b", **common)
-    first, second = load_file(str(tmp_path / "a" / "model.safetensors")), load_file(str(tmp_path / "b" / "model.safetensors"))
+    first, second = (
+        load_file(str(tmp_path / "a" / "model.safetensors")),
+        load_file(str(tmp_path / "b" / "model.safetensors")),
+    )
     assert all(torch.equal(first[k], second[k]) for k in first)
 
     half = dataclasses.replace(TINY, steps=2)
     train("gpt2-shakespeare", tmp_path / "c", **{**common, "recipe": half})  # stops after 2 of the 4 steps ...
-    train("gpt2-shakespeare", tmp_path / "c", resume=True, **common)          # ... and resumes to 4
+    train("gpt2-shakespeare", tmp_path / "c", resume=True, **common)  # ... and resumes to 4
     resumed = load_file(str(tmp_path / "c" / "model.safetensors"))
     assert all(torch.equal(first[k], resumed[k]) for k in first)
 
@@ -69,15 +77,22 @@ def test_training_is_deterministic_resumable_and_writes_a_loadable_model(tmp_pat
 
 def test_distilled_draft_needs_its_teacher(tmp_path, corpus_cache):
     with pytest.raises(SystemExit, match="--teacher"):
-        train("gpt2-shakespeare-draft", tmp_path, cache=corpus_cache, validation_file=tmp_path / "val.txt",
-              recipe=dataclasses.replace(RECIPES["gpt2-shakespeare-draft"], steps=1))
+        train(
+            "gpt2-shakespeare-draft",
+            tmp_path,
+            cache=corpus_cache,
+            validation_file=tmp_path / "val.txt",
+            recipe=dataclasses.replace(RECIPES["gpt2-shakespeare-draft"], steps=1),
+        )
 
 
 def test_learning_rate_warms_up_then_decays():
     r = RECIPES["gpt2-shakespeare"]
     lrs = [learning_rate(r, s) for s in range(r.steps)]
     assert lrs[0] < lrs[r.warmup - 1] == pytest.approx(r.lr)
-    assert lrs[-1] == pytest.approx(r.min_lr, rel=0.01) and all(a >= b for a, b in zip(lrs[r.warmup:], lrs[r.warmup + 1:]))
+    assert lrs[-1] == pytest.approx(r.min_lr, rel=0.01) and all(
+        a >= b for a, b in zip(lrs[r.warmup :], lrs[r.warmup + 1 :])
+    )
 
 
 def test_clean_text_strips_gutenberg_and_marks_speakers():

@@ -35,6 +35,7 @@ CONFIGS = {
 
 # ------------------------------------------------------------------------------------------------- timing
 
+
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -53,11 +54,12 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device)
 
 # ------------------------------------------------------------------------------------------------ machine
 
+
 def parse_size(text: str) -> int | None:
     """Bytes in a cache size as sysfs or lscpu write it.
 
-        >>> parse_size("49152K"), parse_size("48 MiB (1 instance)"), parse_size("1.5 MiB"), parse_size("?")
-        (50331648, 50331648, 1572864, None)
+    >>> parse_size("49152K"), parse_size("48 MiB (1 instance)"), parse_size("1.5 MiB"), parse_size("?")
+    (50331648, 50331648, 1572864, None)
     """
     m = re.match(r"\s*([\d.]+)\s*([KMG]?)(i?B)?", text)
     if not m:
@@ -103,17 +105,27 @@ def machine(device: torch.device, weight_bytes: int) -> dict:
     """What the figures depend on: the processor, its cores, its last-level cache, and whether the
     model's weights fit in that cache (then part of each decode step's reads come from the cache,
     not from memory, and decode can come closer to, or beyond, the memory roofline)."""
-    info: dict = {"cpu": cpu_model(), "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-                  "weights_MB": weight_bytes / 1e6,
-                  # other work on the machine slows every row; on a shared machine, say how busy it was
-                  "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    info: dict = {
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "threads": torch.get_num_threads(),
+        "weights_MB": weight_bytes / 1e6,
+        # other work on the machine slows every row; on a shared machine, say how busy it was
+        "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
     llc = last_level_cache()
     info.update({"llc_level": llc[0], "llc_MB": llc[1] / 2**20} if llc else {"llc_level": None, "llc_MB": None})
     if device.type == "cuda":  # on a GPU the weights stream from its memory through its L2
         props = torch.cuda.get_device_properties(device)
         l2 = getattr(props, "L2_cache_size", 0)
-        info.update({"gpu": props.name, "gpu_memory_GB": props.total_memory / 1e9,
-                     "llc_level": 2 if l2 else None, "llc_MB": l2 / 2**20 if l2 else None})
+        info.update(
+            {
+                "gpu": props.name,
+                "gpu_memory_GB": props.total_memory / 1e9,
+                "llc_level": 2 if l2 else None,
+                "llc_MB": l2 / 2**20 if l2 else None,
+            }
+        )
     cache = info["llc_MB"]
     info["weights_in_llc"] = None if cache is None else min(1.0, cache * 2**20 / weight_bytes)
     info["weights_fit_in_llc"] = None if cache is None else cache * 2**20 >= weight_bytes
@@ -123,22 +135,24 @@ def machine(device: torch.device, weight_bytes: int) -> dict:
 def describe_machine(m: dict) -> str:
     """One line: the processor and how much of the model its last-level cache holds.
 
-        >>> describe_machine({"cpu": "Xeon", "cores": 2, "threads": 2, "weights_MB": 498.0, "llc_level": 3,
-        ...                   "llc_MB": 48.0, "weights_in_llc": 0.101, "weights_fit_in_llc": False})
-        'Xeon, 2 cores, 2 threads; L3 cache 48 MB: the 498 MB of weights do not fit (it holds 10% of them)'
+    >>> describe_machine({"cpu": "Xeon", "cores": 2, "threads": 2, "weights_MB": 498.0, "llc_level": 3,
+    ...                   "llc_MB": 48.0, "weights_in_llc": 0.101, "weights_fit_in_llc": False})
+    'Xeon, 2 cores, 2 threads; L3 cache 48 MB: the 498 MB of weights do not fit (it holds 10% of them)'
     """
     where = m.get("gpu") or m["cpu"]
     cores = "" if "gpu" in m else f", {m['cores']} cores, {m['threads']} threads"
     if m["llc_MB"] is None:
         return f"{where}{cores}; last-level cache unknown ({m['weights_MB']:.0f} MB of weights)"
-    fit = ("fit in it" if m["weights_fit_in_llc"]
-           else f"do not fit (it holds {m['weights_in_llc']:.0%} of them)")
+    fit = "fit in it" if m["weights_fit_in_llc"] else f"do not fit (it holds {m['weights_in_llc']:.0%} of them)"
     load = f"; load average {m['load_average']:.1f} at the start" if m.get("load_average") is not None else ""
-    return (f"{where}{cores}; L{m['llc_level']} cache {m['llc_MB']:.0f} MB: the {m['weights_MB']:.0f} MB of weights "
-            f"{fit}{load}")
+    return (
+        f"{where}{cores}; L{m['llc_level']} cache {m['llc_MB']:.0f} MB: the {m['weights_MB']:.0f} MB of weights "
+        f"{fit}{load}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- roofline
+
 
 def measure_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
     """Bytes per second read from memory by summing a large array, as decode streams its weights.
@@ -182,13 +196,16 @@ def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, bat
     return values * bytes_per_value, flops
 
 
-def roofline(bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1) -> tuple[float, str]:
+def roofline(
+    bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1
+) -> tuple[float, str]:
     """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds)."""
     memory, compute = bandwidth / step_bytes, matmul / step_flops
     return batch * min(memory, compute), "memory" if memory < compute else "compute"
 
 
 # ------------------------------------------------------------------------------------------------- models
+
 
 def load(name: str, device: torch.device, dtype: torch.dtype):
     """A model by name: a configuration of `CONFIGS` with random weights, or a model `load_model` finds."""
@@ -212,6 +229,7 @@ def transformers_twin(model: GPT2):
 
 # ------------------------------------------------------------------------------------------------ results
 
+
 def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]) -> int:
     """Write `results` as section `name` of out/bench.json (keeping its other sections), then `report()` (print
     the table, draw the figure, return its path; it may add derived figures to `results`). A bug in reporting
@@ -225,8 +243,10 @@ def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]
     except Exception:
         sys.stdout.flush()
         traceback.print_exc()
-        print(f"python -m llmcourse bench: error: could not report the {name} benchmark; the measurements are in "
-              f"{path}", file=sys.stderr)
+        print(
+            f"python -m llmcourse bench: error: could not report the {name} benchmark; the measurements are in {path}",
+            file=sys.stderr,
+        )
         return 1
     path.write_text(json.dumps(whole, indent=2) + "\n")
     print(f"wrote the {name} section of {path} and {figure}")
@@ -236,8 +256,17 @@ def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]
 # ------------------------------------------------------------------------------------------------ figures
 
 # Readable on a phone (about 400 px wide): large type, few ticks.
-STYLE = {"font.size": 15, "axes.titlesize": 16, "axes.labelsize": 15, "xtick.labelsize": 14, "ytick.labelsize": 14,
-         "legend.fontsize": 13, "legend.frameon": False, "axes.spines.top": False, "axes.spines.right": False}
+STYLE = {
+    "font.size": 15,
+    "axes.titlesize": 16,
+    "axes.labelsize": 15,
+    "xtick.labelsize": 14,
+    "ytick.labelsize": 14,
+    "legend.fontsize": 13,
+    "legend.frameon": False,
+    "axes.spines.top": False,
+    "axes.spines.right": False,
+}
 FIGSIZE, DPI = (5.6, 4.2), 150  # 840 x 630 pixels
 ENGINE, COMPILED, TRANSFORMERS, ROOF = "C0", "C2", "C1", "#888"
 

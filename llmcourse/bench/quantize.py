@@ -47,16 +47,31 @@ from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident
 from llmcourse.engine.sampling import SamplingParams
 from llmcourse.engine.tokenizer import vocab_files
 
-from .common import (CONFIGS, ROOF, STYLE, decode_step_cost, describe_machine, machine, measure_bandwidth,
-                     measure_matmul, roofline, save, save_section, transformers_twin)
+from .common import (
+    CONFIGS,
+    ROOF,
+    STYLE,
+    decode_step_cost,
+    describe_machine,
+    machine,
+    measure_bandwidth,
+    measure_matmul,
+    roofline,
+    save,
+    save_section,
+    transformers_twin,
+)
 
 FIGURE = "bench_quantize.png"
 ENGINE_FORMATS = ("float32", "int8", "int4")
 CT2_TYPES = ("float32", "int8")  # on a CPU, CTranslate2's int8 is int8_float32 (and it has no int4)
 REFERENCE = "engine float32"  # every row's tokens are compared with this one's
 # (faster row, slower row, the issue's target for faster / slower), at each batch size
-TARGETS = [("engine float32", "ctranslate2 float32", 1.0), ("engine int8", "ctranslate2 int8", 1.0),
-           ("engine int4", "engine int8", 1.3)]
+TARGETS = [
+    ("engine float32", "ctranslate2 float32", 1.0),
+    ("engine int8", "ctranslate2 int8", 1.0),
+    ("engine int4", "engine int8", 1.3),
+]
 NOT_INSTALLED = "CTranslate2 is not installed (pip install ctranslate2): its rows are skipped"
 
 
@@ -77,6 +92,7 @@ QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_toke
 
 
 # ------------------------------------------------------------------------------------------------ metrics
+
 
 def step_bytes(config: GPT2Config, context: int, fmt: str, batch: int = 1) -> float:
     """Bytes one decode step reads when the blocks' linear layers and the tied token table are in `fmt` (layer
@@ -105,6 +121,7 @@ def ratios(rows: dict, batch: int) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- the engines
+
 
 class Row:
     """One engine in one format: `decode(prompts, n)` -> (new tokens per prompt, seconds of the whole call,
@@ -148,10 +165,17 @@ def transformers_row(hf) -> Row:
         ids = torch.tensor(prompts, device=hf.device)
         stamp = Stamp()
         start = time.perf_counter()
-        out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
-                          min_new_tokens=n, pad_token_id=0, logits_processor=LogitsProcessorList([stamp]))
+        out = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=n,
+            min_new_tokens=n,
+            pad_token_id=0,
+            logits_processor=LogitsProcessorList([stamp]),
+        )
         end = time.perf_counter()
-        return out[:, ids.shape[1]:].tolist(), end - start, stamp.stamps[-1] - stamp.stamps[0]
+        return out[:, ids.shape[1] :].tolist(), end - start, stamp.stamps[-1] - stamp.stamps[0]
 
     return Row("transformers float32", "transformers", "float32", decode)
 
@@ -175,15 +199,18 @@ def ctranslate2_module():
     return ctranslate2
 
 
-def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str], device: str, threads: int) -> list[Row]:
+def ctranslate2_rows(
+    ct2, folder: Path, out: Path, compute_types: Sequence[str], device: str, threads: int
+) -> list[Row]:
     """CTranslate2 generators converted from the saved model folder `folder` (converted once, in float32; each
     compute type quantizes the weights when the model is loaded, as converting with `quantization=` would)."""
     ct2.converters.TransformersConverter(str(folder)).convert(str(out), force=True)
     vocabulary = json.loads((out / "vocabulary.json").read_text())  # token strings, in id order
     rows = []
     for compute_type in compute_types:
-        generator = ct2.Generator(str(out), device=device, compute_type=compute_type, intra_threads=threads,
-                                  inter_threads=1)
+        generator = ct2.Generator(
+            str(out), device=device, compute_type=compute_type, intra_threads=threads, inter_threads=1
+        )
 
         def decode(prompts, n, generator=generator):
             stamps = {}
@@ -192,9 +219,15 @@ def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str],
                 stamps[step.step] = time.perf_counter()
 
             start = time.perf_counter()
-            results = generator.generate_batch([[vocabulary[i] for i in p] for p in prompts], max_length=n,
-                                               min_length=n, end_token=[], sampling_topk=1,
-                                               include_prompt_in_result=False, callback=on_token)
+            results = generator.generate_batch(
+                [[vocabulary[i] for i in p] for p in prompts],
+                max_length=n,
+                min_length=n,
+                end_token=[],
+                sampling_topk=1,
+                include_prompt_in_result=False,
+                callback=on_token,
+            )
             end = time.perf_counter()
             return [r.sequences_ids[0] for r in results], end - start, stamps[max(stamps)] - stamps[min(stamps)]
 
@@ -213,8 +246,15 @@ def saved_folder(model, folder: Path) -> Path:
 
 # -------------------------------------------------------------------------------------------------- timing
 
-def measure(rows: list[Row], prompts: list[list[int]], new_tokens: int, repeats: int,
-            progress: Callable[[str], None], label: str) -> dict:
+
+def measure(
+    rows: list[Row],
+    prompts: list[list[int]],
+    new_tokens: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    label: str,
+) -> dict:
     """Each row on the same prompts, interleaved: -> per row the median seconds (whole call, decode steps) and
     the first repeat's tokens."""
     for row in rows:  # warm-up: the kernels, their libraries, and the shapes of this batch size
@@ -227,8 +267,14 @@ def measure(rows: list[Row], prompts: list[list[int]], new_tokens: int, repeats:
             calls[row.name].append(call)
             steps[row.name].append(decode)
             tokens[row.name].append(got)
-    return {row.name: {"call_s": statistics.median(calls[row.name]), "steps_s": statistics.median(steps[row.name]),
-                       "tokens": tokens[row.name][0]} for row in rows}
+    return {
+        row.name: {
+            "call_s": statistics.median(calls[row.name]),
+            "steps_s": statistics.median(steps[row.name]),
+            "tokens": tokens[row.name][0],
+        }
+        for row in rows
+    }
 
 
 @torch.inference_mode()
@@ -243,12 +289,16 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
     inputs = {m: [torch.randn(m, n_in, generator=g) for n_in in [C, C, C, 4 * C] * L] for m in rows}
     runs = {}
     for fmt, model in models.items():
-        layers = [layer for block in model.h
-                  for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)]
+        layers = [
+            layer
+            for block in model.h
+            for layer in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+        ]
         for m in rows:
             xs = [x.to(model.device, model.dtype) for x in inputs[m]]
-            runs[fmt, m, "blocks"] = lambda model=model, layers=layers, xs=xs: [layer(x, model.parts.linear)
-                                                                                for layer, x in zip(layers, xs)]
+            runs[fmt, m, "blocks"] = lambda model=model, layers=layers, xs=xs: [
+                layer(x, model.parts.linear) for layer, x in zip(layers, xs)
+            ]
             runs[fmt, m, "head"] = lambda model=model, x=xs[0]: model.head(x)
     times = {key: [] for key in runs}
     for fn in runs.values():  # warm-up
@@ -264,21 +314,32 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
         out[fmt] = {}
         for m in rows:
             blocks_ms, head_ms = (statistics.median(times[fmt, m, part]) for part in ("blocks", "head"))
-            out[fmt][m] = {"blocks_ms": blocks_ms, "head_ms": head_ms,
-                           "blocks_GBps": L * 12 * C * C * bpw / blocks_ms / 1e6, "head_GBps": V * C * bpw / head_ms / 1e6}
+            out[fmt][m] = {
+                "blocks_ms": blocks_ms,
+                "head_ms": head_ms,
+                "blocks_GBps": L * 12 * C * C * bpw / blocks_ms / 1e6,
+                "head_GBps": V * C * bpw / head_ms / 1e6,
+            }
     return out
 
 
 # ----------------------------------------------------------------------------------------------------- run
 
+
 def check_model(name: str) -> None:
     if name not in CONFIGS:
-        raise ValueError(f"bench --quantize runs a configuration with random weights ({', '.join(CONFIGS)}), "
-                         f"not {name!r}")
+        raise ValueError(
+            f"bench --quantize runs a configuration with random weights ({', '.join(CONFIGS)}), not {name!r}"
+        )
 
 
-def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = Sizes(),
-        progress: Callable[[str], None] = print) -> dict:
+def run(
+    *,
+    device: str = "auto",
+    threads: Optional[int] = None,
+    sizes: Sizes = Sizes(),
+    progress: Callable[[str], None] = print,
+) -> dict:
     """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: torch's and CTranslate2's
     (default: torch's, the machine's cores)."""
     check_model(sizes.model)
@@ -294,9 +355,15 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
         models = {fmt: base if fmt == "float32" else quantize_model(copy.deepcopy(base), fmt) for fmt in ENGINE_FORMATS}
         rows = [engine_row(model, fmt) for fmt, model in models.items()]
         ct2 = ctranslate2_module()
-        r: dict = {"model": sizes.model, "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd}, "device": str(dev),
-                   "threads": threads, "machine": machine(dev, resident_bytes(base)), "sizes": dataclasses.asdict(sizes),
-                   "resident_MB": {fmt: resident_bytes(m) / 1e6 for fmt, m in models.items()}}
+        r: dict = {
+            "model": sizes.model,
+            "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd},
+            "device": str(dev),
+            "threads": threads,
+            "machine": machine(dev, resident_bytes(base)),
+            "sizes": dataclasses.asdict(sizes),
+            "resident_MB": {fmt: resident_bytes(m) / 1e6 for fmt, m in models.items()},
+        }
         with tempfile.TemporaryDirectory() as tmp:
             folder = saved_folder(base, Path(tmp) / "model")
             rows.append(transformers_row(transformers_twin(base)))
@@ -306,16 +373,18 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
             else:
                 supported = sorted(ct2.get_supported_compute_types(dev.type))
                 r["ctranslate2"] = {"version": ct2.__version__, "compute_types": supported}
-                rows += ctranslate2_rows(ct2, folder, Path(tmp) / "ct2", [t for t in CT2_TYPES if t in supported],
-                                         dev.type, threads)
+                rows += ctranslate2_rows(
+                    ct2, folder, Path(tmp) / "ct2", [t for t in CT2_TYPES if t in supported], dev.type, threads
+                )
 
         g = torch.Generator().manual_seed(0)
         prompt_len = min(sizes.prompt_len, cfg.n_positions // 2)
         one = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).tolist()
         many = torch.randint(0, cfg.vocab_size, (sizes.batch, prompt_len), generator=g).tolist()
-        measured = {1: measure(rows, one, sizes.new_tokens, sizes.repeats, progress, "batch 1"),
-                    sizes.batch: measure(rows, many, sizes.batch_new_tokens, sizes.repeats, progress,
-                                         f"batch {sizes.batch}")}
+        measured = {
+            1: measure(rows, one, sizes.new_tokens, sizes.repeats, progress, "batch 1"),
+            sizes.batch: measure(rows, many, sizes.batch_new_tokens, sizes.repeats, progress, f"batch {sizes.batch}"),
+        }
 
         progress("quantize: roofline (bandwidth, matmul throughput) and the linear layers alone")
         cache_MB = r["machine"]["llc_MB"] or 0
@@ -325,8 +394,11 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
 
         r["rows"] = {}
         for row in rows:
-            entry = r["rows"][row.name] = {"engine": row.engine, "format": row.format,
-                                           "bytes_per_weight": BYTES_PER_WEIGHT[row.format]}
+            entry = r["rows"][row.name] = {
+                "engine": row.engine,
+                "format": row.format,
+                "bytes_per_weight": BYTES_PER_WEIGHT[row.format],
+            }
             for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens)):
                 m, ref = measured[b][row.name], measured[b][REFERENCE]
                 context = prompt_len + n // 2  # the middle of the run
@@ -336,10 +408,15 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
                 decode = b * (n - 1) / m["steps_s"]
                 entry[f"batch_{b}"] = {
                     "tokens_per_s": n / m["call_s"] if b == 1 else decode,  # batch 1: the whole call, as the issue's
-                    "decode_tokens_per_s": decode, "call_s": m["call_s"], "step_MB": nbytes / 1e6,
-                    "bound_tokens_per_s": bound, "bound_is": bound_is, "fraction": decode / bound,
+                    "decode_tokens_per_s": decode,
+                    "call_s": m["call_s"],
+                    "step_MB": nbytes / 1e6,
+                    "bound_tokens_per_s": bound,
+                    "bound_is": bound_is,
+                    "fraction": decode / bound,
                     "agreement": statistics.mean(first_divergence(t, u) for t, u in zip(m["tokens"], ref["tokens"])),
-                    "agreement_of": n}
+                    "agreement_of": n,
+                }
         r["ratios"] = ratios(r["rows"], sizes.batch)
         r["seconds"] = time.perf_counter() - started
         return r
@@ -349,43 +426,58 @@ def run(*, device: str = "auto", threads: Optional[int] = None, sizes: Sizes = S
 
 # ------------------------------------------------------------------------------------------------ reporting
 
+
 def table(r: dict) -> str:
     b = r["sizes"]["batch"]
     rf = r["roofline"]
-    lines = [f"quantization: {r['model']} configuration (random weights), {r['device']}, {r['threads']} threads, "
-             f"median of {r['sizes']['repeats']} ({r['seconds']:.0f} s)",
-             "machine: " + describe_machine(r["machine"]),
-             f"  bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; engine weights "
-             "in memory: " + ", ".join(f"{fmt} {mb:.1f} MB" for fmt, mb in r["resident_MB"].items())]
+    lines = [
+        f"quantization: {r['model']} configuration (random weights), {r['device']}, {r['threads']} threads, "
+        f"median of {r['sizes']['repeats']} ({r['seconds']:.0f} s)",
+        "machine: " + describe_machine(r["machine"]),
+        f"  bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; engine weights "
+        "in memory: " + ", ".join(f"{fmt} {mb:.1f} MB" for fmt, mb in r["resident_MB"].items()),
+    ]
     if "ctranslate2_skipped" in r:
         lines.append(f"  {r['ctranslate2_skipped']}")
     else:
         ct = r["ctranslate2"]
         lines.append(f"  CTranslate2 {ct['version']}, compute types here: {', '.join(ct['compute_types'])}")
-    lines.append(f"  batch 1: {r['sizes']['prompt_len']}-token prompt + {r['sizes']['new_tokens']} new tokens "
-                 f"(tok/s of the whole call; decode: the steps alone); batch {b}: {r['sizes']['batch_new_tokens']} "
-                 f"new tokens per row (decode steps)")
-    lines.append(f"    {'':<21}{'B/weight':>9}{'tok/s':>8}{'decode':>8}{'roofline':>9}{'':>5}{'same':>9}"
-                 f"{'tok/s':>9}{'roofline':>9}{'':>5}{'same':>8}")
+    lines.append(
+        f"  batch 1: {r['sizes']['prompt_len']}-token prompt + {r['sizes']['new_tokens']} new tokens "
+        f"(tok/s of the whole call; decode: the steps alone); batch {b}: {r['sizes']['batch_new_tokens']} "
+        f"new tokens per row (decode steps)"
+    )
+    lines.append(
+        f"    {'':<21}{'B/weight':>9}{'tok/s':>8}{'decode':>8}{'roofline':>9}{'':>5}{'same':>9}"
+        f"{'tok/s':>9}{'roofline':>9}{'':>5}{'same':>8}"
+    )
     lines.append(f"    {'':<21}{'':>9}{'--- batch 1':>39}{'':>8}{f'--- batch {b}':>31}")
     for name, v in r["rows"].items():
         one, many = v["batch_1"], v[f"batch_{b}"]
-        lines.append(f"    {name:<21}{v['bytes_per_weight']:>9.4g}{one['tokens_per_s']:>8.1f}"
-                     f"{one['decode_tokens_per_s']:>8.1f}{one['bound_tokens_per_s']:>9.1f}{one['fraction']:>5.0%}"
-                     f"{one['agreement']:>5.0f}/{one['agreement_of']:<3}{many['tokens_per_s']:>9.1f}"
-                     f"{many['bound_tokens_per_s']:>9.1f}{many['fraction']:>5.0%}{many['agreement']:>5.1f}/"
-                     f"{many['agreement_of']}")
-    lines.append("    (same: greedy tokens equal to the engine float32's before the first difference; at batch "
-                 f"{b} the mean over the rows)")
+        lines.append(
+            f"    {name:<21}{v['bytes_per_weight']:>9.4g}{one['tokens_per_s']:>8.1f}"
+            f"{one['decode_tokens_per_s']:>8.1f}{one['bound_tokens_per_s']:>9.1f}{one['fraction']:>5.0%}"
+            f"{one['agreement']:>5.0f}/{one['agreement_of']:<3}{many['tokens_per_s']:>9.1f}"
+            f"{many['bound_tokens_per_s']:>9.1f}{many['fraction']:>5.0%}{many['agreement']:>5.1f}/"
+            f"{many['agreement_of']}"
+        )
+    lines.append(
+        "    (same: greedy tokens equal to the engine float32's before the first difference; at batch "
+        f"{b} the mean over the rows)"
+    )
     lines.append("  ratios (target):")
     for name, v in r["ratios"].items():
         lines.append(f"    {name:<48} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})")
     lines.append("  the engine's linear layers alone (ms per decode step; GB/s of weights read):")
     for fmt, by_rows in r["linear_ms"].items():
-        lines.append(f"    {fmt:<8}" + ";  ".join(
-            f"{m} row{'s' if int(m) > 1 else ''}: blocks {v['blocks_ms']:5.1f} ms ({v['blocks_GBps']:4.1f} GB/s), "
-            f"head {v['head_ms']:5.1f} ms ({v['head_GBps']:4.1f} GB/s)" for m, v in sorted(by_rows.items(),
-                                                                                      key=lambda kv: int(kv[0]))))
+        lines.append(
+            f"    {fmt:<8}"
+            + ";  ".join(
+                f"{m} row{'s' if int(m) > 1 else ''}: blocks {v['blocks_ms']:5.1f} ms ({v['blocks_GBps']:4.1f} GB/s), "
+                f"head {v['head_ms']:5.1f} ms ({v['head_GBps']:4.1f} GB/s)"
+                for m, v in sorted(by_rows.items(), key=lambda kv: int(kv[0]))
+            )
+        )
     return "\n".join(lines)
 
 
@@ -406,8 +498,10 @@ def plot(r: dict, out: Path) -> Path:
     labels = [n.replace("ctranslate2", "CT2").replace("transformers", "HF").replace("float32", "fp32") for n in names]
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(2, 1, figsize=(5.6, 2.2 + 0.55 * len(names) * 2))
-        for ax, key, title in ((axes[0], "batch_1", "batch 1 (prompt included)"),
-                               (axes[1], f"batch_{b}", f"batch {b} (decode steps)")):
+        for ax, key, title in (
+            (axes[0], "batch_1", "batch 1 (prompt included)"),
+            (axes[1], f"batch_{b}", f"batch {b} (decode steps)"),
+        ):
             rows = [r["rows"][n][key] for n in names]
             colors = [COLORS[r["rows"][n]["engine"]] for n in names]
             bounds = [v["bound_tokens_per_s"] for v in rows]
@@ -420,21 +514,35 @@ def plot(r: dict, out: Path) -> Path:
             ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(4))
             ax.set_title(title, fontsize=14)
         axes[1].set_xlabel("tokens/s")
-        fig.legend(handles=[Patch(facecolor="none", edgecolor=ROOF, hatch="///", label="roofline (bandwidth)")],
-                   loc="upper center", bbox_to_anchor=(0.5, 1.0), frameon=False, fontsize=13)
+        fig.legend(
+            handles=[Patch(facecolor="none", edgecolor=ROOF, hatch="///", label="roofline (bandwidth)")],
+            loc="upper center",
+            bbox_to_anchor=(0.5, 1.0),
+            frameon=False,
+            fontsize=13,
+        )
         fig.suptitle(" ", fontsize=8)  # room for the legend
         return save(fig, out / FIGURE)
 
 
-def main(out: Path, *, device: str = "auto", dtype: str = "float32", repeats: int = 3, model: str = "gpt2",
-         sizes: Optional[Sizes] = None) -> int:
+def main(
+    out: Path,
+    *,
+    device: str = "auto",
+    dtype: str = "float32",
+    repeats: int = 3,
+    model: str = "gpt2",
+    sizes: Optional[Sizes] = None,
+) -> int:
     """`bench --quantize`: measure, then write the "quantize" section of out/bench.json (keeping its other
     sections), print the table and draw the figure."""
     sizes = sizes or Sizes(model=model, repeats=repeats)
     try:
         if dtype != "float32":
-            raise ValueError(f"bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
-                             f"--dtype {dtype} is not supported")
+            raise ValueError(
+                f"bench --quantize runs float32 activations (as CTranslate2's int8 does on a CPU); "
+                f"--dtype {dtype} is not supported"
+            )
         check_model(sizes.model)
         out.mkdir(parents=True, exist_ok=True)
         results = run(device=device, sizes=sizes)

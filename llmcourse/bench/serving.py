@@ -97,24 +97,40 @@ def sizes_for(n_positions: int, quick: bool = False) -> Sizes:
     model: on 2 CPU cores a decode step of 16 rows takes it 0.1-0.3 s."""
     sizes = Sizes()
     if n_positions >= 1024:
-        sizes = dataclasses.replace(sizes, output_median=12, output_max=32, system_len=256, prefix_requests=16,
-                                    prefix_output=4)
+        sizes = dataclasses.replace(
+            sizes, output_median=12, output_max=32, system_len=256, prefix_requests=16, prefix_output=4
+        )
     if n_positions < sizes.prompt_max + sizes.output_max or n_positions < sizes.system_len + 64:
         half = n_positions // 2
-        sizes = dataclasses.replace(sizes, prompt_max=half, output_max=n_positions - half,
-                                    prompt_median=min(sizes.prompt_median, half // 4),
-                                    output_median=min(sizes.output_median, half // 4),
-                                    system_len=min(sizes.system_len, half), prefix_output=min(sizes.prefix_output, half // 4),
-                                    user_median=min(sizes.user_median, n_positions // 16))
+        sizes = dataclasses.replace(
+            sizes,
+            prompt_max=half,
+            output_max=n_positions - half,
+            prompt_median=min(sizes.prompt_median, half // 4),
+            output_median=min(sizes.output_median, half // 4),
+            system_len=min(sizes.system_len, half),
+            prefix_output=min(sizes.prefix_output, half // 4),
+            user_median=min(sizes.user_median, n_positions // 16),
+        )
     if quick:
-        sizes = dataclasses.replace(sizes, requests=16, batch_size=4, max_num_seqs=4, prefix_requests=8,
-                                    prompt_max=min(32, sizes.prompt_max), output_max=min(16, sizes.output_max),
-                                    prompt_median=min(8, sizes.prompt_median), output_median=min(8, sizes.output_median),
-                                    system_len=min(64, sizes.system_len), prefix_output=min(4, sizes.prefix_output))
+        sizes = dataclasses.replace(
+            sizes,
+            requests=16,
+            batch_size=4,
+            max_num_seqs=4,
+            prefix_requests=8,
+            prompt_max=min(32, sizes.prompt_max),
+            output_max=min(16, sizes.output_max),
+            prompt_median=min(8, sizes.prompt_median),
+            output_median=min(8, sizes.output_median),
+            system_len=min(64, sizes.system_len),
+            prefix_output=min(4, sizes.prefix_output),
+        )
     return sizes
 
 
 # ----------------------------------------------------------------------------------------------- workloads
+
 
 def lognormal_lengths(rng: random.Random, n: int, median: int, low: int, high: int, sigma: float = 0.8) -> list[int]:
     """n lengths, log-normal around `median` (sigma 0.8: a tenth are over 2.8x the median), clipped to [low, high]."""
@@ -131,28 +147,34 @@ def poisson_arrivals(rng: random.Random, n: int, rate: float) -> list[float]:
     return times[:n]
 
 
-def mixed_workload(n: int, *, vocab_size: int, n_positions: int, rate: float, seed: int = 0,
-                   sizes: Optional[Sizes] = None) -> Workload:
+def mixed_workload(
+    n: int, *, vocab_size: int, n_positions: int, rate: float, seed: int = 0, sizes: Optional[Sizes] = None
+) -> Workload:
     """Prompts and outputs of log-normal lengths (random token ids), arriving at `rate` requests/s."""
     s = sizes or sizes_for(n_positions)
     rng = random.Random(seed)
     prompt_lens = lognormal_lengths(rng, n, s.prompt_median, 4, min(s.prompt_max, n_positions - 1))
-    outputs = [min(o, n_positions - p) for o, p in
-               zip(lognormal_lengths(rng, n, s.output_median, 4, s.output_max), prompt_lens)]
+    outputs = [
+        min(o, n_positions - p)
+        for o, p in zip(lognormal_lengths(rng, n, s.output_median, 4, s.output_max), prompt_lens)
+    ]
     prompts = [[rng.randrange(vocab_size) for _ in range(p)] for p in prompt_lens]
     return Workload(prompts, outputs, poisson_arrivals(rng, n, rate))
 
 
-def shared_prefix_workload(n: int, *, vocab_size: int, n_positions: int, rate: float, seed: int = 0,
-                           sizes: Optional[Sizes] = None) -> Workload:
+def shared_prefix_workload(
+    n: int, *, vocab_size: int, n_positions: int, rate: float, seed: int = 0, sizes: Optional[Sizes] = None
+) -> Workload:
     """The same system prompt of `sizes.system_len` tokens, then a short user part of its own, per request."""
     s = sizes or sizes_for(n_positions)
     rng = random.Random(seed)
     system = [rng.randrange(vocab_size) for _ in range(s.system_len)]
     room = n_positions - s.system_len - s.prefix_output
     if room < 1:
-        raise ValueError(f"a system prompt of {s.system_len} tokens and {s.prefix_output} new tokens do not fit in "
-                         f"n_positions={n_positions}")
+        raise ValueError(
+            f"a system prompt of {s.system_len} tokens and {s.prefix_output} new tokens do not fit in "
+            f"n_positions={n_positions}"
+        )
     users = lognormal_lengths(rng, n, min(s.user_median, room), 1, room, sigma=0.5)
     prompts = [system + [rng.randrange(vocab_size) for _ in range(u)] for u in users]
     return Workload(prompts, [s.prefix_output] * n, poisson_arrivals(rng, n, rate))
@@ -160,11 +182,12 @@ def shared_prefix_workload(n: int, *, vocab_size: int, n_positions: int, rate: f
 
 # ------------------------------------------------------------------------------------------------- metrics
 
+
 def percentile(values: Sequence[float], q: float) -> float:
     """The q-th percentile, interpolated linearly between the closest ranks (numpy's default).
 
-        >>> percentile([1, 2, 3, 4], 50), percentile([1, 2, 3, 4], 90), percentile([5], 99)
-        (2.5, 3.7, 5)
+    >>> percentile([1, 2, 3, 4], 50), percentile([1, 2, 3, 4], 90), percentile([5], 99)
+    (2.5, 3.7, 5)
     """
     if not values:
         return float("nan")
@@ -186,9 +209,16 @@ def summary(records: Sequence[Record]) -> dict:
     tpot = [(r.token_times[-1] - r.token_times[0]) / (len(r.tokens) - 1) for r in records if len(r.tokens) > 1]
     wall = max(r.token_times[-1] for r in records) - min(r.arrival for r in records)
     tokens = sum(len(r.tokens) for r in records)
-    return {"requests": len(records), "output_tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
-            "ttft_p50_ms": 1e3 * percentile(ttft, 50), "ttft_p99_ms": 1e3 * percentile(ttft, 99),
-            "tpot_p50_ms": 1e3 * percentile(tpot, 50), "tpot_p99_ms": 1e3 * percentile(tpot, 99)}
+    return {
+        "requests": len(records),
+        "output_tokens": tokens,
+        "wall_s": wall,
+        "tokens_per_s": tokens / wall,
+        "ttft_p50_ms": 1e3 * percentile(ttft, 50),
+        "ttft_p99_ms": 1e3 * percentile(ttft, 99),
+        "tpot_p50_ms": 1e3 * percentile(tpot, 50),
+        "tpot_p99_ms": 1e3 * percentile(tpot, 99),
+    }
 
 
 # ------------------------------------------------------------------------------------------------- runners
@@ -216,8 +246,14 @@ def run_static(model, workload: Workload, batch_size: int) -> list[Record]:
         batch = order[first : first + batch_size]
         wait_until(start + max(workload.arrivals[i] for i in batch))
         wants = [workload.max_new_tokens[i] for i in batch]
-        steps = decode_steps(model, [workload.prompts[i] for i in batch], greedy, max_new_tokens=max(wants),
-                             eos_token_id=None, generator=None)
+        steps = decode_steps(
+            model,
+            [workload.prompts[i] for i in batch],
+            greedy,
+            max_new_tokens=max(wants),
+            eos_token_id=None,
+            generator=None,
+        )
         for step, token in enumerate(steps):
             tokens = token.tolist()  # [B], waits for the device
             now = time.perf_counter() - start
@@ -241,8 +277,9 @@ def run_engine(model, workload: Workload, **engine_args) -> tuple[list[Record], 
         now = time.perf_counter() - start
         while order and workload.arrivals[order[0]] <= now:
             i = order.pop(0)
-            which[engine.add_request(workload.prompts[i], max_new_tokens=workload.max_new_tokens[i],
-                                     eos_token_id=None)] = i
+            which[
+                engine.add_request(workload.prompts[i], max_new_tokens=workload.max_new_tokens[i], eos_token_id=None)
+            ] = i
         if not engine.has_unfinished():
             wait_until(start + workload.arrivals[order[0]])
             continue
@@ -296,37 +333,50 @@ def serve_model(model, name: str, sizes: Sizes, progress: Callable[[str], None] 
     so that both systems have a queue to work on; the shared-prefix one at `sizes.prefix_load` times the
     capacity without prefix caching (a prompt's prefill plus its decode steps' share of a batch)."""
     cfg, s = model.config, sizes
-    out: dict = {"model": name, "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_positions": cfg.n_positions},
-                 "sizes": dataclasses.asdict(s)}
+    out: dict = {
+        "model": name,
+        "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_positions": cfg.n_positions},
+        "sizes": dataclasses.asdict(s),
+    }
     progress(f"serving, {name}: timing a decode step and a prefill")
     step_s = decode_step_seconds(model, s.batch_size, s.prompt_median)
     # one engine run before the measurements: the first calls of some kernels are slower
     run_engine(model, Workload([[1] * s.prompt_median] * 2, [4, 4], [0.0, 0.0]), max_num_seqs=2)
 
     # mixed workload: static batching against continuous batching, the same KV positions
-    w = mixed_workload(s.requests, vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, rate=1.0, seed=s.seed,
-                       sizes=s)
+    w = mixed_workload(
+        s.requests, vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, rate=1.0, seed=s.seed, sizes=s
+    )
     static_steps = sum(max(w.max_new_tokens[i : i + s.batch_size]) for i in range(0, s.requests, s.batch_size))
     rate = s.load * s.requests / (static_steps * step_s)
     w = with_rate(w, rate, s.seed)
     budget = s.batch_size * w.longest
-    engine_args = dict(block_size=s.block_size, num_blocks=budget // s.block_size, max_num_seqs=s.max_num_seqs,
-                       max_num_batched_tokens=s.max_num_batched_tokens)
+    engine_args = dict(
+        block_size=s.block_size,
+        num_blocks=budget // s.block_size,
+        max_num_seqs=s.max_num_seqs,
+        max_num_batched_tokens=s.max_num_batched_tokens,
+    )
     progress(f"serving, {name}: {s.requests} requests, static batching (B={s.batch_size})")
     static = run_static(model, w, s.batch_size)
     progress(f"serving, {name}: {s.requests} requests, LLMEngine")
     engine, stats = run_engine(model, w, **engine_args)
     out["mixed"] = {
-        "rate_per_s": rate, "decode_step_ms": 1e3 * step_s, "static_steps": static_steps,
-        "prompt_tokens": sum(map(len, w.prompts)), "kv_positions": budget,
+        "rate_per_s": rate,
+        "decode_step_ms": 1e3 * step_s,
+        "static_steps": static_steps,
+        "prompt_tokens": sum(map(len, w.prompts)),
+        "kv_positions": budget,
         "engine_kv_positions": engine_args["num_blocks"] * s.block_size,
         "same_tokens": [r.tokens for r in static] == [r.tokens for r in engine],
-        "static": summary(static), "engine": {**summary(engine), **stats},
+        "static": summary(static),
+        "engine": {**summary(engine), **stats},
     }
 
     # shared system prompt: prefix caching on and off
-    p = shared_prefix_workload(s.prefix_requests, vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, rate=1.0,
-                               seed=s.seed, sizes=s)
+    p = shared_prefix_workload(
+        s.prefix_requests, vocab_size=cfg.vocab_size, n_positions=cfg.n_positions, rate=1.0, seed=s.seed, sizes=s
+    )
     prompt_s = prefill_seconds(model, s.system_len + s.user_median)
     rate = s.prefix_load / (prompt_s + s.prefix_output * step_s / s.batch_size)
     p = with_rate(p, rate, s.seed)
@@ -335,19 +385,35 @@ def serve_model(model, name: str, sizes: Sizes, progress: Callable[[str], None] 
         progress(f"serving, {name}: shared system prompt, prefix caching {'on' if caching else 'off'}")
         records, stats = run_engine(model, p, **dict(engine_args, num_blocks=None), prefix_caching=caching)
         runs["cached" if caching else "uncached"] = {**summary(records), **stats}
-    out["prefix"] = {"rate_per_s": rate, "prefill_ms": 1e3 * prompt_s, "system_len": s.system_len,
-                     "prompt_tokens": sum(map(len, p.prompts)), **runs}
+    out["prefix"] = {
+        "rate_per_s": rate,
+        "prefill_ms": 1e3 * prompt_s,
+        "system_len": s.system_len,
+        "prompt_tokens": sum(map(len, p.prompts)),
+        **runs,
+    }
     return out
 
 
-def run(models: Sequence[str] = MODELS, *, device: str = "auto", dtype: str = "float32", quick: bool = False,
-        progress: Callable[[str], None] = print) -> dict:
+def run(
+    models: Sequence[str] = MODELS,
+    *,
+    device: str = "auto",
+    dtype: str = "float32",
+    quick: bool = False,
+    progress: Callable[[str], None] = print,
+) -> dict:
     """The serving benchmark on each model; -> the figures (bench.json's "serving" section)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
     loaded = {name: load(name, dev, dt) for name in models}  # bad names fail before anything runs
     weight_bytes = max(sum(p.numel() * p.element_size() for p in m.parameters()) for m in loaded.values())
-    results = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "threads": torch.get_num_threads(),
-               "machine": machine(dev, weight_bytes), "models": {}}
+    results = {
+        "device": str(dev),
+        "dtype": str(dt).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "machine": machine(dev, weight_bytes),
+        "models": {},
+    }
     for name, model in loaded.items():
         results["models"][name] = serve_model(model, name, sizes_for(model.config.n_positions, quick), progress)
     return results
@@ -360,47 +426,63 @@ def ratios(r: dict) -> dict:
     for name, m in r["models"].items():
         st, en = m["mixed"]["static"], m["mixed"]["engine"]
         on, off = m["prefix"]["cached"], m["prefix"]["uncached"]
-        out[name] = {"continuous_vs_static_throughput": en["tokens_per_s"] / st["tokens_per_s"],
-                     "static_vs_continuous_ttft_p50": st["ttft_p50_ms"] / en["ttft_p50_ms"],
-                     "static_vs_continuous_tpot_p50": st["tpot_p50_ms"] / en["tpot_p50_ms"],
-                     "prefix_cache_ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"],
-                     "prefix_cache_ttft_p99_speedup": off["ttft_p99_ms"] / on["ttft_p99_ms"]}
+        out[name] = {
+            "continuous_vs_static_throughput": en["tokens_per_s"] / st["tokens_per_s"],
+            "static_vs_continuous_ttft_p50": st["ttft_p50_ms"] / en["ttft_p50_ms"],
+            "static_vs_continuous_tpot_p50": st["tpot_p50_ms"] / en["tpot_p50_ms"],
+            "prefix_cache_ttft_p50_speedup": off["ttft_p50_ms"] / on["ttft_p50_ms"],
+            "prefix_cache_ttft_p99_speedup": off["ttft_p99_ms"] / on["ttft_p99_ms"],
+        }
     return out
 
 
 def table(r: dict) -> str:
-    lines = [f"serving: {r['device']}, {r['dtype']}, {r['threads']} threads",
-             "machine: " + describe_machine(r["machine"])]
+    lines = [
+        f"serving: {r['device']}, {r['dtype']}, {r['threads']} threads",
+        "machine: " + describe_machine(r["machine"]),
+    ]
     head = f"    {'':<26}{'tok/s':>8}{'TTFT p50':>10}{'p99':>10}{'TPOT p50':>10}{'p99':>10}{'wall':>8}"
 
     def row(label: str, v: dict) -> str:
-        return (f"    {label:<26}{v['tokens_per_s']:8.1f}{v['ttft_p50_ms']:8.0f}ms{v['ttft_p99_ms']:8.0f}ms"
-                f"{v['tpot_p50_ms']:8.1f}ms{v['tpot_p99_ms']:8.1f}ms{v['wall_s']:7.1f}s")
+        return (
+            f"    {label:<26}{v['tokens_per_s']:8.1f}{v['ttft_p50_ms']:8.0f}ms{v['ttft_p99_ms']:8.0f}ms"
+            f"{v['tpot_p50_ms']:8.1f}ms{v['tpot_p99_ms']:8.1f}ms{v['wall_s']:7.1f}s"
+        )
 
     all_ratios = r.get("ratios") or ratios(r)
     for name, m in r["models"].items():
         c, mixed, prefix = m["config"], m["mixed"], m["prefix"]
         s = m["sizes"]
-        lines.append(f"  {name} ({c['n_layer']} layers, {c['n_embd']} wide): {mixed['static']['requests']} requests, "
-                     f"{mixed['prompt_tokens']} prompt tokens, {mixed['static']['output_tokens']} output tokens, "
-                     f"{mixed['rate_per_s']:.2f} requests/s; {mixed['kv_positions']} KV positions each")
+        lines.append(
+            f"  {name} ({c['n_layer']} layers, {c['n_embd']} wide): {mixed['static']['requests']} requests, "
+            f"{mixed['prompt_tokens']} prompt tokens, {mixed['static']['output_tokens']} output tokens, "
+            f"{mixed['rate_per_s']:.2f} requests/s; {mixed['kv_positions']} KV positions each"
+        )
         lines.append(head)
         lines.append(row(f"static batching, B={s['batch_size']}", mixed["static"]))
         lines.append(row("LLMEngine", mixed["engine"]))
         e = mixed["engine"]
-        lines.append(f"      (engine: {e['steps']} steps, {e['preemptions']} preemptions; "
-                     f"same tokens as static batching: {'yes' if mixed['same_tokens'] else 'NO'})")
-        lines.append(f"    shared system prompt of {prefix['system_len']} tokens, {prefix['cached']['requests']} "
-                     f"requests at {prefix['rate_per_s']:.2f}/s:")
+        lines.append(
+            f"      (engine: {e['steps']} steps, {e['preemptions']} preemptions; "
+            f"same tokens as static batching: {'yes' if mixed['same_tokens'] else 'NO'})"
+        )
+        lines.append(
+            f"    shared system prompt of {prefix['system_len']} tokens, {prefix['cached']['requests']} "
+            f"requests at {prefix['rate_per_s']:.2f}/s:"
+        )
         lines.append(row("prefix caching on", prefix["cached"]))
         lines.append(row("prefix caching off", prefix["uncached"]))
-        lines.append(f"      (prompt tokens served from the cache: {prefix['cached']['cached_tokens']} of "
-                     f"{prefix['prompt_tokens']})")
+        lines.append(
+            f"      (prompt tokens served from the cache: {prefix['cached']['cached_tokens']} of "
+            f"{prefix['prompt_tokens']})"
+        )
         q = all_ratios[name]
-        lines.append(f"    continuous / static throughput {q['continuous_vs_static_throughput']:.2f}x "
-                     f"(target {TARGETS['continuous_vs_static_throughput']}x); prefix caching cuts TTFT p50 "
-                     f"{q['prefix_cache_ttft_p50_speedup']:.1f}x, p99 {q['prefix_cache_ttft_p99_speedup']:.1f}x "
-                     f"(target {TARGETS['prefix_cache_ttft_p50_speedup']}x)")
+        lines.append(
+            f"    continuous / static throughput {q['continuous_vs_static_throughput']:.2f}x "
+            f"(target {TARGETS['continuous_vs_static_throughput']}x); prefix caching cuts TTFT p50 "
+            f"{q['prefix_cache_ttft_p50_speedup']:.1f}x, p99 {q['prefix_cache_ttft_p99_speedup']:.1f}x "
+            f"(target {TARGETS['prefix_cache_ttft_p50_speedup']}x)"
+        )
     return "\n".join(lines)
 
 
@@ -413,17 +495,26 @@ def plot(r: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt  # optional, as matplotlib above
 
     models = list(r["models"].items())
-    rows = [("output tok/s", None), ("TTFT (ms)", "ttft"), ("TPOT (ms)", "tpot"), ("TTFT (ms),\nshared prefix", "prefix")]
+    rows = [
+        ("output tok/s", None),
+        ("TTFT (ms)", "ttft"),
+        ("TPOT (ms)", "tpot"),
+        ("TTFT (ms),\nshared prefix", "prefix"),
+    ]
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(len(rows), len(models), figsize=(max(5.6, 2.9 * len(models) + 0.6), 2.2 * len(rows)),
-                                 squeeze=False)
+        fig, axes = plt.subplots(
+            len(rows), len(models), figsize=(max(5.6, 2.9 * len(models) + 0.6), 2.2 * len(rows)), squeeze=False
+        )
         for col, (name, m) in enumerate(models):
             st, en = m["mixed"]["static"], m["mixed"]["engine"]
             for row, (label, key) in enumerate(rows):
                 ax = axes[row, col]
                 if key is None:
-                    values, names, colors = [st["tokens_per_s"], en["tokens_per_s"]], ["static", "contin."], \
-                        [TRANSFORMERS, ENGINE]
+                    values, names, colors = (
+                        [st["tokens_per_s"], en["tokens_per_s"]],
+                        ["static", "contin."],
+                        [TRANSFORMERS, ENGINE],
+                    )
                     ax.bar_label(ax.bar(names, values, color=colors), fmt="%.0f")
                     ax.set_title(name)
                 else:
@@ -452,6 +543,7 @@ def main(models: Sequence[str], out: Path, *, device: str = "auto", dtype: str =
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
         return 2
+
     def report() -> Path:
         results["ratios"] = ratios(results)
         print(table(results))

@@ -41,7 +41,13 @@ import torch
 
 from llmcourse.engine.generate import NUM_DRAFT_TOKENS, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
-from llmcourse.engine.speculative import PROMPT_LOOKUP, Round, SpeculationStats, expected_speedup, expected_tokens_per_round
+from llmcourse.engine.speculative import (
+    PROMPT_LOOKUP,
+    Round,
+    SpeculationStats,
+    expected_speedup,
+    expected_tokens_per_round,
+)
 from llmcourse.training.shakespeare import acceptance_rate, validation_tokens
 
 from .common import ENGINE, ROOF, STYLE, TRANSFORMERS, describe_machine, load, machine, save, save_section, sync
@@ -73,11 +79,25 @@ class Sizes:
     small_new_tokens: int = 24
 
 
-QUICK = Sizes(ks=(1, 2), prompts=1, prompt_len=16, new_tokens=12, lookup_prompts=1, passage_len=16, continuation_len=8,
-              lookup_new_tokens=16, repeats=1, alpha_tokens=512, verify_tokens=3, context=32, small=False)
+QUICK = Sizes(
+    ks=(1, 2),
+    prompts=1,
+    prompt_len=16,
+    new_tokens=12,
+    lookup_prompts=1,
+    passage_len=16,
+    continuation_len=8,
+    lookup_new_tokens=16,
+    repeats=1,
+    alpha_tokens=512,
+    verify_tokens=3,
+    context=32,
+    small=False,
+)
 
 
 # ----------------------------------------------------------------------------------------------- workloads
+
 
 def passages(tokens: Sequence[int], n: int, length: int) -> list[list[int]]:
     """n passages of `length` tokens, evenly spaced over `tokens` (the held-out plays: one per play for n = 3)."""
@@ -100,6 +120,7 @@ def self_quote(passage: Sequence[int], continuation: Sequence[int]) -> list[int]
 
 # ------------------------------------------------------------------------------------------------- metrics
 
+
 def alpha_per_proposal(rounds: Sequence[Round]) -> float:
     """α as the formula means it: the chance that a proposal is accepted given that the ones before it were.
     A round either keeps all it proposed or stops at one rejection, so α = accepted / (accepted + rejections).
@@ -120,11 +141,18 @@ def round_figures(stats: SpeculationStats) -> dict:
     acceptance rate (accepted / proposed), α per proposal, tokens per target forward, acceptance by position, and
     how many rounds proposed each number of tokens (prompt lookup may find fewer than k, or none)."""
     lengths = [len(r.drafted) for r in stats.rounds]
-    return {"proposal_lengths": {d: lengths.count(d) for d in sorted(set(lengths))},
-            "rounds": len(stats.rounds), "new_tokens": stats.new_tokens, "drafted": stats.drafted,
-            "accepted": stats.accepted, "rejections": sum(r.accepted < len(r.drafted) for r in stats.rounds),
-            "acceptance_rate": stats.acceptance_rate, "alpha": alpha_per_proposal(stats.rounds),
-            "tokens_per_forward": stats.tokens_per_forward, "acceptance_by_position": stats.acceptance_by_position()}
+    return {
+        "proposal_lengths": {d: lengths.count(d) for d in sorted(set(lengths))},
+        "rounds": len(stats.rounds),
+        "new_tokens": stats.new_tokens,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "rejections": sum(r.accepted < len(r.drafted) for r in stats.rounds),
+        "acceptance_rate": stats.acceptance_rate,
+        "alpha": alpha_per_proposal(stats.rounds),
+        "tokens_per_forward": stats.tokens_per_forward,
+        "acceptance_by_position": stats.acceptance_by_position(),
+    }
 
 
 def best_k(speedups: dict) -> int:
@@ -184,8 +212,12 @@ def costs_of(timer: ForwardTimer) -> dict:
     """A `cost_timer`'s medians: target_ms per tokens fed, verify(n) / verify(1), and with a draft draft_ms and c."""
     ms = timer.medians()
     target_ms = {int(n): v for n, v in ms.items() if n != "draft"}
-    out = {"context": timer.context, "samples": len(timer.times["1"]), "target_ms": target_ms,
-           "verify_ratio": {n: v / target_ms[1] for n, v in target_ms.items()}}
+    out = {
+        "context": timer.context,
+        "samples": len(timer.times["1"]),
+        "target_ms": target_ms,
+        "verify_ratio": {n: v / target_ms[1] for n, v in target_ms.items()},
+    }
     if "draft" in ms:
         out |= {"draft_ms": ms["draft"], "c": ms["draft"] / target_ms[1]}
     return out
@@ -199,8 +231,14 @@ class Sweep:
     decoding's."""
 
     def __init__(self, target, draft, prompts: list[list[int]], ks: Sequence[int], new_tokens: int, label: str):
-        self.target, self.draft, self.prompts, self.ks, self.new_tokens, self.label = \
-            target, draft, prompts, list(ks), new_tokens, label
+        self.target, self.draft, self.prompts, self.ks, self.new_tokens, self.label = (
+            target,
+            draft,
+            prompts,
+            list(ks),
+            new_tokens,
+            label,
+        )
         self.configs = ["plain", *ks]
         self.times: dict = {name: [] for name in self.configs}
         self.stats = {k: SpeculationStats() for k in ks}  # of the first pass
@@ -211,8 +249,15 @@ class Sweep:
     def decode(self, prompt: list[int], name, stats: Optional[SpeculationStats]) -> list[int]:
         if name == "plain":
             return generate(self.target, prompt, max_new_tokens=self.new_tokens, eos_token_id=None)
-        return generate(self.target, prompt, max_new_tokens=self.new_tokens, eos_token_id=None, draft=self.draft,
-                        num_draft_tokens=name, stats=stats)
+        return generate(
+            self.target,
+            prompt,
+            max_new_tokens=self.new_tokens,
+            eos_token_id=None,
+            draft=self.draft,
+            num_draft_tokens=name,
+            stats=stats,
+        )
 
     def run_pass(self, rep: int, between: Callable[[], None] = lambda: None) -> None:
         """One pass; `between()` runs before each prompt (the forward passes' timing)."""
@@ -228,9 +273,11 @@ class Sweep:
                 sync(self.target.device)
                 seconds[name] += time.perf_counter() - start
                 if got != self.expected[i]:
-                    raise RuntimeError(f"speculative decoding ({self.label}, k={name}) gave other tokens than plain "
-                                       f"greedy decoding for prompt {i}: {got[:16]}... instead of "
-                                       f"{self.expected[i][:16]}...")
+                    raise RuntimeError(
+                        f"speculative decoding ({self.label}, k={name}) gave other tokens than plain "
+                        f"greedy decoding for prompt {i}: {got[:16]}... instead of "
+                        f"{self.expected[i][:16]}..."
+                    )
         for name, t in seconds.items():
             self.times[name].append(t)
         self.wall += time.perf_counter() - started
@@ -238,16 +285,36 @@ class Sweep:
     def result(self) -> dict:
         seconds = {name: statistics.median(ts) for name, ts in self.times.items()}
         tokens = len(self.prompts) * self.new_tokens
-        return {"prompts": len(self.prompts), "prompt_tokens": sum(map(len, self.prompts)),
-                "new_tokens": self.new_tokens, "repeats": len(self.times["plain"]), "wall_s": self.wall,
-                "same_tokens": True,
-                "plain": {"seconds": seconds["plain"], "tokens_per_s": tokens / seconds["plain"]},
-                "ks": {k: {"seconds": seconds[k], "tokens_per_s": tokens / seconds[k],
-                           "speedup": seconds["plain"] / seconds[k], **round_figures(self.stats[k])} for k in self.ks}}
+        return {
+            "prompts": len(self.prompts),
+            "prompt_tokens": sum(map(len, self.prompts)),
+            "new_tokens": self.new_tokens,
+            "repeats": len(self.times["plain"]),
+            "wall_s": self.wall,
+            "same_tokens": True,
+            "plain": {"seconds": seconds["plain"], "tokens_per_s": tokens / seconds["plain"]},
+            "ks": {
+                k: {
+                    "seconds": seconds[k],
+                    "tokens_per_s": tokens / seconds[k],
+                    "speedup": seconds["plain"] / seconds[k],
+                    **round_figures(self.stats[k]),
+                }
+                for k in self.ks
+            },
+        }
 
 
-def sweep(target, draft, prompts: list[list[int]], ks: Sequence[int], new_tokens: int, repeats: int,
-          progress: Callable[[str], None], label: str) -> dict:
+def sweep(
+    target,
+    draft,
+    prompts: list[list[int]],
+    ks: Sequence[int],
+    new_tokens: int,
+    repeats: int,
+    progress: Callable[[str], None],
+    label: str,
+) -> dict:
     """A `Sweep` run for `repeats` passes in a row; -> its result."""
     s = Sweep(target, draft, prompts, ks, new_tokens, label)
     for rep in range(repeats):
@@ -274,13 +341,21 @@ def predict(section: dict, costs: dict, draft_ms: float) -> None:
         v["refined"] = refined_speedup(alpha, k, c, costs["verify_ratio"][k + 1])
         v["expected_tokens_per_forward"] = expected_tokens_per_round(alpha, k)
         v["round_ms"] = 1e3 * v["seconds"] / v["rounds"]
-        v["forwards_ms"] = sum(n * (d * draft_ms + target_ms[d + 1]) for d, n in v["proposal_lengths"].items()) / v["rounds"]
+        v["forwards_ms"] = (
+            sum(n * (d * draft_ms + target_ms[d + 1]) for d, n in v["proposal_lengths"].items()) / v["rounds"]
+        )
     for key in ("speedup", "formula", "refined"):
         section[f"best_k_{key}"] = best_k({k: v[key] for k, v in section["ks"].items()})
 
 
-def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes: Sizes = Sizes(),
-        progress: Callable[[str], None] = print) -> dict:
+def run(
+    *,
+    device: str = "auto",
+    dtype: str = "float32",
+    threads: int = 1,
+    sizes: Sizes = Sizes(),
+    progress: Callable[[str], None] = print,
+) -> dict:
     """The whole benchmark; -> the figures (bench.json's "speculative" section). `threads` torch threads (one, as
     the serving benchmark's figures: on a shared 2-core machine two threads wait for each other)."""
     dev, dt = resolve_device(device), resolve_dtype(dtype)
@@ -290,9 +365,16 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
         target, draft = load(TARGET, dev, dt), load(DRAFT, dev, dt)
         held_out = validation_tokens()
         weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-        r: dict = {"device": str(dev), "dtype": str(dt).removeprefix("torch."), "threads": torch.get_num_threads(),
-                   "machine": machine(dev, weight_bytes), "sizes": dataclasses.asdict(sizes),
-                   "target": TARGET, "draft": DRAFT, "num_draft_tokens_default": NUM_DRAFT_TOKENS}
+        r: dict = {
+            "device": str(dev),
+            "dtype": str(dt).removeprefix("torch."),
+            "threads": torch.get_num_threads(),
+            "machine": machine(dev, weight_bytes),
+            "sizes": dataclasses.asdict(sizes),
+            "target": TARGET,
+            "draft": DRAFT,
+            "num_draft_tokens_default": NUM_DRAFT_TOKENS,
+        }
         started = time.perf_counter()
 
         progress(f"speculative: α as the distributions' overlap on {sizes.alpha_tokens} held-out tokens")
@@ -304,15 +386,20 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
         progress("speculative: preparing the prompts, warming up")
         timer = cost_timer(target, draft, sizes)
         prompts = passages(held_out.tolist(), sizes.prompts, sizes.prompt_len)
-        quotes = [self_quote(p, generate(target, p, max_new_tokens=sizes.continuation_len, eos_token_id=None))
-                  for p in passages(held_out.tolist(), sizes.lookup_prompts, sizes.passage_len)]
-        sweeps = {"draft_model": Sweep(target, draft, prompts, sizes.ks, sizes.new_tokens, "draft model"),
-                  "prompt_lookup": Sweep(target, PROMPT_LOOKUP, quotes, sizes.ks, sizes.lookup_new_tokens,
-                                         "prompt lookup")}
+        quotes = [
+            self_quote(p, generate(target, p, max_new_tokens=sizes.continuation_len, eos_token_id=None))
+            for p in passages(held_out.tolist(), sizes.lookup_prompts, sizes.passage_len)
+        ]
+        sweeps = {
+            "draft_model": Sweep(target, draft, prompts, sizes.ks, sizes.new_tokens, "draft model"),
+            "prompt_lookup": Sweep(target, PROMPT_LOOKUP, quotes, sizes.ks, sizes.lookup_new_tokens, "prompt lookup"),
+        }
         for rep in range(sizes.repeats):  # the forward passes are timed in every pass, between the sweeps
             for s in sweeps.values():
-                progress(f"speculative, {s.label}: pass {rep + 1} of {sizes.repeats} (plain, k = "
-                         f"{', '.join(map(str, sizes.ks))})")
+                progress(
+                    f"speculative, {s.label}: pass {rep + 1} of {sizes.repeats} (plain, k = "
+                    f"{', '.join(map(str, sizes.ks))})"
+                )
                 s.run_pass(rep, between=lambda: timer.sample(sizes.timing_samples))
         r["costs"] = costs = costs_of(timer)
         for name, s in sweeps.items():
@@ -324,17 +411,25 @@ def run(*, device: str = "auto", dtype: str = "float32", threads: int = 1, sizes
             repeats = max(sizes.repeats - 1, 1)
             progress(f"speculative, {SMALL} (random weights): warming up")
             timer = cost_timer(small, None, dataclasses.replace(sizes, verify_tokens=max(sizes.small_ks) + 1))
-            s = Sweep(small, PROMPT_LOOKUP, quotes[:1], sizes.small_ks, sizes.small_new_tokens, f"{SMALL}, prompt lookup")
+            s = Sweep(
+                small, PROMPT_LOOKUP, quotes[:1], sizes.small_ks, sizes.small_new_tokens, f"{SMALL}, prompt lookup"
+            )
             for rep in range(repeats):
-                progress(f"speculative, {s.label}: pass {rep + 1} of {repeats} (plain, k = "
-                         f"{', '.join(map(str, sizes.small_ks))})")
+                progress(
+                    f"speculative, {s.label}: pass {rep + 1} of {repeats} (plain, k = "
+                    f"{', '.join(map(str, sizes.small_ks))})"
+                )
                 s.run_pass(rep, between=lambda: timer.sample(sizes.timing_samples))
             small_costs = costs_of(timer)
             section = s.result()
             predict(section, small_costs, 0.0)
             cfg = small.config
-            r["small"] = {"model": SMALL, "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd},
-                          "costs": small_costs, "prompt_lookup": section}
+            r["small"] = {
+                "model": SMALL,
+                "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd},
+                "costs": small_costs,
+                "prompt_lookup": section,
+            }
         r["seconds"] = time.perf_counter() - started
         return r
     finally:
@@ -354,6 +449,7 @@ def greedy_agreement(target, draft, tokens: torch.Tensor, context: int = 256, ba
 
 # ------------------------------------------------------------------------------------------------ reporting
 
+
 def by_k(section: dict) -> list[tuple[int, dict]]:
     """A sweep's rows in order of k (ints from `run`, strings once read back from JSON)."""
     return sorted((int(k), v) for k, v in section["ks"].items())
@@ -363,33 +459,45 @@ def table(r: dict) -> str:
     costs = r["costs"]
     vr = {int(n): v for n, v in costs["verify_ratio"].items()}
     tm = {int(n): v for n, v in costs["target_ms"].items()}
-    lines = [f"speculative decoding: {r['target']} with {r['draft']}, {r['device']}, {r['dtype']}, "
-             f"{r['threads']} thread(s), median of {r['sizes']['repeats']}",
-             "machine: " + describe_machine(r["machine"]),
-             f"  forward pass with {costs['context']} cached positions: target {tm[1]:.2f} ms for 1 token, draft "
-             f"{costs['draft_ms']:.2f} ms: c = {costs['c']:.2f}",
-             "  target forward over n tokens (verify(n) / verify(1)): "
-             + ", ".join(f"{n}: {tm[n]:.1f} ms ({vr[n]:.2f}x)" for n in sorted(tm)),
-             f"  α as the distributions' overlap on {r['alpha_tokens']} held-out tokens: {r['overlap_alpha']:.3f} "
-             f"(sampling); the argmaxes agree on {r['greedy_agreement']:.1%} of them (greedy)"]
+    lines = [
+        f"speculative decoding: {r['target']} with {r['draft']}, {r['device']}, {r['dtype']}, "
+        f"{r['threads']} thread(s), median of {r['sizes']['repeats']}",
+        "machine: " + describe_machine(r["machine"]),
+        f"  forward pass with {costs['context']} cached positions: target {tm[1]:.2f} ms for 1 token, draft "
+        f"{costs['draft_ms']:.2f} ms: c = {costs['c']:.2f}",
+        "  target forward over n tokens (verify(n) / verify(1)): "
+        + ", ".join(f"{n}: {tm[n]:.1f} ms ({vr[n]:.2f}x)" for n in sorted(tm)),
+        f"  α as the distributions' overlap on {r['alpha_tokens']} held-out tokens: {r['overlap_alpha']:.3f} "
+        f"(sampling); the argmaxes agree on {r['greedy_agreement']:.1%} of them (greedy)",
+    ]
     sections = [("draft model", r["draft_model"]), ("prompt lookup", r["prompt_lookup"])]
     if "small" in r:
         sections.append((f"{r['small']['model']} (random weights), prompt lookup", r["small"]["prompt_lookup"]))
     for name, s in sections:
         plain = s["plain"]
-        lines.append(f"  {name}: {s['prompts']} prompt(s) of {s['prompt_tokens'] // s['prompts']} tokens, "
-                     f"{s['new_tokens']} new tokens each ({s['wall_s']:.0f} s); same tokens as plain greedy: "
-                     f"{'yes' if s['same_tokens'] else 'NO'}")
-        lines.append(f"    plain {plain['tokens_per_s']:.1f} tok/s ({plain['ms_per_token']:.1f} ms per token, a forward "
-                     f"{plain['forward_ms']:.1f} ms); α per proposal {s['alpha']:.3f}, c = {s['c']:.2f}")
-        lines.append(f"    {'k':>3}{'accepted':>9}{'α':>6}{'tok/fwd':>9}{'α-model':>8}{'ms/round':>9}{'fwds':>6}"
-                     f"{'tok/s':>7}{'speed-up':>9}{'formula':>8}{'refined':>8}")
+        lines.append(
+            f"  {name}: {s['prompts']} prompt(s) of {s['prompt_tokens'] // s['prompts']} tokens, "
+            f"{s['new_tokens']} new tokens each ({s['wall_s']:.0f} s); same tokens as plain greedy: "
+            f"{'yes' if s['same_tokens'] else 'NO'}"
+        )
+        lines.append(
+            f"    plain {plain['tokens_per_s']:.1f} tok/s ({plain['ms_per_token']:.1f} ms per token, a forward "
+            f"{plain['forward_ms']:.1f} ms); α per proposal {s['alpha']:.3f}, c = {s['c']:.2f}"
+        )
+        lines.append(
+            f"    {'k':>3}{'accepted':>9}{'α':>6}{'tok/fwd':>9}{'α-model':>8}{'ms/round':>9}{'fwds':>6}"
+            f"{'tok/s':>7}{'speed-up':>9}{'formula':>8}{'refined':>8}"
+        )
         for k, v in by_k(s):
-            lines.append(f"    {k:>3}{v['acceptance_rate']:>9.0%}{v['alpha']:>6.2f}{v['tokens_per_forward']:>9.2f}"
-                         f"{v['expected_tokens_per_forward']:>8.2f}{v['round_ms']:>9.1f}{v['forwards_ms']:>6.1f}"
-                         f"{v['tokens_per_s']:>7.1f}{v['speedup']:>8.2f}x{v['formula']:>7.2f}x{v['refined']:>7.2f}x")
-        lines.append(f"    best k: measured {s['best_k_speedup']} ({dict(by_k(s))[s['best_k_speedup']]['speedup']:.2f}x), "
-                     f"formula {s['best_k_formula']}, refined {s['best_k_refined']}")
+            lines.append(
+                f"    {k:>3}{v['acceptance_rate']:>9.0%}{v['alpha']:>6.2f}{v['tokens_per_forward']:>9.2f}"
+                f"{v['expected_tokens_per_forward']:>8.2f}{v['round_ms']:>9.1f}{v['forwards_ms']:>6.1f}"
+                f"{v['tokens_per_s']:>7.1f}{v['speedup']:>8.2f}x{v['formula']:>7.2f}x{v['refined']:>7.2f}x"
+            )
+        lines.append(
+            f"    best k: measured {s['best_k_speedup']} ({dict(by_k(s))[s['best_k_speedup']]['speedup']:.2f}x), "
+            f"formula {s['best_k_formula']}, refined {s['best_k_refined']}"
+        )
     return "\n".join(lines)
 
 
@@ -401,8 +509,10 @@ def plot(r: dict, out: Path) -> Path:
     matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
     import matplotlib.pyplot as plt  # optional, as matplotlib above
 
-    panels = [("draft model (gpt2-shakespeare-draft)", r["draft_model"]),
-              ("prompt lookup (text that repeats)", r["prompt_lookup"])]
+    panels = [
+        ("draft model (gpt2-shakespeare-draft)", r["draft_model"]),
+        ("prompt lookup (text that repeats)", r["prompt_lookup"]),
+    ]
     with plt.rc_context(STYLE):
         fig, axes = plt.subplots(len(panels), 1, figsize=(5.6, 4.0 * len(panels)), squeeze=False)
         for ax, (title, s) in zip(axes[:, 0], panels):
@@ -423,8 +533,9 @@ def plot(r: dict, out: Path) -> Path:
         return save(fig, out / FIGURE)
 
 
-def main(out: Path, *, device: str = "auto", dtype: str = "float32", repeats: int = 3,
-         sizes: Optional[Sizes] = None) -> int:
+def main(
+    out: Path, *, device: str = "auto", dtype: str = "float32", repeats: int = 3, sizes: Optional[Sizes] = None
+) -> int:
     """`bench --speculative`: measure, then write the "speculative" section of out/bench.json (keeping its other
     sections), print the table and draw the figure."""
     out.mkdir(parents=True, exist_ok=True)
@@ -434,6 +545,7 @@ def main(out: Path, *, device: str = "auto", dtype: str = "float32", repeats: in
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
         return 2
+
     def report() -> Path:
         print(table(results))
         return plot(results, out)

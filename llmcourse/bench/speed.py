@@ -40,8 +40,24 @@ from tqdm import tqdm
 from llmcourse.engine.generate import CompileError, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
 
-from .common import (COMPILED, ENGINE, FIGSIZE, ROOF, STYLE, TRANSFORMERS, decode_step_cost, describe_machine, load,
-                     machine, measure_bandwidth, measure_matmul, median_seconds, roofline, save, transformers_twin)
+from .common import (
+    COMPILED,
+    ENGINE,
+    FIGSIZE,
+    ROOF,
+    STYLE,
+    TRANSFORMERS,
+    decode_step_cost,
+    describe_machine,
+    load,
+    machine,
+    measure_bandwidth,
+    measure_matmul,
+    median_seconds,
+    roofline,
+    save,
+    transformers_twin,
+)
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
@@ -82,11 +98,19 @@ def run(
     prompt = torch.randint(0, cfg.vocab_size, (1, max(prefill_lens + (prompt_len,))), generator=g)
     hf = transformers_twin(model) if with_transformers else None
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())  # the tied head counted once
-    results: dict = {"model": model_name, "config": cfg.__dict__, "device": str(dev), "dtype": str(dt).removeprefix("torch."),
-                     "threads": torch.get_num_threads(), "repeats": repeats, "machine": machine(dev, weight_bytes)}
+    results: dict = {
+        "model": model_name,
+        "config": cfg.__dict__,
+        "device": str(dev),
+        "dtype": str(dt).removeprefix("torch."),
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "machine": machine(dev, weight_bytes),
+    }
     if dev.type != "cuda":
-        results["cuda_skipped"] = ("no CUDA GPU on this machine" if not torch.cuda.is_available()
-                                   else f"--device {device} was asked for")
+        results["cuda_skipped"] = (
+            "no CUDA GPU on this machine" if not torch.cuda.is_available() else f"--device {device} was asked for"
+        )
 
     def decode(rows, n: int, compiled: bool) -> Callable[[], object]:
         return lambda: generate(model, rows, max_new_tokens=n, eos_token_id=None, compile=compiled)
@@ -104,8 +128,14 @@ def run(
     fns = {name: decode(ids, new_tokens, compiled) for name, compiled in modes.items()}
     if hf is not None:
         hf_ids = prompt[:, :prompt_len].to(dev)
-        fns["transformers"] = lambda: hf.generate(hf_ids, attention_mask=torch.ones_like(hf_ids), do_sample=False,
-                                                  max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+        fns["transformers"] = lambda: hf.generate(
+            hf_ids,
+            attention_mask=torch.ones_like(hf_ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+        )
     seconds = interleaved(fns, repeats, dev)
     results["decode"] = {name: new_tokens / s for name, s in seconds.items()}
 
@@ -128,9 +158,12 @@ def run(
     step_bytes, step_flops = decode_step_cost(cfg, prompt_len + new_tokens // 2, dt.itemsize)
     bound, bound_is = roofline(bandwidth, flops, step_bytes, step_flops)
     results["roofline"] = {
-        "bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9,
-        "decode_step_MB": step_bytes / 1e6, "decode_step_GFLOP": step_flops / 1e9,
-        "bound_tokens_per_s": bound, "bound_is": bound_is,
+        "bandwidth_GBps": bandwidth / 1e9,
+        "matmul_GFLOPs": flops / 1e9,
+        "decode_step_MB": step_bytes / 1e6,
+        "decode_step_GFLOP": step_flops / 1e9,
+        "bound_tokens_per_s": bound,
+        "bound_is": bound_is,
         **{f"{name}_fraction": results["decode"][name] / bound for name in modes},
     }
 
@@ -150,8 +183,11 @@ def run(
 
             full = torch.cat([x, nxt], dim=1)
             seconds = interleaved({"cached": cached, "recompute": lambda: model(full, last_only=True)}, repeats, dev)
-            results["kv_cache"][n] = {"cached_ms": seconds["cached"] * 1e3, "recompute_ms": seconds["recompute"] * 1e3,
-                                      "speedup": seconds["recompute"] / seconds["cached"]}
+            results["kv_cache"][n] = {
+                "cached_ms": seconds["cached"] * 1e3,
+                "recompute_ms": seconds["recompute"] * 1e3,
+                "speedup": seconds["recompute"] / seconds["cached"],
+            }
 
     # batching: decode only. Generating 2n and n tokens and taking the difference removes the prefill,
     # which for a batch of 32 prompts would otherwise dominate the time.
@@ -204,9 +240,11 @@ def ratios(r: dict) -> dict:
 
 
 def table(r: dict) -> str:
-    lines = [f"model {r['model']} ({r['config']['n_layer']} layers, {r['config']['n_embd']} wide), "
-             f"{r['device']}, {r['dtype']}, {r['threads']} threads, median of {r['repeats']}",
-             "machine: " + (describe_machine(r["machine"]) if "machine" in r else "not recorded")]
+    lines = [
+        f"model {r['model']} ({r['config']['n_layer']} layers, {r['config']['n_embd']} wide), "
+        f"{r['device']}, {r['dtype']}, {r['threads']} threads, median of {r['repeats']}",
+        "machine: " + (describe_machine(r["machine"]) if "machine" in r else "not recorded"),
+    ]
 
     def row(label, engine, ref=None, unit="tok/s"):
         extra = f"   transformers {ref:9.1f} {unit}   ratio {engine / ref:5.2f}x" if ref else ""
@@ -222,31 +260,48 @@ def table(r: dict) -> str:
     for n, v in by_size(r["prefill"]):
         row(f"prefill, {n} tokens", v["engine"], v.get("transformers"))
     rf = r["roofline"]
-    lines.append(f"  roofline: bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; "
-                 f"a decode step reads {rf['decode_step_MB']:.0f} MB and does {rf['decode_step_GFLOP']:.2f} GFLOP")
+    lines.append(
+        f"  roofline: bandwidth {rf['bandwidth_GBps']:.1f} GB/s, matmul {rf['matmul_GFLOPs']:.0f} GFLOP/s; "
+        f"a decode step reads {rf['decode_step_MB']:.0f} MB and does {rf['decode_step_GFLOP']:.2f} GFLOP"
+    )
     compiled = f", compiled {rf['engine_compiled_fraction']:.0%}" if "engine_compiled_fraction" in rf else ""
-    lines.append(f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({rf['bound_is']}-bound); "
-                 f"the engine reaches {rf['engine_fraction']:.0%} of it{compiled}")
+    lines.append(
+        f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({rf['bound_is']}-bound); "
+        f"the engine reaches {rf['engine_fraction']:.0%} of it{compiled}"
+    )
     for n, v in by_size(r["kv_cache"]):
-        lines.append(f"  context {n:>5}: cached {v['cached_ms']:7.2f} ms/token, recompute {v['recompute_ms']:8.2f} "
-                     f"ms/token, {v['speedup']:5.1f}x")
+        lines.append(
+            f"  context {n:>5}: cached {v['cached_ms']:7.2f} ms/token, recompute {v['recompute_ms']:8.2f} "
+            f"ms/token, {v['speedup']:5.1f}x"
+        )
     batching = by_size(r["batching"])
     for b, v in batching:
         first, v1 = batching[0]
-        speeds = [(label, v[name], v1[name]) for name, label in [("engine", "eager"), ("engine_compiled", "compiled")]
-                  if name in v]
-        lines.append(f"  batch {b:>3}: " + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})"
-                                                    for label, s, s1 in speeds)
-                     + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s")
+        speeds = [
+            (label, v[name], v1[name])
+            for name, label in [("engine", "eager"), ("engine_compiled", "compiled")]
+            if name in v
+        ]
+        lines.append(
+            f"  batch {b:>3}: "
+            + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})" for label, s, s1 in speeds)
+            + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s"
+        )
     if "cuda_skipped" in r:
-        lines.append(f"  CUDA rows (all of the above on a GPU, and decode with torch.compile + CUDA graphs): "
-                     f"skipped, {r['cuda_skipped']}")
+        lines.append(
+            f"  CUDA rows (all of the above on a GPU, and decode with torch.compile + CUDA graphs): "
+            f"skipped, {r['cuda_skipped']}"
+        )
     return "\n".join(lines)
 
 
 # One figure per measurement, each readable on a phone (about 400 px wide): `common.STYLE`.
-FIGURES = {"decode": "bench_decode.png", "prefill": "bench_prefill.png", "kv_cache": "bench_kv_cache.png",
-           "batching": "bench_batching.png"}
+FIGURES = {
+    "decode": "bench_decode.png",
+    "prefill": "bench_prefill.png",
+    "kv_cache": "bench_kv_cache.png",
+    "batching": "bench_batching.png",
+}
 
 
 def short_machine(r: dict) -> str:
@@ -273,8 +328,12 @@ def plot(r: dict, out: Path) -> list[Path]:
         ax.set_yscale("log")
         ax.set_ylim(lo, hi)
         for subs in [(1, 2, 5), (1, 3), (1,)]:
-            ticks = [m * 10.0**k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-                     for m in subs if lo <= m * 10.0**k <= hi]
+            ticks = [
+                m * 10.0**k
+                for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                for m in subs
+                if lo <= m * 10.0**k <= hi
+            ]
             if len(ticks) <= 4:
                 break
         ax.set_yticks(ticks, [f"{t:g}" for t in ticks])
@@ -306,10 +365,17 @@ def plot(r: dict, out: Path) -> list[Path]:
         xs = range(len(prefill))
         two = "transformers" in d
         width = 0.4 if two else 0.6
-        ax.bar([x - width / 2 * two for x in xs], [v["engine"] for _, v in prefill], width, color=ENGINE, label="engine")
+        ax.bar(
+            [x - width / 2 * two for x in xs], [v["engine"] for _, v in prefill], width, color=ENGINE, label="engine"
+        )
         if two:
-            ax.bar([x + width / 2 for x in xs], [v["transformers"] for _, v in prefill], width, color=TRANSFORMERS,
-                   label="transformers")
+            ax.bar(
+                [x + width / 2 for x in xs],
+                [v["transformers"] for _, v in prefill],
+                width,
+                color=TRANSFORMERS,
+                label="transformers",
+            )
         ax.set_xticks(list(xs), [str(n) for n, _ in prefill])
         ax.yaxis.set_major_locator(MaxNLocator(4))
         ax.set_ylim(0, 1.3 * max(x for _, v in prefill for x in v.values()))  # room for the legend
@@ -362,11 +428,20 @@ def main(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     try:
         bar = tqdm(desc="bench", unit="part")
-        results = run(model_name=args.model, device=args.device, dtype=args.dtype, prompt_len=args.prompt_len,
-                      new_tokens=args.new_tokens, prefill_lens=tuple(args.prefill_lens),
-                      contexts=tuple(args.contexts), batch_sizes=tuple(args.batch_sizes), repeats=args.repeats,
-                      with_transformers=not args.no_transformers, compile=not args.no_compile,
-                      progress=lambda s: (bar.set_postfix_str(s), bar.update()))
+        results = run(
+            model_name=args.model,
+            device=args.device,
+            dtype=args.dtype,
+            prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens,
+            prefill_lens=tuple(args.prefill_lens),
+            contexts=tuple(args.contexts),
+            batch_sizes=tuple(args.batch_sizes),
+            repeats=args.repeats,
+            with_transformers=not args.no_transformers,
+            compile=not args.no_compile,
+            progress=lambda s: (bar.set_postfix_str(s), bar.update()),
+        )
         bar.close()
     except ValueError as err:
         print(f"python -m llmcourse bench: error: {err}")
@@ -389,7 +464,9 @@ def main(args: argparse.Namespace) -> int:
         except Exception:  # a bug in reporting: show it, keep going, and fail at the end
             sys.stdout.flush()
             traceback.print_exc()
-            print(f"python -m llmcourse bench: error: could not produce the {step}; the measurements are in {path}",
-                  file=sys.stderr)
+            print(
+                f"python -m llmcourse bench: error: could not produce the {step}; the measurements are in {path}",
+                file=sys.stderr,
+            )
             status = 1
     return status

@@ -16,44 +16,130 @@ described in `llmcourse.checks.harness.core`.
 
 import sys
 
-from .attention import (check_attention, check_causal_mask, check_merge_heads, check_self_attention, check_softmax,
-                        check_split_heads, check_tiled_attention)
-from .batching import (check_block_allocator, check_gather_kv, check_left_pad, check_schedule,
-                       check_slot_mapping)
+from llmcourse.course.limits import time_limit
+
+from .attention import (
+    check_attention,
+    check_causal_mask,
+    check_merge_heads,
+    check_self_attention,
+    check_softmax,
+    check_split_heads,
+    check_tiled_attention,
+)
+from .batching import check_block_allocator, check_gather_kv, check_left_pad, check_schedule, check_slot_mapping
+from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
+from .gpt2 import (
+    check_block,
+    check_gelu,
+    check_gpt2_forward,
+    check_layer_norm,
+    check_linear,
+    check_load_gpt2_checkpoint,
+    check_mlp,
+)
 from .harness import bundled, isolate  # noqa: F401 (bundled registers the models every check's child finds loaded
 from .harness.core import Case, CheckFailed, later, run_check
-from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
-from .gpt2 import (check_block, check_gelu, check_gpt2_forward, check_layer_norm, check_linear,
-                   check_load_gpt2_checkpoint, check_mlp)
 from .harness.forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
 from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
-from llmcourse.course.limits import time_limit
 from .pipeline import check_top_k_next_tokens
-from .quantize import (check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8,
-                       check_weight_memory)
-from .sampling import (check_beam_search, check_greedy, check_min_p, check_next_token, check_repetition_penalty,
-                       check_sample, check_stream_text, check_temperature, check_top_k, check_top_p)
-from .speculative import (check_accept_token, check_expected_speedup, check_prompt_lookup_draft,
-                          check_speculative_round, check_verify)
-from .tokenization import (check_bpe_encode_chunk, check_bytes_to_unicode, check_decode, check_encode,
-                           check_get_pair_counts, check_merge, check_stream_decoder, check_train_bpe)
+from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_weight_memory
+from .sampling import (
+    check_beam_search,
+    check_greedy,
+    check_min_p,
+    check_next_token,
+    check_repetition_penalty,
+    check_sample,
+    check_stream_text,
+    check_temperature,
+    check_top_k,
+    check_top_p,
+)
+from .speculative import (
+    check_accept_token,
+    check_expected_speedup,
+    check_prompt_lookup_draft,
+    check_speculative_round,
+    check_verify,
+)
+from .tokenization import (
+    check_bpe_encode_chunk,
+    check_bytes_to_unicode,
+    check_decode,
+    check_encode,
+    check_get_pair_counts,
+    check_merge,
+    check_stream_decoder,
+    check_train_bpe,
+)
 
-__all__ = ["Case", "CheckFailed", "later", "Forbidden", "ForbiddenCall", "NOT_ENFORCEABLE", "check_top_k_next_tokens",
-           "run_check", "time_limit",
-           "check_get_pair_counts", "check_merge", "check_train_bpe", "check_bytes_to_unicode",
-           "check_bpe_encode_chunk", "check_encode", "check_decode", "check_stream_decoder",
-           "check_embedding", "check_embed", "check_sinusoidal_positions", "check_rope",
-           "check_softmax", "check_causal_mask", "check_attention", "check_split_heads", "check_merge_heads",
-           "check_self_attention", "check_tiled_attention",
-           "check_layer_norm", "check_gelu", "check_linear", "check_mlp", "check_block", "check_gpt2_forward",
-           "check_load_gpt2_checkpoint",
-           "check_temperature", "check_greedy", "check_top_k", "check_top_p", "check_min_p", "check_repetition_penalty",
-           "check_sample", "check_next_token", "check_beam_search", "check_stream_text",
-           "check_kv_cache", "check_cached_attention", "check_generate_greedy", "check_kv_cache_bytes",
-           "check_left_pad", "check_block_allocator", "check_slot_mapping", "check_gather_kv", "check_schedule",
-           "check_accept_token", "check_verify", "check_speculative_round", "check_expected_speedup",
-           "check_prompt_lookup_draft",
-           "check_quantize_int8", "check_pack_int4", "check_quantize_int4", "check_int8_linear", "check_weight_memory"]
+__all__ = [
+    "Case",
+    "CheckFailed",
+    "later",
+    "Forbidden",
+    "ForbiddenCall",
+    "NOT_ENFORCEABLE",
+    "check_top_k_next_tokens",
+    "run_check",
+    "time_limit",
+    "check_get_pair_counts",
+    "check_merge",
+    "check_train_bpe",
+    "check_bytes_to_unicode",
+    "check_bpe_encode_chunk",
+    "check_encode",
+    "check_decode",
+    "check_stream_decoder",
+    "check_embedding",
+    "check_embed",
+    "check_sinusoidal_positions",
+    "check_rope",
+    "check_softmax",
+    "check_causal_mask",
+    "check_attention",
+    "check_split_heads",
+    "check_merge_heads",
+    "check_self_attention",
+    "check_tiled_attention",
+    "check_layer_norm",
+    "check_gelu",
+    "check_linear",
+    "check_mlp",
+    "check_block",
+    "check_gpt2_forward",
+    "check_load_gpt2_checkpoint",
+    "check_temperature",
+    "check_greedy",
+    "check_top_k",
+    "check_top_p",
+    "check_min_p",
+    "check_repetition_penalty",
+    "check_sample",
+    "check_next_token",
+    "check_beam_search",
+    "check_stream_text",
+    "check_kv_cache",
+    "check_cached_attention",
+    "check_generate_greedy",
+    "check_kv_cache_bytes",
+    "check_left_pad",
+    "check_block_allocator",
+    "check_slot_mapping",
+    "check_gather_kv",
+    "check_schedule",
+    "check_accept_token",
+    "check_verify",
+    "check_speculative_round",
+    "check_expected_speedup",
+    "check_prompt_lookup_draft",
+    "check_quantize_int8",
+    "check_pack_int4",
+    "check_quantize_int4",
+    "check_int8_linear",
+    "check_weight_memory",
+]
 
 
 def _isolate_every_check() -> None:

@@ -26,11 +26,12 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from llmcourse.engine import parts
-from .harness.bundled import bundled_model
-from .harness.core import later, Case, Verdict, call_learner, run_check
-from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
 from llmcourse.course.failed import CheckFailed
+from llmcourse.engine import parts
+
+from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
+from .harness.bundled import bundled_model
+from .harness.core import Case, Verdict, call_learner, later, run_check
 from .harness.forbid import Forbidden
 from .harness.tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
@@ -105,27 +106,41 @@ def _choice(g: torch.Generator, options: Sequence) -> Any:
 
 
 def _shift_by(x: Tensor, dim: int, how: str) -> Tensor:
-    shift = {"none": lambda: torch.zeros_like(x), "max": lambda: x.amax(dim, keepdim=True),
-             "mean": lambda: x.mean(dim, keepdim=True),
-             "min": lambda: x.amin(dim, keepdim=True), "global": lambda: x.max()}[how]()
+    shift = {
+        "none": lambda: torch.zeros_like(x),
+        "max": lambda: x.amax(dim, keepdim=True),
+        "mean": lambda: x.mean(dim, keepdim=True),
+        "min": lambda: x.amin(dim, keepdim=True),
+        "global": lambda: x.max(),
+    }[how]()
     e = torch.exp(x - shift)
     return e / e.sum(dim, keepdim=True)
 
 
 SOFTMAX_MISTAKES: list[Mistake] = [  # the global max first: where it is right, the others are not named
-    (lambda x, dim=-1: _shift_by(x, dim, "global"),
-     "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
-     "global max underflows to 0 / 0"),
-    (lambda x, dim=-1: _shift_by(x, dim, "none"),
-     "exp(x) overflows to inf for x above ~88 (float32) and inf / inf is nan: subtract each row's max first "
-     "(softmax(x) = softmax(x - c) for any c)"),
-    (lambda x, dim=-1: _shift_by(x, dim, "mean"),
-     "subtract the max, not the mean: x - mean can still be large and positive, and exp() overflows"),
-    (lambda x, dim=-1: _shift_by(x, dim, "min"),
-     "subtract the max, not the min: x - min is >= 0 and exp() of it overflows"),
-    (lambda x, dim=-1: _shift_by(x, 0 if dim % x.dim() == x.dim() - 1 else -1, "max"),
-     "normalise along `dim`, the argument, not always the last dimension: use keepdim=True so the max and the "
-     "sum broadcast back along the same dimension"),
+    (
+        lambda x, dim=-1: _shift_by(x, dim, "global"),
+        "subtract the max of each row (x.amax(dim, keepdim=True)), not of the whole tensor: a row far below the "
+        "global max underflows to 0 / 0",
+    ),
+    (
+        lambda x, dim=-1: _shift_by(x, dim, "none"),
+        "exp(x) overflows to inf for x above ~88 (float32) and inf / inf is nan: subtract each row's max first "
+        "(softmax(x) = softmax(x - c) for any c)",
+    ),
+    (
+        lambda x, dim=-1: _shift_by(x, dim, "mean"),
+        "subtract the max, not the mean: x - mean can still be large and positive, and exp() overflows",
+    ),
+    (
+        lambda x, dim=-1: _shift_by(x, dim, "min"),
+        "subtract the max, not the min: x - min is >= 0 and exp() of it overflows",
+    ),
+    (
+        lambda x, dim=-1: _shift_by(x, 0 if dim % x.dim() == x.dim() - 1 else -1, "max"),
+        "normalise along `dim`, the argument, not always the last dimension: use keepdim=True so the max and the "
+        "sum broadcast back along the same dimension",
+    ),
 ]
 
 
@@ -158,46 +173,88 @@ def check_softmax(fn, *, seed: int = 0, n_random: int = 20) -> None:
     cases = [
         _softmax_case("a small row", torch.tensor([1.0, 2.0, 3.0])),
         _softmax_case("each row of a matrix sums to 1", torch.tensor([[1.0, 0.0, -1.0], [0.5, 0.5, 0.5]])),
-        _softmax_case("logits of +1e4 (exp overflows without the max shift)",
-                      torch.tensor([[1e4, 0.0, -1e4], [1e4, 1e4 - 1, 1e4 - 2]]), hint=max_shift),
-        _softmax_case("logits of -1e4 (exp underflows to 0 / 0 without the max shift)",
-                      torch.tensor([[-1e4, -1e4 - 1, -1e4 - 3]]), hint=max_shift),
-        _softmax_case("rows of -inf except one entry (masked scores)",
-                      torch.tensor([[-inf, 3.0, -inf], [-inf, -inf, -2.0], [0.0, -inf, -inf]]),
-                      hint="exp(-inf) = 0: a masked entry gets probability 0; the max of each row is finite here"),
-        _softmax_case("causal scores: -inf above the diagonal",
-                      torch.tensor([[2.0, 0.0], [1.0, 3.0]]).masked_fill(torch.tensor([[False, True], [False, False]]),
-                                                                      -inf)),
-        _softmax_case("rows far apart (the max of the whole tensor is far above the second row)",
-                      torch.tensor([[0.0, 1.0, 2.0], [-1000.0, -1001.0, -999.0]]),
-                      hint="subtract each row's own max (keepdim=True), not the max of the whole tensor"),
-        _softmax_case("float64 in, float64 out", torch.tensor([[0.1, 0.2, 0.3], [3.0, -3.0, 1e-3]], dtype=torch.float64)),
-        _softmax_case("float64 logits of ±700", torch.tensor([[700.0, 699.0, -700.0]], dtype=torch.float64), hint=max_shift),
-        _softmax_case("dim=0: each column sums to 1", torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 2.0, -3.0, 5.0],
-                                                                    [2.0, 2.0, 0.0, -1.0]]), 0),
+        _softmax_case(
+            "logits of +1e4 (exp overflows without the max shift)",
+            torch.tensor([[1e4, 0.0, -1e4], [1e4, 1e4 - 1, 1e4 - 2]]),
+            hint=max_shift,
+        ),
+        _softmax_case(
+            "logits of -1e4 (exp underflows to 0 / 0 without the max shift)",
+            torch.tensor([[-1e4, -1e4 - 1, -1e4 - 3]]),
+            hint=max_shift,
+        ),
+        _softmax_case(
+            "rows of -inf except one entry (masked scores)",
+            torch.tensor([[-inf, 3.0, -inf], [-inf, -inf, -2.0], [0.0, -inf, -inf]]),
+            hint="exp(-inf) = 0: a masked entry gets probability 0; the max of each row is finite here",
+        ),
+        _softmax_case(
+            "causal scores: -inf above the diagonal",
+            torch.tensor([[2.0, 0.0], [1.0, 3.0]]).masked_fill(torch.tensor([[False, True], [False, False]]), -inf),
+        ),
+        _softmax_case(
+            "rows far apart (the max of the whole tensor is far above the second row)",
+            torch.tensor([[0.0, 1.0, 2.0], [-1000.0, -1001.0, -999.0]]),
+            hint="subtract each row's own max (keepdim=True), not the max of the whole tensor",
+        ),
+        _softmax_case(
+            "float64 in, float64 out", torch.tensor([[0.1, 0.2, 0.3], [3.0, -3.0, 1e-3]], dtype=torch.float64)
+        ),
+        _softmax_case(
+            "float64 logits of ±700", torch.tensor([[700.0, 699.0, -700.0]], dtype=torch.float64), hint=max_shift
+        ),
+        _softmax_case(
+            "dim=0: each column sums to 1",
+            torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 2.0, -3.0, 5.0], [2.0, 2.0, 0.0, -1.0]]),
+            0,
+        ),
         _softmax_case("dim=1 of a 3-D tensor", torch.arange(24.0).reshape(2, 3, 4).sin() * 5, 1),
         _softmax_case("dim=-2", torch.arange(12.0).reshape(3, 4).cos() * 3, -2),
         _softmax_case("one element", torch.tensor([[-5.0]])),
         _softmax_case("equal logits give a uniform distribution", torch.full((2, 5), 7.0)),
-        _softmax_case("attention scores [B, H, T, T]", (torch.arange(2 * 3 * 4 * 4.0).reshape(2, 3, 4, 4) * 1.7).sin() * 30),
-        _softmax_case("float16 in, float16 out (scores far from 0)", torch.tensor([[300.0, 299.0, -5.0, 290.0]]).half(),
-                      hint="float16 in, float16 out: exp() of a float16 above ~11 overflows, so subtract the max"),
+        _softmax_case(
+            "attention scores [B, H, T, T]", (torch.arange(2 * 3 * 4 * 4.0).reshape(2, 3, 4, 4) * 1.7).sin() * 30
+        ),
+        _softmax_case(
+            "float16 in, float16 out (scores far from 0)",
+            torch.tensor([[300.0, 299.0, -5.0, 290.0]]).half(),
+            hint="float16 in, float16 out: exp() of a float16 above ~11 overflows, so subtract the max",
+        ),
         _softmax_case("bfloat16 in, bfloat16 out", (torch.arange(12.0).reshape(2, 6).cos() * 40).bfloat16()),
-        _softmax_case("a transposed (non-contiguous) view, dim=-1", (torch.arange(20.0).reshape(4, 5).sin() * 9).T,
-                      hint=NOT_CONTIGUOUS),
-        _softmax_case("1024 keys per row (GPT-2's context), with -inf on the future",
-                      (torch.arange(2 * 1024.0).reshape(2, 1024).sin() * 20).masked_fill(
-                          torch.arange(1024) > torch.tensor([[300], [1023]]), -inf)),
+        _softmax_case(
+            "a transposed (non-contiguous) view, dim=-1",
+            (torch.arange(20.0).reshape(4, 5).sin() * 9).T,
+            hint=NOT_CONTIGUOUS,
+        ),
+        _softmax_case(
+            "1024 keys per row (GPT-2's context), with -inf on the future",
+            (torch.arange(2 * 1024.0).reshape(2, 1024).sin() * 20).masked_fill(
+                torch.arange(1024) > torch.tensor([[300], [1023]]), -inf
+            ),
+        ),
     ]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
         what, x, dim = _random_logits(g, i)
         cases.append(_softmax_case(f"random logits #{i} ({what})", x, dim))
-    run_check("softmax", fn, cases, judge=_judge(SOFTMAX_MISTAKES), forbid=SOFTMAX_FAMILY, seconds=5, total_seconds=30,
-              error_hints=ENGINE_ERROR_HINTS, show_call=lambda args: f"softmax({_show_tensor(args[0])}, dim={args[1]})")
-    check_in_engine("softmax", fn, _in_engine_forbid(SOFTMAX_FAMILY),
-                    hint="the engine calls softmax(scores, dim=-1) (dim by keyword) on [B, H, Tq, Tk] scores with -inf "
-                         "where the mask is False")
+    run_check(
+        "softmax",
+        fn,
+        cases,
+        judge=_judge(SOFTMAX_MISTAKES),
+        forbid=SOFTMAX_FAMILY,
+        seconds=5,
+        total_seconds=30,
+        error_hints=ENGINE_ERROR_HINTS,
+        show_call=lambda args: f"softmax({_show_tensor(args[0])}, dim={args[1]})",
+    )
+    check_in_engine(
+        "softmax",
+        fn,
+        _in_engine_forbid(SOFTMAX_FAMILY),
+        hint="the engine calls softmax(scores, dim=-1) (dim by keyword) on [B, H, Tq, Tk] scores with -inf "
+        "where the mask is False",
+    )
 
 
 def _show_tensor(x: Tensor) -> str:
@@ -213,23 +270,34 @@ def _show_tensor(x: Tensor) -> str:
 
 
 CAUSAL_MISTAKES: list[Mistake] = [
-    (lambda nq, nk: torch.arange(nk)[None, :] < torch.arange(nk - nq, nk)[:, None],
-     "off by one: a query may also see its own position (key j <= query position i, not <)"),
-    (lambda nq, nk: torch.arange(nk)[None, :] >= torch.arange(nk - nq, nk)[:, None],
-     "that is the upper triangle: True must be where the key is at or BEFORE the query's position (the past)"),
-    (lambda nq, nk: torch.arange(nk)[None, :] <= torch.arange(nq)[:, None],
-     "the queries are the LAST n_query positions: query i sits at position n_key - n_query + i"),
-    (lambda nq, nk: parts.causal_mask(nq, nk).float(),
-     "return a bool tensor (True = may attend): a comparison such as `a <= b` gives one"),
-    (lambda nq, nk: ~parts.causal_mask(nq, nk),
-     "the mask is inverted: True must mean 'may attend'"),
-    (lambda nq, nk: torch.arange(nk)[None, :] % 256 <= torch.arange(nk - nq, nk)[:, None] % 256,
-     "positions go past 255 (GPT-2 has 1024): compare int64 positions (torch.arange gives int64; uint8 wraps at 256)"),
+    (
+        lambda nq, nk: torch.arange(nk)[None, :] < torch.arange(nk - nq, nk)[:, None],
+        "off by one: a query may also see its own position (key j <= query position i, not <)",
+    ),
+    (
+        lambda nq, nk: torch.arange(nk)[None, :] >= torch.arange(nk - nq, nk)[:, None],
+        "that is the upper triangle: True must be where the key is at or BEFORE the query's position (the past)",
+    ),
+    (
+        lambda nq, nk: torch.arange(nk)[None, :] <= torch.arange(nq)[:, None],
+        "the queries are the LAST n_query positions: query i sits at position n_key - n_query + i",
+    ),
+    (
+        lambda nq, nk: parts.causal_mask(nq, nk).float(),
+        "return a bool tensor (True = may attend): a comparison such as `a <= b` gives one",
+    ),
+    (lambda nq, nk: ~parts.causal_mask(nq, nk), "the mask is inverted: True must mean 'may attend'"),
+    (
+        lambda nq, nk: torch.arange(nk)[None, :] % 256 <= torch.arange(nk - nq, nk)[:, None] % 256,
+        "positions go past 255 (GPT-2 has 1024): compare int64 positions (torch.arange gives int64; uint8 wraps at "
+        "256)",
+    ),
 ]
 
 
 def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """causal_mask(n_query, n_key) -> bool [n_query, n_key], True where query i may see key j."""
+
     def case(nq: int, nk: int, description: str, hint: str = "") -> Case:
         return Case(description, (nq, nk), later(parts.causal_mask, nq, nk), hint)
 
@@ -237,36 +305,71 @@ def check_causal_mask(fn, *, seed: int = 0, n_random: int = 20) -> None:
         case(1, 1, "one position sees itself"),
         case(3, 3, "prefill of 3 tokens: the lower triangle, diagonal included"),
         case(6, 6, "prefill of 6 tokens"),
-        case(1, 5, "decode: one new query after 4 cached positions sees all 5 keys",
-             "query i sits at position n_key - n_query + i"),
+        case(
+            1,
+            5,
+            "decode: one new query after 4 cached positions sees all 5 keys",
+            "query i sits at position n_key - n_query + i",
+        ),
         case(3, 7, "a chunk of 3 queries at the end of 7 positions", "query i sits at position n_key - n_query + i"),
         case(2, 9, "2 queries at the end of 9 positions"),
         case(7, 8, "7 queries at the end of 8 positions"),
-        case(5, 9, "5 queries at the end of 9 positions (the same n_key as a case before)",
-             "build the mask for the n_query and n_key you are given now: nothing may be kept from an earlier call"),
+        case(
+            5,
+            9,
+            "5 queries at the end of 9 positions (the same n_key as a case before)",
+            "build the mask for the n_query and n_key you are given now: nothing may be kept from an earlier call",
+        ),
         case(300, 300, "prefill of 300 tokens (past 255)", "positions go up to 299: compare int64 positions"),
         case(1, 300, "decode: one query after 299 cached positions"),
-        case(3, 1024, "3 queries at the end of GPT-2's whole context (1024 keys)",
-             "build the mask for n_key keys, however many: nothing of a fixed size (256 or 1024 wide)"),
-        case(1100, 1100, "1100 positions, past GPT-2's 1024", "nothing of a fixed size: compute the mask from n_query "
-                                                              "and n_key"),
+        case(
+            3,
+            1024,
+            "3 queries at the end of GPT-2's whole context (1024 keys)",
+            "build the mask for n_key keys, however many: nothing of a fixed size (256 or 1024 wide)",
+        ),
+        case(
+            1100,
+            1100,
+            "1100 positions, past GPT-2's 1024",
+            "nothing of a fixed size: compute the mask from n_query and n_key",
+        ),
     ]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
         nk = _randint(g, 1, 40) if i % 4 else _randint(g, 41, 1200)
         nq = _choice(g, [nk, 1, _randint(g, 1, nk)])
         cases.append(case(nq, nk, f"random #{i}: n_query={nq}, n_key={nk}"))
-    run_check("causal_mask", fn, cases, judge=_judge(CAUSAL_MISTAKES), forbid=[
-        Forbidden("llmcourse.engine.parts.causal_mask", "Write it yourself: compare key positions with query positions."),
-    ], seconds=5, total_seconds=20, show_call=lambda args: f"causal_mask({args[0]}, {args[1]})")
+    run_check(
+        "causal_mask",
+        fn,
+        cases,
+        judge=_judge(CAUSAL_MISTAKES),
+        forbid=[
+            Forbidden(
+                "llmcourse.engine.parts.causal_mask", "Write it yourself: compare key positions with query positions."
+            ),
+        ],
+        seconds=5,
+        total_seconds=20,
+        show_call=lambda args: f"causal_mask({args[0]}, {args[1]})",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Scaled dot-product attention
 
 
-def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *, scale: Optional[float] = None,
-               fill: float = -math.inf, after: bool = False) -> Tensor:
+def _attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Optional[Tensor] = None,
+    *,
+    scale: Optional[float] = None,
+    fill: float = -math.inf,
+    after: bool = False,
+) -> Tensor:
     """Attention written out; the keyword arguments make the known mistakes."""
     scores = q @ k.transpose(-2, -1) * (1 / math.sqrt(q.shape[-1]) if scale is None else scale)  # [B, H, Tq, Tk]
     if mask is not None and not after:
@@ -279,8 +382,9 @@ def _attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, *
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
     """The expected answer: the engine's fused attention (None = no mask), in float64."""
-    return in_float64(lambda *a: torch.nn.functional.scaled_dot_product_attention(*a[:3], attn_mask=a[3]),
-                       q, k, v, mask)
+    return in_float64(
+        lambda *a: torch.nn.functional.scaled_dot_product_attention(*a[:3], attn_mask=a[3]), q, k, v, mask
+    )
 
 
 def _first_row_mask(q, k, v, mask=None):
@@ -288,27 +392,49 @@ def _first_row_mask(q, k, v, mask=None):
 
 
 ATTENTION_MISTAKES: list[Mistake] = [
-    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / q.shape[-1]),
-     "scale the scores by 1/√d (d = q.shape[-1], the head dimension), not 1/d"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1.0),
-     "divide the scores by √d (d = q.shape[-1]): without it softmax saturates as d grows"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / math.sqrt(k.shape[-2])),
-     "scale by √d where d is the head dimension q.shape[-1], not the number of keys"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, None if mask is None else ~mask),
-     "the mask is inverted: True means 'may attend', so fill the scores where the mask is False (~mask)"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, mask, after=True),
-     "apply the mask before the softmax (scores where mask is False -> -inf); multiplying the probabilities by "
-     "the mask afterwards leaves rows that no longer sum to 1"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, mask, fill=0.0),
-     "fill masked scores with -inf (or a very negative number), not 0: exp(0) = 1 still gives them weight"),
-    (lambda q, k, v, mask=None: _attention(q, k, v, parts.causal_mask(q.shape[-2], k.shape[-2]) if mask is None
-                                           else mask),
-     "mask=None means no mask at all: every query attends to every key (the caller passes the causal mask)"),
-    (lambda q, k, v, mask=None: _attention(q, k[..., -q.shape[-2]:, :], v[..., -q.shape[-2]:, :],
-                                           None if mask is None else mask[..., -q.shape[-2]:]),
-     "Tq and Tk differ: every query attends to all Tk keys (use k.shape[-2] for the keys, q.shape[-2] for the queries)"),
-    (_first_row_mask, "use the whole mask: each batch item has its own padding (do not index mask[0] or drop a "
-                      "dimension; masked_fill broadcasts a [B, 1, 1, Tk] mask by itself)"),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / q.shape[-1]),
+        "scale the scores by 1/√d (d = q.shape[-1], the head dimension), not 1/d",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1.0),
+        "divide the scores by √d (d = q.shape[-1]): without it softmax saturates as d grows",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, mask, scale=1 / math.sqrt(k.shape[-2])),
+        "scale by √d where d is the head dimension q.shape[-1], not the number of keys",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, None if mask is None else ~mask),
+        "the mask is inverted: True means 'may attend', so fill the scores where the mask is False (~mask)",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, mask, after=True),
+        "apply the mask before the softmax (scores where mask is False -> -inf); multiplying the probabilities by "
+        "the mask afterwards leaves rows that no longer sum to 1",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(q, k, v, mask, fill=0.0),
+        "fill masked scores with -inf (or a very negative number), not 0: exp(0) = 1 still gives them weight",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(
+            q, k, v, parts.causal_mask(q.shape[-2], k.shape[-2]) if mask is None else mask
+        ),
+        "mask=None means no mask at all: every query attends to every key (the caller passes the causal mask)",
+    ),
+    (
+        lambda q, k, v, mask=None: _attention(
+            q, k[..., -q.shape[-2] :, :], v[..., -q.shape[-2] :, :], None if mask is None else mask[..., -q.shape[-2] :]
+        ),
+        "Tq and Tk differ: every query attends to all Tk keys (use k.shape[-2] for the keys, q.shape[-2] for the "
+        "queries)",
+    ),
+    (
+        _first_row_mask,
+        "use the whole mask: each batch item has its own padding (do not index mask[0] or drop a "
+        "dimension; masked_fill broadcasts a [B, 1, 1, Tk] mask by itself)",
+    ),
 ]
 
 
@@ -327,27 +453,46 @@ def _random_mask(g: torch.Generator, kind: int, B: int, H: int, Tq: int, Tk: int
     return "random mask [B, H, Tq, Tk]", mask
 
 
-def _attention_case(description: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None,
-                    hint: str = "") -> Case:
+def _attention_case(
+    description: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None, hint: str = ""
+) -> Case:
     return Case(description, (q, k, v, mask), later(reference_attention, q, k, v, mask), hint)
 
 
-def _qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, Dv: Optional[int] = None, *,
-         scale: float = 1.0, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor, Tensor]:
+def _qkv(
+    g: torch.Generator,
+    B: int,
+    H: int,
+    Tq: int,
+    Tk: int,
+    D: int,
+    Dv: Optional[int] = None,
+    *,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor, Tensor]:
     q = torch.randn(B, H, Tq, D, generator=g, dtype=torch.float64) * scale
     k = torch.randn(B, H, Tk, D, generator=g, dtype=torch.float64) * scale
     v = torch.randn(B, H, Tk, Dv or D, generator=g, dtype=torch.float64) * 3 + 1
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
-def _engine_qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, D: int, dtype: torch.dtype = torch.float32,
-                cached: bool = True) -> tuple[Tensor, Tensor, Tensor]:
+def _engine_qkv(
+    g: torch.Generator,
+    B: int,
+    H: int,
+    Tq: int,
+    Tk: int,
+    D: int,
+    dtype: torch.dtype = torch.float32,
+    cached: bool = True,
+) -> tuple[Tensor, Tensor, Tensor]:
     """q, k, v as the engine passes them: q from split_heads (a transposed view of the projection's slice), k and
     v the first Tk positions of a preallocated cache (a slice), all non-contiguous."""
     qkv = torch.randn(B, Tq, 3 * H * D, generator=g, dtype=torch.float64).to(dtype)
     q = qkv[..., : H * D].view(B, Tq, H, D).transpose(1, 2)
     if not cached:
-        k, v = (t.view(B, Tq, H, D).transpose(1, 2) for t in qkv[..., H * D:].split(H * D, dim=-1))
+        k, v = (t.view(B, Tq, H, D).transpose(1, 2) for t in qkv[..., H * D :].split(H * D, dim=-1))
         return q, k, v
     cache = (torch.randn(2, B, H, Tk + 5, D, generator=g, dtype=torch.float64) * 2).to(dtype)
     return q, cache[0, :, :, :Tk], cache[1, :, :, :Tk]
@@ -367,39 +512,86 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
     masks ([Tq, Tk] causal, [B, 1, Tq, Tk] padding), 300 and 1024 keys, float16 / bfloat16; then inside
     the engine (`check_in_engine`)."""
     g = torch.Generator().manual_seed(seed)
-    pad = torch.tensor([[True, True, True, False, False], [True, True, True, True, True], [False, True, True, True, False]])
+    pad = torch.tensor(
+        [[True, True, True, False, False], [True, True, True, True, True], [False, True, True, True, False]]
+    )
     cases = [
-        _attention_case("one query, two keys, no mask", torch.tensor([[[[1.0, 0.0]]]]),
-                        torch.tensor([[[[2.0, 0.0], [0.0, 2.0]]]]), torch.tensor([[[[10.0], [20.0]]]]),
-                        hint="scores = [2, 0] / √2; weights = softmax(scores); out = weights @ v"),
+        _attention_case(
+            "one query, two keys, no mask",
+            torch.tensor([[[[1.0, 0.0]]]]),
+            torch.tensor([[[[2.0, 0.0], [0.0, 2.0]]]]),
+            torch.tensor([[[[10.0], [20.0]]]]),
+            hint="scores = [2, 0] / √2; weights = softmax(scores); out = weights @ v",
+        ),
         _attention_case("mask=None attends everywhere", *_qkv(g, 1, 1, 4, 4, 8)),
         _attention_case("a causal mask [T, T]", *_qkv(g, 1, 2, 5, 5, 8), parts.causal_mask(5, 5)),
-        _attention_case("head dimension 64 (the scale 1/√d matters)", *_qkv(g, 1, 2, 4, 6, 64), parts.causal_mask(4, 6)),
-        _attention_case("batch of 3, each with its own padding mask [B, 1, 1, Tk]", *_qkv(g, 3, 2, 5, 5, 4),
-                        pad[:, None, None, :], "masked_fill broadcasts the mask; keep its batch dimension"),
+        _attention_case(
+            "head dimension 64 (the scale 1/√d matters)", *_qkv(g, 1, 2, 4, 6, 64), parts.causal_mask(4, 6)
+        ),
+        _attention_case(
+            "batch of 3, each with its own padding mask [B, 1, 1, Tk]",
+            *_qkv(g, 3, 2, 5, 5, 4),
+            pad[:, None, None, :],
+            "masked_fill broadcasts the mask; keep its batch dimension",
+        ),
         _attention_case("decode: one query, 7 keys, mask [1, 7]", *_qkv(g, 2, 2, 1, 7, 8), parts.causal_mask(1, 7)),
-        _attention_case("3 queries at the end of 7 keys, causal mask [3, 7]", *_qkv(g, 1, 3, 3, 7, 8),
-                        parts.causal_mask(3, 7), "Tq and Tk differ: use q.shape[-2] and k.shape[-2], not one T"),
-        _attention_case("values with another last dimension (Dv=5, D=4)", *_qkv(g, 2, 1, 3, 4, 4, 5),
-                        hint="the output has v's last dimension: [B, H, Tq, Dv]"),
-        _attention_case("float64 in, float64 out", *_qkv(g, 2, 2, 4, 4, 8, dtype=torch.float64), parts.causal_mask(4, 4)),
-        _attention_case("a random mask per head [B, H, Tq, Tk]", *_qkv(g, 2, 3, 4, 6, 8), *_random_mask(g, 3, 2, 3, 4, 6)[1:]),
-        _attention_case("scores far from 0 (q and k ×20)", *_qkv(g, 1, 2, 5, 5, 16, scale=20.0), parts.causal_mask(5, 5),
-                        "your softmax must be the stable one"),
-        _attention_case("as the engine calls it: q from split_heads, k and v slices of a cache (non-contiguous), "
-                        "causal mask [4, 9]", *_engine_qkv(g, 2, 3, 4, 9, 8), parts.causal_mask(4, 9), NOT_CONTIGUOUS),
-        _attention_case("prefill of 300 tokens (past 256 keys), causal mask [300, 300], non-contiguous q, k, v",
-                        *_engine_qkv(g, 1, 2, 300, 300, 16, cached=False), parts.causal_mask(300, 300),
-                        "build nothing of a fixed size: Tk is k.shape[-2], however many keys"),
-        _attention_case("decode: one query, 1024 keys (GPT-2's context) in a cache", *_engine_qkv(g, 2, 2, 1, 1024, 16),
-                        parts.causal_mask(1, 1024)),
-        _attention_case("the engine's padding mask [B, 1, Tq, Tk] (rows of 6 and 3 real tokens; a padding query sees "
-                        "only itself)", *_engine_qkv(g, 2, 2, 6, 6, 8, cached=False), _engine_padding_mask([6, 3], 6, 6)),
-        _attention_case("float16 in, float16 out (non-contiguous, causal)", *_engine_qkv(g, 1, 2, 5, 7, 16, torch.float16),
-                        parts.causal_mask(5, 7), "float16 in, float16 out"),
-        _attention_case("bfloat16 in, bfloat16 out, a padding mask", *_engine_qkv(g, 2, 1, 4, 4, 8, torch.bfloat16,
-                                                                                  cached=False),
-                        _engine_padding_mask([4, 2], 4, 4)),
+        _attention_case(
+            "3 queries at the end of 7 keys, causal mask [3, 7]",
+            *_qkv(g, 1, 3, 3, 7, 8),
+            parts.causal_mask(3, 7),
+            "Tq and Tk differ: use q.shape[-2] and k.shape[-2], not one T",
+        ),
+        _attention_case(
+            "values with another last dimension (Dv=5, D=4)",
+            *_qkv(g, 2, 1, 3, 4, 4, 5),
+            hint="the output has v's last dimension: [B, H, Tq, Dv]",
+        ),
+        _attention_case(
+            "float64 in, float64 out", *_qkv(g, 2, 2, 4, 4, 8, dtype=torch.float64), parts.causal_mask(4, 4)
+        ),
+        _attention_case(
+            "a random mask per head [B, H, Tq, Tk]", *_qkv(g, 2, 3, 4, 6, 8), *_random_mask(g, 3, 2, 3, 4, 6)[1:]
+        ),
+        _attention_case(
+            "scores far from 0 (q and k ×20)",
+            *_qkv(g, 1, 2, 5, 5, 16, scale=20.0),
+            parts.causal_mask(5, 5),
+            "your softmax must be the stable one",
+        ),
+        _attention_case(
+            "as the engine calls it: q from split_heads, k and v slices of a cache (non-contiguous), "
+            "causal mask [4, 9]",
+            *_engine_qkv(g, 2, 3, 4, 9, 8),
+            parts.causal_mask(4, 9),
+            NOT_CONTIGUOUS,
+        ),
+        _attention_case(
+            "prefill of 300 tokens (past 256 keys), causal mask [300, 300], non-contiguous q, k, v",
+            *_engine_qkv(g, 1, 2, 300, 300, 16, cached=False),
+            parts.causal_mask(300, 300),
+            "build nothing of a fixed size: Tk is k.shape[-2], however many keys",
+        ),
+        _attention_case(
+            "decode: one query, 1024 keys (GPT-2's context) in a cache",
+            *_engine_qkv(g, 2, 2, 1, 1024, 16),
+            parts.causal_mask(1, 1024),
+        ),
+        _attention_case(
+            "the engine's padding mask [B, 1, Tq, Tk] (rows of 6 and 3 real tokens; a padding query sees only itself)",
+            *_engine_qkv(g, 2, 2, 6, 6, 8, cached=False),
+            _engine_padding_mask([6, 3], 6, 6),
+        ),
+        _attention_case(
+            "float16 in, float16 out (non-contiguous, causal)",
+            *_engine_qkv(g, 1, 2, 5, 7, 16, torch.float16),
+            parts.causal_mask(5, 7),
+            "float16 in, float16 out",
+        ),
+        _attention_case(
+            "bfloat16 in, bfloat16 out, a padding mask",
+            *_engine_qkv(g, 2, 1, 4, 4, 8, torch.bfloat16, cached=False),
+            _engine_padding_mask([4, 2], 4, 4),
+        ),
     ]
     for i in range(n_random):
         B, H, D = _randint(g, 1, 3), _randint(g, 1, 4), _choice(g, [1, 3, 8, 16, 64])
@@ -412,15 +604,33 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
         q, k, v = _qkv(g, B, H, Tq, Tk, D, Dv, scale=scale, dtype=dtype)
         if i % 3 == 1:  # the engine's layouts: transposed views
             q, k, v = (t.transpose(-2, -3).contiguous().transpose(-2, -3) for t in (q, k, v))
-        cases.append(_attention_case(f"random #{i} (B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, Dv={Dv}, "
-                                     f"{str(dtype)[6:]}, {what})", q, k, v, mask))
-    run_check("attention", fn, cases, judge=_judge(ATTENTION_MISTAKES, loose=True), forbid=NO_ATTENTION,
-              error_hints={"is not written yet": "attention calls your softmax: if attention is written, write "
-                                                 "softmax (exercise 1) first", **ENGINE_ERROR_HINTS},
-              seconds=5, total_seconds=30, show_call=_show("attention", "q", "k", "v", "mask"))
-    check_in_engine("attention", fn, _in_engine_forbid(NO_ATTENTION),
-                    hint="the engine calls attention(q, k, v, mask) with q from split_heads and k, v from its cache "
-                         "(non-contiguous views), mask [Tq, Tk] (causal) or [B, 1, Tq, Tk] (padding)")
+        cases.append(
+            _attention_case(
+                f"random #{i} (B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, Dv={Dv}, {str(dtype)[6:]}, {what})", q, k, v, mask
+            )
+        )
+    run_check(
+        "attention",
+        fn,
+        cases,
+        judge=_judge(ATTENTION_MISTAKES, loose=True),
+        forbid=NO_ATTENTION,
+        error_hints={
+            "is not written yet": "attention calls your softmax: if attention is written, write "
+            "softmax (exercise 1) first",
+            **ENGINE_ERROR_HINTS,
+        },
+        seconds=5,
+        total_seconds=30,
+        show_call=_show("attention", "q", "k", "v", "mask"),
+    )
+    check_in_engine(
+        "attention",
+        fn,
+        _in_engine_forbid(NO_ATTENTION),
+        hint="the engine calls attention(q, k, v, mask) with q from split_heads and k, v from its cache "
+        "(non-contiguous views), mask [Tq, Tk] (causal) or [B, 1, Tq, Tk] (padding)",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -428,43 +638,59 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
 
 
 SPLIT_MISTAKES: list[Mistake] = [
-    (lambda x, n: x.reshape(x.shape[0], n, x.shape[1], x.shape[2] // n),
-     "view(B, n_head, T, D) mixes positions into heads: view as (B, T, n_head, D), then transpose(1, 2)"),
-    (lambda x, n: x.reshape(x.shape[0], x.shape[1], x.shape[2] // n, n).permute(0, 3, 1, 2),
-     "head h holds channels h·D … (h+1)·D - 1 (consecutive), not every n_head-th channel: view as "
-     "(B, T, n_head, D)"),
-    (lambda x, n: x.reshape(-1, n, x.shape[2] // n).transpose(0, 1).reshape(x.shape[0], n, x.shape[1], -1),
-     "keep the batch dimension apart: view as (B, T, n_head, D) and transpose(1, 2); reshaping B·T rows mixes "
-     "batch items"),
+    (
+        lambda x, n: x.reshape(x.shape[0], n, x.shape[1], x.shape[2] // n),
+        "view(B, n_head, T, D) mixes positions into heads: view as (B, T, n_head, D), then transpose(1, 2)",
+    ),
+    (
+        lambda x, n: x.reshape(x.shape[0], x.shape[1], x.shape[2] // n, n).permute(0, 3, 1, 2),
+        "head h holds channels h·D … (h+1)·D - 1 (consecutive), not every n_head-th channel: view as (B, T, n_head, D)",
+    ),
+    (
+        lambda x, n: x.reshape(-1, n, x.shape[2] // n).transpose(0, 1).reshape(x.shape[0], n, x.shape[1], -1),
+        "keep the batch dimension apart: view as (B, T, n_head, D) and transpose(1, 2); reshaping B·T rows mixes "
+        "batch items",
+    ),
 ]
 MERGE_MISTAKES: list[Mistake] = [
-    (lambda x: x.reshape(x.shape[0], x.shape[2], -1),
-     "transpose back first: x.transpose(1, 2) is [B, T, H, D]; then reshape to [B, T, H·D]"),
-    (lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1),
-     "head h's channels go to h·D … (h+1)·D - 1 (consecutive): transpose(1, 2), not a permute that puts heads last"),
-    (lambda x: x.transpose(0, 2).reshape(x.shape[2], x.shape[0], -1).transpose(0, 1),
-     "keep the batch dimension first: x.transpose(1, 2).reshape(B, T, H * D)"),
+    (
+        lambda x: x.reshape(x.shape[0], x.shape[2], -1),
+        "transpose back first: x.transpose(1, 2) is [B, T, H, D]; then reshape to [B, T, H·D]",
+    ),
+    (
+        lambda x: x.permute(0, 2, 3, 1).reshape(x.shape[0], x.shape[2], -1),
+        "head h's channels go to h·D … (h+1)·D - 1 (consecutive): transpose(1, 2), not a permute that puts heads last",
+    ),
+    (
+        lambda x: x.transpose(0, 2).reshape(x.shape[2], x.shape[0], -1).transpose(0, 1),
+        "keep the batch dimension first: x.transpose(1, 2).reshape(B, T, H * D)",
+    ),
 ]
 
 
 def _distinct(g: torch.Generator, shape: tuple, dtype: torch.dtype) -> Tensor:
     """Values that are all different (any permutation shows), far from 0."""
     n = math.prod(shape)
-    return (torch.randperm(n, generator=g).to(torch.float64) + torch.rand(n, generator=g, dtype=torch.float64)) \
-        .reshape(shape).to(dtype)
+    return (
+        (torch.randperm(n, generator=g).to(torch.float64) + torch.rand(n, generator=g, dtype=torch.float64))
+        .reshape(shape)
+        .to(dtype)
+    )
 
 
 def _head_shapes(g: torch.Generator, n_random: int) -> list[tuple[str, tuple[int, int, int], int, torch.dtype]]:
-    shapes = [("one position, one batch item", (1, 1, 6), 2, torch.float32),
-              ("batch 1, 4 positions, 3 heads of 2", (1, 4, 6), 3, torch.float32),
-              ("batch 2, 5 positions, 2 heads of 4", (2, 5, 8), 2, torch.float32),
-              ("batch 3, one head (n_head=1)", (3, 4, 6), 1, torch.float32),
-              ("heads of one channel (n_head=C)", (2, 3, 4), 4, torch.float32),
-              ("float64", (2, 3, 12), 3, torch.float64),
-              ("GPT-2's sizes: 12 heads of 64", (2, 7, 768), 12, torch.float32),
-              ("300 positions, the bundled model's 6 heads of 32", (1, 300, 192), 6, torch.float32),
-              ("float16", (2, 3, 8), 2, torch.float16),
-              ("bfloat16", (1, 4, 12), 4, torch.bfloat16)]
+    shapes = [
+        ("one position, one batch item", (1, 1, 6), 2, torch.float32),
+        ("batch 1, 4 positions, 3 heads of 2", (1, 4, 6), 3, torch.float32),
+        ("batch 2, 5 positions, 2 heads of 4", (2, 5, 8), 2, torch.float32),
+        ("batch 3, one head (n_head=1)", (3, 4, 6), 1, torch.float32),
+        ("heads of one channel (n_head=C)", (2, 3, 4), 4, torch.float32),
+        ("float64", (2, 3, 12), 3, torch.float64),
+        ("GPT-2's sizes: 12 heads of 64", (2, 7, 768), 12, torch.float32),
+        ("300 positions, the bundled model's 6 heads of 32", (1, 300, 192), 6, torch.float32),
+        ("float16", (2, 3, 8), 2, torch.float16),
+        ("bfloat16", (1, 4, 12), 4, torch.bfloat16),
+    ]
     for i in range(n_random):
         n_head, D = _randint(g, 1, 8), _randint(g, 1, 9)
         B, T = _randint(g, 1, 4), _randint(g, 1, 9)
@@ -478,19 +704,39 @@ def check_split_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
     g = torch.Generator().manual_seed(seed)
     cases = []
     for i, (what, shape, n_head, dtype) in enumerate(_head_shapes(g, n_random)):
-        if i % 2 and i > 2:  # as the engine passes it: one of the pieces of qkv.split(C, dim=-1), a non-contiguous slice
+        if (
+            i % 2 and i > 2
+        ):  # as the engine passes it: one of the pieces of qkv.split(C, dim=-1), a non-contiguous slice
             x = _distinct(g, (shape[0], shape[1], 3 * shape[2]), dtype).split(shape[2], dim=-1)[i % 3]
             what += " (x a slice of qkv, as the engine passes it)"
         else:
             x = _distinct(g, shape, dtype)
-        cases.append(Case(f"{what}: B={shape[0]}, T={shape[1]}, C={shape[2]}, n_head={n_head}", (x, n_head),
-                          parts.split_heads(x, n_head).contiguous()))
+        cases.append(
+            Case(
+                f"{what}: B={shape[0]}, T={shape[1]}, C={shape[2]}, n_head={n_head}",
+                (x, n_head),
+                parts.split_heads(x, n_head).contiguous(),
+            )
+        )
     forbid = [Forbidden("llmcourse.engine.parts.split_heads", "Write it yourself with view and transpose.")]
-    run_check("split_heads", fn, cases, judge=_judge(SPLIT_MISTAKES), forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
-              seconds=5, total_seconds=20, show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})")
-    check_in_engine("split_heads", fn, _in_engine_forbid(forbid),
-                    hint="the engine calls split_heads three times (q, k, v) and keeps the three results: return a "
-                         "new view or tensor each time, not a buffer reused between calls")
+    run_check(
+        "split_heads",
+        fn,
+        cases,
+        judge=_judge(SPLIT_MISTAKES),
+        forbid=forbid,
+        error_hints=ENGINE_ERROR_HINTS,
+        seconds=5,
+        total_seconds=20,
+        show_call=lambda args: f"split_heads(x={_describe(args[0])}, n_head={args[1]})",
+    )
+    check_in_engine(
+        "split_heads",
+        fn,
+        _in_engine_forbid(forbid),
+        hint="the engine calls split_heads three times (q, k, v) and keeps the three results: return a "
+        "new view or tensor each time, not a buffer reused between calls",
+    )
 
 
 def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
@@ -505,21 +751,49 @@ def check_merge_heads(fn, *, seed: int = 0, n_random: int = 20) -> None:
             x = _distinct(g, (B, n_head, T, C // n_head), dtype)
         cases.append(Case(f"{what}: B={B}, H={n_head}, T={T}, D={C // n_head}", (x,), later(parts.merge_heads, x)))
     forbid = [Forbidden("llmcourse.engine.parts.merge_heads", "Write it yourself with transpose and reshape.")]
-    run_check("merge_heads", fn, cases, judge=_judge(MERGE_MISTAKES), forbid=forbid, error_hints={
-        "view size is not compatible": "after transpose(1, 2) the memory is not laid out as [B, T, H·D]: use "
-                                       ".reshape(B, T, H * D) (or .contiguous().view(...))"},
-        seconds=5, total_seconds=20, show_call=lambda args: f"merge_heads(x={_describe(args[0])})")
-    check_in_engine("merge_heads", fn, _in_engine_forbid(forbid),
-                    hint="the engine calls merge_heads on attention's [B, H, T, D] output")
+    run_check(
+        "merge_heads",
+        fn,
+        cases,
+        judge=_judge(MERGE_MISTAKES),
+        forbid=forbid,
+        error_hints={
+            "view size is not compatible": "after transpose(1, 2) the memory is not laid out as [B, T, H·D]: use "
+            ".reshape(B, T, H * D) (or .contiguous().view(...))"
+        },
+        seconds=5,
+        total_seconds=20,
+        show_call=lambda args: f"merge_heads(x={_describe(args[0])})",
+    )
+    check_in_engine(
+        "merge_heads",
+        fn,
+        _in_engine_forbid(forbid),
+        hint="the engine calls merge_heads on attention's [B, H, T, D] output",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # GPT-2's multi-head self-attention
 
 
-def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head, *, order=(0, 1, 2),
-                    causal=True, proj=True, heads_first=False, one_head=False, scale_by_width=False,
-                    attn_bias=True, proj_bias=True):
+def _self_attention(
+    x,
+    c_attn_weight,
+    c_attn_bias,
+    c_proj_weight,
+    c_proj_bias,
+    n_head,
+    *,
+    order=(0, 1, 2),
+    causal=True,
+    proj=True,
+    heads_first=False,
+    one_head=False,
+    scale_by_width=False,
+    attn_bias=True,
+    proj_bias=True,
+):
     """GPT-2's attention written out (softmax of the masked, scaled scores); the keyword arguments make the
     known mistakes."""
     C = x.shape[-1]
@@ -532,7 +806,7 @@ def _self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n
         q, k, v = ((q, k, v)[i] for i in order)
     T = x.shape[1]
     mask = parts.causal_mask(T, T) if causal else None
-    out = parts.merge_heads(_attention(q, k, v, mask, scale=C ** -0.5 if scale_by_width else None))  # [B, T, C]
+    out = parts.merge_heads(_attention(q, k, v, mask, scale=C**-0.5 if scale_by_width else None))  # [B, T, C]
     return out @ c_proj_weight + (c_proj_bias if proj_bias else 0) if proj else out
 
 
@@ -542,26 +816,46 @@ def reference_self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_pro
 
 
 SELF_ATTENTION_MISTAKES: list[Mistake] = [
-    (functools.partial(_self_attention, order=(1, 0, 2)),
-     "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, dim=-1)"),
-    (functools.partial(_self_attention, order=(0, 2, 1)),
-     "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, dim=-1)"),
-    (functools.partial(_self_attention, causal=False),
-     "GPT-2's attention is causal: pass causal_mask(T, T) to attention (None means no mask)"),
-    (functools.partial(_self_attention, proj=False),
-     "finish with the output projection: merged @ c_proj_weight + c_proj_bias"),
-    (functools.partial(_self_attention, heads_first=True),
-     "split qkv into q, k, v (along the last dim, C each) first, then split each into heads"),
-    (functools.partial(_self_attention, one_head=True),
-     "use the n_head you are given: n_head heads of C // n_head channels each (split_heads(t, n_head)); one head "
-     "over all C channels, or a fixed number of heads, is another attention"),
-    (functools.partial(_self_attention, scale_by_width=True),
-     "each head scales its scores by 1/√D, D = C // n_head its own width (attention does it with q.shape[-1] of "
-     "the split q), not by 1/√C"),
-    (functools.partial(_self_attention, attn_bias=False),
-     "add the bias of the fused projection: qkv = x @ c_attn_weight + c_attn_bias (the check's biases are not 0)"),
-    (functools.partial(_self_attention, proj_bias=False),
-     "add the bias of the output projection: merged @ c_proj_weight + c_proj_bias (the check's biases are not 0)"),
+    (
+        functools.partial(_self_attention, order=(1, 0, 2)),
+        "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, "
+        "dim=-1)",
+    ),
+    (
+        functools.partial(_self_attention, order=(0, 2, 1)),
+        "the fused projection's output is [q | k | v] along the last dim, in that order: q, k, v = qkv.split(C, "
+        "dim=-1)",
+    ),
+    (
+        functools.partial(_self_attention, causal=False),
+        "GPT-2's attention is causal: pass causal_mask(T, T) to attention (None means no mask)",
+    ),
+    (
+        functools.partial(_self_attention, proj=False),
+        "finish with the output projection: merged @ c_proj_weight + c_proj_bias",
+    ),
+    (
+        functools.partial(_self_attention, heads_first=True),
+        "split qkv into q, k, v (along the last dim, C each) first, then split each into heads",
+    ),
+    (
+        functools.partial(_self_attention, one_head=True),
+        "use the n_head you are given: n_head heads of C // n_head channels each (split_heads(t, n_head)); one head "
+        "over all C channels, or a fixed number of heads, is another attention",
+    ),
+    (
+        functools.partial(_self_attention, scale_by_width=True),
+        "each head scales its scores by 1/√D, D = C // n_head its own width (attention does it with q.shape[-1] of "
+        "the split q), not by 1/√C",
+    ),
+    (
+        functools.partial(_self_attention, attn_bias=False),
+        "add the bias of the fused projection: qkv = x @ c_attn_weight + c_attn_bias (the check's biases are not 0)",
+    ),
+    (
+        functools.partial(_self_attention, proj_bias=False),
+        "add the bias of the output projection: merged @ c_proj_weight + c_proj_bias (the check's biases are not 0)",
+    ),
 ]
 
 
@@ -587,21 +881,31 @@ def _bundled_layer() -> tuple[Tensor, ...]:
     """Layer 0's attention weights of the bundled model, and n_head."""
     model = bundled_model()
     attn = model.h[0].attn
-    return (attn.c_attn.weight.detach().clone(), attn.c_attn.bias.detach().clone(),
-            attn.c_proj.weight.detach().clone(), attn.c_proj.bias.detach().clone(), model.config.n_head)
+    return (
+        attn.c_attn.weight.detach().clone(),
+        attn.c_attn.bias.detach().clone(),
+        attn.c_proj.weight.detach().clone(),
+        attn.c_proj.bias.detach().clone(),
+        model.config.n_head,
+    )
 
 
 def _layer_as(layer: tuple, dtype: torch.dtype, n_head: Optional[int] = None, bias_shift: float = 0.0) -> tuple:
     """A layer's weights in another dtype, with another n_head, or with its biases moved away from 0."""
     w, b, pw, pb, h = layer
-    return (w.to(dtype), (b.double() + bias_shift).to(dtype), pw.to(dtype), (pb.double() - bias_shift).to(dtype),
-            h if n_head is None else n_head)
+    return (
+        w.to(dtype),
+        (b.double() + bias_shift).to(dtype),
+        pw.to(dtype),
+        (pb.double() - bias_shift).to(dtype),
+        h if n_head is None else n_head,
+    )
 
 
 def _random_layer(g: torch.Generator, C: int, n_head: int, dtype: torch.dtype) -> tuple:
     """Weights of a GPT-2 scale; biases far from 0 (1 ± 0.5), so that a dropped bias shows."""
     w = lambda *shape, s=1.0, at=0.0: (torch.randn(*shape, generator=g, dtype=torch.float64) * s + at).to(dtype)  # noqa: E731
-    return w(C, 3 * C, s=C ** -0.5), w(3 * C, s=0.5, at=1.0), w(C, C, s=C ** -0.5), w(C, s=0.5, at=-1.0), n_head
+    return w(C, 3 * C, s=C**-0.5), w(3 * C, s=0.5, at=1.0), w(C, C, s=C**-0.5), w(C, s=0.5, at=-1.0), n_head
 
 
 def _sequence_first(g: torch.Generator, B: int, T: int, C: int, dtype: torch.dtype) -> Tensor:
@@ -629,24 +933,44 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
         _self_attention_case("one position, 2 heads", x(1, 1, 4), _random_layer(g, 4, 2, torch.float32)),
         _self_attention_case("3 positions, 2 heads of 3", x(1, 3, 6), _random_layer(g, 6, 2, torch.float32)),
         _self_attention_case("batch 2, 5 positions, 3 heads", x(2, 5, 12), _random_layer(g, 12, 3, torch.float32)),
-        _self_attention_case("float64 in, float64 out", x(2, 4, 8, dtype=torch.float64),
-                             _random_layer(g, 8, 2, torch.float64)),
-        _self_attention_case(f"the bundled model's layer 0 (C={C}, {bundled[-1]} heads), 9 positions", x(1, 9, C), bundled),
+        _self_attention_case(
+            "float64 in, float64 out", x(2, 4, 8, dtype=torch.float64), _random_layer(g, 8, 2, torch.float64)
+        ),
+        _self_attention_case(
+            f"the bundled model's layer 0 (C={C}, {bundled[-1]} heads), 9 positions", x(1, 9, C), bundled
+        ),
         _self_attention_case("the bundled model's layer 0, batch 3", x(3, 6, C), bundled),
-        _self_attention_case(f"the bundled layer's weights split into 3 heads of {C // 3} (n_head is an argument)",
-                             x(2, 7, C), _layer_as(bundled, torch.float32, n_head=3),
-                             "split into the n_head heads you are given, not the bundled model's number"),
+        _self_attention_case(
+            f"the bundled layer's weights split into 3 heads of {C // 3} (n_head is an argument)",
+            x(2, 7, C),
+            _layer_as(bundled, torch.float32, n_head=3),
+            "split into the n_head heads you are given, not the bundled model's number",
+        ),
         _self_attention_case("the same weights, 12 heads", x(1, 5, C), _layer_as(bundled, torch.float32, n_head=12)),
-        _self_attention_case("biases far from 0 (c_attn_bias + 2, c_proj_bias - 2)", x(2, 6, C),
-                             _layer_as(bundled, torch.float32, bias_shift=2.0)),
-        _self_attention_case("x a non-contiguous view (a transposed [T, B, C] tensor)",
-                             _sequence_first(g, 2, 5, 12, torch.float32), _random_layer(g, 12, 4, torch.float32),
-                             NOT_CONTIGUOUS),
+        _self_attention_case(
+            "biases far from 0 (c_attn_bias + 2, c_proj_bias - 2)",
+            x(2, 6, C),
+            _layer_as(bundled, torch.float32, bias_shift=2.0),
+        ),
+        _self_attention_case(
+            "x a non-contiguous view (a transposed [T, B, C] tensor)",
+            _sequence_first(g, 2, 5, 12, torch.float32),
+            _random_layer(g, 12, 4, torch.float32),
+            NOT_CONTIGUOUS,
+        ),
         _self_attention_case("300 positions (past 256), the bundled layer", x(1, 300, C), bundled, no_fixed_size),
-        _self_attention_case("float16 in, float16 out (the bundled layer in float16)", x(2, 8, C, dtype=torch.float16),
-                             _layer_as(bundled, torch.float16), "float16 in, float16 out"),
-        _self_attention_case("bfloat16 in, bfloat16 out, 260 positions", x(1, 260, C, dtype=torch.bfloat16),
-                             _layer_as(bundled, torch.bfloat16, n_head=4), no_fixed_size),
+        _self_attention_case(
+            "float16 in, float16 out (the bundled layer in float16)",
+            x(2, 8, C, dtype=torch.float16),
+            _layer_as(bundled, torch.float16),
+            "float16 in, float16 out",
+        ),
+        _self_attention_case(
+            "bfloat16 in, bfloat16 out, 260 positions",
+            x(1, 260, C, dtype=torch.bfloat16),
+            _layer_as(bundled, torch.bfloat16, n_head=4),
+            no_fixed_size,
+        ),
     ]
     for i in range(n_random):
         n_head, D = _randint(g, 1, 4), _randint(g, 1, 8)
@@ -657,26 +981,40 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
             xi, what = _sequence_first(g, B, T, n_head * D, dtype), ", x non-contiguous"
         else:
             xi = x(B, T, n_head * D, dtype=dtype)
-        cases.append(_self_attention_case(f"random #{i}: B={B}, T={T}, C={n_head * D}, n_head={n_head}, "
-                                          f"{str(dtype)[6:]}{what}", xi, _random_layer(g, n_head * D, n_head, dtype)))
-    run_check("self_attention", fn, cases, judge=tensor_judge(_self_attention_tolerance, SELF_ATTENTION_MISTAKES),
-              forbid=[
-                  *NO_ATTENTION,
-                  Forbidden("llmcourse.engine.parts", OWN_PARTS),
-                  Forbidden("llmcourse.engine.model", OWN_PARTS),
-                  Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
-              ], error_hints={
-                  "is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
-                                        "merge_heads (and attention your softmax): write those first",
-                  "view size is not compatible": "x is a non-contiguous view here (a transposed [T, B, C] tensor): "
-                                                 ".view() cannot reshape it; x @ c_attn_weight works on any layout, "
-                                                 "or use .reshape() (or .contiguous().view())",
-                  "must match the size of tensor": "a size that does not fit this call: build the mask from this "
-                                                   "call's T (causal_mask(T, T), nothing of a fixed size) and split "
-                                                   "into this call's n_head heads of C // n_head"},
-              seconds=5, total_seconds=30,
-              show_call=_show("self_attention", "x", "c_attn_weight", "c_attn_bias", "c_proj_weight", "c_proj_bias",
-                              "n_head"))
+        cases.append(
+            _self_attention_case(
+                f"random #{i}: B={B}, T={T}, C={n_head * D}, n_head={n_head}, {str(dtype)[6:]}{what}",
+                xi,
+                _random_layer(g, n_head * D, n_head, dtype),
+            )
+        )
+    run_check(
+        "self_attention",
+        fn,
+        cases,
+        judge=tensor_judge(_self_attention_tolerance, SELF_ATTENTION_MISTAKES),
+        forbid=[
+            *NO_ATTENTION,
+            Forbidden("llmcourse.engine.parts", OWN_PARTS),
+            Forbidden("llmcourse.engine.model", OWN_PARTS),
+            Forbidden("torch.nn.MultiheadAttention", OWN_PARTS),
+        ],
+        error_hints={
+            "is not written yet": "self_attention uses your causal_mask, attention, split_heads and "
+            "merge_heads (and attention your softmax): write those first",
+            "view size is not compatible": "x is a non-contiguous view here (a transposed [T, B, C] tensor): "
+            ".view() cannot reshape it; x @ c_attn_weight works on any layout, "
+            "or use .reshape() (or .contiguous().view())",
+            "must match the size of tensor": "a size that does not fit this call: build the mask from this "
+            "call's T (causal_mask(T, T), nothing of a fixed size) and split "
+            "into this call's n_head heads of C // n_head",
+        },
+        seconds=5,
+        total_seconds=30,
+        show_call=_show(
+            "self_attention", "x", "c_attn_weight", "c_attn_bias", "c_proj_weight", "c_proj_bias", "n_head"
+        ),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -690,8 +1028,11 @@ def _scaled_scores(q: Tensor, k: Tensor, causal: bool) -> Tensor:
     return scores
 
 
-def reference_tiled(q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True) -> tuple[Tensor, Tensor]:
+def reference_tiled(
+    q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True
+) -> tuple[Tensor, Tensor]:
     """The expected (out, lse): plain attention and torch.logsumexp of its scores, in float64."""
+
     def both(q, k, v):
         scores = _scaled_scores(q, k, causal)
         return torch.softmax(scores, dim=-1) @ v, torch.logsumexp(scores, dim=-1)
@@ -720,14 +1061,20 @@ def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=
 
 
 TILED_OUT_MISTAKES: list[Mistake] = [
-    (functools.partial(_tiled_mistake, rescale=False),
-     "when a block raises the running max from m to m_new, multiply both the running sum l and the accumulator "
-     "by exp(m - m_new) before adding the block's terms"),
-    (functools.partial(_tiled_mistake, offset=False),
-     "with Tq < Tk the queries are the LAST Tq positions: query i is at position Tk - Tq + i, and sees keys "
-     "0 .. Tk - Tq + i"),
-    (lambda q, k, v, block_size=64, causal=True: reference_tiled(q, k, v, block_size, not causal)[0],
-     "causal=True masks the future (key position > query position), causal=False masks nothing"),
+    (
+        functools.partial(_tiled_mistake, rescale=False),
+        "when a block raises the running max from m to m_new, multiply both the running sum l and the accumulator "
+        "by exp(m - m_new) before adding the block's terms",
+    ),
+    (
+        functools.partial(_tiled_mistake, offset=False),
+        "with Tq < Tk the queries are the LAST Tq positions: query i is at position Tk - Tq + i, and sees keys "
+        "0 .. Tk - Tq + i",
+    ),
+    (
+        lambda q, k, v, block_size=64, causal=True: reference_tiled(q, k, v, block_size, not causal)[0],
+        "causal=True masks the future (key position > query position), causal=False masks nothing",
+    ),
 ]
 
 
@@ -735,7 +1082,8 @@ def _judge_tiled(case: Case, got: Any) -> Verdict:
     out, lse = case.expected
     if not (isinstance(got, tuple) and len(got) == 2):
         return f"expected a tuple (out, lse), got {type(got).__name__}" + (
-            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""), "return out, lse"
+            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""
+        ), "return out, lse"
     atol, rtol = _tolerance(out.dtype, loose=True)
     problem = tensor_problem(got[0], out, atol=atol, rtol=rtol)
     if problem:
@@ -758,9 +1106,12 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
     """tiled_attention(q, k, v, block_size=64, causal=True) -> (out [B, H, Tq, Dv], lse [B, H, Tq])."""
     g = torch.Generator().manual_seed(seed)
 
-    def case(description: str, q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool = True,
-             hint: str = "") -> Case:
-        return Case(description, (q, k, v, block_size, causal), later(reference_tiled, q, k, v, block_size, causal), hint)
+    def case(
+        description: str, q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool = True, hint: str = ""
+    ) -> Case:
+        return Case(
+            description, (q, k, v, block_size, causal), later(reference_tiled, q, k, v, block_size, causal), hint
+        )
 
     # keys whose scores grow along the sequence: the running max changes in every block
     q_up = torch.ones(1, 1, 6, 4)
@@ -769,11 +1120,22 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
     cases = [
         case("one block (block_size >= T)", *_qkv(g, 1, 1, 6, 6, 4), 64),
         case("blocks of 4 over 16 positions", *_qkv(g, 1, 2, 16, 16, 8), 4),
-        case("scores growing along the keys: the max changes in every block", q_up, k_up, v_up, 3, False,
-             "each new block raises the max: rescale l and the accumulator by exp(m_old - m_new)"),
+        case(
+            "scores growing along the keys: the max changes in every block",
+            q_up,
+            k_up,
+            v_up,
+            3,
+            False,
+            "each new block raises the max: rescale l and the accumulator by exp(m_old - m_new)",
+        ),
         case("the same, causal", q_up, k_up, v_up, 3),
-        case("a block size that does not divide T (13 positions, blocks of 5)", *_qkv(g, 1, 1, 13, 13, 8), 5,
-             hint="the last block is shorter: slice k[:, :, k0 : k0 + block_size], do not assume block_size rows"),
+        case(
+            "a block size that does not divide T (13 positions, blocks of 5)",
+            *_qkv(g, 1, 1, 13, 13, 8),
+            5,
+            hint="the last block is shorter: slice k[:, :, k0 : k0 + block_size], do not assume block_size rows",
+        ),
         case("causal=False", *_qkv(g, 2, 2, 10, 10, 8), 4, False),
         case("decode: 1 query, 11 keys, causal", *_qkv(g, 1, 2, 1, 11, 8), 4),
         case("5 queries at the end of 12 keys, causal, blocks of 4", *_qkv(g, 1, 1, 5, 12, 8), 4),
@@ -786,20 +1148,44 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
         B, H, D = _randint(g, 1, 2), _randint(g, 1, 3), _choice(g, [4, 8, 16, 64])
         Tk = _randint(g, 1, 130)
         Tq = _choice(g, [Tk, Tk, 1, _randint(g, 1, Tk)])
-        block = _choice(g, [1, 3, 16, 32, 64, _randint(g, 2, 70)]) if Tk < 40 else _choice(g, [16, 32, 64, _randint(g, 8, 70)])
+        block = (
+            _choice(g, [1, 3, 16, 32, 64, _randint(g, 2, 70)])
+            if Tk < 40
+            else _choice(g, [16, 32, 64, _randint(g, 8, 70)])
+        )
         dtype = _choice(g, [torch.float32, torch.float64])
         causal = _choice(g, [True, True, False])
-        cases.append(case(f"random #{i}: B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, block_size={block}, "
-                          f"causal={causal}, {str(dtype)[6:]}",
-                          *_qkv(g, B, H, Tq, Tk, D, scale=_choice(g, [1.0, 3.0]), dtype=dtype), block, causal))
+        cases.append(
+            case(
+                f"random #{i}: B={B}, H={H}, Tq={Tq}, Tk={Tk}, D={D}, block_size={block}, "
+                f"causal={causal}, {str(dtype)[6:]}",
+                *_qkv(g, B, H, Tq, Tk, D, scale=_choice(g, [1.0, 3.0]), dtype=dtype),
+                block,
+                causal,
+            )
+        )
     if long:
         cases.append(case("GPT-2's context: 1024 positions, 64 per block", *_qkv(g, 1, 1, 1024, 1024, 64), 64))
-    cases.append(case("as an engine passes them: non-contiguous q, k, v (split_heads' views)",
-                      *_engine_qkv(g, 2, 2, 9, 9, 8, cached=False), 4))
+    cases.append(
+        case(
+            "as an engine passes them: non-contiguous q, k, v (split_heads' views)",
+            *_engine_qkv(g, 2, 2, 9, 9, 8, cached=False),
+            4,
+        )
+    )
     forbid = [*NO_ATTENTION, Forbidden("llmcourse.engine.tiled_attention", "Write the loop over blocks yourself.")]
     show = _show("tiled_attention", "q", "k", "v", "block_size", "causal")
-    run_check("tiled_attention", fn, cases, judge=_judge_tiled, forbid=forbid, error_hints=ENGINE_ERROR_HINTS,
-              seconds=10, total_seconds=60, show_call=show)
+    run_check(
+        "tiled_attention",
+        fn,
+        cases,
+        judge=_judge_tiled,
+        forbid=forbid,
+        error_hints=ENGINE_ERROR_HINTS,
+        seconds=10,
+        total_seconds=60,
+        show_call=show,
+    )
     _check_tiling(fn, forbid, show)
 
 
@@ -817,7 +1203,7 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
     class Largest(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            for t in out if isinstance(out, (tuple, list)) else (out,):
                 if isinstance(t, Tensor) and t.is_floating_point() and t.numel() > largest[0]:
                     largest[0], largest[1] = t.numel(), tuple(t.shape)
             return out
@@ -831,11 +1217,14 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
     expected = reference_tiled(*args)
     verdict = _judge_tiled(Case("", args, expected), got)
     if verdict:
-        raise CheckFailed(f"✗ tiled_attention — {Tq} queries, {Tk} keys, blocks of {block}: {verdict[0]}\n"
-                          f"  input:    {show(args)}\n  hint: {verdict[1]}")
+        raise CheckFailed(
+            f"✗ tiled_attention — {Tq} queries, {Tk} keys, blocks of {block}: {verdict[0]}\n"
+            f"  input:    {show(args)}\n  hint: {verdict[1]}"
+        )
     if largest[0] > allowed:
         raise CheckFailed(
-            f"✗ tiled_attention — {Tq} queries at the end of {Tk} keys, block_size={block}: your function made a tensor "
+            f"✗ tiled_attention — {Tq} queries at the end of {Tk} keys, block_size={block}: your function made a "
+            f"tensor "
             f"of shape {list(largest[1])} ({largest[0]:,} numbers); tiled attention never holds more than one block of "
             f"scores for all queries, [B, H, Tq, block_size] = {[B, H, Tq, block]} ({B * H * Tq * block:,} numbers)\n"
             f"  input:    {show(args)}\n"
@@ -843,4 +1232,5 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
             f"  got:      a tensor of shape {list(largest[1])}\n"
             "  hint: loop over the keys in blocks of block_size (k[:, :, k0 : k0 + block_size]) and keep only the "
             "running max m, the running sum l and the accumulator: never the whole [Tq, Tk] score matrix, nor one "
-            "block of queries against all the keys")
+            "block of queries against all the keys"
+        )

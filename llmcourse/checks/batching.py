@@ -31,20 +31,24 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from llmcourse.engine.padding import left_pad as engine_left_pad
-from llmcourse.course.guards import guard, guarded
-from llmcourse.serving.batching import Batching
-from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator, blocks_for
-from llmcourse.engine.generate import generate
-from llmcourse.serving.llm_engine import LLMEngine
-from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv, slot_mapping as engine_slot_mapping
-from llmcourse.serving.scheduler import SeqView, schedule as engine_schedule
-from .harness.core import Case, Verdict, later, run_check
 from llmcourse.course.failed import CheckFailed
+from llmcourse.course.guards import guard, guarded
+from llmcourse.engine.generate import generate
+from llmcourse.engine.padding import left_pad as engine_left_pad
+from llmcourse.serving.batching import Batching
+from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator
+from llmcourse.serving.block_manager import blocks_for
+from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv
+from llmcourse.serving.paged_cache import slot_mapping as engine_slot_mapping
+from llmcourse.serving.scheduler import SeqView
+from llmcourse.serving.scheduler import schedule as engine_schedule
+
+from .harness.core import Case, Verdict, later, run_check
 from .harness.forbid import Forbidden
-from .kv_cache import decisive_model, one_thread
 from .harness.show import short
 from .harness.tensors import diagnose, plain_tensor_problem, tensor_problem
+from .kv_cache import decisive_model, one_thread
 
 GPT2_POSITIONS = 1024
 
@@ -63,8 +67,10 @@ class Workload:
 
     def __repr__(self) -> str:
         lengths = [len(p) for p in self.prompts]
-        return (f"{len(self.prompts)} requests (prompt lengths {lengths}, arriving at steps {self.arrivals}) on "
-                f"LLMEngine(tiny random model, {', '.join(f'{k}={v}' for k, v in self.engine.items())})")
+        return (
+            f"{len(self.prompts)} requests (prompt lengths {lengths}, arriving at steps {self.arrivals}) on "
+            f"LLMEngine(tiny random model, {', '.join(f'{k}={v}' for k, v in self.engine.items())})"
+        )
 
 
 def workload(seed: int, n: int = 6) -> Workload:
@@ -80,8 +86,9 @@ def workload(seed: int, n: int = 6) -> Workload:
     settings = [{"max_new_tokens": rng.randint(4, 10)} for _ in range(n)]
     settings[1].update(temperature=0.8, seed=seed + 3)
     arrivals = sorted(rng.randint(0, 6) for _ in range(n))
-    return Workload(prompts, settings, arrivals,
-                    dict(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12))
+    return Workload(
+        prompts, settings, arrivals, dict(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12)
+    )
 
 
 def ending_at_token_0(model, work: Workload) -> Workload:
@@ -157,22 +164,27 @@ def _engine_verdict(name: str, work: Workload, expected: list, got: list) -> Ver
     if got == expected:
         return None
     i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
-    return (f"request {i} (prompt of {len(work.prompts[i])} tokens) got different tokens in LLMEngine than alone: "
-            f"expected {short(expected[i], 80)}, got {short(got[i], 80)}",
-            f"every request must get exactly its tokens alone; your {name} passes the cases above but not this run "
-            "of the engine, whose requests share blocks, are preempted and prefilled in chunks")
+    return (
+        f"request {i} (prompt of {len(work.prompts[i])} tokens) got different tokens in LLMEngine than alone: "
+        f"expected {short(expected[i], 80)}, got {short(got[i], 80)}",
+        f"every request must get exactly its tokens alone; your {name} passes the cases above but not this run "
+        "of the engine, whose requests share blocks, are preempted and prefilled in chunks",
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 1: left_pad
 
 
-NO_ENGINE_PAD = Forbidden("llmcourse.engine.padding.left_pad", "The engine's left_pad is what yours is compared with: "
-                                                         "write your own (torch.full, slicing and cumsum).")
+NO_ENGINE_PAD = Forbidden(
+    "llmcourse.engine.padding.left_pad",
+    "The engine's left_pad is what yours is compared with: write your own (torch.full, slicing and cumsum).",
+)
 
 
-DEFAULT_PAD_HINT = ("the engine calls left_pad(prompts) without pad_id: give it its default, "
-                    "def left_pad(prompts, pad_id=0)")
+DEFAULT_PAD_HINT = (
+    "the engine calls left_pad(prompts) without pad_id: give it its default, def left_pad(prompts, pad_id=0)"
+)
 
 
 def _pad_verdict(case: Case, got: Any) -> Verdict:
@@ -183,8 +195,10 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
     shape = tuple(exp_ids.shape)
     names = ("input_ids", "attention_mask", "position_ids")
     if not isinstance(got, tuple) or len(got) != 3:
-        return (f"expected a tuple (input_ids, attention_mask, position_ids), got {short(got, 80)}",
-                "return input_ids, attention_mask, position_ids")
+        return (
+            f"expected a tuple (input_ids, attention_mask, position_ids), got {short(got, 80)}",
+            "return input_ids, attention_mask, position_ids",
+        )
     for name, t in zip(names, got):
         if not isinstance(t, Tensor):
             return f"{name} should be a tensor, got {short(t, 60)}", ""
@@ -192,25 +206,31 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
         if problem:
             return f"{name}: {problem}", ""
         if tuple(t.shape) != shape:
-            return (f"{name} has shape {tuple(t.shape)}, expected [B, longest] = {shape}",
-                    "one row per prompt, as many columns as the longest prompt has tokens")
+            return (
+                f"{name} has shape {tuple(t.shape)}, expected [B, longest] = {shape}",
+                "one row per prompt, as many columns as the longest prompt has tokens",
+            )
         if t.dtype != torch.long:
             return f"{name} has dtype {t.dtype}, expected torch.int64", "make it with dtype=torch.long"
     ids, mask, pos = got
     rows = [(r, len(p)) for r, p in enumerate(prompts)]
     if not torch.equal(ids, exp_ids):
         if any(n < shape[1] and ids[r, :n].tolist() == prompts[r] for r, n in rows):
-            return ("the prompts are padded on the right",
-                    "pad on the LEFT: every row's last token must be in the last column, where the model reads the "
-                    "next token's logits and where the new token is appended")
+            return (
+                "the prompts are padded on the right",
+                "pad on the LEFT: every row's last token must be in the last column, where the model reads the "
+                "next token's logits and where the new token is appended",
+            )
         real = exp_mask.bool()
         if torch.equal(ids[real], exp_ids[real]):
             found = sorted(set(ids[~real].tolist()))
             if default:
-                return (f"called as the engine calls it, left_pad(prompts) without pad_id, the padding holds "
-                        f"{short(found, 40)}: the default pad_id must be 0",
-                        "def left_pad(prompts, pad_id=0): the engine pads with the default, on models of any "
-                        "vocabulary (a model of 97 tokens has no token 50256: its embedding would fail)")
+                return (
+                    f"called as the engine calls it, left_pad(prompts) without pad_id, the padding holds "
+                    f"{short(found, 40)}: the default pad_id must be 0",
+                    "def left_pad(prompts, pad_id=0): the engine pads with the default, on models of any "
+                    "vocabulary (a model of 97 tokens has no token 50256: its embedding would fail)",
+                )
             return (f"the padding holds {short(found, 40)}, expected pad_id = {pad_id}", "fill the padding with pad_id")
         return "input_ids differ", "row r holds prompts[r] in its last len(prompts[r]) columns"
     if not torch.equal(mask, exp_mask):
@@ -219,32 +239,42 @@ def _pad_verdict(case: Case, got: Any) -> Verdict:
         clash = exp_mask.bool() & (exp_ids == pad_id)
         if bool(clash.any()) and torch.equal(mask, (exp_ids != pad_id).long()):
             r, c = (int(i) for i in torch.nonzero(clash)[0])
-            return (f"the attention mask is 0 on real tokens equal to pad_id = {pad_id} (row {r}, column {c})",
-                    "a prompt may contain the pad id as a real token: build the mask from each prompt's length "
-                    "(its last len(prompt) columns), not from input_ids != pad_id")
+            return (
+                f"the attention mask is 0 on real tokens equal to pad_id = {pad_id} (row {r}, column {c})",
+                "a prompt may contain the pad id as a real token: build the mask from each prompt's length "
+                "(its last len(prompt) columns), not from input_ids != pad_id",
+            )
         if bool((mask == 1).all()):
-            return ("the attention mask is 1 on the padding too",
-                    "0 on padding: otherwise the real tokens attend to the pad tokens, and a padded row computes "
-                    "something else than the prompt alone")
+            return (
+                "the attention mask is 1 on the padding too",
+                "0 on padding: otherwise the real tokens attend to the pad tokens, and a padded row computes "
+                "something else than the prompt alone",
+            )
         return "attention_mask differs", "1 on each row's real tokens (its last len(prompt) columns), 0 before"
     real = exp_mask.bool()
     if not torch.equal(pos[real], exp_pos[real]):
         arange = torch.arange(shape[1]).expand(shape)
         if torch.equal(pos[real], arange[real]):
-            return ("the position ids count the padding: a padded row's first real token is at position "
-                    f"{int(exp_mask.shape[1] - exp_mask.sum(1).min())}, not 0 — the classic GPT-2 pad-position bug",
-                    "position ids count real tokens only: 0, 1, 2, … from each row's first real token "
-                    "(attention_mask.cumsum(-1) - 1); with positions 0 … T-1 for every row, a padded prompt gets "
-                    "other position embeddings than alone, hence other tokens")
+            return (
+                "the position ids count the padding: a padded row's first real token is at position "
+                f"{int(exp_mask.shape[1] - exp_mask.sum(1).min())}, not 0 — the classic GPT-2 pad-position bug",
+                "position ids count real tokens only: 0, 1, 2, … from each row's first real token "
+                "(attention_mask.cumsum(-1) - 1); with positions 0 … T-1 for every row, a padded prompt gets "
+                "other position embeddings than alone, hence other tokens",
+            )
         low = real & (exp_pos < 255)
         if bool((exp_pos[real] >= 255).any()) and torch.equal(pos[low], exp_pos[low]):
-            return ("the position ids are right below 255 and wrong from there on (do they wrap around in 8 bits?)",
-                    "keep them in int64 (torch.long) all the way: GPT-2 has 1024 positions")
+            return (
+                "the position ids are right below 255 and wrong from there on (do they wrap around in 8 bits?)",
+                "keep them in int64 (torch.long) all the way: GPT-2 has 1024 positions",
+            )
         return "position ids differ on the real tokens", "0, 1, 2, … from each row's first real token"
     if pos.numel() and not bool(((pos >= 0) & (pos < GPT2_POSITIONS)).all()):
         bad = pos[(pos < 0) | (pos >= GPT2_POSITIONS)]
-        return (f"position ids on the padding are {short(sorted(set(bad.tolist())), 40)}, outside [0, n_positions)",
-                "padding positions are never read, but they index the position embeddings: clamp them, e.g. to 0")
+        return (
+            f"position ids on the padding are {short(sorted(set(bad.tolist())), 40)}, outside [0, n_positions)",
+            "padding positions are never read, but they index the position embeddings: clamp them, e.g. to 0",
+        )
     return None
 
 
@@ -283,28 +313,51 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
     cases = [
         case("one prompt: nothing to pad", [[5, 6, 7]]),
         case("two prompts", [[5, 6, 7], [8]]),
-        case("as the engine calls it: left_pad(prompts), pad_id left out", [[5, 6, 7], [8]], None,
-             hint="the default pad_id is 0"),
+        case(
+            "as the engine calls it: left_pad(prompts), pad_id left out",
+            [[5, 6, 7], [8]],
+            None,
+            hint="the default pad_id is 0",
+        ),
         case("equal lengths: no padding", [[1, 2], [3, 4], [5, 6]]),
-        case("pad_id = 50256 (GPT-2's <|endoftext|>)", [[11, 12, 13, 14], [15, 16]], 50256,
-             hint="fill the padding with pad_id"),
+        case(
+            "pad_id = 50256 (GPT-2's <|endoftext|>)",
+            [[11, 12, 13, 14], [15, 16]],
+            50256,
+            hint="fill the padding with pad_id",
+        ),
         case("the same prompts, pad_id = 13", [[11, 12, 13, 14], [15, 16]], 13),
         case("the longest prompt is not the first", [[7], [1, 2, 3, 4, 5], [9, 8]]),
         case("a batch of 5 with large ids", [[50000 + i for i in range(n)] for n in (3, 1, 7, 7, 2)]),
-        case("real tokens equal to the pad id (token 0, pad_id left out)", [[0, 5, 0], [0], [7, 0, 0, 0, 9]], None,
-             hint="token 0 is a real token in a prompt: only the columns before a prompt are padding"),
+        case(
+            "real tokens equal to the pad id (token 0, pad_id left out)",
+            [[0, 5, 0], [0], [7, 0, 0, 0, 9]],
+            None,
+            hint="token 0 is a real token in a prompt: only the columns before a prompt are padding",
+        ),
         case("<|endoftext|> inside a prompt, pad_id = 50256", [[50256, 11, 50256], [12]], 50256),
-        case("GPT-2's 1024 positions: prompts of 300, 1, 1024 and 257 tokens", long_prompts, None,
-             hint="position ids count up to 1023"),
+        case(
+            "GPT-2's 1024 positions: prompts of 300, 1, 1024 and 257 tokens",
+            long_prompts,
+            None,
+            hint="position ids count up to 1023",
+        ),
         case("64 one-token prompts and one of 3", [[i] for i in range(64)] + [[1, 2, 3]], None),
     ]
     for i in range(n_random):
-        prompts = [[rng.randrange(50257) for _ in range(rng.randint(1, 12 if i % 4 else 300))]
-                   for _ in range(rng.randint(1, 6))]
+        prompts = [
+            [rng.randrange(50257) for _ in range(rng.randint(1, 12 if i % 4 else 300))]
+            for _ in range(rng.randint(1, 6))
+        ]
         cases.append(case(f"random #{i}", prompts, rng.choice([0, 0, 50256, 13, None])))
     for j in range(n_models):
-        cases.append(Case("llmcourse.generate on a batch of prompts of different lengths, your left_pad installed",
-                          ("generate", seed + j), later(batch_alone, seed + j)))
+        cases.append(
+            Case(
+                "llmcourse.generate on a batch of prompts of different lengths, your left_pad installed",
+                ("generate", seed + j),
+                later(batch_alone, seed + j),
+            )
+        )
 
     def run(kind, *args):
         if kind == "pad":
@@ -317,8 +370,10 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
     def show(args):
         if args[0] == "pad":
             return f"left_pad({short(args[1], 120)}" + (")" if args[2] is None else f", pad_id={args[2]})")
-        return (f"llmcourse.generate(tiny random model, {short(batch_run(args[1])[1], 120)}, max_new_tokens=8, "
-                'left_pad=guard("left_pad", left_pad))')
+        return (
+            f"llmcourse.generate(tiny random model, {short(batch_run(args[1])[1], 120)}, max_new_tokens=8, "
+            'left_pad=guard("left_pad", left_pad))'
+        )
 
     def judge(case, got):
         if case.args[0] == "pad":
@@ -326,21 +381,34 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
         if got == case.expected:
             return None
         i = next((i for i, (a, b) in enumerate(zip(got, case.expected)) if a != b), 0)
-        return (f"prompt {i} gets other tokens in the batch than alone",
-                "each row must compute what its prompt computes alone: the mask hides the padding, the position "
-                "ids count real tokens only")
+        return (
+            f"prompt {i} gets other tokens in the batch than alone",
+            "each row must compute what its prompt computes alone: the mask hides the padding, the position "
+            "ids count real tokens only",
+        )
 
-    run_check("left_pad", run, cases, judge=judge, forbid=[NO_ENGINE_PAD], show_call=show, seconds=10,
-              total_seconds=40, error_hints={"missing 1 required positional argument": DEFAULT_PAD_HINT})
+    run_check(
+        "left_pad",
+        run,
+        cases,
+        judge=judge,
+        forbid=[NO_ENGINE_PAD],
+        show_call=show,
+        seconds=10,
+        total_seconds=40,
+        error_hints={"missing 1 required positional argument": DEFAULT_PAD_HINT},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 2: BlockAllocator
 
 
-NO_ENGINE_ALLOCATOR = Forbidden("llmcourse.serving.block_manager.BlockAllocator",
-                                "The engine's BlockAllocator is what yours is compared with: write your own "
-                                "(a collections.deque and a list of counts).")
+NO_ENGINE_ALLOCATOR = Forbidden(
+    "llmcourse.serving.block_manager.BlockAllocator",
+    "The engine's BlockAllocator is what yours is compared with: write your own "
+    "(a collections.deque and a list of counts).",
+)
 
 
 @dataclasses.dataclass
@@ -446,11 +514,16 @@ def allocator_ops(rng: random.Random, num_blocks: int, n_ops: int) -> list[tuple
 def _allocator_verdict(case: Case, got: list) -> Verdict:
     expected: list[Event] = case.expected
     new_got, new_exp = got[0], expected[0]
-    for what, g, e in (("free", new_got.free, new_exp.free), ("ref_count", new_got.ref_count, new_exp.ref_count),
-                       ("num_free", new_got.num_free, new_exp.num_free)):
+    for what, g, e in (
+        ("free", new_got.free, new_exp.free),
+        ("ref_count", new_got.ref_count, new_exp.ref_count),
+        ("num_free", new_got.num_free, new_exp.num_free),
+    ):
         if g != e:
-            hint = "start with every block free, in order (deque(range(num_blocks))), and ref_count = " \
-                   "[0] * num_blocks; num_free is len(self.free)"
+            hint = (
+                "start with every block free, in order (deque(range(num_blocks))), and ref_count = "
+                "[0] * num_blocks; num_free is len(self.free)"
+            )
             if case.args[1] > 256:
                 hint += " — block ids go past 255 here: are they kept in 8 bits (uint8), or in a fixed-size table?"
             return (f"a new BlockAllocator({case.args[1]}) has {what} = {short(g, 60)}, expected {short(e, 60)}", hint)
@@ -460,44 +533,67 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
         at = f"{_call(e.op)} " + (f"after {'…; ' if i > 5 else ''}{done}" if done else "on a new allocator")
         op, block = e.op[0], (e.op[1] if len(e.op) > 1 else None)
         if e.error is not None and not isinstance(g.error, type(e.error)):
-            hint = ("raise MemoryError when the free list is empty: the engine then preempts a request"
-                    if op == "allocate" else
-                    f"block {block} has no user (ref_count 0): releasing it again is a bug in the caller — raise "
-                    "ValueError, or its id would enter the free list twice and be handed to two requests")
+            hint = (
+                "raise MemoryError when the free list is empty: the engine then preempts a request"
+                if op == "allocate"
+                else f"block {block} has no user (ref_count 0): releasing it again is a bug in the caller — raise "
+                "ValueError, or its id would enter the free list twice and be handed to two requests"
+            )
             return f"{at}: expected {type(e.error).__name__}, your allocator {g.outcome()}", hint
         if g.error is not None and e.error is None:
             return f"{at}: your allocator raised {type(g.error).__name__}: {short(str(g.error), 100)}", ""
-        if op == "allocate" and g.error is None and (isinstance(g.result, bool) or not isinstance(g.result, numbers.Integral)):
-            return (f"{at} returned {short(g.result, 20)} of type {type(g.result).__module__}.{type(g.result).__name__}"
-                    f", expected an integer block id", "return the block's id: an int (numpy's integers do too)")
+        if (
+            op == "allocate"
+            and g.error is None
+            and (isinstance(g.result, bool) or not isinstance(g.result, numbers.Integral))
+        ):
+            return (
+                f"{at} returned {short(g.result, 20)} of type {type(g.result).__module__}.{type(g.result).__name__}"
+                f", expected an integer block id",
+                "return the block's id: an int (numpy's integers do too)",
+            )
         if op == "allocate" and g.result != e.result:
             hint = "take the block at the FRONT of the free list (popleft): it was freed longest ago"
             if before.free and g.result == before.free[-1]:
-                hint = ("your free list is last in, first out: allocate takes from the front (popleft), release "
-                        "appends to the back, so a freed block — whose cached keys may serve a prefix again — is "
-                        "reused last")
-            return f"{at} returned {short(g.result, 20)}, expected {e.result} (the free list was " \
-                   f"{short(before.free, 60)})", hint
+                hint = (
+                    "your free list is last in, first out: allocate takes from the front (popleft), release "
+                    "appends to the back, so a freed block — whose cached keys may serve a prefix again — is "
+                    "reused last"
+                )
+            return (
+                f"{at} returned {short(g.result, 20)}, expected {e.result} (the free list was "
+                f"{short(before.free, 60)})",
+                hint,
+            )
         if (g.free, g.ref_count, g.num_free) != (e.free, e.ref_count, e.num_free):
             hint = ""
             if op == "release" and before.ref_count[block] > 1 and block in (g.free or []):
-                hint = (f"block {block} had {before.ref_count[block]} users: release takes one away; only when the "
-                        "last one leaves (ref_count 0) does it go back on the free list")
+                hint = (
+                    f"block {block} had {before.ref_count[block]} users: release takes one away; only when the "
+                    "last one leaves (ref_count 0) does it go back on the free list"
+                )
             elif op == "share" and before.ref_count[block] == 0 and isinstance(g.free, list) and block in g.free:
-                hint = (f"block {block} was free: share must take it off the free list (self.free.remove), or "
-                        "allocate would hand it to another request while this one uses it")
+                hint = (
+                    f"block {block} was free: share must take it off the free list (self.free.remove), or "
+                    "allocate would hand it to another request while this one uses it"
+                )
             elif op == "release" and isinstance(g.free, list) and g.free and e.free and g.free[0] == block != e.free[0]:
                 hint = "a released block goes to the BACK of the free list (append), to be reused last"
             elif g.ref_count != e.ref_count and op == "share" and before.ref_count[block] == 255:
-                hint = (f"block {block}'s 256th user: is the count kept in 8 bits (uint8)? Python ints (a list) "
-                        "never overflow")
+                hint = (
+                    f"block {block}'s 256th user: is the count kept in 8 bits (uint8)? Python ints (a list) "
+                    "never overflow"
+                )
             elif g.ref_count != e.ref_count:
                 hint = "allocate sets the block's count to 1, share adds one, release takes one away"
             elif g.num_free != e.num_free:
                 hint = "num_free is the number of blocks on the free list: len(self.free)"
-            return (f"{at}: then expected free = {short(e.free, 60)}, ref_count = {short(e.ref_count, 60)}, num_free = "
-                    f"{e.num_free}; got free = {short(g.free, 60)}, ref_count = {short(g.ref_count, 60)}, num_free = "
-                    f"{short(g.num_free, 20)}", hint)
+            return (
+                f"{at}: then expected free = {short(e.free, 60)}, ref_count = {short(e.ref_count, 60)}, num_free = "
+                f"{e.num_free}; got free = {short(g.free, 60)}, ref_count = {short(g.ref_count, 60)}, num_free = "
+                f"{short(g.num_free, 20)}",
+                hint,
+            )
     return None
 
 
@@ -524,24 +620,53 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
     ]
     big = rng.sample(range(300), 40)  # blocks released in a random order, then reused
     cases += [
-        case("300 blocks: ids past 255, released in a random order and reused", 300,
-             [A] * 300 + [R(b) for b in big] + [A] * 40 + [A]),
-        case("a block with 300 users (a prefix shared by many requests)", 3,
-             [A, A] + [S(1)] * 300 + [R(1)] * 299 + [A, R(1), A]),
-        case("share, release and allocate across 70 blocks", 70,
-             [A] * 70 + [S(b) for b in range(0, 70, 3)] + [R(b) for b in range(70)] + [A] * 20),
+        case(
+            "300 blocks: ids past 255, released in a random order and reused",
+            300,
+            [A] * 300 + [R(b) for b in big] + [A] * 40 + [A],
+        ),
+        case(
+            "a block with 300 users (a prefix shared by many requests)",
+            3,
+            [A, A] + [S(1)] * 300 + [R(1)] * 299 + [A, R(1), A],
+        ),
+        case(
+            "share, release and allocate across 70 blocks",
+            70,
+            [A] * 70 + [S(b) for b in range(0, 70, 3)] + [R(b) for b in range(70)] + [A] * 20,
+        ),
     ]
     for i in range(n_random):
         n = rng.randint(1, 12) if i % 2 == 0 else rng.randint(13, 100)
         cases.append(case(f"random #{i}: {n} blocks", n, allocator_ops(rng, n, rng.randint(10, 60 if n < 13 else 200))))
     sizes = [5, 3]
-    ops = [(0, A), (1, A), (0, A), (1, S(0)), (1, A), (0, R(0)), (1, R(0)), (1, R(0)), (0, A), (1, A), (0, S(1)),
-           (1, R(1))]
-    cases.append(Case("two allocators alive at once (two engines), used in turn", ("two", sizes, ops),
-                      later(lambda: [run_allocator(EngineAllocator, n, [op for w, op in ops if w == i])
-                                     for i, n in enumerate(sizes)]),
-                      "each allocator keeps its own free list and counts, on the instance (self.free = ... in "
-                      "__init__), not on the class"))
+    ops = [
+        (0, A),
+        (1, A),
+        (0, A),
+        (1, S(0)),
+        (1, A),
+        (0, R(0)),
+        (1, R(0)),
+        (1, R(0)),
+        (0, A),
+        (1, A),
+        (0, S(1)),
+        (1, R(1)),
+    ]
+    cases.append(
+        Case(
+            "two allocators alive at once (two engines), used in turn",
+            ("two", sizes, ops),
+            later(
+                lambda: [
+                    run_allocator(EngineAllocator, n, [op for w, op in ops if w == i]) for i, n in enumerate(sizes)
+                ]
+            ),
+            "each allocator keeps its own free list and counts, on the instance (self.free = ... in "
+            "__init__), not on the class",
+        )
+    )
     for j in range(n_workloads):
         cases.append(engine_case("BlockAllocator", seed + j))
 
@@ -554,12 +679,18 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
 
     def show(args):
         if args[0] == "ops":
-            return f"a = BlockAllocator({args[1]}); " + "; ".join(f"a.{_call(op)}" for op in args[2][:12]) + \
-                ("; …" if len(args[2]) > 12 else "")
+            return (
+                f"a = BlockAllocator({args[1]}); "
+                + "; ".join(f"a.{_call(op)}" for op in args[2][:12])
+                + ("; …" if len(args[2]) > 12 else "")
+            )
         if args[0] == "two":
             names = "ab"
-            return "; ".join(f"{names[i]} = BlockAllocator({n})" for i, n in enumerate(args[1])) + "; " + \
-                "; ".join(f"{names[w]}.{_call(op)}" for w, op in args[2])
+            return (
+                "; ".join(f"{names[i]} = BlockAllocator({n})" for i, n in enumerate(args[1]))
+                + "; "
+                + "; ".join(f"{names[w]}.{_call(op)}" for w, op in args[2])
+            )
         return repr(ENGINE_RUNS[args[1]][1])
 
     def judge(case, got):
@@ -572,8 +703,10 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
                 if verdict:
                     problem, hint = verdict
                     hints = "".join(f"\n  hint: {h}" for h in (hint, case.hint) if h)
-                    raise CheckFailed(f"✗ BlockAllocator — {case.description}: allocator {'ab'[i]}, "
-                                      f"BlockAllocator({n}): {problem}\n  input:    {show(case.args)}{hints}")
+                    raise CheckFailed(
+                        f"✗ BlockAllocator — {case.description}: allocator {'ab'[i]}, "
+                        f"BlockAllocator({n}): {problem}\n  input:    {show(case.args)}{hints}"
+                    )
             return None
         verdict = _allocator_verdict(case, got)
         if verdict:  # the problem names the operation, what was expected and what came: no traces to show
@@ -582,16 +715,27 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
             raise CheckFailed(f"✗ BlockAllocator — {case.description}: {problem}\n  input:    {show(case.args)}{hints}")
         return None
 
-    run_check("BlockAllocator", run, cases, judge=judge, forbid=[NO_ENGINE_ALLOCATOR], show_call=show, seconds=10,
-              total_seconds=40, success=None)
+    run_check(
+        "BlockAllocator",
+        run,
+        cases,
+        judge=judge,
+        forbid=[NO_ENGINE_ALLOCATOR],
+        show_call=show,
+        seconds=10,
+        total_seconds=40,
+        success=None,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 3: slot_mapping
 
 
-NO_ENGINE_SLOTS = Forbidden("llmcourse.serving.paged_cache.slot_mapping",
-                            "The engine's slot_mapping is what yours is compared with: one line of indexing.")
+NO_ENGINE_SLOTS = Forbidden(
+    "llmcourse.serving.paged_cache.slot_mapping",
+    "The engine's slot_mapping is what yours is compared with: one line of indexing.",
+)
 
 
 def _slots_swapped(block_table, positions, block_size):
@@ -611,12 +755,20 @@ def _slots_no_scale(block_table, positions, block_size):
 
 
 SLOT_MISTAKES = [
-    (_slots_no_table, "a request's positions are not the pool's slots: position p lives in block "
-                      "block_table[p // block_size], at offset p % block_size"),
-    (_slots_first_block, "the blocks of a request are not contiguous: look up each position's block in the table, "
-                         "block_table[p // block_size]"),
-    (_slots_swapped, "p // block_size is the index into the block table (which block), p % block_size the offset "
-                     "inside the block"),
+    (
+        _slots_no_table,
+        "a request's positions are not the pool's slots: position p lives in block "
+        "block_table[p // block_size], at offset p % block_size",
+    ),
+    (
+        _slots_first_block,
+        "the blocks of a request are not contiguous: look up each position's block in the table, "
+        "block_table[p // block_size]",
+    ),
+    (
+        _slots_swapped,
+        "p // block_size is the index into the block table (which block), p % block_size the offset inside the block",
+    ),
     (_slots_no_scale, "a slot counts positions: block * block_size + offset"),
 ]
 
@@ -628,13 +780,22 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
 
     def case(description, table, positions, block_size, hint=""):
         table, positions = torch.tensor(table, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
-        return Case(description, ("slots", table, positions, block_size),
-                    engine_slot_mapping(table, positions, block_size), hint)
+        return Case(
+            description,
+            ("slots", table, positions, block_size),
+            engine_slot_mapping(table, positions, block_size),
+            hint,
+        )
 
     cases = [
         case("one block, identity table", [0], [0, 1, 2], 4),
-        case("a prompt over two blocks", [3, 1], [0, 1, 2, 3, 4, 5], 4,
-             hint="positions 0-3 are in block 3 (slots 12-15), positions 4-5 in block 1 (slots 4-5)"),
+        case(
+            "a prompt over two blocks",
+            [3, 1],
+            [0, 1, 2, 3, 4, 5],
+            4,
+            hint="positions 0-3 are in block 3 (slots 12-15), positions 4-5 in block 1 (slots 4-5)",
+        ),
         case("one decode position", [7, 2, 5], [9], 4, hint="position 9: block_table[2] = 5, offset 1 → slot 21"),
         case("a chunk in the middle of a prompt", [4, 0, 6, 2], [5, 6, 7, 8, 9, 10], 3),
         case("block_size 1", [9, 3, 4], [2, 0, 1], 1),
@@ -645,8 +806,14 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
         n = rng.randint(1, 8)
         table = rng.sample(range(64), n)
         start = rng.randrange(n * bs)
-        cases.append(case(f"random #{i}: block_size {bs}, {n} blocks", table,
-                          list(range(start, rng.randint(start + 1, n * bs))), bs))
+        cases.append(
+            case(
+                f"random #{i}: block_size {bs}, {n} blocks",
+                table,
+                list(range(start, rng.randint(start + 1, n * bs))),
+                bs,
+            )
+        )
     for j in range(n_workloads):
         cases.append(engine_case("slot_mapping", seed + j))
 
@@ -668,18 +835,30 @@ def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
             return None
         return problem, diagnose(got, case.args[1:], SLOT_MISTAKES, case.expected, atol=0, rtol=0) or (
             "position p lives in block block_table[p // block_size], at offset p % block_size: its slot is "
-            "block_table[p // block_size] * block_size + p % block_size (one long per position)")
+            "block_table[p // block_size] * block_size + p % block_size (one long per position)"
+        )
 
-    run_check("slot_mapping", run, cases, judge=judge, forbid=[NO_ENGINE_SLOTS], show_call=show, seconds=10,
-              total_seconds=30, error_hints={"out of bounds": SLOT_MISTAKES[2][1]})
+    run_check(
+        "slot_mapping",
+        run,
+        cases,
+        judge=judge,
+        forbid=[NO_ENGINE_SLOTS],
+        show_call=show,
+        seconds=10,
+        total_seconds=30,
+        error_hints={"out of bounds": SLOT_MISTAKES[2][1]},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 4: gather_kv
 
 
-NO_ENGINE_GATHER = Forbidden("llmcourse.serving.paged_cache.gather_kv",
-                             "The engine's gather_kv is what yours is compared with: index the pool with the table.")
+NO_ENGINE_GATHER = Forbidden(
+    "llmcourse.serving.paged_cache.gather_kv",
+    "The engine's gather_kv is what yours is compared with: index the pool with the table.",
+)
 
 
 def _gather_pool_order(pool, block_table, length):
@@ -699,12 +878,21 @@ def _gather_skip_first(pool, block_table, length):
 
 
 GATHER_MISTAKES = [
-    (_gather_pool_order, "read the request's blocks through its table, pool[block_table], not the pool's first blocks "
-                         "in order: a request's blocks can be anywhere in the pool"),
-    (_gather_no_cut, "keep the first `length` positions only: the rest of the last block holds stale keys of an "
-                     "earlier request (or zeros), which the query must not attend to"),
-    (_gather_no_transpose, "the gathered positions are [length, n_head, head_dim]: transpose to [n_head, length, "
-                           "head_dim] (.transpose(0, 1)); a reshape or view mixes heads and positions"),
+    (
+        _gather_pool_order,
+        "read the request's blocks through its table, pool[block_table], not the pool's first blocks "
+        "in order: a request's blocks can be anywhere in the pool",
+    ),
+    (
+        _gather_no_cut,
+        "keep the first `length` positions only: the rest of the last block holds stale keys of an "
+        "earlier request (or zeros), which the query must not attend to",
+    ),
+    (
+        _gather_no_transpose,
+        "the gathered positions are [length, n_head, head_dim]: transpose to [n_head, length, "
+        "head_dim] (.transpose(0, 1)); a reshape or view mixes heads and positions",
+    ),
     (_gather_skip_first, "block_table[0] holds positions 0 … block_size-1: start with it"),
 ]
 
@@ -728,8 +916,16 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
     f64 = torch.float64
     cases = [
         case("one block, all of it", 2, 4, 1, 2, [0], 4),
-        case("one block, partly filled", 2, 4, 1, 2, [1], 3,
-             hint="positions 0-2 of block 1: the block's 4th slot is not this request's yet"),
+        case(
+            "one block, partly filled",
+            2,
+            4,
+            1,
+            2,
+            [1],
+            3,
+            hint="positions 0-2 of block 1: the block's 4th slot is not this request's yet",
+        ),
         case("two blocks out of order", 5, 2, 2, 3, [4, 1], 3, hint="positions 0-1 in block 4, position 2 in block 1"),
         case("several heads, float64", 6, 4, 3, 5, [2, 5, 0], 10, f64, hint="float64 in, float64 out"),
         case("a block shared twice in one table (possible with prefix caching)", 4, 2, 2, 2, [3, 3, 1], 5),
@@ -739,9 +935,18 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
         num_blocks, bs = rng.randint(2, 12), rng.choice([1, 2, 3, 4, 8, 16])
         n = rng.randint(1, 6)
         table = [rng.randrange(num_blocks) for _ in range(n)]
-        cases.append(case(f"random #{i}: block_size {bs}, table {table}", num_blocks, bs, rng.randint(1, 4),
-                          rng.choice([1, 4, 8, 32]), table, rng.randint((n - 1) * bs + 1, n * bs),
-                          (torch.float32, f64)[i % 2]))
+        cases.append(
+            case(
+                f"random #{i}: block_size {bs}, table {table}",
+                num_blocks,
+                bs,
+                rng.randint(1, 4),
+                rng.choice([1, 4, 8, 32]),
+                table,
+                rng.randint((n - 1) * bs + 1, n * bs),
+                (torch.float32, f64)[i % 2],
+            )
+        )
     for j in range(n_workloads):
         cases.append(engine_case("gather_kv", seed + j))
 
@@ -763,25 +968,41 @@ def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 
             return None
         hint = diagnose(got, case.args[1:], GATHER_MISTAKES, case.expected, atol=0, rtol=0)
         if not hint and isinstance(got, Tensor) and got.dim() == 3 and got.shape[1] != case.args[3]:
-            hint = (f"return exactly `length` = {case.args[3]} positions: those of the blocks block_table[0], "
-                    f"block_table[1], … in order, cut at length")
+            hint = (
+                f"return exactly `length` = {case.args[3]} positions: those of the blocks block_table[0], "
+                f"block_table[1], … in order, cut at length"
+            )
         return problem, hint
 
-    run_check("gather_kv", run, cases, judge=judge, forbid=[NO_ENGINE_GATHER], show_call=show, seconds=10,
-              total_seconds=30)
+    run_check(
+        "gather_kv", run, cases, judge=judge, forbid=[NO_ENGINE_GATHER], show_call=show, seconds=10, total_seconds=30
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 5: schedule
 
 
-NO_ENGINE_SCHEDULE = Forbidden("llmcourse.serving.scheduler.schedule",
-                               "The engine's schedule is what yours is compared with: write the two loops.")
+NO_ENGINE_SCHEDULE = Forbidden(
+    "llmcourse.serving.scheduler.schedule", "The engine's schedule is what yours is compared with: write the two loops."
+)
 
 
-def policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens,
-           victim="newest", admit_after_preempt=False, skip_unfit=False, chunk_waiting=True, cached_prefix=True,
-           frees_shared=False):
+def policy(
+    running,
+    waiting,
+    num_free_blocks,
+    *,
+    block_size,
+    max_num_seqs,
+    max_num_batched_tokens,
+    victim="newest",
+    admit_after_preempt=False,
+    skip_unfit=False,
+    chunk_waiting=True,
+    cached_prefix=True,
+    frees_shared=False,
+):
     """The engine's policy, or one of the mistakes the flags name (for hints): preempting the oldest, admitting
     waiting requests in a step that preempts, skipping a waiting request that does not fit, no chunked prefill
     for waiting requests, a block need that forgets num_computed."""
@@ -825,18 +1046,36 @@ def policy(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_n
 
 
 SCHEDULE_MISTAKES = [
-    (dict(victim="oldest"), "preempt the NEWEST running request (the end of `running`): it has done the least "
-                            "work, and the oldest finish first"),
-    (dict(admit_after_preempt=True), "in a step that preempts, admit no waiting request: the pool is full, and a "
-                                     "new request would only be preempted in turn"),
-    (dict(skip_unfit=True), "first come, first served: the first waiting request that does not fit stops the "
-                            "admissions; admitting a later, smaller one instead could starve a long prompt forever"),
-    (dict(chunk_waiting=False), "a waiting request gets min(tokens left, budget left) tokens: a long prompt is "
-                                "prefilled in chunks over several steps (chunked prefill)"),
-    (dict(frees_shared=True), "a preempted request gives back only the blocks nobody else holds, "
-                              "num_unshared_blocks: the prefix blocks it shares stay in use by the others"),
-    (dict(cached_prefix=False), "a request needs blocks_for(num_computed + n, block_size) - num_blocks more blocks: "
-                                "num_computed counts the tokens already in its blocks (or in a cached prefix)"),
+    (
+        dict(victim="oldest"),
+        "preempt the NEWEST running request (the end of `running`): it has done the least "
+        "work, and the oldest finish first",
+    ),
+    (
+        dict(admit_after_preempt=True),
+        "in a step that preempts, admit no waiting request: the pool is full, and a "
+        "new request would only be preempted in turn",
+    ),
+    (
+        dict(skip_unfit=True),
+        "first come, first served: the first waiting request that does not fit stops the "
+        "admissions; admitting a later, smaller one instead could starve a long prompt forever",
+    ),
+    (
+        dict(chunk_waiting=False),
+        "a waiting request gets min(tokens left, budget left) tokens: a long prompt is "
+        "prefilled in chunks over several steps (chunked prefill)",
+    ),
+    (
+        dict(frees_shared=True),
+        "a preempted request gives back only the blocks nobody else holds, "
+        "num_unshared_blocks: the prefix blocks it shares stay in use by the others",
+    ),
+    (
+        dict(cached_prefix=False),
+        "a request needs blocks_for(num_computed + n, block_size) - num_blocks more blocks: "
+        "num_computed counts the tokens already in its blocks (or in a cached prefix)",
+    ),
 ]
 
 
@@ -848,28 +1087,42 @@ def _scheduled(args: tuple, **flags) -> tuple:
 def _schedule_verdict(case: Case, got: Any) -> Verdict:
     expected = case.expected
     if not (isinstance(got, tuple) and len(got) == 2):
-        return (f"expected a tuple (chunks, preempted), got {short(got, 80)}",
-                "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
+        return (
+            f"expected a tuple (chunks, preempted), got {short(got, 80)}",
+            "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids",
+        )
     chunks, preempted = got
     if not isinstance(chunks, dict) or not isinstance(preempted, list):
-        return (f"expected a dict and a list, got a {type(chunks).__name__} and a {type(preempted).__name__}",
-                "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids")
+        return (
+            f"expected a dict and a list, got a {type(chunks).__name__} and a {type(preempted).__name__}",
+            "return chunks, preempted: a dict {request id: tokens to compute} and a list of ids",
+        )
     if got == expected and list(chunks) == list(expected[0]):
-        odd = next((x for x in [*chunks, *chunks.values(), *preempted]
-                    if isinstance(x, bool) or not isinstance(x, numbers.Integral)), None)
+        odd = next(
+            (
+                x
+                for x in [*chunks, *chunks.values(), *preempted]
+                if isinstance(x, bool) or not isinstance(x, numbers.Integral)
+            ),
+            None,
+        )
         if odd is None:
             return None
-        return (f"the right decisions, but {short(odd, 20)} is a {type(odd).__module__}.{type(odd).__name__}, not an "
-                "integer", "ids and token counts are integers (an int, or numpy's): int(n)")
+        return (
+            f"the right decisions, but {short(odd, 20)} is a {type(odd).__module__}.{type(odd).__name__}, not an "
+            "integer",
+            "ids and token counts are integers (an int, or numpy's): int(n)",
+        )
     if preempted != expected[1]:
         problem = f"preempted {preempted}, expected {expected[1]} (newest first)"
     elif chunks == expected[0]:
-        problem = (f"the right requests and counts in another order: expected the order {list(expected[0])}, got "
-                   f"{list(chunks)}")
+        problem = (
+            f"the right requests and counts in another order: expected the order {list(expected[0])}, got "
+            f"{list(chunks)}"
+        )
     else:
         problem = f"scheduled {short(chunks, 80)}, expected {short(expected[0], 80)}"
-    hint = next((h for flags, h in SCHEDULE_MISTAKES
-                 if _scheduled(case.args[1:], **flags) == got != expected), "")
+    hint = next((h for flags, h in SCHEDULE_MISTAKES if _scheduled(case.args[1:], **flags) == got != expected), "")
     if not hint and chunks == expected[0]:
         hint = "running requests first, oldest first, then waiting ones in arrival order"
     return problem, hint
@@ -898,14 +1151,15 @@ def schedule_scenario(rng: random.Random) -> tuple:
     ids = rng.sample(range(10**6) if big else range(100), n_run + n_wait)
     running = [_seq(rng, ids[i], bs, True, scale) for i in range(n_run)]
     waiting = [_seq(rng, ids[n_run + i], bs, False, scale) for i in range(n_wait)]
-    free = rng.randint(0, 12 * scale ** 2 // 10) if big else rng.randint(0, 12)
+    free = rng.randint(0, 12 * scale**2 // 10) if big else rng.randint(0, 12)
     budget = rng.choice([256, 512, 2048, 8192]) if big else rng.choice([1, 4, 8, 16, 32, 64])
     return running, waiting, free, bs, rng.randint(1, 256) if big else rng.randint(1, 8), budget
 
 
 def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 1) -> None:
     """schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens) ->
-    ({request id: tokens to compute}, [preempted ids, newest first]): the policy of llmcourse.serving.scheduler.schedule;
+    ({request id: tokens to compute}, [preempted ids, newest first]): the policy of
+    llmcourse.serving.scheduler.schedule;
     and LLMEngine with it gives every request its tokens alone."""
     rng = random.Random(seed)
 
@@ -918,43 +1172,108 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
 
     def case(description, running, waiting, free, bs=4, seqs=8, budget=32, hint=""):
         args = (running, waiting, free, bs, seqs, budget)
-        return Case(description, ("step", *args), later(engine_schedule, running, waiting, free, block_size=bs,
-                                                        max_num_seqs=seqs, max_num_batched_tokens=budget), hint)
+        return Case(
+            description,
+            ("step", *args),
+            later(
+                engine_schedule, running, waiting, free, block_size=bs, max_num_seqs=seqs, max_num_batched_tokens=budget
+            ),
+            hint,
+        )
 
     cases = [
         case("nothing to do", [], [], 4),
-        case("three requests decoding", [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 13, 12, 3)], [], 4,
-             hint="a decoding request computes 1 token"),
-        case("a new prompt joins the decodes", [R(0, 9, 8, 2)], [W(1, 10, 0, 0)], 4,
-             hint="running first, then the waiting prompt: all 10 of its tokens fit the budget"),
-        case("a long prompt, chunked by the token budget", [R(0, 9, 8, 2)], [W(1, 40, 0, 0)], 10, budget=16,
-             hint="1 token for the decode, the 15 left of the budget for the prompt's first chunk"),
-        case("a prompt prefilled over several steps continues", [R(3, 40, 15, 4)], [W(4, 6, 0, 0)], 10, budget=16,
-             hint="the running prompt gets min(25 left, 16) tokens: the budget is used up"),
-        case("a decode needs a new block but none is free: the newest is preempted",
-             [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 7, 6, 2)], [W(3, 4, 0, 0)], 0,
-             hint="request 0 needs a third block; preempting request 2 (the newest) frees 2"),
-        case("the newest itself needs a block: it preempts itself", [R(0, 6, 5, 2), R(1, 9, 8, 2)], [], 0,
-             hint="request 1 is the newest: nothing newer to evict, so it waits, and nothing is admitted"),
-        case("preemptions until enough blocks come free",
-             [R(5, 9, 8, 2), R(6, 3, 2, 1), R(7, 2, 1, 1, 0), R(8, 3, 2, 1, 0)], [], 0,
-             hint="requests 7 and 8 hold only a block they share: preempting them frees nothing, so request 6 goes "
-                  "too"),
-        case("max_num_seqs reached", [R(0, 5, 4, 1), R(1, 5, 4, 1)], [W(2, 3, 0, 0), W(3, 3, 0, 0)], 8, seqs=3,
-             hint="3 requests at most: one waiting request joins"),
-        case("the first waiting request does not fit: admissions stop", [R(0, 5, 4, 1)],
-             [W(1, 30, 0, 0), W(2, 2, 0, 0)], 3,
-             hint="request 1 needs 8 blocks, 3 are free: it waits, and request 2 waits behind it (first come, "
-                  "first served)"),
-        case("a cached prefix held by others needs fewer blocks", [R(0, 21, 20, 5)], [W(1, 18, 16, 4)], 1,
-             hint="request 1's 16 prompt tokens are cached in 4 blocks that request 0 holds: it computes 2 tokens "
-                  "and needs blocks_for(16 + 2) - 4 = 1 new block"),
-        case("preempting a request that shares its prefix frees only its own blocks",
-             [R(0, 30, 20, 5), R(1, 13, 12, 3, 1), R(2, 13, 12, 3, 1)], [], 0, budget=8,
-             hint="requests 1 and 2 share 2 prefix blocks: preempting request 2 gives back 1 block (its unshared "
-                  "one), not 3; request 0 needs 2, so request 1 goes too"),
-        case("a cached prefix nobody holds costs its blocks", [], [W(1, 18, 16, 0)], 4,
-             hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free"),
+        case(
+            "three requests decoding",
+            [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 13, 12, 3)],
+            [],
+            4,
+            hint="a decoding request computes 1 token",
+        ),
+        case(
+            "a new prompt joins the decodes",
+            [R(0, 9, 8, 2)],
+            [W(1, 10, 0, 0)],
+            4,
+            hint="running first, then the waiting prompt: all 10 of its tokens fit the budget",
+        ),
+        case(
+            "a long prompt, chunked by the token budget",
+            [R(0, 9, 8, 2)],
+            [W(1, 40, 0, 0)],
+            10,
+            budget=16,
+            hint="1 token for the decode, the 15 left of the budget for the prompt's first chunk",
+        ),
+        case(
+            "a prompt prefilled over several steps continues",
+            [R(3, 40, 15, 4)],
+            [W(4, 6, 0, 0)],
+            10,
+            budget=16,
+            hint="the running prompt gets min(25 left, 16) tokens: the budget is used up",
+        ),
+        case(
+            "a decode needs a new block but none is free: the newest is preempted",
+            [R(0, 9, 8, 2), R(1, 5, 4, 1), R(2, 7, 6, 2)],
+            [W(3, 4, 0, 0)],
+            0,
+            hint="request 0 needs a third block; preempting request 2 (the newest) frees 2",
+        ),
+        case(
+            "the newest itself needs a block: it preempts itself",
+            [R(0, 6, 5, 2), R(1, 9, 8, 2)],
+            [],
+            0,
+            hint="request 1 is the newest: nothing newer to evict, so it waits, and nothing is admitted",
+        ),
+        case(
+            "preemptions until enough blocks come free",
+            [R(5, 9, 8, 2), R(6, 3, 2, 1), R(7, 2, 1, 1, 0), R(8, 3, 2, 1, 0)],
+            [],
+            0,
+            hint="requests 7 and 8 hold only a block they share: preempting them frees nothing, so request 6 goes too",
+        ),
+        case(
+            "max_num_seqs reached",
+            [R(0, 5, 4, 1), R(1, 5, 4, 1)],
+            [W(2, 3, 0, 0), W(3, 3, 0, 0)],
+            8,
+            seqs=3,
+            hint="3 requests at most: one waiting request joins",
+        ),
+        case(
+            "the first waiting request does not fit: admissions stop",
+            [R(0, 5, 4, 1)],
+            [W(1, 30, 0, 0), W(2, 2, 0, 0)],
+            3,
+            hint="request 1 needs 8 blocks, 3 are free: it waits, and request 2 waits behind it (first come, "
+            "first served)",
+        ),
+        case(
+            "a cached prefix held by others needs fewer blocks",
+            [R(0, 21, 20, 5)],
+            [W(1, 18, 16, 4)],
+            1,
+            hint="request 1's 16 prompt tokens are cached in 4 blocks that request 0 holds: it computes 2 tokens "
+            "and needs blocks_for(16 + 2) - 4 = 1 new block",
+        ),
+        case(
+            "preempting a request that shares its prefix frees only its own blocks",
+            [R(0, 30, 20, 5), R(1, 13, 12, 3, 1), R(2, 13, 12, 3, 1)],
+            [],
+            0,
+            budget=8,
+            hint="requests 1 and 2 share 2 prefix blocks: preempting request 2 gives back 1 block (its unshared "
+            "one), not 3; request 0 needs 2, so request 1 goes too",
+        ),
+        case(
+            "a cached prefix nobody holds costs its blocks",
+            [],
+            [W(1, 18, 16, 0)],
+            4,
+            hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free",
+        ),
     ]
     queues = ([R(0, 10, 9, 3), R(1, 7, 6, 2), R(2, 4, 3, 1)], [W(3, 6, 0, 0), W(4, 3, 0, 0)])
     cases += [  # the same queues, one argument changed at a time: an answer kept from an earlier call is wrong here
@@ -962,29 +1281,55 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
         case("the same queues, one more free block", *queues, 3),
         case("the same queues, a budget of 2 tokens", *queues, 3, budget=2),
         case("the same queues, max_num_seqs 4", *queues, 3, seqs=4),
-        case("the same queues, block_size 3 (not a power of two)", *queues, 2, bs=3,
-             hint="blocks_for(n, 3) = ceil(n / 3): request 0 needs a 4th block for its 10th token"),
-        case("request ids past 255 and a budget of 8192 tokens (a server's scale)",
-             [R(70000, 2049, 2048, 128), R(256, 3001, 3000, 188)], [W(1000000, 5000, 0, 0), W(513, 40, 32, 2)], 600,
-             bs=16, seqs=256, budget=8192),
+        case(
+            "the same queues, block_size 3 (not a power of two)",
+            *queues,
+            2,
+            bs=3,
+            hint="blocks_for(n, 3) = ceil(n / 3): request 0 needs a 4th block for its 10th token",
+        ),
+        case(
+            "request ids past 255 and a budget of 8192 tokens (a server's scale)",
+            [R(70000, 2049, 2048, 128), R(256, 3001, 3000, 188)],
+            [W(1000000, 5000, 0, 0), W(513, 40, 32, 2)],
+            600,
+            bs=16,
+            seqs=256,
+            budget=8192,
+        ),
     ]
     for i in range(n_random):
         cases.append(case(f"random #{i}", *schedule_scenario(rng)))
     for j in range(n_workloads):
         cases.append(engine_case("schedule", seed + j))
 
-    def run(kind, running, waiting=None, num_free_blocks=None, block_size=None, max_num_seqs=None,
-            max_num_batched_tokens=None):  # these names appear in messages ("changed its input `running`")
+    def run(
+        kind,
+        running,
+        waiting=None,
+        num_free_blocks=None,
+        block_size=None,
+        max_num_seqs=None,
+        max_num_batched_tokens=None,
+    ):  # these names appear in messages ("changed its input `running`")
         if kind == "step":
-            return fn(running, waiting, num_free_blocks, block_size=block_size, max_num_seqs=max_num_seqs,
-                      max_num_batched_tokens=max_num_batched_tokens)
+            return fn(
+                running,
+                waiting,
+                num_free_blocks,
+                block_size=block_size,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+            )
         return run_engine(*ENGINE_RUNS[running][:2], guarded(Batching, schedule=watched(fn)))[0]  # running: the seed
 
     def show(args):
         if args[0] == "step":
             running, waiting, free, bs, seqs, budget = args[1:]
-            return (f"schedule(running={running}, waiting={waiting}, num_free_blocks={free}, block_size={bs}, "
-                    f"max_num_seqs={seqs}, max_num_batched_tokens={budget})")
+            return (
+                f"schedule(running={running}, waiting={waiting}, num_free_blocks={free}, block_size={bs}, "
+                f"max_num_seqs={seqs}, max_num_batched_tokens={budget})"
+            )
         return repr(ENGINE_RUNS[args[1]][1])
 
     def judge(case, got):
@@ -992,5 +1337,6 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
             return _engine_verdict("schedule", ENGINE_RUNS[case.args[1]][1], case.expected, got)
         return _schedule_verdict(case, got)
 
-    run_check("schedule", run, cases, judge=judge, forbid=[NO_ENGINE_SCHEDULE], show_call=show, seconds=10,
-              total_seconds=40)
+    run_check(
+        "schedule", run, cases, judge=judge, forbid=[NO_ENGINE_SCHEDULE], show_call=show, seconds=10, total_seconds=40
+    )

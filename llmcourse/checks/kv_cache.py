@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import math
 import numbers
 import random
@@ -34,34 +33,46 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
+from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.model import KVCache as EngineKVCache
 from llmcourse.engine.slots import PartError
-from llmcourse.engine.model import GPT2, KVCache as EngineKVCache
+from llmcourse.engine.tokenizer import get_tokenizer
+
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, equal, later, run_check
-from llmcourse.course.failed import CheckFailed
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import in_float64, tensor_judge, tensor_problem
-from llmcourse.engine.tokenizer import get_tokenizer
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
 
-ENGINE_CACHE = Forbidden("llmcourse.engine.model.KVCache", "The engine's KVCache is what yours is compared with: write your own "
-                                                    "(torch.zeros and slicing are all it needs).")
+ENGINE_CACHE = Forbidden(
+    "llmcourse.engine.model.KVCache",
+    "The engine's KVCache is what yours is compared with: write your own (torch.zeros and slicing are all it needs).",
+)
 NO_ATTENTION = [
-    Forbidden("torch.nn.functional.scaled_dot_product_attention",
-              "F.scaled_dot_product_attention is the black box this exercise opens: scores, softmax, weighted sum."),
+    Forbidden(
+        "torch.nn.functional.scaled_dot_product_attention",
+        "F.scaled_dot_product_attention is the black box this exercise opens: scores, softmax, weighted sum.",
+    ),
     Forbidden("torch.nn.functional.multi_head_attention_forward", "Write the attention yourself."),
-    Forbidden("llmcourse.engine.parts.attention", "The engine's attention is the black box here: write it with @ and softmax."),
-    Forbidden("llmcourse.engine.tiled_attention", "The engine's attention is the black box here: write it with @ and softmax."),
+    Forbidden(
+        "llmcourse.engine.parts.attention", "The engine's attention is the black box here: write it with @ and softmax."
+    ),
+    Forbidden(
+        "llmcourse.engine.tiled_attention", "The engine's attention is the black box here: write it with @ and softmax."
+    ),
 ]
 NO_ENGINE_LOOP = [
-    Forbidden("llmcourse.engine.generate", "The engine's generation loop is what yours is compared with: write the loop "
-                                    "with model(ids, cache=cache)."),
+    Forbidden(
+        "llmcourse.engine.generate",
+        "The engine's generation loop is what yours is compared with: write the loop with model(ids, cache=cache).",
+    ),
     Forbidden("transformers", "transformers' generate is what yours is compared with: write the loop yourself."),
 ]
 
@@ -126,9 +137,11 @@ class Trace:
     def __repr__(self) -> str:
         if self.problem:
             return self.problem
-        shapes = ", ".join(f"{list(w.keys.shape)}" for w in self.writes
-                           if isinstance(w.keys, Tensor) and w.layer == 0 and w.cache == 0)
-        return f"update returned keys of shape {shapes} (layer 0){'; refused a write past max_len' if self.refused else ''}"
+        shapes = ", ".join(
+            f"{list(w.keys.shape)}" for w in self.writes if isinstance(w.keys, Tensor) and w.layer == 0 and w.cache == 0
+        )
+        refused = "; refused a write past max_len" if self.refused else ""
+        return f"update returned keys of shape {shapes} (layer 0){refused}"
 
 
 def _storage(t: Tensor) -> int:
@@ -150,19 +163,29 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
     for name in ("k", "v"):
         tensors = getattr(cache, name)
         if isinstance(tensors, tuple) and len(tensors) == config.n_layer:
-            return (f"cache.{name} is a tuple: make it a list of {config.n_layer} tensors (one per layer), "
-                    f"[torch.zeros(...) for _ in range(n_layer)] — the engine takes a list (beam search replaces it "
-                    f"with a new list of reordered rows)")
+            return (
+                f"cache.{name} is a tuple: make it a list of {config.n_layer} tensors (one per layer), "
+                f"[torch.zeros(...) for _ in range(n_layer)] — the engine takes a list (beam search replaces it "
+                f"with a new list of reordered rows)"
+            )
         if not isinstance(tensors, list) or len(tensors) != config.n_layer:
-            return (f"cache.{name} should be a list of {config.n_layer} tensors (one per layer), got "
-                    f"{short(tensors, 80)}")
+            return (
+                f"cache.{name} should be a list of {config.n_layer} tensors (one per layer), got {short(tensors, 80)}"
+            )
         for i, t in enumerate(tensors):
             if not isinstance(t, Tensor) or type(t) is not Tensor:
                 return f"cache.{name}[{i}] should be a plain torch.Tensor, got {short(t, 80)}"
             if tuple(t.shape) != shape:
-                grow = " — preallocate all max_len positions once, in __init__ (a cache grown with torch.cat " \
-                       "copies everything it holds at every step)" if t.dim() == 4 and t.shape[2] != max_len else ""
-                return f"cache.{name}[{i}] has shape {tuple(t.shape)}, expected [B, n_head, max_len, head_dim] = {shape}{grow}"
+                grow = (
+                    " — preallocate all max_len positions once, in __init__ (a cache grown with torch.cat "
+                    "copies everything it holds at every step)"
+                    if t.dim() == 4 and t.shape[2] != max_len
+                    else ""
+                )
+                return (
+                    f"cache.{name}[{i}] has shape {tuple(t.shape)}, "
+                    f"expected [B, n_head, max_len, head_dim] = {shape}{grow}"
+                )
             if t.dtype != dtype:
                 return f"cache.{name}[{i}] has dtype {t.dtype}, expected {dtype}: use the dtype argument"
             if bool(t.any()):
@@ -170,13 +193,19 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
     tensors = [*cache.k, *cache.v]
     names = [f"k[{i}]" for i in range(config.n_layer)] + [f"v[{i}]" for i in range(config.n_layer)]
     spans = [_span(t) for t in tensors]
-    overlapping = [(names[i], names[j]) for j in range(len(spans)) for i in range(j)
-                   if spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]]
+    overlapping = [
+        (names[i], names[j])
+        for j in range(len(spans))
+        for i in range(j)
+        if spans[i][0] < spans[j][1] and spans[j][0] < spans[i][1]
+    ]
     if overlapping:
         first, second = overlapping[0]
-        return (f"cache.{first} and cache.{second} are the same tensor (or share memory): every layer needs its "
-                f"own keys and its own values, or one overwrites the other (a list made with "
-                f"[torch.zeros(...)] * n_layer repeats one tensor; make a new one for each)")
+        return (
+            f"cache.{first} and cache.{second} are the same tensor (or share memory): every layer needs its "
+            f"own keys and its own values, or one overwrites the other (a list made with "
+            f"[torch.zeros(...)] * n_layer repeats one tensor; make a new one for each)"
+        )
     if cache.length != 0:
         return f"a new cache should have length 0 (no positions filled yet), got {short(cache.length, 40)}"
     if cache.max_len != max_len:
@@ -189,19 +218,27 @@ def _new_caches(cls, specs: list, defaults: bool) -> tuple[list, str]:
     `defaults`), each checked when made and all of them again after the last one is made. -> (caches, problem)."""
     caches = []
     for i, (config, batch_size, max_len, dtype) in enumerate(specs):
-        cache = cls(config, batch_size, max_len) if defaults else cls(config, batch_size, max_len, device="cpu", dtype=dtype)
+        cache = (
+            cls(config, batch_size, max_len)
+            if defaults
+            else cls(config, batch_size, max_len, device="cpu", dtype=dtype)
+        )
         problem = _structure_problem(cache, config, batch_size, max_len, dtype)
         if problem and defaults and "dtype" in problem:
-            problem += " — KVCache(config, batch_size, max_len) without dtype makes float32 tensors (dtype=torch.float32)"
+            problem += (
+                " — KVCache(config, batch_size, max_len) without dtype makes float32 tensors (dtype=torch.float32)"
+            )
         if problem:
             return caches, problem
         caches.append(cache)
     for i, (cache, spec) in enumerate(zip(caches[:-1], specs)):
         problem = _structure_problem(cache, *spec)
         if problem:
-            return caches, (f"the first cache was right when made, but after a second KVCache was made: {problem}. "
-                            f"Keep every tensor (and the length) on the instance, self.k = [...] in __init__, not on "
-                            f"the class: two caches are alive at once (a target and a draft model, two generations)")
+            return caches, (
+                f"the first cache was right when made, but after a second KVCache was made: {problem}. "
+                f"Keep every tensor (and the length) on the instance, self.k = [...] in __init__, not on "
+                f"the class: two caches are alive at once (a target and a draft model, two generations)"
+            )
     return caches, ""
 
 
@@ -236,12 +273,14 @@ def _run_caches(cls, specs: list, steps: list, defaults: bool = False) -> Trace:
             except Exception as err:  # noqa: BLE001 - said with the case and where it went wrong
                 frame = traceback.extract_tb(err.__traceback__)[-1]
                 message = str(err) if len(str(err)) <= 300 else str(err)[:300] + "…"
-                write.raised = f"raised {type(err).__name__}: {message}\n  at line {frame.lineno} in " \
-                               f"{frame.name}: {frame.line}"
+                write.raised = (
+                    f"raised {type(err).__name__}: {message}\n  at line {frame.lineno} in {frame.name}: {frame.line}"
+                )
                 return trace
             if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
-                write.returned = (f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else
-                                  short(out, 60))
+                write.returned = (
+                    f"a {type(out).__name__} of {len(out)}" if isinstance(out, (list, tuple)) else short(out, 60)
+                )
                 if isinstance(out, list) and len(out) == 2 and all(isinstance(t, Tensor) for t in out):
                     write.returned = "a list [keys, values]"
                 return trace
@@ -272,57 +311,79 @@ def _judge_cache(case: Case, got: Trace) -> Verdict:
         at = f"{which}step {mine.step} (cache.length {mine.start}, T = {mine.T}), update(layer={mine.layer}, k, v)"
         if theirs.keys is None:  # the write past max_len
             if got.refused is None:
-                return (f"{at} writes past max_len = {max_len} and was not refused",
-                        f"length {mine.start} + T {mine.T} > max_len {max_len}: raise an error (e.g. "
-                        "ValueError('cache full: ...')) rather than dropping positions or growing the cache")
+                return (
+                    f"{at} writes past max_len = {max_len} and was not refused",
+                    f"length {mine.start} + T {mine.T} > max_len {max_len}: raise an error (e.g. "
+                    "ValueError('cache full: ...')) rather than dropping positions or growing the cache",
+                )
             return None
         extra = ""
         if theirs.start + mine.T > 256:
             extra += " — past position 255 here: is the length or an index kept in 8 bits (uint8)?"
-        if any(isinstance(s, int) for _, s in case.args[2][:mine.step]):
-            extra += (" — the cache was rolled back (cache.length set to fewer positions) before this step: write at "
-                      "cache.length, not after the last position written")
+        if any(isinstance(s, int) for _, s in case.args[2][: mine.step]):
+            extra += (
+                " — the cache was rolled back (cache.length set to fewer positions) before this step: write at "
+                "cache.length, not after the last position written"
+            )
         if mine.raised:
             hint = NOT_CONTIGUOUS if "view size is not compatible" in mine.raised else ""
             return f"{at} {mine.raised}", (hint + extra if hint else extra.removeprefix(" — "))
         if mine.keys is None and not mine.returned:  # the check's own int(length) said it would not fit
-            return (f"{at}: cache.length is {short(mine.start, 60)}, expected {theirs.start}",
-                    "cache.length is a Python int, 0 in a new cache; the model adds T after each step" + extra)
+            return (
+                f"{at}: cache.length is {short(mine.start, 60)}, expected {theirs.start}",
+                "cache.length is a Python int, 0 in a new cache; the model adds T after each step" + extra,
+            )
         if mine.returned:
-            return (f"{at} returned {mine.returned}, expected a tuple (keys, values) of two tensors",
-                    "return self.k[layer][:, :, :end], self.v[layer][:, :, :end] — a tuple, which the model "
-                    "unpacks and the engine checks")
+            return (
+                f"{at} returned {mine.returned}, expected a tuple (keys, values) of two tensors",
+                "return self.k[layer][:, :, :end], self.v[layer][:, :, :end] — a tuple, which the model "
+                "unpacks and the engine checks",
+            )
         if mine.length_after != mine.start:
-            return (f"{at} changed cache.length from {mine.start} to {short(mine.length_after, 40)}",
-                    "update must not advance length: every layer writes the same positions [length, length + T), "
-                    "and the model does cache.length += T after the last layer")
+            return (
+                f"{at} changed cache.length from {mine.start} to {short(mine.length_after, 40)}",
+                "update must not advance length: every layer writes the same positions [length, length + T), "
+                "and the model does cache.length += T after the last layer",
+            )
         if mine.moved:
-            return (f"{at} replaced cache.{mine.moved} by a new tensor (its data_ptr() changed)",
-                    "write in place into the preallocated tensor, e.g. self.k[layer][:, :, start:end] = k; "
-                    "never assign a new tensor (torch.cat, clone) to self.k[layer]")
+            return (
+                f"{at} replaced cache.{mine.moved} by a new tensor (its data_ptr() changed)",
+                "write in place into the preallocated tensor, e.g. self.k[layer][:, :, start:end] = k; "
+                "never assign a new tensor (torch.cat, clone) to self.k[layer]",
+            )
         for what, g, e in (("keys", mine.keys, theirs.keys), ("values", mine.values, theirs.values)):
             if isinstance(g, Tensor) and isinstance(e, Tensor) and g.dim() == 4 and g.shape[2] != e.shape[2]:
-                hint = (f"return only the filled positions, self.{what[0]}[layer][:, :, :length + T]: the other "
-                        f"{g.shape[2] - e.shape[2]} positions are zeros the new token would attend to") \
-                    if g.shape[2] == max_len else \
-                    f"return the positions [0, length + T) = [0, {e.shape[2]}): the cached ones and the new ones"
+                hint = (
+                    (
+                        f"return only the filled positions, self.{what[0]}[layer][:, :, :length + T]: the other "
+                        f"{g.shape[2] - e.shape[2]} positions are zeros the new token would attend to"
+                    )
+                    if g.shape[2] == max_len
+                    else f"return the positions [0, length + T) = [0, {e.shape[2]}): the cached ones and the new ones"
+                )
                 return f"{at} returned {what} of shape {tuple(g.shape)}, expected {tuple(e.shape)}", hint + extra
             problem = tensor_problem(g, e, atol=0, rtol=0)
             if problem:
-                return f"{at} returned wrong {what}: {problem}", \
-                    "write k and v at positions [length, length + T) of this layer's tensors, then return positions " \
-                    "[0, length + T)" + extra
+                return (
+                    f"{at} returned wrong {what}: {problem}",
+                    "write k and v at positions [length, length + T) of this layer's tensors, then return positions "
+                    "[0, length + T)" + extra,
+                )
         if not mine.views:
-            return (f"{at} returned copies, not views of the cache",
-                    "return slices such as self.k[layer][:, :, :end] (a view: no copy); .clone() or torch.cat "
-                    "copies the whole cache at every layer of every step")
+            return (
+                f"{at} returned copies, not views of the cache",
+                "return slices such as self.k[layer][:, :, :end] (a view: no copy); .clone() or torch.cat "
+                "copies the whole cache at every layer of every step",
+            )
     if got.refused is None and expected.refused is not None:
         return "a write past max_len was not refused", "raise an error when length + T > max_len"
     for i, (g, e) in enumerate(zip(got.contents, expected.contents)):
         problem = tensor_problem(g, e, atol=0, rtol=0)
         if problem:
-            return f"after all steps, the cache's tensor #{i} holds wrong values: {problem}", \
-                "write into the cache's own tensors (in place), not into a copy of them"
+            return (
+                f"after all steps, the cache's tensor #{i} holds wrong values: {problem}",
+                "write into the cache's own tensors (in place), not into a copy of them",
+            )
     return None
 
 
@@ -337,13 +398,19 @@ def _heads(g: torch.Generator, config: GPT2Config, batch_size: int, T: int, dtyp
 
 def _cache_steps(g: torch.Generator, config: GPT2Config, batch_size: int, chunks: list, dtype, which: int = 0) -> list:
     """Steps for one cache: an int T in `chunks` writes T positions; ('to', n) sets cache.length = n."""
-    return [(which, chunk[1]) if isinstance(chunk, tuple) else
-            (which, [_heads(g, config, batch_size, chunk, dtype) for _ in range(config.n_layer)]) for chunk in chunks]
+    return [
+        (which, chunk[1])
+        if isinstance(chunk, tuple)
+        else (which, [_heads(g, config, batch_size, chunk, dtype) for _ in range(config.n_layer)])
+        for chunk in chunks
+    ]
 
 
-NOT_CONTIGUOUS = ("k and v are views split from the qkv projection (not contiguous), as the model passes them: "
-                  ".view() cannot reshape them; write them with a slice, self.k[layer][:, :, start:end] = k (or use "
-                  ".reshape())")
+NOT_CONTIGUOUS = (
+    "k and v are views split from the qkv projection (not contiguous), as the model passes them: "
+    ".view() cannot reshape them; write them with a slice, self.k[layer][:, :, start:end] = k (or use "
+    ".reshape())"
+)
 CACHE_ENGINE_RUNS: dict[int, tuple] = {}  # seed -> (model, calls): kept out of the cases' arguments
 
 
@@ -354,11 +421,16 @@ def _cache_engine_calls(seed: int) -> tuple:
         rng = random.Random(seed)
         model, draft = decisive_model(seed, n_layer=2), decisive_model(seed + 1, n_layer=1)
         prompt = lambda n: [rng.randrange(97) for _ in range(n)]  # noqa: E731
-        calls = [("greedy", prompt(20), dict(max_new_tokens=12)),
-                 ("a left-padded batch", [prompt(7), prompt(2), prompt(12)], dict(max_new_tokens=8)),
-                 ("beam search (3 beams)", prompt(5), dict(max_new_tokens=6, num_beams=3)),
-                 ("speculative decoding (rolls the cache back)", prompt(6), dict(max_new_tokens=12, draft=draft,
-                                                                                 num_draft_tokens=3))]
+        calls = [
+            ("greedy", prompt(20), dict(max_new_tokens=12)),
+            ("a left-padded batch", [prompt(7), prompt(2), prompt(12)], dict(max_new_tokens=8)),
+            ("beam search (3 beams)", prompt(5), dict(max_new_tokens=6, num_beams=3)),
+            (
+                "speculative decoding (rolls the cache back)",
+                prompt(6),
+                dict(max_new_tokens=12, draft=draft, num_draft_tokens=3),
+            ),
+        ]
         CACHE_ENGINE_RUNS[seed] = (model, calls)
     return CACHE_ENGINE_RUNS[seed]
 
@@ -368,8 +440,10 @@ def _generations(model: GPT2, calls: list, kv_cache) -> Any:
     a PartError of the engine's guard as text."""
     try:
         with one_thread():
-            return [generate(model, prompt, eos_token_id=None, kv_cache=kv_cache, **settings)
-                    for _, prompt, settings in calls]
+            return [
+                generate(model, prompt, eos_token_id=None, kv_cache=kv_cache, **settings)
+                for _, prompt, settings in calls
+            ]
     except PartError as err:
         return f"{err}".split("\n  hint:")[0]
 
@@ -399,37 +473,91 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     def case(description, config, batch_size, max_len, chunks, dtype=f32, hint="", defaults=False):
         specs = [(config, batch_size, max_len, dtype)]
         steps = _cache_steps(g, config, batch_size, chunks, dtype)
-        return Case(description, ("protocol", specs, steps, defaults), later(_run_caches, EngineKVCache, specs, steps),
-                    hint)
+        return Case(
+            description, ("protocol", specs, steps, defaults), later(_run_caches, EngineKVCache, specs, steps), hint
+        )
 
     cfg = GPT2Config(n_layer=2, n_head=2, n_embd=8)
     cases = [
-        case("one layer, prefill 3 positions", GPT2Config(n_layer=1, n_head=2, n_embd=8), 1, 5, [3],
-             hint="update returns the keys and values of positions [0, 3), written at [0, 3)"),
-        case("two layers: prefill 3, then one token", cfg, 1, 6, [3, 1],
-             hint="both layers write positions [length, length + T); only the model advances length"),
+        case(
+            "one layer, prefill 3 positions",
+            GPT2Config(n_layer=1, n_head=2, n_embd=8),
+            1,
+            5,
+            [3],
+            hint="update returns the keys and values of positions [0, 3), written at [0, 3)",
+        ),
+        case(
+            "two layers: prefill 3, then one token",
+            cfg,
+            1,
+            6,
+            [3, 1],
+            hint="both layers write positions [length, length + T); only the model advances length",
+        ),
         case("prefill, then 3 decode steps up to max_len", cfg, 1, 6, [3, 1, 1, 1]),
-        case("batch of 2, float64", GPT2Config(n_layer=3, n_head=3, n_embd=12), 2, 7, [4, 1, 2], f64,
-             hint="float64 in, float64 out: make the tensors with the dtype argument"),
-        case("float16, as a half-precision model on a GPU", cfg, 2, 9, [5, 1, 1], f16,
-             hint="make the tensors with the dtype argument"),
+        case(
+            "batch of 2, float64",
+            GPT2Config(n_layer=3, n_head=3, n_embd=12),
+            2,
+            7,
+            [4, 1, 2],
+            f64,
+            hint="float64 in, float64 out: make the tensors with the dtype argument",
+        ),
+        case(
+            "float16, as a half-precision model on a GPU",
+            cfg,
+            2,
+            9,
+            [5, 1, 1],
+            f16,
+            hint="make the tensors with the dtype argument",
+        ),
         case("bfloat16", GPT2Config(n_layer=1, n_head=4, n_embd=16), 1, 6, [2, 3, 1], bf16),
         case("a write past max_len", cfg, 1, 4, [3, 2]),
-        case("speculative decoding: the cache is rolled back (cache.length set back) and written again", cfg, 1, 12,
-             [4, 1, 3, ("to", 6), 3, ("to", 9), 1],
-             hint="after cache.length = n, the next update writes at position n: keep no position counter of your own"),
-        case("GPT-2's 1024 positions: a 300-token prompt, then decode steps past position 255",
-             GPT2Config(n_layer=1, n_head=2, n_embd=8), 1, 1024, [300, 1, 1, 200, 1]),
-        case("KVCache(config, batch_size, max_len) with device and dtype left out", cfg, 1, 5, [2, 1],
-             hint="dtype=torch.float32 and device=None by default", defaults=True),
+        case(
+            "speculative decoding: the cache is rolled back (cache.length set back) and written again",
+            cfg,
+            1,
+            12,
+            [4, 1, 3, ("to", 6), 3, ("to", 9), 1],
+            hint="after cache.length = n, the next update writes at position n: keep no position counter of your own",
+        ),
+        case(
+            "GPT-2's 1024 positions: a 300-token prompt, then decode steps past position 255",
+            GPT2Config(n_layer=1, n_head=2, n_embd=8),
+            1,
+            1024,
+            [300, 1, 1, 200, 1],
+        ),
+        case(
+            "KVCache(config, batch_size, max_len) with device and dtype left out",
+            cfg,
+            1,
+            5,
+            [2, 1],
+            hint="dtype=torch.float32 and device=None by default",
+            defaults=True,
+        ),
     ]
-    two = [(GPT2Config(n_layer=2, n_head=2, n_embd=8), 1, 8, f32), (GPT2Config(n_layer=1, n_head=1, n_embd=4), 2, 6, f64)]
-    first, second = (_cache_steps(g, c, b, chunks, d, i) for i, ((c, b, _, d), chunks) in
-                     enumerate(zip(two, ([3, 1, 1, 1], [2, 2, 1]))))
+    two = [
+        (GPT2Config(n_layer=2, n_head=2, n_embd=8), 1, 8, f32),
+        (GPT2Config(n_layer=1, n_head=1, n_embd=4), 2, 6, f64),
+    ]
+    first, second = (
+        _cache_steps(g, c, b, chunks, d, i)
+        for i, ((c, b, _, d), chunks) in enumerate(zip(two, ([3, 1, 1, 1], [2, 2, 1])))
+    )
     interleaved = [first[0], second[0], first[1], second[1], first[2], first[3], second[2]]
-    cases.append(Case("two caches alive at once (a target and a draft model), written in turn",
-                      ("protocol", two, interleaved, False), later(_run_caches, EngineKVCache, two, interleaved),
-                      "each cache keeps its own tensors and length"))
+    cases.append(
+        Case(
+            "two caches alive at once (a target and a draft model), written in turn",
+            ("protocol", two, interleaved, False),
+            later(_run_caches, EngineKVCache, two, interleaved),
+            "each cache keeps its own tensors and length",
+        )
+    )
     rng = random.Random(seed)
     for i in range(n_random):
         n_head = rng.choice([1, 2, 3, 4])
@@ -439,27 +567,45 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             chunks[rng.randrange(1, len(chunks))] = ("to", rng.randint(1, chunks[0]))
         max_len = sum(c for c in chunks if isinstance(c, int)) + rng.randint(0, 3)
         dtype = (f32, f64, f16, bf16)[i % 4]
-        cases.append(case(f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
-                          f"{str(dtype)[6:]}, T = {chunks}", config, rng.randint(1, 3), max_len, chunks, dtype))
-    cases.append(Case("the engine's generation with your KVCache, as my_engine installs it (guarded): greedy, "
-                      "a left-padded batch, beam search, speculative decoding",
-                      ("engine", seed), later(_engine_tokens, seed)))
+        cases.append(
+            case(
+                f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
+                f"{str(dtype)[6:]}, T = {chunks}",
+                config,
+                rng.randint(1, 3),
+                max_len,
+                chunks,
+                dtype,
+            )
+        )
+    cases.append(
+        Case(
+            "the engine's generation with your KVCache, as my_engine installs it (guarded): greedy, "
+            "a left-padded batch, beam search, speculative decoding",
+            ("engine", seed),
+            later(_engine_tokens, seed),
+        )
+    )
 
     def show(args: tuple) -> str:
         if args[0] == "engine":
             calls = _cache_engine_calls(args[1])[1]
-            return ("llmcourse.generate(tiny random model, ..., kv_cache=guard(\"KVCache\", KVCache)) for: "
-                    + "; ".join(d for d, _, _ in calls))
+            return 'llmcourse.generate(tiny random model, ..., kv_cache=guard("KVCache", KVCache)) for: ' + "; ".join(
+                d for d, _, _ in calls
+            )
         _, specs, steps, defaults = args
         made = "; ".join(
             f"cache{'' if len(specs) == 1 else i + 1} = KVCache(GPT2Config(n_layer={c.n_layer}, n_head={c.n_head}, "
             f"n_embd={c.n_embd}), batch_size={b}, max_len={m}" + (")" if defaults else f", dtype={d})")
-            for i, (c, b, m, d) in enumerate(specs))
+            for i, (c, b, m, d) in enumerate(specs)
+        )
         Ts = [f"length = {s}" if isinstance(s, int) else s[0][0].shape[2] for _, s in steps]
         whose = "" if len(specs) == 1 else f" (caches {[w + 1 for w, _ in steps]})"
-        return (f"{made}; steps of T = {Ts}{whose}: each calls cache.update(layer, k, v) for every layer, k and v "
-                f"[B, n_head, T, head_dim] (views split from the qkv projection, as the model passes them), then "
-                f"cache.length += T")
+        return (
+            f"{made}; steps of T = {Ts}{whose}: each calls cache.update(layer, k, v) for every layer, k and v "
+            f"[B, n_head, T, head_dim] (views split from the qkv projection, as the model passes them), then "
+            f"cache.length += T"
+        )
 
     def judge(case: Case, got: Any) -> Verdict:
         """Says what went wrong where, with the run's input: a trace has no one 'expected' value to show."""
@@ -470,12 +616,16 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
                 problem = f"in the engine: {got}"
             else:
                 i = next((i for i, (a, b) in enumerate(zip(got, case.expected)) if a != b), 0)
-                problem = (f"in the engine, {_cache_engine_calls(case.args[1])[1][i][0]} gave other tokens than with "
-                           f"the engine's KVCache: expected {short(case.expected[i], 80)}, got {short(got[i], 80)}")
-            raise CheckFailed(f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}\n"
-                              "  hint: your cache passes the cases above but not the engine's use of it: it must keep "
-                              "the interface exactly (lists k and v, update returning a tuple, length set by the "
-                              "model)")
+                problem = (
+                    f"in the engine, {_cache_engine_calls(case.args[1])[1][i][0]} gave other tokens than with "
+                    f"the engine's KVCache: expected {short(case.expected[i], 80)}, got {short(got[i], 80)}"
+                )
+            raise CheckFailed(
+                f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}\n"
+                "  hint: your cache passes the cases above but not the engine's use of it: it must keep "
+                "the interface exactly (lists k and v, update returning a tuple, length set by the "
+                "model)"
+            )
         if isinstance(got, Trace) and got.problem:
             raise CheckFailed(f"✗ KVCache — {case.description}: {got.problem}\n  input:    {show(case.args)}")
         verdict = _judge_cache(case, got)
@@ -483,8 +633,10 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             problem, hint = verdict
             about_answer = "returned" in problem and "copies" not in problem  # the case's hint is about answers
             hints = [h for h in (case.hint if about_answer else "", hint) if h]
-            raise CheckFailed(f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}"
-                              + "".join(f"\n  hint: {h}" for h in hints))
+            raise CheckFailed(
+                f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}"
+                + "".join(f"\n  hint: {h}" for h in hints)
+            )
         return None
 
     def run(kind, *args):
@@ -492,8 +644,17 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             return _run_in_engine(cls, *args)
         return _run_caches(cls, *args)
 
-    run_check("KVCache", run, cases, judge=judge, forbid=[ENGINE_CACHE], show_call=show, seconds=5, total_seconds=30,
-              error_hints={"view size is not compatible": NOT_CONTIGUOUS})
+    run_check(
+        "KVCache",
+        run,
+        cases,
+        judge=judge,
+        forbid=[ENGINE_CACHE],
+        show_call=show,
+        seconds=5,
+        total_seconds=30,
+        error_hints={"view size is not compatible": NOT_CONTIGUOUS},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -533,10 +694,16 @@ def _softmax_over_queries(q, k_cache, v_cache, length):
 
 
 CACHED_ATTENTION_MISTAKES = [
-    (_all_positions, "attend to the first `length` positions only: k_cache[:, :, :length]; the positions after them "
-                     "are not written yet (zeros, or stale values of an earlier sequence)"),
-    (_one_short, "off by one: the new token's own key is already in the cache, at position length - 1, so attend to "
-                 "positions [0, length) — k_cache[:, :, :length]"),
+    (
+        _all_positions,
+        "attend to the first `length` positions only: k_cache[:, :, :length]; the positions after them "
+        "are not written yet (zeros, or stale values of an earlier sequence)",
+    ),
+    (
+        _one_short,
+        "off by one: the new token's own key is already in the cache, at position length - 1, so attend to "
+        "positions [0, length) — k_cache[:, :, :length]",
+    ),
     (_one_long, "off by one: attend to positions [0, length) — k_cache[:, :, :length], not length + 1"),
     (_no_scale, "divide the scores by √D (D = head_dim = q.shape[-1]) before the softmax"),
     (_scale_by_d, "divide the scores by √D, not by D"),
@@ -551,7 +718,8 @@ def _show_cached_attention(args: tuple) -> str:
 
 
 def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
-    """cached_attention(q, k_cache, v_cache, length): q [B, H, 1, D] attends to positions [0, length) -> [B, H, 1, D]."""
+    """cached_attention(q, k_cache, v_cache, length): q [B, H, 1, D] attends to positions [0, length)
+    -> [B, H, 1, D]."""
     g = torch.Generator().manual_seed(seed)
     f64 = torch.float64
 
@@ -566,34 +734,83 @@ def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
         return Case(description, (q, k_cache, v_cache, length), expected, hint)
 
     cases = [
-        case("one filled position", 1, 1, 4, 3, 1, stale=False,
-             hint="with one key the softmax weight is 1: the answer is v_cache[:, :, 0:1]"),
+        case(
+            "one filled position",
+            1,
+            1,
+            4,
+            3,
+            1,
+            stale=False,
+            hint="with one key the softmax weight is 1: the answer is v_cache[:, :, 0:1]",
+        ),
         case("a new cache: the positions after length are zeros", 1, 2, 8, 10, 6, stale=False),
-        case("stale values after length (an earlier, longer sequence)", 1, 2, 8, 10, 6,
-             hint="only positions [0, length) belong to this sequence"),
+        case(
+            "stale values after length (an earlier, longer sequence)",
+            1,
+            2,
+            8,
+            10,
+            6,
+            hint="only positions [0, length) belong to this sequence",
+        ),
         case("the cache is full (length = max_len)", 2, 3, 4, 5, 5),
         case("batch of 3, float64", 3, 2, 16, 9, 7, f64, hint="float64 in, float64 out"),
-        case("large scores (q and k × 30)", 2, 2, 8, 6, 4, scale=30.0,
-             hint="a stable softmax (subtract the max, or torch.softmax) keeps large scores finite"),
+        case(
+            "large scores (q and k × 30)",
+            2,
+            2,
+            8,
+            6,
+            4,
+            scale=30.0,
+            hint="a stable softmax (subtract the max, or torch.softmax) keeps large scores finite",
+        ),
         case("head_dim 64, as in GPT-2", 1, 2, 64, 12, 11, f64),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
         max_len = rng.randint(1, 40)
         dtype = (torch.float32, f64)[i % 2]
-        cases.append(case(f"random #{i}: {str(dtype)[6:]}", rng.randint(1, 3), rng.randint(1, 4),
-                          rng.choice([1, 3, 8, 32, 64]), max_len, rng.randint(1, max_len), dtype,
-                          scale=rng.choice([0.1, 1.0, 5.0]), stale=rng.random() < 0.7))
-    run_check("cached_attention", fn, cases, judge=tensor_judge(CACHED_ATTENTION_TOLERANCES, CACHED_ATTENTION_MISTAKES),
-              forbid=NO_ATTENTION, show_call=_show_cached_attention, seconds=5, total_seconds=30)
+        cases.append(
+            case(
+                f"random #{i}: {str(dtype)[6:]}",
+                rng.randint(1, 3),
+                rng.randint(1, 4),
+                rng.choice([1, 3, 8, 32, 64]),
+                max_len,
+                rng.randint(1, max_len),
+                dtype,
+                scale=rng.choice([0.1, 1.0, 5.0]),
+                stale=rng.random() < 0.7,
+            )
+        )
+    run_check(
+        "cached_attention",
+        fn,
+        cases,
+        judge=tensor_judge(CACHED_ATTENTION_TOLERANCES, CACHED_ATTENTION_MISTAKES),
+        forbid=NO_ATTENTION,
+        show_call=_show_cached_attention,
+        seconds=5,
+        total_seconds=30,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
 # Exercise 3: generate_greedy
 
 
-def decisive_model(seed: int, *, n_layer: int = 2, n_head: int = 2, n_embd: int = 32, n_positions: int = 64,
-                   vocab_size: int = 97, dtype: torch.dtype = torch.float32) -> GPT2:
+def decisive_model(
+    seed: int,
+    *,
+    n_layer: int = 2,
+    n_head: int = 2,
+    n_embd: int = 32,
+    n_positions: int = 64,
+    vocab_size: int = 97,
+    dtype: torch.dtype = torch.float32,
+) -> GPT2:
     """A tiny random GPT-2 whose greedy continuations vary and whose argmaxes are clear. GPT-2's own
     initialization gives near-uniform logits (near-ties, which rounding may flip between a cached and a
     full pass); a larger embedding alone makes the model repeat its input token; larger attention and
@@ -614,7 +831,7 @@ def decisive_model(seed: int, *, n_layer: int = 2, n_head: int = 2, n_embd: int 
 @torch.no_grad()
 def smallest_margin(model: GPT2, prompt_ids: list[int], tokens: list[int]) -> float:
     """The smallest gap between the best and the second-best logit over the steps that chose `tokens`."""
-    logits = model(torch.tensor([prompt_ids + tokens[:-1]], device=model.device))[0, len(prompt_ids) - 1:]
+    logits = model(torch.tensor([prompt_ids + tokens[:-1]], device=model.device))[0, len(prompt_ids) - 1 :]
     top2 = logits.topk(2, dim=-1).values  # [steps, 2]
     return float((top2[:, 0] - top2[:, 1]).min())
 
@@ -625,7 +842,7 @@ def full_recompute(model: GPT2, prompt_ids: list[int], max_new_tokens: int) -> l
     ids = list(prompt_ids)
     for _ in range(max_new_tokens):
         ids.append(int(model(torch.tensor([ids], device=model.device), last_only=True)[0, -1].argmax()))
-    return ids[len(prompt_ids):]
+    return ids[len(prompt_ids) :]
 
 
 def recording_cache(base: type = EngineKVCache) -> type:
@@ -644,11 +861,15 @@ def recording_cache(base: type = EngineKVCache) -> type:
 
         def update(self, layer, k, v, slot=None):
             if k.dtype != self.args[2]:
-                raise ValueError(f"the cache holds {self.args[2]} but the model gives {k.dtype} keys: make the cache "
-                                 f"with dtype=model.dtype")
+                raise ValueError(
+                    f"the cache holds {self.args[2]} but the model gives {k.dtype} keys: make the cache "
+                    f"with dtype=model.dtype"
+                )
             if slot is None and self.length + k.shape[2] > self.max_len:
-                raise ValueError(f"the cache is full: {k.shape[2]} more position(s) at length {self.length}, but "
-                                 f"max_len is {self.max_len}")
+                raise ValueError(
+                    f"the cache is full: {k.shape[2]} more position(s) at length {self.length}, but "
+                    f"max_len is {self.max_len}"
+                )
             if layer == 0:
                 self.writes.append((self.length, k.shape[2]))
             return super().update(layer, k, v, slot)
@@ -688,59 +909,90 @@ def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: 
 
 
 def _loop_problem(case: Case, got: Run) -> Verdict:
-    model, prompt, n, = case.args
+    (
+        model,
+        prompt,
+        n,
+    ) = case.args
     P, expected = len(prompt), case.expected
     tokens = got.tokens
     if isinstance(tokens, Tensor):
         return f"expected a list of {n} ints, got a tensor {list(tokens.shape)}", "return a list: tensor.tolist()"
-    if not isinstance(tokens, list) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
-                                               for t in tokens):
-        return f"expected a list of {n} ints (the new token ids), got {short(tokens, 80)}", \
-            "int(logits.argmax()) is a Python int"
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in tokens
+    ):
+        return (
+            f"expected a list of {n} ints (the new token ids), got {short(tokens, 80)}",
+            "int(logits.argmax()) is a Python int",
+        )
     if len(tokens) != n:
-        return (f"expected {n} new tokens, got {len(tokens)}",
-                "max_new_tokens counts the generated tokens only (not the prompt): the prefill gives the first, "
-                "each decode step one more")
+        return (
+            f"expected {n} new tokens, got {len(tokens)}",
+            "max_new_tokens counts the generated tokens only (not the prompt): the prefill gives the first, "
+            "each decode step one more",
+        )
     if not got.caches:
-        return "the loop made no cache with cache_class", \
-            "make one cache with cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, " \
-            "dtype=model.dtype) and pass it to every model(..., cache=cache) call"
+        return (
+            "the loop made no cache with cache_class",
+            "make one cache with cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, "
+            "dtype=model.dtype) and pass it to every model(..., cache=cache) call",
+        )
     if len(got.caches) > 1:
-        return (f"the loop made {len(got.caches)} caches; one is enough",
-                "make the cache once, before the loop: a new cache each step forgets every position and makes the "
-                "model recompute them")
+        return (
+            f"the loop made {len(got.caches)} caches; one is enough",
+            "make the cache once, before the loop: a new cache each step forgets every position and makes the "
+            "model recompute them",
+        )
     cache = got.caches[0]
     if cache.args[2] != model.dtype:
-        return (f"the cache has dtype {cache.args[2]}, the model {model.dtype}",
-                "make the cache with dtype=model.dtype (float64 model, float64 cache)")
+        return (
+            f"the cache has dtype {cache.args[2]}, the model {model.dtype}",
+            "make the cache with dtype=model.dtype (float64 model, float64 cache)",
+        )
     if [t.data_ptr() for t in [*cache.k, *cache.v]] != cache.pointers:
-        return "the cache's tensors were replaced during the loop", "let the model write into the cache; do not assign cache.k or cache.v"
+        return (
+            "the cache's tensors were replaced during the loop",
+            "let the model write into the cache; do not assign cache.k or cache.v",
+        )
     writes = cache.writes
     wrong = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
     steps = ", ".join(f"{T} at position {start}" for start, T in writes[:6]) + (", ..." if len(writes) > 6 else "")
     seen = f"the model was given tokens: {steps}"
     if not writes or writes[0] != (0, P):
         if writes and writes[0] == (0, P - 1):
-            return (f"the prefill put {P - 1} of the {P} prompt tokens in the cache ({seen})",
-                    "prefill the whole prompt, model(prompt, cache=cache): the logits of its last position give "
-                    "the first new token")
-        return f"the prefill should put the {P} prompt tokens at positions [0, {P}) in one call ({seen})", \
-            "call model(torch.tensor([prompt_ids]), cache=cache) once, before the loop"
+            return (
+                f"the prefill put {P - 1} of the {P} prompt tokens in the cache ({seen})",
+                "prefill the whole prompt, model(prompt, cache=cache): the logits of its last position give "
+                "the first new token",
+            )
+        return (
+            f"the prefill should put the {P} prompt tokens at positions [0, {P}) in one call ({seen})",
+            "call model(torch.tensor([prompt_ids]), cache=cache) once, before the loop",
+        )
     later = writes[1:]
     if any(T != 1 for _, T in later):
-        return (f"each decode step should feed one token ({seen})",
-                "after the prefill the cache holds every earlier position: feed only the newest token, "
-                "model(torch.tensor([[token]]), cache=cache) — feeding the whole sequence again writes its positions twice")
+        return (
+            f"each decode step should feed one token ({seen})",
+            "after the prefill the cache holds every earlier position: feed only the newest token, "
+            "model(torch.tensor([[token]]), cache=cache) — feeding the whole sequence again writes its positions twice",
+        )
     if wrong is not None:
-        return (f"token {wrong} differs from the full recompute's: expected {expected[wrong]}, got {tokens[wrong]}",
-                "each step feeds the token just chosen and takes the argmax of the last position's logits")
+        return (
+            f"token {wrong} differs from the full recompute's: expected {expected[wrong]}, got {tokens[wrong]}",
+            "each step feeds the token just chosen and takes the argmax of the last position's logits",
+        )
     if len(later) > n:
-        return f"{len(later)} decode steps for {n} tokens ({seen})", "the prefill gives the first token: n - 1 steps remain"
+        return (
+            f"{len(later)} decode steps for {n} tokens ({seen})",
+            "the prefill gives the first token: n - 1 steps remain",
+        )
     if got.positions > P + n:
-        return (f"the model computed {got.positions} positions for a {P}-token prompt and {n} new tokens; a cached "
-                f"loop computes {P + n - 1} ({P} in the prefill, then one per step)",
-                "take every token from the cached calls: running the model on the whole sequence as well (a full "
-                "recompute) does all the work the cache is there to save")
+        return (
+            f"the model computed {got.positions} positions for a {P}-token prompt and {n} new tokens; a cached "
+            f"loop computes {P + n - 1} ({P} in the prefill, then one per step)",
+            "take every token from the cached calls: running the model on the whole sequence as well (a full "
+            "recompute) does all the work the cache is there to save",
+        )
     return None
 
 
@@ -769,26 +1021,49 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
     tiny = decisive_model(seed)
     V = tiny.config.vocab_size
     cases = [
-        case("a one-token prompt, one new token", tiny, [5], 1,
-             hint="the prefill alone gives the first token: no decode step is needed"),
+        case(
+            "a one-token prompt, one new token",
+            tiny,
+            [5],
+            1,
+            hint="the prefill alone gives the first token: no decode step is needed",
+        ),
         case("a one-token prompt, 6 new tokens", tiny, [5], 6),
         case("a 7-token prompt, 10 new tokens", tiny, [rng.randrange(V) for _ in range(7)], 10),
-        case("float64, 3 layers of 4 heads", decisive_model(seed + 1, n_layer=3, n_head=4, dtype=torch.float64),
-             [rng.randrange(V) for _ in range(5)], 8, "make the cache in the model's dtype"),
+        case(
+            "float64, 3 layers of 4 heads",
+            decisive_model(seed + 1, n_layer=3, n_head=4, dtype=torch.float64),
+            [rng.randrange(V) for _ in range(5)],
+            8,
+            "make the cache in the model's dtype",
+        ),
         case("filling all 64 positions", tiny, [rng.randrange(V) for _ in range(40)], 24),
-        case("the same one-token prompt and length on another model (nothing kept from an earlier call)",
-             decisive_model(seed + 2, n_layer=1), [5], 6),
-        case("a 270-token prompt (positions past 255) over 300 token ids (ids past 255), 20 new tokens",
-             decisive_model(seed + 3, n_layer=1, n_positions=320, vocab_size=300),
-             [rng.randrange(300) for _ in range(270)], 20, "the cache holds len(prompt_ids) + max_new_tokens positions"),
+        case(
+            "the same one-token prompt and length on another model (nothing kept from an earlier call)",
+            decisive_model(seed + 2, n_layer=1),
+            [5],
+            6,
+        ),
+        case(
+            "a 270-token prompt (positions past 255) over 300 token ids (ids past 255), 20 new tokens",
+            decisive_model(seed + 3, n_layer=1, n_positions=320, vocab_size=300),
+            [rng.randrange(300) for _ in range(270)],
+            20,
+            "the cache holds len(prompt_ids) + max_new_tokens positions",
+        ),
     ]
     for i in range(n_random):
         model = decisive_model(seed + 10 + i, n_layer=rng.randint(1, 3), n_head=rng.choice([1, 2, 4]))
         P = rng.randint(1, 30)
-        cases.append(case(f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt", model,
-                          [rng.randrange(V) for _ in range(P)], rng.randint(1, 64 - P)))
+        cases.append(
+            case(
+                f"random #{i}: {model.config.n_layer} layers, a {P}-token prompt",
+                model,
+                [rng.randrange(V) for _ in range(P)],
+                rng.randint(1, 64 - P),
+            )
+        )
     if bundled:
-
         cases.append(case("the bundled model, 'ROMEO:'", bundled_model(), get_tokenizer().encode("ROMEO:"), 20))
 
     def show(args: tuple) -> str:
@@ -797,8 +1072,17 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
         what = f"GPT2(n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd}, {str(model.dtype)[6:]})"
         return f"generate_greedy({what}, prompt_ids={short(prompt, 60)}, max_new_tokens={n}, cache_class=KVCache)"
 
-    run_check("generate_greedy", lambda model, prompt, n: _run_loop(fn, model, prompt, n), cases, judge=_loop_problem,
-              forbid=NO_ENGINE_LOOP, show_call=show, may_modify=True, seconds=10, total_seconds=30)
+    run_check(
+        "generate_greedy",
+        lambda model, prompt, n: _run_loop(fn, model, prompt, n),
+        cases,
+        judge=_loop_problem,
+        forbid=NO_ENGINE_LOOP,
+        show_call=show,
+        may_modify=True,
+        seconds=10,
+        total_seconds=30,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -816,8 +1100,11 @@ def _judge_bytes(case: Case, got: Any) -> Verdict:
     if isinstance(got, (int, float)) and not isinstance(got, bool) and case.expected:
         ratio = got / case.expected
         n_layer, n_kv_head, head_dim, positions, batch, bytes_per_value = case.args
-        hints = {0.5: "count both the keys and the values: the factor 2", 8.0: "bytes, not bits: bytes_per_value "
-                 "is already in bytes (2 for fp16)", 1 / 8: "bytes, not bits: do not divide by 8"}
+        hints = {
+            0.5: "count both the keys and the values: the factor 2",
+            8.0: "bytes, not bits: bytes_per_value is already in bytes (2 for fp16)",
+            1 / 8: "bytes, not bits: do not divide by 8",
+        }
         hint = next((h for r, h in hints.items() if math.isclose(ratio, r)), "")
         if not hint and batch != 1 and math.isclose(ratio, 1 / batch):
             hint = "every sequence of the batch has its own cache: multiply by batch"
@@ -846,8 +1133,14 @@ def check_kv_cache_bytes(fn, *, seed: int = 0, n_random: int = 10) -> None:
     cases = [Case(d, args, reference_kv_cache_bytes(*args), h) for d, args, h in fixed]
     rng = random.Random(seed)
     for i in range(n_random):
-        args = (rng.randint(1, 96), rng.choice([1, 2, 4, 8, 12, 16, 25, 32, 64]), rng.choice([32, 64, 80, 128, 256]),
-                rng.randint(1, 131072), rng.randint(1, 64), rng.choice([1, 2, 4]))
+        args = (
+            rng.randint(1, 96),
+            rng.choice([1, 2, 4, 8, 12, 16, 25, 32, 64]),
+            rng.choice([32, 64, 80, 128, 256]),
+            rng.randint(1, 131072),
+            rng.randint(1, 64),
+            rng.choice([1, 2, 4]),
+        )
         cases.append(Case(f"random #{i}", args, reference_kv_cache_bytes(*args)))
 
     def show(args: tuple) -> str:

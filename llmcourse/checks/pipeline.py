@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from llmcourse.engine.sampling import top_k_next_tokens
+
 from .harness.core import Case, run_check
 from .harness.forbid import Forbidden
 
@@ -32,7 +33,9 @@ def _pairs_match(got: Any, expected: list[tuple[int, float]]) -> Optional[str]:
         if not isinstance(got_token, int) or isinstance(got_token, bool):
             return f"item {rank}: the token id should be a Python int (use int(...)), got {type(got_token).__name__}"
         if not isinstance(got_prob, float):
-            return f"item {rank}: the probability should be a Python float (use float(...)), got {type(got_prob).__name__}"
+            return (
+                f"item {rank}: the probability should be a Python float (use float(...)), got {type(got_prob).__name__}"
+            )
         if got_token != token:
             return f"item {rank}: expected token {token}, got {got_token}"
         if not math.isclose(got_prob, prob, rel_tol=1e-4, abs_tol=1e-6):
@@ -62,6 +65,7 @@ def _unambiguous(logits: torch.Tensor, k: int, expected: list[tuple[int, float]]
 def _random_logits(g: torch.Generator, i: int) -> tuple[str, torch.Tensor, int]:
     """Logits of several shapes: GPT-2's vocabulary, far from their mean, with many ties, far from 0,
     in float64 and with masked (-inf) tokens; k from 1 to the whole vocabulary."""
+
     def randint(low: int, high: int) -> int:
         return int(torch.randint(low, high + 1, (1,), generator=g))
 
@@ -91,25 +95,50 @@ def _random_logits(g: torch.Generator, i: int) -> tuple[str, torch.Tensor, int]:
 
 def check_top_k_next_tokens(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """top_k_next_tokens(logits [V], k) -> [(token id, probability), ...], most likely first."""
-    max_not_mean = "softmax(x) = softmax(x - c) for any c: subtract the max (not the mean, not the min), so that " \
-                   "every exponent is <= 0 and exp() cannot overflow"
+    max_not_mean = (
+        "softmax(x) = softmax(x - c) for any c: subtract the max (not the mean, not the min), so that "
+        "every exponent is <= 0 and exp() cannot overflow"
+    )
     cases = [
         _case("a small example", torch.tensor([2.0, 1.0, 0.5, -1.0]), 2),
         _case("k = 1 is the greedy choice", torch.tensor([0.1, 3.0, -2.0]), 1),
-        _case("k = vocabulary size lists every token", torch.tensor([0.3, -0.2, 1.5, 0.0]), 4,
-              "probabilities come from a softmax over all the logits; they add up to 1"),
-        _case("ties list the smaller token id first", torch.tensor([1.0, 2.0, 1.0, 2.0, 0.0]), 3,
-              "sort by probability, highest first, breaking ties by token id (a stable sort does it)"),
-        _case("large logits (exp overflows if you don't subtract the max)", torch.tensor([1000.0, 999.0, 990.0]), 2,
-              "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() finite"),
-        _case("very negative logits", torch.tensor([-1000.0, -1001.0, -1003.0]), 3,
-              "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() from underflowing to 0/0"),
+        _case(
+            "k = vocabulary size lists every token",
+            torch.tensor([0.3, -0.2, 1.5, 0.0]),
+            4,
+            "probabilities come from a softmax over all the logits; they add up to 1",
+        ),
+        _case(
+            "ties list the smaller token id first",
+            torch.tensor([1.0, 2.0, 1.0, 2.0, 0.0]),
+            3,
+            "sort by probability, highest first, breaking ties by token id (a stable sort does it)",
+        ),
+        _case(
+            "large logits (exp overflows if you don't subtract the max)",
+            torch.tensor([1000.0, 999.0, 990.0]),
+            2,
+            "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() finite",
+        ),
+        _case(
+            "very negative logits",
+            torch.tensor([-1000.0, -1001.0, -1003.0]),
+            3,
+            "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() from underflowing to 0/0",
+        ),
         _case("a vocabulary of one token", torch.tensor([0.5]), 1, "one token has probability 1"),
-        _case("two likely tokens far above the rest (far from the mean)",
-              torch.cat([torch.full((98,), -300.0), torch.tensor([5.0, 4.0])]), 2, max_not_mean),
-        _case("masked tokens: logits of -inf have probability 0",
-              torch.tensor([1.0, -math.inf, 2.0, -math.inf, 0.5]), 4,
-              "exp(-inf) is 0: those tokens come last, smaller id first"),
+        _case(
+            "two likely tokens far above the rest (far from the mean)",
+            torch.cat([torch.full((98,), -300.0), torch.tensor([5.0, 4.0])]),
+            2,
+            max_not_mean,
+        ),
+        _case(
+            "masked tokens: logits of -inf have probability 0",
+            torch.tensor([1.0, -math.inf, 2.0, -math.inf, 0.5]),
+            4,
+            "exp(-inf) is 0: those tokens come last, smaller id first",
+        ),
         _case("k larger than 10", torch.linspace(3.0, -3.0, 30).flip(0), 25, ""),
     ]
     g = torch.Generator().manual_seed(seed)
@@ -120,6 +149,12 @@ def check_top_k_next_tokens(fn, *, seed: int = 0, n_random: int = 20) -> None:
         case = _case(f"random logits #{len(cases) - 10} ({what})", logits, k)
         if _unambiguous(logits, k, case.expected):
             cases.append(case)
-    run_check("top_k_next_tokens", fn, cases, compare=_pairs_match, forbid=NO_TOPK,
-              timeout_hint="look for a loop that never ends; a sort written by hand that compares every pair "
-                           "(O(V²)) is far too slow for 50,257 tokens: use torch.argsort or sorted()")
+    run_check(
+        "top_k_next_tokens",
+        fn,
+        cases,
+        compare=_pairs_match,
+        forbid=NO_TOPK,
+        timeout_hint="look for a loop that never ends; a sort written by hand that compares every pair "
+        "(O(V²)) is far too slow for 50,257 tokens: use torch.argsort or sorted()",
+    )

@@ -28,36 +28,51 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
+from llmcourse.course.guards import guarded
+from llmcourse.course.limits import TimeUp, time_limit
 from llmcourse.engine import sampling as S
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import beam_search as engine_beam_search
-from llmcourse.engine.generate import decoded, generate_text, stop_at
+from llmcourse.engine.generate import decoded, generate, generate_text, stop_at
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
-from .harness.bundled import bundled_model
-from .harness.core import later, Case, CheckFailed, Verdict, call_learner, failure, run_check, unwritten_helper
-from .harness.forbid import Forbidden
-from llmcourse.course.limits import TimeUp, time_limit
-from .harness.show import short
-from .harness.tensors import diagnose, same_answer, tensor_judge, tensor_problem
-from llmcourse.course.guards import guarded
-from llmcourse.engine.generate import generate
-from llmcourse.engine.slots import PartError
 from llmcourse.engine.sampling import Sampler
-from .harness.core import call_learner
+from llmcourse.engine.slots import PartError
+from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
+
+from .harness.bundled import bundled_model
+from .harness.core import Case, CheckFailed, Verdict, call_learner, failure, later, run_check, unwritten_helper
+from .harness.forbid import Forbidden
 from .harness.randomness import generator_contract
+from .harness.show import short
+from .harness.tensors import diagnose, tensor_judge, tensor_problem
 
 # ----------------------------------------------------------------------------------------------
 # Black boxes
 
-ENGINE = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "process_logits", "next_token",
-          "greedy", "sample")
-NO_ENGINE = [Forbidden(f"llmcourse.engine.sampling.{name}", "The engine's version is the black box here: write your own "
-                       "(and use your own functions from this chapter).")
-             for name in ENGINE if hasattr(S, name)]
+ENGINE = (
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "process_logits",
+    "next_token",
+    "greedy",
+    "sample",
+)
+NO_ENGINE = [
+    Forbidden(
+        f"llmcourse.engine.sampling.{name}",
+        "The engine's version is the black box here: write your own (and use your own functions from this chapter).",
+    )
+    for name in ENGINE
+    if hasattr(S, name)
+]
 NO_LIBRARIES = [
     Forbidden("transformers", "transformers' logits processors are what your code is compared with: write your own."),
-    Forbidden("llmcourse.engine.generate", "The engine's generation loop is what your code is compared with: write your own."),
+    Forbidden(
+        "llmcourse.engine.generate", "The engine's generation loop is what your code is compared with: write your own."
+    ),
 ]
 FORBID = [*NO_ENGINE, *NO_LIBRARIES]
 
@@ -78,25 +93,42 @@ def _tol(dtype: torch.dtype) -> tuple[float, float]:
 def _accuracy(dtype: torch.dtype) -> str:
     atol, rtol = _tol(dtype)
     what = "2 units in the last place" if dtype in HALF else "the engine's accuracy"
-    return f"{str(dtype).removeprefix('torch.')} results must be within {rtol:.2g} relative of the exact answer ({what})"
+    return (
+        f"{str(dtype).removeprefix('torch.')} results must be within {rtol:.2g} relative of the exact answer ({what})"
+    )
 
 
 def _with_accuracy(judge: Callable[[Case, Any], Verdict]) -> Callable[[Case, Any], Verdict]:
     """`judge`, whose message for an answer close to the expected one (within 100 times the tolerance) says
     what accuracy was expected."""
+
     def judged(case: Case, got: Any) -> Verdict:
         verdict = judge(case, got)
         expected = case.expected
-        if verdict is None or not isinstance(got, Tensor) or not isinstance(expected, Tensor) \
-                or got.shape != expected.shape or got.dtype != expected.dtype or not expected.is_floating_point():
+        if (
+            verdict is None
+            or not isinstance(got, Tensor)
+            or not isinstance(expected, Tensor)
+            or got.shape != expected.shape
+            or got.dtype != expected.dtype
+            or not expected.is_floating_point()
+        ):
             return verdict
         atol, rtol = _tol(expected.dtype)
         finite = expected.isfinite()
-        if torch.equal(finite, got.isfinite()) and torch.equal(expected[~finite], got.detach()[~finite]) and \
-                bool(torch.isclose(got.detach()[finite].double(), expected[finite].double(), rtol=100 * rtol,
-                                   atol=100 * atol).all()):
+        if (
+            torch.equal(finite, got.isfinite())
+            and torch.equal(expected[~finite], got.detach()[~finite])
+            and bool(
+                torch.isclose(
+                    got.detach()[finite].double(), expected[finite].double(), rtol=100 * rtol, atol=100 * atol
+                ).all()
+            )
+        ):
             problem, hint = verdict
-            return problem, "; ".join(h for h in (hint, f"close, but not close enough: {_accuracy(expected.dtype)}") if h)
+            return problem, "; ".join(
+                h for h in (hint, f"close, but not close enough: {_accuracy(expected.dtype)}") if h
+            )
         return verdict
 
     return judged
@@ -117,10 +149,14 @@ def _layout(x: Tensor, how: str) -> Tensor:
     return x
 
 
-NOT_CONTIGUOUS_HINT = ("your input may not be contiguous in memory (here logits[:, -1] of the model's [B, T, V] "
-                       "output, or a transposed view): use reshape instead of view, or work along dim=-1")
-ERROR_HINTS = {"view size is not compatible": NOT_CONTIGUOUS_HINT,
-               "selected index k out of range": "k may be larger than the vocabulary: use min(k, V)"}
+NOT_CONTIGUOUS_HINT = (
+    "your input may not be contiguous in memory (here logits[:, -1] of the model's [B, T, V] "
+    "output, or a transposed view): use reshape instead of view, or work along dim=-1"
+)
+ERROR_HINTS = {
+    "view size is not compatible": NOT_CONTIGUOUS_HINT,
+    "selected index k out of range": "k may be larger than the vocabulary: use min(k, V)",
+}
 
 
 def _randint(g: torch.Generator, low: int, high: int) -> int:
@@ -193,8 +229,15 @@ def real_logits(seed: int = 0) -> tuple[Tensor, Tensor]:
 # installs it (`guarded(Sampler, name=fn)`, passed to `generate`), on the bundled GPT-2
 
 
-def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Callable[[Case, Any], Verdict]] = None,
-              reference: Optional[Callable] = None, *, seconds: float = 20.0) -> None:
+def in_engine(
+    name: str,
+    fn: Callable,
+    runs: Sequence[dict],
+    judge: Optional[Callable[[Case, Any], Verdict]] = None,
+    reference: Optional[Callable] = None,
+    *,
+    seconds: float = 20.0,
+) -> None:
     """Generate 4 tokens with the bundled GPT-2 and `fn` in the sampler's slot `name`, installed as `my_engine`
     installs it, for each of `runs` (`generate`'s settings; 'batch': False for one prompt instead of two): it must
     not fail in the engine, and each of its answers there, on the logits the engine gives it, must pass
@@ -217,29 +260,49 @@ def in_engine(name: str, fn: Callable, runs: Sequence[dict], judge: Optional[Cal
     try:
         with limit:
             for run in map(dict, runs):
-                generate(model, prompts if run.pop("batch", True) else prompts[0], max_new_tokens=4, eos_token_id=None,
-                         sampler=sampler, **run)
+                generate(
+                    model,
+                    prompts if run.pop("batch", True) else prompts[0],
+                    max_new_tokens=4,
+                    eos_token_id=None,
+                    sampler=sampler,
+                    **run,
+                )
     except (TimeUp, KeyboardInterrupt):
         raise
     except BaseException as err:
         if limit.expired:
-            raise CheckFailed(f"✗ {name} in the engine: generating 4 tokens with your {name} did not finish within "
-                              f"{seconds:g} s") from None
+            raise CheckFailed(
+                f"✗ {name} in the engine: generating 4 tokens with your {name} did not finish within {seconds:g} s"
+            ) from None
         text = str(err) if isinstance(err, PartError) else f"{type(err).__name__}: {short(str(err), 300)}"
         lines = text.split("\n")
-        raise CheckFailed(f"✗ {name} in the engine (the bundled GPT-2 generating with your {name}, as my_engine() "
-                          f"will): {lines[0]}" + "".join(f"\n  {line.strip()}" for line in lines[1:3])) from None
+        raise CheckFailed(
+            f"✗ {name} in the engine (the bundled GPT-2 generating with your {name}, as my_engine() "
+            f"will): {lines[0]}" + "".join(f"\n  {line.strip()}" for line in lines[1:3])
+        ) from None
     if judge is None:
         return
     for i, (args, got) in enumerate(calls):
-        case = Case(f"in the engine (the bundled GPT-2 generating with your {name}), call {i + 1}", args,
-                    reference(*args))
+        case = Case(
+            f"in the engine (the bundled GPT-2 generating with your {name}), call {i + 1}", args, reference(*args)
+        )
         verdict = judge(case, got)
         if verdict:
             problem, hint = verdict
-            raise failure(name, case.description, problem, f"{name}({', '.join(short(a, 100) for a in args)})",
-                          case.expected, got, [hint, "the engine gives your function float32 logits [B, V] of "
-                                                     "GPT-2's vocabulary (50257 tokens), one row per prompt"])
+            raise failure(
+                name,
+                case.description,
+                problem,
+                f"{name}({', '.join(short(a, 100) for a in args)})",
+                case.expected,
+                got,
+                [
+                    hint,
+                    "the engine gives your function float32 logits [B, V] of "
+                    "GPT-2's vocabulary (50257 tokens), one row per prompt",
+                ],
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -268,8 +331,10 @@ def _kept_judge(mistakes: Sequence[tuple[Callable, str]]) -> Callable[[Case, Any
                     what = "nan where a number or -inf belongs"
                 else:
                     what = f"{int(kept_got[row].sum())} kept: {_ids(_kept(got[row]))}"
-                problem = (f"row {row}: expected {int(kept_expected[row].sum())} tokens kept: "
-                           f"{_ids(_kept(expected[row]))}, got {what}")
+                problem = (
+                    f"row {row}: expected {int(kept_expected[row].sum())} tokens kept: "
+                    f"{_ids(_kept(expected[row]))}, got {what}"
+                )
                 atol, rtol = _tol(expected.dtype)
                 return problem, diagnose(got, case.args, mistakes, expected, atol=atol, rtol=rtol)
         return values(case, got)
@@ -277,12 +342,23 @@ def _kept_judge(mistakes: Sequence[tuple[Callable, str]]) -> Callable[[Case, Any
     return judge
 
 
-def _processor_check(name: str, fn, cases: list[Case], mistakes, engine_runs: Sequence[dict], timeout_hint: str = "",
-                     **kwargs) -> None:
+def _processor_check(
+    name: str, fn, cases: list[Case], mistakes, engine_runs: Sequence[dict], timeout_hint: str = "", **kwargs
+) -> None:
     """The cases, then generation with `fn` in the engine (see `in_engine`), compared with the engine's own."""
     judge = _with_accuracy(_kept_judge(mistakes))
-    run_check(name, fn, cases, judge=judge, forbid=FORBID, timeout_hint=timeout_hint,
-              seconds=5.0, total_seconds=20.0, error_hints=kwargs.pop("error_hints", ERROR_HINTS), **kwargs)
+    run_check(
+        name,
+        fn,
+        cases,
+        judge=judge,
+        forbid=FORBID,
+        timeout_hint=timeout_hint,
+        seconds=5.0,
+        total_seconds=20.0,
+        error_hints=kwargs.pop("error_hints", ERROR_HINTS),
+        **kwargs,
+    )
     in_engine(name, fn, engine_runs, judge, getattr(S, name))
 
 
@@ -291,12 +367,14 @@ def _shapes_and_layouts(g: torch.Generator, make: Callable[[Tensor, str], Case])
     float16 and bfloat16 logits (half in, half out), logits that are not contiguous in memory, one row of
     GPT-2's real logits (V = 50257) and three rows of them."""
     one, three = real_logits(_randint(g, 0, 100))
-    inputs = [(lambda: _random_half(g, torch.float16), "float16 logits (float16 in, float16 out)"),
-              (lambda: _random_half(g, torch.bfloat16), "bfloat16 logits (bfloat16 in, bfloat16 out)"),
-              (lambda: _layout(_random_logits(g, 3, 17, "spread"), LAYOUTS[1]), f"{LAYOUTS[1]}: not contiguous"),
-              (lambda: _layout(_random_logits(g, 2, 9, "ties", torch.float64), LAYOUTS[2]), f"{LAYOUTS[2]}"),
-              (lambda: one, "one row of GPT-2's logits [1, 50257]"),
-              (lambda: _layout(three, LAYOUTS[1]), f"GPT-2's logits [3, 50257], {LAYOUTS[1]}")]
+    inputs = [
+        (lambda: _random_half(g, torch.float16), "float16 logits (float16 in, float16 out)"),
+        (lambda: _random_half(g, torch.bfloat16), "bfloat16 logits (bfloat16 in, bfloat16 out)"),
+        (lambda: _layout(_random_logits(g, 3, 17, "spread"), LAYOUTS[1]), f"{LAYOUTS[1]}: not contiguous"),
+        (lambda: _layout(_random_logits(g, 2, 9, "ties", torch.float64), LAYOUTS[2]), f"{LAYOUTS[2]}"),
+        (lambda: one, "one row of GPT-2's logits [1, 50257]"),
+        (lambda: _layout(three, LAYOUTS[1]), f"GPT-2's logits [3, 50257], {LAYOUTS[1]}"),
+    ]
     cases = []
     for draw, what in inputs:  # make() gives None where it finds the answer ambiguous: draw again
         case = next((c for _ in range(10) if (c := make(draw(), what)) is not None), None)
@@ -315,22 +393,28 @@ def _exact(fn: Callable, x: Tensor, *args) -> Tensor:
 
 def check_temperature(fn, *, seed: int = 0, n_random: int = 4) -> None:
     """temperature(logits [B, V], t) -> logits / t, in the input's dtype."""
-    mistakes = [(lambda x, t: x * t, "divide by t (t < 1 sharpens the distribution), do not multiply"),
-                (lambda x, t: torch.softmax(x / t, dim=-1), "return logits (divided by t), not probabilities: "
-                                                             "the filters and the sampler come after"),
-                (lambda x, t: x / max(t, 0.3), "a low temperature is allowed: divide by t whatever it is (t > 0)")]
+    mistakes = [
+        (lambda x, t: x * t, "divide by t (t < 1 sharpens the distribution), do not multiply"),
+        (
+            lambda x, t: torch.softmax(x / t, dim=-1),
+            "return logits (divided by t), not probabilities: the filters and the sampler come after",
+        ),
+        (lambda x, t: x / max(t, 0.3), "a low temperature is allowed: divide by t whatever it is (t > 0)"),
+    ]
 
     def case(description, logits, t, hint=""):
         return Case(description, (logits, t), later(_exact, S.temperature, logits, t), hint)
 
     same = torch.tensor([[2.0, 1.0, -1.0, 0.25]])
-    cases = [case("t = 0.5 doubles the logits", torch.tensor([[2.0, 1.0, -1.0]]), 0.5),
-             case("t = 2", torch.tensor([[2.0, 1.0, -1.0]]), 2.0),
-             case("t = 1 changes nothing", torch.tensor([[3.0, -7.0]]), 1.0),
-             case("-inf (a removed token) stays -inf", torch.tensor([[1.0, -INF, 0.5]]), 0.7),
-             case("t = 0.05: a very low temperature (nearly greedy)", same, 0.05),
-             case("the same logits again, t = 3 (one call must not remember another)", same, 3.0),
-             case("t = 0.01, float64", torch.tensor([[0.3, -0.2, 0.0]], dtype=torch.float64), 0.01)]
+    cases = [
+        case("t = 0.5 doubles the logits", torch.tensor([[2.0, 1.0, -1.0]]), 0.5),
+        case("t = 2", torch.tensor([[2.0, 1.0, -1.0]]), 2.0),
+        case("t = 1 changes nothing", torch.tensor([[3.0, -7.0]]), 1.0),
+        case("-inf (a removed token) stays -inf", torch.tensor([[1.0, -INF, 0.5]]), 0.7),
+        case("t = 0.05: a very low temperature (nearly greedy)", same, 0.05),
+        case("the same logits again, t = 3 (one call must not remember another)", same, 3.0),
+        case("t = 0.01, float64", torch.tensor([[0.3, -0.2, 0.0]], dtype=torch.float64), 0.01),
+    ]
     g = torch.Generator().manual_seed(seed)
     cases += _shapes_and_layouts(g, lambda x, what: case(f"{what}, t={(t := _choice(g, [0.1, 0.7, 1.5]))}", x, t))
     for i in range(n_random + 1):
@@ -339,30 +423,41 @@ def check_temperature(fn, *, seed: int = 0, n_random: int = 4) -> None:
         t = _choice(g, [0.05, 0.3, 0.7, 1.3, 2.5])
         cases.append(case(f"random {_row_description(logits)}, t={t}", logits, t))
     judge = _with_accuracy(tensor_judge(lambda c: _tol(c.expected.dtype), mistakes))
-    run_check("temperature", fn, cases, judge=judge, forbid=FORBID, seconds=5.0, total_seconds=20.0,
-              error_hints=ERROR_HINTS)
+    run_check(
+        "temperature", fn, cases, judge=judge, forbid=FORBID, seconds=5.0, total_seconds=20.0, error_hints=ERROR_HINTS
+    )
     in_engine("temperature", fn, [dict(temperature=0.2, seed=seed)], judge, S.temperature)
 
 
 def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
     """greedy(logits [B, V]) -> token ids [B] (torch.long): each row's argmax, the lowest id on ties."""
+
     def case(description, logits, hint=""):
         return Case(description, (logits,), later(torch.argmax, logits, dim=-1), hint)
 
-    cases = [case("one row", torch.tensor([[0.1, 3.0, -2.0]]), "one row in, one token id out: shape [1]"),
-             case("two rows: one token per row", torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]),
-                  "take the argmax along the vocabulary (dim=-1), one per row"),
-             case("a tie: the lowest id wins", torch.tensor([[1.0, 4.0, 2.0, 4.0]]),
-                  "torch.argmax returns the first of equal maxima"),
-             case("-inf everywhere but one token", torch.tensor([[-INF, -INF, -3.0]])),
-             case("three rows, far from 0", torch.tensor([[1000.0, 1001.0], [-500.0, -501.0], [7.0, 7.5]])),
-             case("float16 ties (float16 rounds 3.0001 to 3.0)", torch.tensor([[3.0, 3.0001, 2.0]]).half())]
+    cases = [
+        case("one row", torch.tensor([[0.1, 3.0, -2.0]]), "one row in, one token id out: shape [1]"),
+        case(
+            "two rows: one token per row",
+            torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]),
+            "take the argmax along the vocabulary (dim=-1), one per row",
+        ),
+        case(
+            "a tie: the lowest id wins",
+            torch.tensor([[1.0, 4.0, 2.0, 4.0]]),
+            "torch.argmax returns the first of equal maxima",
+        ),
+        case("-inf everywhere but one token", torch.tensor([[-INF, -INF, -3.0]])),
+        case("three rows, far from 0", torch.tensor([[1000.0, 1001.0], [-500.0, -501.0], [7.0, 7.5]])),
+        case("float16 ties (float16 rounds 3.0001 to 3.0)", torch.tensor([[3.0, 3.0001, 2.0]]).half()),
+    ]
     g = torch.Generator().manual_seed(seed)
     cases += _shapes_and_layouts(g, lambda x, what: case(what, x))
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
-        logits = _random_logits(g, _randint(g, 2, 5), _randint(g, 3, 61) | 1, _choice(g, ["ties", "spread", "masked"]),
-                                dtype)
+        logits = _random_logits(
+            g, _randint(g, 2, 5), _randint(g, 3, 61) | 1, _choice(g, ["ties", "spread", "masked"]), dtype
+        )
         cases.append(case(f"random {_row_description(logits)}", logits))
 
     def judge(c: Case, got: Any) -> Verdict:
@@ -386,37 +481,62 @@ def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
 
 def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
     """top_k(logits [B, V], k) -> [B, V]: the k highest and any tied with the k-th kept, the rest -inf."""
+
     def strict(x, k):  # exactly k, ties dropped
         idx = torch.topk(x, min(k, x.shape[-1])).indices
         return torch.full_like(x, -INF).scatter(-1, idx, x.gather(-1, idx))
 
     mistakes = [
-        (strict, "keep every token tied with the k-th highest logit: compare with the k-th value (>=) instead of "
-                 "keeping exactly k positions"),
+        (
+            strict,
+            "keep every token tied with the k-th highest logit: compare with the k-th value (>=) instead of "
+            "keeping exactly k positions",
+        ),
         (lambda x, k: S.top_k(x, k + 1), "off by one: keep k tokens, not k + 1"),
-        (lambda x, k: x.masked_fill(x < torch.topk(x, min(k, x.shape[-1])).values[..., -1:], 0.0),
-         "removed tokens must be -inf (probability 0 after softmax), not 0"),
-        (lambda x, k: x.masked_fill(x < torch.sort(x.flatten(), descending=True).values[k - 1], -INF),
-         "find the k-th highest value of each row (along dim=-1), not of the whole batch"),
+        (
+            lambda x, k: x.masked_fill(x < torch.topk(x, min(k, x.shape[-1])).values[..., -1:], 0.0),
+            "removed tokens must be -inf (probability 0 after softmax), not 0",
+        ),
+        (
+            lambda x, k: x.masked_fill(x < torch.sort(x.flatten(), descending=True).values[k - 1], -INF),
+            "find the k-th highest value of each row (along dim=-1), not of the whole batch",
+        ),
     ]
     x = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
-    cases = [Case("keep 2", (x, 2), torch.tensor([[2.0, 1.0, -INF, -INF]])),
-             Case("ties with the k-th are kept", (torch.tensor([[1.0, 3.0, 1.0, 0.0, 1.0]]), 2),
-                  torch.tensor([[1.0, 3.0, 1.0, -INF, 1.0]]),
-                  "keep every token whose logit is >= the k-th highest: here 3 tokens tie for 2nd place"),
-             Case("k larger than the vocabulary keeps all", (x, 10), x.clone(),
-                  "k larger than V keeps every token: use min(k, V)"),
-             Case("k = 1", (torch.tensor([[0.0, 5.0, 5.0, 1.0]]), 1), torch.tensor([[-INF, 5.0, 5.0, -INF]])),
-             Case("two rows, each with its own k-th value", (torch.tensor([[5.0, 4.0, 3.0], [-1.0, -2.0, -3.0]]), 2),
-                  torch.tensor([[5.0, 4.0, -INF], [-1.0, -2.0, -INF]]))]
+    cases = [
+        Case("keep 2", (x, 2), torch.tensor([[2.0, 1.0, -INF, -INF]])),
+        Case(
+            "ties with the k-th are kept",
+            (torch.tensor([[1.0, 3.0, 1.0, 0.0, 1.0]]), 2),
+            torch.tensor([[1.0, 3.0, 1.0, -INF, 1.0]]),
+            "keep every token whose logit is >= the k-th highest: here 3 tokens tie for 2nd place",
+        ),
+        Case(
+            "k larger than the vocabulary keeps all",
+            (x, 10),
+            x.clone(),
+            "k larger than V keeps every token: use min(k, V)",
+        ),
+        Case("k = 1", (torch.tensor([[0.0, 5.0, 5.0, 1.0]]), 1), torch.tensor([[-INF, 5.0, 5.0, -INF]])),
+        Case(
+            "two rows, each with its own k-th value",
+            (torch.tensor([[5.0, 4.0, 3.0], [-1.0, -2.0, -3.0]]), 2),
+            torch.tensor([[5.0, 4.0, -INF], [-1.0, -2.0, -INF]]),
+        ),
+    ]
     same = torch.tensor([[0.5, 2.0, -1.0, 1.5, 0.0, 1.0]])
-    cases += [Case("k = 3 on these logits", (same, 3), S.top_k(same, 3)),
-              Case("the same logits again, k = 5 (one call must not remember another)", (same, 5), S.top_k(same, 5)),
-              Case("k = V keeps all", (same, 6), same.clone()),
-              Case("k = 1, one row of GPT-2's logits [1, 50257]", (real_logits(seed)[0], 1), S.top_k(real_logits(seed)[0], 1))]
+    cases += [
+        Case("k = 3 on these logits", (same, 3), S.top_k(same, 3)),
+        Case("the same logits again, k = 5 (one call must not remember another)", (same, 5), S.top_k(same, 5)),
+        Case("k = V keeps all", (same, 6), same.clone()),
+        Case(
+            "k = 1, one row of GPT-2's logits [1, 50257]", (real_logits(seed)[0], 1), S.top_k(real_logits(seed)[0], 1)
+        ),
+    ]
     g = torch.Generator().manual_seed(seed)
-    cases += _shapes_and_layouts(g, lambda x, what: Case(f"{what}, k={(k := _choice(g, [1, 3, 40]))}", (x, k),
-                                                       _exact(S.top_k, x, k)))
+    cases += _shapes_and_layouts(
+        g, lambda x, what: Case(f"{what}, k={(k := _choice(g, [1, 3, 40]))}", (x, k), _exact(S.top_k, x, k))
+    )
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
         V = _randint(g, 3, 61) | 1
@@ -432,8 +552,8 @@ def _unambiguous(fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
     kept = fn(x) > -INF
     if not torch.equal(kept, fn(x.double()) > -INF) or not torch.equal(kept, fn(x.float()) > -INF):
         return False
-    lowest_kept = x.masked_fill(~kept, INF).amin(-1)                      # [B]
-    highest_removed = x.masked_fill(kept, -INF).amax(-1)                  # [B]
+    lowest_kept = x.masked_fill(~kept, INF).amin(-1)  # [B]
+    highest_removed = x.masked_fill(kept, -INF).amax(-1)  # [B]
     return bool((highest_removed < lowest_kept).all())
 
 
@@ -450,6 +570,7 @@ def _near_cut(probs_sorted_cumulative: Tensor, cut: float, margin: float = 1e-5)
 
 def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
     """top_p(logits [B, V], p) -> [B, V] (transformers' TopPLogitsWarper)."""
+
     def too_few(x, p):  # keeps tokens while the cumulative probability, including them, is <= p
         probs, order = torch.sort(torch.softmax(x, -1), descending=True)
         keep = probs.cumsum(-1) <= p
@@ -471,40 +592,62 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         remove[..., -1] = False
         return x.masked_fill(remove.scatter(-1, order, remove), -INF)
 
-    mistakes = [(too_few, "one token too few: keep the token whose probability makes the sum pass p (the smallest "
-                          "set whose probabilities add up to MORE than p)"),
-                (keep_below_p, "remove the least likely tokens while their cumulative probability is <= 1 - p "
-                               "(not <= p)"),
-                (on_logits, "add up probabilities (softmax first), not logits"),
-                (lambda x, p: S.top_p(x.T, p).T if x.shape[0] > 1 else None,
-                 "softmax and sort each row along the vocabulary (dim=-1)")]
+    mistakes = [
+        (
+            too_few,
+            "one token too few: keep the token whose probability makes the sum pass p (the smallest "
+            "set whose probabilities add up to MORE than p)",
+        ),
+        (keep_below_p, "remove the least likely tokens while their cumulative probability is <= 1 - p (not <= p)"),
+        (on_logits, "add up probabilities (softmax first), not logits"),
+        (
+            lambda x, p: S.top_p(x.T, p).T if x.shape[0] > 1 else None,
+            "softmax and sort each row along the vocabulary (dim=-1)",
+        ),
+    ]
+
     def case(description, logits, p, hint=""):
         return Case(description, (logits, p), later(S.top_p, logits, p), hint)
 
     two_rows = torch.tensor([[3.0, 0.0, 0.5, -1.0], [0.0, 0.3, -0.2, 0.1]])
-    cases = [case("probabilities .5 .3 .2, p = 0.6 keeps 2", torch.tensor([[0.5, 0.3, 0.2]]).log(), 0.6,
-                  "keep the most likely tokens until their probabilities add up to MORE than p: 0.5 is not "
-                  "more than 0.6, 0.5 + 0.3 is"),
-             case("probabilities .25 .5 .25, p = 0.4: the most likely alone is more than p",
-                  torch.tensor([[0.25, 0.5, 0.25]]).log(), 0.4),
-             case("a tiny p keeps the most likely token", torch.tensor([[1.0, 2.0, 0.0]]), 0.01,
-                  "the most likely token is always kept"),
-             case("two rows, each with its own distribution", two_rows, 0.7),
-             case("some tokens already removed (-inf)", torch.tensor([[1.0, -INF, 0.5, -INF, 0.0]]), 0.8)]
+    cases = [
+        case(
+            "probabilities .5 .3 .2, p = 0.6 keeps 2",
+            torch.tensor([[0.5, 0.3, 0.2]]).log(),
+            0.6,
+            "keep the most likely tokens until their probabilities add up to MORE than p: 0.5 is not "
+            "more than 0.6, 0.5 + 0.3 is",
+        ),
+        case(
+            "probabilities .25 .5 .25, p = 0.4: the most likely alone is more than p",
+            torch.tensor([[0.25, 0.5, 0.25]]).log(),
+            0.4,
+        ),
+        case(
+            "a tiny p keeps the most likely token",
+            torch.tensor([[1.0, 2.0, 0.0]]),
+            0.01,
+            "the most likely token is always kept",
+        ),
+        case("two rows, each with its own distribution", two_rows, 0.7),
+        case("some tokens already removed (-inf)", torch.tensor([[1.0, -INF, 0.5, -INF, 0.0]]), 0.8),
+    ]
+
     def fair(logits, p):  # every correct way of computing it keeps the same tokens
         cumulative = torch.sort(torch.softmax(logits.double(), -1)).values.cumsum(-1)
-        return _unambiguous(lambda x: S.top_p(x, p), logits) and not _near_cut(cumulative, 1 - p,
-                                                                               _margin(logits.dtype))
+        return _unambiguous(lambda x: S.top_p(x, p), logits) and not _near_cut(cumulative, 1 - p, _margin(logits.dtype))
 
     def maybe(description, logits, p):
         return case(f"{description}, p={p}", logits, p) if fair(logits, p) else None
 
     same = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
     one = real_logits(seed)[0]
-    cases += [case("p = 0.9 on these logits", same, 0.9), case("the same logits again, p = 0.3 (one call must not "
-                                                                "remember another)", same, 0.3),
-              case("p = 0.001 keeps only the most likely token", same, 0.001),
-              maybe("one row of GPT-2's logits [1, 50257]", one, 0.95)]
+    cases += [
+        case("p = 0.9 on these logits", same, 0.9),
+        case("the same logits again, p = 0.3 (one call must not remember another)", same, 0.3),
+        case("p = 0.001 keeps only the most likely token", same, 0.001),
+        maybe("one row of GPT-2's logits [1, 50257]", one, 0.95),
+    ]
     g = torch.Generator().manual_seed(seed)
     cases += _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.3, 0.6, 0.9])))
     cases = [c for c in cases if c is not None]
@@ -516,16 +659,20 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         if dtype in HALF:
             logits = _random_half(g, dtype)
         else:
-            logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1,
-                                    _choice(g, ["ties", "ties", "spread", "masked"]), dtype)
+            logits = _random_logits(
+                g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "ties", "spread", "masked"]), dtype
+            )
         p = _choice(g, [0.1, 0.3, 0.5, 0.75, 0.9, 0.95])
         if fair(logits, p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.top_p, logits, p)))
+            cases.append(
+                Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.top_p, logits, p))
+            )
     _processor_check("top_p", fn, cases, mistakes, [dict(temperature=1.0, top_p=0.9, seed=seed)])
 
 
 def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
     """min_p(logits [B, V], p) -> [B, V] (transformers' MinPLogitsWarper)."""
+
     def of_sum(x, p):
         return x.masked_fill(torch.softmax(x, -1) < p, -INF)
 
@@ -536,42 +683,72 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         probs = torch.softmax(x, -1)
         return x.masked_fill(probs < p * probs.max(), -INF)
 
-    mistakes = [(batch_max, "each row has its own largest probability: amax(dim=-1, keepdim=True)"),
-                (of_sum, "compare each probability with p times the LARGEST probability of its row, not with p "
-                         "(p times the sum, which is 1)"),
-                (on_logits, "compare probabilities (softmax first), not logits")]
+    mistakes = [
+        (batch_max, "each row has its own largest probability: amax(dim=-1, keepdim=True)"),
+        (
+            of_sum,
+            "compare each probability with p times the LARGEST probability of its row, not with p "
+            "(p times the sum, which is 1)",
+        ),
+        (on_logits, "compare probabilities (softmax first), not logits"),
+    ]
     probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
-    cases = [Case("p = 0.2: keep probabilities >= 0.2 × 0.5", (probs.log(), 0.2),
-                  probs.log().masked_fill(torch.tensor([[False, False, False, True]]), -INF),
-                  "a token is kept if its probability is >= p × the largest probability (0.1 here)"),
-             Case("p = 0.5: keep probabilities >= 0.25", (probs.log(), 0.5),
-                  probs.log().masked_fill(torch.tensor([[False, False, True, True]]), -INF)),
-             Case("a flat distribution keeps everything", (torch.zeros(1, 5), 0.9), torch.zeros(1, 5)),
-             Case("large logits (softmax must subtract the max)", (torch.tensor([[1000.0, 999.0, 990.0]]), 0.3),
-                  torch.tensor([[1000.0, 999.0, -INF]])),
-             Case("two rows with different maxima", (torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3),
-                  S.min_p(torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3))]
+    cases = [
+        Case(
+            "p = 0.2: keep probabilities >= 0.2 × 0.5",
+            (probs.log(), 0.2),
+            probs.log().masked_fill(torch.tensor([[False, False, False, True]]), -INF),
+            "a token is kept if its probability is >= p × the largest probability (0.1 here)",
+        ),
+        Case(
+            "p = 0.5: keep probabilities >= 0.25",
+            (probs.log(), 0.5),
+            probs.log().masked_fill(torch.tensor([[False, False, True, True]]), -INF),
+        ),
+        Case("a flat distribution keeps everything", (torch.zeros(1, 5), 0.9), torch.zeros(1, 5)),
+        Case(
+            "large logits (softmax must subtract the max)",
+            (torch.tensor([[1000.0, 999.0, 990.0]]), 0.3),
+            torch.tensor([[1000.0, 999.0, -INF]]),
+        ),
+        Case(
+            "two rows with different maxima",
+            (torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3),
+            S.min_p(torch.tensor([[4.0, 3.0, 0.0], [0.0, 0.2, 0.1]]), 0.3),
+        ),
+    ]
+
     def fair(logits, p):  # every correct way of computing it keeps the same tokens
         probs = torch.softmax(logits.double(), -1)
         ratio = probs / probs.amax(-1, keepdim=True)
-        return _unambiguous(lambda x: S.min_p(x, p), logits) and not _near_cut(ratio[ratio < 1], p,
-                                                                               _margin(logits.dtype) * p)
+        return _unambiguous(lambda x: S.min_p(x, p), logits) and not _near_cut(
+            ratio[ratio < 1], p, _margin(logits.dtype) * p
+        )
 
     def maybe(description, logits, p):
-        return Case(f"{description}, p={p}", (logits, p), later(_exact, S.min_p, logits, p)) if fair(logits, p) else None
+        return (
+            Case(f"{description}, p={p}", (logits, p), later(_exact, S.min_p, logits, p)) if fair(logits, p) else None
+        )
 
     ties = torch.tensor([[3.0, 1.0, 3.0, 2.9, -INF]])
-    cases += [Case("p = 1 keeps only the most likely token (and any tied with it)", (ties, 1.0),
-                   torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]),
-                   "p = 1: a token is kept if its probability is >= the largest one, so the largest (and its ties) "
-                   "stay: compare with <, not <="),
-              Case("the same logits again, p = 0.5 (one call must not remember another)", (ties, 0.5),
-                   S.min_p(ties, 0.5)),
-              Case("p = 1, float16", (ties.half(), 1.0), torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]).half()),
-              maybe("one row of GPT-2's logits [1, 50257]", real_logits(seed)[0], 0.02)]
+    cases += [
+        Case(
+            "p = 1 keeps only the most likely token (and any tied with it)",
+            (ties, 1.0),
+            torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]),
+            "p = 1: a token is kept if its probability is >= the largest one, so the largest (and its ties) "
+            "stay: compare with <, not <=",
+        ),
+        Case("the same logits again, p = 0.5 (one call must not remember another)", (ties, 0.5), S.min_p(ties, 0.5)),
+        Case("p = 1, float16", (ties.half(), 1.0), torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]).half()),
+        maybe("one row of GPT-2's logits [1, 50257]", real_logits(seed)[0], 0.02),
+    ]
     g = torch.Generator().manual_seed(seed)
-    cases = [c for c in cases + _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.01, 0.1, 0.3])))
-             if c is not None]
+    cases = [
+        c
+        for c in cases + _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.01, 0.1, 0.3])))
+        if c is not None
+    ]
     wanted = len(cases) + n_random
     attempts = 0
     while len(cases) < wanted and attempts < 50 * (n_random + 1):
@@ -580,25 +757,36 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         if dtype in HALF:
             logits = _random_half(g, dtype)
         else:
-            logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1,
-                                    _choice(g, ["ties", "spread", "masked"]), dtype)
+            logits = _random_logits(
+                g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "spread", "masked"]), dtype
+            )
         p = _choice(g, [0.05, 0.1, 0.3, 0.5, 0.8, 1.0])
         if fair(logits, p):
-            cases.append(Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.min_p, logits, p)))
+            cases.append(
+                Case(f"random {_row_description(logits)}, p={p}", (logits, p), later(_exact, S.min_p, logits, p))
+            )
     _processor_check("min_p", fn, cases, mistakes, [dict(temperature=1.0, min_p=0.05, seed=seed)])
 
 
 def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
     """repetition_penalty(logits [B, V], seen [B, V] bool, penalty) -> [B, V] (transformers' semantics)."""
     mistakes = [
-        (lambda x, seen, r: torch.where(seen, x * r, x), "for a positive logit, divide by the penalty: multiplying "
-                                                         "would make a seen token MORE likely"),
-        (lambda x, seen, r: torch.where(seen, x / r, x), "a negative logit is multiplied by the penalty (dividing "
-                                                         "it would bring it closer to 0, more likely)"),
-        (lambda x, seen, r: torch.where(~seen, torch.where(x < 0, x * r, x / r), x),
-         "penalize the tokens that ARE in the text (seen is True), leave the others"),
-        (lambda x, seen, r: torch.where(seen, x - math.log(r), x), "transformers' penalty divides (positive logits) "
-                                                                   "or multiplies (negative ones), it does not subtract"),
+        (
+            lambda x, seen, r: torch.where(seen, x * r, x),
+            "for a positive logit, divide by the penalty: multiplying would make a seen token MORE likely",
+        ),
+        (
+            lambda x, seen, r: torch.where(seen, x / r, x),
+            "a negative logit is multiplied by the penalty (dividing it would bring it closer to 0, more likely)",
+        ),
+        (
+            lambda x, seen, r: torch.where(~seen, torch.where(x < 0, x * r, x / r), x),
+            "penalize the tokens that ARE in the text (seen is True), leave the others",
+        ),
+        (
+            lambda x, seen, r: torch.where(seen, x - math.log(r), x),
+            "transformers' penalty divides (positive logits) or multiplies (negative ones), it does not subtract",
+        ),
     ]
 
     def case(description, logits, seen, penalty, hint=""):
@@ -606,37 +794,64 @@ def check_repetition_penalty(fn, *, seed: int = 0, n_random: int = 6) -> None:
 
     x = torch.tensor([[2.0, -1.0, 0.5, -3.0, 1.0]])
     seen = torch.tensor([[True, True, False, False, True]])
-    cases = [case("positive seen logits are divided, negative multiplied", x, seen, 2.0),
-             case("penalty < 1 encourages repeats", x, seen, 0.5),
-             case("nothing seen: nothing changes", x, torch.zeros_like(seen), 1.5),
-             case("two rows with different texts", torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]]),
-                  torch.tensor([[True, False, False], [False, True, True]]), 1.3)]
+    cases = [
+        case("positive seen logits are divided, negative multiplied", x, seen, 2.0),
+        case("penalty < 1 encourages repeats", x, seen, 0.5),
+        case("nothing seen: nothing changes", x, torch.zeros_like(seen), 1.5),
+        case(
+            "two rows with different texts",
+            torch.tensor([[1.0, -1.0, 2.0], [1.0, -1.0, 2.0]]),
+            torch.tensor([[True, False, False], [False, True, True]]),
+            1.3,
+        ),
+    ]
+
     def exact(description, logits, seen, penalty, hint=""):
-        return Case(description, (logits, seen, penalty), later(_exact, S.repetition_penalty, logits, seen, penalty), hint)
+        return Case(
+            description, (logits, seen, penalty), later(_exact, S.repetition_penalty, logits, seen, penalty), hint
+        )
 
     zeros = torch.tensor([[0.0, -0.0, 1.0, -1.0]])
     one = real_logits(seed)[0]
     log_probs = torch.log_softmax(real_logits(seed)[1], -1)
-    cases += [case("the same logits again, penalty 3 (one call must not remember another)", x, seen, 3.0),
-              case("logits 0 stay 0", zeros, torch.ones(1, 4, dtype=torch.bool), 1.7),
-              case("penalty 10", x, seen, 10.0),
-              case("one row of GPT-2's logits [1, 50257], the prompt's tokens seen", one, _seen_for(one, None, 0.02), 1.3),
-              case("log-probabilities (all negative: beam search's input), 3 beams [3, 50257]", log_probs,
-                   _seen_for(log_probs, None, 0.001), 1.2)]
+    cases += [
+        case("the same logits again, penalty 3 (one call must not remember another)", x, seen, 3.0),
+        case("logits 0 stay 0", zeros, torch.ones(1, 4, dtype=torch.bool), 1.7),
+        case("penalty 10", x, seen, 10.0),
+        case("one row of GPT-2's logits [1, 50257], the prompt's tokens seen", one, _seen_for(one, None, 0.02), 1.3),
+        case(
+            "log-probabilities (all negative: beam search's input), 3 beams [3, 50257]",
+            log_probs,
+            _seen_for(log_probs, None, 0.001),
+            1.2,
+        ),
+    ]
     g = torch.Generator().manual_seed(seed)
-    cases += _shapes_and_layouts(g, lambda logits, what: exact(
-        f"{what}, penalty 1.5", logits - logits.masked_fill(logits.isinf(), 0).mean().to(logits.dtype),
-        _seen_for(logits, g), 1.5))
+    cases += _shapes_and_layouts(
+        g,
+        lambda logits, what: exact(
+            f"{what}, penalty 1.5",
+            logits - logits.masked_fill(logits.isinf(), 0).mean().to(logits.dtype),
+            _seen_for(logits, g),
+            1.5,
+        ),
+    )
     for i in range(n_random):
         dtype = torch.float64 if i % 2 else torch.float32
-        logits = _random_logits(g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "spread", "masked"]),
-                                dtype)
+        logits = _random_logits(
+            g, _randint(g, 2, 4), _randint(g, 3, 41) | 1, _choice(g, ["ties", "spread", "masked"]), dtype
+        )
         logits -= logits.masked_fill(logits.isinf(), 0).mean() if i % 3 == 0 else 0  # values on both sides of 0
         seen = torch.rand(logits.shape, generator=g) < 0.4
         penalty = _choice(g, [1.2, 1.5, 3.0, 0.8])
         cases.append(case(f"random {_row_description(logits)}, penalty={penalty}", logits, seen, penalty))
-    _processor_check("repetition_penalty", fn, cases, mistakes,
-                     [dict(repetition_penalty=1.3), dict(num_beams=2, repetition_penalty=1.3, batch=False)])
+    _processor_check(
+        "repetition_penalty",
+        fn,
+        cases,
+        mistakes,
+        [dict(repetition_penalty=1.3), dict(num_beams=2, repetition_penalty=1.3, batch=False)],
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -666,8 +881,10 @@ def frequency_problem(tokens: Tensor, probs: Tensor) -> Optional[str]:
         impossible = (p == 0) & (counts > 0)
         if bool(impossible.any()):
             token = int(torch.nonzero(impossible)[0])
-            return (f"row {row}: token {token} was drawn {int(counts[token])} times in {N} draws, but its "
-                    f"probability is 0 (its logit is -inf)")
+            return (
+                f"row {row}: token {token} was drawn {int(counts[token])} times in {N} draws, but its "
+                f"probability is 0 (its logit is -inf)"
+            )
         expected = p * N
         big = expected >= 5
         observed = torch.cat([counts[big], counts[~big].sum()[None]])
@@ -685,17 +902,21 @@ def frequency_problem(tokens: Tensor, probs: Tensor) -> Optional[str]:
                 drawn = float(counts[unlikely].sum())
                 z = (drawn - N * mass) / math.sqrt(N * mass * (1 - mass))
                 if abs(z) > Z:
-                    return (f"row {row}: the tokens of probability below {below:g} (together {mass:.1%} of the "
-                            f"probability) were drawn {drawn / N:.1%} of the time in {N} draws ({abs(z):.1f} standard "
-                            f"deviations {'below' if z < 0 else 'above'}): every token must keep its own probability, "
-                            f"however small (no cut-off, no rounding of probabilities)")
+                    return (
+                        f"row {row}: the tokens of probability below {below:g} (together {mass:.1%} of the "
+                        f"probability) were drawn {drawn / N:.1%} of the time in {N} draws ({abs(z):.1f} standard "
+                        f"deviations {'below' if z < 0 else 'above'}): every token must keep its own probability, "
+                        f"however small (no cut-off, no rounding of probabilities)"
+                    )
         if chi2 > _chi2_limit(df):
             worst = int(((counts / N - p).abs()).argmax())
             tv = 0.5 * float((counts / N - p).abs().sum())
-            return (f"row {row}: the frequencies of {N} draws do not follow the probabilities (chi-square {chi2:.0f}, "
-                    f"a correct sampler stays below {_chi2_limit(df):.0f}; total variation distance {tv:.3f}); "
-                    f"e.g. token {worst}: probability {float(p[worst]):.3f}, drawn {float(counts[worst]) / N:.3f} "
-                    f"of the time")
+            return (
+                f"row {row}: the frequencies of {N} draws do not follow the probabilities (chi-square {chi2:.0f}, "
+                f"a correct sampler stays below {_chi2_limit(df):.0f}; total variation distance {tv:.3f}); "
+                f"e.g. token {worst}: probability {float(p[worst]):.3f}, drawn {float(counts[worst]) / N:.3f} "
+                f"of the time"
+            )
     return _joint_problem(draws, probs)
 
 
@@ -715,9 +936,11 @@ def _pair_problem(a: Tensor, b: Tensor, p: Tensor, q: Tensor, what: str) -> Opti
     chi2 = float(((observed - wanted) ** 2 / wanted).sum())
     if chi2 > _chi2_limit(df):
         same = float((a == b).double().mean())
-        return (f"{what} are not independent (chi-square {chi2:.0f} of the pairs, a correct sampler stays below "
-                f"{_chi2_limit(df):.0f}; the two are the same token {same:.0%} of the time, "
-                f"{float((p * q).sum()):.0%} expected): draw a new random number for every row")
+        return (
+            f"{what} are not independent (chi-square {chi2:.0f} of the pairs, a correct sampler stays below "
+            f"{_chi2_limit(df):.0f}; the two are the same token {same:.0%} of the time, "
+            f"{float((p * q).sum()):.0%} expected): draw a new random number for every row"
+        )
     return None
 
 
@@ -732,8 +955,9 @@ def _joint_problem(draws: Tensor, probs: Tensor) -> Optional[str]:
         if problem:
             return problem
     half = N // 2 * 2
-    return _pair_problem(draws[0:half:2, 0], draws[1:half:2, 0], probs[0], probs[0],
-                         f"the draws of rows 0 and {B} (the same logits)")
+    return _pair_problem(
+        draws[0:half:2, 0], draws[1:half:2, 0], probs[0], probs[0], f"the draws of rows 0 and {B} (the same logits)"
+    )
 
 
 def _draws_judge(n_draws: int, extra_hint: Callable[[Any, tuple], str] = lambda got, args: "") -> Callable:
@@ -757,17 +981,22 @@ def _same_generator_same_tokens(name: str, fn, make_args: Callable[[torch.Genera
     different seeds, different tokens."""
 
     def draw(seed):
-        return call_learner(name, fn, make_args(torch.Generator().manual_seed(seed)), forbid=forbid, seconds=5.0,
-                            may_modify=True)
+        return call_learner(
+            name, fn, make_args(torch.Generator().manual_seed(seed)), forbid=forbid, seconds=5.0, may_modify=True
+        )
 
     first, again, other = draw(7), draw(7), draw(8)
     if isinstance(first, Tensor) and isinstance(again, Tensor) and not torch.equal(first, again):
-        raise CheckFailed(f"✗ {name}: two calls with generators seeded alike (7) drew different tokens.\n"
-                          f"  hint: draw with the generator you are given: torch.multinomial(probs, 1, "
-                          f"generator=generator) — not the global random state")
+        raise CheckFailed(
+            f"✗ {name}: two calls with generators seeded alike (7) drew different tokens.\n"
+            f"  hint: draw with the generator you are given: torch.multinomial(probs, 1, "
+            f"generator=generator) — not the global random state"
+        )
     if isinstance(first, Tensor) and isinstance(other, Tensor) and torch.equal(first, other):
-        raise CheckFailed(f"✗ {name}: generators seeded 7 and 8 drew exactly the same tokens.\n"
-                          f"  hint: draw with the generator you are given, and do not seed anything yourself")
+        raise CheckFailed(
+            f"✗ {name}: generators seeded 7 and 8 drew exactly the same tokens.\n"
+            f"  hint: draw with the generator you are given, and do not seed anything yourself"
+        )
 
 
 def _many(logits: Tensor, n: int) -> Tensor:
@@ -783,8 +1012,15 @@ def _seen_for(logits: Tensor, g: Optional[torch.Generator], fraction: float = 0.
 ZERO_HINT = "exp(-inf) = 0: softmax gives removed tokens probability 0, and they must never be drawn"
 
 
-def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator], tuple], logits: Tensor, n: int,
-                   show: Callable[[tuple], str], seed: int) -> None:
+def _one_row_draws(
+    name: str,
+    fn,
+    make_args: Callable[[Tensor, torch.Generator], tuple],
+    logits: Tensor,
+    n: int,
+    show: Callable[[tuple], str],
+    seed: int,
+) -> None:
     """n calls with ONE row (generation's real case), one generator for all: each answer a tensor [1], and
     together they follow the probabilities."""
     g = torch.Generator().manual_seed(seed)
@@ -797,10 +1033,15 @@ def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator],
                 got = call_learner(name, fn, args, forbid=FORBID, seconds=5.0, may_modify=True, show=show)
                 if not isinstance(got, Tensor) or got.shape != (1,) or got.dtype != torch.long:
                     problem = tensor_problem(got, torch.zeros(1, dtype=torch.long))
-                    hint = ("one row in, one token id out: a tensor [1] (squeeze(-1) multinomial's [1, 1], not "
-                            "squeeze() or item())" if isinstance(got, Tensor) and got.numel() == 1 else "")
-                    raise failure(name, "one row (as in generation)", problem, show(args), "a tensor [1] of torch.long",
-                                  got, hint)
+                    hint = (
+                        "one row in, one token id out: a tensor [1] (squeeze(-1) multinomial's [1, 1], not "
+                        "squeeze() or item())"
+                        if isinstance(got, Tensor) and got.numel() == 1
+                        else ""
+                    )
+                    raise failure(
+                        name, "one row (as in generation)", problem, show(args), "a tensor [1] of torch.long", got, hint
+                    )
                 tokens.append(got)
     except TimeoutError:
         if not budget.expired:
@@ -808,34 +1049,57 @@ def _one_row_draws(name: str, fn, make_args: Callable[[Tensor, torch.Generator],
         raise CheckFailed(f"✗ {name}: {n} calls with one row did not finish within 20 s in total") from None
     problem = frequency_problem(torch.cat(tokens), torch.softmax(logits.double(), -1))
     if problem:
-        raise CheckFailed(f"✗ {name} — {n} calls with one row each (as in generation), one generator: {problem}\n"
-                          f"  input:    {show(make_args(logits, g))}\n"
-                          f"  hint: a sampler must draw from the probabilities whatever the number of rows: one row "
-                          f"is the usual case in generation")
+        raise CheckFailed(
+            f"✗ {name} — {n} calls with one row each (as in generation), one generator: {problem}\n"
+            f"  input:    {show(make_args(logits, g))}\n"
+            f"  hint: a sampler must draw from the probabilities whatever the number of rows: one row "
+            f"is the usual case in generation"
+        )
 
 
 def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -> None:
     """sample(logits [B, V], generator) -> token ids [B] long, drawn from softmax(logits)."""
 
-    base = [("probabilities .5 .3 .2", torch.tensor([[0.5, 0.3, 0.2]]).log(), ""),
-            ("removed tokens (-inf)", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]), ""),
-            ("three rows, each its own distribution", torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [-5.0, 1.0, 1.5]]),
-             "draw one token per row, from that row's probabilities"),
-            ("large logits", torch.tensor([[1000.0, 999.0, 998.5]]), "softmax must subtract the max"),
-            ("float64 logits", torch.tensor([[0.3, -0.4, 1.1, 0.0]], dtype=torch.float64), ""),
-            (f"{LAYOUTS[1]}: not contiguous", _layout(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), LAYOUTS[1]), "")]
+    base = [
+        ("probabilities .5 .3 .2", torch.tensor([[0.5, 0.3, 0.2]]).log(), ""),
+        ("removed tokens (-inf)", torch.tensor([[1.0, -INF, 0.0, 2.0, -INF]]), ""),
+        (
+            "three rows, each its own distribution",
+            torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [-5.0, 1.0, 1.5]]),
+            "draw one token per row, from that row's probabilities",
+        ),
+        ("large logits", torch.tensor([[1000.0, 999.0, 998.5]]), "softmax must subtract the max"),
+        ("float64 logits", torch.tensor([[0.3, -0.4, 1.1, 0.0]], dtype=torch.float64), ""),
+        (f"{LAYOUTS[1]}: not contiguous", _layout(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), LAYOUTS[1]), ""),
+    ]
     g = torch.Generator().manual_seed(seed)
     for i in range(n_random):
-        logits = _random_logits(g, _randint(g, 1, 3), _randint(g, 3, 15) | 1, _choice(g, ["ties", "masked"]),
-                                torch.float64 if i % 2 else torch.float32)
+        logits = _random_logits(
+            g,
+            _randint(g, 1, 3),
+            _randint(g, 3, 15) | 1,
+            _choice(g, ["ties", "masked"]),
+            torch.float64 if i % 2 else torch.float32,
+        )
         base.append((f"random {_row_description(logits)}", logits, ""))
-    cases = [Case(f"{what}, {n_draws} draws per row", (_many(logits, n_draws), torch.Generator().manual_seed(seed + i)),
-                  torch.softmax(logits.double(), -1), hint)
-             for i, (what, logits, hint) in enumerate(base)]
+    cases = [
+        Case(
+            f"{what}, {n_draws} draws per row",
+            (_many(logits, n_draws), torch.Generator().manual_seed(seed + i)),
+            torch.softmax(logits.double(), -1),
+            hint,
+        )
+        for i, (what, logits, hint) in enumerate(base)
+    ]
     # GPT-2's real logits: 10-13 % of the probability on tokens below 1e-4 (a cut-off there is 5+ sigmas off)
     real = real_logits(seed)[0]
-    cases.append(Case("one row of GPT-2's logits [1, 50257], 300 draws", (_many(real, 300),
-                      torch.Generator().manual_seed(seed)), torch.softmax(real.double(), -1)))
+    cases.append(
+        Case(
+            "one row of GPT-2's logits [1, 50257], 300 draws",
+            (_many(real, 300), torch.Generator().manual_seed(seed)),
+            torch.softmax(real.double(), -1),
+        )
+    )
 
     def show(args):
         logits = args[0]
@@ -856,14 +1120,27 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
             return verdict[0], ZERO_HINT
         return verdict
 
-    run_check("sample", fn, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[1], seconds=5.0,
-              total_seconds=20.0, error_hints=ERROR_HINTS)
+    run_check(
+        "sample",
+        fn,
+        cases,
+        judge=judge,
+        forbid=FORBID,
+        show_call=show,
+        may_modify=[1],
+        seconds=5.0,
+        total_seconds=20.0,
+        error_hints=ERROR_HINTS,
+    )
     flat = torch.zeros(4, 50)
-    generator_contract("sample", lambda gen: call_learner("sample", fn, (flat, gen), forbid=FORBID, seconds=5.0,
-                                                          may_modify=True),
-                       what="sample(torch.zeros(4, 50), generator)")
-    _one_row_draws("sample", fn, lambda logits, gen: (logits, gen), torch.tensor([[0.5, 0.3, 0.2]]).log(), 300,
-                   show, seed)
+    generator_contract(
+        "sample",
+        lambda gen: call_learner("sample", fn, (flat, gen), forbid=FORBID, seconds=5.0, may_modify=True),
+        what="sample(torch.zeros(4, 50), generator)",
+    )
+    _one_row_draws(
+        "sample", fn, lambda logits, gen: (logits, gen), torch.tensor([[0.5, 0.3, 0.2]]).log(), 300, show, seed
+    )
     in_engine("sample", fn, [dict(temperature=1.0, seed=seed)])
 
 
@@ -875,51 +1152,122 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
     probs = torch.tensor([[0.4, 0.3, 0.2, 0.1]])
     seen = torch.tensor([[True, False, False, False, False]])
     greedy = [
-        ("greedy (temperature 0) is the argmax", torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]), Settings(), None,
-         "temperature 0 means greedy: the argmax of each row"),
-        ("greedy with top-k, top-p and min-p set: they do not change the argmax", x,
-         Settings(temperature=0.0, top_k=2, top_p=0.5, min_p=0.3), None, ""),
-        ("greedy applies the repetition penalty first", torch.tensor([[3.0, 2.9, -1.0]]),
-         Settings(repetition_penalty=1.5), torch.tensor([[True, False, False]]),
-         "the repetition penalty applies to greedy decoding too: token 0 (seen) drops from 3 to 2"),
+        (
+            "greedy (temperature 0) is the argmax",
+            torch.tensor([[0.1, 3.0, -2.0], [5.0, 1.0, 4.9]]),
+            Settings(),
+            None,
+            "temperature 0 means greedy: the argmax of each row",
+        ),
+        (
+            "greedy with top-k, top-p and min-p set: they do not change the argmax",
+            x,
+            Settings(temperature=0.0, top_k=2, top_p=0.5, min_p=0.3),
+            None,
+            "",
+        ),
+        (
+            "greedy applies the repetition penalty first",
+            torch.tensor([[3.0, 2.9, -1.0]]),
+            Settings(repetition_penalty=1.5),
+            torch.tensor([[True, False, False]]),
+            "the repetition penalty applies to greedy decoding too: token 0 (seen) drops from 3 to 2",
+        ),
         ("greedy, ties: the lowest id", torch.tensor([[1.0, 4.0, 4.0]], dtype=torch.float64), Settings(), None, ""),
-        ("greedy, repetition penalty 1.5 but seen=None: nothing is penalized", torch.tensor([[3.0, 2.9, -1.0]]),
-         Settings(repetition_penalty=1.5), None, "seen=None means no text to penalize: skip the repetition penalty"),
-        ("top-k 1 keeps only the most likely token: always drawn", torch.tensor([[0.5, 2.0, 1.9, -1.0], [3.0, 0.0, 2.0, 2.5]]),
-         Settings(temperature=1.0, top_k=1), None, "top_k=1 keeps one token (the argmax), so sampling always draws it"),
-        ("min-p 1 keeps only the most likely token: always drawn", torch.tensor([[0.5, 2.0, 1.9, -1.0]]),
-         Settings(temperature=0.7, min_p=1.0), None, "min_p=1 keeps only the tokens as likely as the most likely one"),
-        ("temperature 0.01 is nearly greedy", torch.tensor([[1.0, 1.2, 0.9]]), Settings(temperature=0.01), None,
-         "divide by any temperature > 0, however small"),
+        (
+            "greedy, repetition penalty 1.5 but seen=None: nothing is penalized",
+            torch.tensor([[3.0, 2.9, -1.0]]),
+            Settings(repetition_penalty=1.5),
+            None,
+            "seen=None means no text to penalize: skip the repetition penalty",
+        ),
+        (
+            "top-k 1 keeps only the most likely token: always drawn",
+            torch.tensor([[0.5, 2.0, 1.9, -1.0], [3.0, 0.0, 2.0, 2.5]]),
+            Settings(temperature=1.0, top_k=1),
+            None,
+            "top_k=1 keeps one token (the argmax), so sampling always draws it",
+        ),
+        (
+            "min-p 1 keeps only the most likely token: always drawn",
+            torch.tensor([[0.5, 2.0, 1.9, -1.0]]),
+            Settings(temperature=0.7, min_p=1.0),
+            None,
+            "min_p=1 keeps only the tokens as likely as the most likely one",
+        ),
+        (
+            "temperature 0.01 is nearly greedy",
+            torch.tensor([[1.0, 1.2, 0.9]]),
+            Settings(temperature=0.01),
+            None,
+            "divide by any temperature > 0, however small",
+        ),
     ]
     sampled = [
-        ("temperature 0.5 before top-p 0.8", x, Settings(temperature=0.5, top_p=0.8), None,
-         "the order is repetition penalty, temperature, top-k, top-p, min-p: at temperature 0.5 the most likely "
-         "token alone has more than 0.8"),
-        ("temperature 2 before min-p 0.3", x, Settings(temperature=2.0, min_p=0.3), None,
-         "temperature first: at temperature 2 the distribution is flatter, and min-p keeps more tokens"),
-        ("top-k 3 before top-p 0.75", probs.log(), Settings(temperature=1.0, top_k=3, top_p=0.75), None,
-         "top-k first, then top-p on what top-k kept (softmax again: the 3 kept probabilities add up to 1)"),
-        ("the repetition penalty before top-k 2", torch.tensor([[2.0, 1.5, 1.0, -1.0, -3.0]]),
-         Settings(temperature=1.0, top_k=2, repetition_penalty=3.0), seen,
-         "the repetition penalty comes first: token 0 (seen) drops from 2 to 0.67 and leaves the top 2"),
-        ("temperature 1.5, all processors, two rows", torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, -4.0],
-                                                                    [0.0, 0.0, 1.0, -1.0, -INF, 3.0, 2.0]]),
-         Settings(temperature=1.5, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
-         torch.tensor([[False, True, False, False, True, False, False], [True, False, True, False, False, False, False]]),
-         ""),
-        ("temperature 1, nothing else: softmax(logits)", torch.tensor([[0.5, -0.5, 1.5]], dtype=torch.float64),
-         Settings(temperature=1.0), None, "draw from softmax(logits), with the generator you are given"),
+        (
+            "temperature 0.5 before top-p 0.8",
+            x,
+            Settings(temperature=0.5, top_p=0.8),
+            None,
+            "the order is repetition penalty, temperature, top-k, top-p, min-p: at temperature 0.5 the most likely "
+            "token alone has more than 0.8",
+        ),
+        (
+            "temperature 2 before min-p 0.3",
+            x,
+            Settings(temperature=2.0, min_p=0.3),
+            None,
+            "temperature first: at temperature 2 the distribution is flatter, and min-p keeps more tokens",
+        ),
+        (
+            "top-k 3 before top-p 0.75",
+            probs.log(),
+            Settings(temperature=1.0, top_k=3, top_p=0.75),
+            None,
+            "top-k first, then top-p on what top-k kept (softmax again: the 3 kept probabilities add up to 1)",
+        ),
+        (
+            "the repetition penalty before top-k 2",
+            torch.tensor([[2.0, 1.5, 1.0, -1.0, -3.0]]),
+            Settings(temperature=1.0, top_k=2, repetition_penalty=3.0),
+            seen,
+            "the repetition penalty comes first: token 0 (seen) drops from 2 to 0.67 and leaves the top 2",
+        ),
+        (
+            "temperature 1.5, all processors, two rows",
+            torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -2.0, -4.0], [0.0, 0.0, 1.0, -1.0, -INF, 3.0, 2.0]]),
+            Settings(temperature=1.5, top_k=5, top_p=0.9, min_p=0.05, repetition_penalty=1.3),
+            torch.tensor(
+                [[False, True, False, False, True, False, False], [True, False, True, False, False, False, False]]
+            ),
+            "",
+        ),
+        (
+            "temperature 1, nothing else: softmax(logits)",
+            torch.tensor([[0.5, -0.5, 1.5]], dtype=torch.float64),
+            Settings(temperature=1.0),
+            None,
+            "draw from softmax(logits), with the generator you are given",
+        ),
     ]
     g = torch.Generator().manual_seed(seed)
     attempts = 0
     while len(sampled) < 6 + n_random and attempts < 50:
         attempts += 1
-        logits = _random_logits(g, _randint(g, 1, 3), _randint(g, 5, 15) | 1, _choice(g, ["ties", "spread"]),
-                                torch.float64 if attempts % 2 else torch.float32)
-        settings = Settings(temperature=_choice(g, [0.6, 1.0, 1.7]), top_k=_choice(g, [0, 2, 4]),
-                            top_p=_choice(g, [1.0, 0.6, 0.9]), min_p=_choice(g, [0.0, 0.1]),
-                            repetition_penalty=_choice(g, [1.0, 1.4]))
+        logits = _random_logits(
+            g,
+            _randint(g, 1, 3),
+            _randint(g, 5, 15) | 1,
+            _choice(g, ["ties", "spread"]),
+            torch.float64 if attempts % 2 else torch.float32,
+        )
+        settings = Settings(
+            temperature=_choice(g, [0.6, 1.0, 1.7]),
+            top_k=_choice(g, [0, 2, 4]),
+            top_p=_choice(g, [1.0, 0.6, 0.9]),
+            min_p=_choice(g, [0.0, 0.1]),
+            repetition_penalty=_choice(g, [1.0, 1.4]),
+        )
         seen_rows = _seen_for(logits, g)
 
         penalized = S.repetition_penalty(logits, seen_rows, settings.repetition_penalty)
@@ -932,13 +1280,24 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
 
     cases = []
     for what, logits, settings, seen_rows, hint in greedy:
-        cases.append(Case(what, (logits, settings, seen_rows, torch.Generator().manual_seed(seed)),
-                          S.next_token(logits, settings, seen_rows), hint))
+        cases.append(
+            Case(
+                what,
+                (logits, settings, seen_rows, torch.Generator().manual_seed(seed)),
+                S.next_token(logits, settings, seen_rows),
+                hint,
+            )
+        )
     for i, (what, logits, settings, seen_rows, hint) in enumerate(sampled):
         many_seen = None if seen_rows is None else _many(seen_rows, n_draws)
-        cases.append(Case(f"{what}, {n_draws} draws per row",
-                          (_many(logits, n_draws), settings, many_seen, torch.Generator().manual_seed(seed + i)),
-                          expected_probs(logits, settings, seen_rows), hint))
+        cases.append(
+            Case(
+                f"{what}, {n_draws} draws per row",
+                (_many(logits, n_draws), settings, many_seen, torch.Generator().manual_seed(seed + i)),
+                expected_probs(logits, settings, seen_rows),
+                hint,
+            )
+        )
 
     def show(args):
         logits, settings, seen_rows, _ = args
@@ -946,8 +1305,10 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             return f"next_token({short(logits, 160)}, {settings}, seen={short(seen_rows, 80)}, generator)"
         B = logits.shape[0] // n_draws
         seen_rows = None if seen_rows is None else seen_rows[:B]
-        return (f"next_token(logits [{n_draws} × each of these {B} rows: {short(logits[:B], 160)}], {settings}, "
-                f"seen={short(seen_rows, 80)}, generator)")
+        return (
+            f"next_token(logits [{n_draws} × each of these {B} rows: {short(logits[:B], 160)}], {settings}, "
+            f"seen={short(seen_rows, 80)}, generator)"
+        )
 
     draws = _draws_judge(n_draws)
 
@@ -957,7 +1318,6 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             return None if problem is None else (problem, "")
         return draws(case, got)
 
-
     last: dict = {}
 
     @functools.wraps(fn)
@@ -966,8 +1326,18 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
         return fn(*args)
 
     try:
-        run_check("next_token", tracked, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[3],
-                  seconds=5.0, total_seconds=20.0, error_hints=ERROR_HINTS)
+        run_check(
+            "next_token",
+            tracked,
+            cases,
+            judge=judge,
+            forbid=FORBID,
+            show_call=show,
+            may_modify=[3],
+            seconds=5.0,
+            total_seconds=20.0,
+            error_hints=ERROR_HINTS,
+        )
     except CheckFailed as err:
         blamed = _blame_part(fn, last.get("args"), err)
         if blamed:
@@ -975,11 +1345,22 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
         raise
     one_row = Settings(temperature=1.0)
     flat = torch.zeros(4, 50)
-    generator_contract("next_token", lambda gen: call_learner("next_token", fn, (flat, one_row, None, gen),
-                                                              forbid=FORBID, seconds=5.0, may_modify=True),
-                       what="next_token(torch.zeros(4, 50), SamplingParams(temperature=1.0), None, generator)")
-    _one_row_draws("next_token", fn, lambda logits, gen: (logits, one_row, None, gen),
-                   torch.tensor([[0.5, 0.3, 0.2]]).log(), 200, show, seed)
+    generator_contract(
+        "next_token",
+        lambda gen: call_learner(
+            "next_token", fn, (flat, one_row, None, gen), forbid=FORBID, seconds=5.0, may_modify=True
+        ),
+        what="next_token(torch.zeros(4, 50), SamplingParams(temperature=1.0), None, generator)",
+    )
+    _one_row_draws(
+        "next_token",
+        fn,
+        lambda logits, gen: (logits, one_row, None, gen),
+        torch.tensor([[0.5, 0.3, 0.2]]).log(),
+        200,
+        show,
+        seed,
+    )
 
 
 PIPELINE = ("repetition_penalty", "temperature", "top_k", "top_p", "min_p")
@@ -994,18 +1375,30 @@ def _blame_part(fn, args: Optional[tuple], err: CheckFailed) -> Optional[CheckFa
     if args is None or len(args) != 4:
         return None
     logits, settings, seen, _ = args
-    B = logits.shape[0]
     x = logits.float()
     for name in PIPELINE:
-        on = {"repetition_penalty": settings.repetition_penalty != 1 and seen is not None,
-              "temperature": not settings.greedy and settings.temperature != 1,
-              "top_k": not settings.greedy and settings.top_k > 0, "top_p": not settings.greedy and settings.top_p < 1,
-              "min_p": not settings.greedy and settings.min_p > 0}[name]
+        on = {
+            "repetition_penalty": settings.repetition_penalty != 1 and seen is not None,
+            "temperature": not settings.greedy and settings.temperature != 1,
+            "top_k": not settings.greedy and settings.top_k > 0,
+            "top_p": not settings.greedy and settings.top_p < 1,
+            "min_p": not settings.greedy and settings.min_p > 0,
+        }[name]
         if not on:
             continue
-        args = (x, seen, settings.repetition_penalty) if name == "repetition_penalty" else \
-            (x, {"temperature": settings.temperature, "top_k": settings.top_k, "top_p": settings.top_p,
-                 "min_p": settings.min_p}[name])
+        args = (
+            (x, seen, settings.repetition_penalty)
+            if name == "repetition_penalty"
+            else (
+                x,
+                {
+                    "temperature": settings.temperature,
+                    "top_k": settings.top_k,
+                    "top_p": settings.top_p,
+                    "min_p": settings.min_p,
+                }[name],
+            )
+        )
         expected = getattr(S, name)(*args)
         part = namespace.get(name)
         if callable(part) and getattr(part, "__module__", None) != S.__name__:
@@ -1024,10 +1417,12 @@ def _blame_part(fn, args: Optional[tuple], err: CheckFailed) -> Optional[CheckFa
                 broken = "kept other tokens than it should"
             if broken:
                 first = text.split("\n")[0]
-                return CheckFailed(f"{first}\n  the cause: your {name} {broken}, on "
-                                   f"{name}({', '.join(short(a, 100) for a in args)})\n"
-                                   f"  hint: next_token uses your {name}, which does not pass its own check: run "
-                                   f"check_{name}({name}) and fix it first")
+                return CheckFailed(
+                    f"{first}\n  the cause: your {name} {broken}, on "
+                    f"{name}({', '.join(short(a, 100) for a in args)})\n"
+                    f"  hint: next_token uses your {name}, which does not pass its own check: run "
+                    f"check_{name}({name}) and fix it first"
+                )
         x = expected
     return None
 
@@ -1057,7 +1452,7 @@ def _greedy_tokens(model: GPT2, prompt: list[int], n: int) -> list[int]:
     with torch.no_grad():
         for _ in range(n):
             ids = torch.cat([ids, model(ids)[:, -1:].argmax(-1)], dim=1)
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def one_thread(check: Callable) -> Callable:
@@ -1086,25 +1481,66 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
 
     def case(description, model_seed, prompt, num_beams, new, length_penalty, eos, hint=""):
         model = models[model_seed]
-        expected = engine_beam_search(model, prompt, num_beams=num_beams, max_new_tokens=new,
-                                      length_penalty=length_penalty, eos_token_id=eos)
+        expected = engine_beam_search(
+            model, prompt, num_beams=num_beams, max_new_tokens=new, length_penalty=length_penalty, eos_token_id=eos
+        )
         return Case(description, (model, prompt, num_beams, new, length_penalty, eos), expected, hint)
 
     prompt = [5, 17, 42]
     eos = _greedy_tokens(models[seed], prompt, 3)[2]  # a token that greedy decoding meets on its 3rd step
     cases = [
-        case("one beam is greedy decoding", seed, prompt, 1, 6, 1.0, None,
-             "with num_beams=1 beam search must give greedy decoding's tokens"),
-        case("3 beams, no EOS", seed, [1, 2, 3], 3, 8, 1.0, None,
-             "at the first step all beams are the same prompt: expand only the first (the others start at -inf), "
-             "or they pick the same tokens"),
-        case(f"3 beams, EOS = {eos} (met on the way)", seed, prompt, 3, 10, 1.0, eos,
-             "a beam that ends in EOS is finished; keep searching until num_beams beams are finished and no live "
-             "beam can beat the worst of them"),
-        case(f"4 beams, EOS = {eos}, length_penalty 2.0", seed, prompt, 4, 10, 2.0, eos,
-             "a finished beam's score is its sum of log-probabilities / (number of new tokens) ** length_penalty"),
-        case(f"2 beams, EOS = {eos}, length_penalty 0.5", seed, prompt, 2, 10, 0.5, eos,
-             "a finished beam's score is its sum of log-probabilities / (number of new tokens) ** length_penalty"),
+        case(
+            "one beam is greedy decoding",
+            seed,
+            prompt,
+            1,
+            6,
+            1.0,
+            None,
+            "with num_beams=1 beam search must give greedy decoding's tokens",
+        ),
+        case(
+            "3 beams, no EOS",
+            seed,
+            [1, 2, 3],
+            3,
+            8,
+            1.0,
+            None,
+            "at the first step all beams are the same prompt: expand only the first (the others start at -inf), "
+            "or they pick the same tokens",
+        ),
+        case(
+            f"3 beams, EOS = {eos} (met on the way)",
+            seed,
+            prompt,
+            3,
+            10,
+            1.0,
+            eos,
+            "a beam that ends in EOS is finished; keep searching until num_beams beams are finished and no live "
+            "beam can beat the worst of them",
+        ),
+        case(
+            f"4 beams, EOS = {eos}, length_penalty 2.0",
+            seed,
+            prompt,
+            4,
+            10,
+            2.0,
+            eos,
+            "a finished beam's score is its sum of log-probabilities / (number of new tokens) ** length_penalty",
+        ),
+        case(
+            f"2 beams, EOS = {eos}, length_penalty 0.5",
+            seed,
+            prompt,
+            2,
+            10,
+            0.5,
+            eos,
+            "a finished beam's score is its sum of log-probabilities / (number of new tokens) ** length_penalty",
+        ),
     ]
     # EOS id 0: the model with tokens 0 and `eos` swapped (rows of the tied embedding) meets token 0 on the way
     eos = _greedy_tokens(models[seed], prompt, 3)[2]
@@ -1113,11 +1549,28 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         swapped.wte.weight[[0, eos]] = swapped.wte.weight[[eos, 0]].clone()
     models["swapped"] = swapped
     swap = {0: eos, eos: 0}
-    cases.append(case("3 beams, EOS id 0 (a real token, met on the way)", "swapped", [swap.get(t, t) for t in prompt], 3,
-                      10, 1.0, 0, "token id 0 is a real token: compare with `token == eos_token_id`, not "
-                                  "`if eos_token_id`"))
-    defaults = case("called without length_penalty and eos_token_id (defaults 1.0 and None)", seed, [7, 8, 9], 3, 8,
-                    1.0, None, "the defaults: length_penalty=1.0, eos_token_id=None")
+    cases.append(
+        case(
+            "3 beams, EOS id 0 (a real token, met on the way)",
+            "swapped",
+            [swap.get(t, t) for t in prompt],
+            3,
+            10,
+            1.0,
+            0,
+            "token id 0 is a real token: compare with `token == eos_token_id`, not `if eos_token_id`",
+        )
+    )
+    defaults = case(
+        "called without length_penalty and eos_token_id (defaults 1.0 and None)",
+        seed,
+        [7, 8, 9],
+        3,
+        8,
+        1.0,
+        None,
+        "the defaults: length_penalty=1.0, eos_token_id=None",
+    )
     cases.append(dataclasses.replace(defaults, args=defaults.args[:4]))
     doubles = {s: tiny_model(s).double() for s in (seed, seed + 1)}
     attempts = 0
@@ -1129,9 +1582,14 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         eos = _choice(g, [None, greedy[1], greedy[3]])
         settings = (_randint(g, 2, 5), _randint(g, 4, 12), _choice(g, [0.5, 1.0, 1.5, -0.5]), eos)
         new = case(f"random: model {model_seed}, prompt {prompt}, EOS {eos}", model_seed, prompt, *settings)
-        if new.expected == engine_beam_search(doubles[model_seed], prompt, num_beams=settings[0],
-                                              max_new_tokens=settings[1], length_penalty=settings[2],
-                                              eos_token_id=eos):
+        if new.expected == engine_beam_search(
+            doubles[model_seed],
+            prompt,
+            num_beams=settings[0],
+            max_new_tokens=settings[1],
+            length_penalty=settings[2],
+            eos_token_id=eos,
+        ):
             cases.append(new)  # no near-tie that float32 rounding (cached or not) could flip
 
     def show(args):
@@ -1145,11 +1603,22 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         if got == expected:
             return None
         same = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
-        return (f"a different sequence ({len(got)} token{'s' * (len(got) != 1)} instead of {len(expected)}; "
-                f"the first difference at position {same})")
+        return (
+            f"a different sequence ({len(got)} token{'s' * (len(got) != 1)} instead of {len(expected)}; "
+            f"the first difference at position {same})"
+        )
 
-    run_check("beam_search", fn, cases, compare=compare, forbid=FORBID, show_call=show, may_modify=[0], seconds=10.0,
-              total_seconds=30.0)
+    run_check(
+        "beam_search",
+        fn,
+        cases,
+        compare=compare,
+        forbid=FORBID,
+        show_call=show,
+        may_modify=[0],
+        seconds=10.0,
+        total_seconds=30.0,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1211,8 +1680,9 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
         except NotImplementedError as err:
             stub = traceback.extract_tb(err.__traceback__)[-1].name
             if stub != getattr(fn, "__name__", stub):
-                raise RuntimeError(f"it calls {stub}, which is not written yet: write that exercise first (its check "
-                                   "must pass)").with_traceback(err.__traceback__) from None
+                raise RuntimeError(
+                    f"it calls {stub}, which is not written yet: write that exercise first (its check must pass)"
+                ).with_traceback(err.__traceback__) from None
             raise
 
     def scripted(description, prompt, text_tokens, max_new, eos=EOT_ID, stop=(), hint="", defaults=False):
@@ -1227,43 +1697,104 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
     llama = tok.encode(" I ❤ 🦙 llamas")
     cases = [
         scripted("stop after max_new_tokens = 3", "Say:", hello, 3, hint="exactly max_new_tokens new tokens"),
-        scripted("EOS ends the text (not shown)", "Say:", hello[:4] + [EOT_ID] + hello[4:], 20,
-                 hint="stop as soon as the new token is EOS, before decoding it"),
+        scripted(
+            "EOS ends the text (not shown)",
+            "Say:",
+            hello[:4] + [EOT_ID] + hello[4:],
+            20,
+            hint="stop as soon as the new token is EOS, before decoding it",
+        ),
         scripted("EOS as the very first token: no text", "Say:", [EOT_ID] + hello, 20),
         scripted("eos_token_id=None never stops early", "Say:", hello[:3] + [EOT_ID] + hello[3:], 6, eos=None),
-        scripted("an emoji split over several tokens is yielded whole", "Love:", llama, 20,
-                 hint="push every token through a StreamDecoder: it holds back an unfinished UTF-8 character"),
-        scripted("a stop string inside one token", "Say:", hello, 20, stop=("world",),
-                 hint="yield the text before the stop string, then stop"),
-        scripted("a stop string spread over two tokens", "Say:", hello, 20, stop=("lo wor",),
-                 hint="the stop string can span tokens: look for it in all the text so far (holding back text "
-                      "that could be the start of a stop string)"),
+        scripted(
+            "an emoji split over several tokens is yielded whole",
+            "Love:",
+            llama,
+            20,
+            hint="push every token through a StreamDecoder: it holds back an unfinished UTF-8 character",
+        ),
+        scripted(
+            "a stop string inside one token",
+            "Say:",
+            hello,
+            20,
+            stop=("world",),
+            hint="yield the text before the stop string, then stop",
+        ),
+        scripted(
+            "a stop string spread over two tokens",
+            "Say:",
+            hello,
+            20,
+            stop=("lo wor",),
+            hint="the stop string can span tokens: look for it in all the text so far (holding back text "
+            "that could be the start of a stop string)",
+        ),
         scripted("two stop strings: the first one in the text wins", "Say:", hello, 20, stop=("night", ", and")),
         scripted("a stop string that never comes", "Say:", hello, 8, stop=("xyz",)),
-        scripted("called as the engine would, without eos_token_id, stop and seed (EOS = <|endoftext|>)", "Say:",
-                 hello[:3] + [EOT_ID] + hello[3:], 20, defaults=True,
-                 hint="the defaults: eos_token_id=EOT_ID, stop=(), seed=0"),
-        scripted("EOS id 0 (the token '!')", "Say:", tok.encode(" Wow! Yes!"), 20, eos=0,
-                 hint="token id 0 is a real token: compare with `token == eos_token_id`, not `if eos_token_id`"),
-        scripted("a prompt with <|endoftext|> in it", "One.<|endoftext|>Two:", hello, 6,
-                 hint="encode the prompt with allowed_special=\"all\" (<|endoftext|> is one token, id 50256)"),
-        scripted("a prompt with the stop string in it: only the new text is searched", "Say world:", hello, 20,
-                 stop=("world", "night")),
-        scripted("max_new_tokens ends inside an emoji: flush the decoder at the end", "Love:", llama, 5,
-                 hint="after the loop, yield what decoder.flush() returns (an unfinished character becomes '\\ufffd')"),
+        scripted(
+            "called as the engine would, without eos_token_id, stop and seed (EOS = <|endoftext|>)",
+            "Say:",
+            hello[:3] + [EOT_ID] + hello[3:],
+            20,
+            defaults=True,
+            hint="the defaults: eos_token_id=EOT_ID, stop=(), seed=0",
+        ),
+        scripted(
+            "EOS id 0 (the token '!')",
+            "Say:",
+            tok.encode(" Wow! Yes!"),
+            20,
+            eos=0,
+            hint="token id 0 is a real token: compare with `token == eos_token_id`, not `if eos_token_id`",
+        ),
+        scripted(
+            "a prompt with <|endoftext|> in it",
+            "One.<|endoftext|>Two:",
+            hello,
+            6,
+            hint='encode the prompt with allowed_special="all" (<|endoftext|> is one token, id 50256)',
+        ),
+        scripted(
+            "a prompt with the stop string in it: only the new text is searched",
+            "Say world:",
+            hello,
+            20,
+            stop=("world", "night"),
+        ),
+        scripted(
+            "max_new_tokens ends inside an emoji: flush the decoder at the end",
+            "Love:",
+            llama,
+            5,
+            hint="after the loop, yield what decoder.flush() returns (an unfinished character becomes '\\ufffd')",
+        ),
         scripted("a long text: the first piece comes as soon as it is decoded", "Say:", hello, 8),
     ]
     model = tiny_model(seed + 10, vocab_size=1000)  # GPT-2's first 1000 tokens: short, common pieces of text
     for i in range(n_random + 1):
-        settings = [Settings(), Settings(temperature=0.8, top_k=20), Settings(temperature=1.0, top_p=0.9,
-                                                                              repetition_penalty=1.3)][i % 3]
+        settings = [
+            Settings(),
+            Settings(temperature=0.8, top_k=20),
+            Settings(temperature=1.0, top_p=0.9, repetition_penalty=1.3),
+        ][i % 3]
         prompt, eos, new = "The", [None, 13, 11][i % 3], 10 + 2 * i
-        expected = generate_text(model, tok, prompt, max_new_tokens=new, eos_token_id=eos, seed=seed + i,
-                                 **{f: getattr(settings, f) for f in ("temperature", "top_k", "top_p", "min_p",
-                                                                       "repetition_penalty")})
-        cases.append(Case(f"a tiny random GPT-2, {settings}, seed {seed + i}",
-                          (model, tok, prompt, settings, new, eos, (), seed + i), expected))
-
+        expected = generate_text(
+            model,
+            tok,
+            prompt,
+            max_new_tokens=new,
+            eos_token_id=eos,
+            seed=seed + i,
+            **{f: getattr(settings, f) for f in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty")},
+        )
+        cases.append(
+            Case(
+                f"a tiny random GPT-2, {settings}, seed {seed + i}",
+                (model, tok, prompt, settings, new, eos, (), seed + i),
+                expected,
+            )
+        )
 
     def show(args):
         model, _, prompt, settings, new, *rest = args
@@ -1277,25 +1808,44 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
         if text != expected:
             problem = f"the text differs: expected {expected!r}, got {text!r}"
             if "\ufffd" in text and "\ufffd" not in expected:
-                return (f"the text differs: got a '\\ufffd' (a piece of an unfinished UTF-8 character) in {text!r}",
-                        "push every token through a StreamDecoder: it holds back an unfinished UTF-8 character")
+                return (
+                    f"the text differs: got a '\\ufffd' (a piece of an unfinished UTF-8 character) in {text!r}",
+                    "push every token through a StreamDecoder: it holds back an unfinished UTF-8 character",
+                )
             if expected.startswith(text) and expected.endswith("\ufffd"):
-                return problem, ("the text ends too early: after the loop, yield what decoder.flush() returns (the "
-                                 "bytes of an unfinished character)")
+                return problem, (
+                    "the text ends too early: after the loop, yield what decoder.flush() returns (the "
+                    "bytes of an unfinished character)"
+                )
             model = case.args[0]
             if not isinstance(model, ScriptedModel) and case.args[3].temperature > 0 and expected[:3] == text[:3]:
-                return problem, ("use torch.Generator().manual_seed(seed) once, and your next_token on the last "
-                                 "position's logits, with seen (the prompt's and the new tokens) for the repetition "
-                                 "penalty")
+                return problem, (
+                    "use torch.Generator().manual_seed(seed) once, and your next_token on the last "
+                    "position's logits, with seen (the prompt's and the new tokens) for the repetition "
+                    "penalty"
+                )
             return problem, ""
         if len(expected) > 12 and len([p for p in got if p]) < 2:
-            return "the text is right, but it came in one piece: yield each piece as soon as it is decoded (stream it)", ""
+            return (
+                "the text is right, but it came in one piece: yield each piece as soon as it is decoded (stream it)",
+                "",
+            )
         if got.first_at is not None and got.calls is not None and got.calls > 2 and got.first_at >= got.calls:
-            return (f"the text is right, but its first piece came only after the model's last call ({got.calls} "
-                    f"calls): yield each piece as soon as it is decoded, before computing the next token"), ""
+            return (
+                f"the text is right, but its first piece came only after the model's last call ({got.calls} "
+                f"calls): yield each piece as soon as it is decoded, before computing the next token"
+            ), ""
         return None
 
-    run_check("stream_text", run, cases, judge=judge, forbid=FORBID, show_call=show, may_modify=[0, 1],
-              seconds=10.0,
-              total_seconds=30.0, timeout_hint="the loop must end after max_new_tokens tokens, at EOS or at a stop "
-                                               "string")
+    run_check(
+        "stream_text",
+        run,
+        cases,
+        judge=judge,
+        forbid=FORBID,
+        show_call=show,
+        may_modify=[0, 1],
+        seconds=10.0,
+        total_seconds=30.0,
+        timeout_hint="the loop must end after max_new_tokens tokens, at EOS or at a stop string",
+    )

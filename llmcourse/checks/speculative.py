@@ -35,22 +35,25 @@ from llmcourse.course.guards import guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.slots import PartError
-from llmcourse.engine.speculative import (PROMPT_LOOKUP, Speculation, accept_token as engine_accept_token,
-                           expected_speedup as engine_expected_speedup,
-                           prompt_lookup_draft as engine_prompt_lookup_draft, verify as engine_verify)
-from .batching import watched
-from .harness.bundled import bundled_model
-from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
-from llmcourse.course.failed import CheckFailed
-from .harness.randomness import generator_contract
-from .harness.forbid import Forbidden
-from .kv_cache import decisive_model, one_thread
-from .sampling import _chi2_limit
-from .harness.show import short
+from llmcourse.engine.speculative import PROMPT_LOOKUP, Speculation
+from llmcourse.engine.speculative import accept_token as engine_accept_token
+from llmcourse.engine.speculative import expected_speedup as engine_expected_speedup
+from llmcourse.engine.speculative import prompt_lookup_draft as engine_prompt_lookup_draft
+from llmcourse.engine.speculative import verify as engine_verify
 from llmcourse.engine.tokenizer import get_tokenizer
 
-NO_ENGINE = Forbidden("llmcourse.engine.speculative", "llmcourse.engine.speculative is the engine's speculative decoding, what "
-                                               "yours is compared with: write your own")
+from .harness.bundled import bundled_model
+from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
+from .harness.forbid import Forbidden
+from .harness.randomness import generator_contract
+from .harness.show import short
+from .kv_cache import decisive_model, one_thread
+from .sampling import _chi2_limit
+
+NO_ENGINE = Forbidden(
+    "llmcourse.engine.speculative",
+    "llmcourse.engine.speculative is the engine's speculative decoding, what yours is compared with: write your own",
+)
 
 
 def _is_id(x: Any) -> bool:
@@ -118,22 +121,34 @@ def _accept_mistakes(p: Tensor, q: Tensor) -> list[tuple[Tensor, str]]:
     p64, q64 = p.double(), q.double()
     ratio = torch.where(q64 > 0, p64 / q64.clamp(min=1e-300), torch.ones((), dtype=torch.float64)).clamp(max=1)
     return [
-        (rule_outcomes(p, q, (p64 >= q64).double(), residual(p, q)),
-         "you accept exactly when p(x) >= q(x), without drawing: a proposal with p(x) < q(x) must still be "
-         "accepted with probability p(x)/q(x) (draw u ~ U[0, 1) and accept iff u < p(x)/q(x))"),
-        (rule_outcomes(p, q, p64, residual(p, q)),
-         "you accept with probability p(x): the rule is min(1, p(x)/q(x)) — divide by q(x), the chance the "
-         "draft proposed x"),
-        (rule_outcomes(p, q, 1 - ratio, residual(p, q)),
-         "the comparison is inverted: accept iff u < p(x)/q(x) (or u·q(x) < p(x)), not u > p(x)/q(x)"),
-        (rule_outcomes(p, q, ratio, p64),
-         "after a rejection the token must come from the residual max(0, p - q), normalised — not from p: "
-         "p's tokens were already given their share by the accepted proposals"),
-        (rule_outcomes(p, q, ratio, q64),
-         "after a rejection the token must come from the residual max(0, p - q), normalised — not from q"),
-        (rule_outcomes(p, q, torch.zeros_like(p64), p64),
-         "you never accept: the output has the right distribution, but every proposal is wasted; accept with "
-         "probability min(1, p(x)/q(x))"),
+        (
+            rule_outcomes(p, q, (p64 >= q64).double(), residual(p, q)),
+            "you accept exactly when p(x) >= q(x), without drawing: a proposal with p(x) < q(x) must still be "
+            "accepted with probability p(x)/q(x) (draw u ~ U[0, 1) and accept iff u < p(x)/q(x))",
+        ),
+        (
+            rule_outcomes(p, q, p64, residual(p, q)),
+            "you accept with probability p(x): the rule is min(1, p(x)/q(x)) — divide by q(x), the chance the "
+            "draft proposed x",
+        ),
+        (
+            rule_outcomes(p, q, 1 - ratio, residual(p, q)),
+            "the comparison is inverted: accept iff u < p(x)/q(x) (or u·q(x) < p(x)), not u > p(x)/q(x)",
+        ),
+        (
+            rule_outcomes(p, q, ratio, p64),
+            "after a rejection the token must come from the residual max(0, p - q), normalised — not from p: "
+            "p's tokens were already given their share by the accepted proposals",
+        ),
+        (
+            rule_outcomes(p, q, ratio, q64),
+            "after a rejection the token must come from the residual max(0, p - q), normalised — not from q",
+        ),
+        (
+            rule_outcomes(p, q, torch.zeros_like(p64), p64),
+            "you never accept: the output has the right distribution, but every proposal is wasted; accept with "
+            "probability min(1, p(x)/q(x))",
+        ),
     ]
 
 
@@ -168,11 +183,13 @@ def _accept_result_problem(out: Any, V: int, x: int) -> str:
         return f"expected a tuple (accepted, token), got {short(out, 80)}"
     accepted, token = out
     if not isinstance(accepted, bool):
-        return (f"`accepted` should be a Python bool, got {short(accepted, 60)}"
-                + (": bool(...) it" if isinstance(accepted, Tensor) else ""))
+        return f"`accepted` should be a Python bool, got {short(accepted, 60)}" + (
+            ": bool(...) it" if isinstance(accepted, Tensor) else ""
+        )
     if not _is_id(token):
-        return (f"the token should be an integer (a Python int), got {short(token, 60)}"
-                + (": int(...) it" if isinstance(token, Tensor) else ""))
+        return f"the token should be an integer (a Python int), got {short(token, 60)}" + (
+            ": int(...) it" if isinstance(token, Tensor) else ""
+        )
     if not 0 <= token < V:
         return f"the token {token} is not an id of the vocabulary [0, {V})"
     if accepted and token != x:
@@ -195,8 +212,11 @@ def _draw_accepts(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Draw
                 return Draws(n, bad=((p, q, x), out), problem=problem)
             counts[out[1] + (0 if out[0] else V)] += 1
     freq = (counts[:V] + counts[V:]).double() / n
-    return Draws(n, counts, summary=f"tokens {_fmt(freq)} of the time, {float(counts[:V].sum()) / n:.0%} of the "
-                                    f"proposals accepted")
+    return Draws(
+        n,
+        counts,
+        summary=f"tokens {_fmt(freq)} of the time, {float(counts[:V].sum()) / n:.0%} of the proposals accepted",
+    )
 
 
 def _outside_residual(p: Tensor, q: Tensor, rejected_tokens: list[int]) -> str:
@@ -207,12 +227,16 @@ def _outside_residual(p: Tensor, q: Tensor, rejected_tokens: list[int]) -> str:
         return ""
     t = bad[0]
     if float(p[t]) > 0 and t != len(p) - 1:
-        return (f"token {t} has max(0, p - q) = 0, so a rejection can never give it: after a rejection draw from the "
-                "residual max(0, p - q), normalised — not from p (p's tokens already got their share from the "
-                "accepted proposals)")
-    return (f"token {t} has max(0, p - q) = 0, so a rejection can never give it: draw from the residual "
-            "normalised (torch.multinomial normalises for you; an inverse-CDF draw with u in [0, 1) must compare "
-            "u · sum with the cumulative sum, or the last token takes the mass the sum lacks)")
+        return (
+            f"token {t} has max(0, p - q) = 0, so a rejection can never give it: after a rejection draw from the "
+            "residual max(0, p - q), normalised — not from p (p's tokens already got their share from the "
+            "accepted proposals)"
+        )
+    return (
+        f"token {t} has max(0, p - q) = 0, so a rejection can never give it: draw from the residual "
+        "normalised (torch.multinomial normalises for you; an inverse-CDF draw with u in [0, 1) must compare "
+        "u · sum with the cumulative sum, or the last token takes the mass the sum lacks)"
+    )
 
 
 def _accept_verdict(case: Case, got: Any) -> Verdict:
@@ -230,7 +254,10 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
     _, p, q, n, _seed = case.args
     if got.bad is not None:
         (_, _, x), out = got.bad
-        return f"with the proposal x = {x}: {got.problem}", "return (True, x) or (False, the token drawn from the residual)"
+        return (
+            f"with the proposal x = {x}: {got.problem}",
+            "return (True, x) or (False, the token drawn from the residual)",
+        )
     V = p.shape[-1]
     counts = got.counts
     outside = _outside_residual(p, q, torch.nonzero(counts[V:]).flatten().tolist())
@@ -244,19 +271,24 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
         value, limit = chi2(tokens, p.double())
         freq = tokens.double() / n
         worst = int((freq - p.double()).abs().argmax())
-        problem = (f"the tokens returned over {n} calls are not distributed as p: token {worst} came back "
-                   f"{float(freq[worst]):.1%} of the time, p({worst}) = {float(p[worst]):.1%}"
-                   + (f" (chi-square {value:.0f}; a correct rule stays below {limit:.0f})" if math.isfinite(value)
-                      else ""))
+        problem = (
+            f"the tokens returned over {n} calls are not distributed as p: token {worst} came back "
+            f"{float(freq[worst]):.1%} of the time, p({worst}) = {float(p[worst]):.1%}"
+            + (f" (chi-square {value:.0f}; a correct rule stays below {limit:.0f})" if math.isfinite(value) else "")
+        )
     elif not fits(counts, want):
-        problem = (f"the tokens follow p, but the rule accepted {accepted / n:.1%} of the proposals; accepting with "
-                   f"probability min(1, p(x)/q(x)) keeps Σ min(p, q) = {alpha:.1%} of them")
+        problem = (
+            f"the tokens follow p, but the rule accepted {accepted / n:.1%} of the proposals; accepting with "
+            f"probability min(1, p(x)/q(x)) keeps Σ min(p, q) = {alpha:.1%} of them"
+        )
     else:
         return None
     hint = next((h for dist, h in _accept_mistakes(p, q) if fits(counts, dist)), outside)
-    return problem, hint or ("accept x with probability min(1, p(x)/q(x)); after a rejection draw the token from "
-                             "max(0, p - q) divided by its sum (torch.multinomial normalises for you; an inverse-CDF "
-                             "draw with u must scale u by the sum)")
+    return problem, hint or (
+        "accept x with probability min(1, p(x)/q(x)); after a rejection draw the token from "
+        "max(0, p - q) divided by its sum (torch.multinomial normalises for you; an inverse-CDF "
+        "draw with u must scale u by the sum)"
+    )
 
 
 def _spike(V: int, mass: dict) -> Tensor:
@@ -274,41 +306,74 @@ def accept_cases(seed: int, n_random: int, n_draws: int) -> list[Case]:
 
     def once(description, p, q, x, hint=""):
         p, q = _dist(p), _dist(q)
-        return Case(description, ("once", p, q, x, seed),
-                    later(engine_accept_token, p, q, x, torch.Generator().manual_seed(0)), hint)
+        return Case(
+            description,
+            ("once", p, q, x, seed),
+            later(engine_accept_token, p, q, x, torch.Generator().manual_seed(0)),
+            hint,
+        )
 
     def many(description, p, q, hint="", dtype=torch.float32):
         p, q = _dist(p, dtype), _dist(q, dtype)
         alpha = float(torch.minimum(p, q).sum())
-        return Case(description, ("many", p, q, n_draws, seed + len(cases)),
-                    Wanted(f"tokens distributed as p = {_fmt(p)}, Σ min(p, q) = {alpha:.0%} of the proposals "
-                           "accepted"), hint)
+        return Case(
+            description,
+            ("many", p, q, n_draws, seed + len(cases)),
+            Wanted(f"tokens distributed as p = {_fmt(p)}, Σ min(p, q) = {alpha:.0%} of the proposals accepted"),
+            hint,
+        )
 
     cases: list[Case] = []
     fixed = [
-        once("p(x) > q(x): always accepted", [.2, .5, .3], [.4, .2, .4], 1,
-             "p(x) >= q(x) means min(1, p/q) = 1: accept, whatever u is"),
-        once("p(x) = q(x): always accepted", [.1, .2, .3, .4], [.1, .2, .3, .4], 3),
-        once("p(x) = 0: never accepted; the residual max(0, p - q) = [.5, 0, 0] gives token 0",
-             [.5, .5, 0], [0, .5, .5], 2, "p(x) = 0: accept with probability 0; the residual is max(0, p - q)"),
-        once("p one-hot on token 2, x = 1: rejected, the residual is all on token 2", [0, 0, 1, 0], [.25, .25, .25, .25],
-             1),
-        once("GPT-2's vocabulary (50257 tokens): p(x) = 0 for x = 300, the residual is all on token 50256",
-             _spike(50257, {50256: 1.0}), _spike(50257, {300: 0.7, 50256: 0.3}), 300,
-             "token ids go up to 50256: keep them as Python ints (no uint8, no fixed-size table)"),
-        once("the proposal is token 0 (GPT-2's '!'; EOS in some vocabularies), p(0) >= q(0): accepted",
-             [.6, .2, .2], [.5, .25, .25], 0, "token 0 is a token like any other: return (True, 0)"),
+        once(
+            "p(x) > q(x): always accepted",
+            [0.2, 0.5, 0.3],
+            [0.4, 0.2, 0.4],
+            1,
+            "p(x) >= q(x) means min(1, p/q) = 1: accept, whatever u is",
+        ),
+        once("p(x) = q(x): always accepted", [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4], 3),
+        once(
+            "p(x) = 0: never accepted; the residual max(0, p - q) = [.5, 0, 0] gives token 0",
+            [0.5, 0.5, 0],
+            [0, 0.5, 0.5],
+            2,
+            "p(x) = 0: accept with probability 0; the residual is max(0, p - q)",
+        ),
+        once(
+            "p one-hot on token 2, x = 1: rejected, the residual is all on token 2",
+            [0, 0, 1, 0],
+            [0.25, 0.25, 0.25, 0.25],
+            1,
+        ),
+        once(
+            "GPT-2's vocabulary (50257 tokens): p(x) = 0 for x = 300, the residual is all on token 50256",
+            _spike(50257, {50256: 1.0}),
+            _spike(50257, {300: 0.7, 50256: 0.3}),
+            300,
+            "token ids go up to 50256: keep them as Python ints (no uint8, no fixed-size table)",
+        ),
+        once(
+            "the proposal is token 0 (GPT-2's '!'; EOS in some vocabularies), p(0) >= q(0): accepted",
+            [0.6, 0.2, 0.2],
+            [0.5, 0.25, 0.25],
+            0,
+            "token 0 is a token like any other: return (True, 0)",
+        ),
     ]
     cases += [
-        many("p and q overlap", [.2, .3, .5], [.6, .3, .1]),
-        many("q puts mass where p has none, p where q has none", [.5, .5, 0], [0, .5, .5]),
-        many("p == q: every proposal is accepted", [.1, .2, .3, .4], [.1, .2, .3, .4]),
-        many("p one-hot", [0, 0, 1, 0, 0], [.2, .2, .2, .2, .2]),
-        many("q one-hot: the draft always proposes token 1", [.25, .25, .25, .25], [0, 1, 0, 0]),
-        many("p on tokens q never proposes", [.1, .1, .1, .1, .3, .3], [.25, .25, .25, .25, 0, 0]),
+        many("p and q overlap", [0.2, 0.3, 0.5], [0.6, 0.3, 0.1]),
+        many("q puts mass where p has none, p where q has none", [0.5, 0.5, 0], [0, 0.5, 0.5]),
+        many("p == q: every proposal is accepted", [0.1, 0.2, 0.3, 0.4], [0.1, 0.2, 0.3, 0.4]),
+        many("p one-hot", [0, 0, 1, 0, 0], [0.2, 0.2, 0.2, 0.2, 0.2]),
+        many("q one-hot: the draft always proposes token 1", [0.25, 0.25, 0.25, 0.25], [0, 1, 0, 0]),
+        many("p on tokens q never proposes", [0.1, 0.1, 0.1, 0.1, 0.3, 0.3], [0.25, 0.25, 0.25, 0.25, 0, 0]),
         many("V = 8, float64", [1, 2, 3, 4, 5, 6, 7, 8], [8, 7, 6, 5, 4, 3, 2, 1], dtype=torch.float64),
-        many("V = 300: the mass on tokens 0 and 256 to 299", _spike(300, {0: .2, 256: .3, 280: .2, 299: .3}).tolist(),
-             _spike(300, {0: .4, 256: .1, 270: .2, 299: .3}).tolist()),
+        many(
+            "V = 300: the mass on tokens 0 and 256 to 299",
+            _spike(300, {0: 0.2, 256: 0.3, 280: 0.2, 299: 0.3}).tolist(),
+            _spike(300, {0: 0.4, 256: 0.1, 270: 0.2, 299: 0.3}).tolist(),
+        ),
     ]
     for i in range(n_random):
         V = int(torch.randint(3, 9, (), generator=g))
@@ -327,10 +392,12 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
 
     # Randomness as a contract: x = 0 kept with probability p(0)/q(0) = 1/4, else one of 3 tokens (4 outcomes of
     # 1/4 each: 8 calls agree by chance with probability 4 · 4^-8 = 6e-5)
-    p, q = _dist([.1, .3, .3, .3]), _dist([.4, .2, .2, .2])
-    generator_contract("accept_token", lambda g: call_learner("accept_token", fn, (p, q, 0, g), forbid=[NO_ENGINE],
-                                                    may_modify=(3,)),
-                       what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token=0, generator)")
+    p, q = _dist([0.1, 0.3, 0.3, 0.3]), _dist([0.4, 0.2, 0.2, 0.2])
+    generator_contract(
+        "accept_token",
+        lambda g: call_learner("accept_token", fn, (p, q, 0, g), forbid=[NO_ENGINE], may_modify=(3,)),
+        what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token=0, generator)",
+    )
 
     def run(kind, *args):
         if kind == "engine":
@@ -353,18 +420,30 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
         _, p, q, n, _ = args
         if p.shape[-1] > 12:
             nz = lambda t: "{" + ", ".join(f"{i}: {float(t[i]):.3g}" for i in torch.nonzero(t).flatten()) + "}"  # noqa
-            return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; V = {p.shape[-1]}, "
-                    f"p = {nz(p)}, q = {nz(q)} (else 0)")
-        return (f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}"
-                + (" (float64)" if p.dtype == torch.float64 else ""))
+            return (
+                f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; V = {p.shape[-1]}, "
+                f"p = {nz(p)}, q = {nz(q)} (else 0)"
+            )
+        return f"{n} calls accept_token(p, q, x, generator), x drawn from q each time; p = {_fmt(p)}, q = {_fmt(q)}" + (
+            " (float64)" if p.dtype == torch.float64 else ""
+        )
 
     cases = accept_cases(seed, n_random, n_draws) + engine_cases("accept_token", ("draft", "lookup-sampled"))
-    run_check("accept_token", run, cases, judge=_accept_verdict, forbid=[NO_ENGINE],
-              show_call=show, seconds=10,
-              total_seconds=30,
-              error_hints={"invalid multinomial distribution": "the residual max(0, p - q) was all zero: that happens "
-                                                                "only when p == q, where min(1, p/q) = 1 accepts every "
-                                                                "proposal — check your acceptance test"})
+    run_check(
+        "accept_token",
+        run,
+        cases,
+        judge=_accept_verdict,
+        forbid=[NO_ENGINE],
+        show_call=show,
+        seconds=10,
+        total_seconds=30,
+        error_hints={
+            "invalid multinomial distribution": "the residual max(0, p - q) was all zero: that happens "
+            "only when p == q, where min(1, p/q) = 1 accepts every "
+            "proposal — check your acceptance test"
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -384,8 +463,9 @@ def _verify_result_problem(out: Any, k: int, V: int) -> str:
     if not 0 <= n <= k:
         return f"num_accepted = {n}, outside [0, k = {k}]"
     if not _is_id(token):
-        return (f"next_token should be an integer (a Python int), got {short(token, 60)}"
-                + (": int(...) it" if isinstance(token, Tensor) else ""))
+        return f"next_token should be an integer (a Python int), got {short(token, 60)}" + (
+            ": int(...) it" if isinstance(token, Tensor) else ""
+        )
     if not 0 <= token < V:
         return f"next_token {token} is not an id of the vocabulary [0, {V})"
     return ""
@@ -400,17 +480,23 @@ def _greedy_hint(target: list[int], drafted: list[int], got: tuple) -> str:
     if got_n == matches > n + 1:
         return "stop at the first rejection: the proposals after it were drafted after a wrong token and mean nothing"
     if got_n == n + 1 and n < k:
-        return (f"proposal {n} ({drafted[n]}) is not the target's token ({target[n]}): it is rejected, so {n} are "
-                "accepted — do not count the rejected one")
+        return (
+            f"proposal {n} ({drafted[n]}) is not the target's token ({target[n]}): it is rejected, so {n} are "
+            "accepted — do not count the rejected one"
+        )
     if got_n > n:
         return "stop at the first rejection: the proposals after it were drafted after a wrong token and mean nothing"
     if n == k and got_n == k and token != target[k]:
-        return (f"all {k} proposals are accepted: the next token is a bonus drawn from p[k] (row {k}, the target's "
-                f"distribution after all the proposals), here {target[k]}"
-                + (" — not a draft token" if token in drafted else ""))
+        return (
+            f"all {k} proposals are accepted: the next token is a bonus drawn from p[k] (row {k}, the target's "
+            f"distribution after all the proposals), here {target[k]}"
+            + (" — not a draft token" if token in drafted else "")
+        )
     if got_n == n and token != target[n]:
-        return (f"at the rejection the token comes from the residual max(0, p[{n}] - q[{n}]), which is the target's "
-                f"token {target[n]} here")
+        return (
+            f"at the rejection the token comes from the residual max(0, p[{n}] - q[{n}]), which is the target's "
+            f"token {target[n]} here"
+        )
     return ""
 
 
@@ -432,11 +518,16 @@ def _verify_verdict(case: Case, got: Any) -> Verdict:
     first, second, bonus, counts = got.counts
     alphas = [float(torch.minimum(p[i].double(), q[i].double()).sum()) for i in range(2)]
     want_counts = torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]])
-    hint = ("verify calls your accept_token at each position until the first rejection; if all k are accepted, the "
-            "bonus token is drawn from p[k]")
-    checks = [(first, p[0], "the first new token (the first proposal if accepted, else the residual's token)"),
-              (second, p[1], "the second new token, after an accepted first proposal"),
-              (bonus, p[2], "the bonus token, when both proposals are accepted")]
+    hint = (
+        "verify calls your accept_token at each position until the first rejection; if all k are accepted, the "
+        "bonus token is drawn from p[k]"
+    )
+    checks = [
+        (first, p[0], "the first new token (the first proposal if accepted, else the residual's token)"),
+        (second, p[1], "the second new token, after an accepted first proposal"),
+        (bonus, p[2], "the bonus token, when both proposals are accepted"),
+    ]
+
     def counts_problem() -> Verdict:
         if fits(counts, want_counts):
             return None
@@ -449,8 +540,11 @@ def _verify_verdict(case: Case, got: Any) -> Verdict:
         if int(tally.sum()) and not fits(tally, probs.double()):
             freq = tally.double() / tally.sum()
             worst = int((freq - probs.double()).abs().argmax())
-            return (f"{what} is not distributed as the target's p: token {worst} came {float(freq[worst]):.1%} of "
-                    f"the time over {int(tally.sum())} calls, p = {float(probs[worst]):.1%}", hint)
+            return (
+                f"{what} is not distributed as the target's p: token {worst} came {float(freq[worst]):.1%} of "
+                f"the time over {int(tally.sum())} calls, p = {float(probs[worst]):.1%}",
+                hint,
+            )
     return counts_problem()
 
 
@@ -476,9 +570,12 @@ def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Dra
                 second[x2 if k == 2 else token] += 1
             if k == 2:
                 bonus[token] += 1
-    return Draws(n, (first, second, bonus, accepted),
-                 summary=f"first new token {_fmt(first.double() / n)} of the time; 0, 1, 2 accepted in "
-                         f"{_fmt(accepted.double() / n)} of the calls")
+    return Draws(
+        n,
+        (first, second, bonus, accepted),
+        summary=f"first new token {_fmt(first.double() / n)} of the time; 0, 1, 2 accepted in "
+        f"{_fmt(accepted.double() / n)} of the calls",
+    )
 
 
 def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -> None:
@@ -489,22 +586,42 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
 
     def greedy(description, target, drafted, V=6, hint=""):
         p, q = one_hot(target, V), one_hot(drafted, V)
-        return Case(description, ("once", p, q, list(drafted), seed),
-                    later(engine_verify, p, q, list(drafted), torch.Generator().manual_seed(0)), hint)
+        return Case(
+            description,
+            ("once", p, q, list(drafted), seed),
+            later(engine_verify, p, q, list(drafted), torch.Generator().manual_seed(0)),
+            hint,
+        )
 
     cases = [
         greedy("greedy: the 2nd proposal differs from the target's token", [3, 1, 4, 0], [3, 5, 2]),
-        greedy("greedy: a later proposal matches again after a rejection", [3, 1, 4, 1, 5], [3, 2, 4, 1],
-               hint="stop at the first rejection"),
-        greedy("greedy: all 3 accepted, then the bonus token from p[3]", [3, 1, 4, 5], [3, 1, 4],
-               hint="all k accepted: one more token, drawn from p[k]"),
+        greedy(
+            "greedy: a later proposal matches again after a rejection",
+            [3, 1, 4, 1, 5],
+            [3, 2, 4, 1],
+            hint="stop at the first rejection",
+        ),
+        greedy(
+            "greedy: all 3 accepted, then the bonus token from p[3]",
+            [3, 1, 4, 5],
+            [3, 1, 4],
+            hint="all k accepted: one more token, drawn from p[k]",
+        ),
         greedy("greedy: the first proposal is rejected", [2, 2, 2], [0, 2]),
-        greedy("k = 0: no proposals, the token comes from p[0]", [4], [],
-               hint="with no proposal, all 0 are accepted: the token is drawn from p[0]"),
+        greedy(
+            "k = 0: no proposals, the token comes from p[0]",
+            [4],
+            [],
+            hint="with no proposal, all 0 are accepted: the token is drawn from p[0]",
+        ),
         greedy("k = 1, accepted: the bonus comes from p[1]", [1, 0], [1]),
-        greedy("GPT-2's vocabulary (50257 tokens), k = 4: ids 0, 300 and 50256, the 3rd proposal rejected",
-               [0, 300, 50256, 7, 9], [0, 300, 50255, 7], V=50257,
-               hint="token ids go up to 50256, and 0 is a token like any other"),
+        greedy(
+            "GPT-2's vocabulary (50257 tokens), k = 4: ids 0, 300 and 50256, the 3rd proposal rejected",
+            [0, 300, 50256, 7, 9],
+            [0, 300, 50255, 7],
+            V=50257,
+            hint="token ids go up to 50256, and 0 is a token like any other",
+        ),
     ]
     for i in range(n_random):
         V, k = rng.randint(3, 40), rng.randint(1, 6)
@@ -512,31 +629,49 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
         agree = rng.randint(0, k)
         drafted = target[:agree] + [(t + rng.randint(1, V - 1)) % V for t in target[agree:k]]
         cases.append(greedy(f"greedy random #{i}: V = {V}, k = {k}", target, drafted, V))
-    toy = [([.5, .3, .2, 0], [.2, .2, .3, .3]), ([0, .4, .6, 0], [.1, .6, .2, .1]), ([.25, .25, .25, .25], [.7, 0, 0, .3])]
+    toy = [
+        ([0.5, 0.3, 0.2, 0], [0.2, 0.2, 0.3, 0.3]),
+        ([0, 0.4, 0.6, 0], [0.1, 0.6, 0.2, 0.1]),
+        ([0.25, 0.25, 0.25, 0.25], [0.7, 0, 0, 0.3]),
+    ]
     p = torch.stack([_dist(row) for row, _ in toy])
     q = torch.stack([_dist(row) for _, row in toy[:2]])
     alphas = [float(torch.minimum(p[i], q[i]).sum()) for i in range(2)]
-    cases.append(Case("2 proposals drawn from q (many calls): the tokens that come out follow p",
-                      ("many", p, q, n_draws, seed),
-                      Wanted(f"first new token distributed as p[0] = {_fmt(p[0])}; 0, 1, 2 accepted in "
-                             f"{_fmt(torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]]))}"
-                             " of the calls")))
+    cases.append(
+        Case(
+            "2 proposals drawn from q (many calls): the tokens that come out follow p",
+            ("many", p, q, n_draws, seed),
+            Wanted(
+                f"first new token distributed as p[0] = {_fmt(p[0])}; 0, 1, 2 accepted in "
+                f"{_fmt(torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]]))}"
+                " of the calls"
+            ),
+        )
+    )
     # Each position draws its own u. The same proposal twice, kept with probability 1/2 each time: both kept in
     # 1/4 of the calls, the first alone in 1/4. One u for the whole round keeps both in 1/2 and the first alone
     # never: over n_draws = 1000 calls a bias of 0.25 is 18 standard deviations (sqrt(.1875 / 1000) = 0.014),
     # far past the chi-square limit (~5 sd at a false-alarm rate of 1e-6).
-    p2 = torch.stack([_dist([.5, .25, .25])] * 3)
+    p2 = torch.stack([_dist([0.5, 0.25, 0.25])] * 3)
     q2 = torch.stack([_dist([1, 0, 0])] * 2)
-    cases.append(Case("the same proposal at both positions, kept with probability 1/2 each: the two draws are "
-                      "independent", ("many", p2, q2, n_draws, seed + 1),
-                      Wanted("0, 1, 2 accepted in [0.5, 0.25, 0.25] of the calls"),
-                      "draw a new u at each position (accept_token draws its own): one u for the whole round "
-                      "accepts both or neither together"))
+    cases.append(
+        Case(
+            "the same proposal at both positions, kept with probability 1/2 each: the two draws are independent",
+            ("many", p2, q2, n_draws, seed + 1),
+            Wanted("0, 1, 2 accepted in [0.5, 0.25, 0.25] of the calls"),
+            "draw a new u at each position (accept_token draws its own): one u for the whole round "
+            "accepts both or neither together",
+        )
+    )
 
-    pc, qc = torch.stack([_dist([.25, .25, .25, .25])] * 3), torch.stack([_dist([.5, .5, 0, 0])] * 2)
-    generator_contract("verify", lambda g: call_learner("verify", unwritten_helper(fn), (pc, qc, [0, 1], g), forbid=[NO_ENGINE],
-                                                    may_modify=(3,)),
-                       what=f"verify(p = [{_fmt(pc[0])}] * 3, q = [{_fmt(qc[0])}] * 2, draft_tokens=[0, 1], generator)")
+    pc, qc = torch.stack([_dist([0.25, 0.25, 0.25, 0.25])] * 3), torch.stack([_dist([0.5, 0.5, 0, 0])] * 2)
+    generator_contract(
+        "verify",
+        lambda g: call_learner(
+            "verify", unwritten_helper(fn), (pc, qc, [0, 1], g), forbid=[NO_ENGINE], may_modify=(3,)
+        ),
+        what=f"verify(p = [{_fmt(pc[0])}] * 3, q = [{_fmt(qc[0])}] * 2, draft_tokens=[0, 1], generator)",
+    )
 
     def run(kind, *args):
         if kind == "engine":
@@ -551,16 +686,28 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
             return show_engine("verify", args[1])
         if args[0] == "once":
             _, p, q, drafted, _ = args
-            return (f"verify(p one-hot on {p.argmax(-1).tolist()}, q one-hot on {q.argmax(-1).tolist()}, "
-                    f"draft_tokens={drafted}, generator)" + (f" (V = {p.shape[-1]})" if p.shape[-1] > 12 else ""))
+            return (
+                f"verify(p one-hot on {p.argmax(-1).tolist()}, q one-hot on {q.argmax(-1).tolist()}, "
+                f"draft_tokens={drafted}, generator)" + (f" (V = {p.shape[-1]})" if p.shape[-1] > 12 else "")
+            )
         _, p, q, n, _ = args
-        return (f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
-                f"[{', '.join(map(_fmt, p))}], q = [{', '.join(map(_fmt, q))}]")
+        return (
+            f"{n} calls verify(p, q, [x1, x2], generator), x1 ~ q[0], x2 ~ q[1]; p = "
+            f"[{', '.join(map(_fmt, p))}], q = [{', '.join(map(_fmt, q))}]"
+        )
 
     cases += engine_cases("verify", ("draft", "lookup-sampled"))
-    run_check("verify", run, cases, judge=_verify_verdict, forbid=[NO_ENGINE], show_call=show, seconds=10,
-              total_seconds=30,
-              error_hints={"is not written yet": "verify calls accept_token: write that exercise first"})
+    run_check(
+        "verify",
+        run,
+        cases,
+        judge=_verify_verdict,
+        forbid=[NO_ENGINE],
+        show_call=show,
+        seconds=10,
+        total_seconds=30,
+        error_hints={"is not written yet": "verify calls accept_token: write that exercise first"},
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -583,8 +730,11 @@ def _lookup(tokens, k, max_ngram, *, latest=True, fallback=True, skip_tail=True,
 LOOKUP_MISTAKES = [  # the first whose answer is the learner's names the mistake
     (dict(latest=False), "take the LATEST earlier occurrence (search from the end): recent text predicts best"),
     (dict(fallback=False), "when the last max_ngram tokens never occurred, try shorter n-grams, down to n = 1"),
-    (dict(skip_tail=False), "the tail itself is the latest occurrence of the tail, with nothing after it: look for "
-                            "occurrences that end before it (start <= len(tokens) - n - 1)"),
+    (
+        dict(skip_tail=False),
+        "the tail itself is the latest occurrence of the tail, with nothing after it: look for "
+        "occurrences that end before it (start <= len(tokens) - n - 1)",
+    ),
     (dict(continuation=False), "propose what FOLLOWED the match (tokens[start + n : start + n + k]), not the match"),
 ]
 
@@ -601,12 +751,18 @@ def _lookup_verdict(case: Case, got: Any) -> Verdict:
     if len(got) > k:
         hint = f"at most num_draft_tokens = {k} tokens"
     elif len(case.args) == 2 and not hint and any(_lookup(tokens, k, n) == got for n in (1, 2, 4, 5, 6, 8)):
-        hint = ("the engine calls prompt_lookup_draft(tokens, num_draft_tokens) without max_ngram: its default "
-                "must be 3 (def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3))")
-    elif not hint and (case.description.startswith("the engine's calls") or any(
-            _lookup(tokens, k2, n2) == got for k2 in range(1, 9) for n2 in range(1, 6) if (k2, n2) != (k, max_ngram))):
-        hint = ("each call must depend on its own arguments only: a cache of earlier answers (or of an index of the "
-                "text) keyed on part of them gives a stale answer when the text grows or num_draft_tokens changes")
+        hint = (
+            "the engine calls prompt_lookup_draft(tokens, num_draft_tokens) without max_ngram: its default "
+            "must be 3 (def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3))"
+        )
+    elif not hint and (
+        case.description.startswith("the engine's calls")
+        or any(_lookup(tokens, k2, n2) == got for k2 in range(1, 9) for n2 in range(1, 6) if (k2, n2) != (k, max_ngram))
+    ):
+        hint = (
+            "each call must depend on its own arguments only: a cache of earlier answers (or of an index of the "
+            "text) keyed on part of them gives a stale answer when the text grows or num_draft_tokens changes"
+        )
     return f"expected {short(case.expected, 120)}, got {short(got, 120)}", hint
 
 
@@ -618,20 +774,118 @@ def _lookup_engine_calls(got: EngineRun) -> Verdict:
         if out != expected:
             verdict = _lookup_verdict(Case("the engine's call", (tokens, k), expected), out)
             problem, hint = verdict if verdict else ("", "")
-            raise failure("prompt_lookup_draft", f"in the engine, {ENGINE_RUNS['lookup'][0]}, its call {i + 1} of "
-                          f"{len(got.calls)} (with your prompt_lookup_draft in the engine)", problem,
-                          f"prompt_lookup_draft(the text so far: {len(tokens)} tokens ending {short(tokens[-6:], 60)}, "
-                          f"{k}) — the engine's call, without max_ngram", expected, out,
-                          [hint, LOOKUP_ENGINE_HINT])
+            raise failure(
+                "prompt_lookup_draft",
+                f"in the engine, {ENGINE_RUNS['lookup'][0]}, its call {i + 1} of "
+                f"{len(got.calls)} (with your prompt_lookup_draft in the engine)",
+                problem,
+                f"prompt_lookup_draft(the text so far: {len(tokens)} tokens ending {short(tokens[-6:], 60)}, "
+                f"{k}) — the engine's call, without max_ngram",
+                expected,
+                out,
+                [hint, LOOKUP_ENGINE_HINT],
+            )
     return None
 
 
 _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255; repeats a lookup can find)
-    49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 4324, 9457, 30, 198, 1026, 318, 262, 7627, 11,
-    290, 21826, 318, 262, 4252, 13, 198, 3041, 786, 11, 3148, 4252, 11, 290, 1494, 262, 44069, 8824, 11, 198,
-    8241, 318, 1541, 6639, 290, 14005, 351, 22353, 11, 198, 2504, 14210, 607, 25920, 1242, 881, 517, 3148, 621,
-    673, 25, 198, 1532, 262, 4252, 318, 262, 7627, 11, 290, 21826, 318, 262, 4252, 11, 198, 50256, 198, 49, 2662,
-    46, 25, 198, 40, 716, 1309, 262, 7627, 13, 0, 198, 7575, 318, 262, 4252, 13,
+    49,
+    2662,
+    46,
+    25,
+    198,
+    1537,
+    2705,
+    11,
+    644,
+    1657,
+    832,
+    331,
+    4324,
+    9457,
+    30,
+    198,
+    1026,
+    318,
+    262,
+    7627,
+    11,
+    290,
+    21826,
+    318,
+    262,
+    4252,
+    13,
+    198,
+    3041,
+    786,
+    11,
+    3148,
+    4252,
+    11,
+    290,
+    1494,
+    262,
+    44069,
+    8824,
+    11,
+    198,
+    8241,
+    318,
+    1541,
+    6639,
+    290,
+    14005,
+    351,
+    22353,
+    11,
+    198,
+    2504,
+    14210,
+    607,
+    25920,
+    1242,
+    881,
+    517,
+    3148,
+    621,
+    673,
+    25,
+    198,
+    1532,
+    262,
+    4252,
+    318,
+    262,
+    7627,
+    11,
+    290,
+    21826,
+    318,
+    262,
+    4252,
+    11,
+    198,
+    50256,
+    198,
+    49,
+    2662,
+    46,
+    25,
+    198,
+    40,
+    716,
+    1309,
+    262,
+    7627,
+    13,
+    0,
+    198,
+    7575,
+    318,
+    262,
+    4252,
+    13,
 ]
 
 
@@ -644,11 +898,15 @@ _LONG_TEXT = [  # GPT-2's tokens of a passage of Romeo and Juliet (ids past 255;
 ENGINE_PROMPT = _LONG_TEXT * 2 + _LONG_TEXT[:40]  # 234 tokens of real text (the bundled models hold 256 positions)
 ENGINE_NEW_TOKENS = 12
 ENGINE_RUNS = {  # generate's settings; without `draft`: the bundled draft model
-    "draft": ("greedy, the bundled draft model (gpt2-shakespeare-draft) proposing 3 tokens a round",
-              dict(num_draft_tokens=3)),
+    "draft": (
+        "greedy, the bundled draft model (gpt2-shakespeare-draft) proposing 3 tokens a round",
+        dict(num_draft_tokens=3),
+    ),
     "lookup": ("greedy, prompt lookup proposing 3 tokens a round", dict(draft=PROMPT_LOOKUP, num_draft_tokens=3)),
-    "lookup-sampled": ("sampling (temperature 0.8, top_k 40, seed 3), prompt lookup proposing 3 tokens a round",
-                       dict(draft=PROMPT_LOOKUP, num_draft_tokens=3, temperature=0.8, top_k=40, seed=3)),
+    "lookup-sampled": (
+        "sampling (temperature 0.8, top_k 40, seed 3), prompt lookup proposing 3 tokens a round",
+        dict(draft=PROMPT_LOOKUP, num_draft_tokens=3, temperature=0.8, top_k=40, seed=3),
+    ),
 }
 
 
@@ -658,8 +916,14 @@ def _engine_generate(run: str, speculation: Speculation) -> list[int]:
     settings = dict(ENGINE_RUNS[run][1])
     settings.setdefault("draft", bundled_model("gpt2-shakespeare-draft"))
     with one_thread():
-        return generate(model, list(ENGINE_PROMPT), max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None,
-                        speculation=speculation, **settings)
+        return generate(
+            model,
+            list(ENGINE_PROMPT),
+            max_new_tokens=ENGINE_NEW_TOKENS,
+            eos_token_id=None,
+            speculation=speculation,
+            **settings,
+        )
 
 
 def _engine_own(run: str) -> list[int]:
@@ -709,25 +973,37 @@ def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
 def engine_cases(name: str, runs: tuple[str, ...]) -> list[Case]:
     """Cases ("engine", run): greedy runs must give the engine's own tokens (computed after the learner's run);
     sampled ones must give ENGINE_NEW_TOKENS tokens without the engine stopping the learner's function."""
-    return [Case(f"in the engine, {ENGINE_RUNS[run][0]}", ("engine", run),
-                 Wanted(f"{ENGINE_NEW_TOKENS} new tokens, each valid for the target's p (sampled: any the rule may "
-                        "give)") if "sampled" in run else later(_engine_own, run))
-            for run in runs]
+    return [
+        Case(
+            f"in the engine, {ENGINE_RUNS[run][0]}",
+            ("engine", run),
+            Wanted(f"{ENGINE_NEW_TOKENS} new tokens, each valid for the target's p (sampled: any the rule may give)")
+            if "sampled" in run
+            else later(_engine_own, run),
+        )
+        for run in runs
+    ]
 
 
 def show_engine(name: str, run: str) -> str:
-    return (f"generate(gpt2-shakespeare, a {len(ENGINE_PROMPT)}-token prompt, max_new_tokens={ENGINE_NEW_TOKENS}, "
-            f"eos_token_id=None, {', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS[run][1].items())}"
-            f"{'' if 'draft' in ENGINE_RUNS[run][1] else ', draft=gpt2-shakespeare-draft'}, "
-            f"speculation=guarded(Speculation, {name}={name})) (as my_engine runs it)")
+    return (
+        f"generate(gpt2-shakespeare, a {len(ENGINE_PROMPT)}-token prompt, max_new_tokens={ENGINE_NEW_TOKENS}, "
+        f"eos_token_id=None, {', '.join(f'{k}={v!r}' for k, v in ENGINE_RUNS[run][1].items())}"
+        f"{'' if 'draft' in ENGINE_RUNS[run][1] else ', draft=gpt2-shakespeare-draft'}, "
+        f"speculation=guarded(Speculation, {name}={name})) (as my_engine runs it)"
+    )
 
 
-ENGINE_HINT = ("your {name} passes the cases above but not the engine's own calls: the engine gives it float32 rows of "
-               "GPT-2's vocabulary (50257 tokens; one-hot when greedy, and q one-hot for prompt lookup), fewer "
-               "proposals than num_draft_tokens at the end of a generation, and a generator")
-LOOKUP_ENGINE_HINT = ("your prompt_lookup_draft passes the cases above but not the engine's own calls: before every "
-                      "round the engine calls prompt_lookup_draft(tokens, num_draft_tokens) — the whole text so far "
-                      "(prompt and new tokens, ids up to 50256), without max_ngram")
+ENGINE_HINT = (
+    "your {name} passes the cases above but not the engine's own calls: the engine gives it float32 rows of "
+    "GPT-2's vocabulary (50257 tokens; one-hot when greedy, and q one-hot for prompt lookup), fewer "
+    "proposals than num_draft_tokens at the end of a generation, and a generator"
+)
+LOOKUP_ENGINE_HINT = (
+    "your prompt_lookup_draft passes the cases above but not the engine's own calls: before every "
+    "round the engine calls prompt_lookup_draft(tokens, num_draft_tokens) — the whole text so far "
+    "(prompt and new tokens, ids up to 50256), without max_ngram"
+)
 
 
 def engine_verdict(name: str, case: Case, got: EngineRun) -> Verdict:
@@ -736,14 +1012,20 @@ def engine_verdict(name: str, case: Case, got: EngineRun) -> Verdict:
     hint = LOOKUP_ENGINE_HINT if name == "prompt_lookup_draft" else ENGINE_HINT.format(name=name)
     if isinstance(got.tokens, PartError):
         lines = str(got.tokens).split("\n")
-        return (f"with your {name} in the engine, the engine stopped it: {lines[0]}"
-                + "".join(f"\n  {line.strip()}" for line in lines[1:3] if not line.strip().startswith("hint")), hint)
+        return (
+            f"with your {name} in the engine, the engine stopped it: {lines[0]}"
+            + "".join(f"\n  {line.strip()}" for line in lines[1:3] if not line.strip().startswith("hint")),
+            hint,
+        )
     if not (isinstance(got.tokens, list) and len(got.tokens) == ENGINE_NEW_TOKENS):
         return f"with your {name} in the engine, the engine gave {short(got.tokens, 80)}", hint
     if isinstance(case.expected, list) and got.tokens != case.expected:
         wrong = next(i for i, (a, b) in enumerate(zip(got.tokens, case.expected)) if a != b)
-        return (f"with your {name} in the engine, greedy decoding gave other tokens than the engine's own (token "
-                f"{wrong} differs): speculative decoding must give plain greedy decoding's tokens", hint)
+        return (
+            f"with your {name} in the engine, greedy decoding gave other tokens than the engine's own (token "
+            f"{wrong} differs): speculative decoding must give plain greedy decoding's tokens",
+            hint,
+        )
     return None
 
 
@@ -753,8 +1035,9 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
     rng = random.Random(seed)
 
     def case(description, tokens, k, max_ngram=3, hint=""):
-        return Case(description, (tokens, k, max_ngram), later(engine_prompt_lookup_draft, list(tokens), k, max_ngram),
-                    hint)
+        return Case(
+            description, (tokens, k, max_ngram), later(engine_prompt_lookup_draft, list(tokens), k, max_ngram), hint
+        )
 
     def as_engine(description, tokens, k, hint=""):
         """prompt_lookup_draft(tokens, k), without max_ngram: as the engine's PromptLookup calls it."""
@@ -764,10 +1047,18 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
         case("no earlier occurrence", [1, 2, 3, 4], 3),
         case("one token only", [7], 2),
         case("the last 3 tokens occurred at the start", [5, 6, 7, 8, 9, 5, 6, 7], 2),
-        case("several occurrences: the latest wins", [1, 2, 10, 11, 1, 2, 20, 21, 1, 2], 2,
-             hint="the latest earlier occurrence of the tail"),
-        case("a longer match is preferred to a later shorter one", [4, 5, 6, 30, 31, 9, 6, 40, 4, 5, 6], 2,
-             hint="try n = max_ngram first, then shorter"),
+        case(
+            "several occurrences: the latest wins",
+            [1, 2, 10, 11, 1, 2, 20, 21, 1, 2],
+            2,
+            hint="the latest earlier occurrence of the tail",
+        ),
+        case(
+            "a longer match is preferred to a later shorter one",
+            [4, 5, 6, 30, 31, 9, 6, 40, 4, 5, 6],
+            2,
+            hint="try n = max_ngram first, then shorter",
+        ),
         case("only a 1-token match exists", [3, 9, 8, 7, 3], 3, hint="fall back down to n = 1"),
         case("the continuation is shorter than k: it runs into the tail", [1, 2, 3, 1, 2], 5),
         case("overlapping repeats", [1, 1, 1, 1], 3),
@@ -775,31 +1066,53 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
         case("max_ngram = 1", [4, 5, 6, 1, 5, 6], 2, max_ngram=1),
         case("max_ngram = 5, a 5-token repeat", [1, 2, 3, 4, 5, 9, 9, 2, 3, 4, 5, 8, 1, 2, 3, 4, 5], 3, max_ngram=5),
         case("large token ids", [50256, 198, 464, 50256, 198], 2),
-        as_engine("called as the engine calls it (no max_ngram): a 3-token repeat and a later 2-token one",
-                  [7, 8, 9, 1, 2, 5, 8, 9, 3, 4, 7, 8, 9], 2,
-                  hint="the default max_ngram is 3: the 3-token match [7, 8, 9] wins over the later [8, 9]"),
-        as_engine("called as the engine calls it: a 4-token repeat must not be preferred (max_ngram = 3)",
-                  [1, 2, 3, 4, 10, 11, 9, 2, 3, 4, 20, 21, 1, 2, 3, 4], 2),
-        as_engine("token 0 (a real token, EOS in some vocabularies) inside the text", [0, 5, 0, 0, 6, 0, 0], 3,
-                  hint="0 is a token like any other (test `is None`, not truthiness)"),
+        as_engine(
+            "called as the engine calls it (no max_ngram): a 3-token repeat and a later 2-token one",
+            [7, 8, 9, 1, 2, 5, 8, 9, 3, 4, 7, 8, 9],
+            2,
+            hint="the default max_ngram is 3: the 3-token match [7, 8, 9] wins over the later [8, 9]",
+        ),
+        as_engine(
+            "called as the engine calls it: a 4-token repeat must not be preferred (max_ngram = 3)",
+            [1, 2, 3, 4, 10, 11, 9, 2, 3, 4, 20, 21, 1, 2, 3, 4],
+            2,
+        ),
+        as_engine(
+            "token 0 (a real token, EOS in some vocabularies) inside the text",
+            [0, 5, 0, 0, 6, 0, 0],
+            3,
+            hint="0 is a token like any other (test `is None`, not truthiness)",
+        ),
     ]
     # Longer texts (real text from GPT-2's tokenizer, token ids up to 50256) and the engine's own calls: one after
     # each round on a growing text, num_draft_tokens changing at the end (a cache keyed on part of the arguments
     # gives a stale answer).
     text = _LONG_TEXT * 3
     cases.append(as_engine(f"a long text: {len(text)} tokens of real text", text, 4))
-    cases.append(case(f"a long text, max_ngram = 5", text[:300], 5, max_ngram=5))
+    cases.append(case("a long text, max_ngram = 5", text[:300], 5, max_ngram=5))
     grown = text[:250]
     for step, (extra, k) in enumerate([(0, 4), (3, 4), (1, 4), (5, 4), (0, 2), (0, 1), (2, 6)]):
         grown = grown + text[len(grown) : len(grown) + extra] if extra else grown
-        cases.append(as_engine(f"the engine's calls during one generation, call {step + 1}: {len(grown)} tokens, "
-                               f"num_draft_tokens = {k}", list(grown), k))
+        cases.append(
+            as_engine(
+                f"the engine's calls during one generation, call {step + 1}: {len(grown)} tokens, "
+                f"num_draft_tokens = {k}",
+                list(grown),
+                k,
+            )
+        )
 
     for i in range(n_random):
         vocab, offset = rng.choice([2, 3, 5, 8]), rng.choice([0, 0, 250, 50250])  # ids past 255 too
         tokens = [offset + rng.randrange(vocab) for _ in range(rng.randint(1, rng.choice([30, 30, 300])))]
-        cases.append(case(f"random #{i}: {len(tokens)} tokens from {vocab} ids", tokens, rng.randint(1, 6),
-                          rng.choice([1, 2, 3, 3, 3, 4])))
+        cases.append(
+            case(
+                f"random #{i}: {len(tokens)} tokens from {vocab} ids",
+                tokens,
+                rng.randint(1, 6),
+                rng.choice([1, 2, 3, 3, 3, 4]),
+            )
+        )
 
     def show(args):
         if args[0] == "engine":
@@ -814,8 +1127,16 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
     def run(*args):
         return _in_engine("prompt_lookup_draft", fn, args[1]) if args[0] == "engine" else fn(*args)
 
-    run_check("prompt_lookup_draft", run, cases, judge=_lookup_verdict, forbid=[NO_ENGINE], show_call=show,
-              seconds=5, total_seconds=20)
+    run_check(
+        "prompt_lookup_draft",
+        run,
+        cases,
+        judge=_lookup_verdict,
+        forbid=[NO_ENGINE],
+        show_call=show,
+        seconds=5,
+        total_seconds=20,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -823,14 +1144,22 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
 
 
 SPEEDUP_MISTAKES = [
-    (lambda a, k, c: (1 - a ** k) / (1 - a) / (k * c + 1),
-     "a round yields 1 + α + … + α^k tokens: the numerator is 1 − α^(k+1) (k proposals and one more token)"),
-    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a),
-     "divide by the round's cost in target forward passes: k draft steps of cost c, plus one target pass: k·c + 1"),
-    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / (k * c),
-     "the round's cost is k·c + 1: the k draft steps plus the one target pass that verifies them"),
-    (lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / ((k + 1) * c + 1),
-     "the draft runs k times per round (it proposes k tokens): the cost is k·c + 1"),
+    (
+        lambda a, k, c: (1 - a**k) / (1 - a) / (k * c + 1),
+        "a round yields 1 + α + … + α^k tokens: the numerator is 1 − α^(k+1) (k proposals and one more token)",
+    ),
+    (
+        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a),
+        "divide by the round's cost in target forward passes: k draft steps of cost c, plus one target pass: k·c + 1",
+    ),
+    (
+        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / (k * c),
+        "the round's cost is k·c + 1: the k draft steps plus the one target pass that verifies them",
+    ),
+    (
+        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / ((k + 1) * c + 1),
+        "the draft runs k times per round (it proposes k tokens): the cost is k·c + 1",
+    ),
 ]
 
 
@@ -839,8 +1168,10 @@ def _speedup_verdict(case: Case, got: Any) -> Verdict:
     if isinstance(got, bool) or not isinstance(got, (int, float)):
         return f"expected a number, got {short(got, 60)}", "return a float"
     if math.isnan(got) and alpha == 1:
-        return ("got nan at α = 1", "at α = 1 the sum 1 + α + … + α^k is k + 1, but the closed form is 0/0: "
-                                    "handle α == 1 separately")
+        return (
+            "got nan at α = 1",
+            "at α = 1 the sum 1 + α + … + α^k is k + 1, but the closed form is 0/0: handle α == 1 separately",
+        )
     if math.isclose(got, case.expected, rel_tol=1e-6, abs_tol=1e-9):
         return None
     hint = ""
@@ -864,10 +1195,20 @@ def check_expected_speedup(fn, *, seed: int = 0, n_random: int = 12) -> None:
     cases = [
         case("α = 0.6, k = 4, c = 0.1", 0.6, 4, 0.1),
         case("the bundled pair's α ≈ 0.57, k = 4, c = 0.26", 0.57, 4, 0.26),
-        case("α = 0: every proposal rejected, one token per round", 0.0, 4, 0.1,
-             hint="at α = 0 a round yields 1 token and costs k·c + 1"),
-        case("α = 1: every proposal accepted (the limit k + 1 tokens per round)", 1.0, 4, 0.1,
-             hint="at α = 1 the closed form is 0/0: the tokens per round are k + 1"),
+        case(
+            "α = 0: every proposal rejected, one token per round",
+            0.0,
+            4,
+            0.1,
+            hint="at α = 0 a round yields 1 token and costs k·c + 1",
+        ),
+        case(
+            "α = 1: every proposal accepted (the limit k + 1 tokens per round)",
+            1.0,
+            4,
+            0.1,
+            hint="at α = 1 the closed form is 0/0: the tokens per round are k + 1",
+        ),
         case("α = 1 given as an int", 1, 3, 0.2, hint="at α = 1 the tokens per round are k + 1"),
         case("c = 0: a free draft", 0.8, 5, 0.0),
         case("k = 1", 0.5, 1, 0.05),
@@ -880,17 +1221,29 @@ def check_expected_speedup(fn, *, seed: int = 0, n_random: int = 12) -> None:
     alphas = [0.0, 1.0] + [rng.random() for _ in range(n_random)]
     for i in range(n_random + 1):
         alpha = alphas[i] if i < 2 else rng.random()
-        cases.append(case(f"random #{i}", alpha, rng.randint(1, 12), rng.choice([0.0, rng.random(), rng.random() / 10])))
+        cases.append(
+            case(f"random #{i}", alpha, rng.randint(1, 12), rng.choice([0.0, rng.random(), rng.random() / 10]))
+        )
 
     def show(args):
         return f"expected_speedup(alpha={args[0]!r}, k={args[1]}, c={args[2]:.4g})"
 
-    run_check("expected_speedup", fn, cases, judge=_speedup_verdict, forbid=[NO_ENGINE], show_call=show,
-              seconds=5, total_seconds=10,
-              error_hints={"ZeroDivisionError": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
-                                                "then k + 1 (1 + α + … + α^k with α = 1); handle α == 1 separately",
-                           "division by zero": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
-                                               "then k + 1; handle α == 1 separately"})
+    run_check(
+        "expected_speedup",
+        fn,
+        cases,
+        judge=_speedup_verdict,
+        forbid=[NO_ENGINE],
+        show_call=show,
+        seconds=5,
+        total_seconds=10,
+        error_hints={
+            "ZeroDivisionError": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
+            "then k + 1 (1 + α + … + α^k with α = 1); handle α == 1 separately",
+            "division by zero": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
+            "then k + 1; handle α == 1 separately",
+        },
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1002,10 +1355,12 @@ def _round_problem(log: RoundLog, pair: Pair) -> None:
         return
     if log.target_calls != 1:
         log.problem = f"called the target {log.target_calls} times in one round"
-        log.hint = ("the point of speculative decoding: ONE forward pass of the target over [tokens[-1], d1, …, dk] "
-                    "scores all k proposals at once (logits [1, k+1, V]); one pass per proposal is plain decoding"
-                    if log.target_calls > 1 else
-                    "run the target once over [tokens[-1], d1, …, dk] with target_cache")
+        log.hint = (
+            "the point of speculative decoding: ONE forward pass of the target over [tokens[-1], d1, …, dk] "
+            "scores all k proposals at once (logits [1, k+1, V]); one pass per proposal is plain decoding"
+            if log.target_calls > 1
+            else "run the target once over [tokens[-1], d1, …, dk] with target_cache"
+        )
         return
     if not 1 <= len(out) <= k + 1:
         log.problem = f"returned {len(out)} tokens; a round with k = {k} proposals returns 1 to {k + 1}"
@@ -1014,51 +1369,73 @@ def _round_problem(log: RoundLog, pair: Pair) -> None:
     kept = n + len(out) - 1
     if out != continuation[: len(out)]:
         wrong = next(i for i, (a, b) in enumerate(zip(out, continuation)) if a != b)
-        log.problem = (f"returned {out}, but plain greedy decoding continues with {continuation[: len(out)]} "
-                       f"(token {wrong} differs)")
+        log.problem = (
+            f"returned {out}, but plain greedy decoding continues with {continuation[: len(out)]} "
+            f"(token {wrong} differs)"
+        )
         if log.target_length == n + len(out) and len(out) >= 1 and out == continuation[1 : len(out) + 1]:
             log.hint = "feed the target [tokens[-1], d1, …, dk]: its cache holds all of tokens but the last"
         else:
-            log.hint = ("feed the target [tokens[-1], d1, …, dk] in one pass (its cache holds all of tokens but the "
-                        "last); keep proposal i while it equals the argmax at position i of that pass; the next token "
-                        "is the argmax after the last kept proposal")
+            log.hint = (
+                "feed the target [tokens[-1], d1, …, dk] in one pass (its cache holds all of tokens but the "
+                "last); keep proposal i while it equals the argmax at position i of that pass; the next token "
+                "is the argmax after the last kept proposal"
+            )
         return
     if log.target_length != kept:
         if log.target_length == n + len(out) and len(out) == proposals_kept(proposals, continuation):
-            log.problem = (f"returned {len(out)} tokens and left target_cache.length = {log.target_length}; "
-                           f"{len(out)} kept proposals and the next token make {len(out) + 1} new tokens")
+            log.problem = (
+                f"returned {len(out)} tokens and left target_cache.length = {log.target_length}; "
+                f"{len(out)} kept proposals and the next token make {len(out) + 1} new tokens"
+            )
             log.hint = "return the kept proposals AND the target's next token (the correction or the bonus)"
             return
         off = log.target_length - kept
-        log.problem = (f"left target_cache.length = {log.target_length}; with {n} tokens before the round and "
-                       f"{len(out)} new, it must be {kept} (all but the last token, which the next round feeds) — "
-                       f"{abs(off)} position{'s' if abs(off) != 1 else ''} too {'many' if off > 0 else 'few'}")
-        log.hint = ("roll back: target_cache.length = len(tokens) + accepted (the verify pass wrote k + 1 positions; "
-                    "keep tokens[-1] and the accepted proposals, drop the rest)")
+        log.problem = (
+            f"left target_cache.length = {log.target_length}; with {n} tokens before the round and "
+            f"{len(out)} new, it must be {kept} (all but the last token, which the next round feeds) — "
+            f"{abs(off)} position{'s' if abs(off) != 1 else ''} too {'many' if off > 0 else 'few'}"
+        )
+        log.hint = (
+            "roll back: target_cache.length = len(tokens) + accepted (the verify pass wrote k + 1 positions; "
+            "keep tokens[-1] and the accepted proposals, drop the rest)"
+        )
         return
     if log.draft_length > log.draft_written:
-        log.problem = (f"left draft_cache.length = {log.draft_length}, but the draft's cache never held more than "
-                       f"{log.draft_written} positions this round: its last {log.draft_length - log.draft_written} "
-                       f"position{'s are' if log.draft_length - log.draft_written != 1 else ' is'} stale (the last "
-                       f"proposal is never fed to the draft)")
-        log.hint = ("only ever shorten the draft's cache: draft_cache.length = min(draft_cache.length, len(tokens) + "
-                    "accepted) — setting it to len(tokens) + accepted unconditionally claims positions it never "
-                    "computed when every proposal is kept")
+        log.problem = (
+            f"left draft_cache.length = {log.draft_length}, but the draft's cache never held more than "
+            f"{log.draft_written} positions this round: its last {log.draft_length - log.draft_written} "
+            f"position{'s are' if log.draft_length - log.draft_written != 1 else ' is'} stale (the last "
+            f"proposal is never fed to the draft)"
+        )
+        log.hint = (
+            "only ever shorten the draft's cache: draft_cache.length = min(draft_cache.length, len(tokens) + "
+            "accepted) — setting it to len(tokens) + accepted unconditionally claims positions it never "
+            "computed when every proposal is kept"
+        )
         return
     if log.draft_length > kept:
-        log.problem = (f"left draft_cache.length = {log.draft_length}, beyond the {kept} positions of the text "
-                       f"(before the new token): it still holds rejected proposals")
-        log.hint = ("roll the draft's cache back too: draft_cache.length = min(draft_cache.length, len(tokens) + "
-                    "accepted) — otherwise its stale keys poison every later proposal")
+        log.problem = (
+            f"left draft_cache.length = {log.draft_length}, beyond the {kept} positions of the text "
+            f"(before the new token): it still holds rejected proposals"
+        )
+        log.hint = (
+            "roll the draft's cache back too: draft_cache.length = min(draft_cache.length, len(tokens) + "
+            "accepted) — otherwise its stale keys poison every later proposal"
+        )
         return
     if pair.exact_proposals:
         expected_kept = proposals_kept(proposals, continuation)
         if len(out) - 1 != expected_kept:
-            log.problem = (f"kept {len(out) - 1} proposals; the draft's greedy continuation of the text is "
-                           f"{proposals}, of which the first {expected_kept} match the target's")
-            log.hint = ("the draft proposes from the whole text: feed it tokens[draft_cache.length:] (what its cache "
-                        "lacks — more than one token after a round that kept every proposal), then one proposal at "
-                        "a time; its cache must hold only tokens of the text")
+            log.problem = (
+                f"kept {len(out) - 1} proposals; the draft's greedy continuation of the text is "
+                f"{proposals}, of which the first {expected_kept} match the target's"
+            )
+            log.hint = (
+                "the draft proposes from the whole text: feed it tokens[draft_cache.length:] (what its cache "
+                "lacks — more than one token after a round that kept every proposal), then one proposal at "
+                "a time; its cache must hold only tokens of the text"
+            )
 
 
 def proposals_kept(proposals: list[int], continuation: list[int]) -> int:
@@ -1144,9 +1521,15 @@ def _run_engine(fn: Callable, pair: Pair, watch) -> RoundRun:
     theirs.__qualname__ = getattr(fn, "__qualname__", "speculative_round")
     try:
         with one_thread():
-            out = generate(target, pair.prompt, max_new_tokens=pair.max_new_tokens, eos_token_id=pair.eos_token_id,
-                           draft=pair.draft, num_draft_tokens=pair.k,
-                           speculation=guarded(Speculation, speculative_round=theirs))
+            out = generate(
+                target,
+                pair.prompt,
+                max_new_tokens=pair.max_new_tokens,
+                eos_token_id=pair.eos_token_id,
+                draft=pair.draft,
+                num_draft_tokens=pair.k,
+                speculation=guarded(Speculation, speculative_round=theirs),
+            )
     except PartError as err:
         out = err
     return RoundRun([], [], engine=out)
@@ -1157,15 +1540,20 @@ def _round_verdict(case: Case, got: Any) -> Verdict:
         if isinstance(got.engine, PartError):
             return f"the engine stopped your round: {str(got.engine).split(chr(10))[0]}", ""
         if got.engine != case.expected:
-            return ("the engine with your round installed gave other tokens than plain greedy decoding",
-                    "every round must return the kept proposals and the target's next token, and leave the caches "
-                    "as described")
+            return (
+                "the engine with your round installed gave other tokens than plain greedy decoding",
+                "every round must return the kept proposals and the target's next token, and leave the caches "
+                "as described",
+            )
         return None
     if got.failed is None:
         return None if got.tokens == case.expected else ("the tokens differ from plain greedy decoding's", "")
     log = got.failed
-    return (f"round {log.index} (tokens: {len(log.tokens)}, num_draft_tokens = {log.k}, draft_cache.length = "
-            f"{log.draft_before} before the round): {log.problem}", log.hint)
+    return (
+        f"round {log.index} (tokens: {len(log.tokens)}, num_draft_tokens = {log.k}, draft_cache.length = "
+        f"{log.draft_before} before the round): {log.problem}",
+        log.hint,
+    )
 
 
 def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bool = True) -> None:
@@ -1189,27 +1577,61 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
 
     pairs = [
         tiny(1, "the draft is a copy of the target: every proposal is kept", copy.deepcopy, 5, 20, 3),
-        tiny(2, "a draft that agrees often (the target with noise), k = 4", lambda t: noisy_copy(t, seed, 0.15), 7, 24, 4),
-        tiny(3, "a one-token prompt, a draft that agrees often, k = 2", lambda t: noisy_copy(t, seed + 1, 0.1), 1, 16, 2),
-        tiny(4, "a draft that disagrees a lot (another random model), k = 6",
-             lambda t: decisive_model(seed + 99).requires_grad_(False), 9, 20, 6),
+        tiny(
+            2, "a draft that agrees often (the target with noise), k = 4", lambda t: noisy_copy(t, seed, 0.15), 7, 24, 4
+        ),
+        tiny(
+            3, "a one-token prompt, a draft that agrees often, k = 2", lambda t: noisy_copy(t, seed + 1, 0.1), 1, 16, 2
+        ),
+        tiny(
+            4,
+            "a draft that disagrees a lot (another random model), k = 6",
+            lambda t: decisive_model(seed + 99).requires_grad_(False),
+            9,
+            20,
+            6,
+        ),
         tiny(5, "k = 1", lambda t: noisy_copy(t, seed + 2, 0.2), 4, 12, 1),
-        tiny(6, "a prompt of 260 tokens (positions past 255), k = 3", lambda t: noisy_copy(t, seed + 3, 0.15), 260,
-             24, 3, n_positions=320),
-        tiny(7, "token 0 among the new tokens (a real token, as EOS may be), k = 3",
-             lambda t: noisy_copy(t, seed + 4, 0.1), 6, 16, 3, zero=True),
+        tiny(
+            6,
+            "a prompt of 260 tokens (positions past 255), k = 3",
+            lambda t: noisy_copy(t, seed + 3, 0.15),
+            260,
+            24,
+            3,
+            n_positions=320,
+        ),
+        tiny(
+            7,
+            "token 0 among the new tokens (a real token, as EOS may be), k = 3",
+            lambda t: noisy_copy(t, seed + 4, 0.1),
+            6,
+            16,
+            3,
+            zero=True,
+        ),
     ]
     for i in range(n_random):
         k = rng.randint(1, 6)
-        pairs.append(tiny(10 + i, f"random #{i}: k = {k}", lambda t, i=i: noisy_copy(t, seed + 10 + i, rng.random() / 4),
-                          rng.randint(1, 20), rng.randint(10, 30), k))
+        pairs.append(
+            tiny(
+                10 + i,
+                f"random #{i}: k = {k}",
+                lambda t, i=i: noisy_copy(t, seed + 10 + i, rng.random() / 4),
+                rng.randint(1, 20),
+                rng.randint(10, 30),
+                k,
+            )
+        )
     if bundled:
 
         def make():
             target, draft = bundled_pair()
             return target, draft, get_tokenizer().encode("ROMEO:\nBut soft, what light"), 16
 
-        pairs.append(_pair(("bundled",), "the bundled pair (gpt2-shakespeare and its draft), k = 4", make, 4, exact=False))
+        pairs.append(
+            _pair(("bundled",), "the bundled pair (gpt2-shakespeare and its draft), k = 4", make, 4, exact=False)
+        )
     zero = next(i for i, p in enumerate(pairs) if p.description.startswith("token 0"))
     pairs.append(dataclasses.replace(pairs[zero], eos_token_id=0))
 
@@ -1217,11 +1639,21 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         return pairs[i].greedy()
 
     cases = [Case(p.description, ("loop", i), later(greedy, i)) for i, p in enumerate(pairs[:-1])]
-    cases.append(Case("llmcourse.generate(target, ids, draft=draft, num_draft_tokens=4) with your round installed",
-                      ("engine", 1), later(greedy, 1)))
-    cases.append(Case("llmcourse.generate(target, ids, draft=draft, num_draft_tokens=3, eos_token_id=0) with your "
-                      "round installed: generation stops at the first token 0", ("engine", len(pairs) - 1),
-                      later(greedy, len(pairs) - 1)))
+    cases.append(
+        Case(
+            "llmcourse.generate(target, ids, draft=draft, num_draft_tokens=4) with your round installed",
+            ("engine", 1),
+            later(greedy, 1),
+        )
+    )
+    cases.append(
+        Case(
+            "llmcourse.generate(target, ids, draft=draft, num_draft_tokens=3, eos_token_id=0) with your "
+            "round installed: generation stops at the first token 0",
+            ("engine", len(pairs) - 1),
+            later(greedy, len(pairs) - 1),
+        )
+    )
 
     def run(kind, i):
         watch = sys.getprofile()
@@ -1235,15 +1667,31 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
     def show(args):
         pair = pairs[args[1]]
         c, d = pair.target.config, pair.draft.config
-        models = (f"target {c.n_layer} layers × {c.n_embd}, draft {d.n_layer} layers × {d.n_embd}, "
-                  f"vocabulary {c.vocab_size}")
+        models = (
+            f"target {c.n_layer} layers × {c.n_embd}, draft {d.n_layer} layers × {d.n_embd}, vocabulary {c.vocab_size}"
+        )
         if args[0] == "engine":
-            return (f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
-                    f"num_draft_tokens={pair.k}, eos_token_id={pair.eos_token_id}, "
-                    f"speculation=guarded(Speculation, speculative_round=speculative_round)) ({models})")
-        return (f"rounds of speculative_round(target, draft, target_cache, draft_cache, tokens, {pair.k}) from the "
-                f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})")
+            return (
+                f"generate(target, {short(pair.prompt, 60)}, max_new_tokens={pair.max_new_tokens}, draft=draft, "
+                f"num_draft_tokens={pair.k}, eos_token_id={pair.eos_token_id}, "
+                f"speculation=guarded(Speculation, speculative_round=speculative_round)) ({models})"
+            )
+        return (
+            f"rounds of speculative_round(target, draft, target_cache, draft_cache, tokens, {pair.k}) from the "
+            f"prompt {short(pair.prompt, 60)} until {pair.max_new_tokens} new tokens ({models})"
+        )
 
-    run_check("speculative_round", run, cases, judge=_round_verdict, forbid=[NO_ENGINE,
-              Forbidden("llmcourse.engine.generate", "generate and stream run the whole loop: write one round yourself")],
-              show_call=show, seconds=10, total_seconds=40, may_modify=True)
+    run_check(
+        "speculative_round",
+        run,
+        cases,
+        judge=_round_verdict,
+        forbid=[
+            NO_ENGINE,
+            Forbidden("llmcourse.engine.generate", "generate and stream run the whole loop: write one round yourself"),
+        ],
+        show_call=show,
+        seconds=10,
+        total_seconds=40,
+        may_modify=True,
+    )

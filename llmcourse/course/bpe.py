@@ -45,8 +45,8 @@ GPT2_SPLIT = regex.compile(GPT2_SPLIT_PATTERN)  # \p{L} (any letter) needs `rege
 def get_pair_counts(ids: list[int]) -> dict[tuple[int, int], int]:
     """How often each adjacent pair occurs, overlapping pairs included, in order of first occurrence.
 
-        >>> get_pair_counts([1, 1, 1, 2])
-        {(1, 1): 2, (1, 2): 1}
+    >>> get_pair_counts([1, 1, 1, 2])
+    {(1, 1): 2, (1, 2): 1}
     """
     counts: dict[tuple[int, int], int] = {}
     for pair in zip(ids, ids[1:]):
@@ -57,10 +57,10 @@ def get_pair_counts(ids: list[int]) -> dict[tuple[int, int], int]:
 def merge(ids: list[int], pair: tuple[int, int], new_id: int) -> list[int]:
     """Replace each occurrence of `pair` by `new_id`, left to right, without overlaps.
 
-        >>> merge([1, 1, 1], (1, 1), 9)   # the second (1, 1) overlaps the first: it is not merged
-        [9, 1]
-        >>> merge([5, 1, 2, 1, 2], (1, 2), 9)
-        [5, 9, 9]
+    >>> merge([1, 1, 1], (1, 1), 9)   # the second (1, 1) overlaps the first: it is not merged
+    [9, 1]
+    >>> merge([5, 1, 2, 1, 2], (1, 2), 9)
+    [5, 9, 9]
     """
     out = []
     i = 0
@@ -100,8 +100,8 @@ def train_bpe(text: str, num_merges: int) -> dict[tuple[int, int], int]:
 def build_vocab(merges: dict[tuple[int, int], int]) -> dict[int, bytes]:
     """Token id -> its bytes: the 256 single bytes, then each merge's two parts joined.
 
-        >>> build_vocab({(104, 105): 256, (256, 33): 257})[257]
-        b'hi!'
+    >>> build_vocab({(104, 105): 256, (256, 33): 257})[257]
+    b'hi!'
     """
     vocab = {i: bytes([i]) for i in range(256)}
     for (left, right), new_id in sorted(merges.items(), key=lambda item: item[1]):
@@ -130,8 +130,8 @@ def gpt2_ranks() -> dict[bytes, int]:
 def gpt2_vocab() -> dict[int, bytes]:
     """GPT-2's 50,257 tokens, id -> bytes, `<|endoftext|>` (50256) included. Shared: do not modify.
 
-        >>> gpt2_vocab()[50256]
-        b'<|endoftext|>'
+    >>> gpt2_vocab()[50256]
+    b'<|endoftext|>'
     """
     vocab = {rank: token for token, rank in gpt2_ranks().items()}
     vocab.update({i: special.encode("utf-8") for special, i in SPECIAL_TOKENS.items()})

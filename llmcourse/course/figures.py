@@ -39,8 +39,8 @@ DIGITS = 6  # significant digits kept in a figure's data
 def round_significant(values: np.ndarray, digits: int = DIGITS) -> np.ndarray:
     """`values` rounded to `digits` significant digits (same dtype; 0, inf and NaN kept).
 
-        >>> round_significant(np.array([1234.56789, 1.0000001e-9, -0.333333333, 0.0]))
-        array([ 1.23457e+03,  1.00000e-09, -3.33333e-01,  0.00000e+00])
+    >>> round_significant(np.array([1234.56789, 1.0000001e-9, -0.333333333, 0.0]))
+    array([ 1.23457e+03,  1.00000e-09, -3.33333e-01,  0.00000e+00])
     """
     x = np.asarray(values, dtype=np.float64)
     keep = np.isfinite(x) & (x != 0)
@@ -80,8 +80,16 @@ def bundle(fig, name: str) -> dict:
     div_id = f"fig-{_check_name(name)}"
     spec = _rounded(json.loads(pio.to_json(fig, validate=True)))
     height = fig.layout.height or 450
-    html = pio.to_html(spec, include_plotlyjs=False, full_html=False, div_id=div_id, config=CONFIG,
-                       default_height=f"{height}px", default_width="100%", validate=False)
+    html = pio.to_html(
+        spec,
+        include_plotlyjs=False,
+        full_html=False,
+        div_id=div_id,
+        config=CONFIG,
+        default_height=f"{height}px",
+        default_width="100%",
+        validate=False,
+    )
     return {PLOTLY_MIME: {**spec, "config": CONFIG}, "text/html": html}
 
 

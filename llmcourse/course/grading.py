@@ -48,26 +48,46 @@ def release(course: Path = Path("."), err=sys.stderr, names: list[str] | None = 
     fails anyway, the previous release notebook is put back.
     """
     if not (course / "nbgrader_config.py").is_file():
-        print("python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder "
-              "(the repository root)", file=err)
+        print(
+            "python -m llmcourse release: error: no nbgrader_config.py here; run it in the course folder "
+            "(the repository root)",
+            file=err,
+        )
         return 2
     known = chapters(course)
     unknown = sorted(set(names or []) - set(known))
     if unknown:
-        print(f"python -m llmcourse release: error: no chapter {', '.join(unknown)} in solutions/ "
-              f"(the chapters: {', '.join(known)})", file=err)
+        print(
+            f"python -m llmcourse release: error: no chapter {', '.join(unknown)} in solutions/ "
+            f"(the chapters: {', '.join(known)})",
+            file=err,
+        )
         return 2
     for name in names or known:
         target = course / "chapters" / name / f"{name}.ipynb"
         previous = target.read_bytes() if target.is_file() else None
-        done = subprocess.run([sys.executable, "-m", "nbgrader", "generate_assignment", name, f"--notebook={name}",
-                               "--force", "--log-level=ERROR"], cwd=course)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "nbgrader",
+                "generate_assignment",
+                name,
+                f"--notebook={name}",
+                "--force",
+                "--log-level=ERROR",
+            ],
+            cwd=course,
+        )
         if done.returncode:
             if previous is not None and not target.is_file():
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(previous)
-            print(f"python -m llmcourse release: error: nbgrader could not release {name} (see above); "
-                  f"chapters/{name} is as it was", file=err)
+            print(
+                f"python -m llmcourse release: error: nbgrader could not release {name} (see above); "
+                f"chapters/{name} is as it was",
+                file=err,
+            )
             return done.returncode
         print(f"released chapters/{name}")
     return 0
@@ -95,7 +115,8 @@ class ClearHiddenTests(nbgrader_preprocessors.ClearHiddenTests):
     """nbgrader's ClearHiddenTests, accepting the display_data_priority that nbconvert's exporters set."""
 
     display_data_priority = List(nbgrader_preprocessors.ClearHiddenTests.display_data_priority.default_value).tag(
-        config=True)
+        config=True
+    )
 
 
 class ShortTracebacks(Preprocessor):

@@ -12,7 +12,7 @@ shape, dtype or range, stops the run with a `PartError` naming the slot, its inp
     >>> guarded(Parts, gelu=lambda x: x[0]).gelu(torch.zeros(2, 3))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    llmcourse.engine.slots.PartError: part 'gelu' (<lambda>) returned shape (3,) dtype torch.float32, expected shape (2, 3) dtype torch.float32
+    llmcourse.engine.slots.PartError: part 'gelu' (<lambda>) returned shape (3,) ..., expected shape (2, 3) ...
       called with: (2, 3)
 """
 
@@ -30,7 +30,6 @@ from llmcourse.engine.quantize import GROUP_SIZE, Quantization, dequantize_int4,
 from llmcourse.engine.sampling import PROCESSORS, Sampler
 from llmcourse.engine.slots import PartError, Slots
 from llmcourse.engine.speculative import Speculation, verify
-from llmcourse.serving.batching import Batching
 
 # -- shared: reporting a failure, checking a result's shape ------------------------------------------------
 
@@ -67,8 +66,12 @@ def _describe(args: tuple) -> str:
     return ", ".join(str(tuple(a.shape)) if isinstance(a, Tensor) else repr(a) for a in args)
 
 
-def guard_result(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] = _expected_output,
-            validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None) -> Callable:
+def guard_result(
+    name: str,
+    fn: Callable,
+    expect: Callable[[str, tuple], tuple] = _expected_output,
+    validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None,
+) -> Callable:
     """Wrap a plugged-in function so its failures are reported in the engine's terms.
 
     `expect(name, args)` gives the (shape, dtype) it must return; a long result must hold token ids
@@ -104,8 +107,10 @@ def guard_result(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] 
             )
         problem = validate(name, args, out) if validate is not None else None
         if problem:
-            raise PartError(f"part '{name}' ({where}) {problem}\n  called with: {_describe(args)}\n"
-                            f"  hint: run the check for '{name}' in its chapter to debug it")
+            raise PartError(
+                f"part '{name}' ({where}) {problem}\n  called with: {_describe(args)}\n"
+                f"  hint: run the check for '{name}' in its chapter to debug it"
+            )
         return out
 
     return call
@@ -114,8 +119,9 @@ def guard_result(name: str, fn: Callable, expect: Callable[[str, tuple], tuple] 
 def part_failed(name: str, fn: Callable, problem: str, chapter: str, cause: Optional[Exception] = None):
     """Raise the `PartError` for a learner's function `fn` in slot `name` that did something the engine cannot use."""
     where = getattr(fn, "__qualname__", repr(fn))
-    raise PartError(f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter {chapter} "
-                    "to debug it") from cause
+    raise PartError(
+        f"part '{name}' ({where}) {problem}\n  hint: run the check for '{name}' in chapter {chapter} to debug it"
+    ) from cause
 
 
 def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
@@ -131,7 +137,6 @@ def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
             part_failed(name, fn, f"raised {type(err).__name__}: {err}", chapter, err)
 
     return call
-
 
 
 # -- the forward pass (chapters 02-04) and the KV cache (chapter 06) ---------------------------------------
@@ -152,10 +157,16 @@ class GuardedCache:
         self.cache = self._call("__init__", cls, config, batch_size, max_len, device=device, dtype=dtype)
         for name in ("k", "v"):
             tensors = getattr(self.cache, name, None)
-            if not isinstance(tensors, list) or len(tensors) != config.n_layer or any(
-                    not isinstance(t, Tensor) or tuple(t.shape) != self.shape or t.dtype != dtype for t in tensors):
-                self._fail("__init__", f"cache.{name} must be a list of {config.n_layer} tensors (one per layer) "
-                                       f"of shape {self.shape} and dtype {dtype}")
+            if (
+                not isinstance(tensors, list)
+                or len(tensors) != config.n_layer
+                or any(not isinstance(t, Tensor) or tuple(t.shape) != self.shape or t.dtype != dtype for t in tensors)
+            ):
+                self._fail(
+                    "__init__",
+                    f"cache.{name} must be a list of {config.n_layer} tensors (one per layer) "
+                    f"of shape {self.shape} and dtype {dtype}",
+                )
         self._remember_addresses()
 
     @classmethod
@@ -170,8 +181,10 @@ class GuardedCache:
             self._fail(method, f"raised {type(err).__name__}: {err}", err)
 
     def _fail(self, method: str, problem: str, cause: Optional[Exception] = None):
-        raise PartError(f"part 'KVCache' ({self.where}.{method}) {problem}\n"
-                        "  hint: run the check for 'KVCache' in chapter 06 to debug it") from cause
+        raise PartError(
+            f"part 'KVCache' ({self.where}.{method}) {problem}\n"
+            "  hint: run the check for 'KVCache' in chapter 06 to debug it"
+        ) from cause
 
     def _remember_addresses(self) -> None:
         self.addresses = [t.data_ptr() for t in self.cache.k + self.cache.v]
@@ -196,15 +209,26 @@ class GuardedCache:
             raise PartError(f"the cache holds {self.max_len} positions; {end} were asked for")
         out = self._call("update", self.cache.update, layer, k, v)
         expected = (*self.shape[:2], end, self.shape[3])
-        if not (isinstance(out, tuple) and len(out) == 2 and all(
-                isinstance(t, Tensor) and tuple(t.shape) == expected for t in out)):
-            got = [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in out] \
-                if isinstance(out, tuple) else type(out).__name__
-            self._fail("update", f"returned {got}, expected (keys, values), each of shape {expected}: "
-                                 f"the {end} positions filled so far")
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(isinstance(t, Tensor) and tuple(t.shape) == expected for t in out)
+        ):
+            got = (
+                [tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__ for t in out]
+                if isinstance(out, tuple)
+                else type(out).__name__
+            )
+            self._fail(
+                "update",
+                f"returned {got}, expected (keys, values), each of shape {expected}: the {end} positions filled so far",
+            )
         if [t.data_ptr() for t in self.cache.k + self.cache.v] != self.addresses:
-            self._fail("update", "reallocated the cache: write the new keys and values into the preallocated "
-                                 "tensors in place (cache.k[layer][:, :, start:end] = k)")
+            self._fail(
+                "update",
+                "reallocated the cache: write the new keys and values into the preallocated "
+                "tensors in place (cache.k[layer][:, :, start:end] = k)",
+            )
         return out
 
     def reorder(self, rows: Tensor) -> None:
@@ -236,16 +260,18 @@ def _processor_contract(name: str, args: tuple, out: Tensor) -> Optional[str]:
     nan = torch.isnan(out).any(dim=-1) & usable
     if bool(nan.any()):
         row = int(nan.nonzero()[0])
-        return (f"returned NaN in row {row} (of {out.shape[0]}); a processor returns logits, with -inf for the "
-                "tokens it removes")
+        return (
+            f"returned NaN in row {row} (of {out.shape[0]}); a processor returns logits, with -inf for the "
+            "tokens it removes"
+        )
     empty = ~torch.isfinite(out).any(dim=-1) & usable
     if bool(empty.any()):
         row = int(empty.nonzero()[0])
-        return (f"removed every token of row {row} (of {out.shape[0]}): no finite logit is left, so no token can be "
-                "chosen; it must keep at least the most likely token")
+        return (
+            f"removed every token of row {row} (of {out.shape[0]}): no finite logit is left, so no token can be "
+            "chosen; it must keep at least the most likely token"
+        )
     return None
-
-
 
 
 # -- batching (chapter 07) ----------------------------------------------------------------------------------
@@ -271,10 +297,17 @@ def guarded_left_pad(fn: Callable) -> Callable:
     def checked(prompts: list[list[int]], *args):
         out = call(prompts, *args)
         shape = (len(prompts), max(map(len, prompts)))
-        if not (isinstance(out, tuple) and len(out) == 3 and all(
-                isinstance(t, Tensor) and tuple(t.shape) == shape and t.dtype == torch.long for t in out)):
-            _fail07("left_pad", fn, f"returned {out!r:.200}; expected (input_ids, attention_mask, position_ids), "
-                                  f"each a long tensor of shape {shape}")
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 3
+            and all(isinstance(t, Tensor) and tuple(t.shape) == shape and t.dtype == torch.long for t in out)
+        ):
+            _fail07(
+                "left_pad",
+                fn,
+                f"returned {out!r:.200}; expected (input_ids, attention_mask, position_ids), "
+                f"each a long tensor of shape {shape}",
+            )
         return out
 
     return checked
@@ -289,9 +322,13 @@ def guarded_slot_mapping(fn: Callable) -> Callable:
         out = call(block_table, positions, block_size)
         if not isinstance(out, Tensor) or tuple(out.shape) != tuple(positions.shape) or out.dtype != torch.long:
             got = f"shape {tuple(out.shape)} dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
-            _fail07("slot_mapping", fn, f"returned {got}; expected slots of shape {tuple(positions.shape)}, dtype "
-                                      f"torch.long\n  called with: block_table={block_table.tolist()}, "
-                                      f"positions={positions.tolist()}, block_size={block_size}")
+            _fail07(
+                "slot_mapping",
+                fn,
+                f"returned {got}; expected slots of shape {tuple(positions.shape)}, dtype "
+                f"torch.long\n  called with: block_table={block_table.tolist()}, "
+                f"positions={positions.tolist()}, block_size={block_size}",
+            )
         return out
 
     return checked
@@ -320,11 +357,17 @@ def guarded_allocator(cls: Callable) -> Callable:
         def allocate(self) -> int:
             block = _raising07(self.inner.allocate, "BlockAllocator")()
             if isinstance(block, bool) or not isinstance(block, numbers.Integral) or not 0 <= block < self.num_blocks:
-                _fail07("BlockAllocator", cls, f"allocate() returned {block!r}, not a block id in [0, {self.num_blocks})")
+                _fail07(
+                    "BlockAllocator", cls, f"allocate() returned {block!r}, not a block id in [0, {self.num_blocks})"
+                )
             block = int(block)  # any integer type (numpy's too): the block tables hold Python ints
             if self.users[block]:
-                _fail07("BlockAllocator", cls, f"allocate() returned block {block}, which is in use "
-                                             f"({self.users[block]} user(s)): it would be handed out twice")
+                _fail07(
+                    "BlockAllocator",
+                    cls,
+                    f"allocate() returned block {block}, which is in use "
+                    f"({self.users[block]} user(s)): it would be handed out twice",
+                )
             self.users[block] = 1
             return block
 
@@ -359,8 +402,12 @@ def outside_p(fn: Callable, name: str, p: Tensor, token: int) -> None:
     """Every token the rule keeps or draws has p > 0: accepted ones with probability min(1, p/q), the
     residual max(0, p - q) and the bonus lie inside p's support. (Greedy: p is one-hot, so this is exact.)"""
     if not p[token] > 0:
-        _fail08(name, fn, f"returned token {token}, which the target's distribution p gives probability 0: an accepted "
-                        f"proposal needs p > 0, and a correction or bonus token is drawn from max(0, p - q) or p")
+        _fail08(
+            name,
+            fn,
+            f"returned token {token}, which the target's distribution p gives probability 0: an accepted "
+            f"proposal needs p > 0, and a correction or bonus token is drawn from max(0, p - q) or p",
+        )
 
 
 def guarded_accept_token(fn: Callable) -> Callable:
@@ -369,9 +416,15 @@ def guarded_accept_token(fn: Callable) -> Callable:
         out = _calling("accept_token", fn, p, q, draft_token, generator)
         if isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Tensor) and out[1].numel() == 1:
             out = (out[0], int(out[1]))
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], (bool, Tensor))
-                and _is_id(out[1], p.shape[-1])):
-            _fail08("accept_token", fn, f"returned {out!r:.120}; expected (accepted: bool, token id in [0, {p.shape[-1]}))")
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], (bool, Tensor))
+            and _is_id(out[1], p.shape[-1])
+        ):
+            _fail08(
+                "accept_token", fn, f"returned {out!r:.120}; expected (accepted: bool, token id in [0, {p.shape[-1]}))"
+            )
         accepted, token = bool(out[0]), int(out[1])
         if accepted and token != draft_token:
             _fail08("accept_token", fn, f"accepted the proposal {draft_token} but returned token {token}")
@@ -385,10 +438,20 @@ def guarded_verify(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(p, q, draft_tokens, generator=None):
         out = _calling("verify", fn, p, q, draft_tokens, generator)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[0], numbers.Integral)
-                and not isinstance(out[0], bool) and 0 <= out[0] <= len(draft_tokens) and _is_id(out[1], p.shape[-1])):
-            _fail08("verify", fn, f"returned {out!r:.120}; expected (number accepted in [0, {len(draft_tokens)}], "
-                                f"next token id in [0, {p.shape[-1]}))")
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and isinstance(out[0], numbers.Integral)
+            and not isinstance(out[0], bool)
+            and 0 <= out[0] <= len(draft_tokens)
+            and _is_id(out[1], p.shape[-1])
+        ):
+            _fail08(
+                "verify",
+                fn,
+                f"returned {out!r:.120}; expected (number accepted in [0, {len(draft_tokens)}], "
+                f"next token id in [0, {p.shape[-1]}))",
+            )
         out = (int(out[0]), int(out[1]))
         for i, token in enumerate([*draft_tokens[: out[0]], out[1]]):
             outside_p(fn, "verify", p[i], token)
@@ -401,11 +464,17 @@ def guarded_lookup(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(tokens, num_draft_tokens, *args):
         out = _calling("prompt_lookup_draft", fn, list(tokens), num_draft_tokens, *args)
-        if not (isinstance(out, list) and len(out) <= num_draft_tokens
-                and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in out)
-                and set(out) <= set(tokens)):
-            _fail08("prompt_lookup_draft", fn, f"returned {out!r:.120}; expected a list of at most "
-                                             f"{num_draft_tokens} token ids copied from the text")
+        if not (
+            isinstance(out, list)
+            and len(out) <= num_draft_tokens
+            and all(isinstance(t, numbers.Integral) and not isinstance(t, bool) for t in out)
+            and set(out) <= set(tokens)
+        ):
+            _fail08(
+                "prompt_lookup_draft",
+                fn,
+                f"returned {out!r:.120}; expected a list of at most {num_draft_tokens} token ids copied from the text",
+            )
         return [int(t) for t in out]
 
     return call
@@ -427,21 +496,30 @@ def guarded_speedup(fn: Callable) -> Callable:
 def guarded_round(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
-        out = _calling("speculative_round", fn, target, draft, target_cache, draft_cache, list(tokens), num_draft_tokens)
+        out = _calling(
+            "speculative_round", fn, target, draft, target_cache, draft_cache, list(tokens), num_draft_tokens
+        )
         V = target.config.vocab_size
         if not (isinstance(out, list) and 1 <= len(out) <= num_draft_tokens + 1 and all(_is_id(t, V) for t in out)):
-            _fail08("speculative_round", fn, f"returned {out!r:.120}; expected a list of 1 to {num_draft_tokens + 1} "
-                                           f"token ids: the accepted proposals and the target's next token")
+            _fail08(
+                "speculative_round",
+                fn,
+                f"returned {out!r:.120}; expected a list of 1 to {num_draft_tokens + 1} "
+                f"token ids: the accepted proposals and the target's next token",
+            )
         kept = len(tokens) + len(out) - 1
         if target_cache.length != kept or draft_cache.length > kept:
-            _fail08("speculative_round", fn, f"left target_cache.length = {target_cache.length} and draft_cache.length "
-                                           f"= {draft_cache.length}; with {len(tokens)} tokens before the round and "
-                                           f"{len(out)} new, the target's cache must hold exactly {kept} positions "
-                                           f"(all but the last token) and the draft's at most {kept}: roll them back")
+            _fail08(
+                "speculative_round",
+                fn,
+                f"left target_cache.length = {target_cache.length} and draft_cache.length "
+                f"= {draft_cache.length}; with {len(tokens)} tokens before the round and "
+                f"{len(out)} new, the target's cache must hold exactly {kept} positions "
+                f"(all but the last token) and the draft's at most {kept}: roll them back",
+            )
         return [int(t) for t in out]
 
     return call
-
 
 
 # -- quantization (chapter 09) ------------------------------------------------------------------------------
@@ -492,8 +570,11 @@ def _validate(name: str, args: tuple, out) -> Optional[str]:
         x, q = args[0], args[1]
         return _tensor_problem(out, (*x.shape[:-1], q.shape[0]), (x.dtype,), "y")
     if name == "weight_memory":
-        return None if isinstance(out, (int, float)) and not isinstance(out, bool) else \
-            f"returned {out!r:.60}; expected a number of bytes"
+        return (
+            None
+            if isinstance(out, (int, float)) and not isinstance(out, bool)
+            else f"returned {out!r:.60}; expected a number of bytes"
+        )
     return None
 
 
@@ -515,8 +596,10 @@ def guard_quantization(name: str, fn: Callable) -> Callable:
 # -- the one way in: a table of a learner's functions, each guarded once ------------------------------------
 
 
-def _result(expect: Callable[[str, tuple], tuple] = _expected_output,
-            validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None) -> Callable:
+def _result(
+    expect: Callable[[str, tuple], tuple] = _expected_output,
+    validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None,
+) -> Callable:
     return lambda name, fn: guard_result(name, fn, expect, validate)
 
 
@@ -573,4 +656,3 @@ def guarded(table: type, **functions: Callable) -> Slots:
     `generate(..., sampler=guarded(Sampler, top_p=my_top_p))`)."""
     table.check_functions(functions)
     return table().replace(**composed(table, {name: guard(name, fn) for name, fn in functions.items()}))
-

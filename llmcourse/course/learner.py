@@ -26,8 +26,17 @@ from llmcourse.serving.batching import Batching
 
 from . import bpe
 from .guards import guard, guarded
-from .progress import (PASS_THROUGH, PathLike, default_folder, describe_error, find_chapters, quietly,
-                       read_chapter, refuse_to_recurse, run_chapter)
+from .progress import (
+    PASS_THROUGH,
+    PathLike,
+    default_folder,
+    describe_error,
+    find_chapters,
+    quietly,
+    read_chapter,
+    refuse_to_recurse,
+    run_chapter,
+)
 
 PART_SLOTS = Parts.slot_names()
 SAMPLER_SLOTS = Sampler.slot_names()
@@ -37,7 +46,9 @@ SPECULATION_SLOTS = Speculation.slot_names()
 QUANTIZATION_SLOTS = Quantization.slot_names()
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
 # what the engine can take from a learner
-ENGINE_SLOTS = PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + QUANTIZATION_SLOTS + TOKENIZER_SLOTS
+ENGINE_SLOTS = (
+    PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + QUANTIZATION_SLOTS + TOKENIZER_SLOTS
+)
 
 Notify = Callable[[str], None]
 
@@ -46,8 +57,9 @@ Notify = Callable[[str], None]
 # The learner's functions in the engine
 
 
-def learner_functions(folder: Optional[PathLike] = None, *, slots: Optional[tuple[str, ...]] = None,
-                      notify: Notify = print) -> dict[str, Callable]:
+def learner_functions(
+    folder: Optional[PathLike] = None, *, slots: Optional[tuple[str, ...]] = None, notify: Notify = print
+) -> dict[str, Callable]:
     """The functions (and classes) of every exercise whose check passes, by name.
 
     `slots`: only exercises defining one of these names are checked, and each of those that cannot
@@ -68,7 +80,11 @@ def learner_functions(folder: Optional[PathLike] = None, *, slots: Optional[tupl
             if result.status == "passing":
                 functions.update({n: run.namespace[n] for n in ex.functions if n in run.namespace})
             elif slots is not None:
-                why = "is not written yet" if result.status == "not started" else f"does not pass its check ({result.reason})"
+                why = (
+                    "is not written yet"
+                    if result.status == "not started"
+                    else f"does not pass its check ({result.reason})"
+                )
                 theirs = ", ".join(f"the engine's {n}" for n in names)
                 notify(f"{chapter.name}: {ex.grade_id} {why}; {theirs} runs instead")
     return functions
@@ -77,7 +93,7 @@ def learner_functions(folder: Optional[PathLike] = None, *, slots: Optional[tupl
 def learner_parts(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Parts:
     """The engine's parts with every part the learner has written (and whose check passes) swapped in.
 
-        >>> model = load_model(parts=learner_parts("chapters"))     # doctest: +SKIP
+    >>> model = load_model(parts=learner_parts("chapters"))     # doctest: +SKIP
     """
     mine = learner_functions(folder, slots=PART_SLOTS, notify=notify)
     notify(f"parts: yours for {', '.join(sorted(mine)) or 'none yet'}; the engine's for the rest")
@@ -119,8 +135,13 @@ class LearnerTokenizer:
 
     def encode(self, text: str, allowed_special="all") -> list[int]:
         if "encode" in self.mine:
-            ids = self.attempt("encode", self.mine["encode"], lambda out: isinstance(out, list) and all(
-                type(i) is int and i in self.vocab for i in out), text, self.ranks)
+            ids = self.attempt(
+                "encode",
+                self.mine["encode"],
+                lambda out: isinstance(out, list) and all(type(i) is int and i in self.vocab for i in out),
+                text,
+                self.ranks,
+            )
             if ids is not None:
                 return ids
         return self.engine.encode(text, allowed_special=allowed_special)
@@ -146,8 +167,9 @@ class GuardedStreamDecoder:
         self.tokenizer, self.ids, self.shown = tokenizer, [], ""
         self.mine = self.engine = None
         if "StreamDecoder" in tokenizer.mine:
-            self.mine = tokenizer.attempt("StreamDecoder", tokenizer.mine["StreamDecoder"], lambda out: True,
-                                          tokenizer.vocab)
+            self.mine = tokenizer.attempt(
+                "StreamDecoder", tokenizer.mine["StreamDecoder"], lambda out: True, tokenizer.vocab
+            )
         if self.mine is None:
             self.engine = StreamDecoder(tokenizer.engine)
 
@@ -155,12 +177,13 @@ class GuardedStreamDecoder:
         """The learner's decoder's answer; None once the engine's has taken over (caught up)."""
         if self.mine is None:
             return None
-        piece = self.tokenizer.attempt("StreamDecoder", getattr(self.mine, method, None),
-                                       lambda out: isinstance(out, str), *args)
+        piece = self.tokenizer.attempt(
+            "StreamDecoder", getattr(self.mine, method, None), lambda out: isinstance(out, str), *args
+        )
         if piece is None:
             self.mine, self.engine = None, StreamDecoder(self.tokenizer.engine)
             text = "".join(self.engine.push(i) for i in self.ids)
-            return text[len(self.shown):] if text.startswith(self.shown) else ""
+            return text[len(self.shown) :] if text.startswith(self.shown) else ""
         return piece
 
     def push(self, token_id: int) -> str:
@@ -181,7 +204,7 @@ class GuardedStreamDecoder:
 def learner_tokenizer(folder: Optional[PathLike] = None, *, notify: Notify = print) -> LearnerTokenizer:
     """A tokenizer using the learner's chapter 01 functions, for `generate_text` / `stream`.
 
-        >>> llmcourse.generate_text(load_model(), learner_tokenizer("chapters"), "ROMEO:")    # doctest: +SKIP
+    >>> llmcourse.generate_text(load_model(), learner_tokenizer("chapters"), "ROMEO:")    # doctest: +SKIP
     """
     tokenizer = LearnerTokenizer(learner_functions(folder, slots=TOKENIZER_SLOTS, notify=notify), notify=notify)
     notify(f"tokenizer: yours for {', '.join(sorted(tokenizer.mine)) or 'nothing yet'}; the engine's for the rest")
@@ -208,7 +231,9 @@ class Pieces(NamedTuple):
         return Engine(model, self.tokenizer, self.functions)
 
 
-def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None) -> Pieces:
+def your_pieces(
+    folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None
+) -> Pieces:
     """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching, speculative decoding
     and quantization functions and tokenizer, with one notice for each exercise with a slot that is not used, and
     one line saying what is yours (`uses`: the slots the run will use, see `slots_used`; None: grouped by where the
@@ -218,8 +243,11 @@ def your_pieces(folder: Optional[PathLike] = None, *, notify: Notify = print, us
     def table(cls, slots):
         return guarded(cls, **{n: f for n, f in functions.items() if n in slots})
 
-    drivers = {"sampler": table(Sampler, SAMPLER_SLOTS), "speculation": table(Speculation, SPECULATION_SLOTS),
-               "batching": table(Batching, Batching.slot_names())}
+    drivers = {
+        "sampler": table(Sampler, SAMPLER_SLOTS),
+        "speculation": table(Speculation, SPECULATION_SLOTS),
+        "batching": table(Batching, Batching.slot_names()),
+    }
     for slot, keyword in (("KVCache", "kv_cache"), ("left_pad", "left_pad")):
         if slot in functions:
             drivers[keyword] = guard(slot, functions[slot])
@@ -251,8 +279,11 @@ def slots_used(settings: dict) -> set[str]:
     if settings.get("repetition_penalty", 1) != 1:
         used.add("repetition_penalty")
     if sampled:
-        used |= {name for name, off in [("temperature", 1), ("top_k", 0), ("top_p", 1), ("min_p", 0)]
-                 if settings.get(name, off) != off}
+        used |= {
+            name
+            for name, off in [("temperature", 1), ("top_k", 0), ("top_p", 1), ("min_p", 0)]
+            if settings.get(name, off) != off
+        }
     draft = settings.get("draft")
     if draft is not None:
         used |= {"accept_token", "verify", "prompt_lookup_draft" if draft == "prompt-lookup" else "speculative_round"}
@@ -299,14 +330,22 @@ class Engine:
         return stream(self, self.tokenizer, prompt, **settings)
 
 
-def my_engine(folder: Optional[PathLike] = None, *, model="gpt2-shakespeare", device="auto", dtype=None,
-              quantize: Optional[str] = None, notify: Notify = print) -> Engine:
+def my_engine(
+    folder: Optional[PathLike] = None,
+    *,
+    model="gpt2-shakespeare",
+    device="auto",
+    dtype=None,
+    quantize: Optional[str] = None,
+    notify: Notify = print,
+) -> Engine:
     """The engine with your functions in it: every exercise with a slot in the engine (the parts of
     `llmcourse.Parts`, the sampler's functions of `llmcourse.engine.sampling.Sampler`, chapter 06's KVCache,
     chapter 07's batching functions of `llmcourse.serving.batching.Batching`, chapter 08's speculative decoding
     functions of `llmcourse.engine.speculative.Speculation`, chapter 09's quantization functions of
     `llmcourse.engine.quantize.Quantization`, and chapter 01's encode, decode
-    and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not pass its check (one notice each).
+    and StreamDecoder) whose check passes. The engine's own runs wherever yours is not written yet or does not
+    pass its check (one notice each).
 
     `folder`: your chapters (default: ./chapters, or the folder above when run from a chapter's
     notebook). `model`: what `llmcourse.load_model` takes (a bundled name, a folder, a Hub name), or

@@ -58,9 +58,12 @@ def _on_alarm(signum, frame) -> None:
     first = due[0]
     if not first.nagged and now - first.deadline > _NAG_AFTER:
         first.nagged = True
-        print(f"\nYour code has been stopped {int(now - first.deadline)} s ago (a time limit of {first.seconds:g} s) "
-              "and keeps running: it catches the time-out (a bare `except:` or `except BaseException:`). "
-              "Catch `Exception` instead; to get out now, interrupt or restart the kernel.", file=sys.stderr)
+        print(
+            f"\nYour code has been stopped {int(now - first.deadline)} s ago (a time limit of {first.seconds:g} s) "
+            "and keeps running: it catches the time-out (a bare `except:` or `except BaseException:`). "
+            "Catch `Exception` instead; to get out now, interrupt or restart the kernel.",
+            file=sys.stderr,
+        )
     raise TimeUp(first)
 
 

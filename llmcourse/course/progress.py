@@ -110,8 +110,9 @@ def read_chapter(path: PathLike) -> Chapter:
         elif grading.get("grade") and not grading.get("solution"):
             if pending is not None:
                 check = new_cell("check", source, f"{pending.label} check")
-                exercises.append(Exercise(pending.label, pending.source, source, float(grading.get("points", 0)),
-                                          pending, check))
+                exercises.append(
+                    Exercise(pending.label, pending.source, source, float(grading.get("points", 0)), pending, check)
+                )
             pending = None
         elif not tags & SKIPPED_TAGS and only_defines(source):
             runs.append(new_cell("helper", source, f"cell {number}"))
@@ -123,8 +124,16 @@ def new_cell(kind: str, source: str, label: str) -> Cell:
     return Cell(kind, source, label, defines, uses)
 
 
-DEFINITIONS = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Assign,
-               ast.AnnAssign, ast.Pass)
+DEFINITIONS = (
+    ast.Import,
+    ast.ImportFrom,
+    ast.FunctionDef,
+    ast.AsyncFunctionDef,
+    ast.ClassDef,
+    ast.Assign,
+    ast.AnnAssign,
+    ast.Pass,
+)
 
 
 def only_defines(source: str) -> bool:
@@ -219,16 +228,20 @@ def find_chapters(target: PathLike) -> list[Path]:
         raise FileNotFoundError(f"no folder {target}: run this where your chapters/ folder is, or pass its path")
     if target.is_file():
         if target.suffix != ".ipynb":
-            raise FileNotFoundError(f"{target} is not a notebook (.ipynb): pass your chapters/ folder, "
-                                    "a chapter's folder or a chapter's notebook")
+            raise FileNotFoundError(
+                f"{target} is not a notebook (.ipynb): pass your chapters/ folder, "
+                "a chapter's folder or a chapter's notebook"
+            )
         return [target]
     own = target / f"{target.name}.ipynb"
     if own.is_file():
         return [own]
     found = sorted(p for p in target.glob("*/*.ipynb") if p.parent.name == p.stem)
     if not found:
-        raise FileNotFoundError(f"no chapter notebooks in {target}: expected NN_topic/NN_topic.ipynb inside it; "
-                                "pass your chapters/ folder, a chapter's folder or a chapter's notebook")
+        raise FileNotFoundError(
+            f"no chapter notebooks in {target}: expected NN_topic/NN_topic.ipynb inside it; "
+            "pass your chapters/ folder, a chapter's folder or a chapter's notebook"
+        )
     return found
 
 
@@ -280,8 +293,11 @@ def describe_error(err: BaseException) -> str:
 @contextlib.contextmanager
 def quietly():
     """No prints, no warnings, no waiting for input while learner code runs."""
-    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()), \
-            warnings.catch_warnings():
+    with (
+        contextlib.redirect_stdout(io.StringIO()),
+        contextlib.redirect_stderr(io.StringIO()),
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")
         stdin, sys.stdin = sys.stdin, io.StringIO()
         try:
@@ -360,8 +376,10 @@ class ChapterRun:
             if problem is None:
                 return Result(name, ex.grade_id, "passing", "", ex.points, ex.points)
         if self.remaining() <= 0:
-            message = (f"not checked: this chapter's cells and checks ran longer than the {self.seconds:g} s allowed "
-                       "in all (a slow or endless loop in an earlier exercise?)")
+            message = (
+                f"not checked: this chapter's cells and checks ran longer than the {self.seconds:g} s allowed "
+                "in all (a slow or endless loop in an earlier exercise?)"
+            )
             return Result(name, ex.grade_id, "failing", message, 0.0, ex.points, message)
         if problem.startswith(PHRASES):
             problem = f"the check {problem}"
@@ -388,7 +406,9 @@ class ChapterRun:
         exercises = {id(e.cell): e for e in self.chapter.exercises}
         failing = []
         for cell in self.dependencies(ex):
-            needed = ", ".join(sorted(cell.defines & (ex.cell.uses | ex.check_cell.uses))) or ", ".join(sorted(cell.defines))
+            needed = ", ".join(sorted(cell.defines & (ex.cell.uses | ex.check_cell.uses))) or ", ".join(
+                sorted(cell.defines)
+            )
             if id(cell) in self.errors:
                 return f"it needs {needed} from the cell '{cell.label}', which {self.errors[id(cell)]}"
             other = exercises.get(id(cell))
@@ -403,8 +423,13 @@ class ChapterRun:
         return problem
 
 
-def run_chapter(path: PathLike, *, cell_seconds: float = CELL_SECONDS, check_seconds: float = CHECK_SECONDS,
-                chapter_seconds: float = CHAPTER_SECONDS) -> ChapterRun:
+def run_chapter(
+    path: PathLike,
+    *,
+    cell_seconds: float = CELL_SECONDS,
+    check_seconds: float = CHECK_SECONDS,
+    chapter_seconds: float = CHAPTER_SECONDS,
+) -> ChapterRun:
     """Run a chapter's setup, exercise and helper cells in order (each failure kept to its cell)."""
     chapter = read_chapter(path)
     deadline = time.monotonic() + chapter_seconds
@@ -433,8 +458,10 @@ def running():
 
 def refuse_to_recurse() -> None:
     if _running[0]:
-        raise RuntimeError("my_engine() and progress run your notebooks' cells; a cell they run cannot call them "
-                           "again (put the call in a cell that also prints or plots something)")
+        raise RuntimeError(
+            "my_engine() and progress run your notebooks' cells; a cell they run cannot call them "
+            "again (put the call in a cell that also prints or plots something)"
+        )
 
 
 def grade_chapter(path: PathLike, **limits) -> list[Result]:

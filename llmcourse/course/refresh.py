@@ -37,8 +37,12 @@ def merge_streams(outputs: list) -> list:
     merged: list = []
     for output in outputs or []:
         previous = merged[-1] if merged else None
-        if (output["output_type"] == "stream" and previous is not None and previous["output_type"] == "stream"
-                and previous["name"] == output["name"]):
+        if (
+            output["output_type"] == "stream"
+            and previous is not None
+            and previous["output_type"] == "stream"
+            and previous["name"] == output["name"]
+        ):
             merged[-1] = previous.copy()
             merged[-1]["text"] = "".join(previous["text"]) + "".join(output["text"])
         else:
@@ -77,8 +81,13 @@ def refresh(path: Path, timeout: int = 600) -> bool:
     text = path.read_text(encoding="utf-8")
     stored = nbformat.reads(text, as_version=4)
     nb = nbformat.reads(text, as_version=4)
-    NotebookClient(nb, timeout=timeout, kernel_name="python3", record_timing=False,
-                   resources={"metadata": {"path": str(path.parent.resolve())}}).execute()
+    NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        record_timing=False,
+        resources={"metadata": {"path": str(path.parent.resolve())}},
+    ).execute()
     canonical(nb, stored)
     new = nbformat.writes(nb) + "\n"
     path.write_text(new, encoding="utf-8")
@@ -87,14 +96,20 @@ def refresh(path: Path, timeout: int = 600) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m llmcourse.course.refresh", description=__doc__.split("\n\n")[0])
-    parser.add_argument("notebooks", nargs="*", metavar="NOTEBOOK",
-                        help="solution notebooks to refresh (default: every solutions/NN_topic/NN_topic.ipynb)")
+    parser.add_argument(
+        "notebooks",
+        nargs="*",
+        metavar="NOTEBOOK",
+        help="solution notebooks to refresh (default: every solutions/NN_topic/NN_topic.ipynb)",
+    )
     args = parser.parse_args(argv)
     paths = [Path(p) for p in args.notebooks] or sorted(
-        p for p in Path("solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
+        p for p in Path("solutions").glob("*/*.ipynb") if p.parent.name == p.stem
+    )
     if not paths:
-        print("no notebooks to refresh: run this in the course folder (where solutions/ is) or name them",
-              file=sys.stderr)
+        print(
+            "no notebooks to refresh: run this in the course folder (where solutions/ is) or name them", file=sys.stderr
+        )
         return 2
     for path in paths:
         if not path.is_file():

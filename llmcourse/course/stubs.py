@@ -4,7 +4,10 @@ A demo cell after an exercise calls the learner's function; while it is the rele
 NotImplementedError()`), IPython would show 20 lines of traceback ending in that stub. `install()` (done by
 `import llmcourse` inside IPython) makes IPython show instead:
 
-    NotImplementedError: `embedding` is not written yet: write it in its exercise cell above first (its check must pass), then run this cell again
+    NotImplementedError: `embedding` is not written yet: write it in its exercise cell above first (its check
+    must pass), then run this cell again
+
+(one line on the screen)
 
 only for a bare `NotImplementedError` raised by a function defined in the notebook itself; every other error keeps
 IPython's own traceback. The cell still fails (nbval, nbgrader and `progress` see an error as before).
@@ -32,8 +35,10 @@ def unwritten(value: BaseException, tb, user_ns: dict) -> Optional[str]:
 
 
 def message(name: str) -> str:
-    return (f"NotImplementedError: `{name}` is not written yet: write it in its exercise cell above first (its check "
-            "must pass), then run this cell again")
+    return (
+        f"NotImplementedError: `{name}` is not written yet: write it in its exercise cell above first (its check "
+        "must pass), then run this cell again"
+    )
 
 
 def install(shell=None) -> bool:

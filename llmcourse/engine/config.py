@@ -1,7 +1,7 @@
 """GPT-2's hyperparameters, read from and written to Hugging Face's `config.json`.
 
-    >>> GPT2Config.small().n_embd
-    768
+>>> GPT2Config.small().n_embd
+768
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ class GPT2Config:
             if not isinstance(value, int) or value < 1:
                 raise CheckpointError(f"config: {name} must be a positive integer, got {value!r}")
         if self.n_embd % self.n_head:
-            raise CheckpointError(
-                f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})"
-            )
+            raise CheckpointError(f"config: n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
     @property
     def head_dim(self) -> int:
@@ -51,14 +49,10 @@ class GPT2Config:
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"cannot read {path}: {err}") from None
         if raw.get("model_type", "gpt2") != "gpt2":
-            raise CheckpointError(
-                f"{path}: model_type is {raw['model_type']!r}; this engine runs GPT-2 models only"
-            )
+            raise CheckpointError(f"{path}: model_type is {raw['model_type']!r}; this engine runs GPT-2 models only")
         activation = raw.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
-            raise CheckpointError(
-                f"{path}: activation_function {activation!r} is not supported; GPT-2 uses 'gelu_new'"
-            )
+            raise CheckpointError(f"{path}: activation_function {activation!r} is not supported; GPT-2 uses 'gelu_new'")
         for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"):
             if raw.get(flag):
                 raise CheckpointError(f"{path}: {flag}=true is not supported by this engine")

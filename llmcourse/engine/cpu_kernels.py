@@ -45,7 +45,10 @@ def cache_dir() -> Path:
 @functools.cache
 def library() -> Optional[ctypes.CDLL]:
     """The compiled kernels, or None (with a warning saying why) where they cannot be built or run."""
-    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"):
+    if platform.machine().lower() not in ("x86_64", "amd64") or torch.backends.cpu.get_cpu_capability() not in (
+        "AVX2",
+        "AVX512",
+    ):
         return None  # the dequantize-then-multiply route serves other CPUs; nothing to warn about
     source = SOURCE.read_bytes()
     path = cache_dir() / f"quantized_linear-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
@@ -57,14 +60,22 @@ def library() -> Optional[ctypes.CDLL]:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved: safe for parallel runs
                 built = Path(tmp) / path.name
-                subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True)
+                subprocess.run(
+                    [compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True
+                )
                 os.replace(built, path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as err:
-        detail = err.stderr.strip().splitlines()[-1] if isinstance(err, subprocess.CalledProcessError) and err.stderr else err
-        warnings.warn(f"quantized layers take slower routes (int4: dequantizing its weights): the CPU kernels of {SOURCE.name} "
-                      f"could not be built ({detail}); install a C compiler (e.g. apt-get install gcc) to make them fast",
-                      stacklevel=3)
+        detail = (
+            err.stderr.strip().splitlines()[-1]
+            if isinstance(err, subprocess.CalledProcessError) and err.stderr
+            else err
+        )
+        warnings.warn(
+            f"quantized layers take slower routes (int4: dequantizing its weights): the CPU kernels of {SOURCE.name} "
+            f"could not be built ({detail}); install a C compiler (e.g. apt-get install gcc) to make them fast",
+            stacklevel=3,
+        )
         return None
     pointer = ctypes.c_void_p
     lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
@@ -74,7 +85,8 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
-    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32): `llmcourse.engine.quantize.quantize_int8(rows)`."""
+    """rows [M, K] float32 contiguous -> (xq [M, K] int8, xs [M] float32): what
+    `llmcourse.engine.quantize.quantize_int8(rows)` gives."""
     M, K = rows.shape
     xq, xs = torch.empty(M, K, dtype=torch.int8), torch.empty(M)
     library().quantize_rows(rows.data_ptr(), M, K, xq.data_ptr(), xs.data_ptr(), None)
@@ -96,8 +108,17 @@ def int8_linear(rows: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) 
 def _linear(kernel, rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
     (M, K), N = rows.shape, weight.shape[0]
     y = torch.empty(M, N)
-    kernel(rows.data_ptr(), weight.data_ptr(), scales.data_ptr(), None if bias is None else bias.data_ptr(),
-           y.data_ptr(), M, N, K, torch.get_num_threads())
+    kernel(
+        rows.data_ptr(),
+        weight.data_ptr(),
+        scales.data_ptr(),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        M,
+        N,
+        K,
+        torch.get_num_threads(),
+    )
     return y
 
 

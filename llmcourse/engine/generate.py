@@ -58,8 +58,10 @@ def as_model(model) -> tuple[GPT2, dict]:
         return inner, dict(getattr(model, "functions", {}))
     if hasattr(model, "config") and hasattr(model, "new_cache"):  # a GPT2 look-alike (duck typing is fine)
         return model, {}
-    raise TypeError(f"expected a model (llmcourse.load_model(...)) or my_engine()'s engine, got {type(model).__name__}; "
-                    "e.g. generate_text(llmcourse.load_model(), tokenizer, 'ROMEO:') or my_engine().generate_text('ROMEO:')")
+    raise TypeError(
+        f"expected a model (llmcourse.load_model(...)) or my_engine()'s engine, got {type(model).__name__}; "
+        "e.g. generate_text(llmcourse.load_model(), tokenizer, 'ROMEO:') or my_engine().generate_text('ROMEO:')"
+    )
 
 
 def functions_of(engines: dict, **given) -> dict:
@@ -106,22 +108,52 @@ def generate(
     if draft is not None:
         draft = checked_draft(model, draft, batch, num_draft_tokens, params, compile)
         generator = generator or new_generator(model, params.seed)
-        out = [list(speculative_steps(model, draft, p, params, num_draft_tokens=num_draft_tokens, generator=generator,
-                                      stats=stats, speculation=fns.get("speculation"), sampler=fns.get("sampler"),
-                                      kv_cache=fns.get("kv_cache"))) for p in batch]
+        out = [
+            list(
+                speculative_steps(
+                    model,
+                    draft,
+                    p,
+                    params,
+                    num_draft_tokens=num_draft_tokens,
+                    generator=generator,
+                    stats=stats,
+                    speculation=fns.get("speculation"),
+                    sampler=fns.get("sampler"),
+                    kv_cache=fns.get("kv_cache"),
+                )
+            )
+            for p in batch
+        ]
     elif params.num_beams > 1:
         out = [
-            beam_search(model, p, num_beams=params.num_beams, max_new_tokens=params.max_new_tokens,
-                        length_penalty=params.length_penalty, eos_token_id=params.eos_token_id,
-                        repetition_penalty=params.repetition_penalty, sampler=fns.get("sampler"),
-                        kv_cache=fns.get("kv_cache"))
+            beam_search(
+                model,
+                p,
+                num_beams=params.num_beams,
+                max_new_tokens=params.max_new_tokens,
+                length_penalty=params.length_penalty,
+                eos_token_id=params.eos_token_id,
+                repetition_penalty=params.repetition_penalty,
+                sampler=fns.get("sampler"),
+                kv_cache=fns.get("kv_cache"),
+            )
             for p in batch
         ]
     else:
         eos_token_id = params.eos_token_id
-        steps = decode_steps(model, batch, params, max_new_tokens=params.max_new_tokens, eos_token_id=eos_token_id,
-                             generator=generator or new_generator(model, params.seed), compile=compile,
-                             sampler=fns.get("sampler"), kv_cache=fns.get("kv_cache"), left_pad=fns.get("left_pad"))
+        steps = decode_steps(
+            model,
+            batch,
+            params,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=eos_token_id,
+            generator=generator or new_generator(model, params.seed),
+            compile=compile,
+            sampler=fns.get("sampler"),
+            kv_cache=fns.get("kv_cache"),
+            left_pad=fns.get("left_pad"),
+        )
         rows = torch.stack(list(steps), dim=1).tolist()  # one copy to the host, after the last step
         out = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
     return out[0] if single else out
@@ -158,17 +190,33 @@ def stream(
     check_compile(params, compile)
     if draft is not None:
         draft = checked_draft(model, draft, [ids], num_draft_tokens, params, compile)
-        tokens = speculative_steps(model, draft, ids, params, num_draft_tokens=num_draft_tokens,
-                                   generator=generator or new_generator(model, params.seed), stats=stats,
-                                   speculation=fns.get("speculation"), sampler=fns.get("sampler"),
-                                   kv_cache=fns.get("kv_cache"))
+        tokens = speculative_steps(
+            model,
+            draft,
+            ids,
+            params,
+            num_draft_tokens=num_draft_tokens,
+            generator=generator or new_generator(model, params.seed),
+            stats=stats,
+            speculation=fns.get("speculation"),
+            sampler=fns.get("sampler"),
+            kv_cache=fns.get("kv_cache"),
+        )
     elif params.num_beams > 1:
         tokens = iter(generate(model, ids, dataclasses.replace(params, stop=()), **fns))
     else:
-        steps = decode_steps(model, [ids], params, max_new_tokens=params.max_new_tokens,
-                             eos_token_id=params.eos_token_id, generator=generator or new_generator(model, params.seed),
-                             compile=compile, sampler=fns.get("sampler"), kv_cache=fns.get("kv_cache"),
-                             left_pad=fns.get("left_pad"))
+        steps = decode_steps(
+            model,
+            [ids],
+            params,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=params.eos_token_id,
+            generator=generator or new_generator(model, params.seed),
+            compile=compile,
+            sampler=fns.get("sampler"),
+            kv_cache=fns.get("kv_cache"),
+            left_pad=fns.get("left_pad"),
+        )
         tokens = (int(t) for t in steps)
     # Checked above and returned (not yielded from here) so that bad input raises at the call.
     return stop_at(decoded(tokens, tokenizer, params.eos_token_id), params.stop)
@@ -247,19 +295,26 @@ def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_
 
 def check_compile(params: SamplingParams, compile: bool) -> None:
     if params.num_beams > 1 and compile:
-        raise ValueError("compile=True applies to greedy decoding and sampling; beam search runs uncompiled, "
-                         "so use num_beams=1 or compile=False")
+        raise ValueError(
+            "compile=True applies to greedy decoding and sampling; beam search runs uncompiled, "
+            "so use num_beams=1 or compile=False"
+        )
 
 
-def checked_draft(model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, params: SamplingParams,
-                  compile: bool):
+def checked_draft(
+    model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, params: SamplingParams, compile: bool
+):
     """`draft` resolved (a model, or 'prompt-lookup'), refused where speculative decoding does not apply."""
     if params.num_beams > 1:
-        raise ValueError("speculative decoding (draft=...) samples or decodes greedily; it does not combine with "
-                         "beam search: use num_beams=1")
+        raise ValueError(
+            "speculative decoding (draft=...) samples or decodes greedily; it does not combine with "
+            "beam search: use num_beams=1"
+        )
     if compile:
-        raise ValueError("compile=True applies to plain decoding; speculative decoding (draft=...) runs uncompiled, "
-                         "so leave out compile=True or the draft")
+        raise ValueError(
+            "compile=True applies to plain decoding; speculative decoding (draft=...) runs uncompiled, "
+            "so leave out compile=True or the draft"
+        )
     draft = resolve_draft(model, draft)
     check_speculation(model, draft, batch, num_draft_tokens, params.max_new_tokens)
     return draft
@@ -312,8 +367,13 @@ def decode_steps(
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
 
     cache = model.new_cache(B, total, cache_class=None if compile else kv_cache)  # a compiled step: the engine's
-    logits = model(input_ids, position_ids=positions, attention_mask=mask[:, :longest] if padded else None,
-                   cache=cache, last_only=True)[:, -1]  # [B, V]
+    logits = model(
+        input_ids,
+        position_ids=positions,
+        attention_mask=mask[:, :longest] if padded else None,
+        cache=cache,
+        last_only=True,
+    )[:, -1]  # [B, V]
     next_pos = positions[:, -1:] + 1  # [B, 1]
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
     compiled_step = compiled_decode_step(model) if compile else None
@@ -334,12 +394,20 @@ def decode_steps(
             slot += 1
             cache.length += 1
         else:
-            logits = decode_step(model, token[:, None], next_pos, mask[:, : cache.length + 1] if padded else None, cache)
+            logits = decode_step(
+                model, token[:, None], next_pos, mask[:, : cache.length + 1] if padded else None, cache
+            )
         next_pos = next_pos + 1
 
 
-def decode_step(model: GPT2, token: Tensor, position_ids: Tensor, attention_mask: Optional[Tensor],
-                cache, slot: Optional[Tensor] = None) -> Tensor:
+def decode_step(
+    model: GPT2,
+    token: Tensor,
+    position_ids: Tensor,
+    attention_mask: Optional[Tensor],
+    cache,
+    slot: Optional[Tensor] = None,
+) -> Tensor:
     """Logits [B, V] after one more token per row, token [B, 1]; see `GPT2.forward` for `slot`."""
     return model(token, position_ids=position_ids, attention_mask=attention_mask, cache=cache, slot=slot)[:, -1]
 
@@ -382,8 +450,9 @@ def compiled_decode_step(model: GPT2):
                 return compiled(*args)
         except torch._dynamo.exc.TorchDynamoException as err:
             reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CompileError(f"torch.compile could not compile the decode step ({reason}); "
-                               "generate without compile=True (--compile)") from err
+            raise CompileError(
+                f"torch.compile could not compile the decode step ({reason}); generate without compile=True (--compile)"
+            ) from err
 
     return step
 

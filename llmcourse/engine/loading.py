@@ -27,10 +27,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from . import quantize as quantization
 from .config import CheckpointError, GPT2Config
 from .model import GPT2
 from .parts import Parts
-from . import quantize as quantization
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -90,11 +90,15 @@ def load_model(
     config = GPT2Config.from_json(folder / CONFIG_FILE)
     saved = quantization.saved_format(folder / CONFIG_FILE)
     if saved is not None and saved not in quantization.FORMATS:
-        raise CheckpointError(f"{folder / CONFIG_FILE}: quantization_config format {saved!r} is not one this engine reads "
-                              f"({', '.join(quantization.FORMATS)})")
+        raise CheckpointError(
+            f"{folder / CONFIG_FILE}: quantization_config format {saved!r} is not one this engine reads "
+            f"({', '.join(quantization.FORMATS)})"
+        )
     if saved is not None and quantize not in (None, saved):
-        raise CheckpointError(f"{folder} holds {saved} weights; quantizing them again to {quantize} would add the "
-                              f"errors of both: load it as it is (leave quantize out), or quantize the float checkpoint")
+        raise CheckpointError(
+            f"{folder} holds {saved} weights; quantizing them again to {quantize} would add the "
+            f"errors of both: load it as it is (leave quantize out), or quantize the float checkpoint"
+        )
     state = read_weights(folder / WEIGHTS_FILE)
     model = GPT2(config, parts)
     if saved is not None:
@@ -192,7 +196,10 @@ def check_weights(state: dict[str, torch.Tensor], model: GPT2, path: Path) -> di
     expected = model.state_dict()
     head = renamed.pop("lm_head.weight", None)
     cfg = model.config
-    summary = f"config.json: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, n_positions={cfg.n_positions}"
+    summary = (
+        f"config.json: n_layer={cfg.n_layer}, n_embd={cfg.n_embd}, vocab_size={cfg.vocab_size}, "
+        f"n_positions={cfg.n_positions}"
+    )
     missing = [k for k in expected if k not in renamed]
     if missing:
         raise CheckpointError(f"{path}: missing tensor '{missing[0]}' ({len(missing)} missing in all; {summary})")
@@ -204,18 +211,23 @@ def check_weights(state: dict[str, torch.Tensor], model: GPT2, path: Path) -> di
     for k, want in expected.items():
         if renamed[k].shape != want.shape:
             raise CheckpointError(
-                f"{path}: tensor '{k}' has shape {tuple(renamed[k].shape)}, but {summary} "
-                f"needs {tuple(want.shape)}"
+                f"{path}: tensor '{k}' has shape {tuple(renamed[k].shape)}, but {summary} needs {tuple(want.shape)}"
             )
-    if head is not None and "wte.weight" in renamed and not torch.equal(head.to(renamed["wte.weight"].dtype), renamed["wte.weight"]):
+    if (
+        head is not None
+        and "wte.weight" in renamed
+        and not torch.equal(head.to(renamed["wte.weight"].dtype), renamed["wte.weight"])
+    ):
         raise CheckpointError(
             f"{path}: lm_head.weight differs from wte.weight; GPT-2 ties its output head to the token "
             "embedding and this engine needs them equal"
         )
     for k, want in expected.items():
         if want.dtype.is_floating_point != renamed[k].dtype.is_floating_point:
-            raise CheckpointError(f"{path}: tensor '{k}' is {renamed[k].dtype}, but the model needs {want.dtype}; "
-                                  "is config.json's quantization_config the one these weights were saved with?")
+            raise CheckpointError(
+                f"{path}: tensor '{k}' is {renamed[k].dtype}, but the model needs {want.dtype}; "
+                "is config.json's quantization_config the one these weights were saved with?"
+            )
     return {k: v.to(expected[k].dtype) for k, v in renamed.items()}
 
 
@@ -233,7 +245,9 @@ def save_model(model: GPT2, folder: Union[str, Path], *, dtype: Optional[torch.d
         (folder / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
 
     def stored(k: str, v: torch.Tensor) -> torch.Tensor:
-        keep = not v.is_floating_point() or k.endswith("scales") and v.dtype == torch.float16  # int4 scales stay float16
+        keep = (
+            not v.is_floating_point() or k.endswith("scales") and v.dtype == torch.float16
+        )  # int4 scales stay float16
         return v.detach().to("cpu", v.dtype if keep else dtype or v.dtype).contiguous()
 
     tensors = {f"transformer.{k}": stored(k, v) for k, v in model.state_dict().items()}

@@ -1,8 +1,8 @@
 """Left padding: prompts of different lengths as one static batch (chapter 07's `left_pad`).
 
-    >>> input_ids, attention_mask, position_ids = left_pad([[5, 6, 7], [8]])
-    >>> input_ids.tolist(), attention_mask.tolist(), position_ids.tolist()
-    ([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
+>>> input_ids, attention_mask, position_ids = left_pad([[5, 6, 7], [8]])
+>>> input_ids.tolist(), attention_mask.tolist(), position_ids.tolist()
+([[5, 6, 7], [0, 0, 8]], [[1, 1, 1], [0, 0, 1]], [[0, 1, 2], [0, 0, 0]])
 """
 
 from __future__ import annotations

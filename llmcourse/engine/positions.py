@@ -47,8 +47,9 @@ def rope_inv_freq(head_dim: int, base: float = 10000.0, dtype: torch.dtype = tor
     return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
 
 
-def rope_cos_sin(position_ids: Tensor, head_dim: int, base: float = 10000.0,
-                 dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
+def rope_cos_sin(
+    position_ids: Tensor, head_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
     """cos and sin of every position's angles, each [B, T, D], the D/2 angles written twice (half-split).
 
     The angles are computed in float64 whatever `dtype` is: position × speed reaches thousands of

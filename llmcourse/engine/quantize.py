@@ -18,9 +18,9 @@ How a quantized layer multiplies on a CPU: the input rows are quantized to int8 
 as CTranslate2 does), the products of integers are summed exactly in integers and then scaled; for a
 few rows (decoding) by the C kernels of `cpu_kernels` (int4: llama.cpp's Q4_0 dot product), for many
 (prefill) by `torch._int_mm` (int8) or a float matmul on the dequantized weights (int4). Exact integer
-sums make a row's result independent of the other rows of a batch (int8 at any size, int4 up to 16 rows). On a GPU the weights are converted
-to the float dtype inside the matmul (as gpt-fast does), which torch.compile fuses into one kernel.
-The learner's reference functions (`int8_linear`: dequantize, then multiply) keep the activations in
+sums make a row's result independent of the other rows of a batch (int8 at any size, int4 up to 16 rows). On a
+GPU the weights are converted to the float dtype inside the matmul (as gpt-fast does), which torch.compile fuses
+into one kernel. The learner's reference functions (`int8_linear`: dequantize, then multiply) keep the activations in
 float; both agree to about 0.5 % of a layer's output.
 
     >>> w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]])
@@ -36,7 +36,6 @@ float; both agree to about 0.5 % of a layer's output.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import Callable, Optional
@@ -84,7 +83,8 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def quantize_int4(w: Tensor, group_size: int = GROUP_SIZE, *, pack: Callable = pack_int4) -> tuple[Tensor, Tensor]:
-    """Groups of `group_size` along each row (Q4_0): w [N, K] -> (packed [N, K // 2] uint8, scales [N, K // group_size] float16).
+    """Groups of `group_size` along each row (Q4_0): w [N, K] -> (packed [N, K // 2] uint8,
+    scales [N, K // group_size] float16).
     In each group the value of largest magnitude m becomes -8: scale = m / -8, q = clamp(round(w / scale), -8, 7)."""
     N, K = w.shape
     if K % group_size:
@@ -144,9 +144,15 @@ def use_kernel(rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tens
     """Whether rows [M, K] on the CPU go through the C kernels: few rows, float32 (int8: float32 scales), weights
     stored row by row, not while torch.compile traces, and the kernels built."""
     float32 = rows.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32 and bias.is_contiguous())
-    return (rows.shape[0] <= KERNEL_ROWS and float32 and (weight.dtype == torch.uint8 or scales.dtype == torch.float32)
-            and weight.is_contiguous() and scales.is_contiguous() and not torch.compiler.is_compiling()
-            and cpu_kernels.library() is not None)
+    return (
+        rows.shape[0] <= KERNEL_ROWS
+        and float32
+        and (weight.dtype == torch.uint8 or scales.dtype == torch.float32)
+        and weight.is_contiguous()
+        and scales.is_contiguous()
+        and not torch.compiler.is_compiling()
+        and cpu_kernels.library() is not None
+    )
 
 
 def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
@@ -160,8 +166,12 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
         return cpu_kernels.int4_linear(rows.contiguous(), packed, scales, bias).view(*x.shape[:-1], packed.shape[0])
     else:  # the kernel's numbers up to the order of the sums: same quantized inputs, same products
         rows = dequantize_int8(*quantize_int8(rows))
-        if not torch.compiler.is_compiling() and packed.is_contiguous() and scales.is_contiguous() \
-                and cpu_kernels.library() is not None:
+        if (
+            not torch.compiler.is_compiling()
+            and packed.is_contiguous()
+            and scales.is_contiguous()
+            and cpu_kernels.library() is not None
+        ):
             y = F.linear(cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales))
         else:
             y = F.linear(rows, dequantize_int4(packed, scales))
@@ -184,8 +194,12 @@ class QuantizedAffine(nn.Module):
         self.format = check_format(fmt)
         self.quantization = quantization or Quantization()
         int8 = fmt == "int8"
-        self.register_buffer("qweight", torch.zeros(n_out, n_in if int8 else n_in // 2, dtype=torch.int8 if int8 else torch.uint8))
-        self.register_buffer("scales", torch.zeros(n_out) if int8 else torch.zeros(n_out, n_in // GROUP_SIZE, dtype=torch.float16))
+        self.register_buffer(
+            "qweight", torch.zeros(n_out, n_in if int8 else n_in // 2, dtype=torch.int8 if int8 else torch.uint8)
+        )
+        self.register_buffer(
+            "scales", torch.zeros(n_out) if int8 else torch.zeros(n_out, n_in // GROUP_SIZE, dtype=torch.float16)
+        )
         self.register_buffer("bias", torch.zeros(n_out))
 
     def forward(self, x: Tensor, linear: Optional[Callable] = None) -> Tensor:
@@ -262,8 +276,10 @@ def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None)
     functions (the engine's own by default), in place; returns the model.
 
         >>> from llmcourse.engine.model import GPT2, GPT2Config
-        >>> model = quantize_model(GPT2(GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=100)).init_weights(), "int4")
-        >>> model.h[0].mlp.c_fc.qweight.shape, model.h[0].mlp.c_fc.scales.shape   # [C_out, C_in / 2], [C_out, C_in / 32]
+        >>> config = GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=100)
+        >>> model = quantize_model(GPT2(config).init_weights(), "int4")
+        >>> c_fc = model.h[0].mlp.c_fc
+        >>> c_fc.qweight.shape, c_fc.scales.shape   # [C_out, C_in / 2], [C_out, C_in / 32]
         (torch.Size([256, 32]), torch.Size([256, 2]))
     """
     check_format(fmt)
@@ -271,7 +287,9 @@ def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None)
     if current == fmt:
         return model
     if current:
-        raise ValueError(f"this model is already quantized to {current}; load the float checkpoint to quantize it again")
+        raise ValueError(
+            f"this model is already quantized to {current}; load the float checkpoint to quantize it again"
+        )
     qz = quantization or Quantization()
     with torch.no_grad():
         for parent, name, old in affine_layers(model):
@@ -284,14 +302,18 @@ def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None)
 
 
 def quantized_format(model) -> Optional[str]:
-    """'int8' or 'int4' for a model whose weights `quantize_model` (or loading a quantized folder) quantized, else None."""
+    """'int8' or 'int4' for a model whose weights `quantize_model` (or loading a quantized folder) quantized,
+    else None."""
     return model.wte.format if isinstance(model.wte, QuantizedTable) else None
 
 
 def affine_layers(model):
     """(parent module, attribute name, layer) of every linear layer of the blocks."""
-    return [(parent, name, getattr(parent, name)) for block in model.h
-            for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj"))]
+    return [
+        (parent, name, getattr(parent, name))
+        for block in model.h
+        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj"))
+    ]
 
 
 def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], dtype: torch.dtype):

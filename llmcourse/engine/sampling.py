@@ -82,8 +82,9 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(self.stop))
 
     @classmethod
-    def of(cls, params: Optional["SamplingParams"] = None, *, allowed: Optional[Sequence[str]] = None,
-           **settings) -> "SamplingParams":
+    def of(
+        cls, params: Optional["SamplingParams"] = None, *, allowed: Optional[Sequence[str]] = None, **settings
+    ) -> "SamplingParams":
         """`params` (default: every default) with `settings` over it, refusing names that are not settings
         (or not among `allowed`, where a driver takes only some)."""
         names = [f.name for f in dataclasses.fields(cls)] if allowed is None else list(allowed)
@@ -161,8 +162,8 @@ def greedy(logits: Tensor) -> Tensor:
 def sample(logits: Tensor, generator: Optional[torch.Generator] = None) -> Tensor:
     """Draw one token per row from softmax(logits) (-inf = never). logits [B, V] -> ids [B].
 
-        >>> sample(torch.tensor([[0.0, float("-inf")]]), torch.Generator().manual_seed(0))
-        tensor([0])
+    >>> sample(torch.tensor([[0.0, float("-inf")]]), torch.Generator().manual_seed(0))
+    tensor([0])
     """
     probs = torch.softmax(logits, dim=-1)  # [B, V]
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
@@ -206,8 +207,13 @@ class Sampler(Slots):
             logits = self.min_p(logits, settings.min_p)
         return logits
 
-    def next_token(self, logits: Tensor, settings: SamplingParams, seen: Optional[Tensor] = None,
-                   generator: Optional[torch.Generator] = None) -> Tensor:
+    def next_token(
+        self,
+        logits: Tensor,
+        settings: SamplingParams,
+        seen: Optional[Tensor] = None,
+        generator: Optional[torch.Generator] = None,
+    ) -> Tensor:
         """Choose one token per row. logits [B, V] -> token ids [B]."""
         scores = self.process(logits.float(), settings, seen)
         return self.greedy(scores) if settings.greedy else self.sample(scores, generator)

@@ -45,7 +45,9 @@ from .slots import Slots
 PROMPT_LOOKUP = "prompt-lookup"
 
 
-def accept_token(p: Tensor, q: Tensor, draft_token: int, generator: Optional[torch.Generator] = None) -> tuple[bool, int]:
+def accept_token(
+    p: Tensor, q: Tensor, draft_token: int, generator: Optional[torch.Generator] = None
+) -> tuple[bool, int]:
     """The acceptance rule at one position: p, q [V] the target's and the draft's probabilities,
     `draft_token` drawn from q. -> (True, draft_token) with probability min(1, p/q), else (False, a token
     drawn from max(0, p - q) normalised)."""
@@ -58,8 +60,14 @@ def accept_token(p: Tensor, q: Tensor, draft_token: int, generator: Optional[tor
     return False, int(torch.multinomial(residual / residual.sum(), 1, generator=generator))
 
 
-def verify(p: Tensor, q: Tensor, draft_tokens: list[int], generator: Optional[torch.Generator] = None, *,
-           accept_token: Callable = accept_token) -> tuple[int, int]:
+def verify(
+    p: Tensor,
+    q: Tensor,
+    draft_tokens: list[int],
+    generator: Optional[torch.Generator] = None,
+    *,
+    accept_token: Callable = accept_token,
+) -> tuple[int, int]:
     """Check k proposals: p [k+1, V] the target's probabilities after each prefix, q [k, V] the draft's,
     `draft_tokens` the k proposals. -> (how many are accepted, the token that comes after them): the
     residual's token at the first rejection, or a bonus token drawn from p[k] when all k are kept.
@@ -111,8 +119,9 @@ def speculative_round(target, draft, target_cache, draft_cache, tokens: list[int
     holds all of it but the last token, `draft_cache` a prefix of it. The draft proposes
     `num_draft_tokens` tokens, the target scores them in one forward pass, both caches are rolled back to
     the tokens kept. -> the new tokens: the accepted proposals and the target's next token."""
-    return draft_verify(target, DraftModel(draft, draft_cache), target_cache, tokens, num_draft_tokens,
-                        Distributions(SamplingParams()))[0]
+    return draft_verify(
+        target, DraftModel(draft, draft_cache), target_cache, tokens, num_draft_tokens, Distributions(SamplingParams())
+    )[0]
 
 
 @dataclasses.dataclass
@@ -128,9 +137,9 @@ class Round:
 class SpeculationStats:
     """Filled in by `generate(..., draft=..., stats=SpeculationStats())`: every round, and the time.
 
-        >>> stats = SpeculationStats(rounds=[Round([5, 6], 1, 7), Round([8, 9], 2, 3)], new_tokens=5)
-        >>> stats.acceptance_rate, stats.tokens_per_forward
-        (0.75, 2.5)
+    >>> stats = SpeculationStats(rounds=[Round([5, 6], 1, 7), Round([8, 9], 2, 3)], new_tokens=5)
+    >>> stats.acceptance_rate, stats.tokens_per_forward
+    (0.75, 2.5)
     """
 
     rounds: list[Round] = dataclasses.field(default_factory=list)
@@ -158,13 +167,17 @@ class SpeculationStats:
     def acceptance_by_position(self) -> list[float]:
         """For i = 1, 2, ...: of the rounds that proposed an i-th token, the fraction that accepted it."""
         longest = max((len(r.drafted) for r in self.rounds), default=0)
-        return [sum(r.accepted >= i for r in self.rounds) / max(sum(len(r.drafted) >= i for r in self.rounds), 1)
-                for i in range(1, longest + 1)]
+        return [
+            sum(r.accepted >= i for r in self.rounds) / max(sum(len(r.drafted) >= i for r in self.rounds), 1)
+            for i in range(1, longest + 1)
+        ]
 
     def summary(self) -> str:
-        return (f"speculative decoding: {self.new_tokens} tokens in {len(self.rounds)} target forward passes "
-                f"({self.tokens_per_forward:.2f} per pass), {self.accepted} of {self.drafted} proposals accepted "
-                f"({self.acceptance_rate:.0%}), {self.seconds:.2f} s")
+        return (
+            f"speculative decoding: {self.new_tokens} tokens in {len(self.rounds)} target forward passes "
+            f"({self.tokens_per_forward:.2f} per pass), {self.accepted} of {self.drafted} proposals accepted "
+            f"({self.acceptance_rate:.0%}), {self.seconds:.2f} s"
+        )
 
 
 class Distributions:
@@ -206,8 +219,9 @@ class DraftModel:
     def __init__(self, model, cache):
         self.model, self.cache = model, cache
 
-    def propose(self, tokens: list[int], k: int, dist: Distributions, generator,
-                need_q: bool = True) -> tuple[list[int], Optional[Tensor]]:
+    def propose(
+        self, tokens: list[int], k: int, dist: Distributions, generator, need_q: bool = True
+    ) -> tuple[list[int], Optional[Tensor]]:
         """k tokens drawn one by one from the draft's processed distribution q; -> (tokens, q [k, V], or None
         when not `need_q`: greedy proposals are argmaxes, and the engine's greedy verify compares ids)."""
         device = self.model.device
@@ -236,8 +250,9 @@ class PromptLookup:
     def __init__(self, lookup: Callable = prompt_lookup_draft, vocab_size: int = 0, device=None):
         self.lookup, self.vocab_size, self.device = lookup, vocab_size, device
 
-    def propose(self, tokens: list[int], k: int, dist: Distributions, generator,
-                need_q: bool = True) -> tuple[list[int], Optional[Tensor]]:
+    def propose(
+        self, tokens: list[int], k: int, dist: Distributions, generator, need_q: bool = True
+    ) -> tuple[list[int], Optional[Tensor]]:
         drafted = list(self.lookup(tokens, k)) if k else []
         if not need_q:
             return drafted, None
@@ -248,8 +263,16 @@ class PromptLookup:
 
 
 @torch.inference_mode()
-def draft_verify(target, proposer, target_cache, tokens: list[int], k: int, dist: Distributions,
-                 generator: Optional[torch.Generator] = None, verify: Callable = verify) -> tuple[list[int], list[int]]:
+def draft_verify(
+    target,
+    proposer,
+    target_cache,
+    tokens: list[int],
+    k: int,
+    dist: Distributions,
+    generator: Optional[torch.Generator] = None,
+    verify: Callable = verify,
+) -> tuple[list[int], list[int]]:
     """One round for any proposer and settings; -> (new tokens, the proposals). See the module's docstring."""
     compare_ids = dist.settings.greedy and verify is VERIFY  # what `verify` does with one-hot p and q, without draws
     drafted, q = proposer.propose(tokens, k, dist, generator, need_q=not compare_ids)  # q [k, V]
@@ -291,36 +314,55 @@ def resolve_draft(target, draft) -> Union[str, object]:
         except (ValueError, OSError) as err:
             raise ValueError(f"the draft model {str(draft)!r} could not be loaded: {err}") from err
     if not isinstance(draft, GPT2):
-        raise ValueError(f"draft must be a model (llmcourse.GPT2), a model name or folder that load_model takes, or "
-                         f"'{PROMPT_LOOKUP}', got {type(draft).__name__}")
+        raise ValueError(
+            f"draft must be a model (llmcourse.GPT2), a model name or folder that load_model takes, or "
+            f"'{PROMPT_LOOKUP}', got {type(draft).__name__}"
+        )
     if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(f"the draft model's vocabulary has {draft.config.vocab_size} tokens but the target's has "
-                         f"{target.config.vocab_size}: speculative decoding needs a draft with the target's tokenizer "
-                         f"(e.g. gpt2-shakespeare-draft for gpt2-shakespeare, or draft='{PROMPT_LOOKUP}')")
+        raise ValueError(
+            f"the draft model's vocabulary has {draft.config.vocab_size} tokens but the target's has "
+            f"{target.config.vocab_size}: speculative decoding needs a draft with the target's tokenizer "
+            f"(e.g. gpt2-shakespeare-draft for gpt2-shakespeare, or draft='{PROMPT_LOOKUP}')"
+        )
     if draft.device != target.device:
-        raise ValueError(f"the draft model is on {draft.device} but the target is on {target.device}: "
-                         f"move it with draft.to({str(target.device)!r})")
+        raise ValueError(
+            f"the draft model is on {draft.device} but the target is on {target.device}: "
+            f"move it with draft.to({str(target.device)!r})"
+        )
     return draft
 
 
 def check_speculation(target, draft, batch: list[list[int]], num_draft_tokens, max_new_tokens: int) -> None:
     """Refuse a `num_draft_tokens` or prompt lengths that speculative decoding cannot run."""
     if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= 64:
-        raise ValueError(f"num_draft_tokens must be an integer in [1, 64] (tokens the draft proposes per round), "
-                         f"got {num_draft_tokens!r}")
+        raise ValueError(
+            f"num_draft_tokens must be an integer in [1, 64] (tokens the draft proposes per round), "
+            f"got {num_draft_tokens!r}"
+        )
     if draft == PROMPT_LOOKUP:
         return
     longest = max(map(len, batch)) + max_new_tokens
     if longest > draft.config.n_positions:
-        raise ValueError(f"the draft model has only n_positions={draft.config.n_positions}, but the longest prompt plus "
-                         f"max_new_tokens is {longest} positions: lower max_new_tokens or use a draft with more positions")
+        raise ValueError(
+            f"the draft model has only n_positions={draft.config.n_positions}, but the longest prompt plus "
+            f"max_new_tokens is {longest} positions: lower max_new_tokens or use a draft with more positions"
+        )
 
 
 @torch.inference_mode()
-def speculative_steps(target, draft, prompt: list[int], settings: SamplingParams, *, num_draft_tokens: int,
-                      generator: Optional[torch.Generator], stats: Optional[SpeculationStats] = None,
-                      speculation: Optional["Speculation"] = None, sampler: Optional[Sampler] = None,
-                      kv_cache: Optional[Callable] = None) -> Iterator[int]:
+def speculative_steps(
+    target,
+    draft,
+    prompt: list[int],
+    settings: SamplingParams,
+    *,
+    num_draft_tokens: int,
+    generator: Optional[torch.Generator],
+    stats: Optional[SpeculationStats] = None,
+    speculation: Optional["Speculation"] = None,
+    sampler: Optional[Sampler] = None,
+    kv_cache: Optional[Callable] = None,
+) -> Iterator[int]:
     """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup'),
     with `speculation`'s functions, `sampler`'s processors and caches (target's and draft's) of class `kv_cache`
     (each the engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
@@ -343,8 +385,12 @@ def speculative_steps(target, draft, prompt: list[int], settings: SamplingParams
     else:
         proposer = DraftModel(draft, draft.new_cache(1, len(prompt) + max_new_tokens, cache_class=kv_cache))
     # The engine's own greedy round is `draft_verify` itself (which also reports the proposals).
-    learners_round = ("speculative_round" in spec.overridden() and isinstance(proposer, DraftModel)
-                      and settings.greedy and seen is None)
+    learners_round = (
+        "speculative_round" in spec.overridden()
+        and isinstance(proposer, DraftModel)
+        and settings.greedy
+        and seen is None
+    )
 
     made = 0
     while made < max_new_tokens:

@@ -22,7 +22,9 @@ import torch
 from torch import Tensor
 
 
-def tiled_attention(q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True) -> tuple[Tensor, Tensor]:
+def tiled_attention(
+    q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causal: bool = True
+) -> tuple[Tensor, Tensor]:
     """Attention over blocks of `block_size` queries and keys: (out [B, H, Tq, Dv], lse [B, H, Tq]).
 
     q [B, H, Tq, D], k [B, H, Tk, D], v [B, H, Tk, Dv]. With `causal`, the queries are the last Tq of
@@ -59,8 +61,16 @@ def tiled_attention(q: Tensor, k: Tensor, v: Tensor, block_size: int = 64, causa
     return out, lse
 
 
-def attention_io_bytes(seq_len: int, n_layer: int, n_head: int, head_dim: int, *, batch_size: int = 1,
-                       bytes_per_value: int = 2, block_rows: int = 128) -> dict[str, int]:
+def attention_io_bytes(
+    seq_len: int,
+    n_layer: int,
+    n_head: int,
+    head_dim: int,
+    *,
+    batch_size: int = 1,
+    bytes_per_value: int = 2,
+    block_rows: int = 128,
+) -> dict[str, int]:
     """Bytes of main-memory traffic of attention in one forward pass over `seq_len` tokens, all layers.
 
     - scores: what a plain implementation moves for its score matrices, 4·T² values per head and

@@ -68,8 +68,14 @@ class BlockManager:
     `allocator_class` builds the free list (a learner's `BlockAllocator` may be swapped in).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, *, prefix_caching: bool = True,
-                 allocator_class: Callable[[int], BlockAllocator] = BlockAllocator):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        prefix_caching: bool = True,
+        allocator_class: Callable[[int], BlockAllocator] = BlockAllocator,
+    ):
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.allocator = allocator_class(num_blocks)
         self.cached: dict[int, int] = {}  # hash of a full block's tokens and prefix -> block id

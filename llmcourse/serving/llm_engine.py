@@ -32,8 +32,17 @@ from .block_manager import BlockManager, blocks_for
 from .scheduler import Request, Scheduler
 
 # generation's settings without beam search, which the engine does not do
-SETTINGS = ("max_new_tokens", "eos_token_id", "seed", "stop", "temperature", "top_k", "top_p", "min_p",
-            "repetition_penalty")
+SETTINGS = (
+    "max_new_tokens",
+    "eos_token_id",
+    "seed",
+    "stop",
+    "temperature",
+    "top_k",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+)
 
 
 class LLMEngine:
@@ -47,27 +56,49 @@ class LLMEngine:
     that choose tokens (`Sampler`) and run the paged batches (`Batching`), the engine's own by default.
     """
 
-    def __init__(self, model: GPT2, *, block_size: int = 16, num_blocks: Optional[int] = None, max_num_seqs: int = 32,
-                 max_num_batched_tokens: int = 512, prefix_caching: bool = True, tokenizer=None,
-                 sampler: Optional[Sampler] = None, batching: Optional[Batching] = None):
-        for name, value in (("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens), ("num_blocks", num_blocks)):
+    def __init__(
+        self,
+        model: GPT2,
+        *,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        max_num_seqs: int = 32,
+        max_num_batched_tokens: int = 512,
+        prefix_caching: bool = True,
+        tokenizer=None,
+        sampler: Optional[Sampler] = None,
+        batching: Optional[Batching] = None,
+    ):
+        for name, value in (
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("num_blocks", num_blocks),
+        ):
             if not (value is None and name == "num_blocks") and (
-                    isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         model, engines = as_model(model)  # my_engine()'s engine serves its model, with its functions
         cfg = model.config
         if num_blocks is None:
-            num_blocks = max(max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
-                             blocks_for(cfg.n_positions, block_size))
+            num_blocks = max(
+                max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
+                blocks_for(cfg.n_positions, block_size),
+            )
         self.model, self.tokenizer = model, tokenizer
         self.sampler = sampler or engines.get("sampler") or Sampler()
         self.batching = batching or engines.get("batching") or Batching()
         self.cache = paged_cache.PagedKVCache(cfg, num_blocks, block_size, device=model.device, dtype=model.dtype)
-        self.blocks = BlockManager(num_blocks, block_size, prefix_caching=prefix_caching,
-                                   allocator_class=self.batching.BlockAllocator)
-        self.scheduler = Scheduler(self.blocks, max_num_seqs=max_num_seqs,
-                                   max_num_batched_tokens=max_num_batched_tokens, policy=self.batching.schedule)
+        self.blocks = BlockManager(
+            num_blocks, block_size, prefix_caching=prefix_caching, allocator_class=self.batching.BlockAllocator
+        )
+        self.scheduler = Scheduler(
+            self.blocks,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            policy=self.batching.schedule,
+        )
         self.requests: dict[int, Request] = {}
         self.num_steps = 0
         self.steps_without_token = 0
@@ -96,9 +127,11 @@ class LLMEngine:
         check_request(self.model, [prompt], max_new_tokens, eos_token_id)
         need, bs = blocks_for(len(prompt) + max_new_tokens, self.blocks.block_size), self.blocks.block_size
         if need > self.blocks.num_blocks:
-            raise ValueError(f"a request of {len(prompt)} prompt tokens and max_new_tokens={max_new_tokens} needs "
-                             f"{need} blocks of {bs} positions, but the pool has num_blocks={self.blocks.num_blocks}; "
-                             "lower max_new_tokens or make the pool bigger")
+            raise ValueError(
+                f"a request of {len(prompt)} prompt tokens and max_new_tokens={max_new_tokens} needs "
+                f"{need} blocks of {bs} positions, but the pool has num_blocks={self.blocks.num_blocks}; "
+                "lower max_new_tokens or make the pool bigger"
+            )
         if stop and self.tokenizer is None:
             self.tokenizer = get_tokenizer()
         generator = None if settings.greedy else new_generator(self.model, settings.seed)
@@ -115,17 +148,22 @@ class LLMEngine:
         try:
             batch = self.scheduler.next_step()
         except MemoryError as err:
-            raise PartError(f"the scheduler gave out more blocks than were free ({err}); "
-                            "hint: run the checks for 'schedule' and 'BlockAllocator' in chapter 07") from err
+            raise PartError(
+                f"the scheduler gave out more blocks than were free ({err}); "
+                "hint: run the checks for 'schedule' and 'BlockAllocator' in chapter 07"
+            ) from err
         if not batch:  # a learner's policy may preempt without running anything
             self.steps_without_token += 1
             self.check_progress()
             return []
-        chunks = [paged_cache.Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, r.block_table)
-                  for r, n in batch]
+        chunks = [
+            paged_cache.Chunk(r.tokens[r.num_computed : r.num_computed + n], r.num_computed, r.block_table)
+            for r, n in batch
+        ]
         rows = [row for row, (r, n) in enumerate(batch) if r.num_computed + n == len(r.tokens)]  # not mid-prompt
-        logits = paged_cache.forward(self.model, self.cache, chunks, rows, gather=self.batching.gather_kv,
-                                     slots_of=self.batching.slot_mapping)  # [len(rows), V]
+        logits = paged_cache.forward(
+            self.model, self.cache, chunks, rows, gather=self.batching.gather_kv, slots_of=self.batching.slot_mapping
+        )  # [len(rows), V]
         self.num_steps += 1
         self.last_step = [(r.id, n) for r, n in batch]
         for request, n in batch:
@@ -151,9 +189,11 @@ class LLMEngine:
             return
         pending = self.scheduler.running + list(self.scheduler.waiting)
         if self.steps_without_token > 2 * sum(len(r.tokens) for r in pending) + 8:
-            raise PartError(f"part 'schedule' makes no progress: {self.steps_without_token} steps without a new "
-                            f"token ({self.scheduler.num_preempted} preemptions so far)\n"
-                            "  hint: run the check for 'schedule' in chapter 07 to debug it")
+            raise PartError(
+                f"part 'schedule' makes no progress: {self.steps_without_token} steps without a new "
+                f"token ({self.scheduler.num_preempted} preemptions so far)\n"
+                "  hint: run the check for 'schedule' in chapter 07 to debug it"
+            )
 
     def next_tokens(self, requests: list[Request], logits: torch.Tensor) -> list[int]:
         """The next token of each request, logits [R, V]. Requests with the same greedy settings are decided in
@@ -181,8 +221,13 @@ class LLMEngine:
             return any(s in text for s in request.stop)
         return False
 
-    def generate(self, prompts: Sequence[Sequence[int]], arrivals: Optional[Sequence[int]] = None,
-                 settings: Optional[Sequence[dict]] = None, **common) -> list[list[int]]:
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        arrivals: Optional[Sequence[int]] = None,
+        settings: Optional[Sequence[dict]] = None,
+        **common,
+    ) -> list[list[int]]:
         """New token ids for each prompt, in the order given. `arrivals[i]`: the step at which prompt i arrives
         (default: all at step 0). `settings[i]`: prompt i's own settings (a dict, over the `common` ones).
         Every request is checked before any runs."""
@@ -211,5 +256,9 @@ class LLMEngine:
     @property
     def stats(self) -> dict:
         """Counters so far: steps, preemptions, prompt tokens served from the prefix cache, tokens computed."""
-        return {"steps": self.num_steps, "preemptions": self.scheduler.num_preempted,
-                "cached_tokens": self.blocks.cache_hits, "computed_tokens": self.num_computed_tokens}
+        return {
+            "steps": self.num_steps,
+            "preemptions": self.scheduler.num_preempted,
+            "cached_tokens": self.blocks.cache_hits,
+            "computed_tokens": self.num_computed_tokens,
+        }

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmcourse.engine.slots import PartError
 from llmcourse.engine.config import GPT2Config
+from llmcourse.engine.slots import PartError
 
 
 def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -57,8 +57,15 @@ class Chunk(NamedTuple):
 
 
 @torch.inference_mode()
-def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional[list[int]] = None, *,
-            gather: Callable = gather_kv, slots_of: Callable = slot_mapping) -> Tensor:
+def forward(
+    model,
+    cache: PagedKVCache,
+    chunks: list[Chunk],
+    logits_of: Optional[list[int]] = None,
+    *,
+    gather: Callable = gather_kv,
+    slots_of: Callable = slot_mapping,
+) -> Tensor:
     """Run the chunks of several requests as one batch of N tokens; each chunk's keys and values go into the
     pool, and each chunk attends to all of its request's positions so far. -> logits [len(logits_of), vocab_size]
     of the last token of the chunks `logits_of` (default: all; the engine asks only for those that end a
@@ -83,12 +90,15 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
 
     if len(decodes) > 1:  # one attention call for all of them: keys padded to the longest, masked
         longest = max(ends[j] for j in decodes)
-        key_mask = torch.arange(longest, device=device) < torch.tensor([ends[j] for j in decodes], device=device)[:, None]
+        key_mask = (
+            torch.arange(longest, device=device) < torch.tensor([ends[j] for j in decodes], device=device)[:, None]
+        )
         key_mask = key_mask[:, None, None, :]  # [G, 1, 1, longest]
         decode_rows = torch.tensor([starts[j] for j in decodes], device=device)
         width = max(len(chunks[j].block_table) for j in decodes)
-        decode_tables = torch.tensor([chunks[j].block_table + [0] * (width - len(chunks[j].block_table))
-                                      for j in decodes], device=device)  # [G, width], padded with block 0
+        decode_tables = torch.tensor(
+            [chunks[j].block_table + [0] * (width - len(chunks[j].block_table)) for j in decodes], device=device
+        )  # [G, width], padded with block 0
 
     if gather is not gather_kv:
         gather = checked_gather(gather)
@@ -106,7 +116,9 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
         attention = model.parts.attention
         if len(decodes) > 1:
             q_rows = q[0, :, decode_rows].transpose(0, 1)[:, :, None]  # [G, H, 1, D]
-            out[0, :, decode_rows] = attention(q_rows, padded(k_pool), padded(v_pool), key_mask)[:, :, 0].transpose(0, 1)
+            out[0, :, decode_rows] = attention(q_rows, padded(k_pool), padded(v_pool), key_mask)[:, :, 0].transpose(
+                0, 1
+            )
         for j in prefills if len(decodes) > 1 else range(len(chunks)):
             o, n = starts[j], lengths[j]
             keys, values = gather(k_pool, tables[j], ends[j]), gather(v_pool, tables[j], ends[j])  # [H, end, D]
@@ -121,13 +133,16 @@ def forward(model, cache: PagedKVCache, chunks: list[Chunk], logits_of: Optional
 
 def checked_gather(gather: Callable) -> Callable:
     """A learner's gather, compared with the engine's at every call: wrong keys would silently change the text."""
+
     def call(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
         out = gather(pool, block_table, length)
         want = torch.cat([pool[b] for b in block_table.tolist()])[:length].transpose(0, 1)  # [H, length, D]
         if not torch.equal(out, want):
-            raise PartError(f"part 'gather_kv' read positions 0..{length - 1} through block table "
-                            f"{block_table.tolist()} wrongly: they differ from the pool's blocks in that order\n"
-                            "  hint: run the check for 'gather_kv' in chapter 07 to debug it")
+            raise PartError(
+                f"part 'gather_kv' read positions 0..{length - 1} through block table "
+                f"{block_table.tolist()} wrongly: they differ from the pool's blocks in that order\n"
+                "  hint: run the check for 'gather_kv' in chapter 07 to debug it"
+            )
         return out
 
     return call
@@ -140,9 +155,11 @@ def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None
         got = slots[at : at + len(c.tokens)].tolist()
         want = [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + len(c.tokens))]
         if got != want:
-            raise PartError(f"part 'slot_mapping' put positions {c.start}..{c.start + len(c.tokens) - 1} of a request "
-                            f"with block table {c.block_table} (block_size {bs}) at slots {got}, expected {want}\n"
-                            "  hint: run the check for 'slot_mapping' in chapter 07 to debug it")
+            raise PartError(
+                f"part 'slot_mapping' put positions {c.start}..{c.start + len(c.tokens) - 1} of a request "
+                f"with block table {c.block_table} (block_size {bs}) at slots {got}, expected {want}\n"
+                "  hint: run the check for 'slot_mapping' in chapter 07 to debug it"
+            )
         at += len(c.tokens)
 
 

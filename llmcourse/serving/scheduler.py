@@ -21,9 +21,10 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from llmcourse.engine.slots import PartError
-from .block_manager import BlockManager, blocks_for
 from llmcourse.engine.sampling import SamplingParams
+from llmcourse.engine.slots import PartError
+
+from .block_manager import BlockManager, blocks_for
 
 
 class SeqView(NamedTuple):
@@ -43,8 +44,15 @@ class SeqView(NamedTuple):
     num_unshared_blocks: int  # blocks that only it holds
 
 
-def schedule(running: list[SeqView], waiting: list[SeqView], num_free_blocks: int, *, block_size: int,
-             max_num_seqs: int, max_num_batched_tokens: int) -> tuple[dict[int, int], list[int]]:
+def schedule(
+    running: list[SeqView],
+    waiting: list[SeqView],
+    num_free_blocks: int,
+    *,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+) -> tuple[dict[int, int], list[int]]:
     """One scheduler step -> ({request id: tokens to compute this step}, [ids preempted, newest first]).
 
     1. Running requests, oldest first, each get min(tokens left to compute, token budget left); a request
@@ -114,12 +122,12 @@ class Request:
         return self.tokens[len(self.prompt) :]
 
 
-
 class Scheduler:
     """The waiting and running queues; each step asks `policy` (`schedule` or a learner's) what to run."""
 
-    def __init__(self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int,
-                 policy: Callable = schedule):
+    def __init__(
+        self, blocks: BlockManager, *, max_num_seqs: int, max_num_batched_tokens: int, policy: Callable = schedule
+    ):
         self.blocks, self.policy = blocks, policy
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.waiting: deque[Request] = deque()
@@ -135,16 +143,21 @@ class Scheduler:
 
     def waiting_view(self, request: Request) -> SeqView:
         prefix = self.blocks.cached_prefix(request)
-        return SeqView(request.id, len(request.tokens), len(prefix) * self.blocks.block_size,
-                       self.blocks.in_use(prefix), 0)
+        return SeqView(
+            request.id, len(request.tokens), len(prefix) * self.blocks.block_size, self.blocks.in_use(prefix), 0
+        )
 
     def next_step(self) -> list[tuple[Request, int]]:
         """The requests to run in this step, each with its number of tokens; blocks are allocated for them."""
         by_id = {r.id: r for r in self.running + list(self.waiting)}
         views = [self.running_view(r) for r in self.running], [self.waiting_view(r) for r in self.waiting]
-        chunks, preempted = self.policy(*views, self.blocks.num_free, block_size=self.blocks.block_size,
-                                        max_num_seqs=self.max_num_seqs,
-                                        max_num_batched_tokens=self.max_num_batched_tokens)
+        chunks, preempted = self.policy(
+            *views,
+            self.blocks.num_free,
+            block_size=self.blocks.block_size,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+        )
         check_decisions(chunks, preempted, *views)
         for rid in preempted:  # newest first: the oldest ends up at the front of the queue
             request = by_id[rid]
@@ -159,8 +172,10 @@ class Scheduler:
             if request in self.waiting:
                 self.blocks.attach_cached_prefix(request)
                 n = min(n, len(request.tokens) - request.num_computed)
-                if blocks_for(request.num_computed + n, self.blocks.block_size) - len(request.block_table) \
-                        > self.blocks.num_free:  # part of its cached prefix was evicted by a request before it
+                if (
+                    blocks_for(request.num_computed + n, self.blocks.block_size) - len(request.block_table)
+                    > self.blocks.num_free
+                ):  # part of its cached prefix was evicted by a request before it
                     self.blocks.free(request)
                     request.num_computed = 0
                     continue
@@ -178,13 +193,18 @@ class Scheduler:
 
 def check_decisions(chunks, preempted, running: list[SeqView], waiting: list[SeqView]) -> None:
     """Refuse decisions the engine cannot carry out (a learner's policy), naming what is wrong."""
+
     def fail(problem: str):
-        raise PartError(f"part 'schedule' {problem}\n  running: {running}\n  waiting: {waiting}\n"
-                        "  hint: run the check for 'schedule' in chapter 07 to debug it")
+        raise PartError(
+            f"part 'schedule' {problem}\n  running: {running}\n  waiting: {waiting}\n"
+            "  hint: run the check for 'schedule' in chapter 07 to debug it"
+        )
 
     if not (isinstance(chunks, dict) and isinstance(preempted, list)):
-        fail(f"returned {type(chunks).__name__}, {type(preempted).__name__}; expected a dict "
-             "{request id: tokens to compute} and a list of preempted ids")
+        fail(
+            f"returned {type(chunks).__name__}, {type(preempted).__name__}; expected a dict "
+            "{request id: tokens to compute} and a list of preempted ids"
+        )
     views = {s.id: s for s in running + waiting}
     running_ids = {s.id for s in running}
     for rid in preempted:

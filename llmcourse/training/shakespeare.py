@@ -127,7 +127,9 @@ def validation_figures(target, draft, tokens: torch.Tensor, batch_size: int = 16
     return figures
 
 
-def unigram_loss(train: np.ndarray, val: torch.Tensor, context: int = EVAL_CONTEXT, vocab_size: int = EOT_ID + 1) -> float:
+def unigram_loss(
+    train: np.ndarray, val: torch.Tensor, context: int = EVAL_CONTEXT, vocab_size: int = EOT_ID + 1
+) -> float:
     """Baseline: nats/token of the validation tokens under the training unigram frequencies
     (add-one smoothed), the best a model can do without looking at context."""
     counts = np.bincount(train, minlength=vocab_size).astype(np.float64) + 1.0

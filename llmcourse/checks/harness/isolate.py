@@ -85,9 +85,13 @@ def call_ended() -> None:
 
 def usable() -> bool:
     """Whether checks can run in a child process here."""
-    return (_channel is None and hasattr(os, "fork") and sys.platform.startswith("linux")
-            and os.environ.get("LLMCOURSE_CHECKS_IN_PROCESS") != "1"
-            and not (torch.cuda.is_available() and torch.cuda.is_initialized()))
+    return (
+        _channel is None
+        and hasattr(os, "fork")
+        and sys.platform.startswith("linux")
+        and os.environ.get("LLMCOURSE_CHECKS_IN_PROCESS") != "1"
+        and not (torch.cuda.is_available() and torch.cuda.is_initialized())
+    )
 
 
 def _payload(err: BaseException) -> tuple:
@@ -126,8 +130,8 @@ def _read_messages(fd: int, buffer: bytearray) -> tuple[list, bool]:
         (size,) = _HEADER.unpack_from(buffer)
         if len(buffer) < _HEADER.size + size:
             break
-        messages.append(pickle.loads(bytes(buffer[_HEADER.size:_HEADER.size + size])))
-        del buffer[:_HEADER.size + size]
+        messages.append(pickle.loads(bytes(buffer[_HEADER.size : _HEADER.size + size])))
+        del buffer[: _HEADER.size + size]
     return messages, not data
 
 
@@ -176,7 +180,8 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
                         f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
                         "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
                         "or one that catches every exception (`except BaseException:` / a bare `except:` also "
-                        "catches the time-out: catch `Exception`)") from None
+                        "catches the time-out: catch `Exception`)"
+                    ) from None
                 raise CheckFailed(f"✗ the check did not finish within {CAP:g} s: it was ended.") from None
             messages, closed = _read_messages(read, buffer)
             for message in messages:
@@ -195,11 +200,18 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
         os.close(read)
         status = _end(pid)
     if outcome is None:
-        how = (f"signal {os.WTERMSIG(status)}" if status is not None and os.WIFSIGNALED(status)
-               else f"exit status {os.WEXITSTATUS(status)}" if status is not None else "unknown")
+        how = (
+            f"signal {os.WTERMSIG(status)}"
+            if status is not None and os.WIFSIGNALED(status)
+            else f"exit status {os.WEXITSTATUS(status)}"
+            if status is not None
+            else "unknown"
+        )
         where = f" while running {call[0]}" if call else ""
-        raise CheckFailed(f"✗ the check's process ended unexpectedly ({how}){where}: the learner's code crashed it "
-                          "(os._exit, a segmentation fault in C code, or memory ran out).")
+        raise CheckFailed(
+            f"✗ the check's process ended unexpectedly ({how}){where}: the learner's code crashed it "
+            "(os._exit, a segmentation fault in C code, or memory ran out)."
+        )
     kind = outcome[0]
     if kind == "return":
         return outcome[1]

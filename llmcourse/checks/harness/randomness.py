@@ -23,8 +23,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .core import equal
 from llmcourse.course.failed import CheckFailed
+
+from .core import equal
 from .show import short
 
 try:
@@ -34,8 +35,11 @@ except ImportError:  # pragma: no cover
 
 
 def _global_state() -> tuple:
-    return (torch.random.get_rng_state(), random.getstate(),
-            numpy.random.get_state(legacy=True) if numpy is not None else None)
+    return (
+        torch.random.get_rng_state(),
+        random.getstate(),
+        numpy.random.get_state(legacy=True) if numpy is not None else None,
+    )
 
 
 def _set_global_state(state: tuple) -> None:
@@ -62,8 +66,15 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
-def generator_contract(name: str, draw: Callable[[Optional[torch.Generator]], Any], *, seed: int = 1234,
-                       varies: bool = True, tries: int = 8, what: str = "") -> None:
+def generator_contract(
+    name: str,
+    draw: Callable[[Optional[torch.Generator]], Any],
+    *,
+    seed: int = 1234,
+    varies: bool = True,
+    tries: int = 8,
+    what: str = "",
+) -> None:
     """Raise CheckFailed unless `draw(generator)` (the learner's function, called through `call_learner`)
     keeps the contract above. `varies=False` for a draw whose result cannot change (then tests 2 and 4
     only ask that the generator be advanced); `what` describes the call in messages.
@@ -88,36 +99,50 @@ def generator_contract(name: str, draw: Callable[[Optional[torch.Generator]], An
         after_first = g.get_state()
         used = _same_global(before, _global_state())
         if used:
-            raise fail(f"the call used or changed {used}",
-                       "draw only from the generator you are given (generator=generator in torch.rand, "
-                       "torch.multinomial, ...); never seed or draw from a global generator")
+            raise fail(
+                f"the call used or changed {used}",
+                "draw only from the generator you are given (generator=generator in torch.rand, "
+                "torch.multinomial, ...); never seed or draw from a global generator",
+            )
         torch.manual_seed(22), random.seed(22)
         if numpy is not None:
             numpy.random.seed(22)
         again = draw(torch.Generator().manual_seed(seed))
         if not _same(again, first):
-            raise fail("two calls with generators in the same state gave different results",
-                       "draw every random number from the generator argument: then the same seed gives the same "
-                       "result (a function that keeps state of its own, or draws from a global generator, does not)",
-                       first, again)
+            raise fail(
+                "two calls with generators in the same state gave different results",
+                "draw every random number from the generator argument: then the same seed gives the same "
+                "result (a function that keeps state of its own, or draws from a global generator, does not)",
+                first,
+                again,
+            )
         # 2: the generator advances, and successive calls differ
         if torch.equal(after_first, start):
-            raise fail("the generator's state did not change: your function drew nothing from it",
-                       "pass generator=generator to the torch function that draws (torch.rand, torch.multinomial, "
-                       "torch.exponential_, ...); copying its state into a new generator does not advance it")
+            raise fail(
+                "the generator's state did not change: your function drew nothing from it",
+                "pass generator=generator to the torch function that draws (torch.rand, torch.multinomial, "
+                "torch.exponential_, ...); copying its state into a new generator does not advance it",
+            )
         if varies:
             results = [first] + [draw(g) for _ in range(tries - 1)]
             if all(_same(r, first) for r in results[1:]):
-                raise fail(f"{tries} successive calls with the same generator gave the same result",
-                           "each call must continue from the generator's current state (do not reseed it, and do "
-                           "not make a new generator from a fixed seed)", "different results", first)
+                raise fail(
+                    f"{tries} successive calls with the same generator gave the same result",
+                    "each call must continue from the generator's current state (do not reseed it, and do "
+                    "not make a new generator from a fixed seed)",
+                    "different results",
+                    first,
+                )
             # 4: without a generator the calls differ (torch's global generator is used then)
             torch.manual_seed(33)
             unseeded = [draw(None) for _ in range(tries)]
             if all(_same(r, unseeded[0]) for r in unseeded[1:]):
-                raise fail(f"{tries} calls with generator=None gave the same result",
-                           "with no generator, draw from torch's global generator (leave generator=None to "
-                           "torch): a fresh torch.Generator() or a manual_seed inside repeats the same draws",
-                           "different results", unseeded[0])
+                raise fail(
+                    f"{tries} calls with generator=None gave the same result",
+                    "with no generator, draw from torch's global generator (leave generator=None to "
+                    "torch): a fresh torch.Generator() or a manual_seed inside repeats the same draws",
+                    "different results",
+                    unseeded[0],
+                )
     finally:
         _set_global_state(outer)

@@ -32,8 +32,8 @@ def short(value: Any, limit: int = 300) -> str:
 def distinct(expected: float, got: float) -> tuple[str, str]:
     """The two numbers written with as many significant digits as it takes to see that they differ.
 
-        >>> distinct(0.1153641, 0.1153643)
-        ('0.1153641', '0.1153643')
+    >>> distinct(0.1153641, 0.1153643)
+    ('0.1153641', '0.1153643')
     """
     for digits in range(6, 18):
         a, b = f"{expected:.{digits}g}", f"{got:.{digits}g}"
@@ -49,8 +49,11 @@ def _module(value: torch.nn.Module) -> str:
     config = getattr(value, "config", None)
     settings = ""
     if config is not None:
-        known = [(k, getattr(config, k)) for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions",
-                                                    "layer_norm_epsilon") if hasattr(config, k)]
+        known = [
+            (k, getattr(config, k))
+            for k in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "layer_norm_epsilon")
+            if hasattr(config, k)
+        ]
         settings = ", " + ", ".join(f"{k}={v}" for k, v in known) if known else ""
     return f"<{type(value).__name__}: {params:,} parameters ({', '.join(dtypes) or 'none'}){settings}>"
 

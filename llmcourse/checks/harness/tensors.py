@@ -25,8 +25,9 @@ def plain_tensor_problem(got: Any, expected: torch.Tensor) -> Optional[str]:
     if not isinstance(got, torch.Tensor):
         return f"expected a torch.Tensor of shape {tuple(expected.shape)}, got {short(got, 80)}"
     if type(got) not in (torch.Tensor, torch.nn.Parameter):
-        return (f"expected a plain torch.Tensor, got a {type(got).__name__} (a subclass of it): return an ordinary "
-                "tensor")
+        return (
+            f"expected a plain torch.Tensor, got a {type(got).__name__} (a subclass of it): return an ordinary tensor"
+        )
     if got.device != expected.device:
         return f"expected a tensor on {expected.device}, got one on {got.device}"
     return None
@@ -49,8 +50,11 @@ def tensor_problem(got: Any, expected: torch.Tensor, *, atol: float = 1e-5, rtol
         return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}"
     if got.dtype != expected.dtype:
         kind = str(expected.dtype).replace("torch.", "")
-        hint = f" (keep the dtype of the input: {kind} in, {kind} out)" if expected.is_floating_point() \
-            and got.is_floating_point() else ""
+        hint = (
+            f" (keep the dtype of the input: {kind} in, {kind} out)"
+            if expected.is_floating_point() and got.is_floating_point()
+            else ""
+        )
         return f"expected dtype {expected.dtype}, got {got.dtype}{hint}"
     got, expected = got.detach().as_subclass(torch.Tensor), expected.detach()
     if not expected.is_floating_point():
@@ -65,29 +69,41 @@ def tensor_problem(got: Any, expected: torch.Tensor, *, atol: float = 1e-5, rtol
         if bool(broken.any()):
             index = torch.nonzero(broken)[0]
             at = tuple(index)
-            return (f"got nan or inf at {int(broken.sum())} of {total} positions (first at index {_where(index)}: "
-                    f"expected {expected[at].item():.6g}, got {got[at].item()}): an overflow, a 0/0 or inf - inf")
+            return (
+                f"got nan or inf at {int(broken.sum())} of {total} positions (first at index {_where(index)}: "
+                f"expected {expected[at].item():.6g}, got {got[at].item()}): an overflow, a 0/0 or inf - inf"
+            )
         diff = (got.double() - expected.double()).abs().masked_fill(~wrong, 0).nan_to_num(nan=float("inf"))
         index = torch.nonzero(diff == diff.max())[0]
         at = tuple(index)
         want, have = distinct(expected[at].item(), got[at].item())
         allowed = atol + rtol * abs(expected[at].item())
         near = diff.max().item() <= 100 * allowed
-        accuracy = (f"; close, but the check asks for |got - expected| <= {atol:.3g} + {rtol:.3g}·|expected| "
-                    f"({allowed:.3g} here)") if near else ""
-        return (f"the values differ at {count} of {total} positions, most at index {_where(index)}: "
-                f"expected {want}, got {have} (max |difference| {diff.max().item():.3g}){accuracy}")
+        accuracy = (
+            (
+                f"; close, but the check asks for |got - expected| <= {atol:.3g} + {rtol:.3g}·|expected| "
+                f"({allowed:.3g} here)"
+            )
+            if near
+            else ""
+        )
+        return (
+            f"the values differ at {count} of {total} positions, most at index {_where(index)}: "
+            f"expected {want}, got {have} (max |difference| {diff.max().item():.3g}){accuracy}"
+        )
     index = torch.nonzero(wrong)[0]
     at = tuple(index)
-    return (f"the values differ at {count} of {total} positions, first at index {_where(index)}: "
-            f"expected {expected[at].item()}, got {got[at].item()}")
+    return (
+        f"the values differ at {count} of {total} positions, first at index {_where(index)}: "
+        f"expected {expected[at].item()}, got {got[at].item()}"
+    )
 
 
 def tensors_close(atol: float = 1e-5, rtol: float = 1e-5) -> Callable[[Any, torch.Tensor], Optional[str]]:
     """A `compare` for `run_check`: `tensor_problem` with these tolerances.
 
-        >>> tensors_close(atol=1e-3)(torch.tensor([1.0005]), torch.tensor([1.0])) is None
-        True
+    >>> tensors_close(atol=1e-3)(torch.tensor([1.0005]), torch.tensor([1.0])) is None
+    True
     """
     return lambda got, expected: tensor_problem(got, expected, atol=atol, rtol=rtol)
 
@@ -126,16 +142,22 @@ def known_mistake(got: Any, args: tuple, mistakes: Sequence[Mistake], wrong: Cal
     return ""
 
 
-def diagnose(got: Any, args: tuple, mistakes: Sequence[Mistake], expected: torch.Tensor, *,
-             atol: float, rtol: float) -> str:
+def diagnose(
+    got: Any, args: tuple, mistakes: Sequence[Mistake], expected: torch.Tensor, *, atol: float, rtol: float
+) -> str:
     """The hint of the first known mistake whose answer on `args` is `got` and is wrong there (not within
     atol/rtol of `expected`); for float64 work done in float32, FLOAT32_ACCURACY; else ''."""
-    hint = known_mistake(got, args, mistakes,
-                         lambda candidate: tensor_problem(candidate, expected, atol=atol, rtol=rtol) is not None)
+    hint = known_mistake(
+        got, args, mistakes, lambda candidate: tensor_problem(candidate, expected, atol=atol, rtol=rtol) is not None
+    )
     if hint:
         return hint
-    if expected.dtype == torch.float64 and isinstance(got, torch.Tensor) and got.dtype == torch.float64 \
-            and same_answer(got, expected):
+    if (
+        expected.dtype == torch.float64
+        and isinstance(got, torch.Tensor)
+        and got.dtype == torch.float64
+        and same_answer(got, expected)
+    ):
         return FLOAT32_ACCURACY
     return ""
 
@@ -151,14 +173,18 @@ def tensor_judge(tolerance: Tolerance, mistakes: Sequence[Mistake] = ()) -> Call
         >>> judge(Case("x = 3", (torch.tensor([3.0]),), torch.tensor([9.0])), torch.tensor([6.0]))[1]
         'double, not square'
     """
+
     def judge(case, got: Any):
         if callable(tolerance):
             atol, rtol = tolerance(case)
         else:
             atol, rtol = tolerance[torch.float64 if case.expected.dtype == torch.float64 else torch.float32]
         problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
-        return None if problem is None else (problem, diagnose(got, case.args, mistakes, case.expected,
-                                                               atol=atol, rtol=rtol))
+        return (
+            None
+            if problem is None
+            else (problem, diagnose(got, case.args, mistakes, case.expected, atol=atol, rtol=rtol))
+        )
 
     return judge
 
@@ -170,6 +196,7 @@ def in_float64(fn: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
         >>> in_float64(lambda x: x / 3, torch.tensor([1.0])).dtype
         torch.float32
     """
+
     def wide(a):
         if isinstance(a, dict):
             return {k: wide(v) for k, v in a.items()}
