@@ -355,7 +355,6 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
     exercises without a slot), and the engine runs, the same text as the engine's own."""
     import llmcourse
     from llmcourse import generate_text, get_tokenizer
-    from llmcourse.engine.sampling import Sampler
 
     for name in ("00_pipeline", "01_tokenization"):
         shutil.copytree(released(name), tmp_path / name)
@@ -378,7 +377,7 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
         ]
         mine = engine.generate_text("ROMEO: 🦙", max_new_tokens=20, eos_token_id=None)
     finally:
-        model.parts, model.sampler, model.cache_class = llmcourse.Parts(), Sampler(), llmcourse.KVCache
+        model.parts = llmcourse.Parts()  # the only table a model holds: the learner's gelu is in it
     assert mine == generate_text(model, get_tokenizer(), "ROMEO: 🦙", max_new_tokens=20, eos_token_id=None)
 
 
@@ -575,6 +574,7 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     and int4 dequantizer gives the tokens of the engine's reference functions (dequantize, then multiply) and logits
     close to the engine's fast routes (which also round the activations to int8)."""
     import llmcourse
+    from llmcourse.course.guards import guarded
     from llmcourse.course.learner import QUANTIZATION_SLOTS, your_pieces
     from llmcourse.engine import quantize
 
@@ -585,15 +585,12 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     prompt = llmcourse.get_tokenizer().encode("ROMEO:")
     for fmt in ("int8", "int4"):
         fast = llmcourse.load_model(device="cpu", quantize=fmt)
-        reference = llmcourse.load_model(
-            device="cpu", quantize=fmt
-        )  # the reference functions, guarded like a learner's
-        reference.quantization = quantize.Quantization.with_overrides(
-            int8_linear=quantize.int8_linear, dequantize_int4=quantize.dequantize_int4
+        reference = llmcourse.load_model(device="cpu")  # the reference functions, guarded like a learner's
+        references = guarded(
+            quantize.Quantization, int8_linear=quantize.int8_linear, dequantize_int4=quantize.dequantize_int4
         )
-        mine = llmcourse.load_model(device="cpu")
-        pieces.install(mine)
-        quantize.quantize_model(mine, fmt)
+        quantize.quantize_model(reference, fmt, references)
+        mine = pieces.install(llmcourse.load_model(device="cpu"), fmt).model
         theirs = dict(fast.named_buffers())
         for name, tensor in mine.named_buffers():
             assert torch.equal(tensor, theirs[name]), (fmt, name)

@@ -148,7 +148,7 @@ class GuardedCache:
 
     The learner's class has the engine's interface: `Cache(config, batch_size, max_len, *, device,
     dtype)` with lists `k`, `v` of [B, n_head, max_len, head_dim] tensors, `length`, and
-    `update(layer, k, v)`; `GuardedCache.of(Cache)` is what `model.cache_class` then holds.
+    `update(layer, k, v)`; `GuardedCache.of(Cache)` (`guard("KVCache", Cache)`) is what generation's `kv_cache=` takes.
     """
 
     def __init__(self, cls: type, config, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
