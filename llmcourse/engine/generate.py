@@ -7,20 +7,25 @@ Three entry points share one loop:
 - `stream(model, tokenizer, prompt, ...)` -> an iterator of text pieces as they are decoded;
 - `generate_text(model, tokenizer, prompt, ...)` -> the continuation as one string.
 
-Decoding settings (all keyword-only): `max_new_tokens`, `temperature` (0 = greedy, the default),
-`top_k`, `top_p`, `min_p`, `repetition_penalty` (same meaning and order as transformers),
-`num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None
-never stops), `seed` / `generator` (sampling is reproducible: the same seed gives the same text).
-`stream` and `generate_text` also take `stop`, strings that end the text (not included).
-`draft` (a model with the target's vocabulary, a bundled name such as 'gpt2-shakespeare-draft', or
-'prompt-lookup') turns on speculative decoding with `num_draft_tokens` proposals per round: the
-same tokens as without it when greedy, the same distribution when sampling (see
+Decoding settings: a `SamplingParams` (`llmcourse.engine.sampling`: `max_new_tokens`, `temperature` (0 = greedy,
+the default), `top_k`, `top_p`, `min_p`, `repetition_penalty` (same meaning and order as transformers),
+`num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None never
+stops), `seed` (sampling is reproducible: the same seed gives the same text), `stop` (strings that end
+the text of `stream` and `generate_text`, not included)), or its fields as keywords. A `generator`
+replaces the seed's. `draft` (a model with the target's vocabulary, a bundled name such as
+'gpt2-shakespeare-draft', or 'prompt-lookup') turns on speculative decoding with `num_draft_tokens`
+proposals per round: the same tokens as without it when greedy, the same distribution when sampling (see
 `llmcourse.engine.speculative`); pass `stats=SpeculationStats()` to see how many proposals were accepted.
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while).
 
-`model` is an `llmcourse.GPT2` (`load_model(...)`), or the engine `llmcourse.course.learner.my_engine()` returns (its
-model is used).
+The functions generation calls, each the engine's own unless given: `sampler` (a `Sampler`: the logits
+processors, `greedy`, `sample`), `kv_cache` (the KV cache class; a compiled step always uses the engine's
+`KVCache`, which writes at a slot tensor), `left_pad` (a static batch's padding) and `speculation` (a
+`Speculation`: speculative decoding's rule, verify step, prompt lookup and round).
+
+`model` is an `llmcourse.GPT2` (`load_model(...)`), or an engine such as the one
+`llmcourse.course.learner.my_engine()` returns: its model runs, with its `functions`.
 
     >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP
     >>> for piece in stream(model, tok, "ROMEO:", temperature=0.8, seed=1): ...   # doctest: +SKIP
