@@ -204,7 +204,7 @@ ACCEPT_MISTAKES = [
         r"you never accept",
     ),
     (accept_tensor_token, r"the token should be an integer \(a Python int\), got tensor.*int\(\.\.\.\) it"),
-    (accept_engine, r"llmcourse\.speculative.*write your own"),
+    (accept_engine, r"llmcourse\.engine\.speculative.*write your own"),
     (accept_returns_other_token, r"accepted the proposal \d+ but returned the token \d+"),
 ]
 
@@ -381,7 +381,7 @@ VERIFY_MISTAKES = [
     (verify_does_not_stop, r"expected \(1, 1\), got \(3, 1\).*stop at the first rejection"),
     (verify_bonus_from_q, r"all 3 accepted.*bonus drawn from p\[k\]"),
     (verify_with_wrong_rule, r"the first new token .* is not distributed as the target's p"),
-    (verify_engine, r"llmcourse\.speculative.*write your own"),
+    (verify_engine, r"llmcourse\.engine\.speculative.*write your own"),
 ]
 
 
@@ -481,7 +481,7 @@ LOOKUP_MISTAKES = [
     (lookup_returns_match, r"expected \[8, 9\], got \[5, 6\].*propose what FOLLOWED the match"),
     (lookup_too_many, r"at most num_draft_tokens = \d"),
     (lookup_tuple, r"expected a list of ints, got \("),
-    (lookup_engine, r"llmcourse\.speculative.*write your own"),
+    (lookup_engine, r"llmcourse\.engine\.speculative.*write your own"),
 ]
 
 
@@ -541,7 +541,7 @@ SPEEDUP_MISTAKES = [
     (speedup_divides_by_zero, r"raised ZeroDivisionError.*handle α == 1 separately"),
     (speedup_nan, r"got nan at α = 1.*handle α == 1 separately"),
     (speedup_kc, r"the round's cost is k·c \+ 1"),
-    (speedup_engine, r"llmcourse\.speculative.*write your own"),
+    (speedup_engine, r"llmcourse\.engine\.speculative.*write your own"),
 ]
 
 
@@ -633,7 +633,7 @@ ROUND_MISTAKES = [
         r"kept \d proposals; the draft's greedy continuation.*"
         r"tokens\[draft_cache\.length:\]",
     ),
-    (round_engine, r"llmcourse\.speculative.*write your own"),
+    (round_engine, r"llmcourse\.engine\.speculative.*write your own"),
     (round_via_generate, r"llmcourse\.engine\.generate.*write one round yourself"),
 ]
 

@@ -489,18 +489,17 @@ def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_
     """Chapters 05–06 solved as their solutions solve them: the engine's sampler functions and KV cache
     are the learner's, and the engine gives the same tokens as its own, greedy and sampled (same seed)."""
     import llmcourse
+    from llmcourse.course.guards import GuardedCache
     from llmcourse.course.learner import SAMPLER_SLOTS, your_pieces
-    from llmcourse.engine.parts import GuardedCache
 
     for name in ("05_sampling", "06_kv_cache"):
         solved_copy(name, tmp_path)
     notices = []
     pieces = your_pieces(tmp_path, notify=notices.append)
-    assert sorted(pieces.sampler.overridden()) == sorted(SAMPLER_SLOTS), notices
+    assert sorted(pieces.functions["sampler"].overridden()) == sorted(SAMPLER_SLOTS), notices
     engine = llmcourse.load_model(device="cpu")
-    mine = llmcourse.load_model(device="cpu")
-    pieces.install(mine)
-    assert isinstance(mine.new_cache(1, 8), GuardedCache)
+    mine = pieces.install(llmcourse.load_model(device="cpu"))  # an Engine: its generation runs the learner's
+    assert isinstance(mine.model.new_cache(1, 8, cache_class=mine.functions["kv_cache"]), GuardedCache)
     prompts = [llmcourse.get_tokenizer().encode(p) for p in ("ROMEO:", "JULIET:\nO Romeo, Romeo!")]
     for settings in (
         dict(),
@@ -521,7 +520,8 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     solved_copy("07_batching", tmp_path)
     notices = []
     pieces = your_pieces(tmp_path, notify=notices.append)
-    assert sorted(pieces.batching.overridden()) == sorted(BATCHING_SLOTS), notices
+    theirs = pieces.functions["batching"].overridden() + (["left_pad"] if "left_pad" in pieces.functions else [])
+    assert sorted(theirs) == sorted(BATCHING_SLOTS), notices
     model = llmcourse.load_model(device="cpu")
     tok = llmcourse.get_tokenizer()
     system = tok.encode(
@@ -530,7 +530,7 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     prompts = [system + tok.encode(p) for p in ("\nROMEO:", "\nJULIET:", "\nHAMLET: To be")] + [tok.encode("ROMEO:")]
     settings = [dict(), dict(temperature=0.8, top_p=0.95, seed=3), dict(max_new_tokens=9), dict(repetition_penalty=1.3)]
     alone = [llmcourse.generate(model, p, **{"max_new_tokens": 24, **s}) for p, s in zip(prompts, settings)]
-    pieces.install(model)
+    model = pieces.install(model)  # an Engine: LLMEngine and generate run the learner's functions
     engine = llmcourse.LLMEngine(model, block_size=8, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=20)
     assert engine.generate(prompts, arrivals=[0, 1, 1, 4], settings=settings, max_new_tokens=24) == alone
     assert engine.stats["cached_tokens"] > 0 and engine.stats["preemptions"] > 0, engine.stats
@@ -550,13 +550,13 @@ def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_funct
     solved_copy("08_speculative", tmp_path)
     notices = []
     pieces = your_pieces(tmp_path, notify=notices.append)
-    assert sorted(pieces.speculation.overridden()) == sorted(SPECULATION_SLOTS), notices
+    assert sorted(pieces.functions["speculation"].overridden()) == sorted(SPECULATION_SLOTS), notices
     model = llmcourse.load_model(device="cpu")
     draft = llmcourse.load_model("gpt2-shakespeare-draft", device="cpu")
     tok = llmcourse.get_tokenizer()
     prompts = [tok.encode("ROMEO:"), tok.encode("To be, or not to be, that is the question. To be, or not")]
     plain = [llmcourse.generate(model, p, max_new_tokens=30) for p in prompts]
-    pieces.install(model)
+    model = pieces.install(model)  # an Engine: generate runs the learner's speculative decoding
     for proposer in (draft, "prompt-lookup"):
         stats = SpeculationStats()
         assert (
