@@ -271,12 +271,11 @@ def new_generator(model: GPT2, seed: int) -> torch.Generator:
 
 
 def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int]) -> None:
-    """Refuse prompts and lengths the model cannot run, saying what is allowed."""
+    """Refuse prompts and lengths this model cannot run, saying what is allowed (the settings themselves are
+    `SamplingParams`' to check)."""
     cfg = model.config
     if not batch:
         raise ValueError("no prompts given: pass a list of token ids, or a list of such lists")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
     if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
         raise ValueError(f"eos_token_id must be a token id in [0, {cfg.vocab_size}) or None, got {eos_token_id!r}")
     for i, ids in enumerate(batch):
