@@ -1,5 +1,5 @@
-"""Serving many requests at once: continuous batching over a paged KV cache (the design of vLLM, in the
-shape of nano-vllm).
+"""Serving many requests at once: continuous batching over a paged KV cache (the scheduling policy of vLLM's
+V1 engine, in nano-vllm's split of modules).
 
 Requests arrive and leave at any step. Each `step` runs one forward pass over the decode token of
 every running request plus prefill chunks of waiting ones (up to `max_num_batched_tokens`); keys and
