@@ -78,7 +78,8 @@ def attention_io_bytes(
     - qkv_out: q, k, v read once and out written once (4·T·D values), which every version moves.
     - lse: the tiled version's extra output, one float32 per query row.
     - kv_rereads: the tiled version reads k and v once per block of `block_rows` queries, so
-      ceil(T / block_rows) - 1 more times than once (on a GPU mostly served by its L2 cache).
+      ceil(T / block_rows) - 1 more times than once (counted as main-memory traffic: an upper bound, Dao et al.
+      2022's Θ(T²d²/M) with block_rows = M/d).
 
     The tiled version moves qkv_out + lse + kv_rereads and no scores at all.
 
