@@ -5,10 +5,11 @@ memory bandwidth: fewer bytes per weight, faster decode, and a smaller model in 
 
 - **int8**: each output row of a weight matrix [C_out, C_in] gets one scale, max|row| / 127, and its
   values become round(w / scale), integers in [-127, 127] (`quantize_int8`).
-- **int4**: each group of 32 consecutive inputs of a row gets its own scale (llama.cpp's Q4_0): the
+- **int4**: each group of 32 consecutive inputs of a row gets its own scale, by llama.cpp's Q4_0 rule: the
   value of largest magnitude m maps to -8, so scale = m / -8 and the values are round(w / scale)
   clamped to [-8, 7]; two 4-bit values share a byte, the first in the low nibble (`quantize_int4`,
-  `pack_int4`). The scales are stored in float16: 4.5 bits per weight.
+  `pack_int4`). The scales are stored in float16: 4.5 bits per weight. (The byte layout is the course's
+  own: ggml's Q4_0 stores q + 8, pairs element j with j + 16, and keeps each scale inside an 18-byte block.)
 
 Every linear layer of the blocks, and the token table (which is also the tied output head; a row
 per token, so the head's output rows are the table's rows), are quantized; the layer norms, biases
