@@ -13,48 +13,11 @@ from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
 from llmcourse.training.shakespeare import validation_figures, validation_tokens
 
 # Greedy continuation of "ROMEO:" by gpt2-shakespeare, recorded when the model was trained.
-RECORDED_GREEDY = [
-    198,
-    40,
-    423,
-    587,
-    257,
-    582,
-    11,
-    290,
-    314,
-    423,
-    587,
-    198,
-    2514,
-    423,
-    257,
-    582,
-    13,
-    198,
-    198,
-    44879,
-    40,
-    3535,
-    1565,
-    2937,
-    25,
-    198,
-    40,
-    423,
-    587,
-    257,
-    582,
-    11,
-    198,
-    40,
-    1183,
-    407,
-    257,
-    582,
-    13,
-    198,
-]
+# token ids as a paragraph of numbers, not one per line
+# fmt: off
+RECORDED_GREEDY = [198, 40, 423, 587, 257, 582, 11, 290, 314, 423, 587, 198, 2514, 423, 257, 582, 13, 198, 198, 44879,
+                   40, 3535, 1565, 2937, 25, 198, 40, 423, 587, 257, 582, 11, 198, 40, 1183, 407, 257, 582, 13, 198]
+# fmt: on
 # = "\nI have been a man, and I have been\nTo have a man.\n\nCORIOLANUS:\nI have been a man,\nI'll not a man.\n"
 
 

@@ -178,31 +178,11 @@ def _pair(got: Any, name: str) -> Optional[str]:
 # (computed after the run), with the exercise's own judge. So a function that passes the cases cannot then fail in
 # the engine (GPT-2's token table [50257, 192], the layers' transposed weights, one-row decoding steps, ...).
 
-ENGINE_PROMPT = [
-    49,
-    2662,
-    46,
-    25,
-    198,
-    1537,
-    2705,
-    11,
-    644,
-    1657,
-    832,
-    331,
-    4324,
-    9457,
-    30,
-    198,
-    50256,
-    0,
-    198,
-    41,
-    6239,
-    2767,
-    25,
-]  # "ROMEO:\nBut soft, what light through yonder window breaks?\n", EOS, token 0, 5 more
+# token ids as a paragraph of numbers, not one per line
+# fmt: off
+ENGINE_PROMPT = [49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 4324, 9457, 30, 198, 50256, 0, 198, 41,
+                 6239, 2767, 25]  # "ROMEO:\nBut soft, what light through yonder window breaks?\n", EOS, token 0, 5 more
+# fmt: on
 ENGINE_NEW_TOKENS = 2  # a prefill of 23 rows, then a one-row decoding step
 
 
