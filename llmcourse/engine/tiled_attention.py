@@ -61,6 +61,30 @@ def tiled_attention(
     return out, lse
 
 
+def merge_attention(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Combine two attentions of the same queries over disjoint sets of keys into the attention over both.
+
+    out1, out2 [..., Tq, Dv] and lse1, lse2 [..., Tq] (each row's log-sum-exp of its scaled scores) ->
+    (out [..., Tq, Dv], lse [..., Tq]). Each part's weights sum to 1 over its own keys; over both, part i
+    holds exp(lse_i) / (exp(lse1) + exp(lse2)) of the mass. Computed from the larger lse, so nothing
+    overflows; a part that saw no keys (lse = -inf) contributes nothing. The split-K decode of long
+    contexts and attention over cached keys plus new keys both end with this merge.
+
+    >>> q, k, v = torch.randn(3, 1, 1, 6, 4).unbind(0)
+    >>> whole, _ = tiled_attention(q, k, v, block_size=6, causal=False)
+    >>> a, b = (tiled_attention(q, k[..., s, :], v[..., s, :], causal=False) for s in (slice(0, 2), slice(2, 6)))
+    >>> torch.allclose(merge_attention(*a, *b)[0], whole, atol=1e-6)
+    True
+    """
+    lse = torch.logaddexp(lse1, lse2)  # [..., Tq]
+    lse_safe = torch.where(torch.isinf(lse) & (lse < 0), torch.zeros_like(lse), lse)  # no keys at all: weights 0
+    w1 = torch.exp(lse1 - lse_safe).unsqueeze(-1)  # [..., Tq, 1]
+    w2 = torch.exp(lse2 - lse_safe).unsqueeze(-1)
+    part1 = torch.where(w1 > 0, w1 * out1, 0.0)  # an empty part's out may be nan (0/0): it weighs nothing
+    part2 = torch.where(w2 > 0, w2 * out2, 0.0)
+    return part1 + part2, lse
+
+
 def attention_io_bytes(
     seq_len: int,
     n_layer: int,
