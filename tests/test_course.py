@@ -521,7 +521,7 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     notices = []
     pieces = your_pieces(tmp_path, notify=notices.append)
     theirs = pieces.functions["batching"].overridden() + (["left_pad"] if "left_pad" in pieces.functions else [])
-    assert sorted(theirs) == sorted(BATCHING_SLOTS), notices
+    assert sorted(theirs) == sorted(n for n in BATCHING_SLOTS if n != "merge_attention"), notices  # that's 03's
     model = llmcourse.load_model(device="cpu")
     tok = llmcourse.get_tokenizer()
     system = tok.encode(

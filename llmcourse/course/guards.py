@@ -334,6 +334,41 @@ def guarded_slot_mapping(fn: Callable) -> Callable:
     return checked
 
 
+def guarded_attention_parts(name: str, fn: Callable, chapter: str, shapes: Callable[[tuple], tuple]) -> Callable:
+    """A learner's attention that returns (out, lse), like `merge_attention` (chapter 03) and `paged_attention`
+    (chapter 07): `shapes(args)` gives the shapes of out and lse; both must have the inputs' float dtype."""
+    call = raising_part(fn, name, chapter)
+
+    @functools.wraps(fn)
+    def checked(*args):
+        out = call(*args)
+        want, dtype = shapes(args), _float_dtype(args)
+        if not (
+            isinstance(out, tuple)
+            and len(out) == 2
+            and all(isinstance(t, Tensor) and tuple(t.shape) == s and t.dtype == dtype for t, s in zip(out, want))
+        ):
+            got = tuple(
+                f"shape {tuple(t.shape)} {t.dtype}" if isinstance(t, Tensor) else type(t).__name__
+                for t in (out if isinstance(out, tuple) else (out,))
+            )
+            part_failed(
+                name,
+                fn,
+                f"returned {got}; expected (out, lse) of shapes {want[0]} and {want[1]}, dtype {dtype}\n"
+                f"  called with: {_describe(args)}",
+                chapter,
+            )
+        return out
+
+    return checked
+
+
+def _merged_shapes(args: tuple) -> tuple:
+    out1, lse1 = args[:2]  # merge_attention(out1, lse1, out2, lse2)
+    return tuple(out1.shape), tuple(lse1.shape)
+
+
 def guarded_allocator(cls: Callable) -> Callable:
     """A learner's `BlockAllocator` class; its methods' exceptions name the part, `allocate`'s ids are checked."""
 
@@ -612,6 +647,7 @@ GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     "BlockAllocator": lambda name, cls: guarded_allocator(cls),
     "slot_mapping": lambda name, fn: guarded_slot_mapping(fn),
     "gather_kv": _result(_gathered_shape),
+    "merge_attention": lambda name, fn: guarded_attention_parts(name, fn, "03", _merged_shapes),
     "schedule": lambda name, fn: _raising07(fn, name),
     "accept_token": lambda name, fn: guarded_accept_token(fn),
     "verify": lambda name, fn: guarded_verify(fn),
