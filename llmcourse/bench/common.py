@@ -26,6 +26,7 @@ import torch
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import load_model, save_model
 from llmcourse.engine.model import GPT2
+from llmcourse.engine.roofline import decode_bound, model_decode_step
 
 CONFIGS = {
     "gpt2": GPT2Config(),
@@ -181,27 +182,24 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, r
 
 
 def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, batch: int = 1) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step for `batch` rows: every weight once, plus each row's
-    KV cache. The weights are shared by the rows; the cache and the arithmetic are not.
+    """(bytes read, FLOPs) of one decode step for `batch` rows: the engine's `model_decode_step` (chapter 06's
+    `decode_step`: every weight once, plus each row's KV cache; the weights are shared by the rows, the cache and
+    the arithmetic are not).
 
         >>> decode_step_cost(GPT2Config(n_layer=1, n_head=1, n_embd=4, vocab_size=10), context=2, bytes_per_value=4)
-        (1248, 600)
+        (1248, 616)
     """
-    C, L, V = config.n_embd, config.n_layer, config.vocab_size
-    block_weights = L * (12 * C * C + 13 * C)  # c_attn, c_proj, c_fc, c_proj + biases + 2 layer norms
-    head = V * C  # the tied embedding, read whole for the logits
-    kv = 2 * L * context * C  # every cached key and value of one row
-    values = block_weights + 2 * C + head + batch * (kv + C)  # + ln_f + each row's position row
-    flops = batch * (2 * (block_weights + head) + 4 * L * context * C)  # matrix-vector products + attention
-    return values * bytes_per_value, flops
+    flops, nbytes = model_decode_step(config, context, bytes_per_value, batch)
+    return nbytes, flops
 
 
 def roofline(
     bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1
 ) -> tuple[float, str]:
-    """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds)."""
-    memory, compute = bandwidth / step_bytes, matmul / step_flops
-    return batch * min(memory, compute), "memory" if memory < compute else "compute"
+    """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds), from the engine's
+    `decode_bound`."""
+    seconds, bound_is = decode_bound(step_flops, step_bytes, matmul, bandwidth)
+    return batch / seconds, bound_is
 
 
 # ------------------------------------------------------------------------------------------------- models
