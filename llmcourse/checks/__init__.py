@@ -58,7 +58,7 @@ from .sampling import (
 )
 from .speculative import (
     check_accept_token,
-    check_expected_speedup,
+    check_best_k,
     check_prompt_lookup_draft,
     check_speculative_round,
     check_verify,
@@ -132,7 +132,7 @@ __all__ = [
     "check_accept_token",
     "check_verify",
     "check_speculative_round",
-    "check_expected_speedup",
+    "check_best_k",
     "check_prompt_lookup_draft",
     "check_quantize_int8",
     "check_pack_int4",

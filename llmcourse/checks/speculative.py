@@ -1,5 +1,5 @@
 """Checks for chapter 08, speculative decoding: the acceptance rule, the verify step, the prompt-lookup
-draft, the expected speed-up, and one greedy draft-verify round with cache rollback.
+draft, the best number of proposals (`best_k`), and one greedy draft-verify round with cache rollback.
 
 The two samplers (`accept_token`, `verify`) are checked as samplers: on toy vocabularies with known
 p and q, many seeded calls, and a chi-square test of what comes back — the accepted / rejected
@@ -11,11 +11,11 @@ tiny random models and on the bundled pair: every round must return a prefix of 
 continuation, leave both caches at the right length, run the target once, and keep exactly the proposals
 that the draft's own greedy continuation gets right; then the engine runs with it installed.
 
-    >>> def expected_speedup(alpha, k, c):
-    ...     tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    ...     return tokens / (k * c + 1)
-    >>> check_expected_speedup(expected_speedup)
-    ✓ expected_speedup — 25 cases
+    >>> def best_k(alpha, c, max_k):
+    ...     tokens = lambda k: k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    ...     return max(range(1, max_k + 1), key=lambda k: tokens(k) / (k * c + 1))
+    >>> check_best_k(best_k)
+    ✓ best_k — 28 cases
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import math
 import numbers
 import random
 import sys
+from fractions import Fraction
 from typing import Any, Callable, Optional
 
 import torch
@@ -35,9 +36,8 @@ from llmcourse.course.guards import guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.slots import PartError
-from llmcourse.engine.speculative import PROMPT_LOOKUP, Speculation
+from llmcourse.engine.speculative import AUTO_MAX_K, PROMPT_LOOKUP, Speculation, SpeculationStats
 from llmcourse.engine.speculative import accept_token as engine_accept_token
-from llmcourse.engine.speculative import expected_speedup as engine_expected_speedup
 from llmcourse.engine.speculative import prompt_lookup_draft as engine_prompt_lookup_draft
 from llmcourse.engine.speculative import verify as engine_verify
 from llmcourse.engine.tokenizer import get_tokenizer
@@ -53,6 +53,11 @@ from .sampling import _chi2_limit
 NO_ENGINE = Forbidden(
     "llmcourse.engine.speculative",
     "llmcourse.engine.speculative is the engine's speculative decoding, what yours is compared with: write your own",
+)
+
+
+NO_ENGINE_BEST_K = Forbidden(  # expected_speedup, the engine's formula, is given: best_k may call it
+    "llmcourse.engine.speculative.best_k", "the engine's best_k is what yours is compared with: write your own"
 )
 
 
@@ -1051,108 +1056,258 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: expected_speedup
+# Exercise 4: best_k
 
 
-SPEEDUP_MISTAKES = [
-    (
-        lambda a, k, c: (1 - a**k) / (1 - a) / (k * c + 1),
-        "a round yields 1 + α + … + α^k tokens: the numerator is 1 − α^(k+1) (k proposals and one more token)",
-    ),
-    (
-        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a),
-        "divide by the round's cost in target forward passes: k draft steps of cost c, plus one target pass: k·c + 1",
-    ),
-    (
-        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / (k * c),
-        "the round's cost is k·c + 1: the k draft steps plus the one target pass that verifies them",
-    ),
-    (
-        lambda a, k, c: (1 - a ** (k + 1)) / (1 - a) / ((k + 1) * c + 1),
-        "the draft runs k times per round (it proposes k tokens): the cost is k·c + 1",
-    ),
-]
+def exact_speedup(alpha, k: int, c) -> Fraction:
+    """`expected_speedup` in exact arithmetic on the very numbers given (a float is a fraction too): no rounding
+    can make or break a tie."""
+    alpha, c = Fraction(alpha), Fraction(c)
+    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    return tokens / (k * c + 1)
 
 
-def _speedup_verdict(case: Case, got: Any) -> Verdict:
-    alpha, k, c = case.args
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        return f"expected a number, got {short(got, 60)}", "return a float"
-    if math.isnan(got) and alpha == 1:
+def exact_best_k(alpha, c, max_k: int) -> int:
+    """The smallest k in 1..max_k with the largest exact speed-up."""
+    return max(range(1, max_k + 1), key=lambda k: exact_speedup(alpha, k, c))
+
+
+def clear_best(alpha, c, max_k: int) -> bool:
+    """Whether the best k beats every other by more than rounding could change (a random case's requirement)."""
+    values = sorted((exact_speedup(alpha, k, c) for k in range(1, max_k + 1)), reverse=True)
+    return len(values) == 1 or values[0] - values[1] > Fraction(1, 10**9) * values[0]
+
+
+def _best_k_verdict(case: Case, got: Any) -> Verdict:
+    if case.args[0] == "engine":
+        return _auto_verdict(case, got)
+    alpha, c, max_k = case.args
+    want = case.expected
+    speedup = exact_speedup(alpha, want, c)
+
+    def at(k):
+        return f"k = {k} ({float(exact_speedup(alpha, k, c)):.4f}×)"
+
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        return f"expected an integer k, got {short(got, 60)}", "return k, an int in 1..max_k"
+    if not isinstance(got, numbers.Integral):
+        if math.isclose(float(got), float(speedup), rel_tol=1e-6):
+            return (
+                f"got {got!r}, the best speed-up itself; expected {at(want)}",
+                "returns the speed-up, not k: return the k that gives it",
+            )
+        if float(got).is_integer():
+            return f"got {got!r}, a float; expected the int {want}", "return an int k (int(...) of a whole float)"
         return (
-            "got nan at α = 1",
-            "at α = 1 the sum 1 + α + … + α^k is k + 1, but the closed form is 0/0: handle α == 1 separately",
+            f"got k = {got!r}, not an integer; expected {at(want)}",
+            "a floating-point k (from calculus, setting a derivative to zero) is not a number of proposals: "
+            "try every whole k in 1..max_k and keep the best",
         )
-    if math.isclose(got, case.expected, rel_tol=1e-6, abs_tol=1e-9):
+    got = int(got)
+    if got == want:
         return None
-    hint = ""
-    for mistake, h in SPEEDUP_MISTAKES:
+    if got == 0:
+        return (
+            f"got k = 0; expected {at(want)}",
+            "searching 0..max_k-1 (range(max_k)): k counts proposals, 1..max_k; search range(1, max_k + 1)",
+        )
+    if not 1 <= got <= max_k:
+        return f"got k = {got}, outside 1..{max_k}; expected {at(want)}", "k is a number of proposals in 1..max_k"
+    hints = []
+    if got == want - 1:
+        hints.append(
+            "argmax off by one: the position of the best speed-up in a list that starts at k = 1 is k - 1"
+            if got != max_k - 1 or want != max_k
+            else "searching 0..max_k-1 or 1..max_k-1 (range(max_k) stops before max_k): k = max_k is never tried; "
+            "search range(1, max_k + 1)"
+        )
+    if got > want and exact_speedup(alpha, got, c) == speedup:
+        hints.append("ties broken to the largest k: on a tie take the smallest k (fewer draft steps, same speed-up)")
+    elif got == max_k and c != 0:
+        hints.append(
+            "ignoring the cost c: more proposals always yield more tokens per round, but each costs c; the "
+            "speed-up divides by k·c + 1"
+        )
+    if got == want + 1 and not hints:
+        hints.append("argmax off by one: the best k is the best speed-up's position + 1 only if positions start at 0")
+    return f"expected {at(want)}, got {at(got)}", "; ".join(hints)
+
+
+@dataclasses.dataclass
+class AutoRun:
+    """What generate(..., num_draft_tokens="auto") did with the learner's best_k installed."""
+
+    tokens: Any  # the token ids, or the PartError the guard raised
+    choices: list  # the stats' Choice records
+    calls: int  # calls of the learner's best_k
+
+
+def _auto_case(seed: int, how: str) -> tuple[GPT2, Any, list[int]]:
+    """A tiny target, its draft (a noisy copy: c = 1, α ≈ 0.6; or prompt lookup: c = 0), a prompt."""
+    target = decisive_model(seed).requires_grad_(False)
+    draft = PROMPT_LOOKUP if how == PROMPT_LOOKUP else noisy_copy(target, seed, 0.1).requires_grad_(False)
+    return target, draft, [(7 * i + seed) % 97 for i in range(5)]
+
+
+AUTO_NEW_TOKENS = 40
+
+
+def _run_auto(fn: Callable, seed: int, how: str, watch) -> AutoRun:
+    """llmcourse.generate(target, prompt, draft=draft, num_draft_tokens="auto") with the learner's best_k."""
+    calls = 0
+
+    def theirs(*args):
+        nonlocal calls
+        calls += 1
+        sys.setprofile(watch)
         try:
-            if math.isclose(mistake(alpha, k, c), got, rel_tol=1e-6, abs_tol=1e-9):
-                hint = h
-                break
-        except ZeroDivisionError:
-            continue
-    return f"expected {case.expected:.6g}, got {got:.6g}", hint
+            return fn(*args)
+        finally:
+            sys.setprofile(None)
+
+    theirs.__qualname__ = getattr(fn, "__qualname__", "best_k")
+    target, draft, prompt = _auto_case(seed, how)
+    stats = SpeculationStats()
+    try:
+        out = generate(
+            target,
+            prompt,
+            max_new_tokens=AUTO_NEW_TOKENS,
+            eos_token_id=None,
+            draft=draft,
+            num_draft_tokens="auto",
+            stats=stats,
+            speculation=guarded(Speculation, best_k=theirs),
+        )
+    except PartError as err:
+        out = err
+    return AutoRun(out, stats.choices, calls)
 
 
-def check_expected_speedup(fn, *, seed: int = 0, n_random: int = 12) -> None:
-    """expected_speedup(alpha, k, c) -> (1 − α^(k+1)) / ((1 − α)(k·c + 1)), and (k + 1)/(k·c + 1) at α = 1."""
+def _auto_plain(seed: int, how: str) -> list[int]:
+    target, _, prompt = _auto_case(seed, how)
+    return _greedy(target, prompt, AUTO_NEW_TOKENS)
+
+
+def _auto_verdict(case: Case, got: AutoRun) -> Verdict:
+    if isinstance(got.tokens, PartError):
+        return f"the engine stopped your best_k: {str(got.tokens).splitlines()[0]}", ""
+    if not got.calls:
+        return "the engine never called your best_k", "num_draft_tokens='auto' calls speculation.best_k(α, c, max_k)"
+    for choice in got.choices:
+        want = exact_best_k(choice.alpha, choice.c, AUTO_MAX_K)
+        if choice.k != want and clear_best(choice.alpha, choice.c, AUTO_MAX_K):
+            return (
+                f"after {choice.round} rounds (α = {choice.alpha:.4g}, c = {choice.c:.4g}) your best_k chose "
+                f"k = {choice.k}; expected k = {want}",
+                "",
+            )
+    if got.tokens != case.expected:
+        return "the tokens differ from plain greedy decoding's", "greedy speculative decoding gives the same tokens"
+    return None
+
+
+def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
+    """best_k(alpha, c, max_k) -> the k in 1..max_k with the largest expected speed-up
+    (1 − α^(k+1)) / ((1 − α)(k·c + 1)) ((k + 1)/(k·c + 1) at α = 1), the smallest on a tie; then the engine
+    runs it: generate(..., num_draft_tokens="auto") must give plain greedy decoding's tokens."""
     rng = random.Random(seed)
 
-    def case(description, alpha, k, c, hint=""):
-        return Case(description, (alpha, k, c), engine_expected_speedup(alpha, k, c), hint)
+    def case(description, alpha, c, max_k, hint=""):
+        return Case(description, (alpha, c, max_k), exact_best_k(alpha, c, max_k), hint)
 
     cases = [
-        case("α = 0.6, k = 4, c = 0.1", 0.6, 4, 0.1),
-        case("the bundled pair's α ≈ 0.57, k = 4, c = 0.26", 0.57, 4, 0.26),
+        case("α = 0.6, c = 0.1, max_k = 8: an optimum inside the range", 0.6, 0.1, 8),
+        case("the bundled pair: α ≈ 0.57, c ≈ 0.27", 0.57, 0.27, 8),
+        case("a good draft: α = 0.8, c = 0.05, max_k = 4 (the best is max_k)", 0.8, 0.05, 4),
+        case("a free draft: c = 0, α = 0.5 (the best is max_k)", 0.5, 0.0, 6),
         case(
-            "α = 0: every proposal rejected, one token per round",
+            "α = 0: every proposal is rejected",
             0.0,
-            4,
             0.1,
-            hint="at α = 0 a round yields 1 token and costs k·c + 1",
+            8,
+            hint="at α = 0 a round yields one token whatever k, and each proposal costs c: k = 1",
         ),
         case(
-            "α = 1: every proposal accepted (the limit k + 1 tokens per round)",
-            1.0,
-            4,
-            0.1,
+            "α = 1 (an int): every proposal is kept",
+            1,
+            0.5,
+            8,
             hint="at α = 1 the closed form is 0/0: the tokens per round are k + 1",
         ),
-        case("α = 1 given as an int", 1, 3, 0.2, hint="at α = 1 the tokens per round are k + 1"),
-        case("c = 0: a free draft", 0.8, 5, 0.0),
-        case("k = 1", 0.5, 1, 0.05),
-        case("a costly draft: c = 1", 0.9, 3, 1.0),
-        case("α close to 1", 0.999999, 8, 0.02),
-        case("large k", 0.7, 64, 0.01),
-        case("small α, c = 0.5", 0.1, 2, 0.5),
-        case("α = 1, c = 0", 1.0, 6, 0.0),
+        case(
+            "α = 1, c = 1: every k gives a speed-up of exactly 1",
+            1.0,
+            1.0,
+            8,
+            hint="on a tie take the smallest k",
+        ),
+        case(
+            "α = 0, c = 0: every k gives exactly 1", 0, 0, 5, hint="on a tie take the smallest k (1 + 0 + … = 1 token)"
+        ),
+        case("α = 1, c = 2: a draft dearer than the target", 1.0, 2.0, 8),
+        case("max_k = 1", 0.9, 0.01, 1),
+        case("a costly draft: α = 0.9, c = 0.5", 0.9, 0.5, 8),
+        case("α close to 1, max_k = 64", 0.999999, 0.02, 64),
+        case("α = 0.95, c = 0.01, max_k = 64: an optimum far inside", 0.95, 0.01, 64),
+        case("fractions: α = 3/5, c = 1/10", Fraction(3, 5), Fraction(1, 10), 8),
+        case("the best k is max_k - 1... or max_k", 0.75, 0.02, 7),
     ]
-    alphas = [0.0, 1.0] + [rng.random() for _ in range(n_random)]
-    for i in range(n_random + 1):
-        alpha = alphas[i] if i < 2 else rng.random()
+    count = 0
+    while count < n_random:
+        alpha = rng.choice([rng.random(), rng.random(), 0.5 + rng.random() / 2, 0.9 + rng.random() / 10])
+        c = rng.choice([0.0, rng.random() / 10, rng.random() / 3, rng.random()])
+        max_k = rng.randint(1, 16)
+        if clear_best(alpha, c, max_k):
+            cases.append(case(f"random #{count}", alpha, c, max_k))
+            count += 1
+    for how, which in [("draft", "a draft model (a noisy copy of the target: c = 1)"), (PROMPT_LOOKUP, PROMPT_LOOKUP)]:
         cases.append(
-            case(f"random #{i}", alpha, rng.randint(1, 12), rng.choice([0.0, rng.random(), rng.random() / 10]))
+            Case(
+                f"llmcourse.generate(target, prompt, draft={which}, num_draft_tokens='auto', max_new_tokens="
+                f"{AUTO_NEW_TOKENS}) with your best_k installed: each k it chooses is the best for the α and c "
+                "measured, and the tokens are plain greedy decoding's",
+                ("engine", seed, how),
+                later(_auto_plain, seed, how),
+            )
         )
 
+    def run(*args):
+        if args[0] != "engine":
+            return fn(*args)
+        watch = sys.getprofile()
+        sys.setprofile(None)  # only the learner's calls are watched
+        try:
+            with one_thread(), torch.inference_mode():
+                return _run_auto(fn, args[1], args[2], watch)
+        finally:
+            sys.setprofile(watch)
+
+    run.__qualname__ = getattr(fn, "__qualname__", "best_k")
+
     def show(args):
-        return f"expected_speedup(alpha={args[0]!r}, k={args[1]}, c={args[2]:.4g})"
+        if args[0] == "engine":
+            draft = "'prompt-lookup'" if args[2] == PROMPT_LOOKUP else "draft"
+            return (
+                f"generate(target, prompt, draft={draft}, num_draft_tokens='auto', eos_token_id=None, "
+                "speculation=guarded(Speculation, best_k=best_k)) (a tiny target, vocabulary 97)"
+            )
+        return f"best_k(alpha={args[0]!r}, c={args[1]!r}, max_k={args[2]})"
 
     run_check(
-        "expected_speedup",
-        fn,
+        "best_k",
+        run,
         cases,
-        judge=_speedup_verdict,
-        forbid=[NO_ENGINE],
+        judge=_best_k_verdict,
+        forbid=[NO_ENGINE_BEST_K],
         show_call=show,
-        seconds=5,
-        total_seconds=10,
+        seconds=10,
+        total_seconds=30,
         error_hints={
-            "ZeroDivisionError": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
-            "then k + 1 (1 + α + … + α^k with α = 1); handle α == 1 separately",
-            "division by zero": "at α = 1 the closed form divides 0 by 0: the tokens per round are "
-            "then k + 1; handle α == 1 separately",
+            "ZeroDivisionError": "the α = 1 division by zero: the closed form is 0/0 there; the tokens per round "
+            "are k + 1 (1 + α + … + α^k with α = 1): handle α == 1 separately",
+            "division by zero": "the α = 1 division by zero: the tokens per round are then k + 1; handle α == 1 "
+            "separately",
         },
     )
 

@@ -515,15 +515,15 @@ def guarded_lookup(fn: Callable) -> Callable:
     return call
 
 
-def guarded_speedup(fn: Callable) -> Callable:
+def guarded_best_k(fn: Callable) -> Callable:
     @functools.wraps(fn)
-    def call(alpha, k, c):
-        out = _calling("expected_speedup", fn, alpha, k, c)
-        if isinstance(out, Tensor) and out.numel() == 1:
-            out = float(out)
-        if isinstance(out, bool) or not isinstance(out, (int, float)):
-            _fail08("expected_speedup", fn, f"returned {out!r:.80}; expected a number")
-        return float(out)
+    def call(alpha, c, max_k):
+        out = _calling("best_k", fn, alpha, c, max_k)
+        if isinstance(out, Tensor) and out.numel() == 1 and not out.is_floating_point():
+            out = int(out)
+        if not (isinstance(out, numbers.Integral) and not isinstance(out, bool) and 1 <= out <= max_k):
+            _fail08("best_k", fn, f"returned {out!r:.80}; expected an integer k in 1..{max_k}")
+        return int(out)
 
     return call
 
@@ -652,7 +652,7 @@ GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     "accept_token": lambda name, fn: guarded_accept_token(fn),
     "verify": lambda name, fn: guarded_verify(fn),
     "prompt_lookup_draft": lambda name, fn: guarded_lookup(fn),
-    "expected_speedup": lambda name, fn: guarded_speedup(fn),
+    "best_k": lambda name, fn: guarded_best_k(fn),
     "speculative_round": lambda name, fn: guarded_round(fn),
     **{name: guard_quantization for name in Quantization.slot_names()},
 }

@@ -262,9 +262,9 @@ WHERE_USED = (
     ("every generation", PART_SLOTS + CACHE_SLOTS + ("left_pad",) + TOKENIZER_SLOTS),
     ("choosing tokens", SAMPLER_SLOTS),
     ("LLMEngine", tuple(n for n in BATCHING_SLOTS if n != "left_pad")),
-    ("speculative decoding", tuple(n for n in SPECULATION_SLOTS if n != "expected_speedup")),
+    ("speculative decoding", SPECULATION_SLOTS),
     ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "weight_memory")),
-    ("formulas: no generation runs them", ("expected_speedup", "weight_memory")),
+    ("formulas: no generation runs them", ("weight_memory",)),
 )
 
 
@@ -287,6 +287,8 @@ def slots_used(settings: dict) -> set[str]:
     draft = settings.get("draft")
     if draft is not None:
         used |= {"accept_token", "verify", "prompt_lookup_draft" if draft == "prompt-lookup" else "speculative_round"}
+        if settings.get("num_draft_tokens") == "auto":
+            used.add("best_k")
     if settings.get("quantize"):  # 'int8' or 'int4': that format's functions
         used |= {n for n in QUANTIZATION_SLOTS if settings["quantize"] in n}
     return used

@@ -14,8 +14,9 @@ stops), `seed` (sampling is reproducible: the same seed gives the same text), `s
 the text of `stream` and `generate_text`, not included)), or its fields as keywords. A `generator`
 replaces the seed's. `draft` (a model with the target's vocabulary, a bundled name such as
 'gpt2-shakespeare-draft', or 'prompt-lookup') turns on speculative decoding with `num_draft_tokens`
-proposals per round: the same tokens as without it when greedy, the same distribution when sampling (see
-`llmcourse.engine.speculative`); pass `stats=SpeculationStats()` to see how many proposals were accepted.
+proposals per round (or "auto": chosen from the acceptance rate as it goes): the same tokens as without it
+when greedy, the same distribution when sampling (see `llmcourse.engine.speculative`); pass
+`stats=SpeculationStats()` to see how many proposals were accepted.
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while).
 
@@ -82,7 +83,7 @@ def generate(
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
     draft=None,
-    num_draft_tokens: int = NUM_DRAFT_TOKENS,
+    num_draft_tokens: Union[int, str] = NUM_DRAFT_TOKENS,
     stats: Optional[SpeculationStats] = None,
     sampler: Optional[Sampler] = None,
     kv_cache: Optional[Callable] = None,
@@ -173,7 +174,7 @@ def stream(
     generator: Optional[torch.Generator] = None,
     compile: bool = False,
     draft=None,
-    num_draft_tokens: int = NUM_DRAFT_TOKENS,
+    num_draft_tokens: Union[int, str] = NUM_DRAFT_TOKENS,
     stats: Optional[SpeculationStats] = None,
     sampler: Optional[Sampler] = None,
     kv_cache: Optional[Callable] = None,
@@ -306,7 +307,7 @@ def check_compile(params: SamplingParams, compile: bool) -> None:
 
 
 def checked_draft(
-    model: GPT2, draft, batch: list[list[int]], num_draft_tokens: int, params: SamplingParams, compile: bool
+    model: GPT2, draft, batch: list[list[int]], num_draft_tokens: Union[int, str], params: SamplingParams, compile: bool
 ):
     """`draft` resolved (a model, or 'prompt-lookup'), refused where speculative decoding does not apply."""
     if params.num_beams > 1:

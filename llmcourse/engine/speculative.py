@@ -25,6 +25,14 @@ greedy decoding's, token for token.
     (False, 0)
     >>> round(expected_speedup(alpha=0.6, k=4, c=0.1), 2)
     1.65
+    >>> best_k(alpha=0.6, c=0.1, max_k=8)   # the k with the largest expected speed-up
+    3
+
+`num_draft_tokens="auto"` picks k as it goes (`speculative_steps`): it proposes AUTO_FIRST_K tokens per
+round at first; every AUTO_ROUNDS rounds it estimates α from the proposals judged so far and takes
+k = best_k(α, c, AUTO_MAX_K), with c from the two models' sizes (`draft_cost`), not from timing: sampled
+tokens depend on k (a round draws as many random numbers as it proposes), so a k chosen from timings
+would make a seeded run unrepeatable, while α and the sizes make the same k on every run.
 """
 
 from __future__ import annotations
@@ -43,6 +51,10 @@ from .sampling import Sampler, SamplingParams
 from .slots import Slots
 
 PROMPT_LOOKUP = "prompt-lookup"
+AUTO = "auto"  # num_draft_tokens="auto": k chosen by best_k from the measured acceptance rate
+AUTO_FIRST_K = 4  # proposals per round before the first estimate of α
+AUTO_ROUNDS = 3  # rounds between two choices of k
+AUTO_MAX_K = 8  # the most proposals per round "auto" chooses
 
 
 def accept_token(
@@ -113,6 +125,35 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
     return expected_tokens_per_round(alpha, k) / (k * c + 1)
 
 
+def best_k(alpha: float, c: float, max_k: int) -> int:
+    """The k in 1..max_k with the largest `expected_speedup(alpha, k, c)`, the smallest such k on a tie. At
+    α = 0 that is k = 1 (each proposal only costs); whether to speculate at all is the caller's choice.
+
+        >>> best_k(0.9, 0.02, 8), best_k(0.57, 0.26, 8), best_k(0.0, 0.1, 8), best_k(1.0, 1.0, 8)
+        (8, 2, 1, 1)
+    """
+    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, c))  # max keeps the first best
+
+
+def draft_cost(target, draft) -> float:
+    """c for `best_k`: the multiply-adds per token of the draft's matrix products over the target's,
+    12·n_layer·n_embd² + vocab·n_embd each (the blocks, the output head). A decode step at small batch reads
+    each weight once and multiplies it once (chapter 06), so this is the ratio of the step times whether the
+    step is memory-bound or compute-bound, up to fixed overheads; 0 for prompt lookup.
+
+        >>> from llmcourse.engine.config import GPT2Config
+        >>> round(draft_cost(GPT2(GPT2Config(6, 6, 192)), GPT2(GPT2Config(2, 2, 64))), 3)
+        0.269
+    """
+    if draft == PROMPT_LOOKUP:
+        return 0.0
+
+    def per_token(cfg) -> int:
+        return 12 * cfg.n_layer * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd
+
+    return per_token(draft.config) / per_token(target.config)
+
+
 @torch.inference_mode()
 def speculative_round(target, draft, target_cache, draft_cache, tokens: list[int], num_draft_tokens: int) -> list[int]:
     """One greedy draft-verify round. `tokens` is the text so far (prompt and generated); `target_cache`
@@ -134,6 +175,16 @@ class Round:
 
 
 @dataclasses.dataclass
+class Choice:
+    """A choice of k by num_draft_tokens="auto": after `round` rounds of a prompt, from the estimated α and c."""
+
+    round: int
+    alpha: float
+    c: float
+    k: int
+
+
+@dataclasses.dataclass
 class SpeculationStats:
     """Filled in by `generate(..., draft=..., stats=SpeculationStats())`: every round, and the time.
 
@@ -145,6 +196,7 @@ class SpeculationStats:
     rounds: list[Round] = dataclasses.field(default_factory=list)
     new_tokens: int = 0  # tokens returned (the last round may be cut by EOS or max_new_tokens)
     seconds: float = 0.0
+    choices: list[Choice] = dataclasses.field(default_factory=list)  # num_draft_tokens="auto": each choice of k
 
     @property
     def drafted(self) -> int:
@@ -173,10 +225,14 @@ class SpeculationStats:
         ]
 
     def summary(self) -> str:
+        chosen = ""
+        if self.choices:
+            last = self.choices[-1]
+            chosen = f"; num_draft_tokens='auto' chose k = {last.k} (α = {last.alpha:.2f}, c = {last.c:.2f})"
         return (
             f"speculative decoding: {self.new_tokens} tokens in {len(self.rounds)} target forward passes "
             f"({self.tokens_per_forward:.2f} per pass), {self.accepted} of {self.drafted} proposals accepted "
-            f"({self.acceptance_rate:.0%}), {self.seconds:.2f} s"
+            f"({self.acceptance_rate:.0%}), {self.seconds:.2f} s{chosen}"
         )
 
 
@@ -294,12 +350,13 @@ class Speculation(Slots):
     """The functions speculative decoding calls (chapter 08): `generate(..., draft=..., speculation=...)` takes
     them (`Speculation().replace(verify=my_verify)` swaps some). A replaced
     `speculative_round` is greedy: it runs for greedy decoding with a draft model (without repetition
-    penalty); sampling and prompt lookup run the engine's round with the learner's `verify` and `accept_token`."""
+    penalty); sampling and prompt lookup run the engine's round with the learner's `verify` and `accept_token`.
+    `best_k` chooses k when num_draft_tokens="auto"."""
 
     accept_token: Callable = accept_token
     verify: Callable = verify
     prompt_lookup_draft: Callable = prompt_lookup_draft
-    expected_speedup: Callable = expected_speedup
+    best_k: Callable = best_k
     speculative_round: Callable = speculative_round
 
 
@@ -334,10 +391,12 @@ def resolve_draft(target, draft) -> Union[str, object]:
 
 def check_speculation(target, draft, batch: list[list[int]], num_draft_tokens, max_new_tokens: int) -> None:
     """Refuse a `num_draft_tokens` or prompt lengths that speculative decoding cannot run."""
-    if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= 64:
+    if num_draft_tokens != AUTO and (
+        isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, int) or not 1 <= num_draft_tokens <= 64
+    ):
         raise ValueError(
-            f"num_draft_tokens must be an integer in [1, 64] (tokens the draft proposes per round), "
-            f"got {num_draft_tokens!r}"
+            f"num_draft_tokens must be an integer in [1, 64] (tokens the draft proposes per round) or '{AUTO}' "
+            f"(chosen as it goes, from the acceptance rate), got {num_draft_tokens!r}"
         )
     if draft == PROMPT_LOOKUP:
         return
@@ -356,7 +415,7 @@ def speculative_steps(
     prompt: list[int],
     settings: SamplingParams,
     *,
-    num_draft_tokens: int,
+    num_draft_tokens: Union[int, str],
     generator: Optional[torch.Generator],
     stats: Optional[SpeculationStats] = None,
     speculation: Optional["Speculation"] = None,
@@ -366,7 +425,8 @@ def speculative_steps(
     """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup'),
     with `speculation`'s functions, `sampler`'s processors and caches (target's and draft's) of class `kv_cache`
     (each the engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
-    exactly where plain decoding ends."""
+    exactly where plain decoding ends. `num_draft_tokens="auto"`: k chosen by `speculation.best_k` (the module's
+    docstring); greedy output is plain greedy decoding's whatever k is."""
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter() - stats.seconds  # a batch's prompts add up
     spec, device = speculation or Speculation(), target.device
@@ -392,15 +452,26 @@ def speculative_steps(
         and seen is None
     )
 
+    auto = num_draft_tokens == AUTO
+    proposing = AUTO_FIRST_K if auto else num_draft_tokens
+    c = draft_cost(target, draft) if auto else 0.0
+    judged = kept = rounds = 0  # "auto": proposals the target judged (kept, or the first rejected one of a round)
+
     made = 0
     while made < max_new_tokens:
-        k = min(num_draft_tokens, max_new_tokens - made - 1)  # a round yields up to k + 1: never more than asked
+        k = min(proposing, max_new_tokens - made - 1)  # a round yields up to k + 1: never more than asked
         if learners_round:
             new = spec.speculative_round(target, draft, target_cache, proposer.cache, tokens, k)
             drafted = [None] * k  # a learner's round proposes k; which ones is its own business
         else:
             new, drafted = draft_verify(target, proposer, target_cache, tokens, k, dist, generator, spec.verify)
         stats.rounds.append(Round(drafted, len(new) - 1, new[-1]))
+        if auto:  # α estimated as kept / judged: proposals after a round's first rejection are never judged
+            rejected = len(new) - 1 < len(drafted)
+            rounds, kept, judged = rounds + 1, kept + len(new) - 1, judged + len(new) - 1 + rejected
+            if rounds % AUTO_ROUNDS == 0 and judged:
+                proposing = int(spec.best_k(kept / judged, c, AUTO_MAX_K))
+                stats.choices.append(Choice(rounds, kept / judged, c, proposing))
         dist.add(new)
         tokens += new
         for token in new[: max_new_tokens - made]:
