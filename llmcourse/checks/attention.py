@@ -1190,26 +1190,36 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
 
 
 def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tuple], str]) -> None:
-    """Tiling is the exercise: at sizes past the small ones, no floating-point tensor the function makes may
-    hold more than one block of scores for all queries ([B, H, Tq, block_size]) or a copy of k or v; the
-    whole [Tq, Tk] score matrix (or one query block against all keys) is refused. Every tensor torch makes
-    during the call is seen (a dispatch mode); work in numpy is not."""
+    """Tiling is the exercise: at sizes past the small ones (B, H and the head dim no larger than the block), no
+    floating-point tensor the function makes may be wider than the block in two dimensions — the whole
+    [Tq, Tk] score table, or any piece of it more than block_size queries by more than block_size keys — nor
+    hold more numbers than one block of keys against all queries ([B, H, Tq, block_size]) or a copy of k or v
+    (which refuses one block of queries against all the keys, and the blocks of scores all made at once).
+    Blocks of other shapes within that rule are fine (all queries against one block of keys, or fewer queries
+    than a block against a block of keys). Every tensor torch makes during the call is seen (a dispatch mode);
+    broadcast (stride-0) dimensions take no memory and are not counted; work in numpy is not seen."""
     B, H, Tq, Tk, D, block = 1, 2, 256, 384, 16, 32
     g = torch.Generator().manual_seed(22)
     q, k, v = _qkv(g, B, H, Tq, Tk, D)
     allowed = max(B * H * Tq * max(block, D), B * H * Tk * D)
-    largest: list = [0, None]
+    largest: list = [0, None]  # numbers held, shape
+    too_wide: list = [None]  # the first tensor wider than the block in two dimensions
 
-    class Largest(TorchDispatchMode):
+    class Shapes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, Tensor) and t.is_floating_point() and t.numel() > largest[0]:
-                    largest[0], largest[1] = t.numel(), tuple(t.shape)
+                if not (isinstance(t, Tensor) and t.is_floating_point()):
+                    continue
+                held = [n for n, stride in zip(t.shape, t.stride()) if n == 1 or stride != 0]  # [n, ...]
+                if too_wide[0] is None and sum(n > block for n in held) >= 2:
+                    too_wide[0] = tuple(t.shape)
+                if math.prod(held) > largest[0]:
+                    largest[0], largest[1] = math.prod(held), tuple(t.shape)
             return out
 
     def watched(q, k, v, block_size, causal):
-        with Largest():
+        with Shapes():
             return fn(q, k, v, block_size, causal)
 
     args = (q, k, v, block, True)
@@ -1221,16 +1231,33 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
             f"✗ tiled_attention — {Tq} queries, {Tk} keys, blocks of {block}: {verdict[0]}\n"
             f"  input:    {show(args)}\n  hint: {verdict[1]}"
         )
+    hint = (
+        "  hint: loop over the keys in blocks of block_size (k[:, :, k0 : k0 + block_size]) and keep only the "
+        "running max m, the running sum l and the accumulator: never the whole [Tq, Tk] score matrix, nor one "
+        "block of queries against all the keys"
+    )
+    if too_wide[0] is not None:
+        shape = list(too_wide[0])
+        what = (
+            "the whole [Tq, Tk] score table"
+            if Tq in shape and Tk in shape
+            else f"a piece of the score table more than {block} wide in two dimensions"
+        )
+        raise CheckFailed(
+            f"✗ tiled_attention — tiling: {Tq} queries at the end of {Tk} keys, block_size={block}: your function "
+            f"made a tensor of shape {shape}, {what}; tiled attention never holds scores wider than the block in "
+            "both the query and the key dimension\n"
+            f"  input:    {show(args)}\n"
+            f"  expected: no tensor with more than one dimension over block_size={block}\n"
+            f"  got:      a tensor of shape {shape}\n" + hint
+        )
     if largest[0] > allowed:
         raise CheckFailed(
-            f"✗ tiled_attention — {Tq} queries at the end of {Tk} keys, block_size={block}: your function made a "
-            f"tensor "
-            f"of shape {list(largest[1])} ({largest[0]:,} numbers); tiled attention never holds more than one block of "
-            f"scores for all queries, [B, H, Tq, block_size] = {[B, H, Tq, block]} ({B * H * Tq * block:,} numbers)\n"
+            f"✗ tiled_attention — tiling: {Tq} queries at the end of {Tk} keys, block_size={block}: your function "
+            f"made a tensor of shape {list(largest[1])} ({largest[0]:,} numbers); tiled attention never holds more "
+            f"than one block of keys' scores for all queries, [B, H, Tq, block_size] = {[B, H, Tq, block]} "
+            f"({B * H * Tq * block:,} numbers)\n"
             f"  input:    {show(args)}\n"
             f"  expected: no tensor of more than {allowed:,} numbers (one block of scores, or a copy of k or v)\n"
-            f"  got:      a tensor of shape {list(largest[1])}\n"
-            "  hint: loop over the keys in blocks of block_size (k[:, :, k0 : k0 + block_size]) and keep only the "
-            "running max m, the running sum l and the accumulator: never the whole [Tq, Tk] score matrix, nor one "
-            "block of queries against all the keys"
+            f"  got:      a tensor of shape {list(largest[1])}\n" + hint
         )
