@@ -16,9 +16,10 @@ import llmcourse
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.kv_cache import (
     check_cached_attention,
+    check_decode_step,
     check_generate_greedy,
     check_kv_cache,
-    check_kv_cache_bytes,
+    check_max_sequences,
     decisive_model,
     full_recompute,
     one_thread,
@@ -69,15 +70,21 @@ def generate_greedy(model, prompt_ids, max_new_tokens, cache_class=KVCache):
     return tokens
 
 
-def kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
-    return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+def decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
+    return 2 * n_params * batch, n_params * bytes_per_weight + batch * context * kv_bytes_per_token
+
+
+def max_sequences(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value=2):
+    per_sequence = 2 * n_layer * n_kv_head * head_dim * context * bytes_per_value
+    return max(0, math.floor((memory_bytes - weight_bytes) / per_sequence))
 
 
 REFERENCES = [
     (check_kv_cache, KVCache, dict(n_random=12)),
     (check_cached_attention, cached_attention, dict(n_random=40)),
     (check_generate_greedy, generate_greedy, dict(n_random=4, bundled=True)),
-    (check_kv_cache_bytes, kv_cache_bytes, dict(n_random=40)),
+    (check_decode_step, decode_step, dict(n_random=40)),
+    (check_max_sequences, max_sequences, dict(n_random=40)),
 ]
 IDS = [check.__name__ for check, _, _ in REFERENCES]
 
@@ -90,7 +97,7 @@ def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
 
 
 def test_notebook_solutions_pass_their_checks(capsys):
-    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 8
+    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 10
 
 
 class StubCache:
@@ -111,7 +118,8 @@ def stub(*args, **kwargs):
         (check_kv_cache, StubCache),
         (check_cached_attention, stub),
         (check_generate_greedy, stub),
-        (check_kv_cache_bytes, stub),
+        (check_decode_step, stub),
+        (check_max_sequences, stub),
     ],
     ids=IDS,
 )
@@ -671,65 +679,171 @@ def test_full_recompute_equals_the_engine_and_the_cache_records_its_use():
         assert len(cache_class.made) == 1 and cache_class.made[0].writes == [(0, 5), (5, 1), (6, 1), (7, 1)]
 
 
-# -- kv_cache_bytes: mistakes -----------------------------------------------------------------------
+# -- decode_step: mistakes --------------------------------------------------------------------------
 
 
-BYTES_MISTAKES = [
-    (
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
-        ),
-        r"the factor 2",
+def _step(flops, nbytes):
+    """A decode_step made of two formulas of (n, kv, context, batch, per_weight)."""
+
+    def decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
+        args = (n_params, kv_bytes_per_token, context, batch, bytes_per_weight)
+        return flops(*args), nbytes(*args)
+
+    return decode_step
+
+
+def RIGHT_FLOPS(n, kv, t, b, w):
+    return 2 * n * b
+
+
+def RIGHT_BYTES(n, kv, t, b, w):
+    return n * w + b * t * kv
+
+
+STEP_MISTAKES = {
+    "no_kv_cache": (_step(RIGHT_FLOPS, lambda n, kv, t, b, w: n * w), r"each sequence also reads its KV cache"),
+    "multiply_add_is_1_flop": (_step(lambda n, kv, t, b, w: n * b, RIGHT_BYTES), r"a multiply-add is 2 FLOPs"),
+    "kv_cache_once": (
+        _step(RIGHT_FLOPS, lambda n, kv, t, b, w: n * w + t * kv),
+        r"every sequence reads its own KV cache",
     ),
-    (
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value * 8
-        ),
-        r"bytes, not bits",
+    "weights_per_sequence": (
+        _step(RIGHT_FLOPS, lambda n, kv, t, b, w: b * (n * w + t * kv)),
+        r"the weights are read once for the whole batch",
     ),
-    (
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            2 * n_layer * n_kv_head * head_dim * positions * bytes_per_value
-        ),
-        r"multiply by batch",
+    "flops_without_batch": (_step(lambda n, kv, t, b, w: 2 * n, RIGHT_BYTES), r"every sequence of the batch does"),
+    "bits": (_step(RIGHT_FLOPS, lambda n, kv, t, b, w: 8 * (n * w + b * t * kv)), r"bytes, not bits"),
+    "gib": (_step(RIGHT_FLOPS, lambda n, kv, t, b, w: (n * w + b * t * kv) / 2**30), r"return bytes \(not GiB\)"),
+    "weights_as_one_byte": (_step(RIGHT_FLOPS, lambda n, kv, t, b, w: n + b * t * kv), r"n_params × bytes_per_weight"),
+    "swapped": (_step(RIGHT_BYTES, RIGHT_FLOPS), r"return \(flops, bytes\), in that order"),
+    "kv_times_bytes_per_weight": (
+        _step(RIGHT_FLOPS, lambda n, kv, t, b, w: n * w + b * t * kv * w),
+        r"kv_bytes_per_token is already in bytes",
     ),
-    (
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value / 2**30
-        ),
-        r"return bytes \(not KB",
-    ),
-    (
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            2 * n_layer * n_kv_head * head_dim * positions * batch * 2
-        ),
-        r"multiply by bytes_per_value",
-    ),
-]
+}
 
 
-@pytest.mark.parametrize("fn, pattern", BYTES_MISTAKES, ids=["no_factor_2", "bits", "no_batch", "gib", "fp16_always"])
-def test_kv_cache_bytes_mistakes_are_named(fn, pattern):
-    fails(check_kv_cache_bytes, fn, pattern)
+@pytest.mark.parametrize("fn, pattern", STEP_MISTAKES.values(), ids=STEP_MISTAKES)
+def test_decode_step_mistakes_are_named(fn, pattern):
+    fails(check_decode_step, fn, pattern)
 
 
-def test_kv_cache_bytes_alternative_passes(capsys):
-    check_kv_cache_bytes(lambda *sizes: math.prod((2, *sizes)) if len(sizes) == 6 else math.prod((2, *sizes, 2)))
-    check_kv_cache_bytes(
-        lambda n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2: (
-            2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
-        ),
-        seed=101,
-        n_random=40,
-    )
+def test_decode_step_messages_show_input_expected_got():
+    message = fails(check_decode_step, STEP_MISTAKES["no_kv_cache"][0], "")
+    assert "input:    decode_step(n_params=124439808, kv_bytes_per_token=36864, context=1024" in message, message
+    assert "expected: (248879616, 286628352)" in message and "got:      (248879616, 248879616)" in message, message
+
+
+def test_decode_step_alternatives_pass(capsys):
+    def as_list_of_numpy(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
+        weights = np.float64(n_params) * bytes_per_weight
+        caches = sum(context * kv_bytes_per_token for _ in range(batch))
+        return [np.float64(2.0) * n_params * batch, weights + caches]
+
+    def fractions(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
+        from fractions import Fraction  # a learner's exact arithmetic
+
+        per_sequence = Fraction(context) * Fraction(kv_bytes_per_token)
+        return Fraction(n_params) * 2 * batch, Fraction(n_params) * Fraction(bytes_per_weight) + batch * per_sequence
+
+    check_decode_step(as_list_of_numpy)
+    check_decode_step(fractions, seed=101, n_random=40)
     assert capsys.readouterr().out.count("✓") == 2
 
 
-def test_kv_cache_bytes_matches_the_engine_cache():
+def test_decode_step_refuses_the_engines_own():
+    from llmcourse.engine.roofline import decode_step as engines
+
+    fails(check_decode_step, lambda *args: engines(*args), r"write your own")
+
+
+def test_decode_step_runs_in_the_engines_gpt2_step():
+    """The last case is the benchmarks' `model_decode_step` calling the learner's function (through its guard):
+    a function wrong only for the weights the engine passes (GPT-2 small without its position table) fails there."""
+    engines_weights = 124_439_808 - 1024 * 768
+
+    def wrong_in_the_engine(*args):
+        return (1.0, 1.0) if args[0] == engines_weights else decode_step(*args)
+
+    fails(check_decode_step, wrong_in_the_engine, r"in the engine: GPT-2 124M's step.*step=decode_step")
+
+
+# -- max_sequences: mistakes -------------------------------------------------------------------------
+
+
+def _fits(count):
+    """A max_sequences made of a formula of (room, per_sequence, memory, L, H, D, T, bytes)."""
+
+    def max_sequences(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value=2):
+        per = 2 * n_layer * n_kv_head * head_dim * context * bytes_per_value
+        room = memory_bytes - weight_bytes
+        return count(room, per, memory_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value)
+
+    return max_sequences
+
+
+FITS_MISTAKES = {
+    "weights_not_subtracted": (_fits(lambda r, p, m, *_: int(m // p)), r"subtract the weights"),
+    "k_only": (_fits(lambda r, p, *_: max(0, int(r // (p / 2)))), r"a key and a value: the factor 2"),
+    "rounded_up": (_fits(lambda r, p, *_: max(0, math.ceil(r / p))), r"round down"),
+    "rounded_to_nearest": (_fits(lambda r, p, *_: max(0, round(r / p))), r"round down"),
+    "not_rounded": (_fits(lambda r, p, *_: max(0.0, r / p)), r"fits whole or not at all: round down"),
+    "no_layers": (_fits(lambda r, p, m, L, *_: max(0, int(r // (p / L)))), r"multiply by n_layer"),
+    "negative": (_fits(lambda r, p, *_: math.floor(r / p)), r"return 0, not a negative number"),
+    "bits": (_fits(lambda r, p, *_: max(0, int(r // (8 * p)))), r"bytes, not bits"),
+    "fixed_fp16": (_fits(lambda r, p, m, L, H, D, T, bpv: max(0, int(r // (p / bpv * 2)))), r"not by a fixed 2"),
+}
+
+
+@pytest.mark.parametrize("fn, pattern", FITS_MISTAKES.values(), ids=FITS_MISTAKES)
+def test_max_sequences_mistakes_are_named(fn, pattern):
+    fails(check_max_sequences, fn, pattern)
+
+
+def test_max_sequences_alternatives_pass(capsys):
+    def by_loop(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value=2):
+        per_token = 2 * n_layer * n_kv_head * head_dim * bytes_per_value
+        free = memory_bytes - weight_bytes
+        return int(free // (per_token * context)) if free > 0 else 0
+
+    def whole_float(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value=2):
+        per = np.float64(2.0) * n_layer * n_kv_head * head_dim * context * bytes_per_value
+        return max(np.float64(0.0), np.floor((memory_bytes - weight_bytes) / per))
+
+    check_max_sequences(by_loop)
+    check_max_sequences(whole_float, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_max_sequences_refuses_the_engines_own():
+    from llmcourse.engine.roofline import max_sequences as engines
+
+    fails(check_max_sequences, lambda *args: engines(*args), r"write your own")
+
+
+def test_max_sequences_matches_the_engine_cache():
     config = llmcourse.GPT2Config(n_layer=3, n_head=4, n_embd=32)
-    cache = EngineKVCache(config, 2, 10, dtype=torch.float16)
+    cache = EngineKVCache(config, 1, 10, dtype=torch.float16)
     size = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-    assert size == kv_cache_bytes(3, 4, 8, 10, batch=2, bytes_per_value=2)
+    assert max_sequences(1000 + 7 * size + size - 1, 1000, 3, 4, 8, 10) == 7
+
+
+def test_the_engine_and_the_benchmarks_use_one_decode_step():
+    from llmcourse.bench.common import decode_step_cost
+    from llmcourse.engine.roofline import model_decode_step
+
+    config = llmcourse.GPT2Config()
+    calls = []
+
+    def recording(*args):
+        calls.append(args)
+        return decode_step(*args)
+
+    assert model_decode_step(config, 100, 4, 3, step=recording) == model_decode_step(config, 100, 4, 3)
+    assert decode_step_cost(config, 100, 4, 3) == model_decode_step(config, 100, 4, 3)[::-1]
+    n, kv, context, batch, per_weight = calls[0]
+    assert (kv, context, batch, per_weight) == (2 * 12 * 768 * 4, 100, 3, 4)
+    assert n == 124_439_808 - 1024 * 768  # all of GPT-2 small but its position table, of which a step reads a row
 
 
 # -- the references against transformers --------------------------------------------------------------

@@ -21,6 +21,7 @@ from llmcourse.course.limits import time_limit
 from .attention import (
     check_attention,
     check_causal_mask,
+    check_merge_attention,
     check_merge_heads,
     check_self_attention,
     check_softmax,
@@ -41,9 +42,15 @@ from .gpt2 import (
 from .harness import bundled, isolate  # noqa: F401 (bundled registers the models every check's child finds loaded
 from .harness.core import Case, CheckFailed, later, run_check
 from .harness.forbid import NOT_ENFORCEABLE, Forbidden, ForbiddenCall
-from .kv_cache import check_cached_attention, check_generate_greedy, check_kv_cache, check_kv_cache_bytes
+from .kv_cache import (
+    check_cached_attention,
+    check_decode_step,
+    check_generate_greedy,
+    check_kv_cache,
+    check_max_sequences,
+)
 from .pipeline import check_top_k_next_tokens
-from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_weight_memory
+from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_smooth_scales
 from .sampling import (
     check_beam_search,
     check_greedy,
@@ -103,6 +110,7 @@ __all__ = [
     "check_merge_heads",
     "check_self_attention",
     "check_tiled_attention",
+    "check_merge_attention",
     "check_layer_norm",
     "check_gelu",
     "check_linear",
@@ -123,7 +131,8 @@ __all__ = [
     "check_kv_cache",
     "check_cached_attention",
     "check_generate_greedy",
-    "check_kv_cache_bytes",
+    "check_decode_step",
+    "check_max_sequences",
     "check_left_pad",
     "check_block_allocator",
     "check_slot_mapping",
@@ -138,7 +147,7 @@ __all__ = [
     "check_pack_int4",
     "check_quantize_int4",
     "check_int8_linear",
-    "check_weight_memory",
+    "check_smooth_scales",
 ]
 
 

@@ -1,8 +1,9 @@
 """Checks for chapter 06, the KV cache: the preallocated cache, attention of one new token over it,
-the prefill + decode loop, and the cache-size formula.
+the prefill + decode loop, the bytes and FLOPs of a decode step, and how many sequences' caches fit.
 
 Each check compares the learner's code with the engine's (`llmcourse.engine.model.KVCache`, a full
-recompute of the model for every token, the formula) on fixed edge cases and seeded random ones:
+recompute of the model for every token, `llmcourse.engine.roofline`'s formulas) on fixed edge cases and
+seeded random ones:
 batch > 1, float64, float16 and bfloat16, several layers, writes of several positions, keys and values
 as the model passes them (views split from the qkv projection: not contiguous), 1024 positions, a
 cache rolled back as speculative decoding does, two caches alive at once, a cache whose unused
@@ -10,14 +11,14 @@ positions hold stale values. A cache is also checked for *how* it works: its ten
 once and written in place (their `data_ptr()` never changes, and `update` returns views of them), and
 the engine's generation then runs it as `my_engine` installs it. The loop must make one cache for the
 whole generation, prefill the prompt once and feed one token per step, and the model may compute no
-more positions than that (a loop that also recomputes the whole sequence fails). Expected answers
-are computed after the learner's call.
+more positions than that (a loop that also recomputes the whole sequence fails). The formulas are
+exact: answers within a relative 1e-9 (float rounding) pass, in any Python number type, and a wrong one is
+matched against the common mistakes to name it. Expected answers are computed after the learner's call.
 
-    >>> import torch
-    >>> def kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
-    ...     return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
-    >>> check_kv_cache_bytes(kv_cache_bytes)
-    ✓ kv_cache_bytes — 18 cases
+    >>> def decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
+    ...     return 2 * n_params * batch, n_params * bytes_per_weight + batch * context * kv_bytes_per_token
+    >>> check_decode_step(decode_step)
+    ✓ decode_step — 19 cases
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import random
 import traceback
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -39,11 +41,14 @@ from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.model import KVCache as EngineKVCache
+from llmcourse.engine.roofline import decode_step as engine_decode_step
+from llmcourse.engine.roofline import max_sequences as engine_max_sequences
+from llmcourse.engine.roofline import model_decode_step
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.tokenizer import get_tokenizer
 
 from .harness.bundled import bundled_model
-from .harness.core import Case, Verdict, equal, later, run_check
+from .harness.core import Case, Verdict, later, run_check
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import in_float64, tensor_judge, tensor_problem
@@ -1086,65 +1091,297 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: kv_cache_bytes
+# Exercise 4: decode_step — the bytes and FLOPs of one decode step (the engine's `decode_step`, which the
+# benchmarks' roofline runs through `model_decode_step`)
+
+NO_ENGINE_ROOFLINE = [
+    Forbidden(
+        "llmcourse.engine.roofline.decode_step",
+        "llmcourse.engine.roofline.decode_step is the engine's, what yours is compared with: write your own",
+    ),
+    Forbidden(
+        "llmcourse.engine.roofline.max_sequences",
+        "llmcourse.engine.roofline.max_sequences is the engine's, what yours is compared with: write your own",
+    ),
+]
+# The formulas are exact: only float rounding separates two correct ways of writing them.
+REL_TOL = 1e-9
 
 
-def reference_kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2):
-    return 2 * n_layer * n_kv_head * head_dim * positions * batch * bytes_per_value
+def _number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def _judge_bytes(case: Case, got: Any) -> Verdict:
-    problem = equal(got, case.expected, rel_tol=1e-9, abs_tol=0)
-    if problem is None:
+def _close(a: float, b: float) -> bool:
+    return math.isclose(a, b, rel_tol=REL_TOL, abs_tol=0)
+
+
+def _step_hint(args: tuple, flops: float, nbytes: float) -> str:
+    """What mistake gives this (flops, bytes) for decode_step(*args), or ''."""
+    n, kv, context, batch, per_weight = args
+    weights, cache = n * per_weight, context * kv
+    right_flops, right_bytes = 2 * n * batch, weights + batch * cache
+    if _close(flops, right_bytes) and _close(nbytes, right_flops) and not _close(flops, nbytes):
+        return "return (flops, bytes), in that order"
+    if not _close(flops, right_flops):
+        for wrong, hint in [
+            (n * batch, "a multiply-add is 2 FLOPs: each weight does one multiply and one add per sequence"),
+            (2 * n, "every sequence of the batch does the arithmetic: 2 × n_params FLOPs each"),
+            (2 * n * batch * per_weight, "FLOPs do not depend on how many bytes a weight takes: 2 per weight"),
+            (n, "a multiply-add is 2 FLOPs, and every sequence of the batch does them"),
+        ]:
+            if _close(flops, wrong):
+                return hint
+        return "FLOPs: 2 per weight (a multiply and an add) for each sequence of the batch"
+    for wrong, hint in [
+        (weights, "each sequence also reads its KV cache: context × kv_bytes_per_token bytes"),
+        (weights + cache, "every sequence reads its own KV cache: batch × context × kv_bytes_per_token"),
+        (batch * (weights + cache), "the weights are read once for the whole batch (the sequences share them)"),
+        (batch * weights + cache, "the weights are read once for the whole batch; each sequence reads its cache"),
+        (n + batch * cache, "a weight takes bytes_per_weight bytes: n_params × bytes_per_weight"),
+        (weights + batch * cache * per_weight, "kv_bytes_per_token is already in bytes"),
+        (weights + batch * kv, "each sequence reads the cache of all its context positions: × context"),
+        (8 * right_bytes, "bytes, not bits: the sizes are already in bytes"),
+        (right_bytes / 8, "bytes, not bits: do not divide by 8"),
+        (right_bytes / 1e9, "return bytes (not GB)"),
+        (right_bytes / 2**30, "return bytes (not GiB)"),
+    ]:
+        if _close(nbytes, wrong):
+            return hint
+    return "bytes: every weight once, plus each sequence's cache of context × kv_bytes_per_token"
+
+
+def _judge_step(case: Case, got: Any) -> Verdict:
+    expected = case.expected
+    if isinstance(got, Tensor) or (isinstance(got, (tuple, list)) and any(isinstance(x, Tensor) for x in got)):
+        return "expected plain numbers, got a tensor", "use Python numbers (or .item())"
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(_number(x) for x in got):
+        return f"expected a pair of numbers (flops, bytes), got {short(got, 80)}", "return flops, nbytes"
+    flops, nbytes = (float(x) for x in got)
+    if _close(flops, expected[0]) and _close(nbytes, expected[1]):
         return None
-    if isinstance(got, (int, float)) and not isinstance(got, bool) and case.expected:
-        ratio = got / case.expected
-        n_layer, n_kv_head, head_dim, positions, batch, bytes_per_value = case.args
-        hints = {
-            0.5: "count both the keys and the values: the factor 2",
-            8.0: "bytes, not bits: bytes_per_value is already in bytes (2 for fp16)",
-            1 / 8: "bytes, not bits: do not divide by 8",
-        }
-        hint = next((h for r, h in hints.items() if math.isclose(ratio, r)), "")
-        if not hint and batch != 1 and math.isclose(ratio, 1 / batch):
-            hint = "every sequence of the batch has its own cache: multiply by batch"
-        if not hint and bytes_per_value != 1 and math.isclose(ratio, 1 / bytes_per_value):
-            hint = "multiply by bytes_per_value"
-        if not hint and bytes_per_value != 2 and math.isclose(ratio, 2 / bytes_per_value):
-            hint = "multiply by bytes_per_value (the argument), not by a fixed 2 bytes"
-        if not hint and ratio < 1e-3:
-            hint = "return bytes (not KB, MB or GB)"
-        return "the number of bytes is wrong", hint
-    return problem, ""
+    which = "the FLOPs are wrong" if not _close(flops, expected[0]) else "the bytes are wrong"
+    return which, (_step_hint(case.args[1:], flops, nbytes) if case.args[0] == "call" else "")
 
 
-def check_kv_cache_bytes(fn, *, seed: int = 0, n_random: int = 10) -> None:
-    """kv_cache_bytes(n_layer, n_kv_head, head_dim, positions, batch=1, bytes_per_value=2) = 2·L·H_kv·D·T·B·bytes."""
-    fixed = [
-        ("one layer, one head, one position, head_dim 1", (1, 1, 1, 1, 1, 2), "one key and one value of 2 bytes"),
-        ("GPT-2 124M, 1024 positions, fp16", (12, 12, 64, 1024, 1, 2), ""),
-        ("GPT-2 1.5B, 1024 positions, fp16", (48, 25, 64, 1024, 1, 2), ""),
-        ("Llama-3-8B (8 KV heads), 8192 positions, fp16", (32, 8, 128, 8192, 1, 2), ""),
-        ("Llama-3-70B (8 KV heads), 8192 positions, int8", (80, 8, 128, 8192, 1, 1), "int8: one byte per value"),
-        ("a batch of 4, fp32", (12, 12, 64, 512, 4, 4), "each sequence of the batch has its own keys and values"),
-        ("4-bit values (half a byte)", (32, 8, 128, 4096, 2, 0.5), "bytes_per_value may be a fraction"),
-        ("no positions yet", (12, 12, 64, 0, 1, 2), ""),
+def _run_step(fn: Callable, how: str, *args):
+    if how == "call":
+        return fn(*args)
+    if how == "defaults":  # decode_step(n_params, kv_bytes_per_token, context): batch 1, 2 bytes per weight
+        return fn(*args[:3])
+    config, context, bytes_per_value, batch = args  # "engine": the engine's GPT-2 step runs yours
+    flops, nbytes = model_decode_step(config, context, bytes_per_value, batch, step=guard("decode_step", fn))
+    return flops, nbytes
+
+
+def check_decode_step(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2) -> (flops, bytes): every
+    weight read once for the batch, each sequence's KV cache read for it; 2 FLOPs per weight per sequence. Exact
+    up to float rounding (relative 1e-9). Ends with the engine's GPT-2 step (`model_decode_step`, what the
+    benchmarks' roofline uses) running the learner's function."""
+    if not callable(fn):
+        raise CheckFailed(f"✗ decode_step: expected a function, got {short(fn)}")
+
+    def case(description, args, hint="", how="call"):
+        full = (*args, 1, 2)[:5] if how == "defaults" else args
+        return Case(description, (how, *args), later(engine_decode_step, *full), hint)
+
+    gpt2_kv = 2 * 12 * 12 * 64 * 2  # bytes per position of GPT-2 small's fp16 cache
+    llama8_kv, llama70_kv = 2 * 32 * 8 * 128 * 2, 2 * 80 * 8 * 128 * 2
+    cases = [
+        case("one weight, no cache", (1, 0, 0, 1, 2), "a multiply-add is 2 FLOPs; the weight takes 2 bytes"),
+        case("GPT-2 124M, fp16, 1024 cached positions", (124_439_808, gpt2_kv, 1024, 1, 2)),
+        case(
+            "GPT-2 124M in float32 (4 bytes per weight)",
+            (124_439_808, 2 * gpt2_kv, 1024, 1, 4),
+            "the weights take bytes_per_weight bytes each",
+        ),
+        case(
+            "Llama-3-8B, 8192 positions, a batch of 32 (the caches outweigh the weights)",
+            (8.03e9, llama8_kv, 8192, 32, 2),
+            "the weights are read once for the batch, each sequence reads its own cache",
+        ),
+        case(
+            "Llama-3-70B with int4 weights (half a byte), batch 8",
+            (70.6e9, llama70_kv, 4096, 8, 0.5),
+            "bytes_per_weight may be a fraction",
+        ),
+        case("a batch of 256, no cache yet", (124_439_808, gpt2_kv, 0, 256, 2)),
+        case(
+            "decode_step(n_params, kv_bytes_per_token, context): batch 1, fp16", (1_000_000, 4096, 100), how="defaults"
+        ),
+        case(
+            "numpy and float arguments",
+            (np.int64(350_000_000), np.float64(98304.0), np.int64(2048), 4, 2.0),
+            "any Python number type",
+        ),
     ]
-    cases = [Case(d, args, reference_kv_cache_bytes(*args), h) for d, args, h in fixed]
     rng = random.Random(seed)
     for i in range(n_random):
-        args = (
-            rng.randint(1, 96),
-            rng.choice([1, 2, 4, 8, 12, 16, 25, 32, 64]),
-            rng.choice([32, 64, 80, 128, 256]),
-            rng.randint(1, 131072),
-            rng.randint(1, 64),
-            rng.choice([1, 2, 4]),
+        n = rng.choice([rng.randint(1, 10**6), rng.randint(10**8, 10**11)])
+        kv = 2 * rng.randint(1, 96) * rng.choice([1, 2, 8, 16]) * rng.choice([64, 128]) * rng.choice([1, 2])
+        args = (n, kv, rng.randint(0, 131072), rng.randint(1, 512), rng.choice([0.5, 1, 2, 4]))
+        cases.append(case(f"random #{i}", args))
+    cases.append(
+        Case(
+            "in the engine: GPT-2 124M's step in float32, 8 sequences of 1000 positions (the benchmarks' roofline)",
+            ("engine", GPT2Config(), 1000, 4, 8),
+            later(model_decode_step, GPT2Config(), 1000, 4, 8),
+            "the engine calls decode_step(n_params, kv_bytes_per_token, context, batch, bytes_per_weight) positionally",
         )
-        cases.append(Case(f"random #{i}", args, reference_kv_cache_bytes(*args)))
+    )
 
     def show(args: tuple) -> str:
-        names = ("n_layer", "n_kv_head", "head_dim", "positions", "batch", "bytes_per_value")
-        return "kv_cache_bytes(" + ", ".join(f"{n}={a}" for n, a in zip(names, args)) + ")"
+        how, *rest = args
+        if how == "engine":
+            config, context, per_value, batch = rest
+            return (
+                f"model_decode_step(GPT2Config(), context={context}, bytes_per_value={per_value}, batch={batch}, "
+                f"step=decode_step)  # the engine's GPT-2 step, computed with yours"
+            )
+        names = ("n_params", "kv_bytes_per_token", "context", "batch", "bytes_per_weight")
+        return "decode_step(" + ", ".join(f"{n}={a!r}" for n, a in zip(names, rest)) + ")"
 
-    run_check("kv_cache_bytes", fn, cases, judge=_judge_bytes, show_call=show, seconds=2, total_seconds=10)
+    run_check(
+        "decode_step",
+        lambda how, *args: _run_step(fn, how, *args),
+        cases,
+        judge=_judge_step,
+        forbid=NO_ENGINE_ROOFLINE,
+        show_call=show,
+        seconds=2,
+        total_seconds=10,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: max_sequences — how many sequences' caches fit next to the weights (the engine's `max_sequences`)
+
+
+def _fits_hint(args: tuple, got: float) -> str:
+    """What mistake gives `got` for max_sequences(*args), or ''."""
+    memory, weights, layers, heads, head_dim, context, per_value = (float(a) for a in (*args, 2)[:7])  # default 2
+    room, per_sequence = memory - weights, 2 * layers * heads * head_dim * context * per_value
+    if room < per_sequence and got < 0:
+        return "when the weights leave no room for a whole cache, no sequence fits: return 0, not a negative number"
+    if got != math.floor(got):
+        return "a sequence's cache fits whole or not at all: round down to a whole number"
+    right = max(0, math.floor(room / per_sequence))
+    for wrong, hint in [
+        (math.ceil(room / per_sequence), "round down: a sequence whose cache does not fit whole does not fit"),
+        (round(room / per_sequence), "round down (floor), not to the nearest: a cache fits whole or not at all"),
+        (memory // per_sequence, "subtract the weights first: they take weight_bytes of the memory"),
+        (room // (per_sequence / 2), "each position stores a key and a value: the factor 2"),
+        (room // (per_sequence / layers), "every layer stores its own keys and values: multiply by n_layer"),
+        (room // (per_sequence / heads), "every KV head stores its own keys and values: multiply by n_kv_head"),
+        (room // (per_sequence / context), "a sequence's cache holds all its context positions: multiply by context"),
+        (room // (per_sequence * 8), "bytes, not bits: bytes_per_value is already in bytes"),
+        (room // (per_sequence / per_value * 2), "multiply by bytes_per_value (the argument), not by a fixed 2"),
+        (room // (per_sequence / per_value), "multiply by bytes_per_value"),
+    ]:
+        if got == max(0, wrong) and got != right:
+            return hint
+    return ""
+
+
+def _judge_fits(case: Case, got: Any) -> Verdict:
+    expected = case.expected
+    if isinstance(got, Tensor):
+        return "expected a Python int, got a tensor", "use Python numbers (or .item())"
+    if not _number(got):
+        return f"expected a number of sequences (an int), got {short(got, 80)}", ""
+    if got == expected:
+        return None
+    return f"expected {expected} sequences, got {got}", _fits_hint(case.args, float(got))
+
+
+def check_max_sequences(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """max_sequences(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context, bytes_per_value=2) -> how
+    many whole KV caches of `context` positions fit in the memory the weights leave: floor((memory - weights) /
+    (2 · n_layer · n_kv_head · head_dim · context · bytes_per_value)), 0 when none fits. An int (or a whole float);
+    ends with the engine's own cache for the bundled model's configuration, measured."""
+    if not callable(fn):
+        raise CheckFailed(f"✗ max_sequences: expected a function, got {short(fn)}")
+
+    def case(description, args, hint=""):
+        return Case(description, args, later(engine_max_sequences, *args), hint)
+
+    def between(weights, per_sequence, k, fraction):
+        """A memory holding the weights and k + fraction caches."""
+        return weights + (k + fraction) * per_sequence
+
+    llama8 = 2 * 32 * 8 * 128 * 8192 * 2  # one fp16 cache of Llama-3-8B at 8192 positions
+    llama70 = 2 * 80 * 8 * 128 * 8192 * 2
+    cases = [
+        case("Llama-3-8B (16 GB of fp16 weights) on one 80 GB GPU, 8192 positions", (80e9, 16.06e9, 32, 8, 128, 8192)),
+        case("Llama-3-70B on 8 GPUs of 80 GB, 8 KV heads", (640e9, 141.2e9, 80, 8, 128, 8192, 2)),
+        case("Llama-3-70B on 8 GPUs of 80 GB if it had 64 KV heads", (640e9, 141.2e9, 80, 64, 128, 8192, 2)),
+        case(
+            "Llama-3-70B's fp16 weights do not fit in one 80 GB GPU",
+            (80e9, 141.2e9, 80, 8, 128, 8192, 2),
+            "when the weights alone do not fit, no sequence does: 0",
+        ),
+        case("the weights fill the memory exactly", (16e9, 16e9, 32, 8, 128, 8192, 2)),
+        case(
+            "room for 3.9 caches",
+            (between(16e9, llama8, 3, 0.9), 16e9, 32, 8, 128, 8192, 2),
+            "a cache fits whole or not at all: round down",
+        ),
+        case("room for exactly 7 caches", (7 * llama8 + 2**34, 2**34, 32, 8, 128, 8192, 2)),
+        case(
+            "int8 cache (1 byte per value), 4096 positions",
+            (between(7e9, llama70 // 4, 12, 0.3), 7e9, 80, 8, 128, 4096, 1),
+        ),
+        case("a 4-bit cache (half a byte per value)", (24e9, 4.5e9, 32, 8, 128, 32768, 0.5)),
+        case("GPT-2 124M in float32 on a 1 GiB budget, 1024 positions", (2**30, 497_759_232, 12, 12, 64, 1024, 4)),
+        case("one position per sequence", (1e6, 0, 1, 1, 1, 1, 2), "a key and a value of 2 bytes: 4 bytes"),
+        case(
+            "max_sequences(memory_bytes, weight_bytes, n_layer, n_kv_head, head_dim, context): fp16",
+            (between(0, 2 * 4 * 2 * 16 * 100 * 2, 9, 0.5), 0, 4, 2, 16, 100),
+            "bytes_per_value=2 by default",
+        ),
+        case(
+            "numpy numbers",
+            (np.float64(48e9), np.int64(14_000_000_000), np.int64(28), np.int64(4), np.int64(128), np.int64(8192), 2),
+            "any Python number type",
+        ),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        shape = (rng.randint(1, 96), rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([64, 80, 128, 256]))
+        context, per_value = rng.randint(1, 131072), rng.choice([0.5, 1, 2, 4])
+        per_sequence = 2 * math.prod(shape) * context * per_value
+        weights = rng.randint(0, 10**11)
+        if rng.random() < 0.15:  # the weights alone overflow the memory
+            memory = weights * rng.uniform(0.5, 0.99)
+        else:
+            memory = between(weights, per_sequence, rng.randint(0, 400), rng.uniform(0.05, 0.95))
+        cases.append(case(f"random #{i}", (memory, weights, *shape, context, per_value)))
+    # the engine's own cache, measured: the bundled model's configuration, all its positions, float32
+    config = GPT2Config(n_layer=6, n_head=6, n_embd=192, n_positions=256)
+    cache = EngineKVCache(config, 1, config.n_positions)
+    one = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    weights = 4 * sum(p.numel() for p in GPT2(config).parameters())
+    cases.append(
+        case(
+            f"the engine's KVCache for the bundled model (6 layers, 6 heads of 32, 256 positions, float32) holds "
+            f"{one:,} bytes: a memory of the weights and 5.5 of them",
+            (weights + 5.5 * one, weights, 6, 6, 32, 256, 4),
+            "the engine's cache measured: 5 whole caches fit",
+        )
+    )
+
+    def show(args: tuple) -> str:
+        names = ("memory_bytes", "weight_bytes", "n_layer", "n_kv_head", "head_dim", "context", "bytes_per_value")
+        return "max_sequences(" + ", ".join(f"{n}={a!r}" for n, a in zip(names, args)) + ")"
+
+    run_check(
+        "max_sequences",
+        fn,
+        cases,
+        judge=_judge_fits,
+        forbid=NO_ENGINE_ROOFLINE,
+        show_call=show,
+        seconds=2,
+        total_seconds=10,
+    )

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from llmcourse.engine.parts import Parts, attention_causal_by_default, attention_with_softmax
 from llmcourse.engine.quantize import GROUP_SIZE, Quantization, dequantize_int4, quantize_int4
+from llmcourse.engine.roofline import Roofline
 from llmcourse.engine.sampling import PROCESSORS, Sampler
 from llmcourse.engine.slots import PartError, Slots
 from llmcourse.engine.speculative import Speculation, verify
@@ -239,6 +240,27 @@ class GuardedCache:
         self._remember_addresses()
 
 
+def guarded_roofline(name: str, fn: Callable) -> Callable:
+    """A learner's chapter 06 formula: `decode_step` returns (flops, bytes), `max_sequences` a whole number >= 0."""
+    call = raising_part(fn, name, "06")
+
+    def real(x) -> bool:
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    @functools.wraps(fn)
+    def checked(*args):
+        out = call(*args)
+        if name == "decode_step":
+            if isinstance(out, (tuple, list)) and len(out) == 2 and all(real(x) and x >= 0 for x in out):
+                return float(out[0]), float(out[1])
+            part_failed(name, fn, f"returned {out!r:.80}; expected (flops, bytes), two numbers >= 0", "06")
+        if real(out) and out >= 0 and out == int(out):
+            return int(out)
+        part_failed(name, fn, f"returned {out!r:.80}; expected a whole number of sequences >= 0", "06")
+
+    return checked
+
+
 # -- choosing tokens (chapter 05) ---------------------------------------------------------------------------
 
 
@@ -277,11 +299,6 @@ def _processor_contract(name: str, args: tuple, out: Tensor) -> Optional[str]:
 # -- batching (chapter 07) ----------------------------------------------------------------------------------
 
 
-def _gathered_shape(name: str, args: tuple) -> tuple[tuple, torch.dtype]:
-    pool, length = args[0], args[2]  # gather_kv
-    return (pool.shape[2], length, pool.shape[3]), pool.dtype
-
-
 def _fail07(name: str, fn: Callable, problem: str, cause: Exception = None):
     part_failed(name, fn, problem, "07", cause)
 
@@ -313,23 +330,25 @@ def guarded_left_pad(fn: Callable) -> Callable:
     return checked
 
 
-def guarded_slot_mapping(fn: Callable) -> Callable:
-    """A learner's `slot_mapping`: slots [N] long (that they lie inside the pool is checked where it is known)."""
-    call = _raising07(fn, "slot_mapping")
+def guarded_block_hashes(fn: Callable) -> Callable:
+    """A learner's `block_hashes`: one integer per full block (that a request's first hashes never change as its
+    tokens grow is checked by the block manager)."""
+    call = _raising07(fn, "block_hashes")
 
     @functools.wraps(fn)
-    def checked(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
-        out = call(block_table, positions, block_size)
-        if not isinstance(out, Tensor) or tuple(out.shape) != tuple(positions.shape) or out.dtype != torch.long:
-            got = f"shape {tuple(out.shape)} dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+    def checked(token_ids: list[int], block_size: int) -> list[int]:
+        out = call(token_ids, block_size)
+        n = len(token_ids) // block_size
+        ok = isinstance(out, (list, tuple)) and len(out) == n
+        if not ok or any(isinstance(h, bool) or not isinstance(h, numbers.Integral) for h in out):
             _fail07(
-                "slot_mapping",
+                "block_hashes",
                 fn,
-                f"returned {got}; expected slots of shape {tuple(positions.shape)}, dtype "
-                f"torch.long\n  called with: block_table={block_table.tolist()}, "
-                f"positions={positions.tolist()}, block_size={block_size}",
+                f"returned {out!r:.200}; expected a list of {n} integers, one per full block of {block_size} "
+                f"tokens (a partial last block has no hash)\n  called with: {len(token_ids)} token ids, "
+                f"block_size={block_size}",
             )
-        return out
+        return [int(h) for h in out]  # any integer type (numpy's too)
 
     return checked
 
@@ -367,6 +386,11 @@ def guarded_attention_parts(name: str, fn: Callable, chapter: str, shapes: Calla
 def _merged_shapes(args: tuple) -> tuple:
     out1, lse1 = args[:2]  # merge_attention(out1, lse1, out2, lse2)
     return tuple(out1.shape), tuple(lse1.shape)
+
+
+def _paged_shapes(args: tuple) -> tuple:
+    q = args[0]  # paged_attention(q [G, H, D], k_pool, v_pool, block_table, lengths)
+    return tuple(q.shape), tuple(q.shape[:-1])
 
 
 def guarded_allocator(cls: Callable) -> Callable:
@@ -604,12 +628,11 @@ def _validate(name: str, args: tuple, out) -> Optional[str]:
     if name == "int8_linear":
         x, q = args[0], args[1]
         return _tensor_problem(out, (*x.shape[:-1], q.shape[0]), (x.dtype,), "y")
-    if name == "weight_memory":
-        return (
-            None
-            if isinstance(out, (int, float)) and not isinstance(out, bool)
-            else f"returned {out!r:.60}; expected a number of bytes"
-        )
+    if name == "smooth_scales":
+        problem = _tensor_problem(out, args[0].shape[:1], FLOATS, "the factors")
+        if problem is None and not bool((torch.isfinite(out) & (out > 0)).all()):
+            problem = "returned factors that are 0, negative, inf or nan; the input is divided by them"
+        return problem
     return None
 
 
@@ -643,10 +666,11 @@ GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     **{name: _result() for name in Parts.slot_names()},
     **{name: _result(_sampler_output, _processor_contract) for name in Sampler.slot_names()},
     "KVCache": lambda name, cls: GuardedCache.of(cls),
+    **{name: guarded_roofline for name in Roofline.slot_names()},
     "left_pad": lambda name, fn: guarded_left_pad(fn),
     "BlockAllocator": lambda name, cls: guarded_allocator(cls),
-    "slot_mapping": lambda name, fn: guarded_slot_mapping(fn),
-    "gather_kv": _result(_gathered_shape),
+    "block_hashes": lambda name, fn: guarded_block_hashes(fn),
+    "paged_attention": lambda name, fn: guarded_attention_parts(name, fn, "07", _paged_shapes),
     "merge_attention": lambda name, fn: guarded_attention_parts(name, fn, "03", _merged_shapes),
     "schedule": lambda name, fn: _raising07(fn, name),
     "accept_token": lambda name, fn: guarded_accept_token(fn),

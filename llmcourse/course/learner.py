@@ -19,6 +19,7 @@ from llmcourse.engine.loading import load_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import Parts
 from llmcourse.engine.quantize import Quantization, quantize_model
+from llmcourse.engine.roofline import Roofline
 from llmcourse.engine.sampling import Sampler
 from llmcourse.engine.speculative import Speculation
 from llmcourse.engine.tokenizer import StreamDecoder, get_tokenizer
@@ -41,13 +42,21 @@ from .progress import (
 PART_SLOTS = Parts.slot_names()
 SAMPLER_SLOTS = Sampler.slot_names()
 CACHE_SLOTS = ("KVCache",)
+ROOFLINE_SLOTS = Roofline.slot_names()  # chapter 06's formulas: the benchmarks run decode_step, no generation does
 BATCHING_SLOTS = ("left_pad", *Batching.slot_names())  # chapter 07: left_pad is generation's, the rest LLMEngine's
 SPECULATION_SLOTS = Speculation.slot_names()
 QUANTIZATION_SLOTS = Quantization.slot_names()
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
 # what the engine can take from a learner
 ENGINE_SLOTS = (
-    PART_SLOTS + SAMPLER_SLOTS + CACHE_SLOTS + BATCHING_SLOTS + SPECULATION_SLOTS + QUANTIZATION_SLOTS + TOKENIZER_SLOTS
+    PART_SLOTS
+    + SAMPLER_SLOTS
+    + CACHE_SLOTS
+    + ROOFLINE_SLOTS
+    + BATCHING_SLOTS
+    + SPECULATION_SLOTS
+    + QUANTIZATION_SLOTS
+    + TOKENIZER_SLOTS
 )
 
 Notify = Callable[[str], None]
@@ -263,8 +272,9 @@ WHERE_USED = (
     ("choosing tokens", SAMPLER_SLOTS),
     ("LLMEngine", tuple(n for n in BATCHING_SLOTS if n != "left_pad")),
     ("speculative decoding", SPECULATION_SLOTS),
-    ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "weight_memory")),
-    ("formulas: no generation runs them", ("weight_memory",)),
+    ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "smooth_scales")),
+    ("quantizing with a calibration (quantize_model(..., calibration=ids))", ("smooth_scales",)),
+    ("formulas: no generation runs them", ROOFLINE_SLOTS),
 )
 
 
