@@ -322,9 +322,9 @@ def test_the_notice_lists_only_what_the_run_uses():
 def test_the_notice_without_a_run_says_where_each_is_used():
     from llmcourse.course.learner import your_engine_notice
 
-    notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "weight_memory"])
+    notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "smooth_scales"])
     assert notice == (
         "your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "
-        "quantize_int8 (quantizing); weight_memory (formulas: no generation runs them); the engine's "
-        "own for the rest"
+        "quantize_int8 (quantizing); smooth_scales (quantizing with a calibration (quantize_model(..., "
+        "calibration=ids))); the engine's own for the rest"
     )

@@ -1,5 +1,5 @@
 """Checks for chapter 09, quantization: absmax int8 per row, 4-bit values packed two per byte, 4-bit
-groups of 32 (Q4_0), a linear layer with int8 weights, and the memory a model's weights take.
+groups of 32 (Q4_0), a linear layer with int8 weights by the integer route, and SmoothQuant's factors.
 
 Quantized values are integers, so they are compared exactly — except where w / scale lies within
 1e-4 of a half-integer (a tie, or a float's last bit away from one): there either neighbour is right,
@@ -8,26 +8,25 @@ round away from zero). Scales are compared in their stored dtype. A wrong answer
 the known mistakes give (a scale from the mean, truncation, nibbles in the wrong order, ...) and the
 matching one is named.
 
-    >>> def weight_memory(n_params, fmt):
-    ...     per_weight = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5 + 2 / 32}
-    ...     if fmt not in per_weight:
-    ...         raise ValueError(f"unknown format {fmt!r}")
-    ...     return n_params * per_weight[fmt]
-    >>> check_weight_memory(weight_memory)
-    ✓ weight_memory — 20 cases
+    >>> def smooth_scales(act_absmax, weight, alpha=0.5):
+    ...     a, w = act_absmax.float(), weight.float().abs().amax(dim=0)
+    ...     s = a ** alpha / w ** (1 - alpha)
+    ...     return torch.where((a > 0) & (w > 0), s, 1.0)
+    >>> check_smooth_scales(smooth_scales)   # doctest: +ELLIPSIS
+    ✓ smooth_scales — 18 cases
+    ...
 """
 
 from __future__ import annotations
 
 import copy
 import functools
-import math
-import random
 import sys
 from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guarded
@@ -39,8 +38,8 @@ from llmcourse.engine.quantize import int8_linear as engine_int8_linear
 from llmcourse.engine.quantize import pack_int4 as engine_pack_int4
 from llmcourse.engine.quantize import quantize_int4 as engine_quantize_int4
 from llmcourse.engine.quantize import quantize_int8 as engine_quantize_int8
+from llmcourse.engine.quantize import smooth_scales as engine_smooth_scales
 from llmcourse.engine.quantize import unpack_int4 as engine_unpack_int4
-from llmcourse.engine.quantize import weight_memory as engine_weight_memory
 from llmcourse.engine.slots import PartError
 
 from .harness.bundled import bundled_model
@@ -186,7 +185,7 @@ ENGINE_PROMPT = [49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 432
 ENGINE_NEW_TOKENS = 2  # a prefill of 23 rows, then a one-row decoding step
 
 
-def _engine_run(fmt: str, fns: dict[str, Callable]) -> tuple[Any, list]:
+def _engine_run(fmt: str, fns: dict[str, Callable], calibrate: bool = False) -> tuple[Any, list]:
     """A copy of the bundled GPT-2 quantized to `fmt` with `fns` installed, then ENGINE_NEW_TOKENS greedy tokens.
     -> (the tokens, or the PartError that stopped the engine; each call of a learner's function: (name, args,
     result)). Run inside call_learner: the engine's own code runs unwatched, the learner's under the watch."""
@@ -211,7 +210,7 @@ def _engine_run(fmt: str, fns: dict[str, Callable]) -> tuple[Any, list]:
         model = copy.deepcopy(bundled_model())
         quantization = guarded(Quantization, **{n: recorded(n, f) for n, f in fns.items()})
         with one_thread():
-            quantize_model(model, fmt, quantization)
+            quantize_model(model, fmt, quantization, calibration=ENGINE_PROMPT if calibrate else None)
             tokens = generate(model, ENGINE_PROMPT, max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None)
     except PartError as err:
         tokens = err
@@ -243,19 +242,28 @@ def _describe(name: str, args: tuple) -> str:
 
 
 def check_in_engine(
-    fmt: str, fns: dict[str, Callable], judges: dict[str, tuple[Callable, Callable]], *, seconds: float = 20.0
+    fmt: str,
+    fns: dict[str, Callable],
+    judges: dict[str, tuple[Callable, Callable]],
+    *,
+    seconds: float = 20.0,
+    calibrate: bool = False,
 ) -> None:
     """Quantize the bundled GPT-2 to `fmt` with the learner's `fns` (slot name -> function) installed as my_engine
     installs them, and generate; raise CheckFailed if the engine stops one of them, or if one of the calls the engine
-    made fails `judges[name] = (judge, reference)` against reference(*args)."""
+    made fails `judges[name] = (judge, reference)` against reference(*args). `calibrate`: smoothed with the prompt as
+    the calibration (`quantize_model(..., calibration=)`)."""
     names = ", ".join(fns)
     installed = ", ".join(f"{n}={n}" for n in fns)
     what = (
-        f"quantize_model(the bundled GPT-2 (float32), {fmt!r}, guarded(Quantization, {installed})) "
+        f"quantize_model(the bundled GPT-2 (float32), {fmt!r}, guarded(Quantization, {installed})"
+        f"{', calibration=the prompt' if calibrate else ''}) "
         f"(your {names} installed as my_engine installs them), then generate(model, a {len(ENGINE_PROMPT)}-token "
         f"prompt, max_new_tokens={ENGINE_NEW_TOKENS})"
     )
-    tokens, calls = call_learner(names, _engine_run, (fmt, fns), forbid=FORBID, seconds=seconds, show=lambda args: what)
+    tokens, calls = call_learner(
+        names, _engine_run, (fmt, fns, calibrate), forbid=FORBID, seconds=seconds, show=lambda args: what
+    )
     hint = (
         f"your {names} pass{'es' if len(fns) == 1 else ''} the cases above but not the engine's own calls: "
         "quantize_model passes each layer's weight.T (a transposed view: [576, 192], [192, 192], [768, 192], "
@@ -1294,86 +1302,211 @@ def check_quantize_int4(
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: int8_linear
+# Exercise 4: int8_linear, the integer route
+
+
+UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+# aten's matrix products: the integer route may run them on integers only (int32 sums, or torch._int_mm)
+MATRIX_PRODUCTS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "mv", "addmv", "dot", "vdot", "matmul", "linear"}
+
+
+class FloatProducts(TorchDispatchMode):
+    """Records the matrix products on floating-point tensors that run while it is active (aten, however reached)."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as the forbid watch's mode: no torch._dynamo import on first use
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if name in MATRIX_PRODUCTS and any(t.is_floating_point() for t in tensors):
+            self.seen.append(f"aten.{name} on {' x '.join(f'{str(t.dtype)[6:]} {list(t.shape)}' for t in tensors)}")
+        return func(*args, **(kwargs or {}))
+
+
+class Traced:
+    """A learner's result with the float matrix products its call ran."""
+
+    def __init__(self, result: Any, float_products: list[str]):
+        self.result, self.float_products = result, float_products
+
+    def __repr__(self) -> str:
+        return short(self.result)
+
+
+class watching_products:  # noqa: N801 (used as a function)
+    """fn, returning a `Traced`: its result and the float matrix products it ran. A class: the watch refuses the
+    checks' own functions, not their methods."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args):
+        with FloatProducts() as products:
+            result = self.fn(*args)
+        return Traced(result, products.seen)
+
+
+def _rows_int8(rows: Tensor, scale_of: Callable, rounding=torch.round) -> tuple[Tensor, Tensor]:
+    """rows [M, K] -> (xq [M, K] float64 integers, xs broadcastable to rows), with the given scale and rounding."""
+    rows = rows.float()
+    xs = scale_of(rows)
+    return rounding(rows / torch.where(xs == 0, 1.0, xs)).clamp(-127, 127), xs
+
+
+def _integer_route(
+    scale_of: Callable = lambda r: r.abs().amax(-1, keepdim=True) / 127,
+    *,
+    rounding=torch.round,
+    accumulate: Optional[torch.dtype] = None,
+) -> Callable:
+    """The integer route with one of its parts swapped for a known mistake (exact sums, in float64)."""
+
+    def linear(x, q, scale, bias):
+        rows = x.reshape(-1, x.shape[-1])
+        xq, xs = _rows_int8(rows, scale_of, rounding)
+        if accumulate is None:
+            sums = xq.double() @ q.double().T
+        else:  # the products added in a narrow integer type: they wrap around
+            sums = (xq.to(accumulate) @ q.to(accumulate).T).double()
+        y = (sums * xs.double().reshape(-1, 1) * scale.double()).to(x.dtype).view(*x.shape[:-1], q.shape[0])
+        return y if bias is None else y + bias
+
+    return linear
 
 
 INT8_LINEAR_MISTAKES = [
     (
-        lambda x, q, s, b: x @ (q.to(x.dtype) * s.to(x.dtype)[None, :]).T + (0 if b is None else b),
-        "a scale belongs to an output ROW of q: q * scale[:, None] (or scale the product's last dimension)",
+        lambda x, q, s, b: (x.double() @ (q.double() * s.double()[:, None]).T).to(x.dtype) + (0 if b is None else b),
+        "the activations were not quantized: the integer route rounds each row of x to int8 too (absmax per row, "
+        "as quantize_int8 does for w), then multiplies integers by integers",
     ),
     (
-        lambda x, q, s, b: ((x @ q.to(x.dtype).T) + (0 if b is None else b)) * s.to(x.dtype),
-        "add the bias AFTER scaling: y = (x @ q.T) * scale + bias (the bias is in the output's units)",
+        _integer_route(lambda r: r.abs().amax() / 127),
+        "one activation scale for the whole batch (per tensor): a row's result then depends on the other rows "
+        "(batch-dependent); give each row (token) of x its own scale, max|row| / 127",
     ),
     (
-        lambda x, q, s, b: x @ q.to(x.dtype).T + (0 if b is None else b),
-        "multiply by the scales: the weight is q * scale[:, None], not q",
+        _integer_route(lambda r: r.abs().amax(0, keepdim=True) / 127),
+        "the activations' scale was taken per column (over the tokens): take it per row, max|x[m]| / 127 over "
+        "the K inputs of token m",
     ),
     (
-        lambda x, q, s, b: (x @ q.to(x.dtype).T) / s.to(x.dtype) + (0 if b is None else b),
-        "the weight is q * scale: multiply by the scales, do not divide",
+        _integer_route(rounding=torch.trunc),
+        "rounding by truncation (.to(torch.int8) or trunc drops the fraction): round to the nearest integer "
+        "first (torch.round)",
+    ),
+    (
+        _integer_route(accumulate=torch.int8),
+        "the sums overflowed: int8 @ int8 adds in int8, which wraps around above 127; convert both to int32 "
+        "first (x_q.to(torch.int32) @ q.to(torch.int32).T) or use torch._int_mm",
+    ),
+    (
+        _integer_route(accumulate=torch.int16),
+        "the sums overflowed int16 (127 · 127 is already 16,129): accumulate in int32",
+    ),
+    (
+        lambda x, q, s, b: _integer_route()(x, q, torch.ones_like(s), b),
+        "multiply each sum by both scales: s_x[m] · scale[n] (the weights' scale is missing)",
+    ),
+    (
+        lambda x, q, s, b: _integer_route(lambda r: torch.ones(r.shape[0], 1))(x, q, s, b),
+        "the activations' scale must be applied: y = sums · s_x[m] · scale[n] (s_x is missing, or x was not "
+        "divided by it)",
+    ),
+    (
+        lambda x, q, s, b: _integer_route(lambda r: (x.reshape(r.shape).abs().amax(-1, keepdim=True) / 127).float())(
+            x, q, s, b
+        ),
+        "compute the activations' scale in float32 (x.float()), as quantize_int8 does: in bfloat16 or float16 it is "
+        "rounded, and many values round to the other neighbour",
     ),
 ]
 
 
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
+def _activation_ties(x: Tensor) -> tuple[Tensor, Tensor]:
+    """x [..., K] -> (where x / s_x is a near-tie [M, K], s_x [M]) for the reference's per-row quantization."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    xs = rows.abs().amax(-1) / 127  # [M]
+    ratio = rows / torch.where(xs == 0, 1.0, xs)[:, None]
+    return _near_ties(ratio), xs
 
 
-def _linear_tolerance(case: Case) -> tuple[float, float]:
-    """The accuracy asked of int8_linear, in x's dtype (unit roundoff u, at least float32's: the dequantized weight
-    may be float32, as dequantize_int8's is): each weight q·scale may be rounded to the dtype or not (u per term),
-    the K products summed in any order and precision (a few u of the sum of |terms|,
-    far more than the √K·u a sum really loses), the result rounded to the dtype (u·|y|); so
-    |y - expected| <= 8·u·Σ|x·w| + 4·u·|expected|, any correct way of writing it passes, and a wrong scale, bias or
-    layout (errors of the size of y itself) does not."""
+def _linear_tolerance(case: Case) -> tuple[Tensor, float]:
+    """The accuracy asked of int8_linear: the integer sums are exact, so y is determined but for (1) an activation
+    within 1e-4 of a rounding tie, which may go either way: a change of 1 in xq[m, k] moves y[m, n] by
+    |q[n, k]| · s_x[m] · scale[n]; (2) the scaling, in float32 or wider (a few units of float32's rounding of the
+    scaled sum, before the bias); (3) the result rounded to x's dtype and the bias added in it (a unit of its rounding
+    of the scaled sum and of |bias|). -> (atol [..., N], rtol)."""
     x, q, scale, bias = case.args
-    u = max(UNIT_ROUNDOFF.get(x.dtype, 2.0**-24), 2.0**-24)
-    size = x.abs().double().reshape(-1, x.shape[-1]) @ (q.double().abs() * scale.double().abs()[:, None]).T
-    bias_size = 0.0 if bias is None else float(bias.double().abs().max()) if bias.numel() else 0.0
-    return 8 * u * (float(size.max()) + bias_size) + 1e-30, 4 * u
+    ties, xs = _activation_ties(x)
+    u = UNIT_ROUNDOFF.get(x.dtype, 2.0**-24)
+    flips = (ties.double() @ q.double().abs().T) * xs.double()[:, None] * scale.double().abs()  # [M, N]
+    bias = torch.zeros(()) if bias is None else bias.double()
+    scaled = (case.expected.double().reshape(flips.shape) - bias).abs()  # |y| before the bias
+    atol = 1.01 * flips + 8 * 2.0**-24 * scaled + 2 * u * (scaled + bias.abs()) + 1e-30
+    return atol.reshape(case.expected.shape), 0.0
+
+
+def _close(got: Tensor, expected: Tensor, atol: Tensor, rtol: float) -> Tensor:
+    return (got.double() - expected.double()).abs() <= atol + rtol * expected.double().abs()
 
 
 def _linear_verdict(case: Case, got: Any) -> Verdict:
-    atol, rtol = _linear_tolerance(case)
-    problem = tensor_problem(got, case.expected, atol=atol, rtol=rtol)
-    if problem is None:
-        return None
-    expected = case.expected
-    hint = ""
-    if (
-        isinstance(got, Tensor)
-        and got.dim() == expected.dim()
-        and got.shape == (*expected.shape[:-2], expected.shape[-1], expected.shape[-2])
-        and got.shape != expected.shape
-    ):
-        hint = "the output is [..., N]: x @ W.T with W = q * scale[:, None] of shape [N, K]"
-    elif isinstance(got, Tensor) and got.shape == expected.shape and got.dtype != expected.dtype:
-        hint = f"return x's dtype ({expected.dtype}): convert the dequantized weight (or the product) to x.dtype"
-    elif (
-        isinstance(got, Tensor)
-        and got.shape == expected.shape
-        and got.is_floating_point()
-        and tensor_problem(got, expected, atol=atol * 64, rtol=rtol * 64) is None
-    ):
-        hint = (
-            f"close, but outside the accuracy asked: |y - expected| <= {atol:.3g} + {rtol:.3g}·|expected| "
-            f"(a few units of {expected.dtype}'s rounding times the size of the sums): compute the products "
-            f"in {expected.dtype} or wider"
-        )
+    if isinstance(got, Traced):
+        got, float_products = got.result, got.float_products
     else:
-        for fn, h in INT8_LINEAR_MISTAKES:
+        float_products = []
+    expected = case.expected
+    if isinstance(got, Tensor) and got.shape == expected.shape and got.dtype != expected.dtype:
+        return (
+            f"returned dtype {got.dtype}; expected x's dtype {expected.dtype}",
+            f"return x's dtype ({expected.dtype}): convert the scaled result with .to(x.dtype)",
+        )
+    problem = tensor_problem(got, expected, atol=0, rtol=0) if not isinstance(got, Tensor) else None
+    if problem is None and got.shape != expected.shape:
+        problem = f"returned shape {tuple(got.shape)}; expected {tuple(expected.shape)}"
+        if expected.dim() >= 2 and got.shape == (*expected.shape[:-2], expected.shape[-1], expected.shape[-2]):
+            return problem, "the output is [..., N]: x_q @ q.T, one column per row of q"
+        return problem, "x may have any number of leading dimensions: reshape it to rows [M, K] and back"
+    if problem:
+        return problem, ""
+    atol, rtol = _linear_tolerance(case)
+    wrong = ~_close(got, expected, atol, rtol)
+    if bool(wrong.any()):
+        at = tuple(torch.nonzero(wrong)[0].tolist())
+        problem = (
+            f"differs at {int(wrong.sum())} of {wrong.numel()} outputs, first at {list(at)}: expected "
+            f"{float(expected[at]):.8g}, got {float(got[at]):.8g} "
+            f"(allowed: ±{float(atol[at] + rtol * abs(expected[at])):.3g})"
+        )
+        for fn, hint in INT8_LINEAR_MISTAKES:
             candidate = _try(fn, *case.args)
             if (
                 isinstance(candidate, Tensor)
-                and isinstance(got, Tensor)
                 and candidate.shape == got.shape
-                and torch.allclose(got.double(), candidate.double(), rtol=rtol, atol=atol)
-                and tensor_problem(candidate.to(expected.dtype), expected, atol=atol, rtol=rtol) is not None
+                and bool(_close(got, candidate, atol * 4 + 1e-6 * candidate.double().abs(), rtol).all())
+                and not bool(_close(candidate, expected, atol, rtol).all())
             ):
-                hint = h
-                break
-    return problem, hint
+                return problem, hint
+        return (
+            problem,
+            "each row: s_x = max|row| / 127, x_q = round(row / s_x); then (x_q @ q.T in int32) · s_x · scale",
+        )
+    if float_products:
+        return (
+            f"the products were summed in floating point ({float_products[0]}): the exercise is the integer route",
+            "multiply integers by integers and add them in int32: x_q.to(torch.int32) @ q.to(torch.int32).T (or "
+            "torch._int_mm(x_q, q.T)); scale the int32 sums afterwards — scaling before summing, or dequantizing "
+            "q to float, is the float route",
+        )
+    return None
 
 
 def linear_cases(seed: int, n_random: int) -> list[Case]:
@@ -1392,22 +1525,43 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
 
     q1 = torch.tensor([[127, -64, 0], [1, 2, 3]], dtype=torch.int8)
     s1 = torch.tensor([0.5, 2.0])
+    # rows of very different sizes: with one scale for the batch the small rows lose their digits
+    batch = torch.randn(4, 64, generator=rng) * torch.tensor([100.0, 0.01, 1.0, 3.0])[:, None]
+    # K = 2048, every product positive and large: sums up to 127 · 127 · 2048 ≈ 3.3e7 need int32
+    wide_x = torch.rand(2, 2048, generator=rng) * 0.2 + 0.8
+    wide_q = (120 + torch.randint(0, 8, (3, 2048), generator=rng)).to(torch.int8)
     cases = [
         case(
-            "x [1, 3], 2 outputs, no bias",
-            torch.tensor([[1.0, 2.0, 3.0]]),
+            "x [1, 3] = [[0.5, 1.27, -0.254]], 2 outputs, no bias",
+            torch.tensor([[0.5, 1.27, -0.254]]),
             q1,
             s1,
             None,
-            hint="y = x @ (q * scale[:, None]).T: [63.5 - 64, 2 * (1 + 4 + 9)] = [-0.5, 28]",
+            hint="s_x = 1.27 / 127 = 0.01, x_q = [50, 127, round(-25.4) = -25]; int32 sums "
+            "[6350 - 8128 + 0, 50 + 254 - 75] = [-1778, 229]; y = sums · 0.01 · [0.5, 2] = [-8.89, 4.58]",
+        ),
+        case("the same with a bias", torch.tensor([[0.5, 1.27, -0.254]]), q1, s1, torch.tensor([10.0, -1.0])),
+        case(
+            "4 rows of very different sizes (100, 0.01, 1, 3): each row its own scale",
+            batch,
+            *layer(24, 64),
+            hint="a row's result must not depend on the other rows: one scale per row of x",
         ),
         case(
-            "the same with a bias",
-            torch.tensor([[1.0, 2.0, 3.0]]),
-            q1,
-            s1,
-            torch.tensor([10.0, -1.0]),
-            hint="the bias is added after scaling: [9.5, 27]",
+            "K = 2048, large positive products: the sums reach 3.3e7",
+            wide_x,
+            wide_q,
+            torch.tensor([0.01, 0.02, 0.005]),
+            None,
+            hint="int8 x int8 products add up beyond int16 (and int8): accumulate in int32",
+        ),
+        case(
+            "x rows that land on rounding ties: x_q = round(x / s_x) (round half to even or away from zero)",
+            torch.tensor([[127.0, 0.5, 1.5, -2.5, 3.7, -3.7, 0.49, 0.51]]),
+            torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8], [-8, 7, -6, 5, -4, 3, -2, 1]], dtype=torch.int8),
+            torch.tensor([1.0, 0.5]),
+            None,
+            hint="round to the nearest integer (a tie may go either way); truncation would give 3 for 3.7",
         ),
         case(
             "a square layer [4, 4]: rows and columns could be confused",
@@ -1421,15 +1575,15 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
             hint="x may have any number of leading dimensions: [..., K] -> [..., N]",
         ),
         case(
+            "a row of zeros in x (s_x = 0): its outputs are the bias",
+            torch.cat([torch.zeros(1, 16), torch.randn(2, 16, generator=rng)]),
+            *layer(6, 16),
+            hint="an all-zero row: scale 0 and values 0 (do not divide by 0)",
+        ),
+        case(
             "float64 x: float64 out",
             torch.randn(3, 16, generator=rng, dtype=torch.float64) * 5,
             *layer(7, 16, dtype=torch.float64),
-            hint="the output has x's dtype",
-        ),
-        case(
-            "float64 x [2, 2, 12] with float32 scales, no bias",
-            torch.randn(2, 2, 12, generator=rng, dtype=torch.float64),
-            *layer(5, 12, bias=False),
             hint="the output has x's dtype",
         ),
         case("one input row, many outputs", torch.randn(1, 32, generator=rng) * 10, *layer(96, 32)),
@@ -1444,19 +1598,13 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
             "a float16 model: x [1, 3, 32], scales and bias float16 (as the engine passes them): float16 out",
             (torch.randn(1, 3, 32, generator=rng) * 3).half(),
             *model_layer(24, 32, torch.float16),
-            hint="the output has x's dtype: float16 in, float16 out",
+            hint="the output has x's dtype: float16 in, float16 out (the scales computed in float32)",
         ),
         case(
             "a bfloat16 model: x [2, 2, 64], scales and bias bfloat16: bfloat16 out",
             (torch.randn(2, 2, 64, generator=rng) * 3).bfloat16(),
             *model_layer(16, 64, torch.bfloat16),
-            hint="the output has x's dtype: bfloat16 in, bfloat16 out",
-        ),
-        case(
-            "float16 x and bias with float32 scales (quantize_int8's): float16 out",
-            (torch.randn(3, 16, generator=rng) * 2).half(),
-            *(lambda q, s, b: (q, s, b.half()))(*layer(8, 16)),
-            hint="the output has x's dtype: convert the weight (or the product) to x.dtype",
+            hint="the output has x's dtype: bfloat16 in, bfloat16 out (the scales computed in float32)",
         ),
         case(
             "one vector x [K] = [40]: y [N]",
@@ -1468,7 +1616,7 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
             "x a transposed view [3, 2, 48] (not contiguous)",
             (torch.randn(2, 3, 48, generator=rng) * 3).transpose(0, 1),
             *layer(20, 48),
-            hint="x may be any view: use reshape (not view), or a matmul that takes any layout",
+            hint="x may be any view: use reshape (not view)",
         ),
         case(
             "GPT-2's sizes, one token (decoding): x [1, 1, 768], q [2304, 768]",
@@ -1496,7 +1644,9 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
 
 
 def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4) -> None:
-    """int8_linear(x [..., K], q [N, K] int8, scale [N], bias [N] or None) -> [..., N] in x's dtype."""
+    """int8_linear(x [..., K], q [N, K] int8, scale [N], bias [N] or None) -> [..., N] in x's dtype, by the integer
+    route: each row of x quantized to int8 (absmax per row, scale s_x), int8 x int8 products summed in int32, the
+    sums times s_x · scale, plus the bias."""
 
     def show(args):
         x, q, scale, bias = args
@@ -1504,127 +1654,296 @@ def check_int8_linear(int8_linear: Callable, *, seed: int = 0, n_random: int = 4
 
     run_check(
         "int8_linear",
-        int8_linear,
+        watching_products(int8_linear),
         linear_cases(seed, n_random),
         judge=_linear_verdict,
         forbid=FORBID,
         show_call=show,
         seconds=5,
-        total_seconds=20,
+        total_seconds=30,
         error_hints={
-            "same dtype": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
-            "signed char": "matmul does not mix int8 and float: convert q first (q.to(x.dtype))",
-            "expected m1 and m2 to have the same dtype": "matmul does not mix dtypes: convert the "
-            "dequantized weight to x.dtype",
-            "expected scalar type": "matmul does not mix dtypes: convert the dequantized weight to x.dtype",
+            "same dtype": "matmul does not mix dtypes: convert both x_q and q to torch.int32 first",
+            "signed char": "matmul does not mix dtypes: convert both x_q and q to torch.int32 first",
+            "expected scalar type": "matmul does not mix dtypes: convert both x_q and q to torch.int32 first",
             "view size is not compatible": "x may be a transposed view: use reshape, not view",
-            "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x @ W.T",
-            "The size of tensor": "scale has one entry per output, a ROW of q: q * scale[:, None] "
-            "(or the product's last dimension times scale)",
+            "cannot be multiplied": "the weight q is [N, K] (rows are outputs): x_q @ q.T",
+            "The size of tensor": "s_x has one entry per row of x, scale one per row of q (an output): "
+            "sums [M, N] * s_x[:, None] * scale[None, :]",
         },
     )
     check_in_engine("int8", {"int8_linear": int8_linear}, {"int8_linear": (_linear_verdict, engine_int8_linear)})
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 5: weight_memory
+# Exercise 5: smooth_scales (SmoothQuant)
 
 
-MEMORY_MISTAKES = [
+def _smooth_with(combine: Callable, axis: int = 0, absolute: bool = True) -> Callable:
+    """smooth_scales with a known mistake: combine(a, w, alpha) -> s, the weight's max over `axis`."""
+
+    def smooth(act_absmax, weight, alpha=0.5):
+        a = act_absmax.double()
+        w = (weight.double().abs() if absolute else weight.double()).amax(dim=axis)
+        if w.shape != a.shape:
+            return None
+        s = combine(a, w, float(alpha))
+        return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+
+    return smooth
+
+
+def _smooth_unguarded(act_absmax, weight, alpha=0.5):
+    a, w = act_absmax.double(), weight.double().abs().amax(dim=0)
+    return a.pow(alpha) / w.pow(1 - alpha)
+
+
+SMOOTH_MISTAKES = [
     (
-        lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5}[f],
-        "int4 stores a float16 scale (2 bytes) per 32 weights too: 0.5 + 2 / 32 bytes per weight",
+        _smooth_with(lambda a, w, al: a.pow(1 - al) / w.pow(al)),
+        "alpha and 1 - alpha swapped: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha) (alpha is the share of the "
+        "activations' range moved into the weights)",
     ),
     (
-        lambda n, f: n * {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4.5}[f],
-        "these are bits; return bytes (divide by 8)",
+        _smooth_with(lambda a, w, al: w.pow(1 - al) / a.pow(al)),
+        "the ratio is upside down: x is DIVIDED by s (and W's columns multiplied), so a channel with large "
+        "activations needs a large s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)",
     ),
     (
-        lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}[f] / 2**30,
-        "return bytes, not GiB",
+        _smooth_with(lambda a, w, al: a.pow(al) * w.pow(1 - al)),
+        "divide by the weights' term: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha), not times",
     ),
     (
-        lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5625}[f] / 1e9,
-        "return bytes, not GB",
+        _smooth_with(lambda a, w, al: a.pow(al) / w.pow(1 - al), axis=1),
+        "the weights' maximum was taken per output (a row of W): take it per INPUT channel j, over the rows: "
+        "weight.abs().amax(dim=0), one value per column",
     ),
     (
-        lambda n, f: n * {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "int4": 0.5 + 2 / 16}[f],
-        "a float16 scale is 2 bytes per GROUP of 32 weights: 2 / 32 bytes per weight",
+        _smooth_with(lambda a, w, al: a.pow(al) / w.pow(1 - al), absolute=False),
+        "take the maximum of |W|, not of the signed weights (a column of negative weights has a small max)",
+    ),
+    (
+        _smooth_with(lambda a, w, al: a / w),
+        "alpha was ignored: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)",
     ),
 ]
 
 
-def _memory_verdict(case: Case, got: Any) -> Verdict:
-    if isinstance(case.expected, Refusal):
-        if not isinstance(got, Raised):
-            return (
-                f"expected a ValueError, got {short(got, 80)}",
-                "raise ValueError for a format you do not know, naming it",
-            )
-        if case.args[1] not in got.message:
-            return (
-                f"the ValueError's message does not name the format {case.args[1]!r}: {got.message!r}",
-                "name the unknown format in the message",
-            )
-        return None
-    wrong = unexpected_error(got)
-    if wrong:
-        return wrong
-    if isinstance(got, bool) or not isinstance(got, (int, float)):
-        hint = "return a Python number (float(...))" if isinstance(got, Tensor) else "return a number of bytes"
-        return f"expected a number, got {short(got, 60)}", hint
-    if math.isclose(got, case.expected, rel_tol=1e-9, abs_tol=1e-9):
-        return None
-    n, fmt = case.args
-    hint = next((h for fn, h in MEMORY_MISTAKES if math.isclose(_try(fn, n, fmt) or math.nan, got, rel_tol=1e-9)), "")
-    return f"expected {case.expected:,.6g} bytes, got {got:,.6g}", hint
+class Outcome:
+    """The expected answer of a case graded by its outcome: the reference's factors `s` and the layer's inputs `x`
+    whose int8 output error the learner's factors must bring below plain rounding's."""
 
+    def __init__(self, s: Tensor, x: Tensor):
+        self.s, self.x = s, x
 
-class _FormatRefusal(Refusal):
     def __repr__(self) -> str:
-        return "a ValueError that names the format"
+        return short(self.s)
 
 
-def check_weight_memory(weight_memory: Callable, *, seed: int = 0, n_random: int = 6) -> None:
-    """weight_memory(n_params, fmt) -> bytes: 4, 2, 2, 1 and 0.5 + 2/32 per weight for float32, float16,
-    bfloat16, int8, int4."""
-    rng = random.Random(seed)
-    formats = ["float32", "float16", "bfloat16", "int8", "int4"]
-    cases = [
-        Case(
-            f"a {n / 1e9:g}B model in {fmt}",
-            (n, fmt),
-            engine_weight_memory(n, fmt),
-            "int4: half a byte per weight plus a 2-byte float16 scale per 32 weights" if fmt == "int4" else "",
+def _outcome_expected(act_absmax: Tensor, weight: Tensor, alpha: float, x: Tensor) -> Outcome:
+    return Outcome(engine_smooth_scales(act_absmax, weight, alpha), x)
+
+
+def _smooth_verdict(case: Case, got: Any) -> Verdict:
+    act_absmax, weight = case.args[:2]
+    outcome = case.expected if isinstance(case.expected, Outcome) else None
+    expected = outcome.s if outcome is not None else case.expected
+    K = act_absmax.shape[0]
+    if not isinstance(got, Tensor):
+        return f"expected a tensor s [{K}], got {short(got, 80)}", "return a tensor with one factor per input channel"
+    if got.shape != (K,):
+        hint = (
+            "one factor per INPUT channel j: the weight's maximum over its rows (weight.abs().amax(dim=0))"
+            if got.numel() == weight.shape[0]
+            else f"return s of shape [{K}], one factor per input channel"
         )
-        for n in (7e9, 70e9)
-        for fmt in formats
-    ]
-    cases += [
-        Case(
-            "GPT-2 small, 124,439,808 weights (an int) in int4",
-            (124_439_808, "int4"),
-            engine_weight_memory(124_439_808, "int4"),
+        return f"returned shape {tuple(got.shape)}; expected ({K},)", hint
+    if got.dtype not in (torch.float32, torch.float64):
+        return (
+            f"returned dtype {got.dtype}; expected float32",
+            "compute in float32 (act_absmax.float(), weight.float()): the factors scale the weights before they are "
+            "quantized, and half precision would round them",
+        )
+    dead = (act_absmax.double() == 0) | (weight.double().abs().amax(dim=0) == 0)  # [K]
+    bad = ~torch.isfinite(got) | (got <= 0)
+    if bool((bad & dead).any()):
+        j = int(torch.nonzero(bad & dead)[0])
+        return (
+            f"s[{j}] = {float(got[j])} for a channel whose maximum is 0 (act_absmax[{j}] = {float(act_absmax[j]):g}, "
+            f"max|W[:, {j}]| = {float(weight[:, j].abs().max()):g})",
+            "guard the zero channels: 0 ** alpha / 0 ** (1 - alpha) is 0, inf or nan, and x / s then is inf or nan; "
+            "give a channel whose maximum is 0 the factor 1 (nothing to move)",
+        )
+    live = ~dead
+    rel = ((got.double() - expected.double()).abs() / expected.double().abs())[live]
+    if rel.numel() and not bool((rel <= 1e-5).all()):
+        j = int(torch.nonzero(live)[int(rel.argmax())])
+        problem = f"s[{j}] = {float(got[j]):.7g}; expected {float(expected[j]):.7g}"
+        for fn, hint in SMOOTH_MISTAKES:
+            candidate = _try(fn, *case.args)
+            if (
+                isinstance(candidate, Tensor)
+                and candidate.shape == got.shape
+                and torch.allclose(got.double()[live], candidate[live], rtol=1e-4)
+            ):
+                return problem, hint
+        return problem, "s_j = act_absmax_j ** alpha / max_n |weight[n, j]| ** (1 - alpha), in float32"
+    if bool(bad.any()):
+        j = int(torch.nonzero(bad)[0])
+        return f"s[{j}] = {float(got[j])}", "every factor must be finite and positive"
+    if outcome is not None:
+        return _outcome_verdict(case, outcome, got)
+    return None
+
+
+def planted_outlier_layer(seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A layer's inputs with one outlier channel, as LLM.int8() found in large models: x [64, 256] with channel 7
+    about 80x the others, weight [128, 256] -> (x, weight, act_absmax [256])."""
+    rng = torch.Generator().manual_seed(seed)
+    x = torch.randn(64, 256, generator=rng)
+    x[:, 7] *= 80
+    weight = torch.randn(128, 256, generator=rng) * 0.05
+    return x, weight, x.abs().amax(dim=0)
+
+
+def int8_output_error(x: Tensor, weight: Tensor, s: Optional[Tensor] = None) -> float:
+    """The relative error of the integer route (int8 weights per row, int8 activations per row) on x @ weight.T,
+    with the layer smoothed by s [K] first (x / s, weight's columns times s) when given."""
+    exact = x.double() @ weight.double().T
+    if s is not None:
+        x, weight = x / s.float(), weight * s.float()
+    q, scale = engine_quantize_int8(weight)
+    y = engine_int8_linear(x, q, scale, None)
+    return float((y.double() - exact).norm() / exact.norm())
+
+
+def _outcome_verdict(case: Case, outcome: Outcome, got: Tensor) -> Verdict:
+    x, weight = outcome.x, case.args[1]
+    plain, smoothed = int8_output_error(x, weight), int8_output_error(x, weight, got)
+    if not smoothed < plain:
+        return (
+            f"smoothing with your factors leaves an output error of {smoothed:.3%}, plain rounding {plain:.3%}",
+            "the factors must move the outlier channel's range into the weights",
+        )
+    return None
+
+
+def smooth_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed)
+
+    def case(description, act_absmax, weight, *alpha, hint=""):
+        return Case(
+            description, (act_absmax, weight, *alpha), later(engine_smooth_scales, act_absmax, weight, *alpha), hint
+        )
+
+    def channels(K, outlier=None):
+        a = torch.rand(K, generator=rng) * 3 + 0.1
+        if outlier is not None:
+            a[outlier] *= 60
+        return a
+
+    x, weight, absmax = planted_outlier_layer(seed)
+    outcome = Case(
+        "a planted outlier channel (80x): x [64, 256], weight [128, 256], alpha 0.5",
+        (absmax, weight, 0.5),
+        later(_outcome_expected, absmax, weight, 0.5, x),
+        "with your factors the int8 route's output error must drop below plain rounding's",
+    )
+    cases = [
+        case(
+            "act_absmax [100, 1], weight [[1, 4], [-2, 1]], alpha 0.5",
+            torch.tensor([100.0, 1.0]),
+            torch.tensor([[1.0, 4.0], [-2.0, 1.0]]),
+            0.5,
+            hint="max|W_j| over the rows: [2, 4]; s = [100^0.5 / 2^0.5, 1 / 4^0.5] = [7.07, 0.5]",
         ),
-        Case("no weights", (0, "int8"), 0.0),
-        Case("an unknown format 'int3'", (1000, "int3"), _FormatRefusal(0, "")),
-        Case("an unknown format 'fp8'", (1000, "fp8"), _FormatRefusal(0, "")),
+        case(
+            "alpha 0.8 (most of the range moved): act_absmax [3], weight [2, 3]",
+            torch.tensor([50.0, 2.0, 0.5]),
+            torch.tensor([[0.1, -0.4, 0.2], [0.3, 0.2, -0.05]]),
+            0.8,
+            hint="s_j = act_absmax_j ** 0.8 / max|W_j| ** 0.2",
+        ),
+        case("alpha 0.25", channels(6, 2), torch.randn(4, 6, generator=rng), 0.25),
+        case("alpha left out (0.5)", channels(5, 1), torch.randn(3, 5, generator=rng)),
+        case("alpha 1 (an int): s = act_absmax", channels(4), torch.randn(3, 4, generator=rng), 1),
+        case("alpha 0 (an int): s = 1 / max|W_j|", channels(4), torch.randn(5, 4, generator=rng), 0),
+        case(
+            "a square weight [6, 6]: rows and columns could be confused",
+            channels(6, 0),
+            torch.randn(6, 6, generator=rng) * torch.logspace(-1, 1, 6)[:, None],
+            0.6,
+        ),
+        case(
+            "a channel the calibration never saw (act_absmax 0) and a weight column of zeros",
+            torch.tensor([2.0, 0.0, 5.0, 1.0]),
+            torch.tensor([[0.5, 0.2, 0.0, 0.1], [-0.3, 0.1, 0.0, 0.2]]),
+            0.5,
+            hint="a channel whose maximum is 0 gets s = 1: nothing to move, and no 0 / 0",
+        ),
+        case(
+            "the weight as quantize_model passes it: weight.T of GPT-2's [C_in, C_out] layout (a transposed view)",
+            channels(48, 5),
+            torch.randn(48, 20, generator=rng).T,
+            0.5,
+        ),
+        case(
+            "a bfloat16 model's weight, float32 act_absmax: s in float32",
+            channels(16, 3),
+            (torch.randn(8, 16, generator=rng) * 0.1).bfloat16(),
+            0.5,
+            hint="compute in float32: weight.float()",
+        ),
+        case("float64 inputs", channels(12).double(), torch.randn(7, 12, generator=rng, dtype=torch.float64), 0.7),
+        case("one input channel", torch.tensor([4.0]), torch.tensor([[0.5], [-2.0]]), 0.5),
+        case(
+            "GPT-2's c_fc: act_absmax [768], weight [3072, 768]",
+            channels(768, 100),
+            torch.randn(3072, 768, generator=rng) * 0.02,
+            0.5,
+        ),
+        outcome,
     ]
     for i in range(n_random):
-        n = rng.choice([rng.randint(1, 10**6), rng.random() * 1e12])
-        fmt = rng.choice(formats)
-        cases.append(Case(f"random #{i}", (n, fmt), engine_weight_memory(n, fmt)))
+        N, K = int(torch.randint(1, 40, (), generator=rng)), int(torch.randint(1, 60, (), generator=rng))
+        alpha = [0.5, 0.3, 0.75, 0.9][i % 4]
+        cases.append(
+            case(
+                f"random #{i}: weight [{N}, {K}], alpha {alpha}",
+                channels(K, 0),
+                torch.randn(N, K, generator=rng),
+                alpha,
+            )
+        )
+    return cases
+
+
+def check_smooth_scales(smooth_scales: Callable, *, seed: int = 0, n_random: int = 4) -> None:
+    """smooth_scales(act_absmax [K], weight [N, K], alpha=0.5) -> s [K] float32: s_j = act_absmax_j^alpha /
+    max_n |weight[n, j]|^(1 - alpha), 1 where either maximum is 0."""
 
     def show(args):
-        return f"weight_memory({args[0]!r}, {args[1]!r})"
+        act_absmax, weight, *alpha = args
+        more = f", alpha={alpha[0]!r}" if alpha else ""
+        return f"smooth_scales(act_absmax={short(act_absmax, 80)}, weight={short(weight, 80)}{more})"
 
     run_check(
-        "weight_memory",
-        catching_value_errors(weight_memory),
-        cases,
-        judge=_memory_verdict,
+        "smooth_scales",
+        smooth_scales,
+        smooth_cases(seed, n_random),
+        judge=_smooth_verdict,
         forbid=FORBID,
         show_call=show,
         seconds=5,
-        total_seconds=10,
+        total_seconds=20,
+        error_hints={
+            "The size of tensor": "one factor per input channel j: act_absmax [K] and the weight's max over its rows "
+            "(weight.abs().amax(dim=0)) [K]",
+            "view size is not compatible": "the weight may be a transposed view: use reshape, not view",
+        },
+    )
+    check_in_engine(
+        "int8",
+        {"smooth_scales": smooth_scales},
+        {"smooth_scales": (_smooth_verdict, engine_smooth_scales)},
+        calibrate=True,
     )

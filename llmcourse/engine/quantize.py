@@ -16,13 +16,17 @@ per token, so the head's output rows are the table's rows), are quantized; the l
 and position table stay in the model's float dtype (0.1 % of the weights).
 
 How a quantized layer multiplies on a CPU: the input rows are quantized to int8 too (absmax per row,
-as CTranslate2 does), the products of integers are summed exactly in integers and then scaled; for a
-few rows (decoding) by the C kernels of `cpu_kernels` (int4: llama.cpp's Q4_0 dot product), for many
-(prefill) by `torch._int_mm` (int8) or a float matmul on the dequantized weights (int4). Exact integer
-sums make a row's result independent of the other rows of a batch (int8 at any size, int4 up to 16 rows). On a
-GPU the weights are converted to the float dtype inside the matmul (as gpt-fast does), which torch.compile fuses
-into one kernel. The learner's reference functions (`int8_linear`: dequantize, then multiply) keep the activations in
-float; both agree to about 0.5 % of a layer's output.
+as CTranslate2 does), the products of integers are summed exactly in integers and then scaled (`int8_linear`,
+the integer route); for a few rows (decoding) by the C kernels of `cpu_kernels` (int4: llama.cpp's Q4_0 dot
+product), for many (prefill) by `torch._int_mm` (int8) or a float matmul on the dequantized weights (int4).
+Exact integer sums make a row's result independent of the other rows of a batch (int8 at any size, int4 up to 16
+rows), and the int8 routes give `int8_linear`'s numbers bit for bit. On a GPU the weights are converted to the
+float dtype inside the matmul (weight-only, as gpt-fast does), which torch.compile fuses into one kernel.
+
+Per-token activation scales are where outlier channels hurt (a few input channels 10-100x the rest set every
+token's scale): `quantize_model(..., calibration=ids)` first smooths the blocks' layers as SmoothQuant does
+(`smooth_scales`, `activation_absmax`), dividing each input channel by a factor and multiplying the weight's
+column by it.
 
     >>> w = torch.tensor([[0.5, -1.0, 0.25], [0.0, 0.0, 0.0]])
     >>> q, scale = quantize_int8(w)
@@ -106,9 +110,17 @@ def dequantize_int4(packed: Tensor, scales: Tensor, *, unpack: Callable = unpack
 
 
 def int8_linear(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """y = x @ (q * scale[:, None]).T + bias: x [..., K], q [N, K] int8, scale [N] -> [..., N].
-    The reference: dequantize, then an ordinary matmul."""
-    return F.linear(x, dequantize_int8(q, scale).to(x.dtype), bias)
+    """The integer route: y ≈ x @ (q * scale[:, None]).T + bias, x [..., K], q [N, K] int8, scale [N] -> [..., N] in
+    x's dtype. Each row of x (a token) is quantized to int8 with its own absmax scale s_x (`quantize_int8`), the
+    int8 x int8 products are summed exactly in int32, and each sum is scaled once by s_x · scale:
+    y[m, n] = float(Σ_k xq[m, k] q[n, k]) · (s_x[m] · scale[n]) + bias[n]. Exact sums and a scale per row make a
+    row's result independent of the other rows of the batch."""
+    rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    xq, xs = quantize_int8(rows)  # [M, K] int8, [M] float32
+    sums = xq.to(torch.int32) @ q.to(torch.int32).T  # [M, N], exact: |sum| <= 127 * 127 * K
+    y = sums.float() * (xs[:, None] * scale.float())  # [M, N] float32
+    y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
 
 
 def weight_memory(n_params: float, fmt: str) -> float:
@@ -117,6 +129,21 @@ def weight_memory(n_params: float, fmt: str) -> float:
     if fmt not in BYTES_PER_WEIGHT:
         raise ValueError(f"unknown format {fmt!r}; use one of {', '.join(BYTES_PER_WEIGHT)}")
     return n_params * BYTES_PER_WEIGHT[fmt]
+
+
+def smooth_scales(act_absmax: Tensor, weight: Tensor, alpha: float = 0.5) -> Tensor:
+    """SmoothQuant's factors (Xiao et al. 2023), one per input channel: act_absmax [K] (max |x_j| seen over some
+    tokens), weight [N, K] (rows are outputs) -> s [K] float32, s_j = act_absmax_j^alpha / max_n |w_nj|^(1 - alpha).
+    Dividing x's channel j by s_j and multiplying W's column j by it leaves x @ W.T as it was, and moves an outlier
+    channel's range from the activations into the weights. A channel with a zero maximum gets s_j = 1.
+
+        >>> smooth_scales(torch.tensor([100.0, 1.0, 0.0]), torch.tensor([[1.0, 4.0, 2.0]]))
+        tensor([10.0000,  0.5000,  1.0000])
+    """
+    a = act_absmax.float()  # [K]
+    w = weight.float().abs().amax(dim=0)  # [K]: the largest weight each input channel meets
+    s = a.pow(alpha) / w.pow(1 - alpha)
+    return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
 
 
 # -- fast routes: the same products as the reference, computed with fewer bytes read ---------------
@@ -188,7 +215,9 @@ class QuantizedAffine(nn.Module):
     """A GPT-2 linear layer with quantized weights (it replaces `model.Affine`). Rows are outputs, as in
     `nn.Linear`: int8 `qweight` [C_out, C_in] with `scales` [C_out]; int4 `qweight` [C_out, C_in // 2]
     (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out] keeps the float dtype.
-    It computes with `quantization`'s functions (the engine's own unless `quantize_model` was given others)."""
+    It computes with `quantization`'s functions (the engine's own unless `quantize_model` was given others).
+    `smooth` [C_in] (None unless `quantize_model` was given a calibration): SmoothQuant's factors, the input divided
+    by them before the quantized product (the weight's columns were multiplied by them before quantizing)."""
 
     def __init__(self, n_in: int, n_out: int, fmt: str, quantization: Optional["Quantization"] = None):
         super().__init__()
@@ -202,9 +231,12 @@ class QuantizedAffine(nn.Module):
             "scales", torch.zeros(n_out) if int8 else torch.zeros(n_out, n_in // GROUP_SIZE, dtype=torch.float16)
         )
         self.register_buffer("bias", torch.zeros(n_out))
+        self.register_buffer("smooth", None)
 
     def forward(self, x: Tensor, linear: Optional[Callable] = None) -> Tensor:
         """x [..., C_in] -> [..., C_out]. (`linear`, the float layers' part, is not what a quantized layer runs.)"""
+        if self.smooth is not None:
+            x = x / self.smooth  # [..., C_in]: outlier channels brought down to the others' range
         return self.quantization.linear(x, self, self.bias)
 
     def _apply(self, fn, recurse=True):
@@ -241,7 +273,8 @@ def check_format(fmt) -> str:
 class Quantization(Slots):
     """The functions a quantized model is built and run with (chapter 09): `quantize_model(model, fmt,
     quantization)` builds the layers with them, and each quantized layer keeps them for its forward pass.
-    The engine's own `int8_linear` takes a faster route to the same product (`int8_linear_fast`)."""
+    The engine's own `int8_linear` takes a faster route to the same numbers (`int8_linear_fast`); `smooth_scales`
+    runs only when `quantize_model` is given a calibration."""
 
     quantize_int8: Callable = quantize_int8
     dequantize_int8: Callable = dequantize_int8
@@ -250,7 +283,7 @@ class Quantization(Slots):
     quantize_int4: Callable = quantize_int4
     dequantize_int4: Callable = dequantize_int4
     int8_linear: Callable = int8_linear
-    weight_memory: Callable = weight_memory
+    smooth_scales: Callable = smooth_scales
 
     def linear(self, x: Tensor, layer: QuantizedAffine, bias: Optional[Tensor] = None) -> Tensor:
         """x [..., C_in] through a quantized layer -> [..., C_out]."""
@@ -272,9 +305,16 @@ class Quantization(Slots):
         return self.quantize_int8(weight) if fmt == "int8" else self.quantize_int4(weight)
 
 
-def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None):
+def quantize_model(
+    model, fmt: str, quantization: Optional[Quantization] = None, *, calibration=None, alpha: float = 0.5
+):
     """Replace `model`'s linear layers and token table by quantized ones made and run with `quantization`'s
     functions (the engine's own by default), in place; returns the model.
+
+    With `calibration` (token ids, [T] or [B, T]), the blocks' linear layers are smoothed first (SmoothQuant): one
+    forward pass over those tokens records each layer's largest input per channel, `quantization.smooth_scales(
+    that [C_in], the weight [C_out, C_in], alpha)` gives a factor per input channel, the weight's columns are
+    multiplied by it before quantizing and the layer divides its input by it (`QuantizedAffine.smooth`).
 
         >>> from llmcourse.engine.model import GPT2, GPT2Config
         >>> config = GPT2Config(n_layer=1, n_head=2, n_embd=64, vocab_size=100)
@@ -292,14 +332,39 @@ def quantize_model(model, fmt: str, quantization: Optional[Quantization] = None)
             f"this model is already quantized to {current}; load the float checkpoint to quantize it again"
         )
     qz = quantization or Quantization()
+    absmax = activation_absmax(model, calibration) if calibration is not None else {}
     with torch.no_grad():
         for parent, name, old in affine_layers(model):
             n_in, n_out = old.weight.shape
             layer = QuantizedAffine(n_in, n_out, fmt, qz)
-            setattr(parent, name, filled(layer, *qz.quantize(old.weight.T, fmt), old.bias, model.dtype))
+            weight = old.weight.T  # [C_out, C_in]
+            if old in absmax:
+                layer.smooth = qz.smooth_scales(absmax[old], weight, alpha).to(model.dtype)  # [C_in]
+                weight = (weight.float() * layer.smooth.float()).to(weight.dtype)  # W' = W diag(s)
+            setattr(parent, name, filled(layer, *qz.quantize(weight, fmt), old.bias, model.dtype))
         table = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt, qz)
         model.wte = filled(table, *qz.quantize(model.wte.weight, fmt), None, model.dtype)
     return model
+
+
+def activation_absmax(model, ids) -> dict:
+    """One forward pass of the float `model` over token ids ([T] or [B, T]) -> {layer: the largest |input| of each
+    of its input channels, [C_in] float32} for every linear layer of the blocks."""
+    absmax: dict = {}
+
+    def record(layer, args):
+        seen = args[0].detach().abs().float().reshape(-1, args[0].shape[-1]).amax(dim=0)  # [C_in]
+        absmax[layer] = torch.maximum(absmax[layer], seen) if layer in absmax else seen
+
+    hooks = [layer.register_forward_pre_hook(record) for _, _, layer in affine_layers(model)]
+    try:
+        with torch.inference_mode():
+            ids = torch.as_tensor(ids, device=model.wpe.weight.device)
+            model(ids if ids.dim() == 2 else ids[None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return absmax
 
 
 def quantized_format(model) -> Optional[str]:
