@@ -17,6 +17,7 @@ from llmcourse.checks import CheckFailed
 from llmcourse.checks.attention import (
     check_attention,
     check_causal_mask,
+    check_merge_attention,
     check_merge_heads,
     check_self_attention,
     check_softmax,
@@ -85,6 +86,17 @@ def tiled_attention(q, k, v, block_size=64, causal=True, *, rescale=True, with_m
     return acc / l, ((m if with_max else 0) + torch.log(l)).squeeze(-1)
 
 
+def merge_attention(out1, lse1, out2, lse2):
+    """The weights exp(lse_i - lse) from the larger lse; a part without keys (lse -inf) weighs nothing."""
+    m = torch.maximum(lse1, lse2)
+    m = torch.where(m.isinf(), torch.zeros_like(m), m)  # both -inf: any finite shift
+    e1, e2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+    lse = m + torch.log(e1 + e2)
+    w1, w2 = (e1 / (e1 + e2)).unsqueeze(-1), (e2 / (e1 + e2)).unsqueeze(-1)
+    out = torch.where(w1 > 0, w1 * out1, 0.0) + torch.where(w2 > 0, w2 * out2, 0.0)
+    return out, lse
+
+
 REFERENCES = [
     (check_softmax, softmax),
     (check_causal_mask, causal_mask),
@@ -93,6 +105,7 @@ REFERENCES = [
     (check_merge_heads, merge_heads),
     (check_self_attention, self_attention),
     (check_tiled_attention, tiled_attention),
+    (check_merge_attention, merge_attention),
 ]
 IDS = [check.__name__ for check, _ in REFERENCES]
 
@@ -455,6 +468,45 @@ def tiled_flat_view(q, k, v, block_size=64, causal=True):
     return tiled_attention(q, k, v, block_size, causal)
 
 
+def merge_without_max_shift(out1, lse1, out2, lse2):
+    total = lse1.exp() + lse2.exp()
+    w1, w2 = (lse1.exp() / total).unsqueeze(-1), (lse2.exp() / total).unsqueeze(-1)
+    return w1 * out1 + w2 * out2, torch.log(total)
+
+
+def merge_lse_max(out1, lse1, out2, lse2):
+    return merge_attention(out1, lse1, out2, lse2)[0], torch.maximum(lse1, lse2)
+
+
+def merge_lse_sum(out1, lse1, out2, lse2):
+    return merge_attention(out1, lse1, out2, lse2)[0], lse1 + lse2
+
+
+def merge_half_and_half(out1, lse1, out2, lse2):
+    return (out1 + out2) / 2, merge_attention(out1, lse1, out2, lse2)[1]
+
+
+def merge_not_normalised(out1, lse1, out2, lse2):
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse2 - m).exp().unsqueeze(-1)
+    return w1 * out1 + w2 * out2, merge_attention(out1, lse1, out2, lse2)[1]
+
+
+def merge_weights_swapped(out1, lse1, out2, lse2):
+    out, lse = merge_attention(out2, lse1, out1, lse2)
+    return out, lse
+
+
+def merge_nan_of_an_empty_part(out1, lse1, out2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    return (lse1 - lse).exp().unsqueeze(-1) * out1 + (lse2 - lse).exp().unsqueeze(-1) * out2, lse
+
+
+def merge_in_float32(out1, lse1, out2, lse2):
+    out, lse = merge_attention(out1.float(), lse1.float(), out2.float(), lse2.float())
+    return out.to(out1.dtype), lse.to(lse1.dtype)
+
+
 def self_attention_flat_view(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):  # .view on x
     B, T, C = x.shape
     qkv = (x.view(B * T, C) @ c_attn_weight + c_attn_bias).view(B, T, 3 * C)
@@ -574,6 +626,14 @@ MISTAKES = [
     ),
     (check_tiled_attention, tiled_lse_unscaled, r"lse: [\s\S]*SCALED scores"),
     (check_tiled_attention, tiled_returning_out_only, r"expected a tuple \(out, lse\), got Tensor"),
+    (check_merge_attention, merge_without_max_shift, r"lse1 - lse2 = 200[\s\S]*out: [\s\S]*exp\(lse\) overflows"),
+    (check_merge_attention, merge_lse_max, r"lse: [\s\S]*not just the max"),
+    (check_merge_attention, merge_lse_sum, r"lse: [\s\S]*PRODUCT of the two sums"),
+    (check_merge_attention, merge_half_and_half, r"out: [\s\S]*averaging the two outputs 50/50"),
+    (check_merge_attention, merge_not_normalised, r"out: [\s\S]*normalise: the weights"),
+    (check_merge_attention, merge_weights_swapped, r"out: [\s\S]*the weights are swapped"),
+    (check_merge_attention, merge_nan_of_an_empty_part, r"no keys[\s\S]*out: [\s\S]*0 × nan is nan"),
+    (check_merge_attention, merge_in_float32, r"float64[\s\S]*float32 accuracy"),
     (check_self_attention, self_attention_flat_view, r"raised RuntimeError[\s\S]*x is a non-contiguous view here"),
     (
         check_self_attention,
@@ -870,6 +930,32 @@ def tiled_key_blocks_outside(q, k, v, block_size=64, causal=True):
     return acc / l, (m + torch.log(l)).squeeze(-1)
 
 
+def merge_by_sigmoid(out1, lse1, out2, lse2):
+    """Part 1's share of the mass is sigmoid(lse1 - lse2); the lse by logaddexp."""
+    diff = lse1 - lse2
+    w1 = torch.sigmoid(torch.where(diff.isnan(), torch.zeros_like(diff), diff)).unsqueeze(-1)  # both -inf: any
+    out = torch.where(w1 > 0, w1 * out1, 0.0) + torch.where(w1 < 1, (1 - w1) * out2, 0.0)
+    return out, torch.logaddexp(lse1, lse2)
+
+
+def merge_by_stacked_logsumexp(out1, lse1, out2, lse2):
+    """Both parts stacked on a new last dimension: torch.logsumexp and a softmax-like weight over it."""
+    lses = torch.stack([lse1, lse2], dim=-1)  # [..., Tq, 2]
+    lse = torch.logsumexp(lses, dim=-1)  # [..., Tq]
+    w = torch.exp(lses - lse.unsqueeze(-1)).nan_to_num(0.0)  # [..., Tq, 2]
+    outs = torch.stack([out1, out2], dim=-2).nan_to_num(0.0)  # [..., Tq, 2, Dv]
+    return (w.unsqueeze(-2) @ outs).squeeze(-2), lse
+
+
+def merge_numpy(out1, lse1, out2, lse2):
+    o1, l1, o2, l2 = (t.detach().double().numpy() for t in (out1, lse1, out2, lse2))
+    lse = np.logaddexp(l1, l2)
+    with np.errstate(invalid="ignore"):
+        w1, w2 = np.exp(l1 - lse)[..., None], np.exp(l2 - lse)[..., None]
+        out = np.where(w1 > 0, w1 * np.nan_to_num(o1), 0.0) + np.where(w2 > 0, w2 * np.nan_to_num(o2), 0.0)
+    return torch.from_numpy(out).to(out1.dtype), torch.from_numpy(lse).to(lse1.dtype)
+
+
 def tiled_float64_accumulators(q, k, v, block_size=64, causal=True):
     out, lse = tiled_attention(q.double(), k.double(), v.double(), block_size, causal)
     return out.to(q.dtype), lse.to(q.dtype)
@@ -929,6 +1015,9 @@ ALTERNATIVES = [
     (check_tiled_attention, tiled_float64_accumulators),
     (check_tiled_attention, tiled_numpy),
     (check_tiled_attention, tiled_key_blocks_outside),
+    (check_merge_attention, merge_by_sigmoid),
+    (check_merge_attention, merge_by_stacked_logsumexp),
+    (check_merge_attention, merge_numpy),
 ]
 
 
@@ -1027,6 +1116,20 @@ def tiled_engine(q, k, v, block_size=64, causal=True):
     return engine_tiled_module.tiled_attention(q, k, v, block_size, causal)
 
 
+def merge_engine(out1, lse1, out2, lse2):
+    return engine_tiled_module.merge_attention(out1, lse1, out2, lse2)
+
+
+def merge_by_tiled_attention(out1, lse1, out2, lse2):  # attention over two "keys" whose scores are the lses
+    k = torch.stack([lse1, lse2], -1).unsqueeze(-1) * 1.0  # [..., Tq, 2, 1]
+    v = torch.stack([out1, out2], -2)  # [..., Tq, 2, Dv]
+    q = torch.ones(*k.shape[:-2], 1, 1, dtype=k.dtype)
+    out, lse = engine_tiled_module.tiled_attention(
+        q.flatten(0, -3)[None], k.flatten(0, -3)[None], v.flatten(0, -3)[None], causal=False
+    )
+    return out.reshape(out1.shape), lse.reshape(lse1.shape)
+
+
 def tiled_with_torch_softmax_and_logsumexp(q, k, v, block_size=64, causal=True):
     scores = _scores(q, k)
     if causal:
@@ -1058,6 +1161,8 @@ BLACK_BOXES = [
     ),
     (check_tiled_attention, tiled_engine, r"llmcourse.engine.tiled_attention"),
     (check_tiled_attention, tiled_with_torch_softmax_and_logsumexp, r"called torch.softmax"),
+    (check_merge_attention, merge_engine, r"called llmcourse.engine.tiled_attention.merge_attention"),
+    (check_merge_attention, merge_by_tiled_attention, r"llmcourse.engine.tiled_attention.tiled_attention"),
 ]
 
 

@@ -27,7 +27,14 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
+from llmcourse.course.guards import guarded
 from llmcourse.engine import parts
+from llmcourse.engine.generate import generate
+from llmcourse.engine.slots import PartError
+from llmcourse.engine.tiled_attention import merge_attention as engine_merge_attention
+from llmcourse.engine.tokenizer import get_tokenizer
+from llmcourse.serving.batching import Batching
+from llmcourse.serving.llm_engine import LLMEngine
 
 from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
 from .harness.bundled import bundled_model
@@ -1261,3 +1268,295 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
             f"  expected: no tensor of more than {allowed:,} numbers (one block of scores, or a copy of k or v)\n"
             f"  got:      a tensor of shape {list(largest[1])}\n" + hint
         )
+
+
+# ----------------------------------------------------------------------------------------------
+# Merging two partial attentions by their log-sum-exp
+
+
+def reference_merge(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """The expected (out, lse): the engine's merge, computed in float64 and returned in the inputs' dtype."""
+    out, lse = engine_merge_attention(out1.double(), lse1.double(), out2.double(), lse2.double())
+    return out.to(out1.dtype), lse.to(lse1.dtype)
+
+
+def _weighted(out1: Tensor, lse1: Tensor, out2: Tensor, lse2: Tensor, w1: Tensor, w2: Tensor) -> Tensor:
+    return w1.unsqueeze(-1) * out1 + w2.unsqueeze(-1) * out2  # [..., Tq, Dv]
+
+
+def _exact_lse(lse1: Tensor, lse2: Tensor) -> Tensor:
+    return torch.logaddexp(lse1, lse2)
+
+
+MERGE_NAIVE_EXP = (
+    "exp(lse) overflows to inf above ~88.7 in float32 (~11.1 in float16) and inf / inf is nan; far below 0 it "
+    "underflows to 0 / 0: take the weights as exp(lse_i - lse), with lse = m + log(exp(lse1 - m) + exp(lse2 - m)) "
+    "and m the larger lse"
+)
+MERGE_OUT_MISTAKES: list[Mistake] = [
+    (
+        lambda o1, l1, o2, l2: _weighted(
+            o1, l1, o2, l2, (l1 - _exact_lse(l1, l2)).exp(), (l2 - _exact_lse(l1, l2)).exp()
+        ),
+        "a part with no keys has lse = -inf and an out that may be nan (0 / 0): its weight is 0, but 0 × nan is "
+        "nan; leave that part out (torch.where(w > 0, w * out, 0))",
+    ),
+    (
+        lambda o1, l1, o2, l2: _weighted(
+            o1, l1, o2, l2, l1.exp() / (l1.exp() + l2.exp()), l2.exp() / (l1.exp() + l2.exp())
+        ),
+        MERGE_NAIVE_EXP,
+    ),
+    (
+        lambda o1, l1, o2, l2: (o1 + o2) / 2,
+        "averaging the two outputs 50/50 is right only when both parts hold the same softmax mass: part i weighs "
+        "exp(lse_i) / (exp(lse1) + exp(lse2)) = exp(lse_i - lse)",
+    ),
+    (
+        lambda o1, l1, o2, l2: _weighted(
+            o1, l1, o2, l2, (l1 - torch.maximum(l1, l2)).exp(), (l2 - torch.maximum(l1, l2)).exp()
+        ),
+        "normalise: the weights exp(lse_i - m) with m = max(lse1, lse2) do not sum to 1; divide by their sum, i.e. "
+        "use exp(lse_i - lse) with lse the merged log-sum-exp",
+    ),
+    (
+        lambda o1, l1, o2, l2: _weighted(
+            o1, l1, o2, l2, (l2 - _exact_lse(l1, l2)).exp(), (l1 - _exact_lse(l1, l2)).exp()
+        ),
+        "the weights are swapped: out1 gets exp(lse1 - lse), out2 gets exp(lse2 - lse)",
+    ),
+]
+MERGE_LSE_MISTAKES: list[Mistake] = [
+    (
+        lambda o1, l1, o2, l2: torch.log(l1.exp() + l2.exp()),
+        "log(exp(lse1) + exp(lse2)) overflows to inf (or gives log(0) = -inf) when exp does: compute it as "
+        "m + log(exp(lse1 - m) + exp(lse2 - m)), m the larger lse",
+    ),
+    (
+        lambda o1, l1, o2, l2: torch.maximum(l1, l2),
+        "the merged lse is log(exp(lse1) + exp(lse2)) = m + log(1 + exp(-|lse1 - lse2|)), not just the max m: both "
+        "parts' sums add",
+    ),
+    (
+        lambda o1, l1, o2, l2: l1 + l2,
+        "lse1 + lse2 is the log of the PRODUCT of the two sums; the sums add: lse = log(exp(lse1) + exp(lse2))",
+    ),
+    (
+        lambda o1, l1, o2, l2: _exact_lse(l1, l2) - math.log(2),
+        "the lse of the union is log(exp(lse1) + exp(lse2)), not the log of their average",
+    ),
+]
+
+
+def _merge_tolerance(case: Case) -> tuple[float, float, float]:
+    """(atol of out, atol of lse, rtol) from the stated accuracy: each number rounded to the dtype (eps), and the
+    weights exp(lse_i - lse) carrying the rounding of the lse, |lse| · eps, which scales the outputs."""
+    out1, lse1, out2, lse2 = case.args
+    eps = torch.finfo(out1.dtype).eps
+    finite = torch.cat([lse1.flatten(), lse2.flatten()]).double()
+    finite = finite[finite.isfinite()]
+    values = torch.cat([out1.flatten(), out2.flatten()]).double()
+    values = values[values.isfinite()]
+    L = float(finite.abs().max()) if finite.numel() else 0.0
+    O = float(values.abs().max()) if values.numel() else 1.0
+    return eps * (16 + 2 * L) * max(O, 1e-3), eps * (16 + 2 * L), 16 * eps
+
+
+def _judge_merge(case: Case, got: Any) -> Verdict:
+    out, lse = case.expected
+    if not (isinstance(got, tuple) and len(got) == 2):
+        return f"expected a tuple (out, lse), got {type(got).__name__}" + (
+            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""
+        ), "return out, lse"
+    atol_out, atol_lse, rtol = _merge_tolerance(case)
+    problem = tensor_problem(got[0], out, atol=atol_out, rtol=rtol)
+    if problem:
+        return f"out: {problem}", diagnose(got[0], case.args, MERGE_OUT_MISTAKES, out, atol=atol_out, rtol=rtol)
+    problem = tensor_problem(got[1], lse, atol=atol_lse, rtol=rtol)
+    if problem:
+        return f"lse: {problem}", diagnose(got[1], case.args, MERGE_LSE_MISTAKES, lse, atol=atol_lse, rtol=rtol)
+    return None
+
+
+def _partial_attentions(
+    g: torch.Generator, batch: Sequence[int], Tq: int, n1: int, n2: int, D: int, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Attention of the same queries over n1 keys and over n2 other keys: (out1, lse1, out2, lse2), as attention
+    gives them (computed in float64, rounded to `dtype`)."""
+    q = torch.randn(*batch, Tq, D, generator=g, dtype=torch.float64)
+    k = torch.randn(*batch, n1 + n2, D, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(*batch, n1 + n2, D, generator=g, dtype=torch.float64) * 3 + 1
+    parts_ = []
+    for keys in (slice(0, n1), slice(n1, n1 + n2)):
+        scores = q @ k[..., keys, :].transpose(-2, -1) / math.sqrt(D)  # [..., Tq, n]
+        parts_ += [torch.softmax(scores, dim=-1) @ v[..., keys, :], torch.logsumexp(scores, dim=-1)]
+    return tuple(t.to(dtype) for t in parts_)
+
+
+def _given_lse(
+    g: torch.Generator, batch: Sequence[int], Tq: int, Dv: int, lse1: float, lse2: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Outputs of two parts (averages of values, here random) with log-sum-exps about lse1 and lse2."""
+    out1, out2 = (torch.randn(*batch, Tq, Dv, generator=g, dtype=torch.float64) * 2 for _ in range(2))
+    jitter = [torch.rand(*batch, Tq, generator=g, dtype=torch.float64) for _ in range(2)]
+    return out1.to(dtype), (lse1 + jitter[0]).to(dtype), out2.to(dtype), (lse2 + jitter[1]).to(dtype)
+
+
+def _without_keys(out: Tensor, lse: Tensor, rows: Tensor) -> tuple[Tensor, Tensor]:
+    """The part as attention over no keys gives it for the rows `rows` [..., Tq] (bool): lse -inf, out 0 / 0 = nan."""
+    return out.masked_fill(rows.unsqueeze(-1), math.nan), lse.masked_fill(rows, -math.inf)
+
+
+OWN_MERGE = "Write the merge yourself: the weights exp(lse_i - lse) from the two log-sum-exps."
+NO_MERGE = [
+    Forbidden("llmcourse.engine.tiled_attention.merge_attention", OWN_MERGE),
+    Forbidden("llmcourse.engine.tiled_attention.tiled_attention", OWN_MERGE),
+]
+
+
+def check_merge_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
+    """merge_attention(out1, lse1, out2, lse2) -> (out, lse): two attentions of the same queries over disjoint
+    keys (out [..., Tq, Dv], lse [..., Tq]) combined into the attention over both; then LLMEngine with it."""
+    g = torch.Generator().manual_seed(seed)
+
+    def case(description: str, args: tuple, hint: str = "") -> Case:
+        return Case(description, args, later(reference_merge, *args), hint)
+
+    stable = "compute the weights from the larger lse: exp(lse_i - lse), every exponent <= 0"
+    out1, lse1, out2, lse2 = _given_lse(g, (2,), 4, 3, 250.0, 50.0, torch.float32)
+    empty2 = _without_keys(out2, lse2, torch.ones_like(lse2, dtype=torch.bool))
+    mixed = torch.rand(2, 3, 6, generator=g) < 0.5  # [B, H, Tq]: which rows of part 1 saw no keys
+    m1, l1, m2, l2 = _partial_attentions(g, (2, 3), 6, 4, 5, 8, torch.float32)
+    m1, l1 = _without_keys(m1, l1, mixed)
+    wide = _partial_attentions(g, (2, 3), 5, 6, 7, 8, torch.float32)
+    cases = [
+        case(
+            "one query row over 3 + 5 keys: out [1, 4], lse [1]", _partial_attentions(g, (), 1, 3, 5, 4, torch.float32)
+        ),
+        case(
+            "batch 2, 3 heads, 5 queries over 7 + 9 keys: [B, H, Tq, Dv]",
+            _partial_attentions(g, (2, 3), 5, 7, 9, 8, torch.float32),
+        ),
+        case("no batch dimensions: out [8, 16], lse [8]", _partial_attentions(g, (), 8, 2, 30, 16, torch.float32)),
+        case("five dimensions: out [2, 2, 2, 3, 4]", _partial_attentions(g, (2, 2, 2), 3, 4, 4, 4, torch.float32)),
+        case("float64 in, float64 out", _partial_attentions(g, (2, 2), 4, 5, 6, 8, torch.float64)),
+        case("float16 in, float16 out", _partial_attentions(g, (2, 2), 4, 5, 6, 8, torch.float16)),
+        case("bfloat16 in, bfloat16 out", _partial_attentions(g, (2, 2), 4, 5, 6, 8, torch.bfloat16)),
+        case("lse1 - lse2 = 200 (exp(lse1) overflows float32)", (out1, lse1, out2, lse2), stable),
+        case("lse2 - lse1 = 200, the other way round", (out2, lse2, out1, lse1), stable),
+        case(
+            "both lse about 1000 (exp overflows even in float64)",
+            _given_lse(g, (3,), 5, 4, 1000.0, 999.0, torch.float64),
+            stable,
+        ),
+        case(
+            "both lse about -1000 (exp underflows to 0 / 0)",
+            _given_lse(g, (3,), 5, 4, -1000.0, -1001.5, torch.float64),
+            stable,
+        ),
+        case(
+            "part 2 saw no keys: lse2 = -inf, out2 nan (0 / 0)",
+            (out1, lse1, *empty2),
+            "a part with no keys weighs exp(-inf) = 0: the result is the other part (lse = -inf is allowed)",
+        ),
+        case(
+            "some rows of part 1 saw no keys",
+            (m1, l1, m2, l2),
+            "where lse1 = -inf, part 1 weighs nothing: out = out2, lse = lse2 for that row",
+        ),
+        case(
+            "non-contiguous: out1 a transposed view, out2, lse1 and lse2 strided slices",
+            (
+                wide[0].mT.contiguous().mT,
+                torch.stack([wide[1], wide[1]], -1)[..., 0],
+                torch.stack([wide[2], wide[2]], -1)[..., 1],
+                wide[3].unsqueeze(-1).expand(2, 3, 5, 2)[..., 1],
+            ),
+        ),
+    ]
+    G, H, D = 3, 4, 8  # as the engine calls it: the rows of a decode step, out [G, H, D], lse [G, H]
+    parts_out = torch.randn(G, 2, H, D, generator=g) * 2  # [G, P, H, D]: two partitions
+    parts_lse = torch.randn(G, 2, H, generator=g) * 3 + 5  # [G, P, H]
+    rows = torch.tensor([0, 2])
+    cases.append(
+        case(
+            "as LLMEngine calls it: partitions of decode rows, out [G, H, D], lse [G, H] (heads in the Tq place)",
+            (parts_out[:, 0][rows], parts_lse[:, 0][rows], parts_out[rows, 1], parts_lse[rows, 1]),
+        )
+    )
+    for i in range(n_random):
+        batch = tuple(_randint(g, 1, 3) for _ in range(_randint(g, 0, 3)))
+        Tq, Dv = _choice(g, [1, _randint(g, 1, 9)]), _choice(g, [1, 4, 16, _randint(g, 1, 40)])
+        dtype = _choice(g, [torch.float32, torch.float64, torch.float32, torch.float64, torch.float16, torch.bfloat16])
+        half = dtype in HALF_DTYPES
+        gap = _choice(g, [0.0, 1.0, 5.0, 30.0] if half else [0.0, 1.0, 5.0, 30.0, 200.0])
+        offset = _choice(g, [0.0, 3.0, -3.0] if half else [0.0, 50.0, -50.0, 500.0, -500.0])
+        first, second = offset + gap, offset
+        if _randint(g, 0, 1):
+            first, second = second, first
+        args = _given_lse(g, batch, Tq, Dv, first, second, dtype)
+        what = f"lse about {first:g} and {second:g}"
+        if i % 5 == 4 and not half:
+            rows = torch.rand(*batch, Tq, generator=g) < 0.3
+            args = (*_without_keys(args[0], args[1], rows), *args[2:])
+            what += ", some rows of part 1 without keys"
+        shape = [*batch, Tq, Dv]
+        cases.append(case(f"random #{i}: out {shape}, {str(dtype)[6:]}, {what}", args))
+    show = _show("merge_attention", "out1", "lse1", "out2", "lse2")
+    run_check(
+        "merge_attention",
+        fn,
+        cases,
+        judge=_judge_merge,
+        forbid=NO_MERGE,
+        error_hints=ENGINE_ERROR_HINTS,
+        seconds=5,
+        total_seconds=30,
+        show_call=show,
+    )
+    _merge_in_engine(fn)
+
+
+MERGE_PROMPTS = (
+    "ROMEO:\nBut, soft! what light through yonder window breaks?",
+    "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?",
+    "KING HENRY:\nOnce more unto the breach, dear friends, once more;",
+)
+
+
+def _merge_in_engine(fn: Callable) -> None:
+    """LLMEngine on the bundled GPT-2 with the learner's merge_attention, contexts split into partitions of 8
+    positions (each decode step merges several per layer); greedy, its tokens must be generate's."""
+    model, tokenizer = bundled_model(), get_tokenizer()
+    prompts = [tokenizer.encode(p) for p in MERGE_PROMPTS]
+    settings = dict(block_size=4, partition_size=8, max_num_seqs=2, max_num_batched_tokens=32)
+    what = f"LLMEngine(bundled GPT-2, {', '.join(f'{k}={v}' for k, v in settings.items())}), 3 prompts, greedy"
+
+    def run():
+        engine = LLMEngine(model, **settings, batching=guarded(Batching, merge_attention=fn))
+        try:
+            return engine.generate(prompts, max_new_tokens=12)
+        except PartError as err:
+            return err
+
+    got = call_learner(
+        "merge_attention",
+        run,
+        (),
+        forbid=NO_MERGE,
+        seconds=60,
+        show=lambda args: f"{what}, with your merge_attention",
+    )
+    if isinstance(got, Exception):
+        text = str(got).split("\n  hint:")[0]
+        raise CheckFailed(f"✗ merge_attention in the engine — {what}, with your merge_attention in it: {text}")
+    with torch.inference_mode():
+        expected = [generate(model, p, max_new_tokens=12) for p in prompts]
+    for i, (mine, theirs) in enumerate(zip(got, expected)):
+        if mine != theirs:
+            raise CheckFailed(
+                f"✗ merge_attention in the engine — {what}: request {i} got different tokens than generate\n"
+                f"  expected: {theirs}\n  got:      {mine}\n"
+                "  hint: LLMEngine calls merge_attention(out1, lse1, out2, lse2) with out [G, H, D] and lse [G, H] "
+                "(one decode row per sequence, heads in the Tq place), the partitions of a context left to right"
+            )
