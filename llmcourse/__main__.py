@@ -161,10 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     gen.add_argument(
         "--num-draft-tokens",
-        type=int,
+        type=draft_tokens,
         default=NUM_DRAFT_TOKENS,
         metavar="K",
-        help="with --draft: tokens proposed per round",
+        help="with --draft: tokens proposed per round, or 'auto' (chosen as it goes from the acceptance rate)",
     )
     gen.add_argument(
         "--parts",
@@ -277,6 +277,16 @@ def build_parser() -> argparse.ArgumentParser:
         "of bench.json and bench_quantize.png",
     )
     return parser
+
+
+def draft_tokens(text: str):
+    """--num-draft-tokens: an integer (the library checks its range) or 'auto'."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number of tokens or 'auto', got {text!r}") from None
 
 
 def int_list(text: str) -> list[int]:

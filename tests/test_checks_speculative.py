@@ -19,7 +19,7 @@ from llmcourse.checks.speculative import (
     _accept_verdict,
     accept_cases,
     check_accept_token,
-    check_expected_speedup,
+    check_best_k,
     check_prompt_lookup_draft,
     check_speculative_round,
     check_verify,
@@ -66,9 +66,12 @@ def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3):
     return []
 
 
-def expected_speedup(alpha, k, c):
-    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+def best_k(alpha, c, max_k):
+    def speedup(k):
+        tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+        return tokens / (k * c + 1)
+
+    return max(range(1, max_k + 1), key=speedup)
 
 
 def speculative_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
@@ -93,7 +96,7 @@ REFERENCES = [
     (check_accept_token, accept_token, dict(n_random=4)),
     (check_verify, verify, dict(n_random=10)),
     (check_prompt_lookup_draft, prompt_lookup_draft, dict(n_random=200)),
-    (check_expected_speedup, expected_speedup, dict(n_random=40)),
+    (check_best_k, best_k, dict(n_random=40)),
     (check_speculative_round, speculative_round, dict(n_random=2)),
 ]
 IDS = [check.__name__ for check, _, _ in REFERENCES]
@@ -506,66 +509,129 @@ def test_prompt_lookup_draft_alternative_passes(capsys):
     assert capsys.readouterr().out.count("✓") == 2
 
 
-# -- expected_speedup ------------------------------------------------------------------------------
+# -- best_k ----------------------------------------------------------------------------------------
 
 
-def speedup_alpha_k(alpha, k, c):
-    return (1 - alpha**k) / (1 - alpha) / (k * c + 1) if alpha != 1 else k / (k * c + 1)
+def best_k_returns_the_speedup(alpha, c, max_k):
+    return max(engine.expected_speedup(alpha, k, c) for k in range(1, max_k + 1))
 
 
-def speedup_no_cost(alpha, k, c):
-    return (1 - alpha ** (k + 1)) / (1 - alpha) if alpha != 1 else k + 1.0
+def best_k_index(alpha, c, max_k):
+    speedups = [engine.expected_speedup(alpha, k, c) for k in range(1, max_k + 1)]
+    return speedups.index(max(speedups))  # the position, not k
 
 
-def speedup_divides_by_zero(alpha, k, c):
-    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+def best_k_largest_on_ties(alpha, c, max_k):
+    best = 1
+    for k in range(1, max_k + 1):
+        if engine.expected_speedup(alpha, k, c) >= engine.expected_speedup(alpha, best, c):
+            best = k
+    return best
 
 
-def speedup_nan(alpha, k, c):
-    alpha = torch.tensor(float(alpha))
-    return float((1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)))
+def best_k_ignores_cost(alpha, c, max_k):
+    return max(range(1, max_k + 1), key=lambda k: engine.expected_speedup(alpha, k, 0))
 
 
-def speedup_kc(alpha, k, c):
-    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c) if c else tokens
+def best_k_divides_by_zero(alpha, c, max_k):
+    return max(range(1, max_k + 1), key=lambda k: (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1)))
 
 
-def speedup_engine(alpha, k, c):
-    return engine.expected_speedup(alpha, k, c)
+def best_k_range_max_k(alpha, c, max_k):
+    return max(range(max_k), key=lambda k: engine.expected_speedup(alpha, k, c))  # k = 0 included, max_k not
 
 
-SPEEDUP_MISTAKES = [
-    (speedup_alpha_k, r"expected 1\.64686, got 1\.55429.*numerator is 1 − α\^\(k\+1\)"),
-    (speedup_no_cost, r"expected 1\.6\d+, got 2\.3\d+.*divide by the round's cost"),
-    (speedup_divides_by_zero, r"raised ZeroDivisionError.*handle α == 1 separately"),
-    (speedup_nan, r"got nan at α = 1.*handle α == 1 separately"),
-    (speedup_kc, r"the round's cost is k·c \+ 1"),
-    (speedup_engine, r"llmcourse\.engine\.speculative.*write your own"),
+def best_k_stops_before_max_k(alpha, c, max_k):
+    return max(range(1, max(max_k, 2)), key=lambda k: engine.expected_speedup(alpha, k, c))
+
+
+def best_k_calculus(alpha, c, max_k):
+    """The continuous maximiser on a fine grid: a float k."""
+    grid = [1 + i * (max_k - 1) / 1000 for i in range(1001)]
+    return max(grid, key=lambda x: (1 - alpha ** (x + 1)) / (1 - alpha) / (x * c + 1) if alpha != 1 else 1)
+
+
+def best_k_float(alpha, c, max_k):
+    return float(best_k(alpha, c, max_k))
+
+
+def best_k_engine(alpha, c, max_k):
+    return engine.best_k(alpha, c, max_k)
+
+
+BEST_K_MISTAKES = [
+    (best_k_returns_the_speedup, r"got 1\.67\d+, the best speed-up itself.*returns the speed-up, not k"),
+    (best_k_index, r"expected k = 3 \(1\.6738×\), got k = 2.*argmax off by one"),
+    (best_k_largest_on_ties, r"every k gives a speed-up of exactly 1.*got k = 8.*ties broken to the largest k"),
+    (best_k_ignores_cost, r"expected k = 3.*got k = 8.*ignoring the cost c"),
+    (best_k_divides_by_zero, r"raised ZeroDivisionError.*α = 1 division by zero"),
+    (best_k_range_max_k, r"searching 0\.\.max_k-1"),
+    (best_k_stops_before_max_k, r"k = max_k is never tried"),
+    (best_k_calculus, r"not an integer.*floating-point k \(from calculus"),
+    (best_k_float, r"a float; expected the int"),
+    (best_k_engine, r"llmcourse\.engine\.speculative\.best_k.*write your own"),
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", SPEEDUP_MISTAKES, ids=[f.__name__ for f, _ in SPEEDUP_MISTAKES])
-def test_expected_speedup_mistakes_are_named(fn, pattern):
-    fails(check_expected_speedup, fn, pattern)
+@pytest.mark.parametrize("fn, pattern", BEST_K_MISTAKES, ids=[f.__name__ for f, _ in BEST_K_MISTAKES])
+def test_best_k_mistakes_are_named(fn, pattern):
+    fails(check_best_k, fn, pattern)
 
 
-def speedup_by_sum(alpha, k, c):
-    """Correct, written differently: the sum 1 + α + … + α^k (no special case needed)."""
-    return sum(alpha**i for i in range(k + 1)) / (1 + k * c)
+def test_best_k_is_checked_inside_the_engine():
+    """Right on every number the check tries, wrong when the engine calls it: the engine case catches it."""
+    calls = []
+
+    def engine_only_wrong(alpha, c, max_k):
+        calls.append(alpha)
+        if isinstance(alpha, float) and max_k == engine.AUTO_MAX_K and 0.5 < alpha < 0.8 and c == 1.0:
+            return max_k
+        return best_k(alpha, c, max_k)
+
+    fails(check_best_k, engine_only_wrong, r"num_draft_tokens='auto'.*your best_k chose k = 8; expected k = 1")
 
 
-def test_expected_speedup_alternative_passes(capsys):
-    check_expected_speedup(speedup_by_sum)
-    check_expected_speedup(speedup_by_sum, seed=101, n_random=40)
+def best_k_early_stop(alpha, c, max_k):
+    """Correct, written differently: climb while the next k pays (the speed-up has a single peak in k)."""
+    k = 1
+    while k < max_k and engine.expected_speedup(alpha, k + 1, c) > engine.expected_speedup(alpha, k, c):
+        k += 1
+    return k
+
+
+def best_k_by_sum(alpha, c, max_k):
+    """Correct, written differently: the sum 1 + α + … + α^k (no α = 1 case), ties kept by a strict >."""
+    best, best_speedup = None, None
+    for k in range(1, max_k + 1):
+        speedup = sum(alpha**i for i in range(k + 1)) / (1 + k * c)
+        if best is None or speedup > best_speedup:
+            best, best_speedup = k, speedup
+    return np.int64(best)  # numpy's integers are integers too
+
+
+@pytest.mark.parametrize("fn", [best_k_early_stop, best_k_by_sum])
+def test_best_k_alternatives_pass(fn, capsys):
+    check_best_k(fn)
+    check_best_k(fn, seed=101, n_random=40)
     assert capsys.readouterr().out.count("✓") == 2
 
 
-def test_expected_speedup_matches_the_engine_and_the_limits():
-    assert engine.expected_speedup(0.0, 4, 0.1) == pytest.approx(1 / 1.4)
-    assert engine.expected_speedup(1.0, 4, 0.1) == pytest.approx(5 / 1.4)
+def test_best_k_matches_the_engine_and_the_limits():
+    assert engine.best_k(0.0, 0.1, 8) == 1  # α = 0: each proposal only costs
+    assert engine.best_k(0.0, 0.0, 8) == 1  # every k ties: the smallest
+    assert engine.best_k(1.0, 0.5, 8) == 8 and engine.best_k(1.0, 1.0, 8) == 1 and engine.best_k(1, 2, 8) == 1
+    assert engine.best_k(0.6, 0.1, 8) == 3 and engine.best_k(0.6, 0.1, 2) == 2
     assert engine.expected_speedup(1 - 1e-9, 4, 0.1) == pytest.approx(5 / 1.4, rel=1e-6)
-    assert speedup_by_sum(0.57, 4, 0.26) == pytest.approx(engine.expected_speedup(0.57, 4, 0.26))
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.3, 0.6, 0.9, 0.99])
+@pytest.mark.parametrize("c", [0.0, 0.01, 0.1, 0.5, 2.0])
+def test_the_expected_speedup_has_a_single_peak_in_k(alpha, c):
+    """What lets best_k stop at the first k that does not pay: it rises, then falls."""
+    values = [engine.expected_speedup(alpha, k, c) for k in range(1, 65)]
+    peak = values.index(max(values))
+    assert all(a <= b for a, b in zip(values[:peak], values[1 : peak + 1]))
+    assert all(a >= b for a, b in zip(values[peak:], values[peak + 1 :]))
 
 
 # -- speculative_round -----------------------------------------------------------------------------

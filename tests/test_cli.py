@@ -201,3 +201,16 @@ def test_missing_model_is_one_clear_error(tmp_path):
     assert out.returncode == 1
     assert "neither a model folder nor a Hugging Face Hub model name" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_num_draft_tokens_takes_auto_and_names_a_bad_word(capsys):
+    """--num-draft-tokens auto: the text of plain greedy decoding, and the k chosen in the summary."""
+    args = ["generate", "--max-new-tokens", "16", "--temperature", "0"]
+    auto = ["--num-draft-tokens", "auto"]
+    code, plain, _ = run_here(capsys, *args, "ROMEO:")
+    code, text, err = run_here(capsys, *args, "--draft", "gpt2-shakespeare-draft", *auto, "ROMEO:")
+    assert code == 0 and text == plain
+    assert re.search(r"num_draft_tokens='auto' chose k = \d \(α = [\d.]+, c = 0\.27\)", err), err
+    code, text, err = run_here(capsys, *args, "--draft", "prompt-lookup", "--num-draft-tokens", "fast", "ROMEO:")
+    assert code == 2 and text == "" and err.count("\n") == 1
+    assert "--num-draft-tokens: expected a whole number of tokens or 'auto', got 'fast'" in err

@@ -37,7 +37,18 @@ from llmcourse import GPT2, GPT2Config, generate, generate_text, get_tokenizer, 
 from llmcourse.course.guards import guarded
 from llmcourse.engine.loading import MODELS_DIR
 from llmcourse.engine.slots import PartError
-from llmcourse.engine.speculative import Speculation, SpeculationStats, accept_token, prompt_lookup_draft, verify
+from llmcourse.engine.speculative import (
+    AUTO_FIRST_K,
+    AUTO_MAX_K,
+    AUTO_ROUNDS,
+    Speculation,
+    SpeculationStats,
+    accept_token,
+    best_k,
+    draft_cost,
+    prompt_lookup_draft,
+    verify,
+)
 from llmcourse.training.shakespeare import validation_tokens
 
 from .conftest import lively_model
@@ -226,6 +237,78 @@ def test_a_draft_identical_to_the_target_accepts_everything(small):
         assert stats.acceptance_rate == 1 and stats.new_tokens == 40
         assert all(r.accepted == len(r.drafted) == k for r in stats.rounds[:-1])  # every round but the last: k + 1
         assert len(stats.rounds) == -(-40 // (k + 1)) and stats.tokens_per_forward == 40 / len(stats.rounds)
+
+
+# num_draft_tokens="auto": k chosen by Speculation.best_k from the measured α and the models' sizes.
+
+
+def test_auto_greedy_is_plain_greedy_whatever_k_it_chooses(bundled, bundled_cases, small, small_cases):
+    target, draft = bundled
+    prompts, expected = bundled_cases
+    stats = SpeculationStats()
+    auto = dict(draft=draft, num_draft_tokens="auto", stats=stats)
+    assert generate(target, prompts, max_new_tokens=16, eos_token_id=None, **auto) == expected
+    assert stats.choices and all(c.k == best_k(c.alpha, c.c, AUTO_MAX_K) for c in stats.choices)
+    assert {round(c.c, 3) for c in stats.choices} == {round(draft_cost(target, draft), 3)} == {0.269}
+    assert "num_draft_tokens='auto' chose k = " in stats.summary()
+    small_target, drafts = small
+    for how in [*drafts.values(), "prompt-lookup"]:
+        for k, prompt, new, want in small_cases:
+            if k == 1:  # the k of small_cases is not used: "auto" chooses
+                assert plain(small_target, prompt, max_new_tokens=new, draft=how, num_draft_tokens="auto") == want
+
+
+def test_auto_proposes_4_then_what_best_k_chooses(small):
+    """AUTO_FIRST_K proposals per round, then every AUTO_ROUNDS rounds the k best_k returns for the α measured
+    (kept / judged) and c from the sizes (1 for a copy of the target)."""
+    target, drafts = small
+    calls = []
+
+    def two(alpha, c, max_k):
+        calls.append((alpha, c, max_k))
+        return 2
+
+    stats = SpeculationStats()
+    speculation = guarded(Speculation, best_k=two)
+    got = plain(
+        target,
+        [5, 6, 7],
+        max_new_tokens=40,
+        draft=drafts["same"],
+        num_draft_tokens="auto",
+        stats=stats,
+        speculation=speculation,
+    )
+    assert got == plain(target, [5, 6, 7], max_new_tokens=40)
+    sizes = [len(r.drafted) for r in stats.rounds]
+    assert sizes[:AUTO_ROUNDS] == [AUTO_FIRST_K] * AUTO_ROUNDS and set(sizes[AUTO_ROUNDS:-1]) == {2}
+    assert calls[0] == (1.0, 1.0, AUTO_MAX_K) and len(calls) == len(stats.rounds) // AUTO_ROUNDS
+    assert [c.k for c in stats.choices] == [2] * len(calls)
+
+
+def test_auto_estimates_alpha_from_the_proposals_judged(small):
+    """α = kept / judged over the rounds so far: a round's proposals after its first rejection are never judged
+    (kept / drafted would underestimate α)."""
+    target, drafts = small
+    stats = SpeculationStats()
+    plain(target, [3, 1, 4, 1, 5], max_new_tokens=40, draft=drafts["near"], num_draft_tokens="auto", stats=stats)
+    assert len(stats.choices) >= 3
+    for choice in stats.choices:
+        rounds = stats.rounds[: choice.round]
+        kept = sum(r.accepted for r in rounds)
+        judged = sum(r.accepted + (r.accepted < len(r.drafted)) for r in rounds)
+        assert choice.alpha == kept / judged and choice.alpha > kept / sum(len(r.drafted) for r in rounds)
+
+
+def test_auto_sampling_repeats_with_its_seed(bundled, tok):
+    """c comes from the models' sizes, not a stopwatch: a seeded sampled run gives the same tokens every time."""
+    target, draft = bundled
+    ids = tok.encode("ROMEO:\nBut soft")
+    runs = [
+        generate(target, ids, max_new_tokens=24, temperature=0.8, seed=3, draft=draft, num_draft_tokens="auto")
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1] and len(runs[0]) == 24
 
 
 def test_greedy_filling_the_whole_context_is_plain_greedy(small):
@@ -852,6 +935,14 @@ def lookup_inventing_tokens(tokens, k, max_ngram=3):
     return [max(tokens) + 1] * k
 
 
+def best_k_zero(alpha, c, max_k):
+    return 0
+
+
+def best_k_the_speedup(alpha, c, max_k):
+    return 1.7
+
+
 @pytest.mark.parametrize(
     "slot, fn, message",
     [
@@ -868,6 +959,8 @@ def lookup_inventing_tokens(tokens, k, max_ngram=3):
         ("accept_token", accept_token_switching_the_proposal, r"accepted the proposal \d+ but returned token \d+"),
         ("prompt_lookup_draft", lookup_proposing_too_many, r"expected a list of at most \d+ token ids"),
         ("prompt_lookup_draft", lookup_inventing_tokens, r"returned \[4, 4, 4, 4\]; .*copied from the text"),
+        ("best_k", best_k_zero, r"returned 0; expected an integer k in 1\.\.8"),
+        ("best_k", best_k_the_speedup, r"returned 1\.7; expected an integer k in 1\.\.8"),
     ],
 )
 def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, slot, fn, message):
@@ -876,4 +969,5 @@ def test_a_learners_broken_slot_is_stopped_with_a_part_error(small, slot, fn, me
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: prompt lookup proposes
     draft = "prompt-lookup" if slot == "prompt_lookup_draft" else drafts["other"]
     with pytest.raises(PartError, match=rf"part '{slot}' \({fn.__name__}\) .*{message}"):
-        plain(target, prompt, max_new_tokens=30, draft=draft, num_draft_tokens=4, speculation=speculation)
+        auto = "auto" if slot == "best_k" else 4
+        plain(target, prompt, max_new_tokens=30, draft=draft, num_draft_tokens=auto, speculation=speculation)
