@@ -541,11 +541,11 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
 def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_functions(tmp_path):
     """Chapter 08 solved as its solution solves it: all five speculative decoding functions are the
     learner's; greedy speculative decoding with the draft model (the learner's round) and with prompt
-    lookup (the learner's lookup and verify) gives plain greedy's tokens, and sampling (the learner's
-    acceptance rule) runs."""
+    lookup (the learner's lookup and verify) gives plain greedy's tokens, also with num_draft_tokens="auto"
+    (the learner's best_k chooses k), and sampling (the learner's acceptance rule) runs."""
     import llmcourse
     from llmcourse.course.learner import SPECULATION_SLOTS, your_pieces
-    from llmcourse.engine.speculative import SpeculationStats
+    from llmcourse.engine.speculative import SpeculationStats, best_k
 
     solved_copy("08_speculative", tmp_path)
     notices = []
@@ -564,6 +564,12 @@ def test_the_solved_chapter_08_runs_speculative_decoding_with_the_learners_funct
             == plain
         )
         assert stats.new_tokens == 60 and len(stats.rounds) < 60, stats.summary()
+    stats = SpeculationStats()
+    assert (
+        llmcourse.generate(model, prompts, max_new_tokens=30, draft=draft, num_draft_tokens="auto", stats=stats)
+        == plain
+    )
+    assert stats.choices and all(c.k == best_k(c.alpha, c.c, 8) for c in stats.choices), stats.choices
     sampled = llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
     assert sampled == llmcourse.generate(model, prompts[0], max_new_tokens=30, draft=draft, temperature=0.8, seed=5)
 

@@ -304,8 +304,10 @@ def test_the_notice_lists_only_what_the_run_uses():
         "merge_heads, temperature, top_p, sample, KVCache, left_pad, StreamDecoder, decode, encode, the engine's own "
         "for the rest"
     )
-    for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "expected_speedup"]:
+    for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "best_k"]:
         assert unused not in plain
+    assert "best_k" in slots_used(dict(draft="gpt2-shakespeare-draft", num_draft_tokens="auto"))
+    assert "best_k" not in slots_used(dict(draft="gpt2-shakespeare-draft", num_draft_tokens=4))
     greedy_int8 = your_engine_notice(
         everything, slots_used(dict(temperature=0, quantize="int8", draft="prompt-lookup"))
     )

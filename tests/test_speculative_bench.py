@@ -212,6 +212,11 @@ def test_the_benchmark_measures_every_figure(quick_results):
             assert v["refined"] == pytest.approx(
                 sb.refined_speedup(s["alpha"], k, s["c"], r["costs"]["verify_ratio"][k + 1])
             )
+    for name in ("draft_model", "prompt_lookup"):  # num_draft_tokens="auto": the k's best_k chose, timed as the rest
+        auto = r[name]["auto"]
+        assert auto["speedup"] > 0 and auto["new_tokens"] == r[name]["prompts"] * r[name]["new_tokens"]
+        assert all(1 <= c["k"] <= 8 and 0 <= c["alpha"] <= 1 for c in auto["chosen"])
+    assert {c["c"] for c in r["prompt_lookup"]["auto"]["chosen"]} <= {0.0}
     assert r["prompt_lookup"]["c"] == 0 and r["draft_model"]["c"] == r["costs"]["c"]
     assert "small" not in r and any("prompt lookup" in line for line in lines)
     json.dumps(r)  # all of it goes into bench.json
@@ -220,7 +225,7 @@ def test_the_benchmark_measures_every_figure(quick_results):
 def test_table_and_figure(quick_results, tmp_path):
     r, _ = quick_results
     text = sb.table(r)
-    assert text.count("same tokens as plain greedy: yes") == 2
+    assert text.count("same tokens as plain greedy: yes") == 2 and text.count("num_draft_tokens='auto'") == 2
     assert f"c = {r['costs']['c']:.2f}" in text and f"{r['overlap_alpha']:.3f}" in text
     for s in (r["draft_model"], r["prompt_lookup"]):
         assert f"best k: measured {s['best_k_speedup']} ({s['ks'][s['best_k_speedup']]['speedup']:.2f}x)" in text

@@ -9,7 +9,8 @@ Two drafts, each on its own workload of held-out Shakespeare (`llmcourse.trainin
   continuation repeats text they hold (`self_quote`: a passage, the target's greedy continuation, the passage
   again); and on GPT-2 124M's configuration with random weights, whose greedy output loops.
 
-Per k: the acceptance (proposals accepted / proposed, and α per proposal: accepted / (accepted + rejections),
+Per k, and for num_draft_tokens="auto" (k chosen by `best_k` as it goes; the k's it chose are reported): the
+acceptance (proposals accepted / proposed, and α per proposal: accepted / (accepted + rejections),
 the α of the formula), tokens per target forward pass, and the wall-time speed-up over plain decoding. Every
 speculative run must give plain greedy decoding's tokens (checked, not assumed). The speed-up is predicted
 twice:
@@ -42,6 +43,7 @@ import torch
 from llmcourse.engine.generate import NUM_DRAFT_TOKENS, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.speculative import (
+    AUTO,
     PROMPT_LOOKUP,
     Round,
     SpeculationStats,
@@ -239,9 +241,9 @@ class Sweep:
             new_tokens,
             label,
         )
-        self.configs = ["plain", *ks]
+        self.configs = ["plain", *ks, AUTO]
         self.times: dict = {name: [] for name in self.configs}
-        self.stats = {k: SpeculationStats() for k in ks}  # of the first pass
+        self.stats = {k: SpeculationStats() for k in [*ks, AUTO]}  # of the first pass
         start = time.perf_counter()
         self.expected = [self.decode(p, "plain", None) for p in prompts]  # also warms up
         self.wall = time.perf_counter() - start
@@ -301,6 +303,13 @@ class Sweep:
                     **round_figures(self.stats[k]),
                 }
                 for k in self.ks
+            },
+            AUTO: {
+                "seconds": seconds[AUTO],
+                "tokens_per_s": tokens / seconds[AUTO],
+                "speedup": seconds["plain"] / seconds[AUTO],
+                "chosen": [dataclasses.asdict(c) for c in self.stats[AUTO].choices],  # each prompt's choices
+                **round_figures(self.stats[AUTO]),
             },
         }
 
@@ -498,6 +507,13 @@ def table(r: dict) -> str:
             f"    best k: measured {s['best_k_speedup']} ({dict(by_k(s))[s['best_k_speedup']]['speedup']:.2f}x), "
             f"formula {s['best_k_formula']}, refined {s['best_k_refined']}"
         )
+        if AUTO in s:  # figures saved before num_draft_tokens="auto" have none
+            auto = s[AUTO]
+            chosen = ", ".join(map(str, sorted({c["k"] for c in auto["chosen"]}))) or "-"
+            lines.append(
+                f"    num_draft_tokens='auto' (best_k every few rounds): chose k = {chosen}, "
+                f"{auto['tokens_per_forward']:.2f} tokens per forward, {auto['speedup']:.2f}x"
+            )
     return "\n".join(lines)
 
 
