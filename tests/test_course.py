@@ -485,6 +485,25 @@ def test_the_solved_chapters_02_to_04_run_the_engine_on_every_part(tmp_path):
     assert llmcourse.generate(mine, prompt, max_new_tokens=40) == llmcourse.generate(engine, prompt, max_new_tokens=40)
 
 
+def test_the_solved_chapter_03_merges_llmengines_partitions_with_the_learners_merge_attention(tmp_path):
+    """Chapter 03 solved as its solution solves it: its merge_attention is LLMEngine's (a Batching slot), and with
+    contexts split into partitions of 8 positions the engine gives generate's tokens."""
+    import llmcourse
+    from llmcourse.course.learner import your_pieces
+
+    solved_copy("03_attention", tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert pieces.functions["batching"].overridden() == ["merge_attention"], notices
+    model = pieces.install(llmcourse.load_model(device="cpu"))  # an Engine: LLMEngine runs the learner's merge
+    tok = llmcourse.get_tokenizer()
+    prompts = [tok.encode(p) for p in ("ROMEO:\nBut, soft!", "JULIET:\nO Romeo, Romeo! wherefore art thou Romeo?")]
+    alone = [llmcourse.generate(model, p, max_new_tokens=20) for p in prompts]
+    engine = llmcourse.LLMEngine(model, block_size=4, partition_size=8)
+    assert engine.batching.merge_attention is pieces.functions["batching"].merge_attention
+    assert engine.generate(prompts, max_new_tokens=20) == alone
+
+
 def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_and_cache(tmp_path):
     """Chapters 05–06 solved as their solutions solve them: the engine's sampler functions and KV cache
     are the learner's, and the engine gives the same tokens as its own, greedy and sampled (same seed)."""
