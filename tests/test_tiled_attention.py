@@ -1,5 +1,5 @@
-"""The engine's tiled attention (online softmax) against torch's fused attention and torch.logsumexp,
-and the arithmetic of the IO argument."""
+"""The engine's tiled attention (online softmax) against torch's fused attention and torch.logsumexp, its merge of
+partial attentions, and the arithmetic of the IO argument."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from llmcourse.engine.parts import causal_mask
-from llmcourse.engine.tiled_attention import attention_io_bytes, tiled_attention
+from llmcourse.engine.tiled_attention import attention_io_bytes, merge_attention, tiled_attention
 
 from .conftest import DEVICES
 
@@ -77,6 +77,34 @@ def test_pieces_combine_through_the_lse():
     lse = torch.logaddexp(lse_a, lse_b)
     combined = out_a * (lse_a - lse).exp()[..., None] + out_b * (lse_b - lse).exp()[..., None]
     assert torch.allclose(combined, expected(q, k, v, causal=False)[0], atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_merging_partitions_gives_attention_over_all_keys(dtype):
+    """Partitions of 4, 4 and 3 keys merged left to right, as a split-K decode step merges them."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 5, 16, generator=g, dtype=torch.float64)
+    k, v = torch.randn(2, 2, 3, 11, 16, generator=g, dtype=torch.float64).unbind(0)
+    pieces = [tiled_attention(q, k[..., s : s + 4, :], v[..., s : s + 4, :], causal=False) for s in (0, 4, 8)]
+    out, lse = (t.to(dtype) for t in pieces[0])
+    for piece in pieces[1:]:
+        out, lse = merge_attention(out, lse, *(t.to(dtype) for t in piece))
+    whole, whole_lse = expected(q, k, v, causal=False)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5}.get(dtype, 16 * torch.finfo(dtype).eps)
+    assert out.dtype == lse.dtype == dtype
+    assert torch.allclose(out.double(), whole, atol=tol, rtol=tol)
+    assert torch.allclose(lse.double(), whole_lse, atol=tol, rtol=tol)
+
+
+def test_merge_is_stable_and_ignores_a_part_without_keys():
+    out1, out2 = torch.randn(2, 3, 4).unbind(0)  # [Tq=3, Dv=4] each
+    far = merge_attention(out1, torch.full((3,), 1000.0), out2, torch.full((3,), 800.0))  # exp(1000) overflows
+    assert torch.allclose(far[0], out1) and torch.allclose(far[1], torch.full((3,), 1000.0))
+    lse1, no_keys = torch.tensor([0.5, 2.0, -3.0]), torch.full((3,), -math.inf)
+    empty = merge_attention(out1, lse1, torch.full((3, 4), math.nan), no_keys)  # attention over no keys: 0 / 0
+    assert torch.equal(empty[0], out1) and torch.equal(empty[1], lse1)
+    both = merge_attention(out1, no_keys, out2, no_keys)
+    assert both[0].isfinite().all() and (both[1] == -math.inf).all()
 
 
 def test_io_bytes_follow_the_stated_assumptions():

@@ -1,5 +1,6 @@
 """Checks for chapter 03, attention: softmax, the causal mask, scaled dot-product attention, heads,
-GPT-2's multi-head self-attention and tiled attention with an online softmax.
+GPT-2's multi-head self-attention, tiled attention with an online softmax, and the merge of two partial
+attentions by their log-sum-exp.
 
 Each check compares the learner's function with the engine's (`llmcourse.engine.parts`,
 `llmcourse.engine.tiled_attention`), computed in float64 and returned in the input's dtype, on fixed edge
@@ -7,7 +8,9 @@ cases and seeded random ones: batch > 1, several heads, float64, odd sizes, mask
 values far from 0. When an answer is wrong, the message also names the mistake when the wrong
 answer is exactly what a known mistake gives (no max shift, dividing by d instead of √d, the mask
 inverted or applied after the softmax, heads split in the wrong order, the running sum not
-rescaled, ...).
+rescaled, a merge that overflows or weighs its parts 50/50, ...). The tiled attention check also watches
+every tensor the learner's function makes (no score tensor wider than the block in both dimensions), and
+the merge's check ends in `LLMEngine`, whose decode steps merge the partitions of a context with it.
 
     >>> def causal_mask(n_query, n_key):
     ...     query_pos = torch.arange(n_key - n_query, n_key)
