@@ -34,8 +34,18 @@ from llmcourse.course.learner import Engine
 from llmcourse.engine.generate import as_model
 from llmcourse.engine.slots import PartError
 from llmcourse.serving.batching import Batching
+from llmcourse.serving.block_manager import block_hashes
 from llmcourse.serving.llm_engine import LLMEngine
-from llmcourse.serving.paged_cache import Chunk, PagedKVCache, forward, gather_kv, slot_mapping
+from llmcourse.serving.paged_cache import (
+    Chunk,
+    PagedKVCache,
+    forward,
+    gather_kv,
+    paged_attention,
+    paged_decode,
+    partitions,
+    slot_mapping,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -143,6 +153,7 @@ def random_workload(seed: int, model: GPT2) -> Workload:
     elif tight < 0.8:
         engine["num_blocks"] = largest + rng.randint(2, 2 * largest)
     arrivals = None if rng.random() < 0.3 else [rng.randint(0, 12) for _ in prompts]
+    engine["partition_size"] = rng.choice([1, 2 * bs, 3 * bs, 256])  # decode attention split, partitions merged
     return Workload(seed, prompts, settings, arrivals, engine, prefix_len)
 
 
@@ -543,14 +554,29 @@ class MyBlockAllocator:
             self.stack.append(block)
 
 
-def my_slot_mapping(block_table, positions, block_size):
-    every_slot = (block_table[:, None] * block_size + torch.arange(block_size)).flatten()  # [n * block_size]
-    return every_slot[positions]
+def my_block_hashes(token_ids, block_size):
+    """Another chained hash: each full block keyed by all the tokens up to its end."""
+    return [hash(tuple(token_ids[:end])) for end in range(block_size, len(token_ids) + 1, block_size)]
 
 
-def my_gather_kv(pool, block_table, length):
-    rows = torch.cat([pool[b] for b in block_table.tolist()])[:length]  # [length, H, D]
-    return rows.permute(1, 0, 2)
+def my_paged_attention(q, k_pool, v_pool, block_table, lengths):
+    """One sequence at a time, the scores of all its blocks first, then one softmax (vLLM V1's kernel's order)."""
+    bs, outs, lses = k_pool.shape[1], [], []
+    for g in range(q.shape[0]):
+        n = int(lengths[g])
+        blocks = block_table[g, : -(-n // bs)].tolist()
+        scores = torch.cat([torch.einsum("hd,thd->ht", q[g], k_pool[b]) for b in blocks], dim=1)[:, :n]  # [H, n]
+        scores = scores / q.shape[-1] ** 0.5
+        top = scores.max(dim=1, keepdim=True).values
+        weights = torch.exp(scores - top)  # [H, n]
+        out = sum(
+            torch.einsum("ht,thd->hd", weights[:, i * bs : (i + 1) * bs], v_pool[b][: n - i * bs])
+            for i, b in enumerate(blocks)
+        )
+        total = weights.sum(dim=1)
+        outs.append(out / total[:, None])
+        lses.append(top[:, 0] + torch.log(total))
+    return torch.stack(outs), torch.stack(lses)
 
 
 def my_schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
@@ -582,8 +608,8 @@ def my_schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, 
 MINE = dict(
     left_pad=my_left_pad,
     BlockAllocator=MyBlockAllocator,
-    slot_mapping=my_slot_mapping,
-    gather_kv=my_gather_kv,
+    block_hashes=my_block_hashes,
+    paged_attention=my_paged_attention,
     schedule=my_schedule,
 )
 
@@ -629,8 +655,8 @@ def test_my_batching_functions_give_the_same_tokens():
     assert tally.preempted >= 3 and tally.cached >= 3, tally
 
 
-def my_broken_gather_ignores_the_table(pool, block_table, length):
-    return pool.flatten(0, 1)[:length].transpose(0, 1)  # as if the request held blocks 0, 1, 2, ...
+def my_paged_attention_forgets_lse(q, k_pool, v_pool, block_table, lengths):
+    return paged_attention(q, k_pool, v_pool, block_table, lengths)[0]
 
 
 class MyAllocatorHandsOutABlockTwice(MyBlockAllocator):
@@ -656,16 +682,16 @@ def my_schedule_preempts_a_waiting_request(running, waiting, num_free_blocks, **
     return {}, [s.id for s in waiting]
 
 
-def my_slot_mapping_ignores_the_table(block_table, positions, block_size):
-    return positions.clone()
+def my_block_hashes_as_text(token_ids, block_size):
+    return [f"{h:x}" for h in block_hashes(token_ids, block_size)]
 
 
-def my_slot_mapping_returns_floats(block_table, positions, block_size):
-    return (block_table[positions // block_size] * block_size + positions % block_size).float()
+def my_block_hashes_salted_by_length(token_ids, block_size):
+    return [hash((h, len(token_ids))) for h in block_hashes(token_ids, block_size)]
 
 
-def my_gather_kv_raises(pool, block_table, length):
-    return pool[block_table[length]]  # IndexError
+def my_paged_attention_raises(q, k_pool, v_pool, block_table, lengths):
+    return k_pool[block_table[:, lengths]]  # IndexError
 
 
 def my_left_pad_forgets_positions(prompts, pad_id=0):
@@ -681,11 +707,16 @@ def my_schedule_thrashes(running, waiting, num_free_blocks, *, block_size, **lim
 
 BROKEN = [
     (
-        "gather_kv",
-        my_broken_gather_ignores_the_table,
-        r"part 'gather_kv' read positions 0..\d+ through block table \[\d+(, \d+)*\] wrongly",
+        "paged_attention",
+        my_paged_attention_forgets_lse,
+        r"part 'paged_attention' \(my_paged_attention_forgets_lse\) returned "
+        r"\('shape \(\d+, \d+, \d+\) torch.float32',\); expected \(out, lse\) of shapes",
     ),
-    ("gather_kv", my_gather_kv_raises, r"part 'gather_kv' \(my_gather_kv_raises\) raised IndexError"),
+    (
+        "paged_attention",
+        my_paged_attention_raises,
+        r"part 'paged_attention' \(my_paged_attention_raises\) raised IndexError",
+    ),
     (
         "BlockAllocator",
         MyAllocatorHandsOutABlockTwice,
@@ -696,8 +727,16 @@ BROKEN = [
     ("schedule", my_schedule_gives_too_many_tokens, r"part 'schedule' gave request 0 \d+ tokens; it has \d+ to"),
     ("schedule", my_schedule_preempts_a_waiting_request, r"part 'schedule' preempted request 0, which is not running"),
     ("schedule", my_schedule_thrashes, r"part 'schedule' makes no progress: \d+ steps without a new token"),
-    ("slot_mapping", my_slot_mapping_ignores_the_table, r"part 'slot_mapping' put positions \d+..\d+ of a request"),
-    ("slot_mapping", my_slot_mapping_returns_floats, r"part 'slot_mapping' .* dtype torch.float32; expected slots"),
+    (
+        "block_hashes",
+        my_block_hashes_as_text,
+        r"part 'block_hashes' \(my_block_hashes_as_text\) returned .*; expected a list of \d+ integers",
+    ),
+    (
+        "block_hashes",
+        my_block_hashes_salted_by_length,
+        r"part 'block_hashes' gave the first \d+ blocks of a request other hashes once its tokens grew",
+    ),
 ]
 
 
@@ -751,11 +790,35 @@ def test_slot_mapping_and_gather_kv_match_a_plain_loop():
             written = torch.zeros_like(pool)
             written.view(-1, H, D)[slot_mapping(table, torch.arange(length), bs)] = expected.transpose(0, 1)
             assert torch.equal(gather_kv(written, table, length), expected)
-        tables = torch.stack([torch.randperm(num_blocks, generator=g)[:2] for _ in range(3)])  # [G, n]: one read
-        batched = gather_kv(pool, tables, bs + 1)
-        assert batched.shape == (3, H, bs + 1, D)
-        for row, table in enumerate(tables):
-            assert torch.equal(batched[row], gather_kv(pool, table, bs + 1))
+
+
+@pytest.mark.parametrize("partition_blocks", [1, 2, 3, 100])
+def test_paged_attention_and_its_partitions_match_attention_over_the_gathered_keys(partition_blocks):
+    """paged_attention (and paged_decode, its partitions merged) give softmax(q k / sqrt(D)) v and the log-sum-exp
+    over each sequence's first `length` positions, whatever the rest of its last block holds."""
+    g = torch.Generator().manual_seed(partition_blocks)
+    num_blocks, bs, H, D = 30, 4, 3, 8
+    k_pool, v_pool = torch.randn(2, num_blocks, bs, H, D, generator=g, dtype=torch.float64) * 3
+    lengths = torch.tensor([1, 4, 5, 17, 23, 9])
+    tables = torch.stack([torch.randperm(num_blocks, generator=g)[:6] for _ in lengths])  # [G, 6], past length too
+    q = torch.randn(len(lengths), H, D, generator=g, dtype=torch.float64)
+    out, lse = paged_attention(q, k_pool, v_pool, tables, lengths)
+    decoded = paged_decode(q, k_pool, v_pool, partitions(tables, lengths, partition_blocks, bs))
+    for row, n in enumerate(lengths.tolist()):
+        keys, values = gather_kv(k_pool, tables[row], n), gather_kv(v_pool, tables[row], n)  # [H, n, D]
+        scores = (keys @ q[row, :, :, None])[..., 0] / D**0.5  # [H, n]
+        expected = (torch.softmax(scores, dim=-1)[:, None] @ values)[:, 0]  # [H, D]
+        assert torch.allclose(out[row], expected, atol=1e-12) and torch.allclose(decoded[row], expected, atol=1e-12)
+        assert torch.allclose(lse[row], torch.logsumexp(scores, dim=-1), atol=1e-12)
+
+
+def test_block_hashes_are_chained_over_full_blocks():
+    tokens = [5, 1, 4, 1, 5, 9, 2]
+    hashes = block_hashes(tokens, 2)
+    assert len(hashes) == 3 and block_hashes(tokens[:6], 2) == hashes and block_hashes(tokens[:4], 2) == hashes[:2]
+    other = block_hashes([6, 1, 4, 1, 5, 9], 2)  # the same blocks 1 and 2 after another block 0
+    assert len(set(hashes + other)) == 6
+    assert my_block_hashes(tokens, 2) != hashes and len(my_block_hashes(tokens, 2)) == 3
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.float64, 1e-12)])

@@ -28,7 +28,13 @@ from .attention import (
     check_split_heads,
     check_tiled_attention,
 )
-from .batching import check_block_allocator, check_gather_kv, check_left_pad, check_schedule, check_slot_mapping
+from .batching import (
+    check_block_allocator,
+    check_block_hashes,
+    check_left_pad,
+    check_paged_attention,
+    check_schedule,
+)
 from .embeddings import check_embed, check_embedding, check_rope, check_sinusoidal_positions
 from .gpt2 import (
     check_block,
@@ -135,8 +141,8 @@ __all__ = [
     "check_max_sequences",
     "check_left_pad",
     "check_block_allocator",
-    "check_slot_mapping",
-    "check_gather_kv",
+    "check_block_hashes",
+    "check_paged_attention",
     "check_schedule",
     "check_accept_token",
     "check_verify",

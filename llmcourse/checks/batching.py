@@ -1,28 +1,37 @@
-"""Checks for chapter 07, batching: left padding, the block allocator and slot mapping of a paged KV
-cache, the gather of a request's keys and values through its block table, and one scheduler step.
+"""Checks for chapter 07, batching: left padding, the block allocator of a paged KV cache, the prefix cache's
+chained block hashes, paged attention (the online softmax over a sequence's blocks, read in place), and one
+scheduler step.
 
 Each check compares the learner's code with the engine's (`llmcourse.engine.padding.left_pad`,
-`llmcourse.serving.block_manager.BlockAllocator`, `llmcourse.serving.paged_cache.slot_mapping` / `gather_kv`,
-`llmcourse.serving.scheduler.schedule`) on fixed edge cases and seeded random ones, and then runs the engine
+`llmcourse.serving.block_manager.BlockAllocator`, `llmcourse.serving.scheduler.schedule`), with a plain
+float64 reference (`paged_attention`), or with the properties the prefix cache relies on (`block_hashes`:
+its values are the learner's choice) on fixed edge cases and seeded random ones, and then runs the engine
 with the learner's function in its slot on a small random model: a static batch (`llmcourse.generate`
-on several prompts) or `LLMEngine` (a workload with chunked prefill, a shared prefix and preemption)
-must give every request exactly the tokens it gets alone (every request stops at EOS id 0, and
-several do end early). The cases reach what the engine meets: `left_pad` called without its pad id
-(as the engine calls it), real tokens equal to the pad id, 1024-token prompts; pools of 300 blocks
-and a block with 300 users, two allocators alive at once; block sizes that are not powers of two and
-a server's scale for `schedule`; the same input with one argument changed; Python ints where the
-engine takes them. Expected answers are computed after the learner's call.
+on several prompts) or `LLMEngine` (a workload with chunked prefill, a shared prefix, preemption and decode
+contexts split into partitions) must give every request exactly the tokens it gets alone (every request
+stops at EOS id 0, and several do end early). The cases reach what the engine meets: `left_pad` called
+without its pad id (as the engine calls it), real tokens equal to the pad id, 1024-token prompts; pools of
+300 blocks and a block with 300 users, two allocators alive at once; block sizes that are not powers of two
+and a server's scale for `schedule`; stale keys in unused slots, a non-contiguous query and float16 for
+`paged_attention`; the same input with one argument changed; Python ints where the engine takes them.
+Expected answers are computed after the learner's call.
 
-    >>> def slot_mapping(block_table, positions, block_size):
-    ...     return block_table[positions // block_size] * block_size + positions % block_size
-    >>> check_slot_mapping(slot_mapping)
-    ✓ slot_mapping — 13 cases
+    >>> def block_hashes(token_ids, block_size):
+    ...     hashes = []
+    ...     for start in range(0, len(token_ids) - block_size + 1, block_size):
+    ...         hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size]))))
+    ...     return hashes
+    >>> check_block_hashes(block_hashes)
+    ✓ block_hashes — 38 cases
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import io
+import math
 import numbers
 import random
 import sys
@@ -30,6 +39,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard, guarded
@@ -39,12 +49,10 @@ from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator
 from llmcourse.serving.block_manager import blocks_for
 from llmcourse.serving.llm_engine import LLMEngine
-from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv
-from llmcourse.serving.paged_cache import slot_mapping as engine_slot_mapping
 from llmcourse.serving.scheduler import SeqView
 from llmcourse.serving.scheduler import schedule as engine_schedule
 
-from .harness.core import Case, Verdict, later, run_check
+from .harness.core import Case, Verdict, call_learner, later, run_check
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import diagnose, plain_tensor_problem, tensor_problem
@@ -87,7 +95,10 @@ def workload(seed: int, n: int = 6) -> Workload:
     settings[1].update(temperature=0.8, seed=seed + 3)
     arrivals = sorted(rng.randint(0, 6) for _ in range(n))
     return Workload(
-        prompts, settings, arrivals, dict(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12)
+        prompts,
+        settings,
+        arrivals,
+        dict(block_size=4, num_blocks=10, max_num_seqs=4, max_num_batched_tokens=12, partition_size=8),
     )
 
 
@@ -729,254 +740,518 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 3: slot_mapping
+# Exercise 3: block_hashes
 
 
-NO_ENGINE_SLOTS = Forbidden(
-    "llmcourse.serving.paged_cache.slot_mapping",
-    "The engine's slot_mapping is what yours is compared with: one line of indexing.",
+NO_ENGINE_HASHES = Forbidden(
+    "llmcourse.serving.block_manager.block_hashes",
+    "The engine's block_hashes is what yours is checked against: write the chain yourself (Python's hash, "
+    "hashlib, anything content-determined).",
+)
+
+BLOCK_HASH_CONTRACT = (
+    "one integer per full block; block i's hash computed from block i-1's hash and block i's tokens, so that "
+    "equal hashes mean equal tokens from position 0 to the block's end"
 )
 
 
-def _slots_swapped(block_table, positions, block_size):
-    return block_table[positions % block_size] * block_size + positions // block_size
+def _hash_lists(rng: random.Random, block_size: int, n_blocks: int, vocab: int = 50257) -> list[int]:
+    return [rng.randrange(vocab) for _ in range(n_blocks * block_size)]
 
 
-def _slots_no_table(block_table, positions, block_size):
-    return positions.clone()
+def _block_of(tokens: list[int], i: int, bs: int) -> list[int]:
+    return tokens[i * bs : (i + 1) * bs]
 
 
-def _slots_first_block(block_table, positions, block_size):
-    return block_table[0] * block_size + positions
+def _hash_problem(got: Any, n: int) -> Optional[str]:
+    """What is wrong with `got` as the hashes of n full blocks (None: a list of n integers)."""
+    if not isinstance(got, (list, tuple)):
+        return f"expected a list of {n} integers, got {short(got, 80)}"
+    if len(got) != n:
+        return f"expected {n} hashes (one per full block), got {len(got)}: {short(list(got), 80)}"
+    bad = next((h for h in got if isinstance(h, bool) or not isinstance(h, numbers.Integral)), None)
+    if bad is not None or any(isinstance(h, bool) for h in got):
+        return f"expected integers, got {short(bad, 60)} ({type(bad).__name__}) among {short(list(got), 80)}"
+    return None
 
 
-def _slots_no_scale(block_table, positions, block_size):
-    return block_table[positions // block_size] + positions % block_size
-
-
-SLOT_MISTAKES = [
-    (
-        _slots_no_table,
-        "a request's positions are not the pool's slots: position p lives in block "
-        "block_table[p // block_size], at offset p % block_size",
-    ),
-    (
-        _slots_first_block,
-        "the blocks of a request are not contiguous: look up each position's block in the table, "
-        "block_table[p // block_size]",
-    ),
-    (
-        _slots_swapped,
-        "p // block_size is the index into the block table (which block), p % block_size the offset inside the block",
-    ),
-    (_slots_no_scale, "a slot counts positions: block * block_size + offset"),
-]
-
-
-def check_slot_mapping(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int = 1) -> None:
-    """slot_mapping(block_table, positions, block_size) -> slots [N] long: block_table[p // block_size] *
-    block_size + p % block_size; and LLMEngine with it gives every request its tokens alone."""
+def check_block_hashes(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int = 1) -> None:
+    """block_hashes(token_ids, block_size) -> one integer per full block, chained: block i's hash stands for
+    tokens 0 … (i+1)·block_size - 1. Checked by what the prefix cache relies on, not by the values: as many
+    hashes as full blocks; the same tokens give the same hashes (again, and as the tokens grow); two token lists
+    agree on block i's hash exactly when they agree on every token up to its end (a changed earlier block, a
+    changed or moved token, changes it); no two of a few thousand different prefixes collide. Then LLMEngine
+    with it gives every request its tokens alone and finds the cached prefixes the engine's own finds."""
     rng = random.Random(seed)
+    cases = []
 
-    def case(description, table, positions, block_size, hint=""):
-        table, positions = torch.tensor(table, dtype=torch.long), torch.tensor(positions, dtype=torch.long)
-        return Case(
-            description,
-            ("slots", table, positions, block_size),
-            engine_slot_mapping(table, positions, block_size),
-            hint,
-        )
+    def case(description, kind, spec, hint=""):
+        cases.append(Case(description, (kind, spec), None, hint))
 
-    cases = [
-        case("one block, identity table", [0], [0, 1, 2], 4),
-        case(
-            "a prompt over two blocks",
-            [3, 1],
-            [0, 1, 2, 3, 4, 5],
-            4,
-            hint="positions 0-3 are in block 3 (slots 12-15), positions 4-5 in block 1 (slots 4-5)",
-        ),
-        case("one decode position", [7, 2, 5], [9], 4, hint="position 9: block_table[2] = 5, offset 1 → slot 21"),
-        case("a chunk in the middle of a prompt", [4, 0, 6, 2], [5, 6, 7, 8, 9, 10], 3),
-        case("block_size 1", [9, 3, 4], [2, 0, 1], 1),
-        case("block_size 16, as in the engine", [11, 0], [15, 16, 17], 16),
-    ]
+    # count: partial blocks get no hash
+    for bs, n_tokens in [(4, 0), (4, 3), (4, 4), (4, 11), (1, 5), (16, 40)]:
+        case(f"{n_tokens} tokens, block_size {bs}", "count", (_hash_lists(rng, 1, n_tokens), bs))
+    # equal prefixes: the same call again, and a list that grew
+    for bs in (2, 4, 16):
+        tokens = _hash_lists(rng, bs, 5)
+        case(f"the same 5 blocks of {bs}, twice", "same", (tokens, list(tokens), bs))
+        case(f"5 blocks of {bs}, then the same tokens grown by 3 blocks", "same", (tokens, tokens + [1] * 3 * bs, bs))
+        case(f"5 blocks of {bs} and the first 2 of them plus a partial one", "same", (tokens, tokens[: 2 * bs + 1], bs))
+    # differences: an earlier block, one token, two tokens swapped, only the last token kept
+    for bs in (3, 4, 16):
+        a = _hash_lists(rng, bs, 4)
+        b = list(a)
+        b[0] = (b[0] + 1) % 50257  # block 0 differs: blocks 1-3 have the same tokens after another prefix
+        case(f"blocks of {bs}: the same blocks 1-3 after another block 0", "differ", (a, b, bs, 0))
+        b = list(a)
+        b[2 * bs] += 1  # the first token of block 2
+        case(f"blocks of {bs}: one token of block 2 changed", "differ", (a, b, bs, 2))
+        b = list(a)
+        b[bs], b[bs + 1] = b[bs + 1], b[bs]  # two tokens of block 1 swapped
+        if b != a:
+            case(f"blocks of {bs}: two tokens of block 1 swapped", "differ", (a, b, bs, 1))
+        b = list(a)
+        b[bs + bs // 2 - 1 if bs > 1 else bs] += 7  # a token inside block 1, not its last
+        case(f"blocks of {bs}: a token in the middle of block 1 changed", "differ", (a, b, bs, 1))
+    a = [7] * 8
+    case("repeated tokens: block 1 equals block 0, after a different prefix", "differ", (a, [6] + a[1:], 4, 0))
+    case("blocks that sum to the same", "differ", ([1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 6, 5], 2, 2))
+    case("token ids 0 and 50256, block_size 1", "differ", ([0, 50256, 0], [50256, 0, 0], 1, 0))
     for i in range(n_random):
         bs = rng.choice([1, 2, 3, 4, 8, 16])
-        n = rng.randint(1, 8)
-        table = rng.sample(range(64), n)
-        start = rng.randrange(n * bs)
-        cases.append(
-            case(
-                f"random #{i}: block_size {bs}, {n} blocks",
-                table,
-                list(range(start, rng.randint(start + 1, n * bs))),
-                bs,
-            )
-        )
+        a = _hash_lists(rng, bs, rng.randint(2, 6))
+        b = list(a)
+        at = rng.randrange(len(a))
+        b[at] = (b[at] + rng.randint(1, 9)) % 50257
+        case(f"random #{i}: block_size {bs}, token {at} of {len(a)} changed", "differ", (a, b, bs, at // bs))
+    case("2000 different prefixes, block_size 2", "distinct", (random.Random(seed + 1).random(), 2))
     for j in range(n_workloads):
-        cases.append(engine_case("slot_mapping", seed + j))
+        cases.append(engine_case("block_hashes", seed + j))
 
     def run(kind, *args):
-        if kind == "slots":
-            return fn(*args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, slot_mapping=watched(fn)))[0]
+        if kind == "engine":
+            tokens, stats = run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, block_hashes=watched(fn)))
+            return tokens, stats["cached_tokens"]
+        spec = args[0]
+        if kind == "count":
+            return fn(*spec)
+        if kind == "same" or kind == "differ":
+            return fn(list(spec[0]), spec[2]), fn(list(spec[1]), spec[2])
+        r, bs = random.Random(spec[0]), spec[1]  # distinct: prefixes that share blocks, and fresh ones
+        base = _hash_lists(r, bs, 8, vocab=50)
+        lists = [base[: r.randrange(8) * bs] + _hash_lists(r, bs, r.randint(1, 4), vocab=50) for _ in range(500)]
+        return [h for t in lists for h in fn(t, bs)], lists
 
     def show(args):
-        if args[0] == "slots":
-            return f"slot_mapping(block_table={args[1].tolist()}, positions={args[2].tolist()}, block_size={args[3]})"
-        return repr(ENGINE_RUNS[args[1]][1])
-
-    def judge(case, got):
-        if case.args[0] == "engine":
-            return _engine_verdict("slot_mapping", ENGINE_RUNS[case.args[1]][1], case.expected, got)
-        problem = tensor_problem(got, case.expected, atol=0, rtol=0)
-        if problem is None:
-            return None
-        return problem, diagnose(got, case.args[1:], SLOT_MISTAKES, case.expected, atol=0, rtol=0) or (
-            "position p lives in block block_table[p // block_size], at offset p % block_size: its slot is "
-            "block_table[p // block_size] * block_size + p % block_size (one long per position)"
+        kind, spec = args[0], args[1]
+        if kind == "engine":
+            return repr(ENGINE_RUNS[spec][1])
+        if kind == "count":
+            return f"block_hashes({short(spec[0], 60)}, block_size={spec[1]})"
+        if kind == "distinct":
+            return f"block_hashes(tokens, block_size={spec[1]}) for 500 token lists (many sharing prefixes)"
+        return (
+            f"block_hashes(a, {spec[2]}) and block_hashes(b, {spec[2]}) with\n            a = {short(spec[0], 90)}"
+            f"\n            b = {short(spec[1], 90)}"
         )
 
+    def judge(case, got):
+        kind, spec = case.args
+        if kind == "engine":
+            work = ENGINE_RUNS[spec][1]
+            verdict = _engine_verdict("block_hashes", work, case.expected, got[0])
+            if verdict:
+                return verdict
+            own = run_engine(*ENGINE_RUNS[spec][:2], Batching())[1]["cached_tokens"]
+            if got[1] != own:
+                return (
+                    f"the prefix cache found {got[1]} cached prompt tokens with your block_hashes, {own} with the "
+                    "engine's own",
+                    "requests that share a prefix must get equal hashes for its full blocks, whatever else they hold",
+                )
+            return None
+        if kind == "count":
+            tokens, bs = spec
+            n = len(tokens) // bs
+            problem = _hash_problem(got, n)
+            if problem is None:
+                return None
+            hint = (
+                f"{len(tokens)} tokens in blocks of {bs} make {n} full blocks; a partial last block gets no hash "
+                "(it is still being filled, and its keys and values are not complete)"
+                if isinstance(got, (list, tuple)) and len(got) == -(-len(tokens) // bs)
+                else BLOCK_HASH_CONTRACT
+            )
+            return problem, hint
+        if kind == "distinct":
+            hashes, lists = got
+            problem = _hash_problem(hashes, sum(len(t) // spec[1] for t in lists))
+            if problem:
+                return problem, BLOCK_HASH_CONTRACT
+            prefixes = {tuple(t[: (i + 1) * spec[1]]) for t in lists for i in range(len(t) // spec[1])}
+            if len(set(hashes)) != len(prefixes):
+                return (
+                    f"{len(prefixes)} different prefixes got {len(set(hashes))} different hashes: some collide",
+                    "hash the previous hash together with the block's tokens, e.g. hash((previous, tuple(block))) "
+                    "or hashlib.sha256: a sum or a small modulus makes different blocks collide",
+                )
+            return None
+        a, b, bs = spec[:3]
+        ga, gb = got
+        for tokens, hashes in ((a, ga), (b, gb)):
+            problem = _hash_problem(hashes, len(tokens) // bs)
+            if problem:
+                return problem, BLOCK_HASH_CONTRACT
+        ga, gb = [int(h) for h in ga], [int(h) for h in gb]
+        n = min(len(a), len(b)) // bs
+        for i in range(n):
+            same_prefix = a[: (i + 1) * bs] == b[: (i + 1) * bs]
+            if same_prefix and ga[i] != gb[i]:
+                return (
+                    f"block {i} has the same tokens after the same prefix in a and b, but got hashes {ga[i]} and "
+                    f"{gb[i]}",
+                    "a block's hash may depend only on its tokens and those before it: no randomness, no "
+                    "length of the whole list, no state kept between calls",
+                )
+            if not same_prefix and ga[i] == gb[i]:
+                if _block_of(a, i, bs) == _block_of(b, i, bs):
+                    hint = (
+                        f"not chained: block {i} holds {_block_of(a, i, bs)} in both, after different earlier "
+                        "blocks, and its keys and values differ (they depend on the whole prefix): compute block "
+                        "i's hash from block i-1's hash and block i's tokens"
+                    )
+                elif _block_of(a, i, bs)[-1:] == _block_of(b, i, bs)[-1:]:
+                    hint = "hash every token of the block, not only its last one"
+                elif sorted(_block_of(a, i, bs)) == sorted(_block_of(b, i, bs)):
+                    hint = "the order of the tokens counts: hash the block as a tuple, not a set, a sum or sorted"
+                else:
+                    hint = "every token of the block, and every block before it, must change the hash"
+                return (
+                    f"a and b differ up to the end of block {i} (blocks {_block_of(a, i, bs)} and "
+                    f"{_block_of(b, i, bs)}), but block {i} got the same hash, {ga[i]}",
+                    hint,
+                )
+        return None
+
     run_check(
-        "slot_mapping",
+        "block_hashes",
         run,
         cases,
         judge=judge,
-        forbid=[NO_ENGINE_SLOTS],
+        forbid=[NO_ENGINE_HASHES],
         show_call=show,
         seconds=10,
-        total_seconds=30,
-        error_hints={"out of bounds": SLOT_MISTAKES[2][1]},
+        total_seconds=40,
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: gather_kv
+# Exercise 4: paged_attention
 
 
-NO_ENGINE_GATHER = Forbidden(
-    "llmcourse.serving.paged_cache.gather_kv",
-    "The engine's gather_kv is what yours is compared with: index the pool with the table.",
-)
-
-
-def _gather_pool_order(pool, block_table, length):
-    return engine_gather_kv(pool, torch.arange(len(block_table)), length)
-
-
-def _gather_no_cut(pool, block_table, length):
-    return engine_gather_kv(pool, block_table, len(block_table) * pool.shape[1])
-
-
-def _gather_no_transpose(pool, block_table, length):
-    return pool[block_table].flatten(0, 1)[:length].reshape(pool.shape[2], length, pool.shape[3])
-
-
-def _gather_skip_first(pool, block_table, length):
-    return engine_gather_kv(pool, torch.cat([block_table[1:], block_table[:1]]), length)
-
-
-GATHER_MISTAKES = [
-    (
-        _gather_pool_order,
-        "read the request's blocks through its table, pool[block_table], not the pool's first blocks "
-        "in order: a request's blocks can be anywhere in the pool",
-    ),
-    (
-        _gather_no_cut,
-        "keep the first `length` positions only: the rest of the last block holds stale keys of an "
-        "earlier request (or zeros), which the query must not attend to",
-    ),
-    (
-        _gather_no_transpose,
-        "the gathered positions are [length, n_head, head_dim]: transpose to [n_head, length, "
-        "head_dim] (.transpose(0, 1)); a reshape or view mixes heads and positions",
-    ),
-    (_gather_skip_first, "block_table[0] holds positions 0 … block_size-1: start with it"),
+OWN_PAGED = "Write the online softmax over the blocks yourself: scores, running max, sum and accumulator."
+NO_ENGINE_PAGED = [
+    *[
+        Forbidden(target, OWN_PAGED)
+        for target in (
+            "torch.softmax",
+            "torch._softmax",
+            "torch.special.special_softmax",
+            "torch.log_softmax",
+            "torch.logsumexp",
+            "torch.nn.functional.scaled_dot_product_attention",
+            "torch.nn.functional.multi_head_attention_forward",
+            "llmcourse.engine.parts",
+            "llmcourse.engine.tiled_attention",
+            "llmcourse.serving.paged_cache",
+            "transformers",
+        )
+    ],
 ]
+PAGED_DTYPES = (torch.float32, torch.float64, torch.float16)
+
+
+def _paged_tolerance(dtype: torch.dtype) -> tuple[float, float]:
+    """(atol, rtol): float64 float64-accurate; float16 a few roundings per block (16 eps); float32 1e-5."""
+    if dtype == torch.float64:
+        return 1e-10, 1e-10
+    if dtype in (torch.float16, torch.bfloat16):
+        eps = torch.finfo(dtype).eps
+        return 16 * eps, 16 * eps
+    return 1e-5, 1e-4
+
+
+def paged_reference(q, k_pool, v_pool, block_table, lengths):
+    """Each sequence's keys and values gathered position by position, one softmax, in float64: (out, lse)."""
+    bs, D = k_pool.shape[1], q.shape[-1]
+    outs, lses = [], []
+    for g, n in enumerate(lengths.tolist()):
+        where = [(int(block_table[g, p // bs]), p % bs) for p in range(n)]
+        k = torch.stack([k_pool[b, o] for b, o in where]).double()  # [n, H, D]
+        v = torch.stack([v_pool[b, o] for b, o in where]).double()
+        s = torch.einsum("hd,nhd->hn", q[g].double(), k) / math.sqrt(D)  # [H, n]
+        top = s.amax(-1, keepdim=True)
+        w = torch.exp(s - top)
+        outs.append(torch.einsum("hn,nhd->hd", w / w.sum(-1, keepdim=True), v))
+        lses.append((top + w.sum(-1, keepdim=True).log())[:, 0])
+    return torch.stack(outs).to(q.dtype), torch.stack(lses).to(q.dtype)
+
+
+def _paged_variant(
+    q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=True, through_table=True, scale=None, shift=True
+):
+    """The online softmax over the block columns in float64, with one mistake switched on: -> out."""
+    G, H, D = q.shape
+    bs = k_pool.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    m = torch.full((G, H), -math.inf, dtype=torch.float64)
+    l = torch.zeros(G, H, dtype=torch.float64)
+    acc = torch.zeros(G, H, D, dtype=torch.float64)
+    n_cols = block_table.shape[1] if not mask else -(-int(lengths.max()) // bs)
+    for j in range(n_cols):
+        blocks = block_table[:, j] if through_table else torch.full((G,), j % k_pool.shape[0])
+        k, v = k_pool[blocks].double(), v_pool[blocks].double()  # [G, bs, H, D]
+        s = torch.einsum("ghd,gthd->ght", q.double(), k) * scale
+        if mask:
+            s = s.masked_fill((j * bs + torch.arange(bs) >= lengths[:, None])[:, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1)) if shift else torch.zeros_like(m)
+        r = torch.exp(m - m_new) if (rescale and shift) else torch.ones_like(m)
+        r = torch.nan_to_num(r, nan=0.0)
+        p = torch.exp(s - m_new[..., None])
+        l = l * r + p.sum(-1)
+        acc = acc * r[..., None] + torch.einsum("ght,gthd->ghd", p, v)
+        m = m_new
+    return (acc / l[..., None]).to(q.dtype)
+
+
+PAGED_MISTAKES = [
+    (
+        functools.partial(_paged_variant, rescale=False),
+        "when a block raises the running max from m to m_new, rescale what was summed so far: l and acc times "
+        "exp(m - m_new), before adding this block's exp(s - m_new)",
+    ),
+    (
+        functools.partial(_paged_variant, mask=False),
+        "mask the slots past each sequence's length (scores -inf for positions >= length): the rest of its last "
+        "block, and the blocks its table lists past the length, hold stale keys of other requests",
+    ),
+    (
+        functools.partial(_paged_variant, through_table=False),
+        "read block j of sequence g where its table says, k_pool[block_table[g, j]], not k_pool[j]: a "
+        "sequence's blocks can be anywhere in the pool",
+    ),
+    (
+        lambda q, *args: _paged_variant(q, *args, scale=1 / q.shape[-1]),
+        "scale the scores by 1/√D (D = head_dim), not 1/D",
+    ),
+    (lambda q, *args: _paged_variant(q, *args, scale=1.0), "scale the scores by 1/√D (D = head_dim)"),
+]
+
+
+def _pools(g, num_blocks, bs, H, D, dtype, stale=40.0):
+    """Key and value pools of random numbers; `stale`: scale of what sits in every slot (large: a slot read by
+    mistake changes the answer a lot)."""
+    k = torch.randn(num_blocks, bs, H, D, generator=g, dtype=torch.float64)
+    v = torch.randn(num_blocks, bs, H, D, generator=g, dtype=torch.float64) * 3 + 1
+    return k.to(dtype), v.to(dtype)
 
 
 def _desc(t: Tensor) -> str:
     return f"tensor {str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
 
 
-def check_gather_kv(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 1) -> None:
-    """gather_kv(pool, block_table, length): pool [num_blocks, block_size, n_head, head_dim] -> the request's first
-    `length` positions through its table, [n_head, length, head_dim]; and LLMEngine with it gives every request
-    its tokens alone."""
+def check_paged_attention(fn, *, seed: int = 0, n_random: int = 8, n_workloads: int = 1) -> None:
+    """paged_attention(q [G, H, D], k_pool, v_pool [num_blocks, block_size, H, D], block_table [G, n],
+    lengths [G]) -> (out [G, H, D], lse [G, H]): each sequence's query attending to its first `length` positions,
+    read through its block table; reading the blocks in place (no tensor as large as a sequence's keys); and
+    LLMEngine decoding with it (its contexts split into partitions, merged) gives every request its tokens
+    alone."""
     g = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
 
-    def case(description, num_blocks, block_size, H, D, table, length, dtype=torch.float32, hint=""):
-        pool = (torch.randn(num_blocks, block_size, H, D, generator=g, dtype=torch.float64) * 3 + 2).to(dtype)
-        table = torch.tensor(table, dtype=torch.long)
-        return Case(description, ("gather", pool, table, length), engine_gather_kv(pool, table, length), hint)
+    def case(description, q, k_pool, v_pool, table, lengths, hint=""):
+        table, lengths = torch.as_tensor(table, dtype=torch.long), torch.as_tensor(lengths, dtype=torch.long)
+        args = ("paged", q, k_pool, v_pool, table, lengths)
+        return Case(description, args, later(paged_reference, q, k_pool, v_pool, table, lengths), hint)
 
-    f64 = torch.float64
+    def qkv(G, num_blocks, bs, H, D, dtype=torch.float32):
+        q = torch.randn(G, H, D, generator=g, dtype=torch.float64).to(dtype)
+        return (q, *_pools(g, num_blocks, bs, H, D, dtype))
+
+    # a second block whose keys score far higher than the first's: the running max rises
+    q_up, k_up, v_up = qkv(1, 3, 4, 1, 4)
+    q_up, k_up = q_up.abs() + 1, k_up.clone()
+    k_up[2] = k_up[2].abs() * 4 + 3
+    k_up[0] = -k_up[0].abs()
+    # a last block whose unused slots hold keys that would win every score
+    q_st, k_st, v_st = qkv(2, 4, 4, 2, 8)
+    k_st[1, 2:] = q_st[0] * 30
+    k_st[3, 1:] = q_st[1] * 30
+    engine_q = qkv(8, 12, 4, 2, 16)[0].transpose(0, 1).contiguous().transpose(0, 1)  # [G, H, D] not contiguous
     cases = [
-        case("one block, all of it", 2, 4, 1, 2, [0], 4),
+        case("one sequence, one full block", *qkv(1, 2, 4, 1, 4), [[1]], [4]),
+        case("one sequence, its last block partly filled", *qkv(1, 3, 4, 2, 8), [[2, 0]], [6]),
         case(
-            "one block, partly filled",
-            2,
-            4,
-            1,
-            2,
-            [1],
-            3,
-            hint="positions 0-2 of block 1: the block's 4th slot is not this request's yet",
+            "the running max rises in the second block",
+            q_up,
+            k_up,
+            v_up,
+            [[0, 2]],
+            [8],
+            hint="block 2's scores are far above block 0's: the sums over block 0 must be rescaled",
         ),
-        case("two blocks out of order", 5, 2, 2, 3, [4, 1], 3, hint="positions 0-1 in block 4, position 2 in block 1"),
-        case("several heads, float64", 6, 4, 3, 5, [2, 5, 0], 10, f64, hint="float64 in, float64 out"),
-        case("a block shared twice in one table (possible with prefix caching)", 4, 2, 2, 2, [3, 3, 1], 5),
-        case("block_size 16, head_dim 64, as in GPT-2", 8, 16, 2, 64, [6, 2, 7], 40),
+        case(
+            "unused slots past the length hold keys that would win",
+            q_st,
+            k_st,
+            v_st,
+            [[0, 1], [2, 3]],
+            [6, 5],
+            hint="positions 6-7 of sequence 0 and 5-7 of sequence 1 are not theirs (yet): never attend to them",
+        ),
+        case(
+            "three sequences, tables out of order, lengths 1, 5 and 12",
+            *qkv(3, 9, 4, 2, 8),
+            [[7, 0, 0], [3, 8, 0], [5, 1, 6]],
+            [1, 5, 12],
+        ),
+        case("a block shared by two sequences (prefix caching)", *qkv(2, 5, 4, 2, 4), [[4, 1, 0], [4, 2, 3]], [9, 12]),
+        case(
+            "table entries past the length point at any block",
+            *qkv(2, 6, 2, 1, 4),
+            [[5, 5, 5, 5], [3, 0, 0, 0]],
+            [8, 1],
+        ),
+        case("float64", *qkv(2, 6, 4, 3, 8, torch.float64), [[2, 5], [1, 0]], [7, 3], hint="float64 in, float64 out"),
+        case("float16", *qkv(2, 6, 4, 2, 8, torch.float16), [[2, 5], [1, 0]], [7, 3], hint="float16 in, float16 out"),
+        case("block_size 16, head_dim 64, as in GPT-2", *qkv(2, 8, 16, 2, 64), [[6, 2, 7], [0, 1, 3]], [40, 17]),
+        case(
+            "as the engine calls it: q not contiguous, 8 sequences",
+            engine_q,
+            *qkv(8, 12, 4, 2, 16)[1:],
+            [rng.sample(range(12), 3) for _ in range(8)],
+            [rng.randint(1, 12) for _ in range(8)],
+        ),
     ]
     for i in range(n_random):
-        num_blocks, bs = rng.randint(2, 12), rng.choice([1, 2, 3, 4, 8, 16])
-        n = rng.randint(1, 6)
-        table = [rng.randrange(num_blocks) for _ in range(n)]
+        G, bs = rng.randint(1, 5), rng.choice([1, 2, 3, 4, 8, 16])
+        n, num_blocks = rng.randint(1, 6), rng.randint(6, 30)
+        H, D = rng.randint(1, 4), rng.choice([1, 4, 8, 32])
+        dtype = PAGED_DTYPES[i % 2]
+        table = [[rng.randrange(num_blocks) for _ in range(n)] for _ in range(G)]
+        lengths = [rng.randint(1, n * bs) for _ in range(G)]
         cases.append(
             case(
-                f"random #{i}: block_size {bs}, table {table}",
-                num_blocks,
-                bs,
-                rng.randint(1, 4),
-                rng.choice([1, 4, 8, 32]),
+                f"random #{i}: {G} sequences, block_size {bs}, lengths {lengths}",
+                *qkv(G, num_blocks, bs, H, D, dtype),
                 table,
-                rng.randint((n - 1) * bs + 1, n * bs),
-                (torch.float32, f64)[i % 2],
+                lengths,
             )
         )
-    for j in range(n_workloads):
-        cases.append(engine_case("gather_kv", seed + j))
+    engine_cases = [engine_case("paged_attention", seed + j) for j in range(n_workloads)]
 
     def run(kind, *args):
-        if kind == "gather":
+        if kind == "paged":
             return fn(*args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, gather_kv=watched(fn)))[0]
+        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, paged_attention=watched(fn)))[0]
 
     def show(args):
-        if args[0] == "gather":
-            return f"gather_kv(pool={_desc(args[1])}, block_table={args[2].tolist()}, length={args[3]})"
+        if args[0] == "paged":
+            q, k_pool, _, table, lengths = args[1:]
+            return (
+                f"paged_attention(q={_desc(q)}, k_pool={_desc(k_pool)}, v_pool=…, block_table={table.tolist()}, "
+                f"lengths={lengths.tolist()})"
+            )
         return repr(ENGINE_RUNS[args[1]][1])
 
     def judge(case, got):
         if case.args[0] == "engine":
-            return _engine_verdict("gather_kv", ENGINE_RUNS[case.args[1]][1], case.expected, got)
-        problem = tensor_problem(got, case.expected, atol=0, rtol=0)
-        if problem is None:
-            return None
-        hint = diagnose(got, case.args[1:], GATHER_MISTAKES, case.expected, atol=0, rtol=0)
-        if not hint and isinstance(got, Tensor) and got.dim() == 3 and got.shape[1] != case.args[3]:
-            hint = (
-                f"return exactly `length` = {case.args[3]} positions: those of the blocks block_table[0], "
-                f"block_table[1], … in order, cut at length"
+            return _engine_verdict("paged_attention", ENGINE_RUNS[case.args[1]][1], case.expected, got)
+        out, lse = case.expected
+        if not (isinstance(got, tuple) and len(got) == 2):
+            what = type(got).__name__ + (f" of {len(got)} items" if isinstance(got, (tuple, list)) else "")
+            return f"expected a tuple (out, lse), got {what}", "return out, lse: the attention and its log-sum-exp"
+        atol, rtol = _paged_tolerance(out.dtype)
+        problem = tensor_problem(got[0], out, atol=atol, rtol=rtol)
+        if problem:
+            return f"out: {problem}", diagnose(got[0], case.args[1:], PAGED_MISTAKES, out, atol=atol, rtol=rtol)
+        problem = tensor_problem(got[1], lse, atol=atol, rtol=rtol)
+        if problem:
+            return f"lse: {problem}", (
+                "lse is each row's log-sum-exp of the scaled scores over its positions: m + log(l) at the end "
+                "(the max m added back)"
             )
-        return problem, hint
+        return None
 
+    settings = dict(judge=judge, show_call=show, seconds=10, error_hints={"out of bounds": PAGED_MISTAKES[2][1]})
+    with contextlib.redirect_stdout(io.StringIO()):  # one line at the end, for the three parts
+        run_check("paged_attention", run, cases, forbid=NO_ENGINE_PAGED, total_seconds=60, **settings)
+    _check_reads_in_place(fn, show)
+    # the engine's own prefill runs torch's attention: only the engine's functions stay forbidden in the engine
+    total = len(cases) + 1 + len(engine_cases)
     run_check(
-        "gather_kv", run, cases, judge=judge, forbid=[NO_ENGINE_GATHER], show_call=show, seconds=10, total_seconds=30
+        "paged_attention",
+        run,
+        engine_cases,
+        forbid=[f for f in NO_ENGINE_PAGED if f.target.startswith("llmcourse.")],
+        total_seconds=60,
+        success=f"✓ paged_attention — {total} cases",
+        **settings,
     )
+
+
+def _check_reads_in_place(fn: Callable, show: Callable[[tuple], str]) -> None:
+    """Reading in place is the exercise: at a size where a sequence's keys (length × H × D numbers) are 16 blocks,
+    no floating-point tensor the function makes may hold more numbers than two blocks of every sequence's keys
+    ([G, 2 · block_size, H, D]): not the gathered keys or values of a sequence, nor a copy of the pool. Views of
+    the pool take no memory and are not counted; every tensor torch makes during the call is seen (a dispatch
+    mode); work in numpy is not."""
+    G, bs, H, D, n, num_blocks = 3, 4, 2, 16, 16, 60
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(G, H, D, generator=g)
+    k_pool, v_pool = _pools(g, num_blocks, bs, H, D, torch.float32)
+    table = torch.stack([torch.randperm(num_blocks, generator=g)[:n] for _ in range(G)])
+    lengths = torch.tensor([n * bs, n * bs - 3, n * bs - bs - 1])
+    allowed = G * 2 * bs * H * D
+    pools = {k_pool.untyped_storage().data_ptr(), v_pool.untyped_storage().data_ptr()}
+    largest: list = [0, None]
+
+    class Sizes(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if not (isinstance(t, Tensor) and t.is_floating_point()) or t.untyped_storage().data_ptr() in pools:
+                    continue
+                held = math.prod(s for s, stride in zip(t.shape, t.stride()) if stride != 0 or s == 1)
+                if held > largest[0]:
+                    largest[0], largest[1] = held, tuple(t.shape)
+            return out
+
+    def sized(*args):
+        with Sizes():
+            return fn(*args)
+
+    args = ("paged", q, k_pool, v_pool, table, lengths)
+    got = call_learner("paged_attention", lambda *a: sized(*a[1:]), args, forbid=NO_ENGINE_PAGED, show=show)
+    expected = paged_reference(*args[1:])
+    atol, rtol = _paged_tolerance(torch.float32)
+    if not (isinstance(got, tuple) and len(got) == 2) or tensor_problem(got[0], expected[0], atol=atol, rtol=rtol):
+        raise CheckFailed(
+            f"✗ paged_attention — {G} sequences of up to {n} blocks: wrong answer\n  input:    {show(args)}\n"
+            "  hint: run the cases above again: this one only has more blocks"
+        )
+    if largest[0] > allowed:
+        raise CheckFailed(
+            f"✗ paged_attention — reading in place: {G} sequences of {n} blocks of {bs} positions: your function "
+            f"made a tensor of shape {list(largest[1])} ({largest[0]:,} numbers); reading the blocks in place never "
+            f"holds more than a block or two of each sequence's keys at once\n"
+            f"  input:    {show(args)}\n"
+            f"  expected: no tensor of more than {allowed:,} numbers ([G, 2·block_size, H, D] = {[G, 2 * bs, H, D]})\n"
+            f"  got:      a tensor of shape {list(largest[1])}\n"
+            "  hint: walk the block table one column at a time: k_pool[block_table[:, j]] is block j of every "
+            "sequence, [G, block_size, H, D]; gathering all of a sequence's keys first is the copy paged "
+            "attention avoids"
+        )
 
 
 # ----------------------------------------------------------------------------------------------

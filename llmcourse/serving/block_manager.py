@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Callable, Optional
 
+from llmcourse.engine.slots import PartError
+
 
 class BlockAllocator:
     """Block ids 0 … num_blocks-1: a free list (least recently freed first) and a count of users per block.
@@ -55,6 +57,22 @@ class BlockAllocator:
             self.free.append(block)
 
 
+def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
+    """The prefix-cache key of each full block of `token_ids` (a partial last block has none): block i's hash
+    is computed from block i-1's hash and its own tokens, so it stands for the whole prefix up to the block's
+    end, and equal hashes mean the same tokens at the same positions after the same prefix (hence the same keys
+    and values). As in vLLM and nano-vllm, which use sha256 and xxhash for it.
+
+        >>> a, b = block_hashes([1, 2, 3, 4, 5], 2), block_hashes([9, 2, 3, 4], 2)
+        >>> len(a), a[1] == b[1]   # block [3, 4] after [1, 2] is not block [3, 4] after [9, 2]
+        (2, False)
+    """
+    hashes: list[int] = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size]))))
+    return hashes
+
+
 def blocks_for(num_tokens: int, block_size: int) -> int:
     """How many blocks hold `num_tokens` positions."""
     return -(-num_tokens // block_size)
@@ -63,9 +81,10 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
 class BlockManager:
     """Block tables of requests over one pool, with prefix caching.
 
-    A full block is known by `hash((hash of the block before it, its tokens))`: equal hashes mean the
-    same tokens at the same positions after the same prefix, hence the same keys and values.
-    `allocator_class` builds the free list (a learner's `BlockAllocator` may be swapped in).
+    A full block is known by its chained hash (`hash_blocks`, by default `block_hashes`: from the hash of the
+    block before it and its tokens): equal hashes mean the same tokens at the same positions after the same
+    prefix, hence the same keys and values. `allocator_class` builds the free list (a learner's `BlockAllocator`
+    may be swapped in, and a learner's `block_hashes`).
     """
 
     def __init__(
@@ -75,7 +94,9 @@ class BlockManager:
         *,
         prefix_caching: bool = True,
         allocator_class: Callable[[int], BlockAllocator] = BlockAllocator,
+        hash_blocks: Callable[[list[int], int], list[int]] = block_hashes,
     ):
+        self.hash_blocks = hash_blocks
         self.num_blocks, self.block_size, self.prefix_caching = num_blocks, block_size, prefix_caching
         self.allocator = allocator_class(num_blocks)
         self.cached: dict[int, int] = {}  # hash of a full block's tokens and prefix -> block id
@@ -89,11 +110,17 @@ class BlockManager:
     def prefix_hashes(self, request, num_blocks: int) -> list[int]:
         """The chained hashes of the request's first `num_blocks` full blocks (kept on the request: its tokens
         only grow)."""
-        hashes, bs, tokens = request.block_hashes, self.block_size, request.tokens
-        while len(hashes) < num_blocks:
-            i = len(hashes)
-            hashes.append(hash((hashes[-1] if hashes else 0, tuple(tokens[i * bs : (i + 1) * bs]))))
-        return hashes[:num_blocks]
+        if len(request.block_hashes) < num_blocks:
+            full = request.tokens[: num_blocks * self.block_size]
+            hashes = list(self.hash_blocks(full, self.block_size))
+            if hashes[: len(request.block_hashes)] != request.block_hashes:  # a learner's, not content-determined
+                raise PartError(
+                    f"part 'block_hashes' gave the first {len(request.block_hashes)} blocks of a request other "
+                    "hashes once its tokens grew: a block's hash must depend only on its tokens and those "
+                    "before it\n  hint: run the check for 'block_hashes' in chapter 07 to debug it"
+                )
+            request.block_hashes = hashes
+        return request.block_hashes[:num_blocks]
 
     def cached_prefix(self, request) -> list[int]:
         """Blocks holding the longest cached prefix of the request's tokens, leaving at least the last token

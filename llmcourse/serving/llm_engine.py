@@ -52,8 +52,10 @@ class LLMEngine:
     requests of 256 tokens, and at least one of the model's longest). max_num_seqs: requests running at
     once. max_num_batched_tokens: tokens computed per step (decodes plus prefill chunks); a longer
     prompt is prefilled in chunks over several steps. prefix_caching: share the blocks of common
-    prefixes. tokenizer: decodes text for `stop` strings (default: GPT-2's). sampler, batching: the functions
-    that choose tokens (`Sampler`) and run the paged batches (`Batching`), the engine's own by default.
+    prefixes. partition_size: positions of context a decode step attends to as one partition (rounded down to
+    whole blocks; longer contexts are split and the partitions merged). tokenizer: decodes text for `stop`
+    strings (default: GPT-2's). sampler, batching: the functions that choose tokens (`Sampler`) and run the
+    paged batches (`Batching`), the engine's own by default.
     """
 
     def __init__(
@@ -65,6 +67,7 @@ class LLMEngine:
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         prefix_caching: bool = True,
+        partition_size: int = 256,
         tokenizer=None,
         sampler: Optional[Sampler] = None,
         batching: Optional[Batching] = None,
@@ -74,6 +77,7 @@ class LLMEngine:
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("num_blocks", num_blocks),
+            ("partition_size", partition_size),
         ):
             if not (value is None and name == "num_blocks") and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
@@ -86,12 +90,16 @@ class LLMEngine:
                 max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
                 blocks_for(cfg.n_positions, block_size),
             )
-        self.model, self.tokenizer = model, tokenizer
+        self.model, self.tokenizer, self.partition_size = model, tokenizer, partition_size
         self.sampler = sampler or engines.get("sampler") or Sampler()
         self.batching = batching or engines.get("batching") or Batching()
         self.cache = paged_cache.PagedKVCache(cfg, num_blocks, block_size, device=model.device, dtype=model.dtype)
         self.blocks = BlockManager(
-            num_blocks, block_size, prefix_caching=prefix_caching, allocator_class=self.batching.BlockAllocator
+            num_blocks,
+            block_size,
+            prefix_caching=prefix_caching,
+            allocator_class=self.batching.BlockAllocator,
+            hash_blocks=self.batching.block_hashes,
         )
         self.scheduler = Scheduler(
             self.blocks,
@@ -162,7 +170,13 @@ class LLMEngine:
         ]
         rows = [row for row, (r, n) in enumerate(batch) if r.num_computed + n == len(r.tokens)]  # not mid-prompt
         logits = paged_cache.forward(
-            self.model, self.cache, chunks, rows, gather=self.batching.gather_kv, slots_of=self.batching.slot_mapping
+            self.model,
+            self.cache,
+            chunks,
+            rows,
+            attend=self.batching.paged_attention,
+            merge=self.batching.merge_attention,
+            partition_size=self.partition_size,
         )  # [len(rows), V]
         self.num_steps += 1
         self.last_step = [(r.id, n) for r, n in batch]

@@ -1,17 +1,26 @@
 """A paged KV cache: keys and values of all requests in one pool of fixed-size blocks.
 
 A request's block table lists its blocks in order: position p lives in block `table[p // block_size]`
-at offset `p % block_size`. Nothing is reserved for tokens not generated yet, and requests of any
-length share the pool without padding. `forward` runs one step of the engine over a flat batch:
-chunks of several requests side by side, each attending to its own keys through its table.
+at offset `p % block_size` (its slot in the pool is `table[p // block_size] * block_size + p % block_size`).
+Nothing is reserved for tokens not generated yet, and requests of any length share the pool without
+padding. `forward` runs one step of the engine over a flat batch: chunks of several requests side by
+side, each attending to its own keys through its table. The decode tokens attend with `paged_attention`,
+which walks the block table and reads each block of the pool where it lies (as vLLM's PagedAttention
+kernel does) instead of first copying a request's keys into one tensor; a long context is split into
+partitions of `partition_size` positions, attended to side by side and combined with `merge_attention`
+(vLLM's PagedAttention V2, the split-K of FlashDecoding).
 
     >>> pool = torch.arange(3 * 2 * 1 * 1.0).view(3, 2, 1, 1)   # 3 blocks of 2 positions, 1 head, dim 1
     >>> gather_kv(pool, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0-1 in block 2, 2 in block 0
     [4.0, 5.0, 0.0]
+    >>> out, lse = paged_attention(torch.ones(1, 1, 1), pool, pool, torch.tensor([[2, 0]]), torch.tensor([3]))
+    >>> round(out.item(), 4), round(lse.item(), 4)   # softmax of the scores 4, 5, 0 over the values 4, 5, 0
+    (4.7079, 5.3182)
 """
 
 from __future__ import annotations
 
+import math
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -19,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from llmcourse.engine.config import GPT2Config
-from llmcourse.engine.slots import PartError
+from llmcourse.engine.tiled_attention import merge_attention
 
 
 def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -28,7 +37,8 @@ def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Ten
 
 
 def gather_kv(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
-    """The first `length` positions of a request, read through its block table.
+    """The first `length` positions of a request, copied out of the pool through its block table (what the prefill
+    chunks attend to).
 
     pool [num_blocks, block_size, n_head, head_dim], block_table [n] long -> [n_head, length, head_dim].
     (Tables [G, n] of G requests give [G, n_head, length, head_dim] in one read.)
@@ -36,6 +46,116 @@ def gather_kv(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
     blocks = pool.index_select(0, block_table.flatten())  # [G * n, block_size, H, D]: one copy per block
     positions = blocks.view(*block_table.shape[:-1], -1, *pool.shape[2:])  # [..., n * block_size, H, D]
     return positions[..., :length, :, :].transpose(-3, -2)  # [..., H, length, D]
+
+
+def paged_attention(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, lengths: Tensor
+) -> tuple[Tensor, Tensor]:
+    """One query per sequence attending to its first `lengths` positions, read block by block through its table.
+
+    q [G, H, D] (G sequences), k_pool and v_pool [num_blocks, block_size, H, D], block_table [G, n] long (row g:
+    sequence g's blocks in order; entries past its length are never read), lengths [G] long, 1 … n * block_size
+    -> (out [G, H, D], lse [G, H]): softmax(q·k / √D) v over those positions, and each row's log-sum-exp of the
+    scaled scores. The online softmax of chapter 03 walks the table one column of blocks at a time (block j of
+    every sequence at once), keeping a running max `m`, sum `l` and accumulator `acc`: no tensor holds more than
+    one block of a sequence's keys or values.
+    """
+    G, H, D = q.shape
+    block_size = k_pool.shape[1]
+    m = torch.full((G, 1, H), -math.inf, dtype=q.dtype, device=q.device)  # running max of the scores
+    l = torch.zeros(G, 1, H, dtype=q.dtype, device=q.device)  # running sum of exp(s - m)
+    acc = torch.zeros(G, H, D, dtype=q.dtype, device=q.device)  # running sum of exp(s - m) v
+    q = q[:, None] / math.sqrt(D)  # [G, 1, H, D]
+    offsets = torch.arange(block_size, device=q.device)
+    for j in range(-(-int(lengths.max()) // block_size)):
+        k = k_pool[block_table[:, j]]  # [G, block_size, H, D]: block j of every sequence
+        v = v_pool[block_table[:, j]]
+        s = (k * q).sum(dim=-1)  # [G, block_size, H]
+        unused = j * block_size + offsets >= lengths[:, None]  # [G, block_size]: past the sequence's length
+        s = s.masked_fill(unused[..., None], -math.inf)
+        m_new = torch.maximum(m, s.amax(dim=1, keepdim=True))  # finite: every sequence has a key in block 0
+        rescale = torch.exp(m - m_new)  # [G, 1, H]
+        p = torch.exp(s - m_new)  # [G, block_size, H]
+        l = l * rescale + p.sum(dim=1, keepdim=True)
+        acc = acc * rescale.transpose(1, 2) + (p[..., None] * v).sum(dim=1)  # [G, H, D]
+        m = m_new
+    return acc / l.transpose(1, 2), (m + torch.log(l))[:, 0]
+
+
+def paged_attention_fused(
+    q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, lengths: Tensor
+) -> tuple[Tensor, Tensor]:
+    """`paged_attention` as the engine runs it on a CPU: each row's blocks (one partition of a sequence, at most
+    `partition_size` positions) are read into one tile, and torch's fused attention kernel, which returns the
+    log-sum-exp as well, attends to it. In eager PyTorch on a CPU, blocks cannot be read where they lie without
+    a copy, and a dozen small operations per block cost more than one copy of a partition; a GPU kernel (vLLM's)
+    reads them in place. On other devices: `paged_attention`."""
+    if q.device.type != "cpu":
+        return paged_attention(q, k_pool, v_pool, block_table, lengths)
+    G, H, D = q.shape
+    block_size = k_pool.shape[1]
+    width = -(-int(lengths.max()) // block_size) * block_size  # positions of the blocks read
+    blocks = block_table[:, : width // block_size].flatten()  # [G * n]
+    k = k_pool.index_select(0, blocks).view(G, width, H, D).transpose(1, 2)  # [G, H, width, D]
+    v = v_pool.index_select(0, blocks).view(G, width, H, D).transpose(1, 2)
+    unused = torch.arange(width, device=q.device) >= lengths[:, None]  # [G, width]
+    bias = torch.zeros(G, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(unused[:, None, None], -math.inf)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, None], k, v, attn_mask=bias)
+    return out[:, :, 0], lse[:, :, 0].to(q.dtype)  # [G, H, D], [G, H]
+
+
+class Partitions(NamedTuple):
+    """The decode rows of a step cut into partitions of `partition_blocks` blocks, partition-major: rows 0 … G-1
+    are partition 0 of each sequence, then partition 1 of the sequences that reach it, and so on. The same for
+    every layer, so made once per step."""
+
+    sequence: Tensor  # [U] long: which sequence each row belongs to
+    block_table: Tensor  # [U, partition_blocks] long
+    lengths: Tensor  # [U] long: positions of the row's partition, 1 … partition_blocks * block_size
+    merges: list[tuple[int, int, Optional[Tensor]]]  # per later partition: its rows a:b, and its sequences (None: all)
+
+
+def partitions(block_table: Tensor, lengths: Tensor, partition_blocks: int, block_size: int) -> Partitions:
+    """block_table [G, n], lengths [G] -> the rows of the partitions of G sequences (see `Partitions`)."""
+    G, n = block_table.shape
+    if n <= partition_blocks:  # one partition: the rows are the sequences
+        return Partitions(torch.arange(G, device=block_table.device), block_table, lengths, [])
+    span = partition_blocks * block_size  # positions per partition
+    sequence, tables, part_lengths, merges, rows = [], [], [], [], 0
+    for p in range(-(-n // partition_blocks)):
+        reach = (lengths > p * span).nonzero()[:, 0]  # [g]: the sequences with keys in partition p
+        table = block_table[reach, p * partition_blocks : (p + 1) * partition_blocks]
+        sequence.append(reach)
+        tables.append(F.pad(table, (0, partition_blocks - table.shape[1])))  # padded with block 0, never read
+        part_lengths.append((lengths[reach] - p * span).clamp(max=span))
+        if p > 0:
+            merges.append((rows, rows + len(reach), None if len(reach) == G else reach))
+        rows += len(reach)
+    return Partitions(torch.cat(sequence), torch.cat(tables), torch.cat(part_lengths), merges)
+
+
+def paged_decode(
+    q: Tensor,
+    k_pool: Tensor,
+    v_pool: Tensor,
+    parts: Partitions,
+    attend: Callable = paged_attention_fused,
+    merge: Callable = merge_attention,
+) -> Tensor:
+    """Attention of one query per sequence, q [G, H, D], over its partitions -> out [G, H, D]: every partition of
+    every sequence is one row of a single `attend` call (they run side by side, as vLLM's PagedAttention V2 runs
+    them in parallel), and each sequence's partitions are combined by `merge`, left to right."""
+    G = q.shape[0]
+    rows_q = q if len(parts.sequence) == G else q.index_select(0, parts.sequence)  # [U, H, D]
+    out, lse = attend(rows_q, k_pool, v_pool, parts.block_table, parts.lengths)  # [U, H, D], [U, H]
+    merged, merged_lse = out[:G], lse[:G]
+    for a, b, reach in parts.merges:
+        if reach is None:
+            merged, merged_lse = merge(merged, merged_lse, out[a:b], lse[a:b])
+        else:
+            o, s = merge(merged[reach], merged_lse[reach], out[a:b], lse[a:b])
+            merged, merged_lse = merged.index_put((reach,), o), merged_lse.index_put((reach,), s)
+    return merged
 
 
 class PagedKVCache:
@@ -63,104 +183,59 @@ def forward(
     chunks: list[Chunk],
     logits_of: Optional[list[int]] = None,
     *,
-    gather: Callable = gather_kv,
-    slots_of: Callable = slot_mapping,
+    attend: Callable = paged_attention_fused,
+    merge: Callable = merge_attention,
+    partition_size: int = 256,
 ) -> Tensor:
     """Run the chunks of several requests as one batch of N tokens; each chunk's keys and values go into the
     pool, and each chunk attends to all of its request's positions so far. -> logits [len(logits_of), vocab_size]
     of the last token of the chunks `logits_of` (default: all; the engine asks only for those that end a
     request's known tokens, not for prefill chunks whose next token is already known).
 
-    The linear layers see all N tokens at once (one matrix product per layer: what batching buys); the
-    attention runs per prefill chunk, and for all single-token (decode) chunks at once, padded and masked.
+    The linear layers see all N tokens at once (one matrix product per layer: what batching buys). The
+    single-token (decode) chunks attend all at once with `attend` (`paged_attention`), reading the pool in place,
+    their contexts cut into partitions of `partition_size` positions (rounded down to whole blocks) combined by
+    `merge`; each prefill chunk attends with the model's attention to its keys, gathered from the pool.
     """
     device, bs = model.device, cache.block_size
     lengths = [len(c.tokens) for c in chunks]
     input_ids = torch.tensor([t for c in chunks for t in c.tokens], device=device)[None]  # [1, N]
     positions = torch.cat([torch.arange(c.start, c.start + n) for c, n in zip(chunks, lengths)]).to(device)  # [N]
     tables = [torch.tensor(c.block_table, device=device) for c in chunks]
-    slots = torch.cat([slots_of(t, positions[o : o + n], bs) for t, o, n in zip(tables, offsets(lengths), lengths)])
-    if slots_of is not slot_mapping:
-        check_slots(slots, chunks, cache)
+    starts = offsets(lengths)
+    slots = torch.cat([slot_mapping(t, positions[o : o + n], bs) for t, o, n in zip(tables, starts, lengths)])
     ends = [c.start + n for c, n in zip(chunks, lengths)]  # keys each chunk attends to
     decodes = [j for j, n in enumerate(lengths) if n == 1]
     prefills = [j for j, n in enumerate(lengths) if n > 1]
-    starts = offsets(lengths)
     H, D = model.config.n_head, model.config.head_dim
-
-    if len(decodes) > 1:  # one attention call for all of them: keys padded to the longest, masked
-        longest = max(ends[j] for j in decodes)
-        key_mask = (
-            torch.arange(longest, device=device) < torch.tensor([ends[j] for j in decodes], device=device)[:, None]
-        )
-        key_mask = key_mask[:, None, None, :]  # [G, 1, 1, longest]
-        decode_rows = torch.tensor([starts[j] for j in decodes], device=device)
+    if decodes:
+        decode_rows = torch.tensor([starts[j] for j in decodes], device=device)  # [G]
         width = max(len(chunks[j].block_table) for j in decodes)
         decode_tables = torch.tensor(
             [chunks[j].block_table + [0] * (width - len(chunks[j].block_table)) for j in decodes], device=device
-        )  # [G, width], padded with block 0
+        )  # [G, width], padded with block 0 (never read: past each request's length)
+        decode_lengths = torch.tensor([ends[j] for j in decodes], device=device)  # [G]
+        parts = partitions(decode_tables, decode_lengths, max(1, partition_size // bs), bs)
 
-    if gather is not gather_kv:
-        gather = checked_gather(gather)
-
-    def padded(pool: Tensor) -> Tensor:  # [G, H, longest, D]; past each request's end: masked, never read
-        if gather is gather_kv:  # the engine's reads all the tables at once (a learner's is checked, per request)
-            return gather_kv(pool, decode_tables, longest)
-        return torch.stack([F.pad(gather(pool, tables[j], ends[j]), (0, 0, 0, longest - ends[j])) for j in decodes])
-
-    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
         k_pool, v_pool = cache.k[layer], cache.v[layer]
         k_pool.view(-1, H, D)[slots] = k[0].transpose(0, 1)  # [N, H, D] into their slots
         v_pool.view(-1, H, D)[slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)
-        attention = model.parts.attention
-        if len(decodes) > 1:
-            q_rows = q[0, :, decode_rows].transpose(0, 1)[:, :, None]  # [G, H, 1, D]
-            out[0, :, decode_rows] = attention(q_rows, padded(k_pool), padded(v_pool), key_mask)[:, :, 0].transpose(
-                0, 1
-            )
-        for j in prefills if len(decodes) > 1 else range(len(chunks)):
+        if decodes:
+            q_rows = q[0, :, decode_rows].transpose(0, 1)  # [G, H, D]
+            read = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge)  # [G, H, D]
+            out[0, :, decode_rows] = read.transpose(0, 1)
+        for j in prefills:
             o, n = starts[j], lengths[j]
-            keys, values = gather(k_pool, tables[j], ends[j]), gather(v_pool, tables[j], ends[j])  # [H, end, D]
-            out[:, :, o : o + n] = attention(q[:, :, o : o + n], keys[None], values[None], None)
+            keys, values = gather_kv(k_pool, tables[j], ends[j]), gather_kv(v_pool, tables[j], ends[j])  # [H, end, D]
+            out[:, :, o : o + n] = model.parts.attention(q[:, :, o : o + n], keys[None], values[None], None)
         return out
 
-    x = model.blocks(model.embed(input_ids, positions[None]), attend)  # [1, N, C]
+    x = model.blocks(model.embed(input_ids, positions[None]), attention)  # [1, N, C]
     logits_of = range(len(chunks)) if logits_of is None else logits_of
     last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)
     return model.head(x[0, last])  # [len(logits_of), V]
-
-
-def checked_gather(gather: Callable) -> Callable:
-    """A learner's gather, compared with the engine's at every call: wrong keys would silently change the text."""
-
-    def call(pool: Tensor, block_table: Tensor, length: int) -> Tensor:
-        out = gather(pool, block_table, length)
-        want = torch.cat([pool[b] for b in block_table.tolist()])[:length].transpose(0, 1)  # [H, length, D]
-        if not torch.equal(out, want):
-            raise PartError(
-                f"part 'gather_kv' read positions 0..{length - 1} through block table "
-                f"{block_table.tolist()} wrongly: they differ from the pool's blocks in that order\n"
-                "  hint: run the check for 'gather_kv' in chapter 07 to debug it"
-            )
-        return out
-
-    return call
-
-
-def check_slots(slots: Tensor, chunks: list[Chunk], cache: PagedKVCache) -> None:
-    """A learner's slot mapping must put each position in its own block of the table, or keys land elsewhere."""
-    bs, at = cache.block_size, 0
-    for c in chunks:
-        got = slots[at : at + len(c.tokens)].tolist()
-        want = [c.block_table[p // bs] * bs + p % bs for p in range(c.start, c.start + len(c.tokens))]
-        if got != want:
-            raise PartError(
-                f"part 'slot_mapping' put positions {c.start}..{c.start + len(c.tokens) - 1} of a request "
-                f"with block table {c.block_table} (block_size {bs}) at slots {got}, expected {want}\n"
-                "  hint: run the check for 'slot_mapping' in chapter 07 to debug it"
-            )
-        at += len(c.tokens)
 
 
 def offsets(lengths: list[int]) -> list[int]:
