@@ -3,6 +3,7 @@ is wrong, other correct ways of writing each exercise pass, the engine's own fun
 check-side machinery (the mistake variants of the policy, the workloads) does what the checks rely on."""
 
 import functools
+import hashlib
 import math
 import random
 import re
@@ -18,10 +19,10 @@ from llmcourse.checks import CheckFailed
 from llmcourse.checks.batching import (
     alone,
     check_block_allocator,
-    check_gather_kv,
+    check_block_hashes,
     check_left_pad,
+    check_paged_attention,
     check_schedule,
-    check_slot_mapping,
     decisive_model,
     policy,
     run_engine,
@@ -32,9 +33,11 @@ from llmcourse.course.guards import guard, guarded
 from llmcourse.engine.padding import left_pad as engine_left_pad
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator
+from llmcourse.serving.block_manager import block_hashes as engine_block_hashes
 from llmcourse.serving.block_manager import blocks_for
 from llmcourse.serving.paged_cache import gather_kv as engine_gather_kv
-from llmcourse.serving.paged_cache import slot_mapping as engine_slot_mapping
+from llmcourse.serving.paged_cache import paged_attention as engine_paged_attention
+from llmcourse.serving.paged_cache import paged_attention_fused
 from llmcourse.serving.scheduler import schedule as engine_schedule
 from tests.notebook_checks import run_notebook_checks
 
@@ -84,12 +87,29 @@ class BlockAllocator:
             self.free.append(block)
 
 
-def slot_mapping(block_table, positions, block_size):
-    return block_table[positions // block_size] * block_size + positions % block_size
+def block_hashes(token_ids, block_size):
+    hashes = []
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size]))))
+    return hashes
 
 
-def gather_kv(pool, block_table, length):
-    return pool[block_table].flatten(0, 1)[:length].transpose(0, 1)
+def paged_attention(q, k_pool, v_pool, block_table, lengths):
+    G, H, D = q.shape
+    bs = k_pool.shape[1]
+    m = torch.full((G, H, 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(G, H, 1, dtype=q.dtype)
+    acc = torch.zeros(G, H, D, dtype=q.dtype)
+    for j in range(-(-int(lengths.max()) // bs)):
+        k, v = k_pool[block_table[:, j]], v_pool[block_table[:, j]]  # [G, bs, H, D]: block j of each sequence
+        s = torch.einsum("ghd,gthd->ght", q, k) / math.sqrt(D)
+        s = s.masked_fill((j * bs + torch.arange(bs) >= lengths[:, None])[:, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp(s - m_new)
+        l = l * torch.exp(m - m_new) + p.sum(-1, keepdim=True)
+        acc = acc * torch.exp(m - m_new) + torch.einsum("ght,gthd->ghd", p, v)
+        m = m_new
+    return acc / l, (m + torch.log(l))[..., 0]
 
 
 def schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max_num_batched_tokens):
@@ -125,8 +145,8 @@ def schedule(running, waiting, num_free_blocks, *, block_size, max_num_seqs, max
 REFERENCES = [
     (check_left_pad, left_pad, dict(n_random=40, n_models=3)),
     (check_block_allocator, BlockAllocator, dict(n_random=40, n_workloads=3)),
-    (check_slot_mapping, slot_mapping, dict(n_random=40, n_workloads=3)),
-    (check_gather_kv, gather_kv, dict(n_random=40, n_workloads=3)),
+    (check_block_hashes, block_hashes, dict(n_random=40, n_workloads=3)),
+    (check_paged_attention, paged_attention, dict(n_random=40, n_workloads=3)),
     (check_schedule, schedule, dict(n_random=400, n_workloads=3)),
 ]
 IDS = [check.__name__ for check, _, _ in REFERENCES]
@@ -157,8 +177,8 @@ def stub(*args, **kwargs):
     [
         (check_left_pad, stub),
         (check_block_allocator, StubAllocator),
-        (check_slot_mapping, stub),
-        (check_gather_kv, stub),
+        (check_block_hashes, stub),
+        (check_paged_attention, stub),
         (check_schedule, stub),
     ],
     ids=IDS,
@@ -574,134 +594,257 @@ def test_block_allocator_that_raises_gets_a_clear_message():
     fails(check_block_allocator, int, r"expected a class|no attribute|free = None")
 
 
-# -- slot_mapping -----------------------------------------------------------------------------------
+# -- block_hashes -----------------------------------------------------------------------------------
 
 
-def slots_swapped(block_table, positions, block_size):
-    return block_table[positions % block_size] * block_size + positions // block_size
+def hashes_not_chained(token_ids, block_size):
+    return [hash(tuple(token_ids[s : s + block_size])) for s in range(0, len(token_ids) - block_size + 1, block_size)]
 
 
-def slots_ignore_table(block_table, positions, block_size):
-    return block_table[0] * block_size + positions
+def hashes_of_partial_blocks(token_ids, block_size):
+    hashes = []
+    for s in range(0, len(token_ids), block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[s : s + block_size]))))
+    return hashes
 
 
-def slots_positions(block_table, positions, block_size):
-    return positions.clone()
+def hashes_last_token(token_ids, block_size):
+    hashes = []
+    for s in range(block_size - 1, len(token_ids), block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, token_ids[s])))
+    return hashes
 
 
-def slots_no_scale(block_table, positions, block_size):
-    return block_table[positions // block_size] + positions % block_size
+def hashes_of_sums(token_ids, block_size):
+    hashes = []
+    for s in range(0, len(token_ids) - block_size + 1, block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, sum(token_ids[s : s + block_size]))))
+    return hashes
 
 
-def slots_float(block_table, positions, block_size):
-    return (block_table[positions // block_size] * block_size + positions % block_size).float()
+def hashes_salted(token_ids, block_size):
+    return [hash((h, len(token_ids))) for h in block_hashes(token_ids, block_size)]
 
 
-def slots_engine(block_table, positions, block_size):
-    return engine_slot_mapping(block_table, positions, block_size)
+def hashes_small(token_ids, block_size):
+    return [h % 1000 for h in block_hashes(token_ids, block_size)]
 
 
-SLOT_MISTAKES = [
-    (slots_swapped, r"p // block_size is the index into the block table"),
-    (slots_ignore_table, r"look up each position's block in the table"),
-    (slots_positions, r"a request's positions are not the pool's slots"),
-    (slots_no_scale, r"a slot counts positions: block \* block_size \+ offset"),
-    (slots_float, r"dtype"),
-    (slots_engine, r"llmcourse\.serving\.paged_cache\.slot_mapping"),
+def hashes_as_text(token_ids, block_size):
+    return [hex(h) for h in block_hashes(token_ids, block_size)]
+
+
+def hashes_engine(token_ids, block_size):
+    return engine_block_hashes(token_ids, block_size)
+
+
+HASH_MISTAKES = [
+    (hashes_not_chained, r"not chained: block \d+ holds .* after different earlier blocks"),
+    (hashes_of_partial_blocks, r"a partial last block gets no hash"),
+    (hashes_last_token, r"hash every token of the block, not only its last one"),
+    (hashes_of_sums, r"the order of the tokens counts"),
+    (hashes_salted, r"same tokens after the same prefix in a and b, but got hashes"),
+    (hashes_small, r"some collide"),
+    (hashes_as_text, r"expected integers, got '-?0x"),
+    (hashes_engine, r"llmcourse\.serving\.block_manager\.block_hashes"),
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", SLOT_MISTAKES, ids=[f.__name__ for f, _ in SLOT_MISTAKES])
-def test_slot_mapping_mistakes_are_named(fn, pattern):
-    fails(check_slot_mapping, fn, pattern)
+@pytest.mark.parametrize("fn, pattern", HASH_MISTAKES, ids=[f.__name__ for f, _ in HASH_MISTAKES])
+def test_block_hashes_mistakes_are_named(fn, pattern):
+    fails(check_block_hashes, fn, pattern)
 
 
-def test_slot_mapping_failure_always_has_a_hint():
-    """A wrong answer that is none of the known mistakes still gets a hint line (it had none)."""
-    message = fails(
-        check_slot_mapping,
-        lambda block_table, positions, block_size: slot_mapping(block_table, positions, block_size) + 1,
-        r"values differ",
-    )
-    assert "\n  hint: " in message and "block_table[p // block_size] * block_size + p % block_size" in message
+def hashes_of_whole_prefixes(token_ids, block_size):
+    """Correct, written differently: each block keyed by all the tokens up to its end (chained by content)."""
+    return [hash(tuple(token_ids[:end])) for end in range(block_size, len(token_ids) + 1, block_size)]
 
 
-def slot_mapping_divmod(block_table, positions, block_size):
-    index = torch.div(positions, block_size, rounding_mode="floor")
-    return torch.index_select(block_table, 0, index) * block_size + torch.remainder(positions, block_size)
+def hashes_sha256(token_ids, block_size):
+    """Correct, written differently: sha256 over the previous digest and the block's bytes, as numpy ints."""
+    digest, out = b"", []
+    for s in range(0, len(token_ids) // block_size * block_size, block_size):
+        block = np.array(token_ids[s : s + block_size], dtype=np.int64).tobytes()
+        digest = hashlib.sha256(digest + block).digest()
+        out.append(np.int64(int.from_bytes(digest[:8], "little", signed=True)))
+    return out
 
 
-def test_slot_mapping_alternative_passes(capsys):
-    check_slot_mapping(slot_mapping_divmod)
-    check_slot_mapping(slot_mapping_divmod, seed=101, n_random=40, n_workloads=3)
+@pytest.mark.parametrize("fn", [hashes_of_whole_prefixes, hashes_sha256])
+def test_block_hashes_alternative_passes(fn, capsys):
+    check_block_hashes(fn)
+    check_block_hashes(fn, seed=101, n_random=40, n_workloads=3)
     assert capsys.readouterr().out.count("✓") == 2
 
 
-# -- gather_kv --------------------------------------------------------------------------------------
+# -- paged_attention --------------------------------------------------------------------------------
 
 
-def gather_pool_order(pool, block_table, length):
-    return pool[: len(block_table)].flatten(0, 1)[:length].transpose(0, 1)
+def paged_steps(q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=True, through_table=True, scale=None):
+    """The reference's loop with one switch per plausible mistake."""
+    G, H, D = q.shape
+    bs = k_pool.shape[1]
+    scale = 1 / math.sqrt(D) if scale is None else scale
+    m = torch.full((G, H, 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(G, H, 1, dtype=q.dtype)
+    acc = torch.zeros(G, H, D, dtype=q.dtype)
+    columns = -(-int(lengths.max()) // bs) if mask else block_table.shape[1]
+    for j in range(columns):
+        blocks = block_table[:, j] if through_table else torch.full((G,), j)
+        k, v = k_pool[blocks], v_pool[blocks]  # [G, bs, H, D]
+        s = torch.einsum("ghd,gthd->ght", q, k) * scale
+        if mask:
+            s = s.masked_fill((j * bs + torch.arange(bs) >= lengths[:, None])[:, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        r = torch.exp(m - m_new) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new)
+        l = l * r + p.sum(-1, keepdim=True)
+        acc = acc * r + torch.einsum("ght,gthd->ghd", p, v)
+        m = m_new
+    return acc / l, (m + torch.log(l))[..., 0]
 
 
-def gather_no_cut(pool, block_table, length):
-    return pool[block_table].flatten(0, 1).transpose(0, 1)
+def paged_no_rescale(*args):
+    return paged_steps(*args, rescale=False)
 
 
-def gather_view(pool, block_table, length):
-    return pool[block_table].flatten(0, 1)[:length].reshape(pool.shape[2], length, pool.shape[3])
+def paged_no_mask(*args):
+    return paged_steps(*args, mask=False)
 
 
-def gather_one_block_short(pool, block_table, length):
-    n = -(-length // pool.shape[1])
-    return pool[block_table[1 : n + 1]].flatten(0, 1)[:length].transpose(0, 1)
+def paged_block_index(*args):
+    return paged_steps(*args, through_table=False)
 
 
-def gather_float32(pool, block_table, length):
-    return gather_kv(pool, block_table, length).float()
+def paged_scale_d(q, *args):
+    return paged_steps(q, *args, scale=1 / q.shape[-1])
 
 
-def gather_engine(pool, block_table, length):
-    return engine_gather_kv(pool, block_table, length)
+def paged_lse_without_max(*args):
+    out, lse = paged_attention(*args)
+    return out, torch.log(torch.exp(lse - lse.amax()))  # forgot to add the max back
 
 
-GATHER_MISTAKES = [
-    (gather_pool_order, r"read the request's blocks through its table"),
-    (gather_no_cut, r"keep the first `length` positions only"),
-    (gather_view, r"transpose to \[n_head, length, head_dim\]"),
-    (gather_one_block_short, r"expected shape|block_table\[0\] holds positions 0"),
-    (gather_float32, r"dtype torch\.float64|float64"),
-    (gather_engine, r"llmcourse\.serving\.paged_cache\.gather_kv"),
+def paged_gathers_everything(q, k_pool, v_pool, block_table, lengths):
+    """Right answer, but copies each sequence's keys and values out first: what paged attention avoids."""
+    bs, D = k_pool.shape[1], q.shape[-1]
+    outs, lses = [], []
+    for g, n in enumerate(lengths.tolist()):
+        blocks = block_table[g, : -(-n // bs)]
+        k, v = k_pool[blocks].flatten(0, 1)[:n], v_pool[blocks].flatten(0, 1)[:n]  # [n, H, D]: a copy
+        s = torch.einsum("hd,nhd->hn", q[g], k) / math.sqrt(D)
+        top = s.amax(-1, keepdim=True)
+        w = torch.exp(s - top)
+        outs.append(torch.einsum("hn,nhd->hd", w, v) / w.sum(-1, keepdim=True))
+        lses.append((top + w.sum(-1, keepdim=True).log())[:, 0])
+    return torch.stack(outs), torch.stack(lses)
+
+
+def paged_float32(*args):
+    out, lse = paged_attention(*args)
+    return out.float(), lse.float()
+
+
+def paged_softmax(q, k_pool, v_pool, block_table, lengths):
+    G, H, D = q.shape
+    bs = k_pool.shape[1]
+    n = block_table.shape[1]
+    k, v = k_pool[block_table].flatten(1, 2), v_pool[block_table].flatten(1, 2)  # [G, n * bs, H, D]
+    s = torch.einsum("ghd,gthd->ght", q, k) / math.sqrt(D)
+    s = s.masked_fill((torch.arange(n * bs) >= lengths[:, None])[:, None, :], -math.inf)
+    return torch.einsum("ght,gthd->ghd", torch.softmax(s, -1), v), torch.logsumexp(s, -1)
+
+
+def paged_out_only(*args):
+    return paged_attention(*args)[0]
+
+
+def paged_engine(*args):
+    return engine_paged_attention(*args)
+
+
+PAGED_MISTAKES = [
+    (paged_no_rescale, r"rescale what was summed so far"),
+    (paged_no_mask, r"mask the slots past each sequence's length"),
+    (paged_block_index, r"read block j of sequence g where its table says|out of bounds"),
+    (paged_scale_d, r"scale the scores by 1/√D \(D = head_dim\), not 1/D"),
+    (paged_lse_without_max, r"lse: .*the max m added back"),
+    (paged_gathers_everything, r"reading in place: .* made a tensor of shape \[\d+, \d+, 2, 16\]"),
+    (paged_float32, r"dtype torch\.float64"),
+    (paged_softmax, r"torch\.softmax|torch\.logsumexp"),
+    (paged_out_only, r"expected a tuple \(out, lse\), got Tensor"),
+    (paged_engine, r"llmcourse\.serving\.paged_cache"),
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", GATHER_MISTAKES, ids=[f.__name__ for f, _ in GATHER_MISTAKES])
-def test_gather_kv_mistakes_are_named(fn, pattern):
-    fails(check_gather_kv, fn, pattern)
+@pytest.mark.parametrize("fn, pattern", PAGED_MISTAKES, ids=[f.__name__ for f, _ in PAGED_MISTAKES])
+def test_paged_attention_mistakes_are_named(fn, pattern):
+    fails(check_paged_attention, fn, pattern)
 
 
-def gather_kv_loop(pool, block_table, length):
-    """Correct, written differently: block by block, concatenated, then permuted."""
-    parts = [pool[b] for b in block_table.tolist()]
-    return torch.cat(parts, dim=0)[:length].permute(1, 0, 2).contiguous()
+def paged_per_sequence(q, k_pool, v_pool, block_table, lengths):
+    """Correct, written differently: one sequence at a time, all its scores first, then one softmax over them
+    (vLLM V1's kernel's order), each block read as a view of the pool."""
+    bs, D = k_pool.shape[1], q.shape[-1]
+    outs, lses = [], []
+    for g in range(q.shape[0]):
+        n = int(lengths[g])
+        blocks = block_table[g, : -(-n // bs)].tolist()
+        s = torch.cat([torch.einsum("hd,thd->ht", q[g], k_pool[b]) for b in blocks], dim=1)[:, :n] / math.sqrt(D)
+        top = s.amax(dim=1, keepdim=True)
+        w = torch.exp(s - top)  # [H, n]
+        out = sum(
+            torch.einsum("ht,thd->hd", w[:, i * bs : (i + 1) * bs], v_pool[b][: n - i * bs])
+            for i, b in enumerate(blocks)
+        )
+        outs.append(out / w.sum(dim=1, keepdim=True))
+        lses.append(top[:, 0] + torch.log(w.sum(dim=1)))
+    return torch.stack(outs), torch.stack(lses)
 
 
-def test_gather_kv_alternative_passes(capsys):
-    check_gather_kv(gather_kv_loop)
-    check_gather_kv(gather_kv_loop, seed=101, n_random=40, n_workloads=3)
+def paged_two_blocks_at_a_time(q, k_pool, v_pool, block_table, lengths):
+    """Correct, written differently: reads two block columns per step, the max taken over both."""
+    G, H, D = q.shape
+    bs = k_pool.shape[1]
+    m = torch.full((G, H), -math.inf, dtype=q.dtype)
+    l, acc = torch.zeros(G, H, dtype=q.dtype), torch.zeros(G, H, D, dtype=q.dtype)
+    for j in range(0, -(-int(lengths.max()) // bs), 2):
+        cols = block_table[:, j : j + 2]  # [G, 1 or 2]
+        k = k_pool[cols].flatten(1, 2)  # [G, 2 * bs, H, D]
+        v = v_pool[cols].flatten(1, 2)
+        s = (k * q[:, None]).sum(-1).transpose(1, 2) / math.sqrt(D)  # [G, H, 2 * bs]
+        s = s.masked_fill((j * bs + torch.arange(k.shape[1]) >= lengths[:, None])[:, None, :], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m_new[..., None])
+        l = l * torch.exp(m - m_new) + p.sum(-1)
+        acc = acc * torch.exp(m - m_new)[..., None] + torch.einsum("ght,gthd->ghd", p, v)
+        m = m_new
+    return acc / l[..., None], m + torch.log(l)
+
+
+@pytest.mark.parametrize("fn", [paged_per_sequence, paged_two_blocks_at_a_time])
+def test_paged_attention_alternative_passes(fn, capsys):
+    check_paged_attention(fn)
+    check_paged_attention(fn, seed=101, n_random=40, n_workloads=3)
     assert capsys.readouterr().out.count("✓") == 2
 
 
-def test_gather_reads_what_slot_mapping_wrote():
-    """Independent of the engine's functions: writes through slots, reads with index_select, per position."""
+def test_paged_attention_agrees_with_attention_over_the_gathered_keys():
+    """Independent of the check's reference: the engine's paged_attention and its fused form give torch's
+    attention over each sequence's gathered keys, and the log-sum-exp of its scores."""
     g = torch.Generator().manual_seed(0)
-    pool = torch.randn(7, 4, 2, 3, generator=g, dtype=torch.float64)
-    table, length = torch.tensor([5, 2, 6]), 11
-    keys = torch.randn(length, 2, 3, generator=g, dtype=torch.float64)
-    pool.view(-1, 2, 3)[engine_slot_mapping(table, torch.arange(length), 4)] = keys
-    expected = torch.stack([pool[table[p // 4], p % 4] for p in range(length)]).transpose(0, 1)
-    assert torch.equal(engine_gather_kv(pool, table, length), expected)
-    assert torch.equal(expected, keys.transpose(0, 1))
+    k_pool, v_pool = torch.randn(2, 9, 4, 2, 8, generator=g, dtype=torch.float64)
+    table, lengths = torch.tensor([[5, 2, 7], [0, 8, 8]]), torch.tensor([11, 3])
+    q = torch.randn(2, 2, 8, generator=g, dtype=torch.float64)
+    for route in (engine_paged_attention, paged_attention_fused):
+        out, lse = route(q, k_pool, v_pool, table, lengths)
+        for row, n in enumerate(lengths.tolist()):
+            keys = engine_gather_kv(k_pool, table[row], n)  # [H, n, D]
+            values = engine_gather_kv(v_pool, table[row], n)
+            want = torch.nn.functional.scaled_dot_product_attention(q[row, :, None], keys, values)[:, 0]
+            assert torch.allclose(out[row], want, atol=1e-12)
+            scores = (keys @ q[row, :, :, None])[..., 0] / math.sqrt(8)
+            assert torch.allclose(lse[row], torch.logsumexp(scores, -1), atol=1e-12)
 
 
 # -- schedule ---------------------------------------------------------------------------------------
@@ -999,14 +1142,16 @@ def test_check_workloads_end_requests_at_eos_id_0():
 
 
 def test_engine_with_a_wrong_part_differs_from_alone():
-    """What the engine cases are there for: a wrong gather or schedule gives other tokens, or a clear error."""
+    """What the engine cases are there for: a wrong paged attention or schedule gives other tokens, or a clear
+    error."""
     work, model = workload(0), decisive_model(0)
     expected = alone(model, work)
-    try:
-        got, _ = run_engine(model, work, Batching(gather_kv=gather_one_block_short))
-    except RuntimeError:
-        got = None
-    assert got != expected
+    for wrong in (Batching(paged_attention=paged_no_mask), Batching(paged_attention=paged_block_index)):
+        try:
+            got, _ = run_engine(model, work, wrong)
+        except RuntimeError:
+            got = None
+        assert got != expected
     with pytest.raises(Exception, match="schedule|blocks"):
         run_engine(model, work, guarded(Batching, schedule=variant(cached_prefix=False)))
 
