@@ -376,6 +376,14 @@ def test_quantize_model_with_a_calibration_smooths_the_blocks_layers(small):
     )
 
 
+def test_a_saved_smoothed_model_loads_as_it_was(bundled, tmp_path):
+    smoothed = quantize_model(copy.deepcopy(bundled[None]), "int8", calibration=[5, 17, 33, 90])
+    save_model(smoothed, tmp_path)
+    again = load_model(tmp_path)
+    assert torch.equal(again.h[2].mlp.c_proj.smooth, smoothed.h[2].mlp.c_proj.smooth)
+    assert generate(again, [5, 17, 33], max_new_tokens=6) == generate(smoothed, [5, 17, 33], max_new_tokens=6)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_fast_routes_for_any_number_of_rows_and_any_layout(fmt):
     """Decode (1 row), small batches and prefill take different routes on the CPU (C kernels up to some

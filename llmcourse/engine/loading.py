@@ -102,7 +102,7 @@ def load_model(
     state = read_weights(folder / WEIGHTS_FILE)
     model = GPT2(config, parts)
     if saved is not None:
-        quantization.empty_quantized(model, saved)
+        quantization.empty_quantized(model, saved, smoothed=any(key.endswith(".smooth") for key in state))
     model.load_state_dict(check_weights(state, model, folder / WEIGHTS_FILE))
     model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     if quantize is not None and saved is None:

@@ -391,10 +391,14 @@ def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optio
     return module
 
 
-def empty_quantized(model, fmt: str):
-    """`model` with quantized modules of the right shapes and zero values, ready for `load_state_dict`."""
+def empty_quantized(model, fmt: str, smoothed: bool = False):
+    """`model` with quantized modules of the right shapes and zero values, ready for `load_state_dict`; `smoothed`:
+    the blocks' layers hold SmoothQuant's factors too (`smooth`)."""
     for parent, name, old in affine_layers(model):
-        setattr(parent, name, QuantizedAffine(*old.weight.shape, fmt))
+        layer = QuantizedAffine(*old.weight.shape, fmt)
+        if smoothed:
+            layer.smooth = torch.ones(old.weight.shape[0])  # [C_in]
+        setattr(parent, name, layer)
     model.wte = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
     return model
 
