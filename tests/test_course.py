@@ -531,8 +531,9 @@ def test_the_solved_chapters_05_and_06_run_the_engine_with_the_learners_sampler_
 
 def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functions(tmp_path):
     """Chapter 07 solved as its solution solves it: all five batching functions are the learner's, and
-    LLMEngine (paged, continuously batched, prefix-cached, preempting) gives the tokens the engine's own
-    functions give, which are those of `generate` alone."""
+    LLMEngine (paged, continuously batched, prefix-cached through the learner's block_hashes, preempting, its
+    decode attention the learner's paged_attention over partitions of 16 positions) gives the tokens the
+    engine's own functions give, which are those of `generate` alone."""
     import llmcourse
     from llmcourse.course.learner import BATCHING_SLOTS, your_pieces
 
@@ -550,7 +551,9 @@ def test_the_solved_chapter_07_runs_llmengine_with_the_learners_batching_functio
     settings = [dict(), dict(temperature=0.8, top_p=0.95, seed=3), dict(max_new_tokens=9), dict(repetition_penalty=1.3)]
     alone = [llmcourse.generate(model, p, **{"max_new_tokens": 24, **s}) for p, s in zip(prompts, settings)]
     model = pieces.install(model)  # an Engine: LLMEngine and generate run the learner's functions
-    engine = llmcourse.LLMEngine(model, block_size=8, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=20)
+    engine = llmcourse.LLMEngine(
+        model, block_size=8, num_blocks=10, max_num_seqs=3, max_num_batched_tokens=20, partition_size=16
+    )
     assert engine.generate(prompts, arrivals=[0, 1, 1, 4], settings=settings, max_new_tokens=24) == alone
     assert engine.stats["cached_tokens"] > 0 and engine.stats["preemptions"] > 0, engine.stats
     static = llmcourse.generate(model, prompts[:3], max_new_tokens=24)  # the learner's left_pad

@@ -94,12 +94,15 @@ def paged_attention_fused(
         return paged_attention(q, k_pool, v_pool, block_table, lengths)
     G, H, D = q.shape
     block_size = k_pool.shape[1]
-    width = -(-int(lengths.max()) // block_size) * block_size  # positions of the blocks read
-    blocks = block_table[:, : width // block_size].flatten()  # [G * n]
-    k = k_pool.index_select(0, blocks).view(G, width, H, D).transpose(1, 2)  # [G, H, width, D]
-    v = v_pool.index_select(0, blocks).view(G, width, H, D).transpose(1, 2)
-    unused = torch.arange(width, device=q.device) >= lengths[:, None]  # [G, width]
-    bias = torch.zeros(G, 1, 1, width, dtype=q.dtype, device=q.device).masked_fill_(unused[:, None, None], -math.inf)
+    longest = int(lengths.max())
+    n = -(-longest // block_size)  # block columns read
+    blocks = block_table[:, :n].flatten()  # [G * n]
+    k = k_pool.index_select(0, blocks).view(G, n * block_size, H, D)[:, :longest].transpose(1, 2)  # [G, H, L, D]
+    v = v_pool.index_select(0, blocks).view(G, n * block_size, H, D)[:, :longest].transpose(1, 2)
+    bias = None  # every row as long as the longest: no mask, the kernel's call as in generate's decode
+    if int(lengths.min()) < longest:
+        unused = torch.arange(longest, device=q.device) >= lengths[:, None]  # [G, L]
+        bias = q.new_zeros(G, 1, 1, longest).masked_fill_(unused[:, None, None], -math.inf)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, None], k, v, attn_mask=bias)
     return out[:, :, 0], lse[:, :, 0].to(q.dtype)  # [G, H, D], [G, H]
 
