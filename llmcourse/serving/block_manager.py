@@ -61,7 +61,7 @@ def block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """The prefix-cache key of each full block of `token_ids` (a partial last block has none): block i's hash
     is computed from block i-1's hash and its own tokens, so it stands for the whole prefix up to the block's
     end, and equal hashes mean the same tokens at the same positions after the same prefix (hence the same keys
-    and values). As in vLLM and nano-vllm, which use sha256 and xxhash for it.
+    and values). As in nano-vllm (with xxhash) and vLLM (with sha256 or Python's hash).
 
         >>> a, b = block_hashes([1, 2, 3, 4, 5], 2), block_hashes([9, 2, 3, 4], 2)
         >>> len(a), a[1] == b[1]   # block [3, 4] after [1, 2] is not block [3, 4] after [9, 2]
