@@ -8,7 +8,9 @@ side, each attending to its own keys through its table. The decode tokens attend
 which walks the block table and reads each block of the pool where it lies (as vLLM's PagedAttention
 kernel does) instead of first copying a request's keys into one tensor; a long context is split into
 partitions of `partition_size` positions, attended to side by side and combined with `merge_attention`
-(vLLM's PagedAttention V2, the split-K of FlashDecoding).
+(vLLM's PagedAttention V2, the split-K of FlashDecoding). On a CPU the engine's own,
+`paged_attention_fused`, copies each partition's blocks into one tile for torch's fused kernel instead:
+eager PyTorch cannot read blocks in place, and small operations per block cost more than that copy.
 
     >>> pool = torch.arange(3 * 2 * 1 * 1.0).view(3, 2, 1, 1)   # 3 blocks of 2 positions, 1 head, dim 1
     >>> gather_kv(pool, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0-1 in block 2, 2 in block 0
@@ -196,9 +198,10 @@ def forward(
     request's known tokens, not for prefill chunks whose next token is already known).
 
     The linear layers see all N tokens at once (one matrix product per layer: what batching buys). The
-    single-token (decode) chunks attend all at once with `attend` (`paged_attention`), reading the pool in place,
-    their contexts cut into partitions of `partition_size` positions (rounded down to whole blocks) combined by
-    `merge`; each prefill chunk attends with the model's attention to its keys, gathered from the pool.
+    single-token (decode) chunks attend all at once with `attend` (`paged_attention`'s contract), reading the
+    pool through their block tables, their contexts cut into partitions of `partition_size` positions (rounded
+    down to whole blocks) combined by `merge`; each prefill chunk attends with the model's attention to its
+    keys, gathered from the pool.
     """
     device, bs = model.device, cache.block_size
     lengths = [len(c.tokens) for c in chunks]
