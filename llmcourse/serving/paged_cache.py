@@ -87,13 +87,12 @@ def paged_attention(
 def paged_attention_fused(
     q: Tensor, k_pool: Tensor, v_pool: Tensor, block_table: Tensor, lengths: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """`paged_attention` as the engine runs it on a CPU: each row's blocks (one partition of a sequence, at most
-    `partition_size` positions) are read into one tile, and torch's fused attention kernel, which returns the
-    log-sum-exp as well, attends to it. In eager PyTorch on a CPU, blocks cannot be read where they lie without
-    a copy, and a dozen small operations per block cost more than one copy of a partition; a GPU kernel (vLLM's)
-    reads them in place. On other devices: `paged_attention`."""
-    if q.device.type != "cpu":
-        return paged_attention(q, k_pool, v_pool, block_table, lengths)
+    """`paged_attention` as the engine runs it: each row's blocks (one partition of a sequence, at most
+    `partition_size` positions) are read into one tile, and torch's fused attention kernel attends to it. Eager
+    PyTorch cannot read blocks where they lie without a copy, and a dozen small operations per block cost more
+    than one copy of a partition; a GPU kernel (vLLM's) reads them in place. On a CPU the kernel returns the
+    log-sum-exp too; elsewhere it is computed from the scores beside torch's public kernel, which gives the
+    output exactly as `generate`'s decode does."""
     G, H, D = q.shape
     block_size = k_pool.shape[1]
     longest = int(lengths.max())
@@ -105,8 +104,14 @@ def paged_attention_fused(
     if int(lengths.min()) < longest:
         unused = torch.arange(longest, device=q.device) >= lengths[:, None]  # [G, L]
         bias = q.new_zeros(G, 1, 1, longest).masked_fill_(unused[:, None, None], -math.inf)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, None], k, v, attn_mask=bias)
-    return out[:, :, 0], lse[:, :, 0].to(q.dtype)  # [G, H, D], [G, H]
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, None], k, v, attn_mask=bias)
+        return out[:, :, 0], lse[:, :, 0].to(q.dtype)  # [G, H, D], [G, H]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias)  # [G, H, 1, D]
+    scores = (q[:, :, None] @ k.transpose(-2, -1))[:, :, 0].float() / math.sqrt(D)  # [G, H, L]
+    if bias is not None:
+        scores = scores + bias[:, 0]
+    return out[:, :, 0], torch.logsumexp(scores, dim=-1).to(q.dtype)
 
 
 class Partitions(NamedTuple):
