@@ -393,7 +393,7 @@ def decode_steps(
         if eos_token_id is not None and step % check_every == check_every - 1 and bool(finished.all()):
             return
         if seen is not None:
-            seen[torch.arange(B, device=device), token] = True
+            seen.scatter_(1, token[:, None], True)  # an indexed "= True" copies the scalar to the GPU: a sync
         if compiled_step is not None:  # static shapes: the whole mask, the slot as a tensor
             logits = compiled_step(model, token[:, None], next_pos, mask, cache, slot)
             slot += 1
