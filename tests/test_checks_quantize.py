@@ -682,6 +682,26 @@ def linear_integer_valued_float_sums(x, q, scale, bias):
     return y if bias is None else y + bias
 
 
+def linear_broadcast_float_sums(x, q, scale, bias):
+    """Integers, but multiplied by broadcasting to [M, N, K] in float and summed: the float route with no matmul."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    s_x = rows.abs().amax(dim=-1, keepdim=True) / 127
+    xq = torch.round(rows / torch.where(s_x == 0, 1.0, s_x))
+    sums = (xq[:, None, :] * q.float()[None, :, :]).sum(-1)  # [M, N]
+    y = (sums * (s_x * scale.float())).to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def linear_broadcast_int_sums(x, q, scale, bias):
+    """Correct, written differently: the products broadcast to [M, N, K] in int32 and summed (exact integers)."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    s_x = rows.abs().amax(dim=-1, keepdim=True) / 127
+    xq = torch.round(rows / torch.where(s_x == 0, 1.0, s_x)).clamp(-127, 127).to(torch.int32)
+    sums = (xq[:, None, :] * q.to(torch.int32)[None, :, :]).sum(-1)  # [M, N] int
+    y = (sums.double() * (s_x.double() * scale.double())).to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
 def linear_transposed(x, q, scale, bias):
     return route(x, q, scale, bias).transpose(-1, -2)
 
@@ -698,6 +718,7 @@ INT8_LINEAR_MISTAKES = [
     (linear_float_route, r"summed in floating point \(aten\.mm on float32.*add them in int32"),
     (linear_float_activations, r"the activations were not quantized"),
     (linear_integer_valued_float_sums, r"summed in floating point \(aten\.mm on float64"),
+    (linear_broadcast_float_sums, r"summed in floating point \(aten\.mul broadcast to float32"),
     (lambda x, q, s, b: route(x, q, s, b, scale_of=lambda r: r.abs().amax() / 127), r"per tensor.*batch-dependent"),
     (
         lambda x, q, s, b: route(x, q, s, b, scale_of=lambda r: r.abs().amax(0, keepdim=True) / 127),
@@ -743,7 +764,7 @@ def linear_int64_einsum(x, q, scale, bias):
     return y + (0 if bias is None else bias)
 
 
-@pytest.mark.parametrize("fn", [route, linear_int_mm, linear_int64_einsum])
+@pytest.mark.parametrize("fn", [route, linear_int_mm, linear_int64_einsum, linear_broadcast_int_sums])
 def test_int8_linear_alternatives_pass(fn, capsys):
     passes(lin(fn), capsys)
     passes(lin(fn), capsys, seed=101, n_random=8)

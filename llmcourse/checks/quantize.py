@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
 import sys
 from typing import Any, Callable, Optional
 
@@ -1309,23 +1310,33 @@ UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.float16
 MATRIX_PRODUCTS = {"mm", "bmm", "addmm", "addbmm", "baddbmm", "mv", "addmv", "dot", "vdot", "matmul", "linear"}
 
 
+def _is_float(x: Any) -> bool:
+    return isinstance(x, Tensor) and x.is_floating_point()
+
+
 class FloatProducts(TorchDispatchMode):
-    """Records the matrix products on floating-point tensors that run while it is active (aten, however reached)."""
+    """Records the matrix products on floating-point tensors that run while it is active (aten, however reached),
+    and the float elementwise products with at least `outer` numbers: x [M, K] times q [N, K] broadcast to
+    [M, N, K] before a sum is the same float route without a matmul."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
         return False  # as the forbid watch's mode: no torch._dynamo import on first use
 
-    def __init__(self):
+    def __init__(self, outer: float = math.inf):
         super().__init__()
         self.seen: list[str] = []
+        self.outer = outer
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         tensors = [a for a in args if isinstance(a, Tensor)]
+        out = func(*args, **(kwargs or {}))
         if name in MATRIX_PRODUCTS and any(t.is_floating_point() for t in tensors):
             self.seen.append(f"aten.{name} on {' x '.join(f'{str(t.dtype)[6:]} {list(t.shape)}' for t in tensors)}")
-        return func(*args, **(kwargs or {}))
+        elif name in ("mul", "mul_") and _is_float(out) and self.outer <= out.numel() > max(t.numel() for t in tensors):
+            self.seen.append(f"aten.{name} broadcast to {str(out.dtype)[6:]} {list(out.shape)}, then summed")
+        return out
 
 
 class Traced:
@@ -1347,7 +1358,10 @@ class watching_products:  # noqa: N801 (used as a function)
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args):
-        with FloatProducts() as products:
+        x, q = (args + (None, None))[:2]
+        tensors = isinstance(x, Tensor) and isinstance(q, Tensor) and q.dim() == 2 and q.shape[1] > 1
+        outer = x.numel() * q.shape[0] if tensors else math.inf  # M · N · K numbers: the products of x and q
+        with FloatProducts(outer) as products:
             result = self.fn(*args)
         return Traced(result, products.seen)
 
