@@ -467,11 +467,27 @@ def test_refused_requests_leave_the_engine_serving_the_others():
         ("max_num_seqs", True),
         ("num_blocks", "8"),
         ("max_num_batched_tokens", -3),
+        ("kv_cache_memory", 0),
+        ("kv_cache_memory", 1.5e6),
     ],
 )
 def test_bad_engine_arguments_are_refused(name, value):
     with pytest.raises(ValueError, match=rf"{name} must be an integer >= 1, got {value!r}"):
         LLMEngine(tiny_model(0), **{name: value})
+
+
+def test_kv_cache_memory_sizes_the_pool_by_chapter_06s_count():
+    model = tiny_model(0)
+    cfg = model.config
+    block = 2 * cfg.n_layer * cfg.n_embd * 4 * 4  # keys and values of 4 positions in float32, bytes
+    engine = LLMEngine(model, block_size=4, kv_cache_memory=37 * block + block - 1)
+    pool = sum(t.numel() * t.element_size() for t in engine.cache.k + engine.cache.v)
+    assert engine.blocks.num_blocks == 37 and pool == 37 * block
+    assert engine.generate([[5, 6, 7]], max_new_tokens=6, **COMMON) == [alone(model, [5, 6, 7], dict(max_new_tokens=6))]
+    with pytest.raises(ValueError, match=rf"hold no block of 4 positions \(a block's keys and values take {block}"):
+        LLMEngine(model, block_size=4, kv_cache_memory=block - 1)
+    with pytest.raises(ValueError, match="give num_blocks or kv_cache_memory, not both"):
+        LLMEngine(model, num_blocks=8, kv_cache_memory=10**6)
 
 
 def test_generate_refuses_bad_arrivals_and_settings_before_running_anything():

@@ -22,6 +22,7 @@ import torch
 
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
+from llmcourse.engine.roofline import max_sequences
 from llmcourse.engine.sampling import Sampler, SamplingParams
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.tokenizer import get_tokenizer
@@ -49,7 +50,9 @@ class LLMEngine:
     """Continuous batching over a paged KV cache for `model` (an `llmcourse.GPT2`).
 
     block_size: positions per block. num_blocks: blocks in the pool (None: room for `max_num_seqs`
-    requests of 256 tokens, and at least one of the model's longest). max_num_seqs: requests running at
+    requests of 256 tokens, and at least one of the model's longest). kv_cache_memory: bytes for the pool
+    instead (as vLLM sizes it from the memory left next to the weights): as many blocks as fit, counted by
+    chapter 06's `max_sequences` with a block as a sequence of `block_size` positions. max_num_seqs: requests running at
     once. max_num_batched_tokens: tokens computed per step (decodes plus prefill chunks); a longer
     prompt is prefilled in chunks over several steps. prefix_caching: share the blocks of common
     prefixes. partition_size: positions of context a decode step attends to as one partition (rounded down to
@@ -64,6 +67,7 @@ class LLMEngine:
         *,
         block_size: int = 16,
         num_blocks: Optional[int] = None,
+        kv_cache_memory: Optional[int] = None,
         max_num_seqs: int = 32,
         max_num_batched_tokens: int = 512,
         prefix_caching: bool = True,
@@ -77,14 +81,26 @@ class LLMEngine:
             ("max_num_seqs", max_num_seqs),
             ("max_num_batched_tokens", max_num_batched_tokens),
             ("num_blocks", num_blocks),
+            ("kv_cache_memory", kv_cache_memory),
             ("partition_size", partition_size),
         ):
-            if not (value is None and name == "num_blocks") and (
+            if not (value is None and name in ("num_blocks", "kv_cache_memory")) and (
                 isinstance(value, bool) or not isinstance(value, int) or value < 1
             ):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         model, engines = as_model(model)  # my_engine()'s engine serves its model, with its functions
         cfg = model.config
+        if num_blocks is not None and kv_cache_memory is not None:
+            raise ValueError("give num_blocks or kv_cache_memory, not both: kv_cache_memory sets num_blocks")
+        if kv_cache_memory is not None:  # a block is a "sequence" of block_size positions (chapter 06's count)
+            element = torch.empty((), dtype=model.dtype).element_size()
+            num_blocks = max_sequences(kv_cache_memory, 0, cfg.n_layer, cfg.n_head, cfg.head_dim, block_size, element)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory={kv_cache_memory} bytes hold no block of {block_size} positions (a block's keys "
+                    f"and values take {2 * cfg.n_layer * cfg.n_embd * block_size * element} bytes); give more memory "
+                    "or a smaller block_size"
+                )
         if num_blocks is None:
             num_blocks = max(
                 max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
