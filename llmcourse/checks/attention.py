@@ -1088,12 +1088,20 @@ TILED_OUT_MISTAKES: list[Mistake] = [
 ]
 
 
+def _is_pair(got: Any) -> bool:
+    return isinstance(got, tuple) and len(got) == 2
+
+
+def _not_a_pair(got: Any) -> Verdict:
+    """The verdict on a result that is not the (out, lse) pair tiled_attention and merge_attention return."""
+    items = f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""
+    return f"expected a tuple (out, lse), got {type(got).__name__}{items}", "return out, lse"
+
+
 def _judge_tiled(case: Case, got: Any) -> Verdict:
     out, lse = case.expected
-    if not (isinstance(got, tuple) and len(got) == 2):
-        return f"expected a tuple (out, lse), got {type(got).__name__}" + (
-            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""
-        ), "return out, lse"
+    if not _is_pair(got):
+        return _not_a_pair(got)
     atol, rtol = _tolerance(out.dtype, loose=True)
     problem = tensor_problem(got[0], out, atol=atol, rtol=rtol)
     if problem:
@@ -1367,10 +1375,8 @@ def _merge_tolerance(case: Case) -> tuple[float, float, float]:
 
 def _judge_merge(case: Case, got: Any) -> Verdict:
     out, lse = case.expected
-    if not (isinstance(got, tuple) and len(got) == 2):
-        return f"expected a tuple (out, lse), got {type(got).__name__}" + (
-            f" of {len(got)} items" if isinstance(got, (tuple, list)) else ""
-        ), "return out, lse"
+    if not _is_pair(got):
+        return _not_a_pair(got)
     atol_out, atol_lse, rtol = _merge_tolerance(case)
     problem = tensor_problem(got[0], out, atol=atol_out, rtol=rtol)
     if problem:
