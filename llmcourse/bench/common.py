@@ -26,7 +26,7 @@ import torch
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import load_model, save_model
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.roofline import decode_bound, model_decode_step
+from llmcourse.engine.roofline import model_decode_step, roofline_time
 
 CONFIGS = {
     "gpt2": GPT2Config(),
@@ -197,8 +197,8 @@ def roofline(
     bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1
 ) -> tuple[float, str]:
     """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds), from the engine's
-    `decode_bound`."""
-    seconds, bound_is = decode_bound(step_flops, step_bytes, matmul, bandwidth)
+    `roofline_time`."""
+    seconds, bound_is, _, _ = roofline_time(step_flops, step_bytes, matmul, bandwidth)
     return batch / seconds, bound_is
 
 

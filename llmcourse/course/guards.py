@@ -19,6 +19,7 @@ shape, dtype or range, stops the run with a `PartError` naming the slot, its inp
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from typing import Callable, Optional
 
@@ -27,7 +28,7 @@ from torch import Tensor
 
 from llmcourse.engine.parts import Parts, attention_causal_by_default, attention_with_softmax
 from llmcourse.engine.quantize import GROUP_SIZE, Quantization, dequantize_int4, quantize_int4
-from llmcourse.engine.roofline import Roofline
+from llmcourse.engine.roofline import Roofline, RooflineTime, StepCost
 from llmcourse.engine.sampling import PROCESSORS, Sampler
 from llmcourse.engine.slots import PartError, Slots
 from llmcourse.engine.speculative import Speculation, verify
@@ -240,23 +241,59 @@ class GuardedCache:
         self._remember_addresses()
 
 
-def guarded_roofline(name: str, fn: Callable) -> Callable:
-    """A learner's chapter 06 formula: `decode_step` returns (flops, bytes), `max_sequences` a whole number >= 0."""
-    call = raising_part(fn, name, "06")
+def _roofline_output(name: str, out) -> tuple[object, str]:
+    """(the output as the engine's own returns it, or None; what was expected) for a roofline slot."""
 
     def real(x) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+    def numbers_of(n: int) -> Optional[tuple]:
+        ok = isinstance(out, (tuple, list)) and len(out) == n and all(real(x) for x in out)
+        return tuple(float(x) for x in out) if ok else None
+
+    if name == "decode_step":
+        return numbers_of(2), "(flops, bytes), two numbers >= 0"
+    if name == "utilization":
+        return numbers_of(2), "(mbu, mfu), two numbers >= 0"
+    if name == "step_cost":
+        got = numbers_of(4)
+        return (
+            StepCost(*got) if got else None
+        ), "(flops, weight bytes, KV-cache bytes, activation bytes), numbers >= 0"
+    if name == "roofline_time":
+        ok = isinstance(out, (tuple, list)) and len(out) == 4 and out[1] in ("memory", "compute")
+        ok = ok and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (out[0], out[2], out[3]))
+        expected = '(seconds, "memory" or "compute", intensity, ridge)'
+        return (RooflineTime(float(out[0]), out[1], float(out[2]), float(out[3])) if ok else None), expected
+    if name == "gpu_roof":
+        ok = isinstance(out, (tuple, list)) and len(out) == 2 and real(out[1]) and (out[0] is None or real(out[0]))
+        return ((None if out[0] is None else float(out[0]), float(out[1])) if ok else None), (
+            "(peak FLOP/s, bandwidth in bytes/s), numbers > 0"
+        )
+    if name == "critical_batch":
+        if out is None:
+            return None, ""  # no batch is compute-bound: None is the answer itself
+        ok = real(out) and out >= 1 and out == int(out)
+        return (int(out) if ok else None), "a whole batch size >= 1, or None"
+    ok = real(out) and out == int(out)  # max_sequences, matrix_bytes
+    return (int(out) if ok else None), "a whole number >= 0"
+
+
+def guarded_roofline(name: str, fn: Callable) -> Callable:
+    """A learner's roofline formula (chapter 06's `decode_step`, `max_sequences`; chapter 10's others): its output
+    checked and returned as the engine's own returns it (`StepCost`, `RooflineTime`, plain numbers)."""
+    chapter = "06" if name in ("decode_step", "max_sequences") else "10"
+    call = raising_part(fn, name, chapter)
 
     @functools.wraps(fn)
-    def checked(*args):
-        out = call(*args)
-        if name == "decode_step":
-            if isinstance(out, (tuple, list)) and len(out) == 2 and all(real(x) and x >= 0 for x in out):
-                return float(out[0]), float(out[1])
-            part_failed(name, fn, f"returned {out!r:.80}; expected (flops, bytes), two numbers >= 0", "06")
-        if real(out) and out >= 0 and out == int(out):
-            return int(out)
-        part_failed(name, fn, f"returned {out!r:.80}; expected a whole number of sequences >= 0", "06")
+    def checked(*args, **kwargs):
+        out = call(*args, **kwargs)
+        if name == "critical_batch" and out is None:
+            return None
+        got, expected = _roofline_output(name, out)
+        if got is None:
+            part_failed(name, fn, f"returned {out!r:.80}; expected {expected}", chapter)
+        return got
 
     return checked
 
