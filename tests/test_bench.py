@@ -18,6 +18,7 @@ from llmcourse.bench.common import decode_step_cost, roofline
 from llmcourse.bench.speed import FIGURES
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import resolve_device
+from llmcourse.engine.roofline import FLOAT_BYTES, ModelShape, gpu_roof, step_cost
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).
@@ -116,6 +117,9 @@ def check_run(
     if not compiled:  # the bound of a batch counts the weights once and each row's cache and arithmetic
         one, two = r["batching"]["1"], r["batching"]["2"]
         assert two["bound_tokens_per_s"] > one["bound_tokens_per_s"] or two["bound_is"] == "compute"
+    check_utilization(r, r["utilization"]["measured"])
+    assert re.search(r"^ +decode, batch 1, engine +\d[\d.]*% +\d[\d.]*%$", done.stdout, re.M), done.stdout
+    assert "MBU" in done.stdout and "MFU" in done.stdout
     ratios = {"decode_roofline_fraction", "kv_cache_speedup_16", "kv_cache_speedup_32"}
     ratios |= {"decode_compiled_roofline_fraction"} if compiled else {"batch_2_vs_batch_1"}
     ratios |= (
@@ -134,6 +138,65 @@ def check_run(
         assert 600 <= width <= 1200 and 0.5 < height / width < 1, (name, width, height)
         assert str(out / name) in done.stdout
     assert not (out / "bench.png").exists()
+
+
+def check_utilization(r: dict, u: dict) -> None:
+    """MBU and MFU of every decode and prefill row are its bytes and FLOPs over the time a step took, over the
+    bandwidth and peak they are of (`u`): recomputed here from the stored figures, to float rounding."""
+    bandwidth, peak = u["bandwidth_GBps"] * 1e9, u["peak_GFLOPs"] * 1e9
+    if u is r["utilization"]["measured"]:
+        assert (u["bandwidth_GBps"], u["peak_GFLOPs"]) == (
+            r["roofline"]["bandwidth_GBps"],
+            r["roofline"]["matmul_GFLOPs"],
+        )
+    rf = r["roofline"]
+    assert set(u["decode"]) == set(r["decode"])
+    for name, speed in r["decode"].items():  # batch 1: a step per token
+        seconds = 1 / speed
+        assert u["decode"][name]["MBU"] == pytest.approx(rf["decode_step_MB"] * 1e6 / seconds / bandwidth, rel=1e-12)
+        assert u["decode"][name]["MFU"] == pytest.approx(rf["decode_step_GFLOP"] * 1e9 / seconds / peak, rel=1e-12)
+        # memory-bound at batch 1: MBU is the fraction of the roofline
+        if rf["bound_is"] == "memory" and name != "transformers":
+            assert u["decode"][name]["MBU"] == pytest.approx(rf[f"{name}_fraction"], rel=1e-9)
+    shape, dtype = ModelShape.of(GPT2Config(**r["config"])), r["dtype"]
+    assert set(u["prefill"]) == set(r["prefill"])
+    for n, row in r["prefill"].items():
+        flops = step_cost(shape, 1, int(n), 0, weights=dtype, dtype=dtype).flops
+        assert r["prefill_GFLOP"][n] * 1e9 == pytest.approx(flops, rel=1e-12)
+        for name, speed in row.items():
+            assert set(u["prefill"][n][name]) == {"MFU"}
+            assert u["prefill"][n][name]["MFU"] == pytest.approx(flops / (int(n) / speed) / peak, rel=1e-12)
+    assert set(u["batching"]) == set(r["batching"])
+    for b, row in r["batching"].items():
+        # TINY's decode steps: a 16-token prompt, then 8 and 16 steps (the middle of the second half, 28 cached)
+        nbytes, flops = decode_step_cost(GPT2Config(**r["config"]), 16 + 3 * 8 // 2, FLOAT_BYTES[dtype], int(b))
+        assert (row["step_MB"] * 1e6, row["step_GFLOP"] * 1e9) == pytest.approx((nbytes, flops), rel=1e-12)
+        for name, figures in u["batching"][b].items():
+            seconds = int(b) / row[name]  # a step makes a token for each of the b rows
+            assert figures["MBU"] == pytest.approx(row["step_MB"] * 1e6 / seconds / bandwidth, rel=1e-12)
+            assert figures["MFU"] == pytest.approx(row["step_GFLOP"] * 1e9 / seconds / peak, rel=1e-12)
+            assert 0 < figures["MBU"] < 100 and 0 < figures["MFU"] < 100
+
+
+def test_utilization_against_a_datasheet():
+    """On a card of `GPUS`, `bench` also reports MBU and MFU against its datasheet: the same formula, other
+    roofs (no GPU needed to check the arithmetic and the table)."""
+    r = {
+        "decode": {"engine": 2000.0, "transformers": 1000.0},
+        "roofline": {"decode_step_MB": 250.0, "decode_step_GFLOP": 0.25, "bound_is": "memory"},
+        "prefill": {"128": {"engine": 50_000.0}},
+        "prefill_GFLOP": {"128": 32.0},
+        "batching": {"1": {"engine": 1800.0, "step_MB": 250.0, "step_GFLOP": 0.25}},
+    }
+    peak, bandwidth = gpu_roof("H100 SXM")
+    u = {"card": "H100 SXM", "peak_GFLOPs": peak / 1e9, "bandwidth_GBps": bandwidth / 1e9}
+    u.update(bench.utilizations(r, peak, bandwidth))
+    assert u["decode"]["engine"]["MBU"] == pytest.approx(2000 * 250e6 / 3.35e12)  # 15 %
+    assert u["prefill"][128]["engine"]["MFU"] == pytest.approx(32e9 * 50_000 / 128 / 989e12)  # 1.3 %
+    measured = {"peak_GFLOPs": 400e3, "bandwidth_GBps": 2500.0, **bench.utilizations(r, 400e12, 2500e9)}
+    lines = bench.utilization_table({"measured": measured, "datasheet": u})
+    assert "of H100 SXM (datasheet): 3350 GB/s, 989 TFLOP/s" in "\n".join(lines)
+    assert re.search(r"decode, batch 1, engine +20% +0\.12% +15% +0\.051%$", "\n".join(lines), re.M), lines
 
 
 def test_the_documentation_shows_the_commands_tested_here():

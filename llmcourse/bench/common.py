@@ -42,7 +42,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+def run_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> list[float]:
+    """Seconds of each of `repeats` calls of `fn`, the device synchronized around each."""
     times = []
     for _ in range(repeats):
         sync(device)
@@ -50,7 +51,11 @@ def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device)
         fn()
         sync(device)
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, device: torch.device) -> float:
+    return statistics.median(run_seconds(fn, repeats, device))
 
 
 # ------------------------------------------------------------------------------------------------ machine
@@ -155,21 +160,37 @@ def describe_machine(m: dict) -> str:
 # ----------------------------------------------------------------------------------------------- roofline
 
 
-def measure_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
-    """Bytes per second read from memory by summing a large array, as decode streams its weights.
+def bandwidth_runs(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> list[float]:
+    """Bytes per second read from memory in each of `repeats` sums of a large array, as decode streams its weights:
+    the best and the spread of the runs say how steady the machine is; `measure_bandwidth` takes their median.
 
     The array must be far bigger than the last-level cache: `speed.run` and `quantize.run` pass at least 4x its
-    size."""
+    size.
+
+        >>> runs = bandwidth_runs(torch.device("cpu"), megabytes=8, repeats=3)
+        >>> len(runs), all(r > 0 for r in runs)
+        (3, True)
+    """
     x = torch.ones(megabytes * 2**20 // 4, device=device)
-    seconds = median_seconds(lambda: x.sum(), repeats, device)
-    return x.numel() * 4 / seconds
+    return [x.numel() * 4 / s for s in run_seconds(lambda: x.sum(), repeats, device)]
 
 
-def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
-    """FLOP/s of a large square matrix product, at most `size` wide.
+def measure_bandwidth(device: torch.device, megabytes: int = 1024, repeats: int = 5) -> float:
+    """Bytes per second read from memory: the median of `bandwidth_runs`."""
+    return statistics.median(bandwidth_runs(device, megabytes, repeats))
+
+
+def matmul_runs(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> list[float]:
+    """FLOP/s of each of `repeats` products of two square matrices, at most `size` wide; `measure_matmul` takes
+    their median.
 
     The size doubles from 256 while a product takes under 50 ms: on a CPU without native float16
-    arithmetic a 2048-wide float16 product takes minutes."""
+    arithmetic a 2048-wide float16 product takes minutes.
+
+        >>> runs = matmul_runs(torch.device("cpu"), torch.float32, size=256, repeats=3)
+        >>> len(runs), all(r > 0 for r in runs)
+        (3, True)
+    """
     n = 256
     while True:
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
@@ -177,8 +198,12 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, r
             break
         n *= 2
     a @ b
-    seconds = median_seconds(lambda: a @ b, repeats, device)
-    return 2 * n**3 / seconds
+    return [2 * n**3 / s for s in run_seconds(lambda: a @ b, repeats, device)]
+
+
+def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of a large square matrix product: the median of `matmul_runs`."""
+    return statistics.median(matmul_runs(device, dtype, size, repeats))
 
 
 def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, batch: int = 1) -> tuple[float, float]:

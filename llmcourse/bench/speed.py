@@ -10,7 +10,10 @@ weights, and against this machine's limits.
   decode step, the bound they put on decode tokens/s, and the engine's fraction of it;
 - the KV cache: time per token at several context lengths, with the cache and with full recompute;
 - batching: decode tokens/s at several batch sizes (prefill excluded), eager and compiled, against
-  each one's roofline.
+  each one's roofline;
+- MBU and MFU (the engine's `roofline.utilization`) of every decode and prefill row: the bytes a step moves per
+  second over the measured bandwidth, its FLOP/s over the measured matmul throughput; on a card of the engine's
+  `GPUS`, also over its datasheet figures.
 
 On a GPU (`--device cuda`, the default when there is one) every row runs there.
 
@@ -39,6 +42,7 @@ from tqdm import tqdm
 
 from llmcourse.engine.generate import CompileError, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
+from llmcourse.engine.roofline import ModelShape, card_of, gpu_roof, step_cost, utilization
 
 from .common import (
     COMPILED,
@@ -196,9 +200,14 @@ def run(
     for b in batch_sizes:
         progress(f"batched decode, batch {b}")
         rows = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
-        step_cost = decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b)
-        bound, bound_is = roofline(bandwidth, flops, *step_cost, b)
-        results["batching"][b] = {"bound_tokens_per_s": bound, "bound_is": bound_is}
+        b_bytes, b_flops = decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b)
+        bound, bound_is = roofline(bandwidth, flops, b_bytes, b_flops, b)
+        results["batching"][b] = {
+            "bound_tokens_per_s": bound,
+            "bound_is": bound_is,
+            "step_MB": b_bytes / 1e6,
+            "step_GFLOP": b_flops / 1e9,
+        }
         for name, compiled in modes.items():  # one after the other: their weights compete for the cache
             seconds = interleaved({n: decode(rows, n, compiled) for n in (steps, 2 * steps)}, repeats, dev)
             if seconds[2 * steps] > seconds[steps]:
@@ -207,7 +216,57 @@ def run(
                 speed = b * 2 * steps / seconds[2 * steps]
             results["batching"][b][name] = speed
             results["batching"][b][f"{name}_fraction"] = speed / bound
+
+    # MBU and MFU: against what this run measured, and on a known card against its datasheet
+    name = str(dt).removeprefix("torch.")
+    results["prefill_GFLOP"] = {
+        n: step_cost(ModelShape.of(cfg), 1, n, 0, weights=name, dtype=name).flops / 1e9 for n in prefill_lens
+    }
+    results["utilization"] = {"measured": {"peak_GFLOPs": flops / 1e9, "bandwidth_GBps": bandwidth / 1e9}}
+    card = card_of(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
+    if card is not None:
+        peak, bw = gpu_roof(card)
+        results["utilization"]["datasheet"] = {"card": card, "peak_GFLOPs": peak / 1e9, "bandwidth_GBps": bw / 1e9}
+    for against in results["utilization"].values():
+        against.update(utilizations(results, against["peak_GFLOPs"] * 1e9, against["bandwidth_GBps"] * 1e9))
     return results
+
+
+def utilizations(r: dict, peak_flops: float, bandwidth: float) -> dict:
+    """MBU and MFU of every decode row (batch 1, and each batch size) and MFU of every prefill row of the results
+    `r`, against a machine's peak FLOP/s and bandwidth: each step's bytes and FLOPs (`decode_step_cost` for decode,
+    the engine's `step_cost` for prefill) over the time a step took, from the measured tokens/s.
+
+        >>> r = {"decode": {"engine": 40.0}, "roofline": {"decode_step_MB": 500.0, "decode_step_GFLOP": 0.25},
+        ...      "prefill": {}, "prefill_GFLOP": {}, "batching": {}}
+        >>> utilizations(r, peak_flops=200e9, bandwidth=25e9)["decode"]    # 40 steps/s x 500 MB, x 0.25 GFLOP
+        {'engine': {'MBU': 0.8, 'MFU': 0.05}}
+    """
+
+    def of(nbytes: float, flops: float, seconds: float) -> dict:
+        mbu, mfu = utilization(flops, nbytes, seconds, peak_flops, bandwidth)
+        return {"MBU": mbu, "MFU": mfu}
+
+    rf = r["roofline"]
+    step = rf["decode_step_MB"] * 1e6, rf["decode_step_GFLOP"] * 1e9
+    out: dict = {"decode": {name: of(*step, 1 / speed) for name, speed in r["decode"].items()}}
+    prefill_flops = {n: gflop * 1e9 for n, gflop in by_size(r["prefill_GFLOP"])}
+    out["prefill"] = {  # compute-bound: judged by its FLOPs alone (MFU)
+        n: {
+            name: {"MFU": utilization(prefill_flops[n], 0, n / speed, peak_flops, bandwidth)[1]}
+            for name, speed in v.items()
+        }
+        for n, v in by_size(r["prefill"])
+    }
+    out["batching"] = {
+        b: {
+            name: of(v["step_MB"] * 1e6, v["step_GFLOP"] * 1e9, b / v[name])
+            for name in ("engine", "engine_compiled")
+            if name in v
+        }
+        for b, v in by_size(r["batching"])
+    }
+    return out
 
 
 def by_size(d: dict) -> list[tuple[int, dict]]:
@@ -287,12 +346,62 @@ def table(r: dict) -> str:
             + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})" for label, s, s1 in speeds)
             + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s"
         )
+    if "utilization" in r:
+        lines += utilization_table(r["utilization"])
     if "cuda_skipped" in r:
         lines.append(
             f"  CUDA rows (all of the above on a GPU, and decode with torch.compile + CUDA graphs): "
             f"skipped, {r['cuda_skipped']}"
         )
     return "\n".join(lines)
+
+
+def percent(x: float) -> str:
+    """A fraction as a percentage, two significant digits below 10 % (MFU of a decode step is often well under
+    1 %), and "<0.01%" below that.
+
+    >>> percent(0.7712), percent(0.0123), percent(0.00045), percent(1.05), percent(4e-6)
+    ('77%', '1.2%', '0.045%', '105%', '<0.01%')
+    """
+    if x < 1e-4:
+        return "<0.01%"
+    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
+
+
+def utilization_table(u: dict) -> list[str]:
+    """The table's MBU and MFU lines: one row per decode and prefill row, a pair of columns per machine figure
+    they are measured against (this run's measurements; a known card's datasheet)."""
+    against = {"measured": "of measured"} | ({"datasheet": f"of {u['datasheet']['card']}"} if "datasheet" in u else {})
+    m = u["measured"]
+    names = {"engine": "engine", "engine_compiled": "compiled", "transformers": "transformers"}
+    rows = [(f"decode, batch 1, {names[n]}", ("decode", n)) for n in m["decode"]]
+    rows += [(f"prefill, {n} tokens, {names[k]}", ("prefill", n, k)) for n, v in by_size(m["prefill"]) for k in v]
+    batch_names = {"engine": "eager", "engine_compiled": "compiled"}
+    rows += [(f"batch {b}, {batch_names[k]}", ("batching", b, k)) for b, v in by_size(m["batching"]) for k in v]
+    width = max(len(label) for label, _ in rows)
+
+    def cell(figures: dict, path: tuple) -> dict:
+        for key in path:  # keys are ints as `run` returns them, strings once read back from JSON
+            figures = figures[key] if key in figures else figures[str(key)]
+        return figures
+
+    lines = ["  MBU = bytes moved per second / bandwidth, MFU = FLOP/s / peak, of the figures:"]
+    for k, label in against.items():
+        peak = u[k]["peak_GFLOPs"]
+        peak_text = f"{peak:.0f} GFLOP/s" if peak < 1e4 else f"{peak / 1e3:.0f} TFLOP/s"
+        source = " (datasheet)" if k == "datasheet" else " (this run)"
+        lines.append(f"    {label}{source}: {u[k]['bandwidth_GBps']:.4g} GB/s, {peak_text}")
+    lines += [
+        f"    {'':<{width}}" + "".join(f"{label:>18}" for label in against.values()),
+        f"    {'':<{width}}" + f"{'MBU':>9}{'MFU':>9}" * len(against),
+    ]
+    for label, path in rows:
+        cells = [cell(u[k], path) for k in against]
+        lines.append(
+            f"    {label:<{width}}"
+            + "".join(f"{percent(c['MBU']) if 'MBU' in c else '-':>9}{percent(c['MFU']):>9}" for c in cells)
+        )
+    return lines
 
 
 # One figure per measurement, each readable on a phone (about 400 px wide): `common.STYLE`.
