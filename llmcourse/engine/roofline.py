@@ -139,6 +139,7 @@ SHAPES = {
     "Llama-2-7B": ModelShape(32, 4096, 32, 32, 128, 11008, 32000, "swiglu", tied=False),
     "Llama-3-8B": ModelShape(32, 4096, 32, 8, 128, 14336, 128256, "swiglu", tied=False),
     "Llama-3-70B": ModelShape(80, 8192, 64, 8, 128, 28672, 128256, "swiglu", tied=False),
+    "Llama-3.2-1B": ModelShape(16, 2048, 32, 8, 64, 8192, 128256, "swiglu"),
 }
 
 
