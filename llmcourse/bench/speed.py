@@ -360,12 +360,12 @@ def percent(x: float) -> str:
     """A fraction as a percentage, two significant digits below 10 % (MFU of a decode step is often well under
     1 %), and "<0.01%" below that.
 
-    >>> percent(0.7712), percent(0.0123), percent(0.00045), percent(1.05), percent(4e-6)
-    ('77%', '1.2%', '0.045%', '105%', '<0.01%')
+    >>> percent(0.7712), percent(0.07), percent(0.0123), percent(0.00045), percent(1.05), percent(4e-6)
+    ('77%', '7.0%', '1.2%', '0.045%', '105%', '<0.01%')
     """
     if x < 1e-4:
         return "<0.01%"
-    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.2g}%"
+    return f"{x:.0%}" if x >= 0.1 else f"{100 * x:.1f}%" if x >= 0.01 else f"{100 * x:.2g}%"
 
 
 def utilization_table(u: dict) -> list[str]:
