@@ -13,6 +13,10 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
     )
 
+# Measurement cells of the notebooks (timings, bandwidth) measure less under test: `llmcourse.course.limits.quick`.
+# The kernels nbval starts, and the commands the tests run, inherit it; the published book is built without it.
+os.environ.setdefault("LLMCOURSE_QUICK", "1")
+
 import pytest  # noqa: E402
 
 

@@ -1,4 +1,5 @@
-"""`time_limit`: nestable time limits whose time-out (`TimeUp`) learner code cannot easily swallow.
+"""`time_limit`: nestable time limits whose time-out (`TimeUp`) learner code cannot easily swallow; `quick`:
+whether the notebooks' measurement cells run under the test suite, with less time to spend.
 
 One SIGALRM interval timer serves every active limit; the handler raises `TimeUp` in the code that
 runs, again every `REPEAT` seconds until the limit's block ends.
@@ -7,12 +8,24 @@ runs, again every `REPEAT` seconds until the limit's block ends.
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import threading
 import time
 
 from .failed import CheckFailed
+
+
+def quick() -> bool:
+    """True when the test suite runs the notebooks (the root conftest.py sets LLMCOURSE_QUICK=1, and the kernels
+    that nbval starts inherit it): measurement cells then measure fewer repeats and sizes, so that each takes a
+    second or two. The published book, built without it, and a learner's kernel measure fully.
+
+        >>> quick()  # doctests run under the test suite
+        True
+    """
+    return os.environ.get("LLMCOURSE_QUICK", "0") not in ("", "0")
 
 
 class TimeUp(BaseException):
