@@ -57,6 +57,14 @@ from .kv_cache import (
 )
 from .pipeline import check_top_k_next_tokens
 from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_smooth_scales
+from .roofline import (
+    check_critical_batch,
+    check_gpu_roof,
+    check_matrix_bytes,
+    check_roofline_time,
+    check_step_cost,
+    check_utilization,
+)
 from .sampling import (
     check_beam_search,
     check_greedy,
@@ -154,6 +162,12 @@ __all__ = [
     "check_quantize_int4",
     "check_int8_linear",
     "check_smooth_scales",
+    "check_gpu_roof",
+    "check_matrix_bytes",
+    "check_step_cost",
+    "check_roofline_time",
+    "check_critical_batch",
+    "check_utilization",
 ]
 
 

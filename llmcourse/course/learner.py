@@ -42,7 +42,7 @@ from .progress import (
 PART_SLOTS = Parts.slot_names()
 SAMPLER_SLOTS = Sampler.slot_names()
 CACHE_SLOTS = ("KVCache",)
-ROOFLINE_SLOTS = Roofline.slot_names()  # chapter 06's formulas: the benchmarks run decode_step, no generation does
+ROOFLINE_SLOTS = Roofline.slot_names()  # chapters 06 and 10: the benchmarks and `predict` run them, no generation
 BATCHING_SLOTS = ("left_pad", *Batching.slot_names())  # chapter 07: left_pad is generation's, the rest LLMEngine's
 SPECULATION_SLOTS = Speculation.slot_names()
 QUANTIZATION_SLOTS = Quantization.slot_names()
@@ -274,7 +274,7 @@ WHERE_USED = (
     ("speculative decoding", SPECULATION_SLOTS),
     ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "smooth_scales")),
     ("quantizing with a calibration (quantize_model(..., calibration=ids))", ("smooth_scales",)),
-    ("formulas: no generation runs them", ROOFLINE_SLOTS),
+    ("the roofline's formulas: `predict` and the benchmarks run them, no generation does", ROOFLINE_SLOTS),
 )
 
 

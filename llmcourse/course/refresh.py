@@ -12,7 +12,9 @@ its outputs in one canonical form:
 - a cell tagged `machine-dependent` (timings and other measurements that differ from run to run)
   keeps the outputs stored before, as long as its source is the one that made them (the cell's
   metadata `outputs_of` holds a hash of that source). The book executes every page when it is
-  built, so readers still see figures from the build.
+  built, so readers still see figures from the build;
+- a live ipywidgets tool is stored without its output and its widget state (new model ids every
+  run, and nothing to show without a kernel): the learner's kernel draws it when the cell runs.
 
 nbval compares the cells tagged `nbval-check-output` with these stored outputs.
 
@@ -29,6 +31,7 @@ import sys
 from pathlib import Path
 
 MACHINE_DEPENDENT = "machine-dependent"
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def merge_streams(outputs: list) -> list:
@@ -57,11 +60,12 @@ def source_hash(source: str) -> str:
 def canonical(nb, stored) -> None:
     """Put the freshly executed `nb` into its stored form; `stored` is the notebook as it was."""
     before = {cell.get("id"): cell for cell in stored.cells}
+    nb.metadata.pop("widgets", None)
     for cell in nb.cells:
         if cell.cell_type != "code":
             continue
         cell.metadata.pop("execution", None)
-        cell.outputs = merge_streams(cell.outputs)
+        cell.outputs = [o for o in merge_streams(cell.outputs) if WIDGET_VIEW not in o.get("data", {})]
         if MACHINE_DEPENDENT not in cell.metadata.get("tags", []):
             cell.metadata.pop("outputs_of", None)
             continue
