@@ -140,6 +140,12 @@ def _run_both(
     run_check(name, runner, more, forbid=forbid, success=f"✓ {name} — {len(cases) + len(more)} cases", **settings)
 
 
+def _predicted_with(name: str, fn: Callable, shape: ModelShape, machine: tuple, keywords: dict) -> Prediction:
+    """The engine's `predict` with the learner's function in slot `name`, called as the engine calls it (positionally,
+    through its guard)."""
+    return predict(shape, machine, **keywords, table=Roofline().replace(**{name: guard(name, fn)}))
+
+
 def _judge_prediction(got: Any, expected: Prediction, rel: float = REL_TOL) -> Optional[str]:
     """What differs between the engine's Prediction with the learner's function in it and the engine's own."""
     if not isinstance(got, Prediction):
@@ -680,10 +686,8 @@ def _judge_cost(case: Case, got: Any) -> Verdict:
 
 
 def _run_cost(fn: Callable, how: str, *args):
-    if how == "engine":  # predict runs the learner's step_cost as the engine does (positionally, through its guard)
-        shape, machine, keywords = args
-        table = Roofline().replace(step_cost=guard("step_cost", fn))
-        return predict(shape, machine, **keywords, table=table)
+    if how == "engine":
+        return _predicted_with("step_cost", fn, *args)
     return fn(*args)
 
 
@@ -879,8 +883,7 @@ def _judge_time(case: Case, got: Any) -> Verdict:
 
 def _run_time(fn: Callable, how: str, *args):
     if how == "engine":
-        shape, machine, keywords = args
-        return predict(shape, machine, **keywords, table=Roofline().replace(roofline_time=guard("roofline_time", fn)))
+        return _predicted_with("roofline_time", fn, *args)
     return fn(*args)
 
 
@@ -1203,8 +1206,7 @@ def _judge_use(case: Case, got: Any) -> Verdict:
 
 def _run_use(fn: Callable, how: str, *args):
     if how == "engine":
-        shape, machine, keywords = args
-        return predict(shape, machine, **keywords, table=Roofline().replace(utilization=guard("utilization", fn)))
+        return _predicted_with("utilization", fn, *args)
     return fn(*args)
 
 
