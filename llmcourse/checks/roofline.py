@@ -146,6 +146,15 @@ def _predicted_with(name: str, fn: Callable, shape: ModelShape, machine: tuple, 
     return predict(shape, machine, **keywords, table=Roofline().replace(**{name: guard(name, fn)}))
 
 
+def _engine_verdict(got: Any, expected: Prediction, part: Verdict) -> Verdict:
+    """The verdict on the engine's Prediction made with the learner's function: `part`, the slot's own verdict on
+    its piece of the prediction, said as the engine's; else whatever else differs from the engine's own."""
+    if part:
+        return f"in the engine's prediction, {part[0]}", part[1]
+    problem = _judge_prediction(got, expected)
+    return (problem, "") if problem else None
+
+
 def _judge_prediction(got: Any, expected: Prediction, rel: float = REL_TOL) -> Optional[str]:
     """What differs between the engine's Prediction with the learner's function in it and the engine's own."""
     if not isinstance(got, Prediction):
@@ -674,13 +683,11 @@ def _judge_cost(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
+        part = None
         if isinstance(got, Prediction):
             full = (shape, keywords["batch"], keywords["new_tokens"], keywords["context"])
-            verdict = _cost_verdict((*full, keywords["weights"], keywords["dtype"]), got.cost, case.expected.cost)
-            if verdict:
-                return f"in the engine's prediction, {verdict[0]}", verdict[1]
-        problem = _judge_prediction(got, case.expected)
-        return (problem, "") if problem else None
+            part = _cost_verdict((*full, keywords["weights"], keywords["dtype"]), got.cost, case.expected.cost)
+        return _engine_verdict(got, case.expected, part)
     full = (*args, "float16", "float16")[:6]
     return _cost_verdict(full, got, case.expected)
 
@@ -871,13 +878,10 @@ def _judge_time(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
+        part, cost = None, case.expected.cost
         if isinstance(got, Prediction):
-            cost = case.expected.cost
-            verdict = _time_verdict((cost.flops, cost.bytes, *machine), got.roof, case.expected.roof)
-            if verdict:
-                return f"in the engine's prediction, {verdict[0]}", verdict[1]
-        problem = _judge_prediction(got, case.expected)
-        return (problem, "") if problem else None
+            part = _time_verdict((cost.flops, cost.bytes, *machine), got.roof, case.expected.roof)
+        return _engine_verdict(got, case.expected, part)
     return _time_verdict(args, got, case.expected)
 
 
@@ -1190,17 +1194,14 @@ def _judge_use(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
+        part, cost = None, case.expected.cost
         if isinstance(got, Prediction) and got.mbu is not None:
-            cost = case.expected.cost
-            verdict = _use_verdict(
+            part = _use_verdict(
                 (cost.flops, cost.bytes, keywords["measured_seconds"], *machine),
                 (got.mbu, got.mfu),
                 (case.expected.mbu, case.expected.mfu),
             )
-            if verdict:
-                return f"in the engine's prediction, {verdict[0]}", verdict[1]
-        problem = _judge_prediction(got, case.expected)
-        return (problem, "") if problem else None
+        return _engine_verdict(got, case.expected, part)
     return _use_verdict(args, got, case.expected)
 
 

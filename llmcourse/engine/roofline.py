@@ -257,14 +257,14 @@ def step_cost(
     """
     B, T = batch, new_tokens
     rows, H, D, L = B * T, shape.n_head, shape.head_dim, shape.n_layer
-    size, act = FLOAT_BYTES[dtype], FLOAT_BYTES[dtype]
+    value = FLOAT_BYTES[dtype]  # activations and the cache are both in the model's dtype
     matrices = _matrices(shape)
     attended = T * context + T * (T + 1) // 2  # per sequence: sum over new positions of what each attends to
     flops = 2 * rows * sum(r * c for r, c in matrices) + 4 * L * H * D * B * attended
     weight_bytes = sum(matrix_bytes(r, c, weights, dtype) for r, c in matrices)
-    kv_per_position = 2 * L * shape.n_kv_head * D * size
+    kv_per_position = 2 * L * shape.n_kv_head * D * value
     kv_bytes = B * (context + 2 * T) * kv_per_position
-    activation_bytes = act * rows * (sum(r + c for r, c in matrices) + L * 2 * H * D)
+    activation_bytes = value * rows * (sum(r + c for r, c in matrices) + L * 2 * H * D)
     return StepCost(flops, weight_bytes, kv_bytes, activation_bytes)
 
 
