@@ -55,6 +55,14 @@ from .kv_cache import (
     check_kv_cache,
     check_max_sequences,
 )
+from .modern import (
+    check_llama_block,
+    check_load_llama_checkpoint,
+    check_qk_norm,
+    check_repeat_kv,
+    check_rms_norm,
+    check_swiglu,
+)
 from .pipeline import check_top_k_next_tokens
 from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_smooth_scales
 from .roofline import (
@@ -168,6 +176,12 @@ __all__ = [
     "check_roofline_time",
     "check_critical_batch",
     "check_utilization",
+    "check_rms_norm",
+    "check_swiglu",
+    "check_repeat_kv",
+    "check_qk_norm",
+    "check_llama_block",
+    "check_load_llama_checkpoint",
 ]
 
 

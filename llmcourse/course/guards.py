@@ -53,7 +53,10 @@ def _expected_shape(name: str, args: tuple) -> tuple:
     if name == "attention":
         q, v = args[0], args[2]
         return (*q.shape[:-1], v.shape[-1])
-    return tuple(args[0].shape)  # layer_norm, gelu, softmax keep their input's shape
+    if name == "repeat_kv":
+        B, H_kv, T, D = args[0].shape
+        return (B, H_kv * args[1], T, D)
+    return tuple(args[0].shape)  # layer_norm, gelu, softmax, rms_norm, swiglu, rope, llama_block keep x's shape
 
 
 def _float_dtype(args: tuple) -> torch.dtype:
@@ -141,7 +144,31 @@ def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
     return call
 
 
-# -- the forward pass (chapters 02-04) and the KV cache (chapter 06) ---------------------------------------
+# -- the forward pass (chapters 02-04, 11) and the KV cache (chapter 06) -------------------------------------
+
+
+def guarded_qk_norm(fn: Callable) -> Callable:
+    """A learner's `qk_norm` (chapter 11): a pair (q, k) of q's and k's shapes and dtypes, each checked."""
+    call = raising_part(fn, "qk_norm", "11")
+
+    @functools.wraps(fn)
+    def checked(q: Tensor, k: Tensor, *args, **kwargs):
+        out = call(q, k, *args, **kwargs)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            part_failed("qk_norm", fn, f"returned {type(out).__name__}; expected a pair (q, k) of tensors", "11")
+        for what, got, want in (("q", out[0], q), ("k", out[1], k)):
+            if not isinstance(got, Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+                shown = f"shape {tuple(got.shape)} dtype {got.dtype}" if isinstance(got, Tensor) else type(got).__name__
+                part_failed(
+                    "qk_norm",
+                    fn,
+                    f"returned {what} as {shown}; expected shape {tuple(want.shape)} dtype {want.dtype}\n"
+                    f"  called with: {_describe((q, k, *args))}",
+                    "11",
+                )
+        return out[0], out[1]
+
+    return checked
 
 
 class GuardedCache:
@@ -155,7 +182,8 @@ class GuardedCache:
 
     def __init__(self, cls: type, config, batch_size: int, max_len: int, *, device=None, dtype=torch.float32):
         self.where = getattr(cls, "__qualname__", repr(cls))
-        self.shape = (batch_size, config.n_head, max_len, config.head_dim)
+        n_kv_head = getattr(config, "n_kv_head", config.n_head)  # GQA: only the KV heads are cached
+        self.shape = (batch_size, n_kv_head, max_len, config.head_dim)
         self.cache = self._call("__init__", cls, config, batch_size, max_len, device=device, dtype=dtype)
         for name in ("k", "v"):
             tensors = getattr(self.cache, name, None)
@@ -701,6 +729,7 @@ def _result(
 # slot name -> guard(name, fn) -> the guarded function (slot names are unique across the engine's tables)
 GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     **{name: _result() for name in Parts.slot_names()},
+    "qk_norm": lambda name, fn: guarded_qk_norm(fn),
     **{name: _result(_sampler_output, _processor_contract) for name in Sampler.slot_names()},
     "KVCache": lambda name, cls: GuardedCache.of(cls),
     **{name: guarded_roofline for name in Roofline.slot_names()},
