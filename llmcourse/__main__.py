@@ -2,6 +2,7 @@
 
 $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
 $ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
+$ python -m llmcourse chat --model llama-shakespeare  # a conversation through the model's chat template
 $ python -m llmcourse progress [PATH]            # a learner's dashboard
 $ python -m llmcourse release                    # regenerate chapters/ from solutions/
 $ python -m llmcourse bench                      # engine vs transformers vs the roofline
@@ -13,19 +14,24 @@ $ python -m llmcourse bench --quantize           # float32 / int8 / int4 vs tran
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import sys
+
+import torch
 
 from .bench.command import main as bench
 from .course.learner import slots_used, your_pieces
 from .course.progress import default_folder, progress_lines
 from .engine.config import CheckpointError
 from .engine.generate import NUM_DRAFT_TOKENS, CompileError, stream
+from .engine.hf_tokenizer import ChatTemplateError, HFTokenizer, load_tokenizer
 from .engine.loading import load_model, save_model
 from .engine.quantize import resident_bytes
+from .engine.sampling import SamplingParams
 from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
-from .engine.tokenizer import TokenizerFileError, get_tokenizer
+from .engine.tokenizer import EOT_ID, TokenizerFileError
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -36,6 +42,8 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 TEMPERATURE = 0.8  # the command line samples by default (greedy with --num-beams > 1)
+CHAT_MODEL = "llama-shakespeare"  # the bundled chat model (its template makes a conversation a scene)
+EXIT = ("/exit", "/quit")
 
 # The library's keyword arguments and the flags that set them, to say errors in flag terms.
 FLAGS = {
@@ -80,76 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a bundled model (gpt2-shakespeare, gpt2-shakespeare-draft), a folder with config.json + "
         "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache",
     )
-    gen.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
-    gen.add_argument(
-        "--temperature",
-        type=float,
-        default=argparse.SUPPRESS,
-        metavar="T",
-        help=f"sampling temperature; 0 = greedy (always the most likely token) (default: {TEMPERATURE:g}, "
-        "or 0 with --num-beams > 1: beam search is greedy)",
-    )
-    gen.add_argument(
-        "--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off"
-    )
-    gen.add_argument(
-        "--top-p",
-        type=float,
-        default=1.0,
-        metavar="P",
-        help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off",
-    )
-    gen.add_argument(
-        "--min-p",
-        type=float,
-        default=0.0,
-        metavar="P",
-        help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 = off",
-    )
-    gen.add_argument(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        metavar="R",
-        help="> 1 makes tokens already in the text less likely; 1 = off",
-    )
-    gen.add_argument(
-        "--num-beams",
-        type=int,
-        default=1,
-        metavar="B",
-        help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
-    )
-    gen.add_argument(
-        "--length-penalty",
-        type=float,
-        default=1.0,
-        metavar="L",
-        help="beam search: finished beams score sum(logprob) / length**L",
-    )
-    gen.add_argument(
-        "--stop",
-        action="append",
-        default=[],
-        metavar="TEXT",
-        help="stop before this text (repeat the option for several)",
-    )
-    gen.add_argument("--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text")
-    gen.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
-    gen.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision")
-    gen.add_argument(
-        "--quantize",
-        choices=["int8", "int4"],
-        default=None,
-        help="weights in 8 bits (a scale per output row) or 4 bits (groups of 32, Q4_0): less memory, "
-        "faster decoding; a model folder saved quantized loads as it is",
-    )
-    gen.add_argument(
-        "--compile",
-        action="store_true",
-        help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
-        "compiling takes a while before the first token",
-    )
+    add_settings(gen)
     gen.add_argument(
         "--draft",
         metavar="MODEL",
@@ -174,6 +113,22 @@ def build_parser() -> argparse.ArgumentParser:
         "the saved notebooks) wherever their checks pass, the engine's own elsewhere (notices on "
         "stderr say which)",
     )
+    chat = commands.add_parser(
+        "chat",
+        help="talk with a chat model in the terminal",
+        description="A conversation with a chat model: each line you type (stdin) is your turn, the model's "
+        "reply streams to stdout; the whole conversation goes through the model's chat template each turn. "
+        "/exit or end of input (Ctrl+D) ends it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    chat.add_argument(
+        "--model",
+        default=CHAT_MODEL,
+        help="a model with a chat template (in tokenizer_config.json): a bundled one, a folder as transformers' "
+        "save_pretrained writes it, or a Hugging Face Hub name taken from the local cache",
+    )
+    chat.add_argument("--system", metavar="TEXT", default=None, help="a system message to open the conversation")
+    add_settings(chat)
     prog = commands.add_parser(
         "progress",
         help="your dashboard: which exercises pass, with points",
@@ -279,6 +234,85 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_settings(parser: argparse.ArgumentParser) -> None:
+    """The flags of generation's settings (sampling, length, stop, seed, device, precision), for `generate`
+    and `chat` alike."""
+    parser.add_argument("--max-new-tokens", type=int, default=100, metavar="N", help="generate at most N tokens")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=argparse.SUPPRESS,
+        metavar="T",
+        help=f"sampling temperature; 0 = greedy (always the most likely token) (default: {TEMPERATURE:g}, "
+        "or 0 with --num-beams > 1: beam search is greedy)",
+    )
+    parser.add_argument(
+        "--top-k", type=int, default=0, metavar="K", help="sample only from the K most likely tokens; 0 = off"
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        metavar="P",
+        help="sample only from the most likely tokens whose probabilities sum to P, in (0, 1]; 1 = off",
+    )
+    parser.add_argument(
+        "--min-p",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely one, in [0, 1]; 0 = off",
+    )
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        metavar="R",
+        help="> 1 makes tokens already in the text less likely; 1 = off",
+    )
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        metavar="B",
+        help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
+    )
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=1.0,
+        metavar="L",
+        help="beam search: finished beams score sum(logprob) / length**L",
+    )
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop before this text (repeat the option for several)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="random seed: the same seed gives the same text"
+    )
+    parser.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "float16", "bfloat16"], help="weight precision"
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=["int8", "int4"],
+        default=None,
+        help="weights in 8 bits (a scale per output row) or 4 bits (groups of 32, Q4_0): less memory, "
+        "faster decoding; a model folder saved quantized loads as it is",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
+        "compiling takes a while before the first token",
+    )
+
+
 def draft_tokens(text: str):
     """--num-draft-tokens: an integer (the library checks its range) or 'auto'."""
     if text == "auto":
@@ -354,14 +388,16 @@ def run_generate(args: argparse.Namespace) -> int:
         stats = SpeculationStats()
         settings |= dict(draft=args.draft, num_draft_tokens=args.num_draft_tokens, stats=stats)
     try:
-        tokenizer, yours = get_tokenizer(), None
+        tokenizer, yours = load_tokenizer(args.model), None
+        settings["eos_token_id"] = eos_of(tokenizer)
         if hasattr(args, "parts"):
             yours = your_pieces(
                 args.parts,
                 notify=lambda line: print(line, file=sys.stderr, flush=True),
                 uses=slots_used({**settings, "quantize": args.quantize}),
             )
-            tokenizer = yours.tokenizer
+            if not isinstance(tokenizer, HFTokenizer):  # chapter 01's tokenizer is GPT-2's
+                tokenizer = yours.tokenizer
         # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
         model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)
         if yours is not None:
@@ -393,6 +429,114 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def eos_of(tokenizer):
+    """The id(s) that end a reply: the model folder's (Llama 3 has several), or GPT-2's <|endoftext|>."""
+    ids = getattr(tokenizer, "eos_token_ids", None) or (EOT_ID,)
+    return ids[0] if len(ids) == 1 else tuple(ids)
+
+
+class Encoded:
+    """A tokenizer whose `encode` gives ids already made (the chat template's, BOS included once): `stream`
+    takes text and encodes it."""
+
+    def __init__(self, tokenizer, ids: list[int]):
+        self.tokenizer, self.ids = tokenizer, ids
+
+    def encode(self, text: str, **_) -> list[int]:
+        return self.ids
+
+    def __getattr__(self, name: str):
+        return getattr(self.tokenizer, name)
+
+
+def chat_ids(tokenizer: HFTokenizer, messages: list[dict], room: int) -> list[int]:
+    """The conversation's token ids, at most `room`: the oldest turns after the system message are forgotten
+    (removed from `messages`, with a notice) until it fits. A last message too long even alone is refused."""
+    first = 1 if messages[0]["role"] == "system" else 0
+    alone = len(tokenizer.encode_chat(messages[:first] + messages[-1:]))
+    if alone > room:
+        raise ValueError(
+            f"this message takes {alone} tokens in the chat template, but the model has room for {room} "
+            "(its positions less --max-new-tokens): shorten it or lower --max-new-tokens"
+        )
+    while len(ids := tokenizer.encode_chat(messages)) > room:
+        del messages[first : first + 2]  # one user turn and the reply to it
+        print("(the conversation no longer fits the model: its oldest turn is forgotten)", file=sys.stderr)
+    return ids
+
+
+def read_turn(interactive: bool):
+    """The user's next line, or None at the end of input."""
+    try:
+        return input("> ") if interactive else next(sys.stdin).rstrip("\n")
+    except (EOFError, StopIteration):
+        return None
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    def fail(message: str, code: int) -> int:
+        print(f"python -m llmcourse chat: error: {message}", file=sys.stderr)
+        return code
+
+    if any(not s for s in args.stop):
+        return fail("--stop needs a non-empty text", 2)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=getattr(args, "temperature", 0.0 if args.num_beams > 1 else TEMPERATURE),
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        num_beams=args.num_beams,
+        length_penalty=args.length_penalty,
+        stop=tuple(args.stop),
+    )
+    try:
+        params = SamplingParams(**settings)  # bad settings fail here, before the conversation starts
+        tokenizer = load_tokenizer(args.model)
+        if getattr(tokenizer, "chat_template", None) is None:
+            return fail(
+                f"{args.model} has no chat template (tokenizer_config.json's chat_template), so it cannot "
+                f"chat: use a chat model (--model {CHAT_MODEL}, or a folder of an instruct model), or continue "
+                "text with: python -m llmcourse generate --model MODEL PROMPT",
+                2,
+            )
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        params = dataclasses.replace(params, eos_token_id=eos_of(tokenizer))
+        generator = torch.Generator(device=model.device).manual_seed(args.seed)  # one for the whole conversation
+    except ValueError as err:  # CheckpointError is a ValueError too
+        return fail(in_flag_terms(str(err)), 1 if isinstance(err, CheckpointError) else 2)
+    except TokenizerFileError as err:
+        return fail(str(err), 1)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    room = model.config.n_positions - args.max_new_tokens
+    while (line := read_turn(interactive)) is not None and line.strip() not in EXIT:
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            ids = chat_ids(tokenizer, messages, room)
+            pieces = stream(model, Encoded(tokenizer, ids), line, params, generator=generator, compile=args.compile)
+            reply = ""
+            for piece in pieces:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+                reply += piece
+        except ChatTemplateError as err:
+            return fail(str(err), 1)
+        except CompileError as err:
+            return fail(str(err), 1)
+        except ValueError as err:  # this message alone is longer than the model can take: say so, go on
+            print(f"python -m llmcourse chat: {in_flag_terms(str(err))}", file=sys.stderr)
+            messages.pop()
+            continue
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     try:
         model = load_model(args.model, device="cpu", quantize=args.format)
@@ -414,6 +558,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "generate":
             return run_generate(args)
+        if args.command == "chat":
+            return run_chat(args)
         if args.command == "progress":
             return run_progress(args)
         if args.command == "quantize":

@@ -1,5 +1,7 @@
 """`python -m llmcourse generate`, run as a user runs it."""
 
+import io
+import json
 import re
 import shutil
 import subprocess
@@ -214,3 +216,117 @@ def test_num_draft_tokens_takes_auto_and_names_a_bad_word(capsys):
     code, text, err = run_here(capsys, *args, "--draft", "prompt-lookup", "--num-draft-tokens", "fast", "ROMEO:")
     assert code == 2 and text == "" and err.count("\n") == 1
     assert "--num-draft-tokens: expected a whole number of tokens or 'auto', got 'fast'" in err
+
+
+# -- chat ------------------------------------------------------------------------------------------------------
+
+SCENE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ m.content }}\n\n{% elif m.role == 'user' %}"
+    "ROMEO:\n{{ m.content }}\n\n{% else %}JULIET:\n{{ m.content }}\n\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}JULIET:\n{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def chat_folder(tmp_path_factory):
+    """gpt2-shakespeare as a chat model: its weights, GPT-2's tokenizer as tokenizer.json (built from the same
+    official files) and a chat template that makes a conversation a scene."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+    from llmcourse.engine.loading import MODELS_DIR
+    from llmcourse.engine.tokenizer import vocab_files
+
+    folder = tmp_path_factory.mktemp("chat")
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).symlink_to(MODELS_DIR / "gpt2-shakespeare" / name)
+    files = vocab_files()
+    tok = Tokenizer(models.BPE.from_file(str(files["encoder.json"]), str(files["vocab.bpe"])))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True, normalized=False)])
+    tok.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "chat_template": SCENE}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def chat_here(capsys, monkeypatch, lines: str, *args):
+    monkeypatch.setattr("sys.stdin", io.StringIO(lines))
+    return run_here(capsys, "chat", *args)
+
+
+def test_the_chat_tokenizer_is_gpt2s(chat_folder, tokenizer):
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    tok = load_tokenizer(chat_folder)
+    text = "ROMEO:\nBut soft! 🦙 <|endoftext|> what light"
+    assert tok.encode(text) == tokenizer.encode(text, allowed_special="all")
+    assert tok.eos_token_ids == (50256,)
+
+
+def test_chat_streams_replies_through_the_template_and_keeps_the_history(chat_folder, capsys, monkeypatch):
+    """Each reply is the model's greedy continuation of the whole conversation rendered by the chat template
+    (earlier replies as the assistant's turns), cut at --stop; /exit ends the conversation."""
+    from llmcourse import generate
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    args = ["--model", str(chat_folder), "--temperature", "0", "--max-new-tokens", "30", "--stop", "\n\n"]
+    args += ["--device", "cpu", "--system", "A street in Verona."]
+    code, out, err = chat_here(capsys, monkeypatch, "Good morrow, fair Juliet.\n\nWhat news?\n/exit\nnot read\n", *args)
+    assert code == 0, err
+    replies = out.split("\n")
+    assert len(replies) == 3 and replies[2] == "" and all(replies[:2]), out
+    model, tok = load_model(chat_folder, device="cpu"), load_tokenizer(chat_folder)
+    messages = [{"role": "system", "content": "A street in Verona."}]
+    for line, reply in zip(["Good morrow, fair Juliet.", "What news?"], replies):
+        messages.append({"role": "user", "content": line})
+        ids = tok.encode_chat(messages)
+        assert tok.decode(ids).endswith(f"ROMEO:\n{line}\n\nJULIET:\n")
+        expected = tok.decode(generate(model, ids, max_new_tokens=30, eos_token_id=50256))
+        assert reply == expected.split("<|endoftext|>")[0].split("\n\n")[0]
+        messages.append({"role": "assistant", "content": reply})
+
+
+def test_chat_ends_at_end_of_input_as_a_user_runs_it(chat_folder):
+    done = subprocess.run(
+        [sys.executable, "-m", "llmcourse", "chat", "--model", str(chat_folder), "--max-new-tokens", "8"],
+        input="Hello\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.endswith("\n") and done.stdout.strip(), done.stdout
+
+
+def test_chat_forgets_the_oldest_turns_when_the_model_is_full(chat_folder, capsys, monkeypatch):
+    """gpt2-shakespeare has 256 positions: each long turn pushes the one before out; a message longer than
+    the model can take is refused with a message, and the conversation goes on."""
+    long, too_long = "Speak, speak! " * 30, "Speak! " * 200
+    args = ["--model", str(chat_folder), "--max-new-tokens", "40", "--device", "cpu", "--temperature", "0"]
+    code, out, err = chat_here(capsys, monkeypatch, f"{long}\n{long}\n{too_long}\n{long}\n", *args, "--stop", "\n")
+    assert code == 0, err
+    assert out.count("\n") == 3 and err.count("oldest turn is forgotten") == 2, err
+    assert "but the model has room for 216 (its positions less --max-new-tokens): shorten it" in err, err
+
+
+def test_chat_needs_a_chat_template(small_folder, capsys, monkeypatch):
+    code, out, err = chat_here(capsys, monkeypatch, "Hello\n", "--model", str(small_folder))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "has no chat template" in err and "--model llama-shakespeare" in err and "generate" in err
+
+
+def test_chat_settings_errors_are_in_flag_terms(chat_folder, capsys, monkeypatch):
+    code, out, err = chat_here(capsys, monkeypatch, "Hello\n", "--model", str(chat_folder), "--top-p", "2")
+    assert code == 2 and err.count("\n") == 1 and "--top-p must be in (0, 1]" in err, err
+
+
+@pytest.mark.skipif(
+    not (Path(__file__).resolve().parents[1] / "llmcourse" / "models" / "llama-shakespeare").is_dir(),
+    reason="the bundled llama-shakespeare is not there yet",
+)
+def test_chat_with_the_bundled_modern_model(capsys, monkeypatch):
+    code, out, err = chat_here(capsys, monkeypatch, "Good morrow!\n", "--max-new-tokens", "20", "--device", "cpu")
+    assert code == 0, err
+    assert out.strip(), out
