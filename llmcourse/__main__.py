@@ -431,8 +431,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def eos_of(tokenizer):
     """The id(s) that end a reply: the model folder's (Llama 3 has several), or GPT-2's <|endoftext|>."""
-    ids = getattr(tokenizer, "eos_token_ids", None) or (EOT_ID,)
-    return ids[0] if len(ids) == 1 else tuple(ids)
+    ids = tuple(getattr(tokenizer, "eos_token_ids", None) or (EOT_ID,))
+    return ids[0] if len(ids) == 1 else ids
 
 
 class Encoded:

@@ -30,11 +30,12 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .loading import resolve_source
-from .tokenizer import EOT_ID, TokenizerFileError, get_tokenizer
+from .tokenizer import TokenizerFileError, get_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
 TEMPLATE_FILE = "chat_template.jinja"  # newer transformers save the template here rather than in the config
+FILES = (TOKENIZER_FILE, *CONFIG_FILES[:3], TEMPLATE_FILE)  # what a model's tokenizer needs from its folder
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 Message = dict  # {"role": "system" | "user" | "assistant" | ..., "content": str}
@@ -275,7 +276,7 @@ def load_tokenizer(source: Union[str, Path, None] = None):
     `HFTokenizer`, or, for a GPT-2 model without one (the bundled gpt2-shakespeare), GPT-2's tiktoken tokenizer.
 
         >>> load_tokenizer("gpt2-shakespeare").encode("ROMEO:")
-        [49, 2662, 13415, 25]
+        [33676, 4720, 25]
     """
     folder = Path(resolve_source("gpt2-shakespeare" if source is None else source))
     if (folder / TOKENIZER_FILE).exists():
@@ -287,8 +288,3 @@ def load_tokenizer(source: Union[str, Path, None] = None):
             f"{TOKENIZER_FILE} (and tokenizer_config.json) into the folder"
         )
     return get_tokenizer()
-
-
-def eos_token_ids(tokenizer) -> tuple[int, ...]:
-    """The ids that end a reply: the tokenizer's `eos_token_ids`, or GPT-2's <|endoftext|>."""
-    return tuple(getattr(tokenizer, "eos_token_ids", (EOT_ID,)))
