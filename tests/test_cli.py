@@ -265,6 +265,14 @@ def test_the_chat_tokenizer_is_gpt2s(chat_folder, tokenizer):
     assert tok.eos_token_ids == (50256,)
 
 
+def test_generate_uses_the_folders_tokenizer(chat_folder, capsys):
+    """gpt2-shakespeare's weights with GPT-2's tokenizer.json: the text of the bundled model with tiktoken."""
+    args = ["--max-new-tokens", "20", "--seed", "1", "--device", "cpu", "ROMEO: 🦙"]
+    code, ours, err = run_here(capsys, "generate", "--model", str(chat_folder), *args)
+    assert code == 0, err
+    assert (0, ours, "") == run_here(capsys, "generate", *args) and len(ours) > 20
+
+
 def test_chat_streams_replies_through_the_template_and_keeps_the_history(chat_folder, capsys, monkeypatch):
     """Each reply is the model's greedy continuation of the whole conversation rendered by the chat template
     (earlier replies as the assistant's turns), cut at --stop; /exit ends the conversation."""
