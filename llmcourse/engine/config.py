@@ -36,6 +36,16 @@ class GPT2Config:
     def head_dim(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def n_kv_head(self) -> int:
+        """Heads of keys and values: GPT-2 gives every query head its own."""
+        return self.n_head
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """Where generation stops by default: <|endoftext|>."""
+        return (50256,)
+
     @classmethod
     def small(cls) -> "GPT2Config":
         """The real GPT-2 124M configuration."""

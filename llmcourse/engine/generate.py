@@ -25,7 +25,7 @@ processors, `greedy`, `sample`), `kv_cache` (the KV cache class; a compiled step
 `KVCache`, which writes at a slot tensor), `left_pad` (a static batch's padding) and `speculation` (a
 `Speculation`: speculative decoding's rule, verify step, prompt lookup and round).
 
-`model` is an `llmcourse.GPT2` (`load_model(...)`), or an engine such as the one
+`model` is a model (`load_model(...)`: GPT-2 or the Llama family), or an engine such as the one
 `llmcourse.course.learner.my_engine()` returns: its model runs, with its `functions`.
 
     >>> ids = generate(model, tok.encode("ROMEO:"), max_new_tokens=20)            # doctest: +SKIP
@@ -41,8 +41,8 @@ import torch
 from torch import Tensor
 
 from . import padding
-from .model import GPT2
-from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams
+from .decoder import Decoder
+from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams, eos_ids
 from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
 from .tokenizer import EOT_ID, StreamDecoder
 
@@ -50,19 +50,19 @@ NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled dr
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
 
 
-def as_model(model) -> tuple[GPT2, dict]:
+def as_model(model) -> tuple[Decoder, dict]:
     """(the model generation runs, the functions it runs with): `model` itself and none of its own, or, for an
     engine such as `my_engine()`'s (an object with `.model` and `.functions`, a dict of the drivers' keywords:
     `sampler`, `kv_cache`, `left_pad`, `speculation`, `batching`), its model and its functions.
 
     Anything else is refused saying what to pass, rather than failing later on a missing attribute.
     """
-    if isinstance(model, GPT2):
+    if isinstance(model, Decoder):
         return model, {}
     inner = getattr(model, "model", None)
-    if isinstance(inner, GPT2):
+    if isinstance(inner, Decoder):
         return inner, dict(getattr(model, "functions", {}))
-    if hasattr(model, "config") and hasattr(model, "new_cache"):  # a GPT2 look-alike (duck typing is fine)
+    if hasattr(model, "config") and hasattr(model, "new_cache"):  # a model look-alike (duck typing is fine)
         return model, {}
     raise TypeError(
         f"expected a model (llmcourse.load_model(...)) or my_engine()'s engine, got {type(model).__name__}; "
@@ -76,7 +76,7 @@ def functions_of(engines: dict, **given) -> dict:
 
 
 def generate(
-    model: GPT2,
+    model: Decoder,
     prompt_ids: PromptIds,
     params: Optional[SamplingParams] = None,
     *,
@@ -106,7 +106,7 @@ def generate(
         prompt_ids = prompt_ids.tolist()
     single = len(prompt_ids) == 0 or isinstance(prompt_ids[0], int)
     batch = [list(prompt_ids)] if single else [list(p) for p in prompt_ids]
-    params = SamplingParams.of(params, **settings)
+    params = SamplingParams.of(params, **settings).for_model(model)
     if params.stop:
         raise ValueError("stop strings end a text: use stream or generate_text (generate returns token ids)")
     check_request(model, batch, params.max_new_tokens, params.eos_token_id)
@@ -161,12 +161,12 @@ def generate(
             left_pad=fns.get("left_pad"),
         )
         rows = torch.stack(list(steps), dim=1).tolist()  # one copy to the host, after the last step
-        out = [row[: row.index(eos_token_id) + 1] if eos_token_id in row else row for row in rows]
+        out = [until_eos(row, eos_token_id) for row in rows]
     return out[0] if single else out
 
 
 def stream(
-    model: GPT2,
+    model: Decoder,
     tokenizer,
     prompt: str,
     params: Optional[SamplingParams] = None,
@@ -191,7 +191,7 @@ def stream(
     model, engines = as_model(model)
     fns = functions_of(engines, sampler=sampler, kv_cache=kv_cache, left_pad=left_pad, speculation=speculation)
     ids = tokenizer.encode(prompt, allowed_special="all")
-    params = SamplingParams.of(params, **settings)
+    params = SamplingParams.of(params, **settings).for_model(model)
     check_request(model, [ids], params.max_new_tokens, params.eos_token_id)
     check_compile(params, compile)
     if draft is not None:
@@ -228,17 +228,24 @@ def stream(
     return stop_at(decoded(tokens, tokenizer, params.eos_token_id), params.stop)
 
 
-def generate_text(model: GPT2, tokenizer, prompt: str, params: Optional[SamplingParams] = None, **settings) -> str:
+def generate_text(model: Decoder, tokenizer, prompt: str, params: Optional[SamplingParams] = None, **settings) -> str:
     """The continuation of `prompt` as one string; takes the same settings and functions as `stream`."""
     return "".join(stream(model, tokenizer, prompt, params, **settings))
 
 
-def decoded(tokens: Iterator[int], tokenizer, eos_token_id: Optional[int]) -> Iterator[str]:
+def until_eos(tokens: list[int], eos_token_id) -> list[int]:
+    """`tokens` up to and including the first EOS id (`eos_token_id`: an id, a tuple of them, or None)."""
+    stops = eos_ids(eos_token_id)
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in stops), tokens)
+
+
+def decoded(tokens: Iterator[int], tokenizer, eos_token_id) -> Iterator[str]:
     """Text pieces for a stream of token ids, ending at EOS; never splits a UTF-8 character.
     A tokenizer may bring its own streaming decoder (`tokenizer.stream_decoder()`)."""
     decoder = tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else StreamDecoder(tokenizer)
+    stops = eos_ids(eos_token_id)
     for token in tokens:
-        if token == eos_token_id:
+        if token in stops:
             break
         if piece := decoder.push(token):
             yield piece
@@ -267,25 +274,26 @@ def stop_at(pieces: Iterator[str], stop: Sequence[str]) -> Iterator[str]:
         yield pending
 
 
-def new_generator(model: GPT2, seed: int) -> torch.Generator:
+def new_generator(model: Decoder, seed: int) -> torch.Generator:
     return torch.Generator(device=model.device).manual_seed(seed)
 
 
-def check_request(model: GPT2, batch: list[list[int]], max_new_tokens: int, eos_token_id: Optional[int]) -> None:
+def check_request(model: Decoder, batch: list[list[int]], max_new_tokens: int, eos_token_id) -> None:
     """Refuse prompts and lengths this model cannot run, saying what is allowed (the settings themselves are
     `SamplingParams`' to check)."""
     cfg = model.config
     if not batch:
         raise ValueError("no prompts given: pass a list of token ids, or a list of such lists")
-    if eos_token_id is not None and not 0 <= eos_token_id < cfg.vocab_size:
+    if any(not 0 <= t < cfg.vocab_size for t in eos_ids(eos_token_id)):
         raise ValueError(f"eos_token_id must be a token id in [0, {cfg.vocab_size}) or None, got {eos_token_id!r}")
     for i, ids in enumerate(batch):
         which = f"prompt {i}" if len(batch) > 1 else "the prompt"
         if not ids:
-            raise ValueError(
-                f"{which} is empty: give at least one token (to start from nothing, use "
-                f"[{EOT_ID}], the <|endoftext|> token GPT-2 saw between documents)"
+            bos = getattr(cfg, "bos_token_id", None)
+            start = (
+                f"[{EOT_ID}], the <|endoftext|> token GPT-2 saw between documents" if bos is None else f"[{bos}], BOS"
             )
+            raise ValueError(f"{which} is empty: give at least one token (to start from nothing, use {start})")
         bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < cfg.vocab_size]
         if bad:
             raise ValueError(f"{which} holds {bad[0]!r}, not a token id in [0, {cfg.vocab_size})")
@@ -307,7 +315,12 @@ def check_compile(params: SamplingParams, compile: bool) -> None:
 
 
 def checked_draft(
-    model: GPT2, draft, batch: list[list[int]], num_draft_tokens: Union[int, str], params: SamplingParams, compile: bool
+    model: Decoder,
+    draft,
+    batch: list[list[int]],
+    num_draft_tokens: Union[int, str],
+    params: SamplingParams,
+    compile: bool,
 ):
     """`draft` resolved (a model, or 'prompt-lookup'), refused where speculative decoding does not apply."""
     if params.num_beams > 1:
@@ -334,12 +347,12 @@ EOS_CHECK_EVERY = {"cpu": 1, "cuda": 8}
 
 @torch.inference_mode()
 def decode_steps(
-    model: GPT2,
+    model: Decoder,
     batch: list[list[int]],
     settings: SamplingParams,
     *,
     max_new_tokens: int,
-    eos_token_id: Optional[int],
+    eos_token_id,
     generator: Optional[torch.Generator],
     compile: bool = False,
     sampler: Optional[Sampler] = None,
@@ -369,6 +382,7 @@ def decode_steps(
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, input_ids, mask[:, :longest].bool())  # only real tokens count, not padding
     finished = torch.zeros(B, dtype=torch.bool, device=device)
+    stops = torch.tensor(eos_ids(eos_token_id), dtype=torch.long, device=device)  # [n_eos]
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
 
     cache = model.new_cache(B, total, cache_class=None if compile else kv_cache)  # a compiled step: the engine's
@@ -384,13 +398,13 @@ def decode_steps(
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
         token = sampler.next_token(logits, settings, seen, generator)  # [B]
-        if eos_token_id is not None:
-            token = token.masked_fill(finished, eos_token_id)
-            finished |= token == eos_token_id
+        if len(stops):
+            token = torch.where(finished, stops[0], token)  # a finished row repeats its first EOS id
+            finished |= torch.isin(token, stops)
         yield token
         if step == max_new_tokens - 1:
             return
-        if eos_token_id is not None and step % check_every == check_every - 1 and bool(finished.all()):
+        if len(stops) and step % check_every == check_every - 1 and bool(finished.all()):
             return
         if seen is not None:
             seen.scatter_(1, token[:, None], True)  # an indexed "= True" copies the scalar to the GPU: a sync
@@ -406,14 +420,14 @@ def decode_steps(
 
 
 def decode_step(
-    model: GPT2,
+    model: Decoder,
     token: Tensor,
     position_ids: Tensor,
     attention_mask: Optional[Tensor],
     cache,
     slot: Optional[Tensor] = None,
 ) -> Tensor:
-    """Logits [B, V] after one more token per row, token [B, 1]; see `GPT2.forward` for `slot`."""
+    """Logits [B, V] after one more token per row, token [B, 1]; see `Decoder.forward` for `slot`."""
     return model(token, position_ids=position_ids, attention_mask=attention_mask, cache=cache, slot=slot)[:, -1]
 
 
@@ -425,7 +439,7 @@ _compiled: dict[str, object] = {}
 _frozen: dict[int, tuple] = {}  # id(model) -> the weights the CPU graphs were frozen with
 
 
-def compiled_decode_step(model: GPT2):
+def compiled_decode_step(model: Decoder):
     """`decode_step` compiled for fixed shapes; on CUDA also replayed as a CUDA graph (one launch
     per step instead of hundreds). On the CPU the weights are frozen into the graph, which lets
     inductor prepack them for MKL: batched steps get faster (batch 1 is already memory-bound).
@@ -464,13 +478,13 @@ def compiled_decode_step(model: GPT2):
 
 @torch.inference_mode()
 def beam_search(
-    model: GPT2,
+    model: Decoder,
     prompt: list[int],
     *,
     num_beams: int,
     max_new_tokens: int,
     length_penalty: float = 1.0,
-    eos_token_id: Optional[int] = EOT_ID,
+    eos_token_id=EOT_ID,
     repetition_penalty: float = 1.0,
     sampler: Optional[Sampler] = None,
     kv_cache: Optional[Callable] = None,
@@ -508,7 +522,7 @@ def beam_search(
         live = []  # (score, parent beam, token)
         for rank, (s, index) in enumerate(zip(top_scores.tolist(), top_index.tolist())):
             parent, token = divmod(index, V)
-            if token == eos_token_id or last_step:
+            if token in eos_ids(eos_token_id) or last_step:
                 if rank < K:
                     done_score = float(top_scores[rank] / new_len**length_penalty)
                     finished.append((done_score, beams[parent] + [token]))

@@ -1,4 +1,5 @@
-"""The named parts GPT-2's forward pass is built from, and the slots learners plug into.
+"""The named parts the models' forward passes are built from (GPT-2's and the Llama family's), and the slots
+learners plug into.
 
 Each part is a plain function on tensors. `Parts()` holds the engine's own, and `model.parts` the ones
 the model's forward pass calls; `Parts().replace(gelu=my_gelu)` swaps one for a function with the same
@@ -19,6 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import positions
+from .checkpoints import load_llama_checkpoint
 from .slots import Slots
 
 
@@ -102,10 +105,83 @@ def attention_causal_by_default(
     return attention(q, k, v, mask)
 
 
+# -- the Llama family's parts (chapter 11) ------------------------------------------------------------
+
+
+def rope(x: Tensor, position_ids: Tensor, base: float = 10000.0) -> Tensor:
+    """Rotary position embedding, half-split layout (chapter 02): x [B, H, T, D], position_ids [B, T] -> same."""
+    return positions.rope(x, position_ids, base)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Llama's RMSNorm: x / √(mean(x²) + eps) over the last dim, then times `weight`. x [..., C] -> [..., C].
+
+    No mean subtracted and no bias (what LayerNorm has in addition). Computed in float32, cast back to x's dtype,
+    then scaled, as transformers' LlamaRMSNorm does.
+
+        >>> rms_norm(torch.tensor([[3.0, -4.0]]), torch.ones(2), 0.0)   # rms of (3, -4) is √12.5
+        tensor([[ 0.8485, -1.1314]])
+    """
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """The gated activation of Llama's MLP: silu(gate) · up, with silu(g) = g · sigmoid(g). [..., F] each -> [..., F].
+
+    >>> swiglu(torch.tensor([0.0, 1.0]), torch.tensor([5.0, 2.0]))
+    tensor([0.0000, 1.4621])
+    """
+    return F.silu(gate) * up
+
+
+def repeat_kv(x: Tensor, n_rep: int) -> Tensor:
+    """Grouped-query attention's sharing: each of the H_kv key (or value) heads serves n_rep query heads.
+    x [B, H_kv, T, D] -> [B, H_kv · n_rep, T, D], query head h reading KV head h // n_rep.
+
+        >>> repeat_kv(torch.tensor([1.0, 2.0]).view(1, 2, 1, 1), 2).flatten()
+        tensor([1., 1., 2., 2.])
+    """
+    if n_rep == 1:
+        return x
+    B, H_kv, T, D = x.shape
+    return x[:, :, None].expand(B, H_kv, n_rep, T, D).reshape(B, H_kv * n_rep, T, D)
+
+
+def qk_norm(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """Qwen3's QK-norm: RMSNorm of every head's query and key vector over head_dim, before RoPE, so that q·k
+    cannot grow without bound. q [B, H, T, D], k [B, H_kv, T, D], weights [D] -> (q, k), same shapes."""
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
+def llama_block(x: Tensor, layer, config, rope: Callable, attend: Callable, parts: "Parts") -> Tensor:
+    """One Llama decoder layer, pre-norm with residuals: x [B, T, C] -> [B, T, C].
+
+    `layer` holds the weights (transformers' names: `input_layernorm`, `self_attn.q_proj` ..., `mlp.gate_proj` ...);
+    each projection is called as `layer.self_attn.q_proj(h, parts.linear)`. `rope(t)` rotates queries or keys
+    [B, heads, T, D] for this forward's positions; `attend(q, k, v)` stores k and v in the cache and attends (its
+    H_kv heads repeated for the H query heads) -> [B, H, T, D]. Every other function comes from `parts`.
+    """
+    p, attn, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)  # [B, H, T, D]
+    k = p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head)  # [B, H_kv, T, D]
+    v = p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head)  # [B, H_kv, T, D]
+    if config.qk_norm:
+        q, k = p.qk_norm(q, k, attn.q_norm.weight, attn.k_norm.weight, eps)
+    x = x + attn.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
+    h = p.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+    mlp = layer.mlp
+    return x + mlp.down_proj(p.swiglu(mlp.gate_proj(h, p.linear), mlp.up_proj(h, p.linear)), p.linear)
+
+
 @dataclasses.dataclass(frozen=True)
 class Parts(Slots):
-    """The functions the model's forward pass calls; see each function's docstring. The fused `attention`
-    computes its own softmax: `attention_with_softmax` is the written-out one, for a replaced `softmax`."""
+    """The functions the models' forward passes call (GPT-2's, then the Llama family's); see each function's
+    docstring. The fused `attention` computes its own softmax: `attention_with_softmax` is the written-out one,
+    for a replaced `softmax`. `load_llama_checkpoint` is the Llama family's loader (`checkpoints`), which
+    `load_model` runs."""
 
     embedding: Callable = embedding
     layer_norm: Callable = layer_norm
@@ -115,3 +191,10 @@ class Parts(Slots):
     attention: Callable = attention
     split_heads: Callable = split_heads
     merge_heads: Callable = merge_heads
+    rope: Callable = rope
+    rms_norm: Callable = rms_norm
+    swiglu: Callable = swiglu
+    repeat_kv: Callable = repeat_kv
+    qk_norm: Callable = qk_norm
+    llama_block: Callable = llama_block
+    load_llama_checkpoint: Callable = load_llama_checkpoint

@@ -105,8 +105,20 @@ class ModelShape:
     tied: bool = True
 
     @classmethod
-    def of(cls, config: GPT2Config) -> "ModelShape":
-        """A GPT-2 configuration's shape."""
+    def of(cls, config) -> "ModelShape":
+        """The shape of a model's configuration: a `GPT2Config` or a `llama.LlamaConfig`."""
+        if hasattr(config, "intermediate_size"):  # the Llama family
+            return cls(
+                config.n_layer,
+                config.n_embd,
+                config.n_head,
+                config.n_kv_head,
+                config.head_dim,
+                config.intermediate_size,
+                config.vocab_size,
+                "swiglu",
+                config.tie_word_embeddings,
+            )
         return cls(
             config.n_layer,
             config.n_embd,
@@ -117,11 +129,14 @@ class ModelShape:
             config.vocab_size,
         )
 
+    def multiply_adds(self) -> int:
+        """Multiply-adds per token of the matrix products (each matrix once; attention's own left out)."""
+        return sum(rows * cols for rows, cols in _matrices(self))
+
     def resident_params(self) -> int:
         """Weights held in memory: the matrices, plus the token table when the head is not it (biases and norms,
         under 0.1 %, left out)."""
-        matrices = sum(rows * cols for rows, cols in _matrices(self))
-        return matrices + (0 if self.tied else self.vocab_size * self.n_embd)
+        return self.multiply_adds() + (0 if self.tied else self.vocab_size * self.n_embd)
 
 
 def _matrices(shape: ModelShape) -> list[tuple[int, int]]:

@@ -13,13 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
 from .slots import Slots
-from .tokenizer import EOT_ID
+
+MODEL_EOS = "model"  # eos_token_id's default: the model's own end-of-text id(s), `SamplingParams.for_model`
+
+
+def eos_ids(eos_token_id) -> tuple[int, ...]:
+    """The ids generation stops at: an id, a tuple of them, or None (never).
+
+    >>> eos_ids(None), eos_ids(50256), eos_ids((128001, 128009))
+    ((), (50256,), (128001, 128009))
+    """
+    if eos_token_id is None:
+        return ()
+    return tuple(eos_token_id) if isinstance(eos_token_id, (list, tuple)) else (eos_token_id,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +40,9 @@ class SamplingParams:
     `generate`, `stream`, `generate_text` and `LLMEngine.add_request` take it, or its fields as keywords.
 
     temperature=0 means greedy (argmax); top_k=0, top_p=1, min_p=0 and repetition_penalty=1 switch those
-    processors off. A row ends with `eos_token_id` (None: never) or after `max_new_tokens`; `stop` strings end
-    a text (`stream`, `generate_text`, `LLMEngine`). `num_beams` > 1 is beam search (greedy only).
+    processors off. A row ends with `eos_token_id` (an id, a list of ids, None: never, or 'model', the default:
+    the model's own, see `for_model`) or after `max_new_tokens`; `stop` strings end a text (`stream`,
+    `generate_text`, `LLMEngine`). `num_beams` > 1 is beam search (greedy only).
 
         >>> SamplingParams(temperature=0.8, top_p=0.95).greedy
         False
@@ -47,7 +60,7 @@ class SamplingParams:
     max_new_tokens: int = 64
     num_beams: int = 1
     length_penalty: float = 1.0
-    eos_token_id: Optional[int] = EOT_ID
+    eos_token_id: Union[int, tuple[int, ...], None, str] = MODEL_EOS
     seed: int = 0
     stop: tuple[str, ...] = ()
 
@@ -73,8 +86,14 @@ class SamplingParams:
             raise ValueError(f"length_penalty must be a finite number, got {self.length_penalty!r}")
         if self.num_beams > 1 and not self.greedy:
             raise ValueError("beam search is deterministic: with num_beams > 1 use temperature=0")
-        if self.eos_token_id is not None and (not _integer(self.eos_token_id) or self.eos_token_id < 0):
-            raise ValueError(f"eos_token_id must be a token id or None, got {self.eos_token_id!r}")
+        eos = self.eos_token_id
+        if isinstance(eos, (list, tuple)):
+            object.__setattr__(self, "eos_token_id", eos := tuple(eos))
+        if eos != MODEL_EOS and any(not _integer(t) or t < 0 for t in eos_ids(eos)):
+            raise ValueError(
+                f"eos_token_id must be a token id, a list of them, None (never stop) or 'model' (the model's own), "
+                f"got {self.eos_token_id!r}"
+            )
         if not _integer(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if isinstance(self.stop, str) or any(not isinstance(s, str) or not s for s in self.stop):
@@ -92,6 +111,14 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; the settings are {', '.join(names)}")
         return dataclasses.replace(params, **settings) if params is not None else cls(**settings)
+
+    def for_model(self, model) -> "SamplingParams":
+        """These settings with eos_token_id='model' replaced by the model's own end-of-text ids (GPT-2's
+        <|endoftext|>; several for Llama 3), from its config."""
+        if self.eos_token_id != MODEL_EOS:
+            return self
+        ids = tuple(model.config.eos_token_ids)
+        return dataclasses.replace(self, eos_token_id=None if not ids else ids[0] if len(ids) == 1 else ids)
 
     @property
     def greedy(self) -> bool:

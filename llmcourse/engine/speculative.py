@@ -45,9 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .decoder import Decoder
 from .loading import load_model
-from .model import GPT2
-from .sampling import Sampler, SamplingParams
+from .roofline import ModelShape
+from .sampling import Sampler, SamplingParams, eos_ids
 from .slots import Slots
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -136,12 +137,13 @@ def best_k(alpha: float, c: float, max_k: int) -> int:
 
 
 def draft_cost(target, draft) -> float:
-    """c for `best_k`: the multiply-adds per token of the draft's matrix products over the target's,
-    12·n_layer·n_embd² + vocab·n_embd each (the blocks, the output head). A decode step at small batch reads
-    each weight once and multiplies it once (chapter 06), so this is the ratio of the step times whether the
-    step is memory-bound or compute-bound, up to fixed overheads; 0 for prompt lookup.
+    """c for `best_k`: the multiply-adds per token of the draft's matrix products over the target's (for GPT-2
+    12·n_layer·n_embd² + vocab·n_embd: the blocks, the output head; `roofline.ModelShape` counts any family's).
+    A decode step at small batch reads each weight once and multiplies it once (chapter 06), so this is the ratio
+    of the step times whether the step is memory-bound or compute-bound, up to fixed overheads; 0 for prompt
+    lookup.
 
-        >>> from llmcourse.engine.config import GPT2Config
+        >>> from llmcourse.engine.model import GPT2, GPT2Config
         >>> round(draft_cost(GPT2(GPT2Config(6, 6, 192)), GPT2(GPT2Config(2, 2, 64))), 3)
         0.269
     """
@@ -149,7 +151,7 @@ def draft_cost(target, draft) -> float:
         return 0.0
 
     def per_token(cfg) -> int:
-        return 12 * cfg.n_layer * cfg.n_embd**2 + cfg.vocab_size * cfg.n_embd
+        return ModelShape.of(cfg).multiply_adds()
 
     return per_token(draft.config) / per_token(target.config)
 
@@ -370,9 +372,9 @@ def resolve_draft(target, draft) -> Union[str, object]:
             draft = load_model(draft, device=target.device).to(target.dtype)  # load_model stops at float32
         except (ValueError, OSError) as err:
             raise ValueError(f"the draft model {str(draft)!r} could not be loaded: {err}") from err
-    if not isinstance(draft, GPT2):
+    if not isinstance(draft, Decoder):
         raise ValueError(
-            f"draft must be a model (llmcourse.GPT2), a model name or folder that load_model takes, or "
+            f"draft must be a model (llmcourse.load_model(...)), a model name or folder that load_model takes, or "
             f"'{PROMPT_LOOKUP}', got {type(draft).__name__}"
         )
     if draft.config.vocab_size != target.config.vocab_size:
@@ -430,7 +432,7 @@ def speculative_steps(
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter() - stats.seconds  # a batch's prompts add up
     spec, device = speculation or Speculation(), target.device
-    max_new_tokens, eos_token_id = settings.max_new_tokens, settings.eos_token_id
+    max_new_tokens, stops = settings.max_new_tokens, eos_ids(settings.eos_token_id)
     tokens = list(prompt)
     target_cache = target.new_cache(1, len(prompt) + max_new_tokens, cache_class=kv_cache)
     if len(prompt) > 1:  # the caches hold everything but the last token, which each round feeds
@@ -479,5 +481,5 @@ def speculative_steps(
             stats.new_tokens += 1
             stats.seconds = time.perf_counter() - started
             yield token
-            if token == eos_token_id:
+            if token in stops:
                 return

@@ -20,10 +20,11 @@ from typing import Optional, Sequence
 
 import torch
 
+from llmcourse.engine.decoder import Decoder
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.roofline import max_sequences
-from llmcourse.engine.sampling import Sampler, SamplingParams
+from llmcourse.engine.sampling import Sampler, SamplingParams, eos_ids
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.tokenizer import get_tokenizer
 
@@ -44,26 +45,27 @@ SETTINGS = (
     "min_p",
     "repetition_penalty",
 )
+DEFAULT_CONTEXT = 4096  # the default pool holds one request this long (a 128k-context model would need GBs)
 
 
 class LLMEngine:
-    """Continuous batching over a paged KV cache for `model` (an `llmcourse.GPT2`).
+    """Continuous batching over a paged KV cache for `model` (`load_model(...)`: GPT-2 or the Llama family).
 
     block_size: positions per block. num_blocks: blocks in the pool (None: room for `max_num_seqs`
-    requests of 256 tokens, and at least one of the model's longest). kv_cache_memory: bytes for the pool
+    requests of 256 tokens, and at least one of the model's longest, up to 4096). kv_cache_memory: bytes for the pool
     instead (as vLLM sizes it from the memory left next to the weights): as many blocks as fit, counted by
     chapter 06's `max_sequences` with a block as a sequence of `block_size` positions. max_num_seqs: requests running at
     once. max_num_batched_tokens: tokens computed per step (decodes plus prefill chunks); a longer
     prompt is prefilled in chunks over several steps. prefix_caching: share the blocks of common
     prefixes. partition_size: positions of context a decode step attends to as one partition (rounded down to
     whole blocks; longer contexts are split and the partitions merged). tokenizer: decodes text for `stop`
-    strings (default: GPT-2's). sampler, batching: the functions that choose tokens (`Sampler`) and run the
-    paged batches (`Batching`), the engine's own by default.
+    strings (default: GPT-2's, for a GPT-2 model; other models need theirs). sampler, batching: the functions
+    that choose tokens (`Sampler`) and run the paged batches (`Batching`), the engine's own by default.
     """
 
     def __init__(
         self,
-        model: GPT2,
+        model: Decoder,
         *,
         block_size: int = 16,
         num_blocks: Optional[int] = None,
@@ -94,17 +96,19 @@ class LLMEngine:
             raise ValueError("give num_blocks or kv_cache_memory, not both: kv_cache_memory sets num_blocks")
         if kv_cache_memory is not None:  # a block is a "sequence" of block_size positions (chapter 06's count)
             element = torch.empty((), dtype=model.dtype).element_size()
-            num_blocks = max_sequences(kv_cache_memory, 0, cfg.n_layer, cfg.n_head, cfg.head_dim, block_size, element)
+            num_blocks = max_sequences(
+                kv_cache_memory, 0, cfg.n_layer, cfg.n_kv_head, cfg.head_dim, block_size, element
+            )
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory={kv_cache_memory} bytes hold no block of {block_size} positions (a block's keys "
-                    f"and values take {2 * cfg.n_layer * cfg.n_embd * block_size * element} bytes); give more memory "
-                    "or a smaller block_size"
+                    f"and values take {2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * block_size * element} "
+                    "bytes); give more memory or a smaller block_size"
                 )
-        if num_blocks is None:
+        if num_blocks is None:  # room for max_num_seqs requests of 256 positions, or one of the whole context
             num_blocks = max(
                 max_num_seqs * blocks_for(min(256, cfg.n_positions), block_size),
-                blocks_for(cfg.n_positions, block_size),
+                blocks_for(min(DEFAULT_CONTEXT, cfg.n_positions), block_size),
             )
         self.model, self.tokenizer, self.partition_size = model, tokenizer, partition_size
         self.sampler = sampler or engines.get("sampler") or Sampler()
@@ -143,7 +147,7 @@ class LLMEngine:
 
     def _request(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, **settings) -> Request:
         """A checked request, not queued yet (its id is given when it is)."""
-        settings = SamplingParams.of(params, allowed=SETTINGS, **settings)
+        settings = SamplingParams.of(params, allowed=SETTINGS, **settings).for_model(self.model)
         if settings.num_beams != 1:
             raise ValueError(f"LLMEngine does not do beam search: num_beams must be 1, got {settings.num_beams}")
         max_new_tokens, eos_token_id, stop = settings.max_new_tokens, settings.eos_token_id, settings.stop
@@ -157,6 +161,8 @@ class LLMEngine:
                 "lower max_new_tokens or make the pool bigger"
             )
         if stop and self.tokenizer is None:
+            if not isinstance(self.model, GPT2):
+                raise ValueError("stop strings need the model's tokenizer: LLMEngine(model, tokenizer=...)")
             self.tokenizer = get_tokenizer()
         generator = None if settings.greedy else new_generator(self.model, settings.seed)
         return Request(-1, prompt, settings, max_new_tokens, eos_token_id, stop, generator)
@@ -244,7 +250,7 @@ class LLMEngine:
         return [tokens[i] for i in range(len(requests))]
 
     def is_done(self, request: Request, token: int) -> bool:
-        if token == request.eos_token_id or len(request.generated) == request.max_new_tokens:
+        if token in eos_ids(request.eos_token_id) or len(request.generated) == request.max_new_tokens:
             return True
         if request.stop:
             text = self.tokenizer.decode(request.generated)

@@ -29,7 +29,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.tiled_attention import merge_attention
 
 
@@ -169,10 +168,10 @@ def paged_decode(
 
 
 class PagedKVCache:
-    """One pool per layer for keys and one for values, [num_blocks, block_size, n_head, head_dim] each."""
+    """One pool per layer for keys and one for values, [num_blocks, block_size, n_kv_head, head_dim] each."""
 
-    def __init__(self, config: GPT2Config, num_blocks: int, block_size: int, *, device=None, dtype=torch.float32):
-        shape = (num_blocks, block_size, config.n_head, config.head_dim)
+    def __init__(self, config, num_blocks: int, block_size: int, *, device=None, dtype=torch.float32):
+        shape = (num_blocks, block_size, config.n_kv_head, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.block_size = block_size
@@ -218,7 +217,8 @@ def forward(
     ends = [c.start + n for c, n in zip(chunks, lengths)]  # keys each chunk attends to
     decodes = [j for j, n in enumerate(lengths) if n == 1]
     prefills = [j for j, n in enumerate(lengths) if n > 1]
-    H, D = model.config.n_head, model.config.head_dim
+    H, H_kv, D = model.config.n_head, model.config.n_kv_head, model.config.head_dim
+    n_rep = H // H_kv  # grouped-query attention: query heads per KV head
     if decodes:
         decode_rows = torch.tensor([starts[j] for j in decodes], device=device)  # [G]
         width = max(len(chunks[j].block_table) for j in decodes)
@@ -226,24 +226,34 @@ def forward(
             [chunks[j].block_table + [0] * (width - len(chunks[j].block_table)) for j in decodes], device=device
         )  # [G, width], padded with block 0 (never read: past each request's length)
         decode_lengths = torch.tensor([ends[j] for j in decodes], device=device)  # [G]
+        if n_rep > 1:  # each group of n_rep query heads reads the KV heads as a sequence of its own: G * n_rep rows
+            decode_tables, decode_lengths = (
+                decode_tables.repeat_interleave(n_rep, 0),
+                decode_lengths.repeat_interleave(n_rep),
+            )
         parts = partitions(decode_tables, decode_lengths, max(1, partition_size // bs), bs)
 
-    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # [1, H, N, D] each
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [1, H, N, D], k and v [1, H_kv, N, D]
         k_pool, v_pool = cache.k[layer], cache.v[layer]
-        k_pool.view(-1, H, D)[slots] = k[0].transpose(0, 1)  # [N, H, D] into their slots
-        v_pool.view(-1, H, D)[slots] = v[0].transpose(0, 1)
+        k_pool.view(-1, H_kv, D)[slots] = k[0].transpose(0, 1)  # [N, H_kv, D] into their slots
+        v_pool.view(-1, H_kv, D)[slots] = v[0].transpose(0, 1)
         out = torch.empty_like(q)
         if decodes:
-            q_rows = q[0, :, decode_rows].transpose(0, 1)  # [G, H, D]
-            read = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge)  # [G, H, D]
-            out[0, :, decode_rows] = read.transpose(0, 1)
+            G = len(decodes)
+            q_rows = q[0, :, decode_rows].transpose(0, 1)  # [G, H, D]; head h reads KV head h // n_rep
+            q_rows = q_rows.reshape(G, H_kv, n_rep, D).transpose(1, 2).reshape(G * n_rep, H_kv, D)
+            read = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge)  # [G * n_rep, H_kv, D]
+            out[0, :, decode_rows] = read.view(G, n_rep, H_kv, D).transpose(1, 2).reshape(G, H, D).transpose(0, 1)
         for j in prefills:
             o, n = starts[j], lengths[j]
-            keys, values = gather_kv(k_pool, tables[j], ends[j]), gather_kv(v_pool, tables[j], ends[j])  # [H, end, D]
-            out[:, :, o : o + n] = model.parts.attention(q[:, :, o : o + n], keys[None], values[None], None)
+            keys, values = (
+                gather_kv(k_pool, tables[j], ends[j]),
+                gather_kv(v_pool, tables[j], ends[j]),
+            )  # [H_kv, end, D]
+            out[:, :, o : o + n] = model.attention(q[:, :, o : o + n], keys[None], values[None], None)
         return out
 
-    x = model.blocks(model.embed(input_ids, positions[None]), attention)  # [1, N, C]
+    x = model.blocks(model.embed(input_ids, positions[None]), positions[None], attention)  # [1, N, C]
     logits_of = range(len(chunks)) if logits_of is None else logits_of
     last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)
     return model.head(x[0, last])  # [len(logits_of), V]
