@@ -1,0 +1,589 @@
+"""Chapter 11's checks: the references pass (visible and hidden parts), stubs fail, plausible mistakes fail with a
+message that names them, other correct ways of writing each exercise pass, black boxes are refused, a learner's
+part that breaks the engine's contract is stopped by its guard; and the solution notebook passes its own checks."""
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+
+from llmcourse.checks import CheckFailed
+from llmcourse.checks.modern import (
+    check_llama_block,
+    check_load_llama_checkpoint,
+    check_qk_norm,
+    check_repeat_kv,
+    check_rms_norm,
+    check_swiglu,
+    tiny_config,
+    tiny_llama,
+)
+from llmcourse.course.guards import guarded
+from llmcourse.engine.parts import Parts
+from llmcourse.engine.slots import PartError
+from tests.notebook_checks import run_notebook_checks
+
+ROOT = Path(__file__).parents[1]
+NOTEBOOK = ROOT / "solutions/11_modern/11_modern.ipynb"
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+# -- references, written as a learner would ----------------------------------------------------------------------
+
+
+def rms_norm(x, weight, eps):
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def swiglu(gate, up):
+    return gate * torch.sigmoid(gate) * up
+
+
+def repeat_kv(x, n_rep):
+    B, H_kv, T, D = x.shape
+    return x[:, :, None].expand(B, H_kv, n_rep, T, D).reshape(B, H_kv * n_rep, T, D)
+
+
+def qk_norm(q, k, q_weight, k_weight, eps):
+    return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
+def llama_block(x, layer, config, rope, attend, parts):
+    p, attn, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)
+    k = p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head)
+    v = p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head)
+    if config.qk_norm:
+        q, k = p.qk_norm(q, k, attn.q_norm.weight, attn.k_norm.weight, eps)
+    x = x + attn.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
+    h = p.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+    mlp = layer.mlp
+    return x + mlp.down_proj(p.swiglu(mlp.gate_proj(h, p.linear), mlp.up_proj(h, p.linear)), p.linear)
+
+
+def weight_files(folder):
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return [folder / "model.safetensors"]
+    index = json.loads((folder / "model.safetensors.index.json").read_text(encoding="utf-8"))
+    return [folder / name for name in dict.fromkeys(index["weight_map"].values())]
+
+
+def load_llama_checkpoint(folder):
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    state = {}
+    for file in weight_files(folder):
+        for key, tensor in load_file(file).items():
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            state[key.removeprefix("model.")] = tensor
+    if config.get("tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+REFERENCES = [
+    (check_rms_norm, rms_norm, dict(n_random=40, transformers=True)),
+    (check_swiglu, swiglu, dict(n_random=40)),
+    (check_repeat_kv, repeat_kv, dict(n_random=40, transformers=True)),
+    (check_qk_norm, qk_norm, dict(n_random=40)),
+    (check_llama_block, llama_block, dict(n_random=10, transformers=True)),
+    (check_load_llama_checkpoint, load_llama_checkpoint, dict(transformers=True)),
+]
+IDS = [check.__name__ for check, _, _ in REFERENCES]
+
+
+@pytest.mark.parametrize("check, reference, hidden", REFERENCES, ids=IDS)
+def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
+    check(reference)
+    check(reference, seed=101, **hidden)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def stub(*args, **kwargs):
+    raise NotImplementedError()
+
+
+@pytest.mark.parametrize("check", [c for c, _, _ in REFERENCES], ids=IDS)
+def test_stub_is_not_written_yet(check):
+    with pytest.raises(CheckFailed, match="is not written yet"):
+        check(stub)
+
+
+@pytest.mark.parametrize(
+    "check, engine_part",
+    [
+        (check_rms_norm, "rms_norm"),
+        (check_swiglu, "swiglu"),
+        (check_repeat_kv, "repeat_kv"),
+        (check_qk_norm, "qk_norm"),
+        (check_llama_block, "llama_block"),
+    ],
+)
+def test_the_engines_own_part_is_refused(check, engine_part):
+    from llmcourse.engine import parts
+
+    with pytest.raises(CheckFailed, match="is what yours is compared with"):
+        check(getattr(parts, engine_part))
+
+
+# -- plausible mistakes, each rejected with a message that names it ----------------------------------------------
+
+
+def rms_layer_norm(x, weight, eps):
+    x32 = x.float()
+    mean = x32.mean(-1, keepdim=True)
+    normed = (x32 - mean) * torch.rsqrt(((x32 - mean) ** 2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
+def rms_eps_outside(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 / (x32.pow(2).mean(-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
+def rms_in_float16(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rms_weight_before_cast(x, weight, eps):
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def rms_one_plus_weight(x, weight, eps):
+    return rms_norm(x, 1 + weight, eps)
+
+
+def rms_sum_not_mean(x, weight, eps):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).sum(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def rms_returns_float32(x, weight, eps):
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        return rms_norm(x, weight, eps)
+    x32 = x.float()
+    return weight.float() * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # float16 in, float32 out
+
+
+def rms_with_view(x, weight, eps):
+    return rms_norm(x.view(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
+def rms_fixed_eps(x, weight, eps):
+    return rms_norm(x, weight, 1e-6)
+
+
+def rms_with_f_rms_norm(x, weight, eps):
+    return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+
+def swiglu_swapped(gate, up):
+    return up * torch.sigmoid(up) * gate
+
+
+def swiglu_glu(gate, up):
+    return torch.sigmoid(gate) * up
+
+
+def swiglu_gelu(gate, up):
+    return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate**3))) * up
+
+
+def swiglu_exp_sigmoid(gate, up):
+    e = torch.exp(gate)
+    return gate * e / (1 + e) * up  # inf / inf for large gates
+
+
+def swiglu_with_f_silu(gate, up):
+    return F.silu(gate) * up
+
+
+def swiglu_in_float32(gate, up):
+    if gate.dtype not in (torch.float16, torch.bfloat16):
+        return swiglu(gate, up)
+    return gate.float() * torch.sigmoid(gate.float()) * up.float()  # float16 in, float32 out
+
+
+def repeat_tiled(x, n_rep):
+    return x.repeat(1, n_rep, 1, 1)
+
+
+def repeat_cat(x, n_rep):
+    return torch.cat([x] * n_rep, dim=1)
+
+
+def repeat_positions(x, n_rep):
+    return x.repeat_interleave(n_rep, dim=2)
+
+
+def repeat_with_view(x, n_rep):
+    B, H_kv, T, D = x.shape
+    return x.view(B, H_kv, 1, T * D).expand(B, H_kv, n_rep, T * D).reshape(B, H_kv * n_rep, T, D)
+
+
+def repeat_expand_wrong_axis(x, n_rep):
+    B, H_kv, T, D = x.shape
+    return x[:, None].expand(B, n_rep, H_kv, T, D).reshape(B, H_kv * n_rep, T, D)  # tiles
+
+
+def qk_norm_over_heads(q, k, q_weight, k_weight, eps):
+    def norm(t, w):
+        B, H, T, D = t.shape
+        flat = t.transpose(1, 2).reshape(B, T, H * D)  # every head of a position together
+        return rms_norm(flat, w.repeat(H), eps).view(B, T, H, D).transpose(1, 2)
+
+    return norm(q, q_weight), norm(k, k_weight)
+
+
+def qk_norm_one_weight(q, k, q_weight, k_weight, eps):
+    return rms_norm(q, q_weight, eps), rms_norm(k, q_weight, eps)
+
+
+def qk_norm_q_only(q, k, q_weight, k_weight, eps):
+    return rms_norm(q, q_weight, eps), k
+
+
+def qk_norm_swapped(q, k, q_weight, k_weight, eps):
+    return rms_norm(k, k_weight, eps), rms_norm(q, q_weight, eps)
+
+
+def qk_norm_returns_list(q, k, q_weight, k_weight, eps):
+    return [rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)]  # a list is a pair too: accepted
+
+
+def qk_norm_in_half(q, k, q_weight, k_weight, eps):
+    return rms_in_float16(q, q_weight, eps), rms_in_float16(k, k_weight, eps)
+
+
+def _attn(h, layer, config, rope, attend, parts, *, rope_first=False, skip_norm=False, v_rope=False):
+    p, attn = parts, layer.self_attn
+    q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)
+    k = p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head)
+    v = p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head)
+    if rope_first:
+        q, k = rope(q), rope(k)
+    if config.qk_norm and not skip_norm:
+        q, k = p.qk_norm(q, k, attn.q_norm.weight, attn.k_norm.weight, config.rms_norm_eps)
+    if not rope_first:
+        q, k = rope(q), rope(k)
+    return attn.o_proj(p.merge_heads(attend(q, k, rope(v) if v_rope else v)), p.linear)
+
+
+def _mlp(h, layer, parts, act=None):
+    m, p = layer.mlp, parts
+    if act is not None:
+        return m.down_proj(act(m.up_proj(h, p.linear)), p.linear)
+    return m.down_proj(p.swiglu(m.gate_proj(h, p.linear), m.up_proj(h, p.linear)), p.linear)
+
+
+def block_post_norm(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps
+    x = parts.rms_norm(x + _attn(x, layer, config, rope, attend, parts), layer.input_layernorm.weight, eps)
+    return parts.rms_norm(x + _mlp(x, layer, parts), layer.post_attention_layernorm.weight, eps)
+
+
+def block_rope_before_norm(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps
+    h = parts.rms_norm(x, layer.input_layernorm.weight, eps)
+    x = x + _attn(h, layer, config, rope, attend, parts, rope_first=True)
+    return x + _mlp(parts.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, parts)
+
+
+def block_no_attention_residual(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps
+    x = _attn(parts.rms_norm(x, layer.input_layernorm.weight, eps), layer, config, rope, attend, parts)
+    return x + _mlp(parts.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, parts)
+
+
+def block_gelu_mlp(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps
+    x = x + _attn(parts.rms_norm(x, layer.input_layernorm.weight, eps), layer, config, rope, attend, parts)
+    h = parts.rms_norm(x, layer.post_attention_layernorm.weight, eps)
+    return x + _mlp(h, layer, parts, act=lambda t: F.gelu(t, approximate="tanh"))
+
+
+def block_ignores_qk_norm(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps
+    h = parts.rms_norm(x, layer.input_layernorm.weight, eps)
+    x = x + _attn(h, layer, config, rope, attend, parts, skip_norm=True)
+    return x + _mlp(parts.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, parts)
+
+
+def block_kv_with_n_head(x, layer, config, rope, attend, parts):
+    p, attn, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)
+    k = p.split_heads(attn.k_proj(h, p.linear), config.n_head)
+    v = p.split_heads(attn.v_proj(h, p.linear), config.n_head)
+    x = x + attn.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
+    return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
+
+
+def block_fixed_eps(x, layer, config, rope, attend, parts):
+    import dataclasses
+
+    return llama_block(x, layer, dataclasses.replace(config, rms_norm_eps=1e-6), rope, attend, parts)
+
+
+def load_keeping_prefix(folder):
+    config = json.loads((Path(folder) / "config.json").read_text())
+    state = {}
+    for file in weight_files(folder):
+        state.update({k: v for k, v in load_file(file).items() if not k.endswith("inv_freq")})
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+def load_always_tied(folder):
+    state, config = load_llama_checkpoint(folder)
+    state.pop("lm_head.weight", None)  # GPT-2's habit: the head is the token table
+    return state, config
+
+
+def load_never_dropping_head(folder):
+    config = json.loads((Path(folder) / "config.json").read_text())
+    state = {}
+    for file in weight_files(folder):
+        state.update({k.removeprefix("model."): v for k, v in load_file(file).items() if not k.endswith("inv_freq")})
+    return state, config
+
+
+def load_single_file(folder):
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    state = {k.removeprefix("model."): v for k, v in load_file(folder / "model.safetensors").items()}
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+def load_first_shard(folder):
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    state = {}
+    for key, tensor in load_file(weight_files(folder)[0]).items():
+        if not key.endswith("inv_freq"):
+            state[key.removeprefix("model.")] = tensor
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+def load_keeping_inv_freq(folder):
+    config = json.loads((Path(folder) / "config.json").read_text())
+    state = {}
+    for file in weight_files(folder):
+        state.update({k.removeprefix("model."): v for k, v in load_file(file).items()})
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+def load_to_float32(folder):
+    state, config = load_llama_checkpoint(folder)
+    return {k: v.float() for k, v in state.items()}, config
+
+
+def load_transposing(folder):
+    state, config = load_llama_checkpoint(folder)
+    return {k: v.T.contiguous() if k.endswith("proj.weight") else v for k, v in state.items()}, config
+
+
+MISTAKES = [
+    (check_rms_norm, rms_layer_norm, r"that is LayerNorm"),
+    (check_rms_norm, rms_eps_outside, r"eps goes inside the square root"),
+    (check_rms_norm, rms_in_float16, r"float16[\s\S]*compute in float32: x.float\(\) first"),
+    (check_rms_norm, rms_weight_before_cast, r"float16 \[2, 5, 64\][\s\S]*then multiply by weight"),
+    (check_rms_norm, rms_one_plus_weight, r"Gemma"),
+    (check_rms_norm, rms_sum_not_mean, r"root \*mean\* square"),
+    (check_rms_norm, rms_returns_float32, r"expected dtype torch.float16, got torch.float32[\s\S]*float16 in"),
+    (check_rms_norm, rms_with_view, r"non-contiguous view[\s\S]*view size[\s\S]*reshape"),
+    (check_rms_norm, rms_fixed_eps, r"a large eps \(1\.0\)[\s\S]*eps is added"),
+    (check_rms_norm, rms_with_f_rms_norm, r"black box this exercise opens"),
+    (check_swiglu, swiglu_swapped, r"silu goes on the gate"),
+    (check_swiglu, swiglu_glu, r"not sigmoid\(g\) alone"),
+    (check_swiglu, swiglu_gelu, r"GeGLU"),
+    (check_swiglu, swiglu_exp_sigmoid, r"large values ±1000[\s\S]*got nan[\s\S]*inf / inf"),
+    (check_swiglu, swiglu_with_f_silu, r"F\.silu \(and nn\.SiLU\) is the black box"),
+    (check_swiglu, swiglu_in_float32, r"expected dtype torch.float16, got torch.float32[\s\S]*float16 in"),
+    (check_repeat_kv, repeat_tiled, r"n_rep 2[\s\S]*not the whole set tiled"),
+    (check_repeat_kv, repeat_cat, r"not the whole set tiled"),
+    (check_repeat_kv, repeat_positions, r"not the positions"),
+    (check_repeat_kv, repeat_with_view, r"non-contiguous view[\s\S]*view size[\s\S]*reshape"),
+    (check_repeat_kv, repeat_expand_wrong_axis, r"not the whole set tiled"),
+    (check_qk_norm, qk_norm_over_heads, r"over head_dim \(the last dim, D features\), not over all the heads"),
+    (check_qk_norm, qk_norm_one_weight, r"a weight each"),
+    (check_qk_norm, qk_norm_q_only, r"normalize the keys too"),
+    (check_qk_norm, qk_norm_swapped, r"return \(q, k\) in that order"),
+    (check_qk_norm, qk_norm_in_half, r"compute in float32"),
+    (check_llama_block, block_post_norm, r"Llama is pre-norm"),
+    (check_llama_block, block_rope_before_norm, r"Qwen3[\s\S]*QK-norm comes before RoPE"),
+    (check_llama_block, block_no_attention_residual, r"residual connection"),
+    (check_llama_block, block_gelu_mlp, r"SwiGLU, not GPT-2's GELU MLP"),
+    (check_llama_block, block_ignores_qk_norm, r"config\.qk_norm is true"),
+    (check_llama_block, block_kv_with_n_head, r"config\.n_kv_head"),
+    (check_llama_block, block_fixed_eps, r"rms_norm_eps 1e-3[\s\S]*config\.rms_norm_eps"),
+    (check_load_llama_checkpoint, load_keeping_prefix, r"unexpected key 'model\.[\s\S]*drop the prefix 'model\.'"),
+    (check_load_llama_checkpoint, load_always_tied, r"'lm_head\.weight' is missing[\s\S]*untied"),
+    (check_load_llama_checkpoint, load_never_dropping_head, r"unexpected key 'lm_head\.weight'[\s\S]*tie_word_emb"),
+    (check_load_llama_checkpoint, load_single_file, r"sharded checkpoint has no model\.safetensors"),
+    (check_load_llama_checkpoint, load_first_shard, r"is missing[\s\S]*this checkpoint is sharded"),
+    (check_load_llama_checkpoint, load_keeping_inv_freq, r"rotary_emb\.inv_freq'[\s\S]*RoPE's speeds"),
+    (
+        check_load_llama_checkpoint,
+        load_to_float32,
+        r"expected torch\.float16 \(as stored\)[\s\S]*the dtype the file stores",
+    ),
+    (check_load_llama_checkpoint, load_transposing, r"no transpose"),
+]
+
+
+@pytest.mark.parametrize("check, wrong, message", MISTAKES, ids=[w.__name__ for _, w, _ in MISTAKES])
+def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
+    with pytest.raises(CheckFailed, match=message) as caught:
+        check(wrong)
+    text = str(caught.value)
+    if "raised" not in text and "black box" not in text:  # a wrong answer (not an error) shows input, expected, got
+        assert "input:" in text and "expected:" in text and "got:" in text
+
+
+# -- correct, but written differently ----------------------------------------------------------------------------
+
+
+def rms_norm_sum_and_sqrt(x, weight, eps):
+    x32 = x.to(torch.float64 if x.dtype == torch.float64 else torch.float32)
+    ms = (x32 * x32).sum(dim=-1, keepdim=True) / x.shape[-1]
+    return weight * (x32 / torch.sqrt(ms + eps)).to(x.dtype)
+
+
+def rms_norm_numpy(x, weight, eps):
+    import numpy as np
+
+    a = x.detach().double().numpy()
+    normed = a / np.sqrt(np.mean(a * a, axis=-1, keepdims=True) + eps)
+    return weight * torch.from_numpy(normed).to(x.dtype)
+
+
+def swiglu_one_over(gate, up):
+    return gate / (1 + torch.exp(-gate)) * up
+
+
+def repeat_kv_interleave(x, n_rep):
+    return x.repeat_interleave(n_rep, dim=1)
+
+
+def repeat_kv_index(x, n_rep):
+    heads = torch.arange(x.shape[1] * n_rep) // n_rep  # query head h reads KV head h // n_rep
+    return x[:, heads]
+
+
+def qk_norm_written_out(q, k, q_weight, k_weight, eps):
+    def norm(t, w):
+        t32 = t.float()
+        return w * (t32 / torch.sqrt(t32.square().mean(-1, keepdim=True) + eps)).to(t.dtype)
+
+    return norm(q, q_weight), norm(k, k_weight)
+
+
+def llama_block_own_attention(x, layer, config, rope, attend, parts):
+    """Names spelled out, the MLP's pieces inline, the residual stream kept in a variable of its own."""
+    eps = config.rms_norm_eps
+    a, m = layer.self_attn, layer.mlp
+    residual = x
+    h = parts.rms_norm(x, layer.input_layernorm.weight, eps)
+    B, T, _ = h.shape
+    D = config.head_dim
+    q = a.q_proj(h, parts.linear).view(B, T, config.n_head, D).transpose(1, 2)
+    k = a.k_proj(h, parts.linear).view(B, T, config.n_kv_head, D).transpose(1, 2)
+    v = a.v_proj(h, parts.linear).view(B, T, config.n_kv_head, D).transpose(1, 2)
+    if config.qk_norm:
+        q, k = parts.qk_norm(q, k, a.q_norm.weight, a.k_norm.weight, eps)
+    out = attend(rope(q), rope(k), v).transpose(1, 2).reshape(B, T, config.n_head * D)
+    residual = residual + a.o_proj(out, parts.linear)
+    h = parts.rms_norm(residual, layer.post_attention_layernorm.weight, eps)
+    gate = m.gate_proj(h, parts.linear)
+    return residual + m.down_proj(gate * torch.sigmoid(gate) * m.up_proj(h, parts.linear), parts.linear)
+
+
+def load_with_safe_open(folder):
+    import re
+
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    with open(folder / "config.json", encoding="utf-8") as f:
+        config = json.load(f)
+    index = folder / "model.safetensors.index.json"
+    files = sorted(set(json.load(open(index))["weight_map"].values())) if index.exists() else ["model.safetensors"]
+    state = {}
+    for name in files:
+        with safe_open(str(folder / name), framework="pt") as f:
+            for key in f.keys():
+                if re.search(r"rotary_emb\.inv_freq$", key):
+                    continue
+                if key == "lm_head.weight" and config.get("tie_word_embeddings"):
+                    continue
+                state[re.sub(r"^model\.", "", key)] = f.get_tensor(key)
+    return state, config
+
+
+CORRECT = [
+    (check_rms_norm, rms_norm_sum_and_sqrt),
+    (check_rms_norm, rms_norm_numpy),
+    (check_swiglu, swiglu_one_over),
+    (check_repeat_kv, repeat_kv_interleave),
+    (check_repeat_kv, repeat_kv_index),
+    (check_qk_norm, qk_norm_written_out),
+    (check_qk_norm, qk_norm_returns_list),
+    (check_llama_block, llama_block_own_attention),
+    (check_load_llama_checkpoint, load_with_safe_open),
+]
+
+
+@pytest.mark.parametrize("check, fn", CORRECT, ids=[f.__name__ for _, f in CORRECT])
+def test_correct_but_different_passes(check, fn, capsys):
+    check(fn)
+    check(fn, seed=101)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- the guards: a learner's part that breaks the engine's contract is named -------------------------------------
+
+
+def test_guards_name_a_part_that_returns_the_wrong_shape_or_pair():
+    model = tiny_llama(tiny_config(model_type="qwen3", qk_norm=True, head_dim=16))
+    ids = torch.tensor([[1, 2, 3]])
+    model.parts = guarded(Parts, repeat_kv=lambda x, n_rep: x)  # forgot to repeat
+    with pytest.raises(PartError, match=r"part 'repeat_kv'[\s\S]*expected shape \(1, 4, 3, 16\)"):
+        model(ids)
+    model.parts = guarded(Parts, qk_norm=lambda q, k, qw, kw, eps: rms_norm(q, qw, eps))  # one tensor, not a pair
+    with pytest.raises(PartError, match=r"part 'qk_norm'[\s\S]*expected a pair \(q, k\)"):
+        model(ids)
+    model.parts = guarded(Parts, rms_norm=lambda x, w, eps: rms_norm(x.float(), w.float(), eps)[..., :-1])
+    with pytest.raises(PartError, match=r"part 'rms_norm'[\s\S]*expected shape"):
+        model(ids)
+    model.parts = guarded(Parts, rms_norm=rms_norm, swiglu=swiglu, repeat_kv=repeat_kv, qk_norm=qk_norm)
+    with torch.no_grad():
+        mine = model(ids)
+        model.parts = Parts()
+        assert torch.allclose(mine, model(ids), atol=1e-5)
+
+
+# -- the notebook ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not NOTEBOOK.is_file(), reason="chapter 11's notebook is not written yet")
+def test_solution_notebook_passes_its_checks(capsys):
+    out = run_notebook_checks(NOTEBOOK, capsys)
+    assert out.count("✓") == 2 * len(REFERENCES), out
