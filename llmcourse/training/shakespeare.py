@@ -13,6 +13,7 @@ Whole plays are held out for validation; their cleaned text ships with the packa
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
@@ -80,14 +81,33 @@ def split(texts: dict[str, str]) -> tuple[str, str]:
     return EOT.join(train), EOT.join(val)
 
 
-def encode(text: str) -> np.ndarray:
-    """GPT-2 token ids as uint16 (every id < 65536)."""
-    return np.array(get_tokenizer().encode(text, allowed_special={EOT}), dtype=np.uint16)
+def encode(text: str, tokenizer=None) -> np.ndarray:
+    """Token ids as uint16 (every id < 65536), by GPT-2's tokenizer or `tokenizer` (special tokens allowed)."""
+    if tokenizer is None:
+        return np.array(get_tokenizer().encode(text, allowed_special={EOT}), dtype=np.uint16)
+    return np.array(tokenizer.encode(text, allowed_special="all"), dtype=np.uint16)
 
 
-def validation_tokens(path: Path = VALIDATION_FILE) -> torch.Tensor:
-    """The held-out plays, tokenized: LongTensor [N]."""
-    return torch.from_numpy(encode(Path(path).read_text(encoding="utf-8")).astype(np.int64))
+def validation_tokens(path: Path = VALIDATION_FILE, tokenizer=None) -> torch.Tensor:
+    """The held-out plays, tokenized (by GPT-2's tokenizer or `tokenizer`): LongTensor [N]."""
+    return torch.from_numpy(encode(Path(path).read_text(encoding="utf-8"), tokenizer).astype(np.int64))
+
+
+def scored_bytes(tokens: torch.Tensor, context: int = EVAL_CONTEXT, tokenizer=None) -> int:
+    """How many bytes of text the tokens that `validation_figures` scores spell (tokens[1 : n * context + 1])."""
+    n = (len(tokens) - 1) // context * context
+    tokenizer = tokenizer or get_tokenizer()
+    return sum(len(tokenizer.decode_single_token_bytes(t)) for t in tokens[1 : n + 1].tolist())
+
+
+def bits_per_byte(loss: float, tokens: torch.Tensor, context: int = EVAL_CONTEXT, tokenizer=None) -> float:
+    """A loss in nats/token as bits per byte of the text it scored: comparable across vocabularies.
+
+    >>> round(bits_per_byte(math.log(2), torch.tensor([0, 1, 1]), context=2), 3)   # 2 tokens, 2 bytes: 1 bit each
+    1.0
+    """
+    n = (len(tokens) - 1) // context * context
+    return loss * n / math.log(2) / scored_bytes(tokens, context, tokenizer)
 
 
 def validation_loss(model, tokens: torch.Tensor, batch_size: int = 16) -> float:

