@@ -101,7 +101,8 @@ def edit_config(folder, **changes):
         ({"n_embd": 48}, r"has shape .* needs"),
         ({"vocab_size": 50000}, r"'wte\.weight' has shape \(50257, 32\).*vocab_size=50000.*needs \(50000, 32\)"),
         ({"n_head": 5}, r"n_embd \(32\) must be divisible by n_head \(5\)"),
-        ({"model_type": "llama"}, r"model_type is 'llama'; this engine runs GPT-2 models only"),
+        ({"model_type": "bert"}, r"model_type is 'bert'; this engine runs GPT-2 \('gpt2'\) and the Llama family"),
+        ({"model_type": "llama"}, r"config\.json: missing 'num_hidden_layers'"),
         ({"activation_function": "relu"}, r"activation_function 'relu' is not supported"),
     ],
 )
@@ -180,7 +181,7 @@ def test_a_misspelt_bundled_name_says_what_was_meant(name, meant, monkeypatch):
     with pytest.raises(CheckpointError) as err:
         load_model(name, device="cpu")
     assert str(err.value) == (
-        f"no bundled model {name!r}; did you mean {meant!r}? (bundled: gpt2-shakespeare, gpt2-shakespeare-draft)"
+        f"no bundled model {name!r}; did you mean {meant!r}? (bundled: gpt2-shakespeare, gpt2-shakespeare-draft, llama-shakespeare)"
     )
 
 

@@ -38,7 +38,7 @@ from torch import Tensor
 from llmcourse.course.guards import guarded
 from llmcourse.engine import parts as P
 from llmcourse.engine.config import GPT2Config
-from llmcourse.engine.loading import check_weights, read_weights
+from llmcourse.engine.loading import check_weights, read_checkpoint
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import Parts
 
@@ -1676,9 +1676,8 @@ def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
 
     folder = Path(folder)
     raw = json.loads((folder / "config.json").read_text(encoding="utf-8"))
-    config = GPT2Config.from_json(folder / "config.json")
-    state = check_weights(read_weights(folder / "model.safetensors"), GPT2(config), folder / "model.safetensors")
-    return state, raw
+    model, state = read_checkpoint(folder, Parts())
+    return check_weights(state, model, folder / "model.safetensors"), raw
 
 
 def _judge_checkpoint(case: Case, got: Any) -> Verdict:

@@ -59,7 +59,10 @@ class GPT2Config:
         except (OSError, json.JSONDecodeError) as err:
             raise CheckpointError(f"cannot read {path}: {err}") from None
         if raw.get("model_type", "gpt2") != "gpt2":
-            raise CheckpointError(f"{path}: model_type is {raw['model_type']!r}; this engine runs GPT-2 models only")
+            raise CheckpointError(
+                f"{path}: model_type is {raw['model_type']!r}; this engine runs GPT-2 ('gpt2') and the Llama "
+                "family ('llama', 'mistral', 'qwen2', 'qwen3')"
+            )
         activation = raw.get("activation_function", "gelu_new")
         if activation not in ("gelu_new", "gelu_pytorch_tanh"):
             raise CheckpointError(f"{path}: activation_function {activation!r} is not supported; GPT-2 uses 'gelu_new'")

@@ -232,6 +232,8 @@ class Layer(nn.Module):
 class Llama(Decoder):
     """A Llama-family language model: token ids [B, T] -> next-token logits [B, T, vocab_size]."""
 
+    token_table = "embed_tokens"  # quantization replaces it (and the head, tied or not)
+
     def __init__(self, config: LlamaConfig, parts: Optional[Parts] = None):
         super().__init__()
         self.config = config

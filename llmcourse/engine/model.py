@@ -91,6 +91,8 @@ class Block(nn.Module):
 class GPT2(Decoder):
     """GPT-2's language model: token ids [B, T] -> next-token logits [B, T, vocab_size]."""
 
+    token_table = "wte"  # the embedding that is also the head (quantization replaces it)
+
     def __init__(self, config: GPT2Config, parts: Optional[Parts] = None):
         super().__init__()
         self.config = config

@@ -50,6 +50,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from . import cpu_kernels
+from .llama import Linear
+from .model import Affine
 from .slots import Slots
 
 FORMATS = ("int8", "int4")
@@ -208,13 +210,14 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     return y if bias is None else y + bias
 
 
-# -- the modules a quantized GPT2 is made of ---------------------------------------------------------
+# -- the modules a quantized model is made of ---------------------------------------------------------
 
 
 class QuantizedAffine(nn.Module):
-    """A GPT-2 linear layer with quantized weights (it replaces `model.Affine`). Rows are outputs, as in
-    `nn.Linear`: int8 `qweight` [C_out, C_in] with `scales` [C_out]; int4 `qweight` [C_out, C_in // 2]
-    (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out] keeps the float dtype.
+    """A linear layer with quantized weights (it replaces GPT-2's `model.Affine` or the Llama family's
+    `llama.Linear`). Rows are outputs, as in `nn.Linear`: int8 `qweight` [C_out, C_in] with `scales` [C_out];
+    int4 `qweight` [C_out, C_in // 2] (two per byte) with `scales` [C_out, C_in // 32] float16. `bias` [C_out]
+    keeps the float dtype.
     It computes with `quantization`'s functions (the engine's own unless `quantize_model` was given others).
     `smooth` [C_in] (None unless `quantize_model` was given a calibration): SmoothQuant's factors, the input divided
     by them before the quantized product (the weight's columns were multiplied by them before quantizing)."""
@@ -335,15 +338,15 @@ def quantize_model(
     absmax = activation_absmax(model, calibration) if calibration is not None else {}
     with torch.no_grad():
         for parent, name, old in affine_layers(model):
-            n_in, n_out = old.weight.shape
-            layer = QuantizedAffine(n_in, n_out, fmt, qz)
-            weight = old.weight.T  # [C_out, C_in]
+            weight = out_in(old)  # [C_out, C_in]
+            layer = QuantizedAffine(weight.shape[1], weight.shape[0], fmt, qz)
             if old in absmax:
                 layer.smooth = qz.smooth_scales(absmax[old], weight, alpha).to(model.dtype)  # [C_in]
                 weight = (weight.float() * layer.smooth.float()).to(weight.dtype)  # W' = W diag(s)
             setattr(parent, name, filled(layer, *qz.quantize(weight, fmt), old.bias, model.dtype))
         table = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt, qz)
-        model.wte = filled(table, *qz.quantize(model.wte.weight, fmt), None, model.dtype)
+        weight = getattr(model, model.token_table).weight  # [vocab_size, C]
+        setattr(model, model.token_table, filled(table, *qz.quantize(weight, fmt), None, model.dtype))
     return model
 
 
@@ -359,7 +362,7 @@ def activation_absmax(model, ids) -> dict:
     hooks = [layer.register_forward_pre_hook(record) for _, _, layer in affine_layers(model)]
     try:
         with torch.inference_mode():
-            ids = torch.as_tensor(ids, device=model.wpe.weight.device)
+            ids = torch.as_tensor(ids, device=model.device)
             model(ids if ids.dim() == 2 else ids[None])
     finally:
         for hook in hooks:
@@ -370,16 +373,23 @@ def activation_absmax(model, ids) -> dict:
 def quantized_format(model) -> Optional[str]:
     """'int8' or 'int4' for a model whose weights `quantize_model` (or loading a quantized folder) quantized,
     else None."""
-    return model.wte.format if isinstance(model.wte, QuantizedTable) else None
+    table = getattr(model, model.token_table)
+    return table.format if isinstance(table, QuantizedTable) else None
 
 
 def affine_layers(model):
-    """(parent module, attribute name, layer) of every linear layer of the blocks."""
+    """(parent module, attribute name, layer) of every float linear layer: the blocks' (and an untied head)."""
     return [
-        (parent, name, getattr(parent, name))
-        for block in model.h
-        for parent, name in ((block.attn, "c_attn"), (block.attn, "c_proj"), (block.mlp, "c_fc"), (block.mlp, "c_proj"))
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if isinstance(child, (Affine, Linear))
     ]
+
+
+def out_in(layer) -> Tensor:
+    """A float linear layer's weight as [C_out, C_in] (GPT-2 stores [C_in, C_out], the Llama family nn.Linear's)."""
+    return layer.weight.T if isinstance(layer, Affine) else layer.weight
 
 
 def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optional[Tensor], dtype: torch.dtype):
@@ -395,11 +405,12 @@ def empty_quantized(model, fmt: str, smoothed: bool = False):
     """`model` with quantized modules of the right shapes and zero values, ready for `load_state_dict`; `smoothed`:
     the blocks' layers hold SmoothQuant's factors too (`smooth`)."""
     for parent, name, old in affine_layers(model):
-        layer = QuantizedAffine(*old.weight.shape, fmt)
+        n_out, n_in = out_in(old).shape
+        layer = QuantizedAffine(n_in, n_out, fmt)
         if smoothed:
-            layer.smooth = torch.ones(old.weight.shape[0])  # [C_in]
+            layer.smooth = torch.ones(n_in)  # [C_in]
         setattr(parent, name, layer)
-    model.wte = QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt)
+    setattr(model, model.token_table, QuantizedTable(model.config.vocab_size, model.config.n_embd, fmt))
     return model
 
 
