@@ -115,3 +115,10 @@ def test_tokenizer_json_encodes_like_our_tokenizer(shakespeare_tokenizer, tmp_pa
 def test_tokenizer_refuses_merges_that_spell_one_token_twice():
     with pytest.raises(ValueError, match="same bytes"):
         BPETokenizer({(97, 98): 256, (256, 99): 257, (98, 99): 258, (97, 258): 259})
+
+
+def test_from_file_reads_back_what_save_wrote(shakespeare_tokenizer, tmp_path):
+    shakespeare_tokenizer.save(tmp_path / "tokenizer.json")
+    again = BPETokenizer.from_file(tmp_path / "tokenizer.json")
+    assert list(again.merges.items()) == list(shakespeare_tokenizer.merges.items())
+    assert again.special_tokens == shakespeare_tokenizer.special_tokens and again.split_pattern == SPLIT_PATTERN

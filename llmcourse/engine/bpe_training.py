@@ -229,6 +229,22 @@ class BPETokenizer:
         )
         self.cache: dict[str, list[int]] = {}
 
+    @classmethod
+    def from_file(cls, path: Path) -> "BPETokenizer":
+        """The tokenizer a `save` wrote: merges, pattern and special tokens read back from tokenizer.json."""
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        to_byte = {c: b for b, c in bytes_to_unicode().items()}
+        vocab = data["model"]["vocab"]
+        merges = {}
+        for left, right in (m.split(" ") if isinstance(m, str) else m for m in data["model"]["merges"]):
+            merges[(vocab[left], vocab[right])] = vocab[left + right]
+        specials = {t["content"]: t["id"] for t in data["added_tokens"]}
+        pattern = data["pre_tokenizer"]["pretokenizers"][0]["pattern"]["Regex"]
+        tokenizer = cls(merges, pattern, specials)
+        if any(bytes(to_byte[c] for c in s) != tokenizer.vocab[i] for s, i in vocab.items() if s not in specials):
+            raise ValueError(f"{path}: its vocabulary does not follow from its merges")
+        return tokenizer
+
     @property
     def n_vocab(self) -> int:
         return max(self.vocab) + 1
