@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from llmcourse import generate_text, load_model
 
@@ -338,3 +339,59 @@ def test_chat_with_the_bundled_modern_model(capsys, monkeypatch):
     code, out, err = chat_here(capsys, monkeypatch, "Good morrow!\n", "--max-new-tokens", "20", "--device", "cpu")
     assert code == 0, err
     assert out.strip(), out
+
+
+@pytest.fixture(scope="module")
+def llama_chat_folder(tmp_path_factory):
+    """A tiny random Llama 3.1-style chat model as transformers saves it, with a Llama 3 tokenizer built here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from .test_hf_tokenizer import LLAMA3_PATTERN, LLAMA3_SPECIAL, LLAMA31_TEMPLATE, byte_level_tokenizer, write_folder
+
+    tok = byte_level_tokenizer(LLAMA3_PATTERN, LLAMA3_SPECIAL, bos="<|begin_of_text|>")
+    ids = {t: tok.token_to_id(t) for t in LLAMA3_SPECIAL}
+    eos = [ids["<|end_of_text|>"], ids["<|eom_id|>"], ids["<|eot_id|>"]]
+    folder = tmp_path_factory.mktemp("llama-chat")
+    config = dict(bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", chat_template=LLAMA31_TEMPLATE)
+    write_folder(folder, tok, config, {"bos_token_id": ids["<|begin_of_text|>"], "eos_token_id": eos})
+    torch.manual_seed(0)
+    hf = LlamaConfig(
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=ids["<|begin_of_text|>"],
+        eos_token_id=eos,
+    )
+    LlamaForCausalLM(hf).save_pretrained(folder)
+    return folder
+
+
+def test_chat_with_a_llama_model_saved_by_transformers(llama_chat_folder, capsys, monkeypatch):
+    """A Llama 3.1-style model: the chat template's ids (one <|begin_of_text|>) go to the model and the reply
+    stops at any of its three EOS ids."""
+    import llmcourse.__main__ as cli
+    from llmcourse import generate
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    seen = []
+    real_stream = cli.stream
+
+    def spy(model, tokenizer, prompt, params, **kwargs):
+        seen.append((tokenizer.encode(prompt), params.eos_token_id))
+        return real_stream(model, tokenizer, prompt, params, **kwargs)
+
+    monkeypatch.setattr(cli, "stream", spy)
+    args = ["--model", str(llama_chat_folder), "--temperature", "0", "--max-new-tokens", "12", "--device", "cpu"]
+    code, out, err = chat_here(capsys, monkeypatch, "Hi there\nAnd you?\n", *args)
+    assert code == 0, err
+    tok, model = load_tokenizer(llama_chat_folder), load_model(llama_chat_folder, device="cpu")
+    first = [{"role": "user", "content": "Hi there"}]
+    assert seen[0][0] == tok.encode_chat(first) and seen[0][0].count(tok.bos_token_id) == 1
+    assert [tok.tokenizer.id_to_token(i) for i in seen[0][1]] == ["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"]
+    reply = generate(model, seen[0][0], max_new_tokens=12, eos_token_id=tok.eos_token_ids)
+    assert out.startswith(tok.decode([t for t in reply if t not in tok.eos_token_ids]) + "\n")
+    assert len(seen) == 2 and tok.decode(seen[1][0]).count("<|start_header_id|>user") == 2
