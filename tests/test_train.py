@@ -98,3 +98,59 @@ def test_learning_rate_warms_up_then_decays():
 def test_clean_text_strips_gutenberg_and_marks_speakers():
     raw = "Header\r\n*** START OF THIS PROJECT GUTENBERG EBOOK ***\r\nACT I.\r\n\r\nRomeo.\r\nHello.   \r\n*** END OF X"
     assert clean_text(raw) == "ACT I.\n\nROMEO:\nHello.\n"
+
+
+TINY_LLAMA = dataclasses.replace(
+    RECIPES["llama-shakespeare"],
+    config=dataclasses.replace(
+        RECIPES["llama-shakespeare"].config,
+        n_layer=1,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=16,
+        intermediate_size=32,
+        n_positions=32,
+        vocab_size=300,
+    ),
+    steps=3,
+    batch_size=2,
+    warmup=1,
+)
+
+
+def test_llama_recipe_trains_its_vocabulary_and_writes_a_model_transformers_loads(tmp_path, corpus_cache):
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    common = dict(cache=corpus_cache, recipe=TINY_LLAMA, validation_file=tmp_path / "val.txt")
+    stats = train("llama-shakespeare", tmp_path / "a", **common)
+    train("llama-shakespeare", tmp_path / "b", **common)
+    first, second = (load_file(str(tmp_path / d / "model.safetensors")) for d in "ab")
+    assert first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+    assert first["model.embed_tokens.weight"].dtype == torch.float16 and "lm_head.weight" not in first
+
+    folder = tmp_path / "a"
+    model, tokenizer = load_model(folder, device="cpu"), load_tokenizer(folder)
+    assert model.config.n_kv_head == 2 and model.config.vocab_size == tokenizer.n_vocab == 300
+    assert (folder / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+    text = (tmp_path / "val.txt").read_text()
+    assert Tokenizer.from_file(str(folder / "tokenizer.json")).encode(text).ids == tokenizer.encode(text)
+    chat = [{"role": "user", "content": "But soft!"}]
+    hf_tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert (
+        hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        == (tokenizer.apply_chat_template(chat))
+        == "<|endoftext|>ROMEO:\nBut soft!\n\nJULIET:\n"
+    )
+
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.tensor([tokenizer.encode("ROMEO:\nBut soft, what light")])
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() < 1e-4
+
+    assert stats["training_tokens"] == 3 * 2 * 32 and stats["blank_line_id"] in stats["eos_token_ids"]
+    assert 0 < stats["validation_bits_per_byte"] < 8 and stats["gpt2_bits_per_byte"] > 0
+    card = (folder / "README.md").read_text()
+    assert f"**{stats['validation_loss']:.4f}**" in card and f"**{stats['validation_bits_per_byte']:.4f}**" in card

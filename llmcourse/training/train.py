@@ -188,8 +188,8 @@ def train(
             )
     bar.close()
 
-    (save_llama if llama else save_model)(model, out, dtype=torch.float16)
-    final = (load_llama if llama else load_model)(out, device=device)  # what ships: float16 weights, run in float32
+    save_model(model, out, dtype=torch.float16)
+    final = load_model(out, device=device)  # evaluate exactly what ships: float16 weights, run in float32
     context = min(shakespeare.EVAL_CONTEXT, config.n_positions)
     validation_loss = shakespeare.validation_loss(final, val_tokens)
     stats = {
@@ -211,7 +211,7 @@ def train(
             shakespeare.unigram_loss(train_tokens.numpy(), val_tokens, context, config.vocab_size), 4
         ),
         "sample_prompt": "ROMEO:",
-        "sample_tokens": min(120, context - 3),
+        "sample_tokens": min(120, context - len(tokenizer.encode("ROMEO:"))),
     }
     stats["sample"] = generate_text(
         final, tokenizer, "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0
@@ -238,9 +238,8 @@ def chat_sample(model, folder: Path) -> dict:
 
     tok = HFTokenizer.from_folder(folder)
     prompt = tok.apply_chat_template(CHAT_PROMPT)
-    reply = generate_text(
-        model, tok, prompt, max_new_tokens=80, temperature=0.8, seed=0, eos_token_id=list(tok.eos_token_ids)
-    )
+    room = min(80, model.config.n_positions - len(tok.encode(prompt)))
+    reply = "" if room < 1 else generate_text(model, tok, prompt, max_new_tokens=room, temperature=0.8, seed=0)
     return {"chat_messages": CHAT_PROMPT, "chat_prompt": prompt, "chat_reply": reply}
 
 
@@ -255,25 +254,6 @@ def gpt2_figures(validation_file: Path) -> dict:
         "gpt2_bits_per_byte": round(shakespeare.bits_per_byte(loss, tokens), 4),
         "gpt2_bytes_per_token": round(len(Path(validation_file).read_bytes()) / len(tokens), 4),
     }
-
-
-def save_llama(model: Llama, folder: Path, dtype: torch.dtype) -> None:
-    """config.json + model.safetensors as transformers' LlamaForCausalLM.save_pretrained writes them."""
-    from safetensors.torch import save_file
-
-    config = model.config.to_dict()
-    (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    tensors = {f"model.{k}": v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-
-
-def load_llama(folder: Path, device: torch.device) -> Llama:
-    from llmcourse.engine.checkpoints import load_llama_checkpoint
-
-    state, config = load_llama_checkpoint(folder)
-    model = Llama(LlamaConfig.from_dict(config))
-    model.load_state_dict({k: v.float() for k, v in state.items()})
-    return model.to(device).eval().requires_grad_(False)
 
 
 def model_card(s: dict) -> str:
@@ -392,8 +372,9 @@ The chat template (tokenizer_config.json) writes each message as a speech: the u
 answers as JULIET (a message's `name`, or the template variables `user_name` / `assistant_name`, pick other
 characters; a system message becomes a stage direction in brackets). The generation prompt ends at the answering
 character's `NAME:` line; the reply ends at the blank-line token, which generation_config.json lists as an EOS id
-beside `<|endoftext|>` (eos_token_id [{eos}]). config.json's own EOS is `<|endoftext|>` only, so a plain
-continuation goes on from speech to speech.
+beside `<|endoftext|>` (eos_token_id [{eos}]; config.json's own is `<|endoftext|>` alone). The engine and
+transformers both read it, so `generate` too ends with the speech it is in; in Python, `eos_token_id={s["eot_id"]}`
+(or None) lets a continuation go on from speech to speech.
 
 ```
 {chat}{s["chat_reply"]}
