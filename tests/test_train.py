@@ -109,6 +109,7 @@ TINY_LLAMA = dataclasses.replace(
         n_kv_head=2,
         n_embd=16,
         intermediate_size=32,
+        head_dim=None,
         n_positions=32,
         vocab_size=300,
     ),

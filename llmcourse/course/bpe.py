@@ -13,6 +13,10 @@ replaces the most frequent adjacent pair of ids by a new id, 256, 257, ...:
     >>> build_vocab(merges)[258]
     b'aaab'
 
+Recounting every pair after each merge is simple and slow (O(text) per merge);
+`llmcourse.engine.bpe_training.train_bpe` gives exactly these merges with incremental pair counts, fast
+enough to train the bundled llama-shakespeare's 4,096-token vocabulary in seconds.
+
 Encoding (as in GPT-2 and tiktoken) uses *ranks*, token bytes -> id, where a lower rank means the
 token was merged earlier in training. Text is first cut into word-like chunks, then each chunk's
 bytes are merged lowest rank first:
