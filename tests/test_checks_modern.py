@@ -329,6 +329,13 @@ def block_kv_with_n_head(x, layer, config, rope, attend, parts):
     return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
 
 
+def block_in_place(x, layer, config, rope, attend, parts):
+    eps = config.rms_norm_eps  # += below writes into the caller's x
+    x += _attn(parts.rms_norm(x, layer.input_layernorm.weight, eps), layer, config, rope, attend, parts)
+    x += _mlp(parts.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, parts)
+    return x
+
+
 def block_fixed_eps(x, layer, config, rope, attend, parts):
     import dataclasses
 
@@ -433,6 +440,7 @@ MISTAKES = [
     (check_llama_block, block_gelu_mlp, r"SwiGLU, not GPT-2's GELU MLP"),
     (check_llama_block, block_ignores_qk_norm, r"config\.qk_norm is true"),
     (check_llama_block, block_kv_with_n_head, r"config\.n_kv_head"),
+    (check_llama_block, block_in_place, r"changed its input `x`[\s\S]*in-place operation"),
     (check_llama_block, block_fixed_eps, r"rms_norm_eps 1e-3[\s\S]*config\.rms_norm_eps"),
     (check_load_llama_checkpoint, load_keeping_prefix, r"unexpected key 'model\.[\s\S]*drop the prefix 'model\.'"),
     (check_load_llama_checkpoint, load_always_tied, r"'lm_head\.weight' is missing[\s\S]*untied"),
@@ -454,7 +462,7 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
     with pytest.raises(CheckFailed, match=message) as caught:
         check(wrong)
     text = str(caught.value)
-    if "raised" not in text and "black box" not in text:  # a wrong answer (not an error) shows input, expected, got
+    if not any(w in text for w in ("raised", "black box", "changed its input")):  # a wrong answer: input, expected, got
         assert "input:" in text and "expected:" in text and "got:" in text
 
 
