@@ -588,6 +588,23 @@ def test_guards_name_a_part_that_returns_the_wrong_shape_or_pair():
         assert torch.allclose(mine, model(ids), atol=1e-5)
 
 
+def test_the_guard_names_a_loader_that_returns_what_the_engine_cannot_use(tmp_path):
+    from llmcourse.checks.modern import checkpoint_folders
+    from llmcourse.engine.loading import load_model
+
+    (_, folder), *_ = checkpoint_folders(tmp_path)
+    mine = load_model(folder, parts=guarded(Parts, load_llama_checkpoint=load_llama_checkpoint))
+    with torch.no_grad():
+        assert torch.equal(mine(torch.tensor([[1, 2, 3]])), load_model(folder)(torch.tensor([[1, 2, 3]])))
+    for wrong, message in [
+        (lambda folder: load_llama_checkpoint(folder)[0], r"expected a pair \(state_dict, config\)"),
+        (lambda folder: ({"norm.weight": [1.0]}, {}), r"entry 'norm\.weight' is list; expected a tensor"),
+        (lambda folder: (load_llama_checkpoint(folder)[0], "config.json"), r"expected config\.json read as a dict"),
+    ]:
+        with pytest.raises(PartError, match=r"part 'load_llama_checkpoint'[\s\S]*" + message):
+            load_model(folder, parts=guarded(Parts, load_llama_checkpoint=wrong))
+
+
 # -- the notebook ------------------------------------------------------------------------------------------------
 
 

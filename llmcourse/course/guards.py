@@ -147,6 +147,44 @@ def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
 # -- the forward pass (chapters 02-04, 11) and the KV cache (chapter 06) -------------------------------------
 
 
+def guarded_loader(fn: Callable) -> Callable:
+    """A learner's `load_llama_checkpoint` (chapter 11): a pair (state dict of tensors by name, config as a dict);
+    the engine's `check_weights` then names a missing, unexpected or misshapen tensor."""
+    call = raising_part(fn, "load_llama_checkpoint", "11")
+
+    @functools.wraps(fn)
+    def checked(folder, *args, **kwargs):
+        out = call(folder, *args, **kwargs)
+        if not (isinstance(out, (tuple, list)) and len(out) == 2 and isinstance(out[0], dict)):
+            part_failed(
+                "load_llama_checkpoint",
+                fn,
+                f"returned {type(out).__name__}; expected a pair (state_dict, config): the tensors by the engine's "
+                "names and config.json as a dict",
+                "11",
+            )
+        state, config = out
+        wrong = next((k for k, v in state.items() if not isinstance(k, str) or not isinstance(v, Tensor)), None)
+        if wrong is not None:
+            part_failed(
+                "load_llama_checkpoint",
+                fn,
+                f"returned a state dict whose entry {wrong!r:.80} is {type(state[wrong]).__name__}; expected a tensor "
+                "under each name",
+                "11",
+            )
+        if not isinstance(config, dict):
+            part_failed(
+                "load_llama_checkpoint",
+                fn,
+                f"returned a config of type {type(config).__name__}; expected config.json read as a dict",
+                "11",
+            )
+        return dict(state), dict(config)
+
+    return checked
+
+
 def guarded_qk_norm(fn: Callable) -> Callable:
     """A learner's `qk_norm` (chapter 11): a pair (q, k) of q's and k's shapes and dtypes, each checked."""
     call = raising_part(fn, "qk_norm", "11")
@@ -730,6 +768,7 @@ def _result(
 GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     **{name: _result() for name in Parts.slot_names()},
     "qk_norm": lambda name, fn: guarded_qk_norm(fn),
+    "load_llama_checkpoint": lambda name, fn: guarded_loader(fn),
     **{name: _result(_sampler_output, _processor_contract) for name in Sampler.slot_names()},
     "KVCache": lambda name, cls: GuardedCache.of(cls),
     **{name: guarded_roofline for name in Roofline.slot_names()},
