@@ -336,6 +336,28 @@ def block_in_place(x, layer, config, rope, attend, parts):
     return x
 
 
+def block_repeats_kv_itself(x, layer, config, rope, attend, parts):
+    p, attn, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)
+    k = p.repeat_kv(p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head), config.n_rep)
+    v = p.repeat_kv(p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head), config.n_rep)
+    x = x + attn.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
+    return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
+
+
+def rms_remembers_eps(x, weight, eps, _seen={}):
+    key = id(x)
+    _seen.setdefault(key, eps)  # the eps of the first call on this x
+    return rms_norm(x, weight, _seen[key])
+
+
+def repeat_remembers(x, n_rep, _seen={}):
+    if id(x) not in _seen:
+        _seen[id(x)] = repeat_kv(x, n_rep)
+    return _seen[id(x)]
+
+
 def block_fixed_eps(x, layer, config, rope, attend, parts):
     import dataclasses
 
@@ -441,6 +463,9 @@ MISTAKES = [
     (check_llama_block, block_ignores_qk_norm, r"config\.qk_norm is true"),
     (check_llama_block, block_kv_with_n_head, r"config\.n_kv_head"),
     (check_llama_block, block_in_place, r"changed its input `x`[\s\S]*in-place operation"),
+    (check_llama_block, block_repeats_kv_itself, r"no repeat_kv in the block"),
+    (check_rms_norm, rms_remembers_eps, r"one argument changed"),
+    (check_repeat_kv, repeat_remembers, r"one argument changed|n_rep comes from the call"),
     (check_llama_block, block_fixed_eps, r"rms_norm_eps 1e-3[\s\S]*config\.rms_norm_eps"),
     (check_load_llama_checkpoint, load_keeping_prefix, r"unexpected key 'model\.[\s\S]*drop the prefix 'model\.'"),
     (check_load_llama_checkpoint, load_always_tied, r"'lm_head\.weight' is missing[\s\S]*untied"),

@@ -254,6 +254,7 @@ def _hf_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def rms_norm_cases(seed: int, n_random: int) -> list[Case]:
     g = torch.Generator().manual_seed(seed)
+    shared, weight16 = _randn(g, 4, 16) * 0.1, 1 + 0.3 * _randn(g, 16)
     cases = [
         _rms_case(
             "one row [3, -4], weight 1, eps 0",
@@ -277,7 +278,8 @@ def rms_norm_cases(seed: int, n_random: int) -> list[Case]:
             1e-5,
             "each position (each row of C features) is normalized on its own",
         ),
-        _rms_case("a large eps (1.0)", _randn(g, 4, 16), 1 + 0.3 * _randn(g, 16), 1.0, "eps is added to mean(x²)"),
+        _rms_case("a large eps (1.0)", shared, weight16, 1.0, "eps is added to mean(x²)"),
+        _rms_case("the same x and weight, eps 1e-2 (one argument changed)", shared, weight16, 1e-2),
         _rms_case(
             "tiny values (1e-4): mean(x²) ≈ 1e-8, below eps = 1e-6",
             _randn(g, 2, 24) * 1e-4,
@@ -621,6 +623,7 @@ def repeat_kv_cases(seed: int, n_random: int) -> list[Case]:
         base = 100 * torch.arange(H, dtype=f64).view(1, H, 1, 1) + torch.arange(T, dtype=f64).view(1, 1, T, 1)
         return (base + 0.01 * _randn(g, B, H, T, D, dtype=f64)).to(dtype)
 
+    shared = heads(2, 2, 3, 4)
     cases = [
         case(
             "2 KV heads, n_rep 2 (values 100·head + position)",
@@ -631,6 +634,8 @@ def repeat_kv_cases(seed: int, n_random: int) -> list[Case]:
         case("4 KV heads, n_rep 3, a batch of 2", heads(2, 4, 5, 8), 3),
         case("n_rep 1 (multi-head attention: as many KV heads as query heads)", heads(2, 3, 4, 8), 1),
         case("one KV head (multi-query attention), n_rep 8", heads(1, 1, 6, 16), 8),
+        case("the same x as the case before, n_rep 2 (one argument changed)", shared, 2),
+        case("the same x again, n_rep 4", shared, 4, "n_rep comes from the call, not from an earlier one"),
         case("one position (T = 1, a decode step)", heads(3, 2, 1, 8), 4),
         case("float64", heads(1, 2, 3, 4, f64), 2, "float64 in, float64 out"),
         case("float16", heads(2, 2, 3, 8, f16), 2, "float16 in, float16 out"),
@@ -1393,6 +1398,16 @@ def block_cases(seed: int, n_random: int) -> list[Case]:
         ),
         block_case("one KV head for 4 query heads (multi-query attention)", seed + 5, 2, 3, n_kv_head=1),
         block_case("a decode step: one position at position 37", seed + 6, 2, 1, start=37, rope_theta=500000.0),
+        block_case(
+            "C 256, 8 query heads over 2 KV heads (head_dim 32), 20 positions",
+            seed + 10,
+            1,
+            20,
+            n_embd=256,
+            n_head=8,
+            n_kv_head=2,
+            intermediate_size=512,
+        ),
         block_case("float64", seed + 7, 1, 4, f64, hint="float64 in, float64 out"),
         block_case("float16", seed + 8, 2, 3, f16, hint="float16 in, float16 out"),
         block_case("bfloat16, Qwen3", seed + 9, 1, 5, bf16, model_type="qwen3", qk_norm=True, head_dim=16),
@@ -1477,8 +1492,9 @@ def _also_hf_block(judge: Callable) -> Callable:
 
 BLOCK_ERROR_HINTS = {
     **VIEW_HINTS,
-    "attend(q, k, v) got": "split the keys and values with config.n_kv_head heads and the queries with config.n_head: "
-    "split_heads(k_proj(h), config.n_kv_head)",
+    "attend(q, k, v) got": "attend takes the keys and values as split_heads gives them, config.n_kv_head heads each "
+    "(split_heads(k_proj(h), config.n_kv_head)), and the queries with config.n_head: it stores k and v in the cache "
+    "and repeats them for the query heads itself (no repeat_kv in the block)",
 }
 
 
