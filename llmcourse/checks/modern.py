@@ -760,7 +760,7 @@ QK_NORM_MISTAKES = [
     (
         _qk_norm_over_heads,
         "normalize each head's vector on its own: over head_dim (the last dim, D features), not over all the heads "
-        "of a position together (C = H·D)",
+        "of a position together (C = H·D; that is OLMo 2's QK-norm, Qwen3's is per head)",
     ),
     (_qk_norm_over_positions, "normalize over head_dim (the last dim), not over the positions"),
     (_qk_norm_one_weight, "queries and keys have a weight each: q_norm's for q, k_norm's for k"),
