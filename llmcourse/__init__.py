@@ -1,14 +1,18 @@
-"""llmcourse: a GPT-2 inference engine built from parts that learners write themselves.
+"""llmcourse: an inference engine for GPT-2 and the Llama family, built from parts that learners write themselves.
 
 >>> import llmcourse
 >>> tok = llmcourse.get_tokenizer()
 >>> model = llmcourse.load_model("path/to/gpt2-folder")             # doctest: +SKIP
 >>> llmcourse.generate_text(model, tok, "Hello", max_new_tokens=5)  # doctest: +SKIP
+>>> llama = llmcourse.load_model("llama-shakespeare")             # doctest: +SKIP
+>>> llama_tok = llmcourse.load_tokenizer("llama-shakespeare")     # doctest: +SKIP
 """
 
 from .course import stubs as _stubs
 from .engine.config import CheckpointError, GPT2Config
 from .engine.generate import generate, generate_text, stream
+from .engine.hf_tokenizer import HFTokenizer, load_tokenizer
+from .engine.llama import Llama, LlamaConfig
 from .engine.loading import load_model, save_model
 from .engine.model import GPT2, KVCache
 from .engine.parts import Parts
@@ -27,8 +31,11 @@ __all__ = [
     "EOT_ID",
     "GPT2",
     "GPT2Config",
+    "HFTokenizer",
     "KVCache",
     "LLMEngine",
+    "Llama",
+    "LlamaConfig",
     "PartError",
     "Parts",
     "Sampler",
@@ -39,6 +46,7 @@ __all__ = [
     "generate_text",
     "get_tokenizer",
     "load_model",
+    "load_tokenizer",
     "quantize_model",
     "save_model",
     "stream",

@@ -257,9 +257,9 @@ class Tally:
     stop: int = 0  # requests stopped by a stop string before max_new_tokens
 
 
-def run_workloads(seeds, make_model, tally: Tally) -> None:
+def run_workloads(seeds, make_model, tally: Tally, **engine_settings) -> None:
     """make_model(seed): a model, or an `Engine` with a learner's functions (both drivers, generate for the
-    references and LLMEngine, run them)."""
+    references and LLMEngine, run them). `engine_settings`: LLMEngine's keywords besides the workload's."""
     model = None
     for seed in seeds:
         if seed % 10 == 0 or model is None:  # a new random model every 10 workloads
@@ -267,7 +267,7 @@ def run_workloads(seeds, make_model, tally: Tally) -> None:
         plain, _ = as_model(model)
         w = random_workload(seed, plain)
         expected = with_eos_mid_way(random.Random(seed + 1), model, w)
-        engine = LLMEngine(model, **w.engine)
+        engine = LLMEngine(model, **w.engine, **engine_settings)
         try:
             if seed % 2:
                 got = run_streaming(engine, w)

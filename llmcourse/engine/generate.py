@@ -168,7 +168,7 @@ def generate(
 def stream(
     model: Decoder,
     tokenizer,
-    prompt: str,
+    prompt: Union[str, Sequence[int]],
     params: Optional[SamplingParams] = None,
     *,
     generator: Optional[torch.Generator] = None,
@@ -182,7 +182,8 @@ def stream(
     speculation: Optional[Speculation] = None,
     **settings,
 ) -> Iterator[str]:
-    """Yield the continuation of `prompt` as text pieces, as soon as they are complete characters.
+    """Yield the continuation of `prompt` (a text, or its token ids: e.g. a chat template's, BOS included) as text
+    pieces, as soon as they are complete characters.
 
     Takes `generate`'s settings and functions. Stops at `eos_token_id` (not shown), `max_new_tokens`, or the
     first of the `stop` strings (the text before it is the last thing yielded). Beam search yields its best
@@ -190,7 +191,7 @@ def stream(
     """
     model, engines = as_model(model)
     fns = functions_of(engines, sampler=sampler, kv_cache=kv_cache, left_pad=left_pad, speculation=speculation)
-    ids = tokenizer.encode(prompt, allowed_special="all")
+    ids = tokenizer.encode(prompt, allowed_special="all") if isinstance(prompt, str) else list(prompt)
     params = SamplingParams.of(params, **settings).for_model(model)
     check_request(model, [ids], params.max_new_tokens, params.eos_token_id)
     check_compile(params, compile)
@@ -228,7 +229,9 @@ def stream(
     return stop_at(decoded(tokens, tokenizer, params.eos_token_id), params.stop)
 
 
-def generate_text(model: Decoder, tokenizer, prompt: str, params: Optional[SamplingParams] = None, **settings) -> str:
+def generate_text(
+    model: Decoder, tokenizer, prompt: Union[str, Sequence[int]], params: Optional[SamplingParams] = None, **settings
+) -> str:
     """The continuation of `prompt` as one string; takes the same settings and functions as `stream`."""
     return "".join(stream(model, tokenizer, prompt, params, **settings))
 
