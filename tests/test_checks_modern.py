@@ -358,6 +358,31 @@ def repeat_remembers(x, n_rep, _seen={}):
     return _seen[id(x)]
 
 
+def block_own_attention(x, layer, config, rope, attend, parts):
+    """Chapter 04's habit: attention built from the parts, causal, with the KV heads repeated — but not `attend`,
+    so nothing reaches the KV cache."""
+    from llmcourse.engine.parts import attention
+
+    p, a, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(a.q_proj(h, p.linear), config.n_head)
+    k = p.split_heads(a.k_proj(h, p.linear), config.n_kv_head)
+    v = p.split_heads(a.v_proj(h, p.linear), config.n_kv_head)
+    if config.qk_norm:
+        q, k = p.qk_norm(q, k, a.q_norm.weight, a.k_norm.weight, eps)
+    n_rep = config.n_head // config.n_kv_head
+    out = attention(rope(q), repeat_kv(rope(k), n_rep), repeat_kv(v, n_rep), None)
+    x = x + a.o_proj(p.merge_heads(out), p.linear)
+    return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
+
+
+def load_tie_key_required(folder):
+    state, config = load_llama_checkpoint(folder)
+    if not config["tie_word_embeddings"]:
+        pass
+    return state, config
+
+
 def block_fixed_eps(x, layer, config, rope, attend, parts):
     import dataclasses
 
@@ -466,6 +491,8 @@ MISTAKES = [
     (check_llama_block, block_repeats_kv_itself, r"no repeat_kv in the block"),
     (check_rms_norm, rms_remembers_eps, r"one argument changed"),
     (check_repeat_kv, repeat_remembers, r"one argument changed|n_rep comes from the call"),
+    (check_llama_block, block_own_attention, r"decode steps after it are not[\s\S]*call attend"),
+    (check_load_llama_checkpoint, load_tie_key_required, r"KeyError[\s\S]*absent|KeyError[\s\S]*leave tie_word"),
     (check_llama_block, block_fixed_eps, r"rms_norm_eps 1e-3[\s\S]*config\.rms_norm_eps"),
     (check_load_llama_checkpoint, load_keeping_prefix, r"unexpected key 'model\.[\s\S]*drop the prefix 'model\.'"),
     (check_load_llama_checkpoint, load_always_tied, r"'lm_head\.weight' is missing[\s\S]*untied"),

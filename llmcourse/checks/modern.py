@@ -1036,7 +1036,23 @@ def _judge_engine(case: Case, got: Any) -> Verdict:
             f"your {run.part} runs in every layer at every step: check it on the cases above (the cache holds "
             f"{run.config.n_kv_head} KV heads for {run.config.n_head} query heads)",
         )
-    return accuracy_judge(lambda args: _engine_accuracy(args[0]), ENGINE_CONTRACT)(case, got)
+    verdict = accuracy_judge(lambda args: _engine_accuracy(args[0]), ENGINE_CONTRACT)(case, got)
+    if verdict is None or verdict[1] or not isinstance(got, Tensor) or got.shape != case.expected.shape:
+        return verdict
+    exact, allowed = _engine_accuracy(run)
+    right = ((got.double() - exact).abs() <= allowed).flatten(2).all(-1).all(0)  # [positions]
+    first = 1 if run.last_only else run.prompt
+    if bool(right[:first].all()) and not bool(right[first:].all()):
+        return verdict[0], (
+            "the prompt's positions are right, the decode steps after it are not: a decode step sees the earlier "
+            "positions only through the KV cache"
+            + (
+                ", which attend(q, k, v) fills: call attend rather than an attention of your own"
+                if run.part == "llama_block"
+                else " (your function gets the cache's filled part: a view)"
+            )
+        )
+    return verdict
 
 
 def llama_case(part: str, dtype: torch.dtype, seed: int, *, generate=False, last_only=False, **config) -> Case:
@@ -1592,10 +1608,12 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
     )
     untied = tiny_config(tie_word_embeddings=False, n_kv_head=1)
     state = lively_llama_state(untied, seed=seed + 1)
+    raw = {k: v for k, v in untied.to_dict().items() if k != "tie_word_embeddings"}  # absent: untied
     out.append(
         (
-            "Llama, untied head: lm_head.weight is a weight of its own",
-            _write(root / "llama-untied", untied.to_dict(), {k: v.half() for k, v in prefixed(state).items()}),
+            "Llama stored in float16, untied head (config.json without tie_word_embeddings: transformers' default, "
+            "false): lm_head.weight is a weight of its own",
+            _write(root / "llama-untied", raw, {k: v.half() for k, v in prefixed(state).items()}),
         )
     )
     qwen2 = tiny_config(model_type="qwen2", attention_bias=True, tie_word_embeddings=False, n_kv_head=4)
@@ -1836,6 +1854,8 @@ def check_load_llama_checkpoint(fn, *, seed: int = 0, transformers: bool = False
             ],
             show_call=_show_loader,
             error_hints={
+                "KeyError: 'tie_word_embeddings'": "config.json may leave tie_word_embeddings out: then the head is "
+                "untied (transformers' default for these families): config.get('tie_word_embeddings', False)",
                 "model.safetensors": "a sharded checkpoint has no model.safetensors: read model.safetensors.index.json "
                 "(its weight_map names the file of every tensor) and load every file it names",
             },
