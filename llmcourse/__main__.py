@@ -435,20 +435,6 @@ def eos_of(tokenizer):
     return ids[0] if len(ids) == 1 else ids
 
 
-class Encoded:
-    """A tokenizer whose `encode` gives ids already made (the chat template's, BOS included once): `stream`
-    takes text and encodes it."""
-
-    def __init__(self, tokenizer, ids: list[int]):
-        self.tokenizer, self.ids = tokenizer, ids
-
-    def encode(self, text: str, **_) -> list[int]:
-        return self.ids
-
-    def __getattr__(self, name: str):
-        return getattr(self.tokenizer, name)
-
-
 def chat_ids(tokenizer: HFTokenizer, messages: list[dict], room: int) -> list[int]:
     """The conversation's token ids, at most `room`: the oldest turns after the system message are forgotten
     (removed from `messages`, with a notice) until it fits. A last message too long even alone is refused."""
@@ -517,7 +503,7 @@ def run_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "user", "content": line})
         try:
             ids = chat_ids(tokenizer, messages, room)
-            pieces = stream(model, Encoded(tokenizer, ids), line, params, generator=generator, compile=args.compile)
+            pieces = stream(model, tokenizer, ids, params, generator=generator, compile=args.compile)  # BOS once
             reply = ""
             for piece in pieces:
                 sys.stdout.write(piece)

@@ -381,7 +381,7 @@ def test_chat_with_a_llama_model_saved_by_transformers(llama_chat_folder, capsys
     real_stream = cli.stream
 
     def spy(model, tokenizer, prompt, params, **kwargs):
-        seen.append((tokenizer.encode(prompt), params.eos_token_id))
+        seen.append((list(prompt), params.eos_token_id))  # the chat template's ids
         return real_stream(model, tokenizer, prompt, params, **kwargs)
 
     monkeypatch.setattr(cli, "stream", spy)
