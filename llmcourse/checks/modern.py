@@ -1026,10 +1026,29 @@ def _engine_accuracy(run: LlamaRun) -> tuple[Tensor, Tensor]:
     return exact, torch.full_like(exact, allowed.item())
 
 
+def _near_tie(run: LlamaRun, got: Any, expected: list[int]) -> bool:
+    """Whether greedy tokens `got` part from `expected` only where two tokens' logits are closer than rounding can
+    tell apart (the first differing step's two candidates within the engine contract of each other, in float64)."""
+    from llmcourse.engine.llama import Llama
+
+    if not isinstance(got, list) or len(got) != len(expected) or not all(isinstance(t, int) for t in got):
+        return False
+    i = next(i for i, (a, b) in enumerate(zip(got, expected)) if a != b)
+    if not 0 <= got[i] < run.config.vocab_size:
+        return False
+    model = Llama(run.config)
+    model.load_state_dict({k: v.double() for k, v in run.model.state_dict().items()})
+    ids = torch.tensor([run.ids[0, : run.prompt].tolist() + expected[:i]])
+    with torch.no_grad():
+        logits = model.double().eval()(ids)[0, -1]
+    allowed = ENGINE_K * _u(run.model.norm.weight) * math.sqrt(run.config.n_embd) * logits.abs().max().item()
+    return abs(logits[got[i]].item() - logits[expected[i]].item()) <= 2 * allowed
+
+
 def _judge_engine(case: Case, got: Any) -> Verdict:
     run = case.args[0]
     if run.generate:
-        if got == case.expected:
+        if got == case.expected or _near_tie(run, got, case.expected):
             return None
         return (
             "the tokens differ from the engine's own",
