@@ -321,3 +321,20 @@ def test_quantize_model_keeps_the_untied_head_and_table_apart():
     quantize_model(model, "int8")
     assert model.lm_head.qweight.shape == (model.config.vocab_size, model.config.n_embd)
     assert model.embed_tokens.qweight.shape == (model.config.vocab_size, model.config.n_embd)
+
+
+def test_a_hub_name_loads_a_sharded_snapshot_from_the_local_cache_offline(family, tmp_path, monkeypatch):
+    """A Hub name resolves to huggingface_hub's cache (shards, index and generation_config included), offline."""
+    name, theirs, ours, _ = family
+    if name != "llama3":
+        pytest.skip("one family is enough")
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--someone--tiny-llama"
+    theirs.save_pretrained(repo / "snapshots" / commit, max_shard_size="40KB")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    model = load_model("someone/tiny-llama", device="cpu")
+    ids = torch.tensor([PROMPTS[0]])
+    assert torch.equal(model(ids), ours(ids)) and model.config.eos_token_ids == (3, 5)
