@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from llmcourse import generate, get_tokenizer, load_model
+from llmcourse.engine.bpe_training import BPETokenizer
+from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
-from llmcourse.training.shakespeare import validation_figures, validation_tokens
+from llmcourse.training.shakespeare import VALIDATION_FILE, validation_figures, validation_tokens
 
 # Greedy continuation of "ROMEO:" by gpt2-shakespeare, recorded when the model was trained.
 # token ids as a paragraph of numbers, not one per line
@@ -45,8 +47,13 @@ def test_bundled_models_are_small_and_complete():
         for file in ("config.json", "model.safetensors", "README.md"):
             assert (folder / file).is_file(), f"{name}/{file}"
         total += sum(f.stat().st_size for f in folder.iterdir())
-    assert total <= 40 * 2**20, f"bundled models take {total / 2**20:.1f} MiB"
+    assert total <= 60 * 2**20, f"bundled models take {total / 2**20:.1f} MiB"
     assert DEFAULT_MODEL == "gpt2-shakespeare"
+
+
+def test_the_modern_model_has_its_tokenizer_files():
+    for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "training.json"):
+        assert (MODELS_DIR / "llama-shakespeare" / file).is_file(), file
 
 
 def test_models_have_gpt2s_architecture_and_vocabulary(target, draft):
@@ -112,3 +119,117 @@ def test_cli_default_model_writes_shakespeare_offline():
     text = out.stdout
     assert len(text.split()) > 20
     assert re.search(r"^[A-Z][A-Z ]+:$", text, re.MULTILINE), f"no speaker line in:\n{text}"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# llama-shakespeare: Llama's architecture, its own vocabulary, a chat template that makes a conversation a scene
+
+LLAMA = MODELS_DIR / "llama-shakespeare"
+# Greedy continuation of "ROMEO:" by llama-shakespeare, past the speech's end (eos_token_id=None), recorded when
+# it was trained.
+# fmt: off
+LLAMA_RECORDED_GREEDY = [10, 73, 460, 258, 450, 329, 293, 364, 258, 450, 327, 1010, 46, 267, 91, 734, 355, 267, 267,
+                         909, 1399, 46, 434, 2633, 305, 268, 849, 46, 267, 91, 531, 258, 439, 2616, 355, 267, 91, 531,
+                         258, 439]
+# fmt: on
+# = "\nI am a man that I have a man's wife.\n\n[Exit.]\n\n\n\nSCENE II. A room in the King.\n\n"
+#   "[Enter a Messenger.]\n\n[Enter a M"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return load_model("llama-shakespeare", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def llama_tokenizer():
+    return load_tokenizer("llama-shakespeare")
+
+
+def card_bits_per_byte(name: str) -> float:
+    card = (MODELS_DIR / name / "README.md").read_text(encoding="utf-8")
+    return float(
+        re.search(r"\| validation loss, llama-shakespeare \| \*\*[0-9.]+\*\* \| \*\*([0-9.]+)\*\*", card).group(1)
+    )
+
+
+def test_llama_is_a_small_llama_with_grouped_query_attention(llama, llama_tokenizer):
+    c = llama.config
+    assert c.model_type == "llama" and c.n_kv_head < c.n_head and c.tie_word_embeddings
+    assert c.vocab_size == llama_tokenizer.n_vocab == 4096 and c.n_positions == 256
+    eot, blank = llama_tokenizer.encode("<|endoftext|>"), llama_tokenizer.encode("\n\n")
+    assert set(llama_tokenizer.eos_token_ids) == {*eot, *blank} and len(blank) == 1
+
+
+def test_llama_greedy_output_is_recorded(llama, llama_tokenizer):
+    ids = llama_tokenizer.encode("ROMEO:")
+    assert generate(llama, ids, max_new_tokens=40, eos_token_id=None) == LLAMA_RECORDED_GREEDY
+
+
+def test_llama_validation_loss_equals_its_card(llama, llama_tokenizer):
+    from llmcourse.training.shakespeare import bits_per_byte
+
+    tokens = validation_tokens(tokenizer=llama_tokenizer)
+    loss = validation_figures(llama, None, tokens)["validation_loss"]
+    assert loss == pytest.approx(card_figure("llama-shakespeare", "validation loss"), abs=2e-4)
+    tokenizer = BPETokenizer.from_file(LLAMA / "tokenizer.json")  # our own encoder, from the shipped file
+    assert tokenizer.encode(VALIDATION_FILE.read_text(encoding="utf-8")) == tokens.tolist()
+    bpb = bits_per_byte(loss, tokens, tokenizer=tokenizer)
+    assert bpb == pytest.approx(card_bits_per_byte("llama-shakespeare"), abs=2e-4)
+
+
+def test_transformers_gives_the_same_tokens_and_chat_text(llama, llama_tokenizer):
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    hf_tokenizer = AutoTokenizer.from_pretrained(LLAMA)
+    text = VALIDATION_FILE.read_text(encoding="utf-8")[:20_000] + "<|endoftext|>🦙 naïve\n\n\n  x"
+    assert hf_tokenizer.encode(text) == llama_tokenizer.encode(text)
+    chat = [
+        {"role": "system", "content": "Verona. A garden."},
+        {"role": "user", "content": "Good morrow, fair lady."},
+        {"role": "assistant", "content": "Good morrow, sir."},
+        {"role": "user", "content": "Why dost thou weep?", "name": "Hamlet"},
+    ]
+    rendered = hf_tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (
+        rendered
+        == llama_tokenizer.apply_chat_template(chat)
+        == (
+            "<|endoftext|>[Verona. A garden.]\n\nROMEO:\nGood morrow, fair lady.\n\nJULIET:\nGood morrow, sir.\n\n"
+            "HAMLET:\nWhy dost thou weep?\n\nJULIET:\n"
+        )
+    )
+
+    hf = LlamaForCausalLM.from_pretrained(LLAMA, dtype=torch.float32).eval()
+    prompt = llama_tokenizer.encode_chat(chat)
+    ours = generate(llama, prompt, max_new_tokens=60)  # ends at the blank line (the speech's end) or <|endoftext|>
+    with torch.no_grad():
+        theirs = hf.generate(torch.tensor([prompt]), max_new_tokens=60, do_sample=False)[0, len(prompt) :].tolist()
+        assert (llama(torch.tensor([prompt])) - hf(torch.tensor([prompt])).logits).abs().max().item() < 1e-4
+    assert ours == theirs
+
+
+def test_cli_generates_with_the_modern_model_offline():
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "llmcourse",
+            "generate",
+            "--model",
+            "llama-shakespeare",
+            "--max-new-tokens",
+            "60",
+            "ROMEO:",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr
+    speech = out.stdout.strip()
+    assert speech and "\n\n" not in speech  # Romeo's speech, ended by the blank line (an EOS id)

@@ -213,8 +213,9 @@ def train(
         "sample_prompt": "ROMEO:",
         "sample_tokens": min(120, context - len(tokenizer.encode("ROMEO:"))),
     }
+    until = {"eos_token_id": list(config.eos_token_ids)} if llama else {}  # the Llama: past the speech's end
     stats["sample"] = generate_text(
-        final, tokenizer, "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0
+        final, tokenizer, "ROMEO:", max_new_tokens=stats["sample_tokens"], temperature=0.8, seed=0, **until
     )
     if llama:
         eos = vocabulary.eos_token_ids(tokenizer)
@@ -341,8 +342,8 @@ def llama_card(s: dict) -> str:
     eos = ", ".join(str(i) for i in s["eos_token_ids"])
     chat = s["chat_prompt"].replace(EOT, "")
     sample = (
-        f"python -m llmcourse generate --model {s['name']} --temperature 0.8 --seed 0 "
-        f'--max-new-tokens {s["sample_tokens"]} "{s["sample_prompt"]}"'
+        f'generate_text(load_model("{s["name"]}"), load_tokenizer("{s["name"]}"), "{s["sample_prompt"]}", '
+        f"max_new_tokens={s['sample_tokens']}, temperature=0.8, seed=0, eos_token_id={s['eot_id']})"
     )
     gpt2_row = (
         "| validation loss, gpt2-shakespeare (12.4M parameters, 6.1M tokens, 54 minutes) | "
@@ -419,7 +420,9 @@ GPT-2's {s["gpt2_bytes_per_token"]:.2f}), so nats/token do not compare; bits per
 
 ## Sample
 
-`{sample}`:
+A continuation from speech to speech (only `<|endoftext|>` ends it), with `llmcourse`'s `generate_text`,
+`load_model` and `load_tokenizer` (`llmcourse.engine.hf_tokenizer`):
+`{sample}`
 
 ```
 {s["sample_prompt"]}{s["sample"]}
