@@ -23,6 +23,9 @@ The engine's own functions are the black boxes: passing `llmcourse.engine.parts.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import functools
 import json
 import math
 import random
@@ -35,15 +38,21 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from torch import Tensor
 
+from llmcourse.course.guards import guarded
 from llmcourse.engine import parts as P
+from llmcourse.engine.checkpoints import load_llama_checkpoint
+from llmcourse.engine.generate import generate
+from llmcourse.engine.llama import Llama, LlamaConfig
+from llmcourse.engine.parts import Parts
 
 from .gpt2 import HALF, VIEW_HINTS, _desc, _floor, _randn, _transposed, _u, _wide, accuracy_judge
 from .harness.core import Case, Verdict, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
 from .harness.show import short
-from .harness.tensors import known_mistake, tensor_problem
+from .harness.tensors import known_mistake, same_answer, tensor_problem
 
 f64, f16, bf16, f32 = torch.float64, torch.float16, torch.bfloat16, torch.float32
 U32 = 2.0**-24  # float32's unit of rounding: RMSNorm is computed in float32 at least
@@ -244,6 +253,7 @@ def _rms_case(description: str, x: Tensor, weight: Tensor, eps: float, hint: str
 
 def _hf_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     """transformers' LlamaRMSNorm with this weight."""
+    # transformers is heavy (seconds to import): only for the hidden comparison
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(weight.shape[-1], eps=eps).to(weight.dtype)
@@ -702,6 +712,7 @@ def _also_hf_repeat_kv(judge: Callable) -> Callable:
         verdict = judge(case, got)
         if verdict is not None:
             return verdict
+        # transformers is heavy (seconds to import): only for the hidden comparison
         from transformers.models.llama.modeling_llama import repeat_kv
 
         theirs = repeat_kv(*case.args)
@@ -797,7 +808,6 @@ def _qk_judge() -> Callable:
 
 def _qk_mistake(got: Any, case: Case) -> str:
     """The hint of the known mistake whose pair (q, k) is `got`, if any."""
-    from .harness.tensors import same_answer
 
     for mistake, hint in QK_NORM_MISTAKES:
         try:
@@ -912,7 +922,6 @@ ENGINE_CONTRACT = (
 
 def tiny_config(**changes):
     """A tiny Llama-family configuration: 2 layers, C 32, 4 query heads over 2 KV heads, head_dim 8."""
-    from llmcourse.engine.llama import LlamaConfig
 
     settings = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, intermediate_size=48, n_positions=64, vocab_size=97)
     settings.update(changes)
@@ -922,7 +931,6 @@ def tiny_config(**changes):
 def lively_llama_state(config, *, seed: int = 0) -> dict[str, Tensor]:
     """Random weights (the engine's key names) under which every mistake shows: projections of spread 1/√C_in
     (twice transformers' initialization would be 0.02), no norm weight 1, biases not 0, token rows of spread 1."""
-    from llmcourse.engine.llama import Llama
 
     g = torch.Generator().manual_seed(seed)
     state = {}
@@ -941,7 +949,6 @@ def lively_llama_state(config, *, seed: int = 0) -> dict[str, Tensor]:
 
 
 def tiny_llama(config, *, seed: int = 0, dtype=f32, parts=None):
-    from llmcourse.engine.llama import Llama
 
     model = Llama(config, parts)
     model.load_state_dict(lively_llama_state(config, seed=seed))
@@ -984,9 +991,6 @@ class LlamaRun:
         return f"model = {self!r}; model.parts = guarded(Parts, {self.part}={self.part}); {what}"
 
     def run(self, fn: Callable) -> Any:
-        from llmcourse.course.guards import guarded
-        from llmcourse.engine.generate import generate
-        from llmcourse.engine.parts import Parts
 
         model, before = self.model, self.model.parts
         model.parts = guarded(Parts, **{self.part: fn})
@@ -1005,8 +1009,6 @@ class LlamaRun:
     def exact(self) -> Any:
         """The engine's own answer: logits in float64 from the same (rounded) weights, in one pass without a
         cache; or its greedy tokens in the run's dtype."""
-        from llmcourse.engine.generate import generate
-        from llmcourse.engine.llama import Llama
 
         if self.generate:
             with torch.no_grad():
@@ -1029,7 +1031,6 @@ def _engine_accuracy(run: LlamaRun) -> tuple[Tensor, Tensor]:
 def _near_tie(run: LlamaRun, got: Any, expected: list[int]) -> bool:
     """Whether greedy tokens `got` part from `expected` only where two tokens' logits are closer than rounding can
     tell apart (the first differing step's two candidates within the engine contract of each other, in float64)."""
-    from llmcourse.engine.llama import Llama
 
     if not isinstance(got, list) or len(got) != len(expected) or not all(isinstance(t, int) for t in got):
         return False
@@ -1140,8 +1141,6 @@ def with_llama_runs(fn: Callable, judge: Callable) -> tuple[Callable, Callable]:
         return fn(*args)
 
     try:
-        import functools
-
         run = functools.wraps(fn)(run)
     except (AttributeError, TypeError):
         pass
@@ -1215,14 +1214,12 @@ class BlockLayer:
 
 def reference_block(x, layer, config, rope, attend, parts=None):
     """The engine's block with the engine's parts."""
-    from llmcourse.engine.parts import Parts
 
     return P.llama_block(x, layer, config, rope, attend, Parts())
 
 
 def _exact_block(args: tuple) -> Tensor:
     """The engine's block in float64 (weights, x, rotation and attention) from the same rounded values."""
-    import copy
 
     x, layer, config, rope, attend, parts = args
     wide = copy.deepcopy(getattr(layer, "layer", layer)).double()
@@ -1279,8 +1276,6 @@ def _block(
     **attn,
 ):
     if eps is not None:
-        import dataclasses
-
         config = dataclasses.replace(config, rms_norm_eps=eps)
     w1, w2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
     if one_norm:
@@ -1371,7 +1366,6 @@ def block_accuracy(args: tuple) -> tuple[Tensor, Tensor]:
 def block_case(description: str, seed: int, B: int, T: int, dtype=f32, *, start: int = 0, hint: str = "", **config):
     """x [B, T, C] and one layer of a tiny model of this configuration, positions start..start+T-1 (a decode step
     at an offset, or a prefill)."""
-    from llmcourse.engine.parts import Parts
 
     cfg = tiny_config(n_layer=1, **config)
     model = tiny_llama(cfg, seed=seed, dtype=dtype)
@@ -1473,6 +1467,7 @@ def block_cases(seed: int, n_random: int) -> list[Case]:
 
 def _hf_layer(config, layer):
     """transformers' decoder layer of this family with the same weights (float64)."""
+    # transformers is heavy (seconds to import): only for the hidden comparison
     import transformers
     from transformers.utils import logging
 
@@ -1563,7 +1558,6 @@ def check_llama_block(fn, *, seed: int = 0, n_random: int = 4, transformers: boo
 def _write(folder: Path, config: dict, tensors: dict[str, Tensor], shards: int = 1) -> Path:
     """A checkpoint folder as save_pretrained writes it: config.json and model.safetensors, or `shards` files
     model-0000i-of-0000n.safetensors listed in model.safetensors.index.json."""
-    from safetensors.torch import save_file
 
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
@@ -1586,6 +1580,7 @@ def _write(folder: Path, config: dict, tensors: dict[str, Tensor], shards: int =
 
 def _hf_save_pretrained(folder: Path, config, state: dict, *, max_shard_size=None) -> Path:
     """What transformers' save_pretrained writes for a model of this configuration with these weights."""
+    # transformers is heavy (seconds to import): only for the hidden comparison
     import transformers
     from transformers.utils import logging
 
@@ -1691,7 +1686,6 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
 
 def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
     """What the engine's loader reads: (state dict with the engine's key names, config.json as a dict)."""
-    from llmcourse.engine.checkpoints import load_llama_checkpoint
 
     return load_llama_checkpoint(folder)
 
@@ -1710,8 +1704,6 @@ class LoaderRun:
 
     @staticmethod
     def generate(state: dict, raw: dict) -> list[int]:
-        from llmcourse.engine.generate import generate
-        from llmcourse.engine.llama import Llama, LlamaConfig
 
         config = LlamaConfig.from_dict(raw)
         model = Llama(config)
