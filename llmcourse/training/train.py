@@ -31,8 +31,9 @@ from tqdm import tqdm
 
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate_text
+from llmcourse.engine.hf_tokenizer import HFTokenizer
 from llmcourse.engine.llama import Llama, LlamaConfig
-from llmcourse.engine.loading import load_model, resolve_device, save_model
+from llmcourse.engine.loading import MODELS_DIR, load_model, resolve_device, save_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.tokenizer import EOT, get_tokenizer
 
@@ -235,8 +236,6 @@ CHAT_PROMPT = [{"role": "user", "content": "Good morrow, fair lady. Why dost tho
 
 def chat_sample(model, folder: Path) -> dict:
     """A one-turn chat through the shipped tokenizer and chat template, sampled with a fixed seed."""
-    from llmcourse.engine.hf_tokenizer import HFTokenizer
-
     tok = HFTokenizer.from_folder(folder)
     prompt = tok.apply_chat_template(CHAT_PROMPT)
     room = min(80, model.config.n_positions - len(tok.encode(prompt)))
@@ -246,8 +245,6 @@ def chat_sample(model, folder: Path) -> dict:
 
 def gpt2_figures(validation_file: Path) -> dict:
     """gpt2-shakespeare's validation loss (from its training.json) and the same loss in bits per byte."""
-    from llmcourse.engine.loading import MODELS_DIR
-
     loss = json.loads((MODELS_DIR / "gpt2-shakespeare" / "training.json").read_text())["validation_loss"]
     tokens = shakespeare.validation_tokens(validation_file)
     return {
