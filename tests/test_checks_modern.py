@@ -383,6 +383,19 @@ def load_tie_key_required(folder):
     return state, config
 
 
+def block_weights_only(x, layer, config, rope, attend, parts):
+    """The projections as bare matrix products: Qwen2's biases left out."""
+    p, a, eps = parts, layer.self_attn, config.rms_norm_eps
+    h = p.rms_norm(x, layer.input_layernorm.weight, eps)
+    q = p.split_heads(h @ a.q_proj.weight.T, config.n_head)
+    k = p.split_heads(h @ a.k_proj.weight.T, config.n_kv_head)
+    v = p.split_heads(h @ a.v_proj.weight.T, config.n_kv_head)
+    if config.qk_norm:
+        q, k = p.qk_norm(q, k, a.q_norm.weight, a.k_norm.weight, eps)
+    x = x + a.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
+    return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
+
+
 def block_fixed_eps(x, layer, config, rope, attend, parts):
     import dataclasses
 
@@ -493,6 +506,7 @@ MISTAKES = [
     (check_repeat_kv, repeat_remembers, r"one argument changed|n_rep comes from the call"),
     (check_llama_block, block_own_attention, r"decode steps after it are not[\s\S]*call attend"),
     (check_load_llama_checkpoint, load_tie_key_required, r"KeyError[\s\S]*absent|KeyError[\s\S]*leave tie_word"),
+    (check_llama_block, block_weights_only, r"Qwen2[\s\S]*Qwen2's q, k and v have biases"),
     (check_llama_block, block_fixed_eps, r"rms_norm_eps 1e-3[\s\S]*config\.rms_norm_eps"),
     (check_load_llama_checkpoint, load_keeping_prefix, r"unexpected key 'model\.[\s\S]*drop the prefix 'model\.'"),
     (check_load_llama_checkpoint, load_always_tied, r"'lm_head\.weight' is missing[\s\S]*untied"),

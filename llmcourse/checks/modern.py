@@ -1230,11 +1230,15 @@ def _rmsn(x, w, config):
     return P.rms_norm(x, w, config.rms_norm_eps)
 
 
-def _attn_out(h, layer, config, rope, attend, *, norm_qk=True, rope_first=False, rope_v=False, o_proj=True):
+def _attn_out(h, layer, config, rope, attend, *, norm_qk=True, rope_first=False, rope_v=False, o_proj=True, bias=True):
     p, a = P, layer.self_attn
-    q = p.split_heads(a.q_proj(h, p.linear), config.n_head)
-    k = p.split_heads(a.k_proj(h, p.linear), config.n_kv_head)
-    v = p.split_heads(a.v_proj(h, p.linear), config.n_kv_head)
+
+    def project(module):  # without bias: h @ weight.T alone
+        return module(h, p.linear) if bias else h @ module.weight.T
+
+    q = p.split_heads(project(a.q_proj), config.n_head)
+    k = p.split_heads(project(a.k_proj), config.n_kv_head)
+    v = p.split_heads(project(a.v_proj), config.n_kv_head)
     if rope_first:
         q, k = rope(q), rope(k)
     if config.qk_norm and norm_qk:
@@ -1336,6 +1340,11 @@ BLOCK_MISTAKES = [
         "k_norm.weight, eps) before RoPE",
     ),
     (lambda *a: _block(*a, o_proj=False), "project the merged heads with self_attn.o_proj before adding them to x"),
+    (
+        lambda *a: _block(*a, bias=False),
+        "call each projection as a module, layer.self_attn.q_proj(h, parts.linear): Qwen2's q, k and v have biases, "
+        "which it adds (h @ weight.T alone leaves them out)",
+    ),
     (
         lambda *a: _block(*a, eps=1e-6),
         "pass config.rms_norm_eps to every norm: a model's eps is not always the same (1e-5 Llama, 1e-6 Qwen)",
