@@ -23,10 +23,11 @@ import torch
 from .bench.command import main as bench
 from .course.learner import slots_used, your_pieces
 from .course.progress import default_folder, progress_lines
+from .engine.checkpoints import read_config
 from .engine.config import CheckpointError
 from .engine.generate import NUM_DRAFT_TOKENS, CompileError, stream
 from .engine.hf_tokenizer import ChatTemplateError, HFTokenizer, load_tokenizer
-from .engine.loading import load_model, save_model
+from .engine.loading import load_model, resolve_source, save_model
 from .engine.quantize import resident_bytes
 from .engine.sampling import SamplingParams
 from .engine.slots import PartError
@@ -427,6 +428,14 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def model_type_of(source) -> str:
+    """config.json's model_type of a model source ('gpt2' where it cannot be read: loading it says why)."""
+    try:
+        return read_config(resolve_source(source)).get("model_type", "gpt2")
+    except (CheckpointError, OSError):
+        return "gpt2"
 
 
 def eos_of(tokenizer):

@@ -373,7 +373,7 @@ def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pai
             "01_tokenization: encode is not written yet; the engine's encode runs instead",
             "01_tokenization: decode is not written yet; the engine's decode runs instead",
             "01_tokenization: stream_decoder is not written yet; the engine's StreamDecoder runs instead",
-            "your engine: your gelu (every generation); the engine's own for the rest",
+            "your engine: your gelu (every generation with GPT-2); the engine's own for the rest",
         ]
         mine = engine.generate_text("ROMEO: 🦙", max_new_tokens=20, eos_token_id=None)
     finally:

@@ -304,6 +304,12 @@ def test_the_notice_lists_only_what_the_run_uses():
         "merge_heads, temperature, top_p, sample, KVCache, left_pad, StreamDecoder, decode, encode, the engine's own "
         "for the rest"
     )
+    llama = your_engine_notice(everything, slots_used(dict(temperature=0), "llama"))
+    assert llama == (
+        "your engine: your embedding, linear, softmax, attention, split_heads, merge_heads, rope, rms_norm, swiglu, "
+        "repeat_kv, llama_block, load_llama_checkpoint, greedy, KVCache, left_pad, the engine's own for the rest"
+    )  # a Llama-family model: its own tokenizer, no layer_norm or gelu, QK-norm only for Qwen3
+    assert "qk_norm" in slots_used({}, "qwen3")
     for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "best_k"]:
         assert unused not in plain
     assert "best_k" in slots_used(dict(draft="gpt2-shakespeare-draft", num_draft_tokens="auto"))
@@ -326,7 +332,7 @@ def test_the_notice_without_a_run_says_where_each_is_used():
 
     notice = your_engine_notice(["gelu", "top_k", "BlockAllocator", "quantize_int8", "smooth_scales"])
     assert notice == (
-        "your engine: your gelu (every generation); top_k (choosing tokens); BlockAllocator (LLMEngine); "
+        "your engine: your gelu (every generation with GPT-2); top_k (choosing tokens); BlockAllocator (LLMEngine); "
         "quantize_int8 (quantizing); smooth_scales (quantizing with a calibration (quantize_model(..., "
         "calibration=ids))); the engine's own for the rest"
     )

@@ -181,7 +181,8 @@ def test_a_misspelt_bundled_name_says_what_was_meant(name, meant, monkeypatch):
     with pytest.raises(CheckpointError) as err:
         load_model(name, device="cpu")
     assert str(err.value) == (
-        f"no bundled model {name!r}; did you mean {meant!r}? (bundled: gpt2-shakespeare, gpt2-shakespeare-draft, llama-shakespeare)"
+        f"no bundled model {name!r}; did you mean {meant!r}? "
+        "(bundled: gpt2-shakespeare, gpt2-shakespeare-draft, llama-shakespeare)"
     )
 
 

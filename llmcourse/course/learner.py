@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from typing import Callable, Iterator, NamedTuple, Optional
 
+from llmcourse.engine.decoder import Decoder
 from llmcourse.engine.generate import generate_text, stream
+from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import load_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import Parts
@@ -231,7 +233,7 @@ class Pieces(NamedTuple):
     quantization: Quantization
     tokenizer: "LearnerTokenizer"
 
-    def install(self, model: GPT2, quantize: Optional[str] = None) -> "Engine":
+    def install(self, model: Decoder, quantize: Optional[str] = None) -> "Engine":
         """`model` with these parts in its forward pass (quantized with these functions if `quantize`), as an
         `Engine` whose generation runs the rest."""
         model.parts = self.parts
@@ -266,9 +268,16 @@ def your_pieces(
     return Pieces(table(Parts, PART_SLOTS), drivers, table(Quantization, QUANTIZATION_SLOTS), tokenizer)
 
 
+# The parts only one family's forward pass runs (chapter 04's GPT-2, chapter 11's Llama family); the rest both.
+GPT2_PARTS = ("layer_norm", "gelu")
+LLAMA_PARTS = ("rope", "rms_norm", "swiglu", "repeat_kv", "qk_norm", "llama_block", "load_llama_checkpoint")
+SHARED_PARTS = tuple(n for n in PART_SLOTS if n not in GPT2_PARTS + LLAMA_PARTS)
+
 # Where each of the learner's slots runs, in the order the notice lists them.
 WHERE_USED = (
-    ("every generation", PART_SLOTS + CACHE_SLOTS + ("left_pad",) + TOKENIZER_SLOTS),
+    ("every generation", SHARED_PARTS + CACHE_SLOTS + ("left_pad",) + TOKENIZER_SLOTS),
+    ("every generation with GPT-2", GPT2_PARTS),
+    ("every generation with a Llama-family model", LLAMA_PARTS),
     ("choosing tokens", SAMPLER_SLOTS),
     ("LLMEngine", tuple(n for n in BATCHING_SLOTS if n != "left_pad")),
     ("speculative decoding", SPECULATION_SLOTS),
@@ -278,12 +287,18 @@ WHERE_USED = (
 )
 
 
-def slots_used(settings: dict) -> set[str]:
+def slots_used(settings: dict, model_type: str = "gpt2") -> set[str]:
     """The slots a `generate`/`stream` call with these settings (plus `quantize`, as `generate --quantize` takes
-    it) runs: the forward pass, the cache, left_pad and the tokenizer always; greedy (and the repetition penalty)
-    or the enabled processors and sample; the speculative functions with a draft; the quantization functions
-    with quantize."""
+    it) runs on a model of `model_type` (config.json's): the forward pass (GPT-2's parts, or the Llama family's,
+    QK-norm for Qwen3 only), the cache and left_pad always, chapter 01's tokenizer for GPT-2 (a Llama-family
+    model brings its own); greedy (and the repetition penalty) or the enabled processors and sample; the
+    speculative functions with a draft; the quantization functions with quantize."""
     used = set(WHERE_USED[0][1])
+    if model_type == "gpt2":
+        used |= set(GPT2_PARTS)
+    else:
+        used |= set(LLAMA_PARTS) - (set() if model_type == "qwen3" else {"qk_norm"})
+        used -= set(TOKENIZER_SLOTS)
     sampled = settings.get("temperature", 0) != 0 and settings.get("num_beams", 1) == 1
     used |= {"sample"} if sampled else {"greedy"}
     if settings.get("repetition_penalty", 1) != 1:
@@ -320,11 +335,12 @@ def your_engine_notice(yours: list[str], uses: Optional[set[str]] = None) -> str
 
 
 class Engine:
-    """Your engine: `model` (an `llmcourse.GPT2` with your parts), `tokenizer` (yours, see `LearnerTokenizer`) and
-    `functions`, the rest of yours by the keyword each driver takes (`generate`, `stream`, `generate_text` and
-    `LLMEngine` run them when given the engine where a model goes). `model, tokenizer = my_engine()` unpacks it."""
+    """Your engine: `model` (GPT-2 or a Llama-family model, with your parts), `tokenizer` (yours, see
+    `LearnerTokenizer`; a Llama-family model's own) and `functions`, the rest of yours by the keyword each driver
+    takes (`generate`, `stream`, `generate_text` and `LLMEngine` run them when given the engine where a model goes).
+    `model, tokenizer = my_engine()` unpacks it."""
 
-    def __init__(self, model: GPT2, tokenizer, functions: Optional[dict] = None):
+    def __init__(self, model: Decoder, tokenizer, functions: Optional[dict] = None):
         self.model, self.tokenizer, self.functions = model, tokenizer, dict(functions or {})
 
     def __iter__(self):
@@ -368,6 +384,10 @@ def my_engine(
         >>> model, tokenizer = engine                                       # doctest: +SKIP
     """
     pieces = your_pieces(folder, notify=notify)
-    if not isinstance(model, GPT2):
-        model = load_model(model, device=device, dtype=dtype)
-    return pieces.install(model, quantize)
+    source = model
+    if not isinstance(model, Decoder):  # your loader reads a Llama-family checkpoint
+        model = load_model(model, device=device, dtype=dtype, parts=pieces.parts)
+    engine = pieces.install(model, quantize)
+    if not isinstance(model, GPT2) and not isinstance(source, Decoder):  # chapter 01's tokenizer is GPT-2's
+        engine.tokenizer = load_tokenizer(source)
+    return engine
