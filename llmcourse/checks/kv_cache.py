@@ -901,9 +901,9 @@ def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: 
     run = Run(None, cache_class.made)
     blocks = model.blocks
 
-    def counted(x, attend):
+    def counted(x, position_ids, attend):
         run.positions += x.shape[0] * x.shape[1]
-        return blocks(x, attend)
+        return blocks(x, position_ids, attend)
 
     model.blocks = counted
     try:
