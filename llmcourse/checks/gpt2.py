@@ -1707,30 +1707,37 @@ def _judge_checkpoint(case: Case, got: Any) -> Verdict:
             else "every tensor of the file, renamed without 'transformer.' (see the list of keys in the exercise)"
         )
         return f"the key {missing[0]!r} is missing ({len(missing)} missing in all)", hint
+    return tensors_and_config_problem(
+        sd,
+        config,
+        expected_sd,
+        expected_config,
+        layout="Conv1D weights are stored as [C_in, C_out] already, the layout linear() uses: no transpose",
+        dtype=(
+            "",
+            "convert every tensor to float32 (tensor.float()), whatever the file stores: float16 or bfloat16 "
+            "to halve the file, float64 sometimes; the forward pass computes in float32",
+        ),
+        copy="copy the tensors as they are in the file",
+    )
+
+
+def tensors_and_config_problem(sd, config, expected_sd, expected_config, *, layout, dtype, copy) -> Verdict:
+    """A loader's state dict (with the expected keys) and config compared with the expected ones, tensor by tensor:
+    type, shape (`layout`: the hint for a transposed one), dtype (`dtype`: what the message adds, the hint),
+    values (`copy`: the hint), then the config. Chapters 04 and 11's loaders."""
     for key, want in expected_sd.items():
         tensor = sd[key]
         if not isinstance(tensor, Tensor):
             return f"{key!r} should be a tensor, got {short(tensor, 60)}", ""
         if tensor.shape != want.shape:
-            hint = (
-                "Conv1D weights are stored as [C_in, C_out] already, the layout linear() uses: no transpose"
-                if tensor.shape == want.shape[::-1]
-                else ""
-            )
+            hint = layout if tensor.shape == want.shape[::-1] else ""
             return f"{key!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}", hint
         if tensor.dtype != want.dtype:
-            return (
-                f"{key!r} has dtype {tensor.dtype}, expected {want.dtype}",
-                "convert every tensor to float32 (tensor.float()), whatever the file stores: float16 or bfloat16 "
-                "to halve the file, float64 sometimes; the forward pass computes in float32",
-            )
+            return f"{key!r} has dtype {tensor.dtype}, expected {want.dtype}{dtype[0]}", dtype[1]
         if not torch.equal(tensor, want):
-            hint = (
-                "Conv1D weights are stored as [C_in, C_out] already, the layout linear() uses: no transpose"
-                if want.dim() == 2 and want.shape[0] == want.shape[1] and torch.equal(tensor, want.T)
-                else "copy the tensors as they are in the file"
-            )
-            return f"the values of {key!r} differ from the file's", hint
+            transposed = want.dim() == 2 and want.shape[0] == want.shape[1] and torch.equal(tensor, want.T)
+            return f"the values of {key!r} differ from the file's", layout if transposed else copy
     if not isinstance(config, dict):
         return (
             f"the config should be the dict read from config.json, got a {type(config).__name__}",

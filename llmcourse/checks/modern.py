@@ -48,7 +48,18 @@ from llmcourse.engine.generate import generate
 from llmcourse.engine.llama import Llama, LlamaConfig
 from llmcourse.engine.parts import Parts
 
-from .gpt2 import HALF, VIEW_HINTS, _desc, _floor, _randn, _transposed, _u, _wide, accuracy_judge
+from .gpt2 import (
+    HALF,
+    VIEW_HINTS,
+    _desc,
+    _floor,
+    _randn,
+    _transposed,
+    _u,
+    _wide,
+    accuracy_judge,
+    tensors_and_config_problem,
+)
 from .harness.core import Case, Verdict, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
 from .harness.show import short
@@ -1786,38 +1797,19 @@ def _judge_checkpoint(case: Case, got: Any) -> Verdict:
         else:
             hint = "every tensor of the files, renamed without 'model.'"
         return f"the key {missing[0]!r} is missing ({len(missing)} missing in all)", hint
-    for key, want in expected_sd.items():
-        tensor = sd[key]
-        if not isinstance(tensor, Tensor):
-            return f"{key!r} should be a tensor, got {short(tensor, 60)}", ""
-        if tensor.shape != want.shape:
-            hint = (
-                "the weights keep nn.Linear's layout [C_out, C_in], as stored: no transpose"
-                if tensor.shape == want.shape[::-1]
-                else ""
-            )
-            return f"{key!r} has shape {tuple(tensor.shape)}, expected {tuple(want.shape)}", hint
-        if tensor.dtype != want.dtype:
-            return (
-                f"{key!r} has dtype {tensor.dtype}, expected {want.dtype} (as stored)",
-                "keep every tensor in the dtype the file stores (float16, bfloat16, ...): the model converts them "
-                "to the dtype it runs in, and a 16-bit checkpoint converted to float32 takes twice the memory",
-            )
-        if not torch.equal(tensor, want):
-            hint = (
-                "the weights keep nn.Linear's layout [C_out, C_in], as stored: no transpose"
-                if want.dim() == 2 and want.shape[0] == want.shape[1] and torch.equal(tensor, want.T)
-                else "copy the tensors as they are in the files"
-            )
-            return f"the values of {key!r} differ from the file's", hint
-    if not isinstance(config, dict):
-        return (
-            f"the config should be the dict read from config.json, got a {type(config).__name__}",
-            "json.loads(Path(folder, 'config.json').read_text())",
-        )
-    if config != expected_config:
-        return "the config differs from config.json", "return the whole of config.json, as json.load reads it"
-    return None
+    return tensors_and_config_problem(
+        sd,
+        config,
+        expected_sd,
+        expected_config,
+        layout="the weights keep nn.Linear's layout [C_out, C_in], as stored: no transpose",
+        dtype=(
+            " (as stored)",
+            "keep every tensor in the dtype the file stores (float16, bfloat16, ...): the model converts them "
+            "to the dtype it runs in, and a 16-bit checkpoint converted to float32 takes twice the memory",
+        ),
+        copy="copy the tensors as they are in the files",
+    )
 
 
 def _show_loader(args: tuple) -> str:
