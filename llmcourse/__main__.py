@@ -3,6 +3,7 @@
 $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundled model)
 $ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
 $ python -m llmcourse chat --model llama-shakespeare  # a conversation through the model's chat template
+$ python -m llmcourse serve                      # an OpenAI-compatible server and a chat page at http://127.0.0.1:8000
 $ python -m llmcourse progress [PATH]            # a learner's dashboard
 $ python -m llmcourse release                    # regenerate chapters/ from solutions/
 $ python -m llmcourse bench                      # engine vs transformers vs the roofline
@@ -33,6 +34,7 @@ from .engine.sampling import SamplingParams
 from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
 from .engine.tokenizer import EOT_ID, TokenizerFileError
+from .serving.llm_engine import LLMEngine
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -130,6 +132,35 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat.add_argument("--system", metavar="TEXT", default=None, help="a system message to open the conversation")
     add_settings(chat)
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server and a chat page",
+        description="Serve MODEL over HTTP with the OpenAI API (POST /v1/completions, /v1/chat/completions, "
+        "streaming or not; GET /v1/models, /health) and a chat page at /. All requests share one LLMEngine "
+        "(continuous batching over a paged KV cache). Ctrl+C stops it.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument(
+        "--model",
+        default=CHAT_MODEL,
+        help="any --model of generate; the chat route needs a chat template (tokenizer_config.json's)",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every network)")
+    serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
+    serve.add_argument(
+        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on the /v1 routes"
+    )
+    serve.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests decoded at once")
+    serve.add_argument(
+        "--max-pending",
+        type=int,
+        default=256,
+        metavar="N",
+        help="requests held at once (running or waiting); more get 429 Too Many Requests",
+    )
+    serve.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
+    serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    serve.add_argument("--quantize", choices=["int8", "int4"], default=None, help="quantize the weights")
     prog = commands.add_parser(
         "progress",
         help="your dashboard: which exercises pass, with points",
@@ -231,6 +262,16 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers and CTranslate2, batch 1 and 16, each against its roofline; uses --model "
         "(a configuration: random weights), --device, --repeats; float32 only); it writes the 'quantize' section "
         "of bench.json and bench_quantize.png",
+    )
+    instead.add_argument(
+        "--http",
+        nargs="?",
+        const="llama-shakespeare",
+        metavar="MODEL",
+        default=argparse.SUPPRESS,
+        help="instead, run the HTTP benchmark: `serve` in a subprocess against AsyncEngine in-process, the "
+        "same requests at 1, 4, 16 and 32 concurrent clients, on this model (without a value: llama-shakespeare; "
+        "uses --device, --dtype); it writes the 'http' section of bench.json and bench_http.png",
     )
     return parser
 
@@ -532,6 +573,37 @@ def run_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_serve(args: argparse.Namespace) -> int:
+    from .serving.api_server import build_app, serve  # the web stack loads only for this command
+
+    def fail(message: str, code: int) -> int:
+        print(f"python -m llmcourse serve: error: {message}", file=sys.stderr)
+        return code
+
+    for flag, value in (("--max-num-seqs", args.max_num_seqs), ("--max-pending", args.max_pending)):
+        if value < 1:
+            return fail(f"{flag} must be at least 1, got {value}", 2)
+    if not 0 <= args.port < 65536:
+        return fail(f"--port must be in 0 ... 65535, got {args.port}", 2)
+    try:
+        tokenizer = load_tokenizer(args.model)
+        model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        engine = LLMEngine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+    except ValueError as err:  # CheckpointError is a ValueError too
+        return fail(in_flag_terms(str(err)), 1 if isinstance(err, CheckpointError) else 2)
+    except TokenizerFileError as err:
+        return fail(str(err), 1)
+    name = str(args.model)
+    app = build_app(engine, tokenizer, name, api_key=args.api_key, max_pending=args.max_pending)
+    url = f"http://{args.host}:{args.port}"
+    print(f"serving {name} at {url}/v1 (OpenAI API); chat page: {url}/ ; Ctrl+C stops", file=sys.stderr, flush=True)
+    try:
+        serve(app, args.host, args.port)
+    except OSError as err:  # the port is taken, say
+        return fail(f"cannot listen on {args.host}:{args.port} ({err}): choose another --port", 1)
+    return 0
+
+
 def run_quantize(args: argparse.Namespace) -> int:
     try:
         model = load_model(args.model, device="cpu", quantize=args.format)
@@ -555,6 +627,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_generate(args)
         if args.command == "chat":
             return run_chat(args)
+        if args.command == "serve":
+            return run_serve(args)
         if args.command == "progress":
             return run_progress(args)
         if args.command == "quantize":

@@ -44,7 +44,7 @@ from . import padding
 from .decoder import Decoder
 from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams, eos_ids
 from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
-from .tokenizer import EOT_ID, StreamDecoder
+from .tokenizer import EOT_ID, stream_decoder
 
 NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled draft model at k = 1 (benchmarks page)
 PromptIds = Union[Sequence[int], Sequence[Sequence[int]]]
@@ -245,7 +245,7 @@ def until_eos(tokens: list[int], eos_token_id) -> list[int]:
 def decoded(tokens: Iterator[int], tokenizer, eos_token_id) -> Iterator[str]:
     """Text pieces for a stream of token ids, ending at EOS; never splits a UTF-8 character.
     A tokenizer may bring its own streaming decoder (`tokenizer.stream_decoder()`)."""
-    decoder = tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else StreamDecoder(tokenizer)
+    decoder = stream_decoder(tokenizer)
     stops = eos_ids(eos_token_id)
     for token in tokens:
         if token in stops:
@@ -256,25 +256,47 @@ def decoded(tokens: Iterator[int], tokenizer, eos_token_id) -> Iterator[str]:
         yield rest
 
 
+class StopStrings:
+    """Text pieces in, the text before the first stop string out; what may begin a stop string is held back until
+    the next pieces tell (a stop string can span tokens).
+
+        >>> stops = StopStrings(["\\n\\n"])
+        >>> stops.push("To be"), stops.push(", or\\n"), stops.push("\\nnot"), stops.stopped
+        ('To be', ', or', '', True)
+    """
+
+    def __init__(self, stop: Sequence[str]):
+        self.stop, self.pending, self.stopped = tuple(stop), "", False
+
+    def push(self, piece: str) -> str:
+        """Add a piece; return the text now known to come before any stop string (possibly '')."""
+        if self.stopped:
+            return ""
+        self.pending += piece
+        hits = [i for i in (self.pending.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+            return self.pending[: min(hits)]
+        keep = max((n for s in self.stop for n in range(1, len(s)) if self.pending.endswith(s[:n])), default=0)
+        ready, self.pending = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
+        return ready
+
+    def flush(self) -> str:
+        """End of text: what was held back (no stop string came)."""
+        rest, self.pending = ("" if self.stopped else self.pending), ""
+        return rest
+
+
 def stop_at(pieces: Iterator[str], stop: Sequence[str]) -> Iterator[str]:
     """Pass text pieces through until a stop string appears; hold back what may begin one."""
-    if not stop:
-        yield from pieces
-        return
-    pending = ""
+    stops = StopStrings(stop)
     for piece in pieces:
-        pending += piece
-        hits = [i for i in (pending.find(s) for s in stop) if i >= 0]
-        if hits:
-            if head := pending[: min(hits)]:
-                yield head
-            return
-        keep = max((n for s in stop for n in range(1, len(s)) if pending.endswith(s[:n])), default=0)
-        if ready := pending[: len(pending) - keep]:
+        if ready := stops.push(piece):
             yield ready
-        pending = pending[len(pending) - keep :]
-    if pending:
-        yield pending
+        if stops.stopped:
+            return
+    if rest := stops.flush():
+        yield rest
 
 
 def new_generator(model: Decoder, seed: int) -> torch.Generator:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from .loading import resolve_source
-from .tokenizer import TokenizerFileError, get_tokenizer
+from .tokenizer import TokenizerFileError, bytes_to_unicode, get_tokenizer
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "config.json")
@@ -38,6 +38,7 @@ TEMPLATE_FILE = "chat_template.jinja"  # newer transformers save the template he
 FILES = (TOKENIZER_FILE, *CONFIG_FILES[:3], TEMPLATE_FILE)  # what a model's tokenizer needs from its folder
 NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
+BYTE_OF = {c: b for b, c in bytes_to_unicode().items()}  # a byte-level vocabulary's characters -> their bytes
 Message = dict  # {"role": "system" | "user" | "assistant" | ..., "content": str}
 
 
@@ -133,6 +134,21 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens shown, as transformers' `tokenizer.decode(ids)`."""
         return self.tokenizer.decode(list(ids), skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level token may hold part of a character).
+
+        >>> tok.token_bytes(tok.encode("🦙", add_special_tokens=False)[0])   # Llama 3   # doctest: +SKIP
+        b'\\xf0\\x9f'
+        """
+        piece = self.tokenizer.id_to_token(int(token_id))
+        if piece is None:
+            raise ValueError(f"token id {token_id} is not in the vocabulary (0 ... {self.n_vocab - 1})")
+        if type(self.tokenizer.decoder).__name__ == "ByteLevel" and all(c in BYTE_OF for c in piece):
+            return bytes(BYTE_OF[c] for c in piece)
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # a byte-fallback token
+            return bytes([int(piece[3:5], 16)])
+        return self.decode([token_id]).encode("utf-8")
 
     def stream_decoder(self) -> "HFStreamDecoder":
         return HFStreamDecoder(self)

@@ -159,3 +159,8 @@ class StreamDecoder:
     def flush(self) -> str:
         """End of stream: return what is left (incomplete bytes become '\\ufffd', as in `decode`)."""
         return self._utf8.decode(b"", final=True)
+
+
+def stream_decoder(tokenizer):
+    """A streaming decoder for `tokenizer`: its own (`HFTokenizer.stream_decoder()`), or a `StreamDecoder`."""
+    return tokenizer.stream_decoder() if hasattr(tokenizer, "stream_decoder") else StreamDecoder(tokenizer)

@@ -12,11 +12,12 @@ it alone, with the same settings and seed.
     >>> engine.generate([tok.encode("ROMEO:"), tok.encode("JULIET:")], max_new_tokens=20)   # doctest: +SKIP
     >>> rid = engine.add_request(tok.encode("HAMLET:"), temperature=0.8, seed=3)  # doctest: +SKIP
     >>> while engine.has_unfinished(): engine.step()  # -> [(request id, new token, finished), ...]  # doctest: +SKIP
+    >>> engine.abort(rid)   # a client went away: its blocks return to the pool at once     # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 
@@ -46,6 +47,30 @@ SETTINGS = (
     "repetition_penalty",
 )
 DEFAULT_CONTEXT = 4096  # the default pool holds one request this long (a 128k-context model would need GBs)
+
+
+class TokenLogprobs(NamedTuple):
+    """A generated token's log-probability and the likeliest tokens' (token id, log-probability), best first."""
+
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def record_logprobs(requests: list[Request], logits: torch.Tensor, tokens: list[int]) -> None:
+    """Append to each request that asked for them (`num_logprobs` not None) its new token's log-probability
+    under the model (log-softmax of the raw logits [R, V]) and its `num_logprobs` likeliest tokens'."""
+    rows = [i for i, r in enumerate(requests) if r.num_logprobs is not None]
+    if not rows:
+        return
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)  # [len(rows), V]
+    k = max(requests[i].num_logprobs for i in rows)
+    top_lp, top_ids = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    picked = torch.tensor([tokens[i] for i in rows], device=logp.device)
+    chosen = logp.gather(1, picked[:, None])[:, 0].tolist()
+    for j, i in enumerate(rows):
+        n = requests[i].num_logprobs
+        top = list(zip(top_ids[j, :n].tolist(), top_lp[j, :n].tolist()))
+        requests[i].logprobs.append(TokenLogprobs(chosen[j], top))
 
 
 class LLMEngine:
@@ -127,29 +152,40 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             policy=self.batching.schedule,
         )
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}  # by id, until `release`d
+        self.next_id = 0
         self.num_steps = 0
         self.steps_without_token = 0
         self.last_step: list[tuple[int, int]] = []  # (request id, tokens computed) in the latest step
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
-    def add_request(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, **settings) -> int:
+    def add_request(
+        self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+    ) -> int:
         """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings, as a `SamplingParams`
         or keywords (`stop` strings end the request with the token that completes one; no beam search). A request
-        that can never run is refused with a ValueError, and the engine goes on with the others."""
-        return self._add(self._request(prompt_ids, params, **settings))
+        that can never run is refused with a ValueError, and the engine goes on with the others.
+        logprobs: None, or k >= 0 to record each new token's log-probability and the k likeliest tokens'
+        (`Request.logprobs`; of the model's own distribution, before temperature and the other settings)."""
+        return self.add(self.new_request(prompt_ids, params, logprobs=logprobs, **settings))
 
-    def _add(self, request: Request) -> int:
-        request.id = len(self.requests)
+    def add(self, request: Request) -> int:
+        """Queue a request made by `new_request`. -> its id."""
+        request.id, self.next_id = self.next_id, self.next_id + 1
         self.requests[request.id] = request
         self.scheduler.add(request)
         return request.id
 
-    def _request(self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, **settings) -> Request:
-        """A checked request, not queued yet (its id is given when it is)."""
+    def new_request(
+        self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+    ) -> Request:
+        """A checked request, not queued yet (`add` queues it and gives it its id); takes `add_request`'s
+        arguments and raises its ValueErrors, and changes nothing in the engine."""
         settings = SamplingParams.of(params, allowed=SETTINGS, **settings).for_model(self.model)
         if settings.num_beams != 1:
             raise ValueError(f"LLMEngine does not do beam search: num_beams must be 1, got {settings.num_beams}")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
+            raise ValueError(f"logprobs must be None or an integer >= 0 (alternatives per token), got {logprobs!r}")
         max_new_tokens, eos_token_id, stop = settings.max_new_tokens, settings.eos_token_id, settings.stop
         prompt = prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else list(prompt_ids)
         check_request(self.model, [prompt], max_new_tokens, eos_token_id)
@@ -165,7 +201,21 @@ class LLMEngine:
                 raise ValueError("stop strings need the model's tokenizer: LLMEngine(model, tokenizer=...)")
             self.tokenizer = get_tokenizer()
         generator = None if settings.greedy else new_generator(self.model, settings.seed)
-        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, stop, generator)
+        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, stop, generator, num_logprobs=logprobs)
+
+    def abort(self, request_id: int) -> None:
+        """End a request now, wherever it is (waiting, mid-prompt, decoding): its blocks return to the pool at once
+        (blocks a finished prefix shares with others stay cached). Ending an unknown or finished request does
+        nothing."""
+        request = self.requests.get(request_id)
+        if request is not None and not request.finished:
+            self.scheduler.abort(request)
+
+    def release(self, request_id: int) -> Optional[Request]:
+        """Forget a request (a server serving for days must not keep every request it served): abort it if it
+        runs, and drop it from `requests`. -> the request, or None if unknown."""
+        self.abort(request_id)
+        return self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.scheduler.waiting or self.scheduler.running)
@@ -209,8 +259,10 @@ class LLMEngine:
         self.steps_without_token = 0 if rows else self.steps_without_token + 1
         self.check_progress()
         out = []
-        for row, token in zip(rows, self.next_tokens([batch[row][0] for row in rows], logits)):
-            request = batch[row][0]
+        requests = [batch[row][0] for row in rows]
+        tokens = self.next_tokens(requests, logits)
+        record_logprobs(requests, logits, tokens)
+        for request, token in zip(requests, tokens):
             request.tokens.append(token)
             done = self.is_done(request, token)
             if done:
@@ -277,14 +329,14 @@ class LLMEngine:
         requests = []
         for i, (p, s) in enumerate(zip(prompts, settings)):
             try:
-                requests.append(self._request(p, **{**common, **s}))
+                requests.append(self.new_request(p, **{**common, **s}))
             except ValueError as err:
                 raise ValueError(f"prompt {i}: {err}") from None
         order = sorted(range(n), key=lambda i: arrivals[i])
         step = 0
         while order or self.has_unfinished():
             while order and arrivals[order[0]] <= step:
-                self._add(requests[order.pop(0)])
+                self.add(requests[order.pop(0)])
             self.step()
             step += 1
         return [r.generated for r in requests]

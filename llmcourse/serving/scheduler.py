@@ -113,6 +113,8 @@ class Request:
     block_table: list[int] = dataclasses.field(default_factory=list)
     block_hashes: list[int] = dataclasses.field(default_factory=list)  # of its full blocks, for prefix caching
     finished: bool = False
+    num_logprobs: Optional[int] = None  # record log-probabilities with this many alternatives (None: not at all)
+    logprobs: list = dataclasses.field(default_factory=list)  # one `TokenLogprobs` per generated token
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
@@ -188,6 +190,15 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         request.finished = True
         self.running.remove(request)
+        self.blocks.free(request)
+
+    def abort(self, request: Request) -> None:
+        """Take a request out wherever it is, its blocks freed."""
+        request.finished = True
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
         self.blocks.free(request)
 
 

@@ -1,0 +1,350 @@
+"""The OpenAI API's requests and responses, as plain dicts: what `/v1/completions` and `/v1/chat/completions`
+accept (every field checked, with an OpenAI-shaped error naming it), and the JSON they answer with.
+
+A request becomes a `Job`: the prompt's token ids, `LLMEngine`'s settings and what the response must show.
+
+    >>> job = completion_job({"prompt": [1, 2, 3], "max_tokens": 5, "temperature": 0}, tokenizer=None,
+    ...                      n_positions=64)
+    >>> job.prompt, job.settings["max_new_tokens"], job.settings["temperature"]
+    ([1, 2, 3], 5, 0)
+    >>> completion_job({"prompt": [1], "n": 2}, tokenizer=None, n_positions=64)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    llmcourse.serving.openai_api.APIError: n: this server returns one choice per request: n must be 1 ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import secrets
+import time
+from typing import Optional
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+CHAT_MAX_TOKENS = 256  # a chat reply's default length, at most the room left in the context
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+NUMBER, INTEGER, BOOLEAN, STRING, OBJECT = "a number", "an integer", "true or false", "a string", "an object"
+# The fields both routes take, with the JSON type each must have (null is always allowed: the default).
+COMMON = {
+    "model": STRING,
+    "max_tokens": INTEGER,
+    "temperature": NUMBER,
+    "top_p": NUMBER,
+    "n": INTEGER,
+    "stream": BOOLEAN,
+    "stream_options": OBJECT,
+    "stop": "a string or a list of strings",
+    "seed": INTEGER,
+    "presence_penalty": NUMBER,
+    "frequency_penalty": NUMBER,
+    "logit_bias": OBJECT,
+    "user": STRING,
+    # the engine's own settings (as vLLM takes them: extra fields of the body)
+    "top_k": INTEGER,
+    "min_p": NUMBER,
+    "repetition_penalty": NUMBER,
+    "ignore_eos": BOOLEAN,
+}
+COMPLETION = {
+    **COMMON,
+    "prompt": "a string or a list of token ids",
+    "logprobs": INTEGER,
+    "echo": BOOLEAN,
+    "best_of": INTEGER,
+    "suffix": STRING,
+}
+CHAT = {
+    **COMMON,
+    "messages": "a list of messages",
+    "max_completion_tokens": INTEGER,
+    "logprobs": BOOLEAN,
+    "top_logprobs": INTEGER,
+}
+CHECKS = {
+    NUMBER: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+    INTEGER: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    BOOLEAN: lambda v: isinstance(v, bool),
+    STRING: lambda v: isinstance(v, str),
+    OBJECT: lambda v: isinstance(v, dict),
+}
+
+
+class APIError(Exception):
+    """A request the server refuses: the HTTP status and OpenAI's error body."""
+
+    def __init__(
+        self,
+        message: str,
+        param: Optional[str] = None,
+        status: int = 400,
+        kind: str = "invalid_request_error",
+        code: Optional[str] = None,
+    ):
+        super().__init__(f"{param}: {message}" if param else message)
+        self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass
+class Job:
+    """A checked request: prompt token ids, `LLMEngine` settings, and how to answer."""
+
+    prompt: list[int]
+    settings: dict
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: Optional[int] = None  # alternatives per token to show (None: no logprobs)
+    chat: bool = False
+
+
+def checked_fields(body, fields: dict) -> dict:
+    """The body's fields, each of the right JSON type; unknown fields refused (a typo must not pass silently)."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    for name, value in body.items():
+        if name not in fields:
+            raise APIError(f"unknown field {name!r}; this route takes {', '.join(sorted(fields))}", name)
+        kind = fields[name]
+        if value is not None and kind in CHECKS and not CHECKS[kind](value):
+            raise APIError(f"must be {kind}, got {value!r}", name)
+    return {k: v for k, v in body.items() if v is not None}
+
+
+def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_max_tokens: int) -> dict:
+    """`LLMEngine.add_request`'s settings from the fields common to both routes; what the engine does not do is
+    refused here with the field's name (the engine checks the values it takes)."""
+    if fields.get("n", 1) != 1:
+        raise APIError(
+            "this server returns one choice per request: n must be 1 (send n requests with different seeds)", "n"
+        )
+    for name in ("presence_penalty", "frequency_penalty"):
+        if fields.get(name, 0) != 0:
+            raise APIError(
+                f"{name} is not supported (only 0); the engine's repetition_penalty (an extra field, "
+                "> 1 discourages repeats) does a similar job",
+                name,
+            )
+    if fields.get("logit_bias"):
+        raise APIError("logit_bias is not supported", "logit_bias")
+    if not 0 <= fields.get("temperature", 1.0) <= 2:
+        raise APIError(f"must be between 0 and 2, got {fields['temperature']!r}", "temperature")
+    stop = fields.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in stop):
+        raise APIError(f"must be a string or a list of at most {MAX_STOP} non-empty strings, got {stop!r}", "stop")
+    room = n_positions - prompt_len
+    if room < 1:
+        raise APIError(
+            f"the prompt takes {prompt_len} tokens, but the model's context is {n_positions} tokens: shorten it",
+            "messages" if default_max_tokens == CHAT_MAX_TOKENS else "prompt",
+        )
+    max_tokens = fields.get("max_tokens", min(default_max_tokens, room))
+    if max_tokens < 1:
+        raise APIError(f"must be at least 1, got {max_tokens}", "max_tokens")
+    if max_tokens > room:
+        raise APIError(
+            f"the model's context is {n_positions} tokens: the prompt's {prompt_len} plus max_tokens="
+            f"{max_tokens} do not fit; ask for at most {room}",
+            "max_tokens",
+        )
+    options = fields.get("stream_options", {})
+    if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
+        raise APIError('must be {"include_usage": true or false}', "stream_options")
+    if options and not fields.get("stream", False):
+        raise APIError("stream_options is only allowed with stream: true", "stream_options")
+    settings = {
+        "max_new_tokens": max_tokens,
+        "temperature": fields.get("temperature", 1.0),
+        "top_p": fields.get("top_p", 1.0),
+        "seed": fields.get("seed", secrets.randbits(62)),  # no seed: a fresh draw, as OpenAI's API does
+        "stop": tuple(stop),
+    }
+    settings.update({k: fields[k] for k in ("top_k", "min_p", "repetition_penalty") if k in fields})
+    if fields.get("ignore_eos", False):
+        settings["eos_token_id"] = None
+    return settings
+
+
+def completion_job(body, tokenizer, n_positions: int) -> Job:
+    """A `/v1/completions` request: `prompt` is a text, token ids, or a list holding one of them."""
+    fields = checked_fields(body, COMPLETION)
+    for name, allowed in (("echo", False), ("best_of", 1), ("suffix", None)):
+        if name in fields and fields[name] != allowed:
+            raise APIError(f"{name} is not supported", name)
+    prompt = fields.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, allowed_special="all")
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        ids = prompt
+    else:
+        raise APIError(
+            "must be a string or a non-empty list of token ids (one prompt per request: send a batch "
+            "as several requests)",
+            "prompt",
+        )
+    logprobs = fields.get("logprobs")
+    if logprobs is not None and not 0 <= logprobs <= 5:
+        raise APIError(f"must be between 0 and 5, got {logprobs}", "logprobs")
+    settings = sampling_settings(fields, n_positions, len(ids), COMPLETION_MAX_TOKENS)
+    options = fields.get("stream_options", {})
+    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs)
+
+
+def chat_job(body, tokenizer, n_positions: int) -> Job:
+    """A `/v1/chat/completions` request: the messages rendered by the model's chat template."""
+    fields = checked_fields(body, CHAT)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise APIError(
+            "this model has no chat template (tokenizer_config.json's chat_template), so it cannot chat: "
+            "use /v1/completions, or serve a chat model",
+            "messages",
+        )
+    messages = chat_messages(fields.get("messages"))
+    if "max_completion_tokens" in fields:  # OpenAI's newer name for max_tokens
+        fields["max_tokens"] = fields.pop("max_completion_tokens")
+    try:
+        ids = tokenizer.encode_chat(messages)
+    except ValueError as err:  # ChatTemplateError: the template refused the conversation
+        raise APIError(str(err), "messages") from None
+    logprobs = None
+    if fields.get("logprobs", False):
+        logprobs = fields.get("top_logprobs", 0)
+        if not 0 <= logprobs <= 20:
+            raise APIError(f"must be between 0 and 20, got {logprobs}", "top_logprobs")
+    elif "top_logprobs" in fields:
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
+    settings = sampling_settings(fields, n_positions, len(ids), CHAT_MAX_TOKENS)
+    options = fields.get("stream_options", {})
+    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs, chat=True)
+
+
+def chat_messages(messages) -> list[dict]:
+    """The conversation as the chat template takes it: role and text content (OpenAI's text parts joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise APIError("must be a non-empty list of {role, content} messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
+            raise APIError("a message is {role, content} (and an optional name)", where)
+        if m.get("role") not in ROLES:
+            raise APIError(f"role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{where}.role")
+        content = m.get("content")
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+            content = "".join(str(p.get("text", "")) for p in content)
+        if not isinstance(content, str):
+            raise APIError("content must be a string (or a list of text parts)", f"{where}.content")
+        message = {"role": ROLES[m["role"]], "content": content}
+        if isinstance(m.get("name"), str):
+            message["name"] = m["name"]
+        out.append(message)
+    return out
+
+
+def engine_error(err: ValueError) -> APIError:
+    """A setting the engine refused (`SamplingParams`' message), named by its OpenAI field."""
+    message = str(err).replace("max_new_tokens", "max_tokens")
+    field = message.split()[0] if message.split() else None
+    return APIError(message, field if field in COMMON or field == "prompt" else None)
+
+
+# -- responses -------------------------------------------------------------------------------------------------
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{secrets.token_hex(12)}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def token_text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
+
+
+def token_bytes(tokenizer, token: int) -> list[int]:
+    """The bytes of one token (tiktoken's GPT-2 and `HFTokenizer` both know them), as OpenAI lists them."""
+    if hasattr(tokenizer, "decode_single_token_bytes"):
+        return list(tokenizer.decode_single_token_bytes(token))
+    return list(tokenizer.token_bytes(token))
+
+
+def chat_logprobs(tokenizer, tokens: list[int], logprobs: list) -> dict:
+    """Chat's `logprobs`: {"content": [{token, logprob, bytes, top_logprobs: [...]}, ...]}."""
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": token_text(tokenizer, token), "logprob": logprob, "bytes": token_bytes(tokenizer, token)}
+
+    return {
+        "content": [
+            {**entry(t, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+            for t, lp in zip(tokens, logprobs)
+        ]
+    }
+
+
+def completion_logprobs(tokenizer, tokens: list[int], logprobs: list, offset: int) -> dict:
+    """The completions route's `logprobs`: parallel lists of tokens, their logprobs, the top alternatives as
+    {text: logprob}, and each token's character offset in the text (from `offset`)."""
+    texts = [token_text(tokenizer, t) for t in tokens]
+    offsets = [offset + sum(map(len, texts[:i])) for i in range(len(texts))]
+    return {
+        "tokens": texts,
+        "token_logprobs": [lp.logprob for lp in logprobs],
+        "top_logprobs": [{token_text(tokenizer, i): v for i, v in lp.top} for lp in logprobs],
+        "text_offset": offsets,
+    }
+
+
+def completion_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
+    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chat_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
+    message = {"role": "assistant", "content": text}
+    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
+    return {
+        "id": rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": use,
+    }
+
+
+def chunk(job: Job, rid: str, model: str, text: Optional[str], logprobs=None, finish=None, first=False) -> dict:
+    """One server-sent event of a stream: a piece of text (None: the closing chunk), or the opening role chunk."""
+    if job.chat:
+        delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        kind = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        kind = "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+
+
+def usage_chunk(job: Job, rid: str, model: str, use: dict) -> dict:
+    kind = "chat.completion.chunk" if job.chat else "text_completion"
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": use}
