@@ -304,9 +304,19 @@ async def internal_error(request: Request, err: Exception) -> Response:
     return JSONResponse(body, status_code=500)
 
 
+class StopOnSignal(uvicorn.Server):
+    """uvicorn's server, except that a graceful stop is the whole answer to SIGINT/SIGTERM: the process then
+    exits normally (status 0) instead of raising the signal again once the server is down."""
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
 def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run `app` until SIGINT/SIGTERM; requests in flight get SHUTDOWN_GRACE seconds to finish."""
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE)
+    """Run `app` until SIGINT/SIGTERM; requests in flight get SHUTDOWN_GRACE seconds to finish, then are cancelled."""
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE)
+    StopOnSignal(config).run()
 
 
 class ServerThread:

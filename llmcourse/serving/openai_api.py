@@ -10,7 +10,7 @@ A request becomes a `Job`: the prompt's token ids, `LLMEngine`'s settings and wh
     >>> completion_job({"prompt": [1], "n": 2}, tokenizer=None, n_positions=64)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    llmcourse.serving.openai_api.APIError: n: this server returns one choice per request: n must be 1 ...
+    llmcourse.serving.openai_api.APIError: this server returns one choice per request: n must be 1 ...
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class APIError(Exception):
         kind: str = "invalid_request_error",
         code: Optional[str] = None,
     ):
-        super().__init__(f"{param}: {message}" if param else message)
+        super().__init__(message)
         self.message, self.param, self.status, self.kind, self.code = message, param, status, kind, code
 
     def body(self) -> dict:
@@ -111,7 +111,7 @@ def checked_fields(body, fields: dict) -> dict:
             raise APIError(f"unknown field {name!r}; this route takes {', '.join(sorted(fields))}", name)
         kind = fields[name]
         if value is not None and kind in CHECKS and not CHECKS[kind](value):
-            raise APIError(f"must be {kind}, got {value!r}", name)
+            raise APIError(f"{name} must be {kind}, got {value!r}", name)
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -132,11 +132,11 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
     if fields.get("logit_bias"):
         raise APIError("logit_bias is not supported", "logit_bias")
     if not 0 <= fields.get("temperature", 1.0) <= 2:
-        raise APIError(f"must be between 0 and 2, got {fields['temperature']!r}", "temperature")
+        raise APIError(f"temperature must be between 0 and 2, got {fields['temperature']!r}", "temperature")
     stop = fields.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in stop):
-        raise APIError(f"must be a string or a list of at most {MAX_STOP} non-empty strings, got {stop!r}", "stop")
+        raise APIError(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings, got {stop!r}", "stop")
     room = n_positions - prompt_len
     if room < 1:
         raise APIError(
@@ -145,7 +145,7 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
         )
     max_tokens = fields.get("max_tokens", min(default_max_tokens, room))
     if max_tokens < 1:
-        raise APIError(f"must be at least 1, got {max_tokens}", "max_tokens")
+        raise APIError(f"max_tokens must be at least 1, got {max_tokens}", "max_tokens")
     if max_tokens > room:
         raise APIError(
             f"the model's context is {n_positions} tokens: the prompt's {prompt_len} plus max_tokens="
@@ -154,7 +154,7 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
         )
     options = fields.get("stream_options", {})
     if set(options) - {"include_usage"} or not isinstance(options.get("include_usage", False), bool):
-        raise APIError('must be {"include_usage": true or false}', "stream_options")
+        raise APIError('stream_options must be {"include_usage": true or false}', "stream_options")
     if options and not fields.get("stream", False):
         raise APIError("stream_options is only allowed with stream: true", "stream_options")
     settings = {
@@ -185,13 +185,13 @@ def completion_job(body, tokenizer, n_positions: int) -> Job:
         ids = prompt
     else:
         raise APIError(
-            "must be a string or a non-empty list of token ids (one prompt per request: send a batch "
+            "prompt must be a string or a non-empty list of token ids (one prompt per request: send a batch "
             "as several requests)",
             "prompt",
         )
     logprobs = fields.get("logprobs")
     if logprobs is not None and not 0 <= logprobs <= 5:
-        raise APIError(f"must be between 0 and 5, got {logprobs}", "logprobs")
+        raise APIError(f"logprobs must be between 0 and 5, got {logprobs}", "logprobs")
     settings = sampling_settings(fields, n_positions, len(ids), COMPLETION_MAX_TOKENS)
     options = fields.get("stream_options", {})
     return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs)
@@ -217,7 +217,7 @@ def chat_job(body, tokenizer, n_positions: int) -> Job:
     if fields.get("logprobs", False):
         logprobs = fields.get("top_logprobs", 0)
         if not 0 <= logprobs <= 20:
-            raise APIError(f"must be between 0 and 20, got {logprobs}", "top_logprobs")
+            raise APIError(f"top_logprobs must be between 0 and 20, got {logprobs}", "top_logprobs")
     elif "top_logprobs" in fields:
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     settings = sampling_settings(fields, n_positions, len(ids), CHAT_MAX_TOKENS)
@@ -228,19 +228,19 @@ def chat_job(body, tokenizer, n_positions: int) -> Job:
 def chat_messages(messages) -> list[dict]:
     """The conversation as the chat template takes it: role and text content (OpenAI's text parts joined)."""
     if not isinstance(messages, list) or not messages:
-        raise APIError("must be a non-empty list of {role, content} messages", "messages")
+        raise APIError("messages must be a non-empty list of {role, content} messages", "messages")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
-            raise APIError("a message is {role, content} (and an optional name)", where)
+            raise APIError(f"{where} must be {{role, content}} (and an optional name)", where)
         if m.get("role") not in ROLES:
-            raise APIError(f"role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{where}.role")
+            raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{where}.role")
         content = m.get("content")
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
             content = "".join(str(p.get("text", "")) for p in content)
         if not isinstance(content, str):
-            raise APIError("content must be a string (or a list of text parts)", f"{where}.content")
+            raise APIError(f"{where}.content must be a string (or a list of text parts)", f"{where}.content")
         message = {"role": ROLES[m["role"]], "content": content}
         if isinstance(m.get("name"), str):
             message["name"] = m["name"]
@@ -251,7 +251,7 @@ def chat_messages(messages) -> list[dict]:
 def engine_error(err: ValueError) -> APIError:
     """A setting the engine refused (`SamplingParams`' message), named by its OpenAI field."""
     message = str(err).replace("max_new_tokens", "max_tokens")
-    field = message.split()[0] if message.split() else None
+    field = "prompt" if message.startswith("the prompt") else message.split()[0] if message.split() else None
     return APIError(message, field if field in COMMON or field == "prompt" else None)
 
 
