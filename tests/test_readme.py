@@ -10,8 +10,8 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
 
 # Commands the README shows that other tests run (bench: test_bench.py; pytest: CI itself) or that
-# need a network (pip).
-ELSEWHERE = ("python -m llmcourse bench", "python -m pytest", "pip ", "python3 -m venv")
+# need a network (pip); `serve` runs until stopped: test_readme_serve_section_runs_as_written starts it.
+ELSEWHERE = ("python -m llmcourse bench", "python -m pytest", "pip ", "python3 -m venv", "python -m llmcourse serve")
 
 
 def blocks(language: str) -> list[str]:
@@ -181,3 +181,41 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
 def test_the_readme_says_what_my_engine_returns():
     assert "It returns an `Engine`, the pair `(model, tokenizer)`" in README
     assert 'llmcourse.generate_text(engine, tok, "ROMEO:")' in README
+
+
+def test_readme_serve_section_runs_as_written(capsys):
+    """The server started as the README starts it; its curl commands and its openai example against it."""
+    import signal
+    import time
+
+    import httpx
+
+    section = README.split("## Serve it")[1].split("\n## ")[0]
+    start = next(line.split("  #")[0].strip() for line in section.splitlines() if "python -m llmcourse serve" in line)
+    curls = [c.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
+             for c in block.replace("\\\n", " ").splitlines() if c.startswith("curl")]  # fmt: skip
+    example = next(block for block in re.findall(r"```python\n(.*?)```", section, flags=re.S))
+    server = subprocess.Popen(["bash", "-c", f"exec {start}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get("http://127.0.0.1:8000/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start (port 8000 taken?)"
+            time.sleep(0.1)
+        assert httpx.get("http://127.0.0.1:8000/").text.lstrip().lower().startswith("<!doctype html")
+        assert len(curls) == 2
+        chat = subprocess.run(["bash", "-c", curls[0]], capture_output=True, text=True, timeout=60)
+        reply = __import__("json").loads(chat.stdout)
+        assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"].strip()
+        streamed = subprocess.run(["bash", "-c", curls[1]], capture_output=True, text=True, timeout=60)
+        events = [line for line in streamed.stdout.splitlines() if line.startswith("data: ")]
+        assert len(events) > 5 and events[-1] == "data: [DONE]"
+        exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
+        assert len(capsys.readouterr().out.strip()) > 20
+    finally:
+        server.send_signal(signal.SIGINT)
+        assert server.wait(timeout=30) == 0
