@@ -202,6 +202,7 @@ def test_utilization_against_a_datasheet():
 def test_the_documentation_shows_the_commands_tested_here():
     assert documented_commands() == [
         "python -m llmcourse bench",
+        "python -m llmcourse bench --http",
         "python -m llmcourse bench --no-compile",
         "python -m llmcourse bench --quantize",
         "python -m llmcourse bench --serving",
@@ -209,10 +210,12 @@ def test_the_documentation_shows_the_commands_tested_here():
     ]
 
 
-# `bench --serving`, `bench --speculative` and `bench --quantize` run end to end in tests/test_serving_bench.py,
-# tests/test_speculative_bench.py and tests/test_quantize_bench.py
+# `bench --serving`, `bench --speculative`, `bench --quantize` and `bench --http` run end to end in
+# tests/test_serving_bench.py, tests/test_speculative_bench.py, tests/test_quantize_bench.py and
+# tests/test_http_bench.py
 @pytest.mark.parametrize(
-    "command", [c for c in documented_commands() if not c.endswith(("--serving", "--speculative", "--quantize"))]
+    "command",
+    [c for c in documented_commands() if not c.endswith(("--serving", "--speculative", "--quantize", "--http"))],
 )
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):
     """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""

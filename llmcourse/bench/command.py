@@ -1,19 +1,21 @@
 """`python -m llmcourse bench`: the command's `main`, which runs one benchmark: the serving one (`--serving`),
-the speculative decoding one (`--speculative`), the quantization one (`--quantize`), or else the speed one
-(the engine against transformers and this machine's roofline)."""
+the speculative decoding one (`--speculative`), the quantization one (`--quantize`), the HTTP server against the
+engine in-process (`--http`), or else the speed one (the engine against transformers and this machine's roofline)."""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from . import quantize, serving, speculative, speed
+from . import http, quantize, serving, speculative, speed
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if getattr(args, "serving", None):
         return serving.main(args.serving, out, device=args.device, dtype=args.dtype)
+    if getattr(args, "http", None):
+        return http.main(out, model=args.http, device=args.device, dtype=args.dtype)
     if getattr(args, "speculative", False):
         return speculative.main(out, device=args.device, dtype=args.dtype, repeats=args.repeats)
     if getattr(args, "quantize", False):
