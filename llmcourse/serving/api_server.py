@@ -142,9 +142,12 @@ class Server:
         if job.stream:
             return EventStream(self.events(job, stream, rid), on_close=stream.abort)
         answer = asyncio.ensure_future(self.answer(job, stream, rid))
-        if not await finished_before_disconnect(answer, request.receive):
-            stream.abort()  # the client went away: free its blocks now
-            return Response(status_code=499)
+        try:
+            if not await finished_before_disconnect(answer, request.receive):
+                stream.abort()  # the client went away: free its blocks now
+                return Response(status_code=499)
+        except Busy as err:  # the server stopped before the answer was complete
+            raise api.APIError(str(err), status=503, kind="server_busy") from None
         return JSONResponse(answer.result())
 
     async def answer(self, job: api.Job, stream: Stream, rid: str) -> dict:
