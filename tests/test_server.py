@@ -193,7 +193,9 @@ def test_logprobs_are_the_models_log_softmax_with_its_likeliest_alternatives(lla
 def test_models_and_health(llama):
     server, model, tok = llama
     models = client(server).models.list()
-    assert [m.id for m in models.data] == [MODEL]
+    assert [m.id for m in models.data] == [MODEL] and client(server).models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client(server).models.retrieve("gpt-4o")
     card = httpx.get(server.url + "/v1/models").json()["data"][0]
     assert card["max_model_len"] == model.config.n_positions and card["chat"] is True
     health = httpx.get(server.url + "/health").json()

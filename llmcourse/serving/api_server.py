@@ -7,8 +7,9 @@ batch), and streams each piece of text back as a server-sent event (`data: {...}
 a whole character and cannot be the start of a stop string; `data: [DONE]` ends the stream. A client that
 goes away aborts its request, and its KV blocks return to the pool at once.
 
-Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET /v1/models`,
-`GET /health`, `GET /` (the chat page). Errors are OpenAI's: `{"error": {"message", "type", "param", "code"}}`.
+Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET /v1/models` (and
+`/v1/models/NAME`), `GET /health`, `GET /` (the chat page). Errors are OpenAI's:
+`{"error": {"message", "type", "param", "code"}}`.
 
     >>> app = build_app(LLMEngine(model), tokenizer, "llama-shakespeare")         # doctest: +SKIP
     >>> with ServerThread(app) as server:                                          # doctest: +SKIP
@@ -52,11 +53,14 @@ def build_app(
 ) -> Starlette:
     """The ASGI app serving `engine`'s model as `model_name`. api_key: required as `Authorization: Bearer KEY` on
     the /v1 routes (None: open). max_pending: requests held at once before new ones get 429."""
+    if engine.tokenizer is None:  # stop strings are matched in the text
+        engine.tokenizer = tokenizer
     server = Server(engine, tokenizer, model_name, api_key, max_pending)
     routes = [
         Route("/", server.chat_page),
         Route("/health", server.health),
         Route("/v1/models", server.models),
+        Route("/v1/models/{model:path}", server.model),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
@@ -98,9 +102,8 @@ class Server:
             }
         )
 
-    async def models(self, request: Request) -> Response:
-        self.authorize(request)
-        card = {
+    def card(self) -> dict:
+        return {
             "id": self.name,
             "object": "model",
             "created": 0,
@@ -108,7 +111,24 @@ class Server:
             "max_model_len": self.n_positions,
             "chat": getattr(self.tokenizer, "chat_template", None) is not None,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    async def models(self, request: Request) -> Response:
+        self.authorize(request)
+        return JSONResponse({"object": "list", "data": [self.card()]})
+
+    async def model(self, request: Request) -> Response:
+        self.authorize(request)
+        self.check_model(request.path_params["model"])
+        return JSONResponse(self.card())
+
+    def check_model(self, name) -> None:
+        if name not in (None, self.name):
+            raise api.APIError(
+                f"the model {name!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
+                "model",
+                status=404,
+                code="model_not_found",
+            )
 
     # -- generation ----------------------------------------------------------------------------------------
 
@@ -121,13 +141,8 @@ class Server:
     async def generate(self, request: Request, make_job: Callable) -> Response:
         self.authorize(request)
         body = await read_json(request)
-        if isinstance(body, dict) and body.get("model") not in (None, self.name):
-            raise api.APIError(
-                f"the model {body['model']!r} does not exist: this server serves {self.name!r} (GET /v1/models)",
-                "model",
-                status=404,
-                code="model_not_found",
-            )
+        if isinstance(body, dict):
+            self.check_model(body.get("model"))
         job = make_job(body, self.tokenizer, self.n_positions)
         try:
             engine_request = self.engine.new_request(job.prompt, logprobs=job.logprobs, **job.settings)
