@@ -321,6 +321,73 @@ def test_engine_gives_every_request_its_alone_tokens_on_cuda(dtype):
     assert tally.workloads == 30 and tally.preempted >= 2 and tally.cached >= 2, tally
 
 
+def test_aborted_requests_free_their_blocks_and_the_others_stay_exact():
+    """A server aborts the requests of clients that went away: waiting, mid-prompt (chunked prefill) or decoding.
+    Their blocks return at once, their tokens so far are the start of their alone run, and every other request
+    still gets exactly its alone tokens."""
+    aborted_where = {"waiting": 0, "prefill": 0, "decoding": 0}
+    for seed in range(40):
+        model = tiny_model(seed // 10)
+        w = random_workload(seed, model)
+        rng = random.Random(seed)
+        engine = LLMEngine(model, **w.engine)
+        ids = [engine.add_request(p, **{**COMMON, **s}) for p, s in zip(w.prompts, w.settings)]
+        doomed = {rid: rng.randint(0, 6) for rid in ids if rng.random() < 0.4}  # abort before this step
+        step = 0
+        while engine.has_unfinished():
+            for rid, when in doomed.items():
+                request = engine.requests[rid]
+                if when == step and not request.finished:
+                    where = (
+                        "waiting"
+                        if request in engine.scheduler.waiting
+                        else "prefill"
+                        if request.num_computed < len(request.prompt)
+                        else "decoding"
+                    )
+                    aborted_where[where] += 1
+                    engine.abort(rid)
+                    assert request.finished and request.block_table == [], w.describe()
+                    assert request not in engine.scheduler.running and request not in engine.scheduler.waiting
+            engine.step()
+            step += 1
+        for rid, prompt, settings in zip(ids, w.prompts, w.settings):
+            got, expected = engine.requests[rid].generated, alone(model, prompt, settings)
+            if rid in doomed:
+                assert got == expected[: len(got)], w.describe()
+            else:
+                assert got == expected, w.describe()
+        assert_idle(engine, w)
+        assert engine.release(ids[0]) is not None and ids[0] not in engine.requests
+        assert engine.add_request(w.prompts[0], **{**COMMON, **w.settings[0]}) == len(ids)  # ids are never reused
+    assert min(aborted_where.values()) >= 3, aborted_where
+
+
+def test_logprobs_are_the_models_log_softmax_and_its_likeliest_tokens():
+    model = tiny_model(3)
+    engine = LLMEngine(model, max_num_batched_tokens=8)  # chunked prompts: logprobs only of new tokens
+    prompts = [[5, 9, 2, 7, 1, 3, 3, 8, 4, 6, 10, 2], [1, 2]]
+    rids = [engine.add_request(p, max_new_tokens=6, temperature=1.0, seed=4, logprobs=3, **COMMON) for p in prompts]
+    plain = engine.add_request([4, 4], max_new_tokens=3, **COMMON)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.requests[plain].logprobs == []
+    for rid, prompt in zip(rids, prompts):
+        request = engine.requests[rid]
+        tokens = request.generated
+        assert tokens == alone(model, prompt, dict(max_new_tokens=6, temperature=1.0, seed=4))
+        with torch.inference_mode():
+            logp = torch.log_softmax(model(torch.tensor([prompt + tokens]))[0, len(prompt) - 1 : -1].double(), -1)
+        assert len(request.logprobs) == len(tokens)
+        for step, (token, lp) in enumerate(zip(tokens, request.logprobs)):
+            assert abs(lp.logprob - logp[step, token].item()) < 1e-5
+            values, index = logp[step].topk(3)
+            assert [i for i, _ in lp.top] == index.tolist()
+            assert torch.allclose(torch.tensor([v for _, v in lp.top], dtype=torch.double), values, atol=1e-5)
+    with pytest.raises(ValueError, match="logprobs must be None or an integer >= 0"):
+        engine.add_request([1], logprobs=-1)
+
+
 @pytest.mark.parametrize("mine", [False, True], ids=["engine's", "my batching functions"])
 def test_preempting_a_request_that_shares_prefix_blocks_frees_only_its_own(mine):
     """Requests 1 and 2 share the block of [1, 2, 3, 4]; when request 0 needs a block, preempting request 2
