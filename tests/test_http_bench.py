@@ -8,6 +8,7 @@ import json
 import math
 import re
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,6 +104,10 @@ def test_both_systems_serve_every_token_and_the_same_text(results):
                 assert isinstance(v[key], float) and math.isfinite(v[key]) and v[key] > 0, (system, key, v)
             assert v["ttft_p50_ms"] <= v["ttft_p99_ms"] and v["itl_p50_ms"] <= v["itl_p99_ms"]
         assert level["inprocess"]["chunks"] == level["inprocess"]["output_tokens"]  # in-process: one per token
+        h, i = level["http"], level["inprocess"]
+        if sys.platform == "linux":  # CPU time: the server's from /proc, the clients' and in-process this process's
+            assert h["server_cpu_s"] > 0 and h["client_cpu_s"] > 0 and i["cpu_s"] > 0
+            assert h["cpu_s"] == h["server_cpu_s"] + h["client_cpu_s"]
         # greedy: the text each HTTP client got is the in-process tokens decoded, for every request
         assert level["same_text"] == s.requests * s.repeats
     assert any("starting the server" in line for line in lines)
@@ -114,7 +119,9 @@ def test_ratios_table_and_figure(results, tmp_path):
         assert q["concurrency"] == level["concurrency"]
         assert q["tokens_per_s"] == level["http"]["tokens_per_s"] / level["inprocess"]["tokens_per_s"]
         assert q["ttft_p50_ms"] == level["http"]["ttft_p50_ms"] / level["inprocess"]["ttft_p50_ms"]
-        assert all(0 < v < 1e6 for v in q.values())
+        assert all(0 < v < 1e6 for v in q.values() if v is not None)
+        if sys.platform == "linux":
+            assert q["cpu_per_token"] > 0
     text = hb.table(r)
     first = r["ratios"][0]
     assert re.search(rf"^ +1  HTTP +{r['levels'][0]['http']['tokens_per_s']:.0f} ", text, re.M), text

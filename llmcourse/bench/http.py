@@ -22,7 +22,9 @@ pooled over the requests), p50 and p99.
 Over HTTP the output tokens are counted by the server's usage chunk (`stream_options: {"include_usage": true}`);
 ITL is measured between text chunks: a chunk carries one token's text unless a token ends inside a UTF-8
 character (its bytes wait for the next token), so the table says how many chunks carried how many tokens.
-The text a client receives must equal the in-process tokens decoded: the same greedy tokens.
+The text a client receives must equal the in-process tokens decoded: the same greedy tokens. Beside the times,
+the CPU time of all threads per output token (Linux): the server process's plus the clients' (this process's)
+over HTTP, this process's in-process; on a machine with few cores the two compete for them.
 
     >>> s = summary([[Stream(0.0, [0.1, 0.2, 0.4], 3), Stream(0.1, [0.3, 0.4], 2)], [Stream(1.0, [1.6], 1)]])
     >>> s["tokens_per_s"], round(s["ttft_p50_ms"]), s["chunks"], round(s["itl_p50_ms"])
@@ -34,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import random
 import signal
 import socket
@@ -132,6 +135,15 @@ async def drive(items: Sequence, concurrency: int, one: Callable[[object], Await
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process `pid` has used so far: from /proc (Linux); 0 elsewhere."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime: fields 14 and 15
 
 
 def free_port() -> int:
@@ -322,13 +334,18 @@ def run(
         for level, c in enumerate(concurrency):
             progress(f"http, {model}: {c} clients, {s.repeats} x {s.requests} requests, over HTTP and in-process")
             runs: dict[str, list[list[Stream]]] = {"http": [], "inprocess": []}
+            cpu = {"server": 0.0, "client": 0.0, "inprocess": 0.0}  # CPU seconds, all threads
             for repeat in range(s.repeats):
                 items = prompts(s.requests, s.prompt_tokens, vocab, s.seed + 100 * level + repeat)
                 for system in ("http", "inprocess")[:: 1 if repeat % 2 == 0 else -1]:
+                    before = time.process_time(), cpu_seconds(server.process.pid)
                     if system == "http":
                         runs[system].append(asyncio.run(http_level(server.url, model, items, c, s.max_tokens)))
+                        cpu["client"] += time.process_time() - before[0]
+                        cpu["server"] += cpu_seconds(server.process.pid) - before[1]
                     else:
                         runs[system].append(asyncio.run(inprocess_level(llm_engine, items, c, s.max_tokens)))
+                        cpu["inprocess"] += time.process_time() - before[0]
             same = sum(
                 tokenizer.decode(a.output) == "".join(b.output)
                 for inproc, http in zip(runs["inprocess"], runs["http"])
@@ -337,8 +354,13 @@ def run(
             results["levels"].append(
                 {
                     "concurrency": c,
-                    "http": summary(runs["http"]),
-                    "inprocess": summary(runs["inprocess"]),
+                    "http": {
+                        **summary(runs["http"]),
+                        "cpu_s": cpu["server"] + cpu["client"],
+                        "server_cpu_s": cpu["server"],
+                        "client_cpu_s": cpu["client"],
+                    },
+                    "inprocess": {**summary(runs["inprocess"]), "cpu_s": cpu["inprocess"]},
                     "same_text": same,
                 }
             )
@@ -346,13 +368,16 @@ def run(
 
 
 def ratios(r: dict) -> list[dict]:
-    """HTTP / in-process, per level: throughput (below 1: HTTP serves fewer tokens/s), TTFT and ITL p50 and p99."""
+    """HTTP / in-process, per level: throughput (below 1: HTTP serves fewer tokens/s), TTFT and ITL p50 and p99,
+    CPU time per output token (None where it was not measured: outside Linux)."""
     out = []
     for level in r["levels"]:
         h, i = level["http"], level["inprocess"]
         q = {"concurrency": level["concurrency"], "tokens_per_s": h["tokens_per_s"] / i["tokens_per_s"]}
         for key in ("ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms"):
             q[key] = h[key] / i[key]
+        cpu = [v["cpu_s"] / v["output_tokens"] for v in (h, i)]
+        q["cpu_per_token"] = cpu[0] / cpu[1] if h["server_cpu_s"] > 0 and cpu[1] > 0 else None
         out.append(q)
     return out
 
@@ -365,22 +390,32 @@ def table(r: dict) -> str:
         f"  {r['model']} ({c['n_layer']} layers, {c['n_embd']} wide), LLMEngine max_num_seqs="
         f"{r['engine']['max_num_seqs']}: {s['repeats']} x {s['requests']} requests per level and system, "
         f"{s['prompt_tokens']} random prompt tokens -> {s['max_tokens']} output tokens each (greedy, ignore_eos)",
-        f"    {'clients':>7}  {'':<11}{'tok/s':>8}{'TTFT p50':>10}{'p99':>10}{'ITL p50':>10}{'p99':>10}",
+        f"    {'clients':>7}  {'':<11}{'tok/s':>8}{'TTFT p50':>10}{'p99':>10}{'ITL p50':>10}{'p99':>10}{'CPU/tok':>10}",
     ]
     all_ratios = r.get("ratios") or ratios(r)
     for level, q in zip(r["levels"], all_ratios):
         for label, v in (("HTTP", level["http"]), ("in-process", level["inprocess"])):
+            per_token = 1e3 * v["cpu_s"] / v["output_tokens"]
+            split = (
+                f"  (server {1e3 * v['server_cpu_s'] / v['output_tokens']:.2f} + client "
+                f"{1e3 * v['client_cpu_s'] / v['output_tokens']:.2f})"
+                if label == "HTTP"
+                else ""
+            )
             lines.append(
                 f"    {level['concurrency'] if label == 'HTTP' else '':>7}  {label:<11}{v['tokens_per_s']:8.0f}"
                 f"{v['ttft_p50_ms']:8.1f}ms{v['ttft_p99_ms']:8.1f}ms{v['itl_p50_ms']:8.2f}ms{v['itl_p99_ms']:8.2f}ms"
+                f"{per_token:8.2f}ms{split}"
             )
+        cpu = "" if q["cpu_per_token"] is None else f"{q['cpu_per_token']:9.2f}x"
         lines.append(
             f"    {'':>7}  {'HTTP / in':<11}{q['tokens_per_s']:7.2f}x{q['ttft_p50_ms']:9.2f}x{q['ttft_p99_ms']:9.2f}x"
-            f"{q['itl_p50_ms']:9.2f}x{q['itl_p99_ms']:9.2f}x"
+            f"{q['itl_p50_ms']:9.2f}x{q['itl_p99_ms']:9.2f}x{cpu}"
         )
     h = [level["http"] for level in r["levels"]]
     same = sum(level["same_text"] for level in r["levels"])
     total = sum(level["inprocess"]["requests"] for level in r["levels"])
+    lines.append("    (CPU/tok: CPU time of all threads per output token; over HTTP the server's plus the clients')")
     lines.append(
         f"    (over HTTP {sum(v['output_tokens'] for v in h)} tokens came in {sum(v['chunks'] for v in h)} text "
         f"chunks; the same text as in-process for {same} of {total} requests)"
