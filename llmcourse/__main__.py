@@ -34,7 +34,7 @@ from .engine.sampling import SamplingParams
 from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
 from .engine.tokenizer import EOT_ID, TokenizerFileError
-from .serving.llm_engine import LLMEngine
+from .serving.llm_engine import MAX_NUM_SEQS, LLMEngine
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on the /v1 routes"
     )
-    serve.add_argument("--max-num-seqs", type=int, default=32, metavar="N", help="requests decoded at once")
+    serve.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, metavar="N", help="requests decoded at once")
     serve.add_argument(
         "--max-pending",
         type=int,

@@ -51,6 +51,8 @@ import torch
 
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import load_model, resolve_device, resolve_dtype
+from llmcourse.serving.async_engine import AsyncEngine
+from llmcourse.serving.llm_engine import MAX_NUM_SEQS, LLMEngine
 
 from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, machine, save, save_section
 from .serving import percentile
@@ -250,7 +252,6 @@ async def http_level(url: str, model: str, items: Sequence[list[int]], concurren
 
 async def inprocess_level(llm_engine, items: Sequence[list[int]], concurrency: int, max_tokens: int):
     """The requests through `AsyncEngine(llm_engine)` in this process. -> a Stream per request (token ids)."""
-    from llmcourse.serving.async_engine import AsyncEngine
 
     async with AsyncEngine(llm_engine) as engine:
 
@@ -268,10 +269,7 @@ async def inprocess_level(llm_engine, items: Sequence[list[int]], concurrency: i
 
 def server_engine(model, tokenizer):
     """The `LLMEngine` that `python -m llmcourse serve` builds by default (its --max-num-seqs' default)."""
-    from llmcourse.__main__ import build_parser  # the command line imports the benchmarks: not at import time
-    from llmcourse.serving.llm_engine import LLMEngine
-
-    return LLMEngine(model, max_num_seqs=build_parser().parse_args(["serve"]).max_num_seqs, tokenizer=tokenizer)
+    return LLMEngine(model, max_num_seqs=MAX_NUM_SEQS, tokenizer=tokenizer)
 
 
 # ------------------------------------------------------------------------------------------------- runner

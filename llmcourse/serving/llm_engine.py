@@ -46,6 +46,7 @@ SETTINGS = (
     "min_p",
     "repetition_penalty",
 )
+MAX_NUM_SEQS = 32  # requests running at once, by default (`serve --max-num-seqs` too)
 DEFAULT_CONTEXT = 4096  # the default pool holds one request this long (a 128k-context model would need GBs)
 
 
@@ -95,7 +96,7 @@ class LLMEngine:
         block_size: int = 16,
         num_blocks: Optional[int] = None,
         kv_cache_memory: Optional[int] = None,
-        max_num_seqs: int = 32,
+        max_num_seqs: int = MAX_NUM_SEQS,
         max_num_batched_tokens: int = 512,
         prefix_caching: bool = True,
         partition_size: int = 256,
