@@ -84,7 +84,7 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> Stream:
         """Queue a request made by `LLMEngine.new_request`; it joins the batch at the next step."""
-        if self.stopping:
+        if self.stopping or (self.task is not None and self.task.done()):  # done: the loop itself failed
             raise Busy("the server is shutting down")
         if self.num_pending >= self.max_pending:
             raise Busy(f"the server holds {self.num_pending} requests, its limit (max_pending={self.max_pending})")
