@@ -438,3 +438,25 @@ def test_serve_refuses_bad_flags_in_their_terms():
         done = subprocess.run([sys.executable, "-m", "llmcourse", "serve", *argv], capture_output=True, text=True,
                               timeout=120)  # fmt: skip
         assert done.returncode in (1, 2) and message in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_failing_step_fails_the_requests_in_it_with_an_error_event_and_the_server_goes_on(llama, monkeypatch):
+    server, model, tok = llama
+    step, calls = server.engine.step, []
+
+    def fails_once():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("a learner's part broke")
+        return step()
+
+    monkeypatch.setattr(server.engine, "step", fails_once)
+    body = {"prompt": "ROMEO:", "max_tokens": 10, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data:")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][5:])["error"]["message"] == "a learner's part broke"
+    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
+    health = httpx.get(server.url + "/health").json()
+    assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == health["num_blocks"]
