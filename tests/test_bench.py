@@ -299,8 +299,14 @@ def test_the_benchmarks_page_shows_the_figures_bench_writes():
     """benchmarks.md shows every figure of images/bench.json, which is what `bench` writes today."""
     page = (ROOT / "benchmarks.md").read_text()
     shown = re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page)
-    # `--serving`, `--speculative`, `--quantize`
-    assert shown == [*FIGURES.values(), "bench_serving.png", "bench_speculative.png", "bench_quantize.png"]
+    # `--serving`, `--speculative`, `--quantize`, `--http`
+    assert shown == [
+        *FIGURES.values(),
+        "bench_serving.png",
+        "bench_speculative.png",
+        "bench_quantize.png",
+        "bench_http.png",
+    ]
     r = json.loads((ROOT / "images" / "bench.json").read_text())
     for name in shown:
         assert png_size(ROOT / "images" / name)[0] >= 600

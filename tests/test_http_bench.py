@@ -200,3 +200,20 @@ def test_a_server_that_fails_to_start_says_why():
     with pytest.raises(RuntimeError, match=r"the server exited \(\d+\) before answering:\n(.|\n)*no-such-model"):
         with hb.Server("no-such-model", "cpu", "float32"):
             pass
+
+
+def test_the_benchmarks_page_shows_the_http_figures():
+    """benchmarks.md's HTTP section shows bench_http.png and quotes the committed measurements."""
+    page = (ROOT / "benchmarks.md").read_text()
+    section = page[page.index("## Over HTTP") : page.index("## On a GPU")]
+    assert f"](images/{hb.FIGURE})" in section and png_size(ROOT / "images" / hb.FIGURE)[0] >= 600
+    assert "python -m llmcourse bench --http" in section
+    r = json.loads((ROOT / "images" / "bench.json").read_text())["http"]
+    assert r["ratios"] == hb.ratios(r) and hb.table(r)
+    for level, q in zip(r["levels"], r["ratios"]):
+        h, i = level["http"]["tokens_per_s"], level["inprocess"]["tokens_per_s"]
+        row = f"| {level['concurrency']} | {h:,.0f} / {i:,.0f} |"
+        assert row in section and f"**{q['tokens_per_s']:.2f}×**" in section, row
+    m = r["machine"]
+    assert f"{m['cores']} cores of an {m['cpu']}" in section and f"{m['llc_MB']:.0f} MB L3" in section
+    assert f"load average {m['load_average']:.1f}" in section
