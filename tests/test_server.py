@@ -54,7 +54,7 @@ def spelling_model(text: str) -> GPT2:
     the blocks add nothing (zero output projections) and each position's embedding points at that position's
     token in the tied head (random 64-dim rows: a row's dot with itself, ~64, beats its dot with any other)."""
     torch.manual_seed(0)
-    model = GPT2(SMALL).eval()
+    model = GPT2(SMALL).init_weights(0).eval()  # (GPT2() leaves its parameters uninitialized)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "c_proj" in name:
