@@ -4,6 +4,7 @@ $ python -m llmcourse generate "ROMEO:"          # stream a continuation (bundle
 $ python -m llmcourse generate --parts chapters/ "ROMEO:"   # ... with your own functions in the engine
 $ python -m llmcourse chat --model llama-shakespeare  # a conversation through the model's chat template
 $ python -m llmcourse serve                      # an OpenAI-compatible server and a chat page at http://127.0.0.1:8000
+$ python -m llmcourse serve --parts chapters/    # ... serving your own engine
 $ python -m llmcourse progress [PATH]            # a learner's dashboard
 $ python -m llmcourse release                    # regenerate chapters/ from solutions/
 $ python -m llmcourse bench                      # engine vs transformers vs the roofline
@@ -22,7 +23,7 @@ import sys
 import torch
 
 from .bench.command import main as bench
-from .course.learner import slots_used, your_pieces
+from .course.learner import my_engine, slots_used, your_pieces
 from .course.progress import default_folder, progress_lines
 from .engine.checkpoints import read_config
 from .engine.config import CheckpointError
@@ -157,6 +158,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=256,
         metavar="N",
         help="requests held at once (running or waiting); more get 429 Too Many Requests",
+    )
+    serve.add_argument(
+        "--parts",
+        metavar="FOLDER",
+        default=argparse.SUPPRESS,
+        help="serve your own engine: your functions from the chapter notebooks in FOLDER (e.g. chapters/) wherever "
+        "their checks pass, the engine's own elsewhere (notices on stderr say which)",
     )
     serve.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -586,12 +594,25 @@ def run_serve(args: argparse.Namespace) -> int:
     if not 0 <= args.port < 65536:
         return fail(f"--port must be in 0 ... 65535, got {args.port}", 2)
     try:
-        tokenizer = load_tokenizer(args.model)
-        model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+        if hasattr(args, "parts"):  # an Engine: LLMEngine runs the learner's parts, sampler and batching functions
+            model = my_engine(
+                args.parts,
+                model=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                quantize=args.quantize,
+                notify=lambda line: print(line, file=sys.stderr, flush=True),
+            )
+            tokenizer = model.tokenizer  # chapter 01's for GPT-2; a Llama-family model's own
+        else:
+            tokenizer = load_tokenizer(args.model)
+            model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
         engine = LLMEngine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+    except FileNotFoundError as err:  # --parts names no chapters
+        return fail(f"--parts: {err}", 2)
     except ValueError as err:  # CheckpointError is a ValueError too
         return fail(in_flag_terms(str(err)), 1 if isinstance(err, CheckpointError) else 2)
-    except TokenizerFileError as err:
+    except (TokenizerFileError, PartError) as err:  # PartError: the learner's loader failed on this checkpoint
         return fail(str(err), 1)
     name = str(args.model)
     app = build_app(engine, tokenizer, name, api_key=args.api_key, max_pending=args.max_pending)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -460,3 +461,33 @@ def test_a_failing_step_fails_the_requests_in_it_with_an_error_event_and_the_ser
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     health = httpx.get(server.url + "/health").json()
     assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == health["num_blocks"]
+
+
+def test_serve_parts_serves_your_engine_and_says_which_parts_are_yours(tmp_path):
+    """`serve --parts chapters/`: the learner's functions where their checks pass (here chapter 01's tokenizer),
+    the engine's own elsewhere, the notice on stderr; the same greedy text as the engine alone."""
+    from .release import released
+    from .test_course import solved_copy
+
+    shutil.copytree(released("00_pipeline"), tmp_path / "00_pipeline")
+    solved_copy("01_tokenization", tmp_path)
+    missing = subprocess.run([sys.executable, "-m", "llmcourse", "serve", "--parts", str(tmp_path / "nope")],
+                             capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert missing.returncode == 2 and "--parts: no folder" in missing.stderr, missing.stderr
+    port = free_port()
+    command = [sys.executable, "-m", "llmcourse", "serve", "--parts", str(tmp_path), "--model", "gpt2-shakespeare"]
+    process = subprocess.Popen([*command, "--port", str(port)], stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert wait_until(lambda: ping(url), 120), process.stderr.read() if process.poll() is not None else "no start"
+        got = httpx.post(url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 12, "temperature": 0})
+        model = load_model("gpt2-shakespeare")
+        assert got.json()["choices"][0]["text"] == alone(model, get_tokenizer(), "ROMEO:", max_new_tokens=12)
+        chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}]})
+        assert chat.status_code == 400 and "no chat template" in chat.json()["error"]["message"]
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    log = process.stderr.read()
+    assert "your engine: your StreamDecoder, decode, encode (every generation)" in log and "Traceback" not in log
