@@ -42,7 +42,7 @@ from llmcourse.engine.loading import check_weights, read_checkpoint
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import Parts
 
-from .harness.core import Case, Verdict, later, run_check, unwritten_helper
+from .harness.core import Case, Verdict, also_reference, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
 from .harness.show import distinct, short
 from .harness.tensors import FLOAT32_ACCURACY, in_float64, known_mistake, same_answer, tensor_problem
@@ -1512,7 +1512,7 @@ def check_gpt2_forward(
         )
     judge = _judge_forward()
     if transformers:
-        judge = _also_transformers(judge)
+        judge = also_reference(judge, _transformers_logits, forward_accuracy)
     run_check(
         "gpt2_forward",
         unwritten_helper(fn),
@@ -1553,26 +1553,10 @@ def hf_logits(state_dict: dict, input_ids: Tensor, n_head: int, eps: float = 1e-
         return model(input_ids).logits
 
 
-def _also_transformers(judge: Callable[[Case, Any], Verdict]) -> Callable[[Case, Any], Verdict]:
-    """The judge, and then transformers' logits (in float64, from the same weights) within the same contract."""
-
-    def both(case: Case, got: Any) -> Verdict:
-        verdict = judge(case, got)
-        if verdict is not None:
-            return verdict
-        sd, ids, n_head, *rest = case.args
-        theirs = hf_logits(_wide(dict(sd)), ids, n_head, rest[0] if rest else 1e-5)
-        _, allowed = forward_accuracy(case.args)
-        error = (got.double() - theirs).abs()
-        if bool((error <= allowed).all()):
-            return None
-        return (
-            f"compared with transformers' GPT2LMHeadModel: the logits differ by up to {error.max().item():.3g} "
-            f"(allowed {allowed.max().item():.3g})",
-            "",
-        )
-
-    return both
+def _transformers_logits(case: Case) -> tuple[str, Tensor]:
+    """transformers' logits (in float64, from the same weights) for a forward case."""
+    sd, ids, n_head, *rest = case.args
+    return "transformers' GPT2LMHeadModel", hf_logits(_wide(dict(sd)), ids, n_head, rest[0] if rest else 1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -336,6 +336,38 @@ def equal(got: Any, expected: Any, *, rel_tol: float = 1e-5, abs_tol: float = 1e
 Verdict = Optional[tuple[str, str]]  # None if right, else (what is wrong, a hint; "" = none beyond the case's)
 
 
+def also_reference(
+    judge: Callable[[Case, Any], Verdict],
+    reference: Callable[[Case], Optional[tuple[str, torch.Tensor]]],
+    accuracy: Callable[[tuple], tuple[Any, torch.Tensor]],
+    *,
+    slack: float = 1.0,
+    hint: str = "",
+) -> Callable[[Case, Any], Verdict]:
+    """`judge`, then an independent implementation (transformers', say) held to the same contract: `reference(case)`
+    gives (its name, its answer), or None where it has nothing to say; `accuracy(case.args)` gives the tolerance
+    tensor (its second item) the learner's answer is judged with, times `slack`."""
+
+    def both(case: Case, got: Any) -> Verdict:
+        verdict = judge(case, got)
+        if verdict is not None:
+            return verdict
+        theirs = reference(case)
+        if theirs is None:
+            return None
+        name, expected = theirs
+        allowed = slack * accuracy(case.args)[1]
+        error = (got.double() - expected.double()).abs()
+        if bool((error <= allowed).all()):
+            return None
+        return (
+            f"compared with {name}: differs by up to {error.max().item():.3g} (allowed {allowed.max().item():.3g})",
+            hint,
+        )
+
+    return both
+
+
 def _hints(*hints: str) -> list[str]:
     """The hints to show, in order, without repeats (one that another contains, or that says the same
     thing before its first colon, gives way to the longer one)."""
