@@ -69,13 +69,17 @@ Notify = Callable[[str], None]
 
 
 def learner_functions(
-    folder: Optional[PathLike] = None, *, slots: Optional[tuple[str, ...]] = None, notify: Notify = print
+    folder: Optional[PathLike] = None,
+    *,
+    slots: Optional[tuple[str, ...]] = None,
+    notify: Notify = print,
+    origins: Optional[dict] = None,
 ) -> dict[str, Callable]:
     """The functions (and classes) of every exercise whose check passes, by name.
 
     `slots`: only exercises defining one of these names are checked, and each of those that cannot
     be used gets one notice saying why (the engine keeps its own there). None: every exercise,
-    quietly.
+    quietly. `origins`: filled with slot -> (chapter, exercise, why it is not used: None if it is).
     """
     refuse_to_recurse()
     functions: dict[str, Callable] = {}
@@ -88,6 +92,7 @@ def learner_functions(
         for ex in wanted:
             names = [n for n in ex.functions if slots is None or n in slots]
             result = run.result(ex)
+            why = None
             if result.status == "passing":
                 functions.update({n: run.namespace[n] for n in ex.functions if n in run.namespace})
             elif slots is not None:
@@ -98,6 +103,8 @@ def learner_functions(
                 )
                 theirs = ", ".join(f"the engine's {n}" for n in names)
                 notify(f"{chapter.name}: {ex.grade_id} {why}; {theirs} runs instead")
+            if origins is not None:
+                origins.update({n: (chapter.name, ex.grade_id, why) for n in names})
     return functions
 
 
@@ -226,12 +233,15 @@ class Pieces(NamedTuple):
     """Everything of a learner's that the engine runs, each function guarded once (`guards.guarded`): the forward
     pass's parts, the drivers' functions by the keyword each driver takes them with (`sampler`, `kv_cache`,
     `left_pad`, `speculation` for generation; `sampler`, `batching` for `LLMEngine`), the quantization functions
-    and the tokenizer."""
+    and the tokenizer; `mine`, the learner's functions by slot (unguarded), and `origins`, slot -> (chapter,
+    exercise, why it is not used: None if it is) for every slot whose chapter was found."""
 
     parts: Parts
     functions: dict
     quantization: Quantization
     tokenizer: "LearnerTokenizer"
+    mine: dict = {}
+    origins: dict = {}
 
     def install(self, model: Decoder, quantize: Optional[str] = None) -> "Engine":
         """`model` with these parts in its forward pass (quantized with these functions if `quantize`), as an
@@ -249,7 +259,16 @@ def your_pieces(
     and quantization functions and tokenizer, with one notice for each exercise with a slot that is not used, and
     one line saying what is yours (`uses`: the slots the run will use, see `slots_used`; None: grouped by where the
     engine uses them)."""
-    functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify)
+    origins: dict = {}
+    functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify, origins=origins)
+    return pieces_of(functions, notify=notify, uses=uses, origins=origins)
+
+
+def pieces_of(
+    functions: dict[str, Callable], *, notify: Notify = print, uses: Optional[set[str]] = None, origins=None
+) -> Pieces:
+    """`Pieces` made of these functions by slot name (a learner's, as `learner_functions` finds them), the
+    engine's own in every other slot; the notice of what is yours goes to `notify`."""
 
     def table(cls, slots):
         return guarded(cls, **{n: f for n, f in functions.items() if n in slots})
@@ -265,7 +284,8 @@ def your_pieces(
     tokenizer = LearnerTokenizer(functions, notify=notify)
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(your_engine_notice(yours, uses))
-    return Pieces(table(Parts, PART_SLOTS), drivers, table(Quantization, QUANTIZATION_SLOTS), tokenizer)
+    parts, quantization = table(Parts, PART_SLOTS), table(Quantization, QUANTIZATION_SLOTS)
+    return Pieces(parts, drivers, quantization, tokenizer, dict(functions), dict(origins or {}))
 
 
 # The parts only one family's forward pass runs (chapter 04's GPT-2, chapter 11's Llama family); the rest both.
