@@ -637,3 +637,23 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
     theirs = quantize.quantize_model(llmcourse.load_model(device="cpu"), "int8", calibration=calibration)
     for (name, tensor), (_, expected) in zip(mine.named_buffers(), theirs.named_buffers()):
         assert torch.equal(tensor, expected), name
+
+
+def test_the_chapters_folder_is_found_from_a_notebook_in_the_folder_or_under_autograde(tmp_path, monkeypatch):
+    """From chapters/NN/ the folder above; from the course root ./chapters; and where `nbgrader autograde` runs a
+    notebook (autograded/STUDENT/CHAPTER/), the student's collected chapters in submitted/STUDENT/ — autograded/
+    holds only what was graded so far."""
+    from llmcourse.course.progress import default_folder
+
+    for folder in ("chapters/12_capstone", "submitted/ada/12_capstone", "submitted/ada/03_attention",
+                   "autograded/ada/12_capstone"):  # fmt: skip
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / f"{Path(folder).name}.ipynb").write_text("{}")
+    monkeypatch.chdir(tmp_path / "chapters" / "12_capstone")
+    assert default_folder().resolve() == (tmp_path / "chapters").resolve()
+    monkeypatch.chdir(tmp_path)
+    assert default_folder() == Path("chapters")
+    monkeypatch.chdir(tmp_path / "autograded" / "ada" / "12_capstone")
+    assert default_folder().resolve() == (tmp_path / "submitted" / "ada").resolve()
+    shutil.rmtree(tmp_path / "submitted")  # not collected: the folder above, as anywhere else
+    assert default_folder().resolve() == (tmp_path / "autograded" / "ada").resolve()

@@ -247,8 +247,14 @@ def find_chapters(target: PathLike) -> list[Path]:
 
 def default_folder() -> Path:
     """Where the learner's chapters are, seen from here: ./chapters, or the folder above when this is
-    a chapter's folder (a notebook's kernel starts there), else here."""
+    a chapter's folder (a notebook's kernel starts there), else here. Under `nbgrader autograde`, which runs a
+    student's notebook in autograded/STUDENT/CHAPTER/, the student's other chapters are those collected in
+    submitted/STUDENT/ (autograded/ holds only the chapters graded so far)."""
     here = Path.cwd()
+    if here.parent.parent.name == "autograded" and (here / f"{here.name}.ipynb").is_file():
+        submitted = here.parents[2] / "submitted" / here.parent.name
+        if submitted.is_dir():
+            return submitted
     if (here / "chapters").is_dir():
         return Path("chapters")
     if (here / f"{here.name}.ipynb").is_file():
