@@ -157,3 +157,18 @@ def test_hidden_prompts_have_a_clear_lead_and_differ_per_model():
         assert capstone.clear_lead(
             capstone.reference_model(capstone.GPT2 if (text, ids) in gpt2 else capstone.LLAMA), list(ids)
         )
+
+
+def test_the_engine_report_says_chapter_by_chapter_what_is_yours_and_why_the_rest_is_not():
+    from llmcourse.course.learner import engine_report
+
+    fns = all_yours()
+    del fns["top_k"], fns["rope"]
+    origins = {"top_k": ("05_sampling", "top_k", "does not pass its check (keeps k + 1 tokens)")}
+    lines = engine_report(pieces_of(fns, notify=quiet, origins=origins)).splitlines()
+    assert len(lines) == len(set(capstone.CHAPTER_OF.values())) == 10
+    assert lines[0] == "01_tokenization  yours: encode, decode, StreamDecoder"
+    assert "02_embeddings    yours: embedding; the engine's: rope (its notebook was not found)" in lines
+    sampling = next(line for line in lines if line.startswith("05_sampling"))
+    assert sampling.endswith("the engine's: top_k (does not pass its check (keeps k + 1 tokens))")
+    assert sum("the engine's" in line for line in lines) == 2

@@ -37,6 +37,7 @@ import torch
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.learner import (
     BATCHING_SLOTS,
+    CHAPTER_OF,
     TOKENIZER_SLOTS,
     Pieces,
     pieces_of,
@@ -58,26 +59,6 @@ MARGIN = 1e-3  # the reference's best token leads the second by this much (logit
 NEW_TOKENS = 16
 PROMPTS = 3
 SECONDS = 300  # a mode's whole run, yours and the reference's; far more than a working engine needs
-CHAPTER_OF = {  # which chapter's exercise each slot is
-    **dict.fromkeys(("encode", "decode", "StreamDecoder"), "01_tokenization"),
-    **dict.fromkeys(("embedding", "rope"), "02_embeddings"),
-    **dict.fromkeys(("softmax", "attention", "split_heads", "merge_heads", "merge_attention"), "03_attention"),
-    **dict.fromkeys(("layer_norm", "gelu", "linear"), "04_gpt2"),
-    **dict.fromkeys(
-        ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty", "sample"), "05_sampling"
-    ),
-    "KVCache": "06_kv_cache",
-    **dict.fromkeys(("left_pad", "BlockAllocator", "paged_attention", "block_hashes", "schedule"), "07_batching"),
-    **dict.fromkeys(("accept_token", "verify", "speculative_round", "best_k", "prompt_lookup_draft"), "08_speculative"),
-    **dict.fromkeys(
-        ("quantize_int8", "dequantize_int8", "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4"),
-        "09_quantization",
-    ),
-    "int8_linear": "09_quantization",
-    **dict.fromkeys(
-        ("rms_norm", "swiglu", "repeat_kv", "qk_norm", "llama_block", "load_llama_checkpoint"), "11_modern"
-    ),
-}
 SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95)
 
 

@@ -61,6 +61,26 @@ ENGINE_SLOTS = (
     + TOKENIZER_SLOTS
 )
 
+CHAPTER_OF = {  # which chapter's exercise each slot the engine runs is (the roofline's run in no engine)
+    **dict.fromkeys(("encode", "decode", "StreamDecoder"), "01_tokenization"),
+    **dict.fromkeys(("embedding", "rope"), "02_embeddings"),
+    **dict.fromkeys(("softmax", "attention", "split_heads", "merge_heads", "merge_attention"), "03_attention"),
+    **dict.fromkeys(("layer_norm", "gelu", "linear"), "04_gpt2"),
+    **dict.fromkeys(
+        ("temperature", "greedy", "top_k", "top_p", "min_p", "repetition_penalty", "sample"), "05_sampling"
+    ),
+    "KVCache": "06_kv_cache",
+    **dict.fromkeys(("left_pad", "BlockAllocator", "paged_attention", "block_hashes", "schedule"), "07_batching"),
+    **dict.fromkeys(("accept_token", "verify", "speculative_round", "best_k", "prompt_lookup_draft"), "08_speculative"),
+    **dict.fromkeys(
+        ("quantize_int8", "dequantize_int8", "pack_int4", "unpack_int4", "quantize_int4", "dequantize_int4"),
+        "09_quantization",
+    ),
+    "int8_linear": "09_quantization",
+    **dict.fromkeys(
+        ("rms_norm", "swiglu", "repeat_kv", "qk_norm", "llama_block", "load_llama_checkpoint"), "11_modern"
+    ),
+}
 Notify = Callable[[str], None]
 
 
@@ -352,6 +372,30 @@ def your_engine_notice(yours: list[str], uses: Optional[set[str]] = None) -> str
     groups = [(where, [n for n in yours if n in names]) for where, names in WHERE_USED]
     listed = "; ".join(f"{', '.join(names)} ({where})" for where, names in groups if names)
     return f"your engine: your {listed}; the engine's own for the rest"
+
+
+def engine_report(pieces: Pieces) -> str:
+    """Your engine, chapter by chapter: which of its functions are yours, which are still the engine's own and why
+    (not written yet, not passing its check, the chapter's notebook not found).
+
+        >>> print(engine_report(your_pieces("chapters")))                  # doctest: +SKIP
+        01_tokenization  yours: encode, decode, StreamDecoder
+        02_embeddings    yours: embedding; the engine's: rope (not written yet)
+        ...
+    """
+    lines = []
+    for chapter in sorted(set(CHAPTER_OF.values())):
+        slots = [s for s, c in CHAPTER_OF.items() if c == chapter]
+        yours = [s for s in slots if s in pieces.mine]
+        theirs = [s for s in slots if s not in pieces.mine]
+        by_reason: dict[str, list[str]] = {}  # the same reason once, for the slots it holds for
+        for slot in theirs:
+            why = (pieces.origins.get(slot) or (None, None, "its notebook was not found"))[2] or "not used"
+            by_reason.setdefault(why, []).append(slot)
+        said = [f"yours: {', '.join(yours)}"] if yours else []
+        said += [f"the engine's: {', '.join(slots)} ({why})" for why, slots in by_reason.items()]
+        lines.append(f"{chapter:<16} {'; '.join(said)}")
+    return "\n".join(lines)
 
 
 class Engine:
