@@ -253,6 +253,18 @@ def transformers_twin(model: GPT2):
 # ------------------------------------------------------------------------------------------------ results
 
 
+def measure_and_save(out: Path, name: str, measure: Callable[[], dict], report: Callable[[dict], Path]) -> int:
+    """`bench --NAME`'s main: `measure()` (a ValueError, a bad setting, is one line on stderr and exit status 2),
+    then `save_section` with `report(results)`."""
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        results = measure()
+    except ValueError as err:
+        print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
+        return 2
+    return save_section(out, name, results, lambda: report(results))
+
+
 def save_section(out: Path, name: str, results: dict, report: Callable[[], Path]) -> int:
     """Write `results` as section `name` of out/bench.json (keeping its other sections), then `report()` (print
     the table, draw the figure, return its path; it may add derived figures to `results`). A bug in reporting

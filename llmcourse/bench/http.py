@@ -54,7 +54,7 @@ from llmcourse.engine.loading import load_model, resolve_device, resolve_dtype
 from llmcourse.serving.async_engine import AsyncEngine
 from llmcourse.serving.llm_engine import MAX_NUM_SEQS, LLMEngine
 
-from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, machine, save, save_section
+from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, machine, measure_and_save, save
 from .serving import percentile
 
 FIGURE = "bench_http.png"
@@ -458,16 +458,13 @@ def main(
 ) -> int:
     """`bench --http`: measure, then write the "http" section of out/bench.json (keeping its other sections),
     print the table and draw the figure."""
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        results = run(model, concurrency, device=device, dtype=dtype, sizes=sizes)
-    except ValueError as err:
-        print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
-        return 2
 
-    def report() -> Path:
+    def report(results: dict) -> Path:
         results["ratios"] = ratios(results)
         print(table(results))
         return plot(results, out)
 
-    return save_section(out, "http", results, report)
+    def measure() -> dict:
+        return run(model, concurrency, device=device, dtype=dtype, sizes=sizes)
+
+    return measure_and_save(out, "http", measure, report)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import random
-import sys
 import time
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -40,7 +39,7 @@ from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.sampling import SamplingParams
 from llmcourse.serving.llm_engine import LLMEngine
 
-from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, load, machine, save, save_section, sync
+from .common import ENGINE, STYLE, TRANSFORMERS, describe_machine, load, machine, measure_and_save, save, sync
 
 FIGURE = "bench_serving.png"
 MODELS = ("gpt2-shakespeare", "gpt2")  # the bundled model and GPT-2 124M's configuration (random weights)
@@ -537,16 +536,10 @@ def plot(r: dict, out: Path) -> Path:
 def main(models: Sequence[str], out: Path, *, device: str = "auto", dtype: str = "float32", quick: bool = False) -> int:
     """`bench --serving`: measure, then write the "serving" section of out/bench.json (keeping its other
     sections), print the table and the ratios, and draw the figure."""
-    out.mkdir(parents=True, exist_ok=True)
-    try:
-        results = run(models, device=device, dtype=dtype, quick=quick)
-    except ValueError as err:
-        print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
-        return 2
 
-    def report() -> Path:
+    def report(results: dict) -> Path:
         results["ratios"] = ratios(results)
         print(table(results))
         return plot(results, out)
 
-    return save_section(out, "serving", results, report)
+    return measure_and_save(out, "serving", lambda: run(models, device=device, dtype=dtype, quick=quick), report)

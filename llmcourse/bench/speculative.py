@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -52,7 +51,7 @@ from llmcourse.engine.speculative import (
 )
 from llmcourse.training.shakespeare import acceptance_rate, validation_tokens
 
-from .common import ENGINE, ROOF, STYLE, TRANSFORMERS, describe_machine, load, machine, save, save_section, sync
+from .common import ENGINE, ROOF, STYLE, TRANSFORMERS, describe_machine, load, machine, measure_and_save, save, sync
 
 FIGURE = "bench_speculative.png"
 TARGET, DRAFT = "gpt2-shakespeare", "gpt2-shakespeare-draft"
@@ -554,16 +553,10 @@ def main(
 ) -> int:
     """`bench --speculative`: measure, then write the "speculative" section of out/bench.json (keeping its other
     sections), print the table and draw the figure."""
-    out.mkdir(parents=True, exist_ok=True)
     sizes = sizes or Sizes(repeats=repeats)
-    try:
-        results = run(device=device, dtype=dtype, sizes=sizes)
-    except ValueError as err:
-        print(f"python -m llmcourse bench: error: {err}", file=sys.stderr)
-        return 2
 
-    def report() -> Path:
+    def report(results: dict) -> Path:
         print(table(results))
         return plot(results, out)
 
-    return save_section(out, "speculative", results, report)
+    return measure_and_save(out, "speculative", lambda: run(device=device, dtype=dtype, sizes=sizes), report)

@@ -308,29 +308,20 @@ def completion_logprobs(tokenizer, tokens: list[int], logprobs: list, offset: in
     }
 
 
+def envelope(rid: str, kind: str, model: str, **fields) -> dict:
+    """What every response and streamed chunk carries: its id, its object type, when, which model."""
+    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, **fields}
+
+
 def completion_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
     choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    return envelope(rid, "text_completion", model, choices=[choice], usage=use)
 
 
 def chat_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
     message = {"role": "assistant", "content": text}
     choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": model,
-        "choices": [choice],
-        "usage": use,
-    }
+    return envelope(rid, "chat.completion", model, choices=[choice], usage=use)
 
 
 def chunk(job: Job, rid: str, model: str, text: Optional[str], logprobs=None, finish=None, first=False) -> dict:
@@ -338,13 +329,14 @@ def chunk(job: Job, rid: str, model: str, text: Optional[str], logprobs=None, fi
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
         choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
-        kind = "chat.completion.chunk"
     else:
         choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
-        kind = "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [choice]}
+    return envelope(rid, chunk_kind(job), model, choices=[choice])
 
 
 def usage_chunk(job: Job, rid: str, model: str, use: dict) -> dict:
-    kind = "chat.completion.chunk" if job.chat else "text_completion"
-    return {"id": rid, "object": kind, "created": int(time.time()), "model": model, "choices": [], "usage": use}
+    return envelope(rid, chunk_kind(job), model, choices=[], usage=use)
+
+
+def chunk_kind(job: Job) -> str:
+    return "chat.completion.chunk" if job.chat else "text_completion"
