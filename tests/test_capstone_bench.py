@@ -1,0 +1,125 @@
+"""Chapter 12's measurement (`llmcourse.bench.capstone`): your engine beside the course engine and transformers, with
+the roofline's prediction beside each figure, in quick mode.
+
+An engine made of the engine's own functions (standing for a learner who wrote them all) gives the course engine's
+tokens and transformers' too; every figure is finite and positive; the fractions are the figures shown over the
+roofline's; the table has every row and column; an engine with a deliberately slow softmax is measured slower, and
+the advice says by how much and names softmax's chapter, from the profile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import pytest
+
+from llmcourse.bench import capstone
+from llmcourse.checks.kv_cache import one_thread
+from llmcourse.course import bpe
+from llmcourse.course.learner import pieces_of
+from llmcourse.engine.decoder import KVCache
+from llmcourse.engine.loading import load_model
+from llmcourse.engine.padding import left_pad
+from llmcourse.engine.parts import Parts, softmax
+from llmcourse.engine.sampling import Sampler
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
+MODEL = "gpt2-shakespeare"
+
+
+def quiet(line):
+    pass
+
+
+def engine_of(**instead):
+    """An engine whose forward pass, sampler, cache and tokenizer are all "yours": the engine's own functions."""
+    fns = {f.name: f.default for t in (Parts, Sampler) for f in dataclasses.fields(t)}
+    fns |= dict(KVCache=KVCache, left_pad=left_pad, decode=bpe.decode)
+    fns["encode"] = lambda text, ranks: bpe.encode(text, ranks=ranks)
+    fns = {name: fn for name, fn in (fns | instead).items() if fn is not None}  # None: that slot stays the engine's
+    pieces = pieces_of(fns, notify=quiet)
+    return pieces.install(load_model(MODEL, parts=pieces.parts))
+
+
+@pytest.fixture(scope="module")
+def results():
+    with one_thread():  # a module's fixture runs before the tests' one_thread
+        yield capstone.measure(engine_of(), model=MODEL, quick=True)
+
+
+def slow_softmax(x, dim=-1):
+    time.sleep(0.002)
+    return softmax(x, dim)
+
+
+@pytest.fixture(scope="module")
+def slow():
+    with one_thread():
+        # your softmax without your attention: the engine's written-out attention runs it, each layer, each step
+        engine = engine_of(softmax=slow_softmax, attention=None)
+        yield capstone.measure(engine, model=MODEL, quick=True, with_transformers=False)
+
+
+def test_your_engine_course_engine_and_transformers_give_the_same_tokens(results):
+    s = results["systems"]
+    assert len(s["yours"]["tokens"]) == capstone.QUICK.new_tokens
+    assert s["yours"]["tokens"] == s["course"]["tokens"] == s["transformers"]["tokens"]
+    assert results["same_tokens"] == {"yours": True, "course": True, "transformers": True}
+    assert s["yours"]["server_text"] == s["course"]["server_text"] != ""
+
+
+def test_every_figure_is_finite_and_positive_and_transformers_has_no_server(results):
+    for name in ("yours", "course"):
+        for row in capstone.ROWS:
+            value = results["systems"][name][row]
+            assert math.isfinite(value) and value > 0, (name, row, value)
+    t = results["systems"]["transformers"]
+    assert t["ttft_ms"] is None and t["itl_ms"] is None
+    assert all(math.isfinite(t[row]) and t[row] > 0 for row in ("prefill_tok_s", "decode_tok_s", "memory_MB"))
+    roof = results["roofline"]
+    assert all(math.isfinite(roof[row]) and roof[row] > 0 for row in capstone.ROWS)
+    # the same weights: the same bytes held, within the buffers each keeps
+    weights = [results["systems"][n]["weights_MB"] for n in capstone.SYSTEMS]
+    assert max(weights) / min(weights) < 1.05 and abs(weights[0] / roof["weights_MB"] - 1) < 0.05
+
+
+def test_the_fractions_are_the_figures_over_the_roofline(results):
+    roof, f = results["roofline"], results["fractions"]
+    for name, s in results["systems"].items():
+        for row in ("prefill_tok_s", "decode_tok_s", "memory_MB"):
+            assert f[name][row] == pytest.approx(s[row] / roof[row])
+        for row in ("ttft_ms", "itl_ms"):
+            if s[row] is None:
+                assert row not in f[name]
+            else:
+                assert f[name][row] == pytest.approx(roof[row] / s[row])
+    # the decode step of a 49 MB model on any machine: memory-bound
+    assert roof["decode_bound"] == "memory"
+
+
+def test_the_table_has_every_row_and_column(results):
+    text = capstone.table(results)
+    header = next(line for line in text.splitlines() if "course engine" in line)
+    assert all(h in header for h in ("yours", "course engine", "transformers", "roofline"))
+    for label in capstone.LABELS.values():
+        row = next(line for line in text.splitlines() if line.startswith(label))
+        assert row.count("(") >= 3 or label.startswith(("TTFT", "ITL")) and "—" in row
+    r = results["systems"]["yours"]
+    shown = f"{capstone.number(r['decode_tok_s'])} ({capstone.percent(results['fractions']['yours']['decode_tok_s'])})"
+    assert shown in text
+    assert "same greedy tokens as the course engine: yours yes, transformers yes" in text
+
+
+def test_a_slow_softmax_is_measured_slower_and_named_by_its_chapter(slow):
+    yours, course = slow["systems"]["yours"], slow["systems"]["course"]
+    ratio = course["decode_tok_s"] / yours["decode_tok_s"]
+    assert ratio > 1.5  # 6 layers x 2 ms of sleep per token
+    lines = capstone.advice(slow)
+    assert lines[0].startswith(f"decode: yours {capstone.number(yours['decode_tok_s'])} tok/s")
+    assert f"{ratio:.1f}x slower" in lines[0]
+    assert lines[1].startswith("  your softmax (03_attention) takes")
+    assert slow["profile_ms_per_token"]["yours"]["softmax"] > 6 * 2  # measured: the sleeps
+    assert "transformers: skipped" in capstone.table(slow)
