@@ -5,7 +5,8 @@
   TESTS``) are removed with what they print, and the ``BEGIN SOLUTION`` / ``END SOLUTION`` marker
   lines are dropped while the solution itself stays on the page (behind its toggle).
 - The page's "download source" button hands out the exercise notebook (``chapters/NN/NN.ipynb``),
-  never the instructor notebook.
+  never the instructor notebook, and so do its launch buttons (Binder, Colab, JupyterHub: their URLs name
+  ``chapters/NN/NN.ipynb`` in the repository that _config.yml's ``repository: url`` names).
 - Stream outputs are merged as Jupyter shows them: myst-nb's ``coalesce_streams`` strips each piece
   and ends it with a newline, which turns a token-by-token stream into one token per line.
 - The build offers what a reader needs to work offline: ``downloads/llmcourse-chapters.zip`` (the
@@ -199,6 +200,39 @@ def _on_html_page_context(app: Sphinx, pagename: str, templatename: str, context
         app.add_js_file(PLOTLY_JS)  # this page only: Sphinx resets the list after each page
 
 
+def exercise_launch_url(url: str, docname: str) -> str:
+    """A launch button's URL for the page ``solutions/NN/NN``, opening ``chapters/NN/NN.ipynb`` instead.
+
+    sphinx-book-theme puts the page's path in the repository, ``solutions/NN/NN.ipynb``, into each launch URL
+    (Binder's ``urlpath=lab/tree/<path>``, Colab's ``…/blob/<branch>/<path>``, JupyterHub's nbgitpuller
+    ``urlpath=lab/tree/<repo>/<path>``); it is replaced by the exercise notebook's path."""
+    release = release_notebook(docname)
+    if release is None:
+        return url
+    source = f"{docname}.ipynb"
+    if url.count(source) != 1:
+        raise ValueError(f"a launch URL without the page's notebook {source!r} once: {url}")
+    return url.replace(source, release.relative_to(ROOT).as_posix())
+
+
+def _on_launch_buttons(app: Sphinx, pagename: str, templatename: str, context: dict, doctree) -> None:
+    """Launch buttons (Binder, Colab, JupyterHub: _config.yml's launch_buttons) open the exercise notebook, not
+    the instructor's; a page with no exercise notebook gets none (the build warns about it)."""
+    buttons = context.get("header_buttons") or []
+    for group in [b for b in buttons if b.get("label") == "launch-buttons"]:
+        release = release_notebook(pagename)
+        if release is None or not release.is_file():
+            buttons.remove(group)
+            continue
+        try:
+            for button in group.get("buttons", []):
+                if "url" in button:
+                    button["url"] = exercise_launch_url(button["url"], pagename)
+        except ValueError as error:  # the theme builds its URLs differently now: no button rather than a wrong one
+            logger.warning(f"{pagename}: launch buttons left out: {error}", location=pagename)
+            buttons.remove(group)
+
+
 def _on_config_inited(app: Sphinx, config) -> None:
     config.html_static_path = [*config.html_static_path, str(STATIC)]
 
@@ -208,6 +242,7 @@ def setup(app: Sphinx) -> dict:
     app.connect("config-inited", _on_config_inited)
     app.connect("source-read", _on_source_read)
     app.connect("html-page-context", _on_html_page_context)
+    app.connect("html-page-context", _on_launch_buttons, priority=600)  # after sphinx-book-theme's (501) made them
     app.connect("build-finished", _on_build_finished)
     app.add_css_file("llmcourse.css")
     return {"version": "1", "parallel_read_safe": True, "parallel_write_safe": True}

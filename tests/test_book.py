@@ -164,6 +164,51 @@ def test_benchmarks_page_shows_the_figures(book):
 
 
 # ----------------------------------------------------------------------------------------------
+# Launch buttons (Binder, Colab, JupyterHub): the exercise notebook in the configured repository
+
+
+def launch_buttons(html_):
+    """{button text: url} of the page's launch buttons (the theme's links that say "Launch on …")."""
+    found = re.findall(r'<a href="([^"]+)" target="_blank"[^>]*?title="Launch on ([^"]+)"', html_, re.S)
+    return {name: html.unescape(url) for url, name in found}
+
+
+def configured_launchers():
+    import yaml  # comes with jupyter-book
+
+    config = yaml.safe_load((ROOT / "_config.yml").read_text(encoding="utf-8"))
+    buttons, repo = config["launch_buttons"], config["repository"]
+    names = {"binderhub_url": "Binder", "colab_url": "Colab", "jupyterhub_url": "JupyterHub"}
+    return {names[key]: buttons[key].rstrip("/") for key in names if buttons.get(key)}, repo["url"], repo["branch"]
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_launch_buttons_open_the_exercise_notebook(book, name):
+    launchers, url, branch = configured_launchers()
+    assert {"Binder", "Colab"} <= set(launchers)
+    org, repo = url.removeprefix("https://github.com/").split("/")
+    exercise = f"chapters/{name}/{name}.ipynb"
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    assert 'find_spec("llmcourse")' not in text(html_)  # the install cell is for kernels, not for the page
+    buttons = launch_buttons(html_)
+    assert set(buttons) == set(launchers), buttons
+    for where, target in buttons.items():
+        assert target.startswith(launchers[where] + "/"), (where, target)
+        assert "solutions/" not in target and target.count(exercise) == 1, (where, target)
+    assert buttons["Binder"] == f"{launchers['Binder']}/v2/gh/{org}/{repo}/{branch}?urlpath=lab/tree/{exercise}"
+    assert buttons["Colab"] == f"{launchers['Colab']}/github/{org}/{repo}/blob/{branch}/{exercise}"
+    if "JupyterHub" in buttons:
+        assert f"repo=https://github.com/{org}/{repo}" in buttons["JupyterHub"].replace("%3A", ":")
+        assert f"urlpath=lab/tree/{repo}/{exercise}" in buttons["JupyterHub"]
+    assert (ROOT / exercise).is_file()
+
+
+def test_other_pages_have_no_launch_buttons(book):
+    for rel in ["intro.html", "benchmarks.html", "instructor.html"]:
+        assert launch_buttons(page(book, rel)) == {}, rel
+
+
+# ----------------------------------------------------------------------------------------------
 # What a reader downloads to work offline
 
 

@@ -26,6 +26,10 @@ from .test_course import ROOT, solved_copy
 GUIDE = ROOT / "instructor.md"
 NOT_RUN_HERE = {
     "pip install -r requirements.txt": "installs the packages; the tests run in the installed environment",
+    # "Publish the book": tests/test_publish.py checks these commands against the workflow and what they write
+    "python -m llmcourse release": "every chapter: the guide's first block releases one, as written",
+    "jupyter-book build . -W -n --keep-going": "builds the book: tests/test_book.py builds it with these flags",
+    "ghp-import -n -p -f _build/html": "pushes to GitHub",
 }
 PLACEHOLDERS = ["NN_topic"]  # instructor.md: "NN_topic is the chapter you edited"
 

@@ -2,7 +2,8 @@
 
 `release` is `python -m llmcourse release`: it regenerates `chapters/` from `solutions/` with
 `nbgrader generate_assignment` and records each chapter's notebook in the gradebook
-(`gradebook.db`), which `nbgrader autograde` needs to find and grade the submissions.
+(`gradebook.db`), which `nbgrader autograde` needs to find and grade the submissions. First it writes
+each chapter's install cell from `_config.yml`'s repository (`llmcourse.course.publish`).
 
 `OverwriteCells` (autograde) is nbgrader's, without its false alarm for hidden tests: the released
 check cell lacks the hidden tests, so its checksum never matches the one the gradebook stored for the
@@ -32,6 +33,8 @@ from nbgrader import preprocessors as nbgrader_preprocessors
 from nbgrader import utils
 from nbgrader.api import MissingEntry
 from traitlets import List
+
+from .publish import install_requirement, repository, set_install_cells
 
 
 def chapters(course: Path) -> list[str]:
@@ -63,6 +66,13 @@ def release(course: Path = Path("."), err=sys.stderr, names: list[str] | None = 
             file=err,
         )
         return 2
+    if (course / "_config.yml").is_file():  # the book's repository: each chapter's first cell installs from it
+        try:
+            for name in set_install_cells(course, names or known):
+                print(f"solutions/{name}: install cell set to {install_requirement(*repository(course))!r}")
+        except ValueError as error:
+            print(f"python -m llmcourse release: error: {error}", file=err)
+            return 2
     for name in names or known:
         target = course / "chapters" / name / f"{name}.ipynb"
         previous = target.read_bytes() if target.is_file() else None
