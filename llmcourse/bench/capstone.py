@@ -75,7 +75,7 @@ from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
 
 from .common import describe_machine, machine, measure_bandwidth, measure_matmul, run_seconds, sync, transformers_twin
-from .http import Stream, summary
+from .http import DONE, Stream, summary, take_event
 from .speed import percent
 
 SYSTEMS = ("yours", "course", "transformers")
@@ -193,20 +193,10 @@ def one_request(url: str, body: dict) -> Stream:
             raise RuntimeError(f"the server answered {response.status}: {response.read()[:500]!r}")
         times, pieces, tokens = [], [], 0
         while line := response.readline():
-            now = time.perf_counter()
-            line = line.decode().strip()
-            if line == "data: [DONE]":
+            chunk = take_event(line.decode().strip(), time.perf_counter(), times, pieces)
+            if chunk is DONE:
                 break
-            if not line.startswith("data: "):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise RuntimeError(f"the server sent an error mid-stream: {chunk['error']}")
-            for choice in chunk.get("choices") or []:
-                if choice.get("text"):
-                    times.append(now)
-                    pieces.append(choice["text"])
-            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            tokens = ((chunk or {}).get("usage") or {}).get("completion_tokens", tokens)
         return Stream(sent, times, tokens, pieces)
     finally:
         connection.close()

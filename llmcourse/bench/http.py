@@ -79,6 +79,26 @@ class Sizes:
 QUICK = Sizes(requests=8, repeats=1, prompt_tokens=16, max_tokens=8, warmup=2)
 
 
+DONE = {}  # what `take_event` returns for the stream's last event, data: [DONE]
+
+
+def take_event(line: str, now: float, times: list[float], pieces: list[str]) -> Optional[dict]:
+    """One line of a completion's server-sent events: its chunk (None for a line that is no event, DONE at the end),
+    each text piece in it appended to `pieces` with its arrival time `now`. An error event raises."""
+    if not line.startswith("data: "):
+        return None
+    if line == "data: [DONE]":
+        return DONE
+    chunk = json.loads(line[6:])
+    if "error" in chunk:
+        raise RuntimeError(f"the server sent an error mid-stream: {chunk['error']}")
+    for choice in chunk.get("choices") or []:
+        if choice.get("text"):
+            times.append(now)
+            pieces.append(choice["text"])
+    return chunk
+
+
 class Stream(NamedTuple):
     """One request as a client saw it: when it was sent, when each token (in-process) or text chunk (HTTP)
     arrived, how many tokens it got, and what (token ids in-process, the text pieces over HTTP)."""
@@ -225,19 +245,10 @@ async def http_level(url: str, model: str, items: Sequence[list[int]], concurren
                 if response.status_code != 200:
                     raise RuntimeError(f"the server answered {response.status_code}: {(await response.aread())!r}")
                 async for line in response.aiter_lines():
-                    now = time.perf_counter()
-                    if not line.startswith("data: "):
-                        continue
-                    if line == "data: [DONE]":
+                    chunk = take_event(line, time.perf_counter(), times, pieces)
+                    if chunk is DONE:
                         break
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:
-                        raise RuntimeError(f"the server sent an error mid-stream: {chunk['error']}")
-                    for choice in chunk.get("choices") or []:
-                        if choice.get("text"):
-                            times.append(now)
-                            pieces.append(choice["text"])
-                    usage = chunk.get("usage") or usage
+                    usage = (chunk or {}).get("usage") or usage
             if usage is None:
                 raise RuntimeError("the server sent no usage chunk (stream_options include_usage)")
             return Stream(sent, times, usage["completion_tokens"], pieces)
