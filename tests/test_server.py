@@ -311,7 +311,7 @@ def test_a_full_server_answers_429_with_retry_after_and_recovers():
                 assert full.status_code == 429 and full.headers["retry-after"] == "1"
                 assert "max_pending=2" in full.json()["error"]["message"]
         assert wait_until(lambda: http.get(server.url + "/health").json()["running"] == 0)
-        ok = http.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3})
+        ok = http.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 3, "ignore_eos": True})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
 
 
@@ -358,7 +358,7 @@ def test_a_bad_request_gets_an_openai_error_naming_the_field_and_the_server_goes
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["param"] == param
     assert len(error["message"]) > 20 and error["type"] == "invalid_request_error"
-    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+    ok = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
 
 
@@ -391,7 +391,7 @@ def test_an_api_key_is_required_when_set_and_compared_whole():
         assert httpx.get(server.url + "/health").status_code == 200  # open: load balancers probe it
         assert httpx.get(server.url + "/").status_code == 200  # the page itself; it sends the key it is given
         got = openai.OpenAI(base_url=server.url + "/v1", api_key="s3cret").completions.create(
-            model=MODEL, prompt="Hi", max_tokens=2
+            model=MODEL, prompt="Hi", max_tokens=2, extra_body={"ignore_eos": True}
         )
         assert got.usage.completion_tokens == 2
 
@@ -457,7 +457,9 @@ def test_a_failing_step_fails_the_requests_in_it_with_an_error_event_and_the_ser
         events = [line for line in response.iter_lines() if line.startswith("data:")]
     assert events[-1] == "data: [DONE]"
     assert json.loads(events[-2][5:])["error"]["message"] == "a learner's part broke"
-    ok = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4}, timeout=30)
+    ok = httpx.post(
+        server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4, "ignore_eos": True}, timeout=30
+    )
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 4
     health = httpx.get(server.url + "/health").json()
     assert health["running"] == health["waiting"] == 0 and health["free_blocks"] == health["num_blocks"]
