@@ -40,7 +40,7 @@ NOTEBOOK = ROOT / "solutions/06_kv_cache/06_kv_cache.ipynb"
 
 class KVCache:
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
-        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.length = 0
@@ -292,6 +292,14 @@ class Uint8LengthCache(KVCache):
         self.length = torch.tensor(0, dtype=torch.uint8)
 
 
+class QueryHeadsCache(KVCache):
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):  # n_head, not n_kv_head
+        super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
+        shape = (batch_size, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+
+
 class HalfByDefaultCache(KVCache):
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float16):  # a wrong default
         super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
@@ -317,6 +325,7 @@ KV_CACHE_MISTAKES = [
     (OwnCounterCache, r"rolled back.*write at cache\.length"),
     (Uint8LengthCache, r"past position 255.*uint8"),
     (HalfByDefaultCache, r"without dtype makes float32 tensors"),
+    (QueryHeadsCache, r"grouped-query attention.*has shape \(1, 4, 6, 4\).*store config\.n_kv_head heads"),
 ]
 
 
@@ -330,7 +339,7 @@ class OneBlockCache:
 
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
         self.kv = torch.zeros(
-            config.n_layer, 2, batch_size, config.n_head, max_len, config.head_dim, device=device, dtype=dtype
+            config.n_layer, 2, batch_size, config.n_kv_head, max_len, config.head_dim, device=device, dtype=dtype
         )
         self.k = [self.kv[i, 0] for i in range(config.n_layer)]
         self.v = [self.kv[i, 1] for i in range(config.n_layer)]
@@ -360,7 +369,7 @@ class PositionMajorCache:
     transposed views; the length a numpy integer; update returns a NamedTuple."""
 
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
-        shape = (batch_size, max_len, config.n_head, config.head_dim)
+        shape = (batch_size, max_len, config.n_kv_head, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype).transpose(1, 2) for _ in range(config.n_layer)]
         self.length, self.max_len = np.int64(0), max_len

@@ -182,10 +182,12 @@ def clear_lead(model, ids: list[int]) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def hidden_prompts(model_name: str, quantize: Optional[str] = None) -> tuple[tuple[str, tuple[int, ...]], ...]:
+def hidden_prompts(
+    model_name: str, quantize: Optional[str] = None, seed: int = 0
+) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """PROMPTS (text, ids) from the held-out plays, each starting at a line, 8-24 tokens, with a clear greedy lead
-    in the reference (quantized as asked)."""
-    rng = random.Random(f"capstone {model_name}")
+    in the reference (quantized as asked); another `seed`, other prompts."""
+    rng = random.Random(f"capstone {model_name} {seed}")
     text, tok = held_out_text(), load_tokenizer(model_name)
     model = reference_model(model_name, quantize)
     chosen: list[tuple[str, tuple[int, ...]]] = []
@@ -207,10 +209,10 @@ def hidden_prompts(model_name: str, quantize: Optional[str] = None) -> tuple[tup
 # -- running a mode ------------------------------------------------------------------------------------------------
 
 
-def run_side(run: Run, pieces: Optional[Pieces]) -> list:
-    """The run's tokens with the engine's own functions (pieces None) or with `pieces`."""
-    prompts = [list(ids) for _, ids in hidden_prompts(run.model, run.quantize)]
-    side = {"texts": [text for text, _ in hidden_prompts(run.model, run.quantize)]}
+def run_side(run: Run, pieces: Optional[Pieces], seed: int = 0) -> list:
+    """The run's tokens on the prompts of `seed`, with the engine's own functions (pieces None) or with `pieces`."""
+    chosen = hidden_prompts(run.model, run.quantize, seed)
+    prompts, side = [list(ids) for _, ids in chosen], {"texts": [text for text, _ in chosen]}
     if pieces is None:
         target = reference_model(run.model, run.quantize)
         side["tokenizer"], side["draft"] = load_tokenizer(run.model), reference_model(DRAFT)
@@ -249,8 +251,9 @@ def tokens_differ(expected: list[int], got: list[int]) -> str:
     return f"new token {at} differs: expected {expected[at]}, got {got[at]} (the {at} before it are the same)"
 
 
-def check_mode(mode: str, pieces: Pieces) -> None:
-    """Check your engine (`pieces`: `your_pieces(folder)`) in one mode; print one line, or raise CheckFailed."""
+def check_mode(mode: str, pieces: Pieces, *, seed: int = 0) -> None:
+    """Check your engine (`pieces`: `your_pieces(folder)`) in one mode on the prompts of `seed` (the graded run uses
+    prompts you do not see); print one line, or raise CheckFailed."""
     __tracebackhide__ = True
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; the modes are {', '.join(MODES)}")
@@ -263,23 +266,25 @@ def check_mode(mode: str, pieces: Pieces) -> None:
         )
     with time_limit(SECONDS):
         for run in MODES[mode]:
-            expected = run_side(run, None)
+            expected = run_side(run, None, seed)
             try:
-                got = run_side(run, pieces)
+                got = run_side(run, pieces, seed)
             except PartError as err:
                 raise CheckFailed(f"✗ {name} — {describe(run)}: your engine stopped: {err}") from None
             diff = first_difference(expected, got)
             if diff is not None:
                 prompt, what = diff
+                text = hidden_prompts(run.model, run.quantize, seed)[prompt][0]
                 raise CheckFailed(
-                    f"✗ {name} — {describe(run)}, hidden prompt {prompt}: {what}\n" + blame(run, pieces, uses, expected)
+                    f"✗ {name} — {describe(run)}, prompt {prompt} of seed {seed} ({short(text, 60)}): {what}\n"
+                    + blame(run, pieces, uses, expected, seed)
                 )
     if set(TOKENIZER_SLOTS) & uses and set(TOKENIZER_SLOTS) - set(pieces.tokenizer.mine):
         gone = sorted(set(TOKENIZER_SLOTS) - set(pieces.tokenizer.mine))
         raise CheckFailed(f"✗ {name} — your {', '.join(gone)} failed during the run, and the engine's took over")
     runs = MODES[mode]
-    print(f"✓ {name} — {len(runs)} runs ({', '.join(describe(r) for r in runs)}), {PROMPTS} hidden prompts each: "
-          "every token equal to the reference's")  # fmt: skip
+    print(f"✓ {name} — {len(runs)} runs ({', '.join(describe(r) for r in runs)}), {PROMPTS} prompts each "
+          f"(seed {seed}): every token equal to the reference's")  # fmt: skip
 
 
 def describe(run: Run) -> str:
@@ -308,13 +313,13 @@ def still_to_do(slots: list[str], pieces: Pieces) -> str:
     )
 
 
-def blame(run: Run, pieces: Pieces, uses: set[str], expected: list) -> str:
+def blame(run: Run, pieces: Pieces, uses: set[str], expected: list, seed: int) -> str:
     """Which of your functions makes the difference: the mode rerun with the engine's own and one of yours."""
     culprits = []
     for slot in sorted(uses & set(pieces.mine)):
         alone = pieces_of({slot: pieces.mine[slot]}, notify=lambda line: None)
         try:
-            differs = first_difference(expected, run_side(run, alone)) is not None
+            differs = first_difference(expected, run_side(run, alone, seed)) is not None
         except PartError:
             differs = True
         if differs:

@@ -39,6 +39,7 @@ from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import generate
+from llmcourse.engine.llama import LlamaConfig
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.model import KVCache as EngineKVCache
 from llmcourse.engine.roofline import decode_step as engine_decode_step
@@ -164,7 +165,7 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
     for name in ("k", "v", "length", "max_len", "update"):
         if not hasattr(cache, name):
             return f"the new cache has no attribute `{name}`"
-    shape = (batch_size, config.n_head, max_len, config.head_dim)
+    shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
     for name in ("k", "v"):
         tensors = getattr(cache, name)
         if isinstance(tensors, tuple) and len(tensors) == config.n_layer:
@@ -185,11 +186,14 @@ def _structure_problem(cache, config: GPT2Config, batch_size: int, max_len: int,
                     " — preallocate all max_len positions once, in __init__ (a cache grown with torch.cat "
                     "copies everything it holds at every step)"
                     if t.dim() == 4 and t.shape[2] != max_len
+                    else " — store config.n_kv_head heads of keys and values, not n_head: with grouped-query "
+                    "attention (chapter 11) several query heads share one"
+                    if t.dim() == 4 and t.shape[1] == config.n_head != config.n_kv_head
                     else ""
                 )
                 return (
                     f"cache.{name}[{i}] has shape {tuple(t.shape)}, "
-                    f"expected [B, n_head, max_len, head_dim] = {shape}{grow}"
+                    f"expected [B, n_kv_head, max_len, head_dim] = {shape}{grow}"
                 )
             if t.dtype != dtype:
                 return f"cache.{name}[{i}] has dtype {t.dtype}, expected {dtype}: use the dtype argument"
@@ -393,12 +397,26 @@ def _judge_cache(case: Case, got: Trace) -> Verdict:
 
 
 def _heads(g: torch.Generator, config: GPT2Config, batch_size: int, T: int, dtype) -> tuple[Tensor, Tensor]:
-    """k and v [B, n_head, T, head_dim] as the model passes them: split from one qkv tensor [B, T, 3C], then
-    split into heads (views, not contiguous)."""
-    C, H, D = config.n_embd, config.n_head, config.head_dim
-    qkv = _randn(g, batch_size, T, 3 * C, dtype=torch.float64).mul(3).add(1).to(dtype)
-    _, k, v = qkv.split(C, dim=-1)
+    """k and v [B, n_kv_head, T, head_dim] as the model passes them: split from one qkv tensor [B, T, C + 2·KV],
+    then split into heads (views, not contiguous). GPT-2: n_kv_head = n_head, KV = C."""
+    C, H, D = config.n_embd, config.n_kv_head, config.head_dim
+    qkv = _randn(g, batch_size, T, C + 2 * H * D, dtype=torch.float64).mul(3).add(1).to(dtype)
+    _, k, v = qkv.split([C, H * D, H * D], dim=-1)
     return k.view(batch_size, T, H, D).transpose(1, 2), v.view(batch_size, T, H, D).transpose(1, 2)
+
+
+def _gqa_config(n_layer: int, n_head: int, n_kv_head: int, head_dim: int) -> LlamaConfig:
+    """A Llama-family config (chapter 11) whose n_head query heads share n_kv_head heads of keys and values."""
+    n_embd = n_head * head_dim
+    return LlamaConfig(
+        n_layer=n_layer, n_head=n_head, n_kv_head=n_kv_head, n_embd=n_embd, intermediate_size=n_embd, vocab_size=8
+    )
+
+
+def _config_text(c) -> str:
+    if isinstance(c, LlamaConfig):
+        return f"LlamaConfig(n_layer={c.n_layer}, n_head={c.n_head}, n_kv_head={c.n_kv_head}, n_embd={c.n_embd}, ...)"
+    return f"GPT2Config(n_layer={c.n_layer}, n_head={c.n_head}, n_embd={c.n_embd})"
 
 
 def _cache_steps(g: torch.Generator, config: GPT2Config, batch_size: int, chunks: list, dtype, which: int = 0) -> list:
@@ -467,7 +485,7 @@ def _engine_tokens(seed: int) -> list:
 
 def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     """KVCache(config, batch_size, max_len, *, device=None, dtype=torch.float32): per-layer tensors k, v
-    [B, n_head, max_len, head_dim] (lists) allocated once; update(layer, k, v) writes in place at
+    [B, n_kv_head, max_len, head_dim] (lists) allocated once; update(layer, k, v) writes in place at
     [length, length + T) and returns the views [0, length + T) as a tuple; the caller advances length (and may set
     it back). And the engine's generation with it (as my_engine installs it) gives the engine's tokens."""
     if not isinstance(cls, type):
@@ -520,6 +538,16 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             hint="make the tensors with the dtype argument",
         ),
         case("bfloat16", GPT2Config(n_layer=1, n_head=4, n_embd=16), 1, 6, [2, 3, 1], bf16),
+        case(
+            "a Llama-family model with grouped-query attention (chapter 11): 4 query heads share 2 heads of keys "
+            "and values",
+            _gqa_config(2, 4, 2, 4),
+            1,
+            6,
+            [3, 1, 1],
+            hint="store config.n_kv_head heads of keys and values (GPT-2's n_kv_head is its n_head; a model with "
+            "grouped-query attention has fewer)",
+        ),
         case("a write past max_len", cfg, 1, 4, [3, 2]),
         case(
             "speculative decoding: the cache is rolled back (cache.length set back) and written again",
@@ -565,8 +593,13 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     )
     rng = random.Random(seed)
     for i in range(n_random):
-        n_head = rng.choice([1, 2, 3, 4])
-        config = GPT2Config(n_layer=rng.randint(1, 4), n_head=n_head, n_embd=n_head * rng.choice([1, 4, 5, 8]))
+        n_head, n_layer, head_dim = rng.choice([1, 2, 3, 4]), rng.randint(1, 4), rng.choice([1, 4, 5, 8])
+        if i % 3 == 2:  # grouped-query attention: n_kv_head divides n_head; RoPE needs an even head_dim
+            n_head = rng.choice([2, 4, 6])
+            kv_heads = rng.choice([k for k in (1, 2, 3) if n_head % k == 0])
+            config = _gqa_config(n_layer, n_head, kv_heads, rng.choice([2, 4, 8]))
+        else:
+            config = GPT2Config(n_layer=n_layer, n_head=n_head, n_embd=n_head * head_dim)
         chunks = [rng.randint(1, 6)] + [1] * rng.randint(1, 5) + [rng.randint(1, 3)] * rng.randint(0, 1)
         if rng.random() < 0.3:
             chunks[rng.randrange(1, len(chunks))] = ("to", rng.randint(1, chunks[0]))
@@ -574,7 +607,8 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
         dtype = (f32, f64, f16, bf16)[i % 4]
         cases.append(
             case(
-                f"random #{i}: {config.n_layer} layers, {n_head} heads of {config.head_dim}, "
+                f"random #{i}: {config.n_layer} layers, {n_head} heads ({config.n_kv_head} of keys and values) of "
+                f"{config.head_dim}, "
                 f"{str(dtype)[6:]}, T = {chunks}",
                 config,
                 rng.randint(1, 3),
@@ -600,15 +634,15 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             )
         _, specs, steps, defaults = args
         made = "; ".join(
-            f"cache{'' if len(specs) == 1 else i + 1} = KVCache(GPT2Config(n_layer={c.n_layer}, n_head={c.n_head}, "
-            f"n_embd={c.n_embd}), batch_size={b}, max_len={m}" + (")" if defaults else f", dtype={d})")
+            f"cache{'' if len(specs) == 1 else i + 1} = KVCache({_config_text(c)}, batch_size={b}, max_len={m}"
+            + (")" if defaults else f", dtype={d})")
             for i, (c, b, m, d) in enumerate(specs)
         )
         Ts = [f"length = {s}" if isinstance(s, int) else s[0][0].shape[2] for _, s in steps]
         whose = "" if len(specs) == 1 else f" (caches {[w + 1 for w, _ in steps]})"
         return (
             f"{made}; steps of T = {Ts}{whose}: each calls cache.update(layer, k, v) for every layer, k and v "
-            f"[B, n_head, T, head_dim] (views split from the qkv projection, as the model passes them), then "
+            f"[B, n_kv_head, T, head_dim] (views split from the qkv projection, as the model passes them), then "
             f"cache.length += T"
         )
 

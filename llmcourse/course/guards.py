@@ -214,7 +214,7 @@ class GuardedCache:
     that it writes in place (the per-layer tensors are never reallocated).
 
     The learner's class has the engine's interface: `Cache(config, batch_size, max_len, *, device,
-    dtype)` with lists `k`, `v` of [B, n_head, max_len, head_dim] tensors, `length`, and
+    dtype)` with lists `k`, `v` of [B, n_kv_head, max_len, head_dim] tensors, `length`, and
     `update(layer, k, v)`; `GuardedCache.of(Cache)` (`guard("KVCache", Cache)`) is what generation's `kv_cache=` takes.
     """
 
