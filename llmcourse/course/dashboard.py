@@ -760,7 +760,7 @@ def frame_data(t: Trace, i: int, width: int, top: int) -> list[dict]:
 
 def span(text: str, color: str, *, title: str = "", background: str = "", strike: bool = False, bold=False) -> str:
     style = f"color:{color};" + (f"background:{background};" if background else "")
-    style += "border-radius:3px;padding:0 1px;margin:0 1px;white-space:pre;"
+    style += "display:inline-block;border-radius:3px;padding:0 1px;margin:1px;white-space:pre;"  # wraps between
     inner = html.escape(shown(text))
     inner = f"<s>{inner}</s>" if strike else inner
     inner = f"<b>{inner}</b>" if bold else inner
@@ -785,6 +785,8 @@ def text_html(t: Trace) -> str:
     for s in t.steps:
         note = f"step {s.index}: p = {s.prob:.3f}, {s.ms:.2f} ms"
         pieces.append(span(s.label, COLORS[s.kind], title=note, bold=s is t.steps[-1]))
+        if s.label.endswith("\n"):  # the text's own line breaks, as well as the ↵ that shows them
+            pieces.append("<br>")
     return f"<div style='line-height:1.6;font-family:monospace'>{''.join(pieces)}</div>"
 
 
@@ -847,14 +849,19 @@ def rounds_html(t: Trace) -> str:
     through, then the token the target added."""
     if not t.rounds:
         return ""
-    lines = []
-    for r in t.rounds:
+    lines, last = [], ROUNDS_SHOWN
+    if len(t.rounds) > last:
+        lines.append(f"<div>… {len(t.rounds) - last} earlier rounds</div>")
+    for r in t.rounds[-last:]:
         kept = "".join(span(x, COLORS["proposal"], title="kept") for x in r.labels[: r.accepted])
         lost = "".join(span(x, COLORS["rejected"], strike=True, title="rejected") for x in r.labels[r.accepted :])
         added = span(r.label, COLORS["target"], title="the target's token", bold=True)
         lines.append(f"<div>round {r.index} ({r.ms:.2f} ms): {kept}{lost} + {added}</div>")
     accepted, drafted = sum(r.accepted for r in t.rounds), sum(len(r.drafted) for r in t.rounds)
     return f"<b>Drafts</b>: {accepted} of {drafted} proposals kept" + "".join(lines)
+
+
+ROUNDS_SHOWN = 12  # the dashboard lists the latest rounds only
 
 
 class Dashboard(widgets.VBox):
