@@ -1,10 +1,12 @@
 """The course's nbgrader pieces (llmcourse.course.grading) one by one.
 
 The whole round trip — release, autograde, feedback, export, as instructor.md says — is
-tests/test_instructor_guide.py for chapter 01; every other chapter is graded end to end here too.
+tests/test_instructor_guide.py for chapter 01; the whole course is graded end to end here too, for a student who
+solved everything and one who handed in the untouched release.
 """
 
 import csv
+import html
 import io
 import json
 import logging
@@ -15,7 +17,6 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 from nbformat import NotebookNode
 
 from llmcourse.course.grading import ClearHiddenTests, OverwriteCells, ShortTracebacks, release
@@ -143,33 +144,62 @@ def test_release_of_named_chapters_leaves_the_others_alone(tmp_path):
     assert "no chapter 01_tokenisation in solutions/ (the chapters: 00_pipeline, 01_tokenization)" in err.getvalue()
 
 
-OTHER_CHAPTERS = [
-    name for name in sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb")) if name != "01_tokenization"
-]  # tests/test_instructor_guide.py grades chapter 01 as the guide says
+CHAPTERS = sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
 
 
-@pytest.mark.parametrize("name", OTHER_CHAPTERS)
-def test_every_chapter_round_trips_through_nbgrader(tmp_path, name):
-    """Release, collect a solved notebook, autograde (hidden tests included), export: every point of the
-    chapter. (That an untouched release passes no check is test_course's Validator(invert=True).)"""
+def hidden_lines(name):
+    """The lines of the chapter's hidden tests, as the source notebook holds them."""
+    cells = json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text())["cells"]
+    found = []
+    for cell in cells:
+        text = "".join(cell["source"])
+        if "### BEGIN HIDDEN TESTS" in text:
+            found += text.split("### BEGIN HIDDEN TESTS")[1].split("### END HIDDEN TESTS")[0].strip().splitlines()
+    return [line.strip() for line in found if line.strip()]
+
+
+def test_the_whole_course_round_trips_through_nbgrader(tmp_path):
+    """Every chapter released; ada hands in every solution, bob every notebook untouched; autograde (hidden tests
+    included), feedback and export as instructor.md says. ada gets every point of every chapter (chapter 12 finds
+    her other chapters in submitted/ada/), bob none; no feedback shows a hidden test; grades.csv has every chapter;
+    `python -m llmcourse progress` on ada's notebooks shows the whole course, every point."""
     from .test_course import solved_copy
     from .test_instructor_guide import points
 
     shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
-    shutil.copytree(ROOT / "solutions" / name, tmp_path / "solutions" / name)
+    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's tools
-    steps = [
-        [sys.executable, "-m", "llmcourse", "release", name],
-        None,
-        [sys.executable, "-m", "nbgrader", "autograde", name, "--log-level=ERROR"],
-        [sys.executable, "-m", "nbgrader", "export", "--log-level=ERROR"],
-    ]
-    for step in steps:
-        if step is None:  # the student hands in the notebook
-            solved_copy(name, tmp_path / "submitted" / "ada")
-            continue
-        done = subprocess.run(step, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, f"{' '.join(step[1:])} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+
+    def run(*args):
+        done = subprocess.run(
+            [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
+        )
+        assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        return done.stdout
+
+    run("-m", "llmcourse", "release")
+    for name in CHAPTERS:
+        solved_copy(name, tmp_path / "submitted" / "ada")
+        shutil.copytree(tmp_path / "chapters" / name, tmp_path / "submitted" / "bob" / name)
+    for name in CHAPTERS:
+        run("-m", "nbgrader", "autograde", name, "--log-level=ERROR")
+        run("-m", "nbgrader", "generate_feedback", name, "--log-level=ERROR")
+    run("-m", "nbgrader", "export", "--log-level=ERROR")
+
     with open(tmp_path / "grades.csv") as f:
-        grades = {row["student_id"]: row for row in csv.DictReader(f)}
-    assert float(grades["ada"]["score"]) == float(grades["ada"]["max_score"]) == points(name)
+        scores = {(row["assignment"], row["student_id"]): float(row["score"]) for row in csv.DictReader(f)}
+    assert scores == {(name, "ada"): points(name) for name in CHAPTERS} | {(name, "bob"): 0.0 for name in CHAPTERS}
+    for name in CHAPTERS:
+        hidden = hidden_lines(name)
+        assert hidden, f"{name} has no hidden tests"
+        for student in ("ada", "bob"):
+            page = html.unescape((tmp_path / "feedback" / student / name / f"{name}.html").read_text())
+            shown = [line for line in hidden if line in page]
+            assert not shown and "BEGIN HIDDEN TESTS" not in page, f"{student}'s {name} feedback shows {shown}"
+
+    report = run("-m", "llmcourse", "progress", "submitted/ada").splitlines()
+    total = sum(points(name) for name in CHAPTERS)
+    assert [line for line in report if not line.startswith(" ")][1:] == [
+        *(f"{name}: {points(name):g}/{points(name):g} points" for name in CHAPTERS),
+        f"total: {total:g}/{total:g} points",
+    ], "\n".join(report)

@@ -217,3 +217,17 @@ def test_launch_buttons_open_the_exercise_notebook(name):
         ),
     }
     assert (ROOT / exercise).is_file()
+
+
+def test_binder_builds_the_cpu_torch_the_course_pins_and_the_notebooks_extras():
+    """A launch button's Binder reads binder/ (not requirements.txt): the pinned torch's CPU build, the package with
+    its `course` extra, a Python the package supports."""
+    pinned = re.search(r"^torch==(\S+)", (ROOT / "requirements.txt").read_text(), re.M).group(1)
+    lines = [ln for ln in (ROOT / "binder" / "requirements.txt").read_text().splitlines() if not ln.startswith("#")]
+    assert lines == [
+        "--extra-index-url https://download.pytorch.org/whl/cpu",
+        f"torch=={pinned}+cpu",
+        "-e .[course]",
+    ]
+    floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
+    assert (ROOT / "binder" / "runtime.txt").read_text().strip() == f"python-{floor}"

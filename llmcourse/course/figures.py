@@ -89,6 +89,7 @@ def bundle(fig, name: str) -> dict:
         default_height=f"{height}px",
         default_width="100%",
         validate=False,
+        auto_play=False,  # a figure with frames (a replay) opens where JupyterLab shows it, not playing by itself
     )
     return {PLOTLY_MIME: {**spec, "config": CONFIG}, "text/html": html}
 

@@ -101,13 +101,25 @@ def learner_functions(
     be used gets one notice saying why (the engine keeps its own there). None: every exercise,
     quietly. `origins`: filled with slot -> (chapter, exercise, why it is not used: None if it is).
     """
-    refuse_to_recurse()
-    functions: dict[str, Callable] = {}
-    for path in find_chapters(default_folder() if folder is None else folder):
+    folder = default_folder() if folder is None else folder
+    chapters = []
+    for path in find_chapters(folder):
         chapter = read_chapter(path)
-        wanted = [ex for ex in chapter.exercises if slots is None or set(ex.functions) & set(slots)]
-        if not wanted:
-            continue
+        wanted = [ex for ex in chapter.exercises if ex.cell and (slots is None or set(ex.functions) & set(slots))]
+        if wanted:
+            chapters.append((path, chapter, wanted))
+    refuse_to_recurse([path for path, _, _ in chapters])
+    functions: dict[str, Callable] = {}
+    if origins is not None and slots is not None:  # a chapter not there at all (not saved, not handed in)
+        found = {chapter.name for _, chapter, _ in chapters}
+        origins.update(
+            {
+                n: (c, n, f"is missing: no {c}/{c}.ipynb in {folder}")
+                for n, c in CHAPTER_OF.items()
+                if n in slots and c not in found
+            }
+        )
+    for path, chapter, wanted in chapters:
         run = run_chapter(path)
         for ex in wanted:
             names = [n for n in ex.functions if slots is None or n in slots]
@@ -270,6 +282,23 @@ class Pieces(NamedTuple):
         if quantize is not None:
             quantize_model(model, quantize, self.quantization)
         return Engine(model, self.tokenizer, self.functions)
+
+    def engine(
+        self, model="gpt2-shakespeare", *, device="auto", dtype=None, quantize: Optional[str] = None
+    ) -> "Engine":
+        """Your engine on `model` (a bundled name, a folder, a Hub name: read by your loader; or a model already
+        loaded), quantized with your functions if `quantize`; a Llama-family checkpoint brings its own tokenizer
+        (chapter 01's is GPT-2's).
+
+            >>> engine = your_pieces("chapters").engine("llama-shakespeare")        # doctest: +SKIP
+        """
+        source = model
+        if not isinstance(model, Decoder):  # your loader reads a Llama-family checkpoint
+            model = load_model(model, device=device, dtype=dtype, parts=self.parts)
+        engine = self.install(model, quantize)
+        if not isinstance(model, GPT2) and not isinstance(source, Decoder):
+            engine.tokenizer = load_tokenizer(source)
+        return engine
 
 
 def your_pieces(
@@ -447,11 +476,4 @@ def my_engine(
         >>> print(engine.generate_text("ROMEO:", temperature=0.8))          # doctest: +SKIP
         >>> model, tokenizer = engine                                       # doctest: +SKIP
     """
-    pieces = your_pieces(folder, notify=notify)
-    source = model
-    if not isinstance(model, Decoder):  # your loader reads a Llama-family checkpoint
-        model = load_model(model, device=device, dtype=dtype, parts=pieces.parts)
-    engine = pieces.install(model, quantize)
-    if not isinstance(model, GPT2) and not isinstance(source, Decoder):  # chapter 01's tokenizer is GPT-2's
-        engine.tokenizer = load_tokenizer(source)
-    return engine
+    return your_pieces(folder, notify=notify).engine(model, device=device, dtype=dtype, quantize=quantize)

@@ -27,6 +27,7 @@ import dataclasses
 import io
 import json
 import linecache
+import os
 import re
 import sys
 import time
@@ -67,10 +68,10 @@ class Cell:
 @dataclasses.dataclass
 class Exercise:
     grade_id: str
-    source: str  # the exercise cell: the learner's code
+    source: str  # the exercise cell: the learner's code ('' for a check of the whole course's work: chapter 12's)
     check: str  # the check cell's code
     points: float
-    cell: Optional[Cell] = None
+    cell: Optional[Cell] = None  # None: a check with no exercise cell of its own
     check_cell: Optional[Cell] = None
 
     @property
@@ -88,7 +89,8 @@ class Chapter:
 
 
 def read_chapter(path: PathLike) -> Chapter:
-    """The cells progress runs, and each exercise cell paired with the check cell that follows it."""
+    """The cells progress runs, and each exercise cell paired with the check cell that follows it (a check cell with
+    no exercise cell before it, as chapter 12's checks of your whole engine, is an exercise of its own)."""
     path = Path(path)
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     setup, exercises, runs, pending = [], [], [], None
@@ -108,11 +110,13 @@ def read_chapter(path: PathLike) -> Chapter:
             pending = new_cell("exercise", source, grading.get("grade_id") or f"cell {number}")
             runs.append(pending)
         elif grading.get("grade") and not grading.get("solution"):
+            points = float(grading.get("points", 0))
             if pending is not None:
                 check = new_cell("check", source, f"{pending.label} check")
-                exercises.append(
-                    Exercise(pending.label, pending.source, source, float(grading.get("points", 0)), pending, check)
-                )
+                exercises.append(Exercise(pending.label, pending.source, source, points, pending, check))
+            else:
+                label = grading.get("grade_id") or f"cell {number}"
+                exercises.append(Exercise(label, "", source, points, None, new_cell("check", source, label)))
             pending = None
         elif not tags & SKIPPED_TAGS and only_defines(source):
             runs.append(new_cell("helper", source, f"cell {number}"))
@@ -363,16 +367,16 @@ class ChapterRun:
             if ex.grade_id in self.grading:
                 return None
             self.grading.add(ex.grade_id)
-            with running():
+            with running(self.chapter.path):
                 self.results[ex.grade_id] = self._grade(ex)
             self.grading.discard(ex.grade_id)
         return self.results[ex.grade_id]
 
     def _grade(self, ex: Exercise) -> Result:
         name = self.chapter.name
-        if untouched(ex.source):
+        if ex.cell is not None and untouched(ex.source):
             return Result(name, ex.grade_id, "not started", "", 0.0, ex.points)
-        problem = self.errors.get(id(ex.cell))
+        problem = self.errors.get(id(ex.cell)) if ex.cell is not None else None
         if problem is not None and not problem.startswith("was not run"):
             message = f"your cell {problem}"
             return Result(name, ex.grade_id, "failing", message.splitlines()[0], 0.0, ex.points, message)
@@ -398,7 +402,8 @@ class ChapterRun:
     def dependencies(self, ex: Exercise) -> list[Cell]:
         """The other cells whose definitions `ex` or its check use, directly or through other definitions."""
         cells = self.chapter.cells
-        wanted, found = set(ex.cell.uses | ex.check_cell.uses), {id(ex.cell)}
+        own = ex.cell.uses if ex.cell is not None else set()
+        wanted, found = set(own | ex.check_cell.uses), {id(ex.cell)}
         while True:
             new = [c for c in cells if id(c) not in found and c.defines & wanted]
             if not new:
@@ -409,12 +414,11 @@ class ChapterRun:
 
     def blame(self, ex: Exercise, problem: str) -> str:
         """The check's message, or, when what the exercise uses is broken or not written, that."""
-        exercises = {id(e.cell): e for e in self.chapter.exercises}
+        exercises = {id(e.cell): e for e in self.chapter.exercises if e.cell is not None}
+        uses = (ex.cell.uses if ex.cell is not None else set()) | ex.check_cell.uses
         failing = []
         for cell in self.dependencies(ex):
-            needed = ", ".join(sorted(cell.defines & (ex.cell.uses | ex.check_cell.uses))) or ", ".join(
-                sorted(cell.defines)
-            )
+            needed = ", ".join(sorted(cell.defines & uses)) or ", ".join(sorted(cell.defines))
             if id(cell) in self.errors:
                 return f"it needs {needed} from the cell '{cell.label}', which {self.errors[id(cell)]}"
             other = exercises.get(id(cell))
@@ -436,43 +440,71 @@ def run_chapter(
     check_seconds: float = CHECK_SECONDS,
     chapter_seconds: float = CHAPTER_SECONDS,
 ) -> ChapterRun:
-    """Run a chapter's setup, exercise and helper cells in order (each failure kept to its cell)."""
+    """Run a chapter's setup, exercise and helper cells in order (each failure kept to its cell), in the chapter's
+    folder as its kernel would. Inside `reusing_runs()`, a chapter already run (and not saved since) is not run
+    again."""
+    key = (Path(path).resolve(), os.stat(path).st_mtime_ns, cell_seconds, check_seconds, chapter_seconds)
+    if _reused is not None and key in _reused:
+        return _reused[key]
     chapter = read_chapter(path)
     deadline = time.monotonic() + chapter_seconds
     namespace: dict = {"__name__": "__learner__"}
     errors: dict[int, str] = {}
-    with running():
+    with running(chapter.path):
         for cell in chapter.cells:
             filename = cell_filename(chapter.path, cell.label)
             problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline - time.monotonic()))
             if problem is not None:
                 errors[id(cell)] = problem
-    return ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds)
+    run = ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds)
+    if _reused is not None:
+        _reused[key] = run
+    return run
 
 
-_running = [0]  # chapters being run now: a cell they run may not run the chapters again
+_running: list[Path] = []  # the chapters being run now, innermost last: a cell they run may not run them again
+_reused: Optional[dict] = None  # (path, mtime, limits) -> ChapterRun, inside reusing_runs()
 
 
 @contextlib.contextmanager
-def running():
-    _running[0] += 1
+def running(path: Path):
+    """Run code of the chapter `path`, in its folder (where a notebook's kernel starts)."""
+    here = os.getcwd()
+    _running.append(Path(path).resolve())
+    os.chdir(Path(path).resolve().parent)
     try:
         yield
     finally:
-        _running[0] -= 1
+        os.chdir(here)
+        _running.pop()
 
 
-def refuse_to_recurse() -> None:
-    if _running[0]:
+@contextlib.contextmanager
+def reusing_runs():
+    """Within this block each chapter runs once: `progress` grades chapters 01-11, then chapter 12 reads the same
+    notebooks for your engine."""
+    global _reused
+    outer = _reused
+    _reused = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _reused = outer
+
+
+def refuse_to_recurse(paths: list[Path]) -> None:
+    """A cell of a chapter being run may read other chapters (chapter 12 reads 01-11), not its own again."""
+    again = [p for p in paths if Path(p).resolve() in _running]
+    if again:
         raise RuntimeError(
-            "my_engine() and progress run your notebooks' cells; a cell they run cannot call them "
+            f"my_engine() and progress run your notebooks' cells; a cell they run cannot run {again[0].stem} "
             "again (put the call in a cell that also prints or plots something)"
         )
 
 
 def grade_chapter(path: PathLike, **limits) -> list[Result]:
     """Run one chapter's checks (their visible part) on the learner's functions."""
-    refuse_to_recurse()
+    refuse_to_recurse([Path(path)])
     run = run_chapter(path, **limits)
     return [run.result(ex) for ex in run.chapter.exercises]
 
@@ -485,19 +517,20 @@ def progress_lines(target: PathLike, *, verbose: bool = False) -> Iterator[str]:
     paths = find_chapters(target)
     yield HEADER
     total, total_max = 0.0, 0.0
-    for path in paths:
-        results = grade_chapter(path)
-        got, most = sum(r.points for r in results), sum(r.max_points for r in results)
-        total, total_max = total + got, total_max + most
-        yield f"{path.stem}: {got:g}/{most:g} points"
-        for r in results:
-            status = r.status + (f": {r.reason}" if r.reason else "")
-            mark = {"passing": "✓", "failing": "✗"}.get(r.status, "·")
-            score = f"{r.points:g}/{r.max_points:g}"
-            yield f"  {mark} {r.grade_id:<22} {score:>5}  {status}"
-            if verbose and r.message.count("\n"):
-                for line in r.message.splitlines()[1:]:
-                    yield f"{'':34}{line}"
+    with reusing_runs():  # chapter 12 reads the chapters graded before it
+        for path in paths:
+            results = grade_chapter(path)
+            got, most = sum(r.points for r in results), sum(r.max_points for r in results)
+            total, total_max = total + got, total_max + most
+            yield f"{path.stem}: {got:g}/{most:g} points"
+            for r in results:
+                status = r.status + (f": {r.reason}" if r.reason else "")
+                mark = {"passing": "✓", "failing": "✗"}.get(r.status, "·")
+                score = f"{r.points:g}/{r.max_points:g}"
+                yield f"  {mark} {r.grade_id:<22} {score:>5}  {status}"
+                if verbose and r.message.count("\n"):
+                    for line in r.message.splitlines()[1:]:
+                        yield f"{'':34}{line}"
     yield f"total: {total:g}/{total_max:g} points"
 
 
