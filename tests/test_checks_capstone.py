@@ -84,7 +84,7 @@ def test_an_engine_with_none_of_yours_fails_every_mode_naming_the_chapters(mode)
     with pytest.raises(CheckFailed) as err:
         capstone.check_mode(mode, pieces_of({}, notify=quiet))
     message = str(err.value)
-    assert f"✗ capstone {mode} — this mode runs the engine's own" in message
+    assert f"✗ capstone {mode} — this mode runs functions that are still the engine's own:" in message
     chapters = {capstone.CHAPTER_OF[s] for s in capstone.mode_slots(mode)}
     assert all(c in message for c in chapters) and "hint: finish" in message
 
@@ -103,7 +103,7 @@ def test_one_missing_function_fails_the_modes_that_run_it_and_only_those(capsys)
     fns = all_yours()
     del fns["top_k"]
     pieces = pieces_of(fns, notify=quiet)
-    with pytest.raises(CheckFailed, match=r"runs the engine's own top_k:\n  top_k: 05_sampling"):
+    with pytest.raises(CheckFailed, match=r"still the engine's own:\n  05_sampling \(top_k\): not found"):
         capstone.check_mode("sampled", pieces)
     capstone.check_mode("batched", pieces)
     assert "✓ capstone batched — 2 runs" in capsys.readouterr().out

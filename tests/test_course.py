@@ -666,11 +666,11 @@ def test_the_capstone_names_a_chapter_that_is_missing(tmp_path):
     )
     pieces = your_pieces(tmp_path, notify=lambda line: None)
     assert pieces.mine == {"greedy": pieces.mine["greedy"]}
-    missing = f"is missing: no 02_embeddings/02_embeddings.ipynb in {tmp_path}"
-    assert f"02_embeddings    the engine's: embedding, rope ({missing})" in engine_report(pieces).splitlines()
+    missing = f"missing: no 02_embeddings/02_embeddings.ipynb in {tmp_path}"
+    assert f"02_embeddings    the engine's: embedding, rope (is {missing})" in engine_report(pieces).splitlines()
     with pytest.raises(CheckFailed) as err:
         check_mode("batched", pieces)
-    assert f"embedding: 02_embeddings's embedding {missing}" in str(err.value)
+    assert f"  02_embeddings (embedding, rope): {missing}\n" in str(err.value)
     assert "hint: finish 02_embeddings, 03_attention, 04_gpt2" in str(err.value)
 
 

@@ -262,7 +262,7 @@ def check_mode(mode: str, pieces: Pieces, *, seed: int = 0) -> None:
     engines = [s for s in sorted(uses) if s not in pieces.mine]
     if engines:
         raise CheckFailed(
-            f"✗ {name} — this mode runs the engine's own {', '.join(engines)}:\n" + still_to_do(engines, pieces)
+            f"✗ {name} — this mode runs functions that are still the engine's own:\n" + still_to_do(engines, pieces)
         )
     with time_limit(SECONDS):
         for run in MODES[mode]:
@@ -301,13 +301,14 @@ def describe(run: Run) -> str:
 
 
 def still_to_do(slots: list[str], pieces: Pieces) -> str:
-    """For each slot, its chapter and why yours is not used; then which chapters to finish."""
-    lines = []
+    """Chapter by chapter, which of `slots` are not yours and why; then which chapters to finish."""
+    grouped: dict[tuple[str, str], list[str]] = {}
     for slot in slots:
-        chapter, exercise, why = pieces.origins.get(slot, (CHAPTER_OF.get(slot, "?"), slot, None))
-        why = why or "was not found (is the chapter's notebook in your chapters folder, saved?)"
-        lines.append(f"  {slot}: {chapter}'s {exercise} {why}")
-    chapters = sorted({pieces.origins.get(s, (CHAPTER_OF.get(s, "?"),))[0] for s in slots})
+        chapter, _, why = pieces.origins.get(slot, (CHAPTER_OF.get(slot, "?"), slot, None))
+        why = why or "not found (is the chapter's notebook in your chapters folder, saved?)"
+        grouped.setdefault((chapter, why.removeprefix("is ")), []).append(slot)
+    lines = [f"  {chapter} ({', '.join(names)}): {why}" for (chapter, why), names in sorted(grouped.items())]
+    chapters = sorted({chapter for chapter, _ in grouped})
     return (
         "\n".join(lines) + f"\n  hint: finish {', '.join(chapters)} (python -m llmcourse progress shows what is left)"
     )
