@@ -58,7 +58,9 @@ def test_release_hides_solutions_and_hidden_tests(name):
     assert all(not c.get("outputs") for c in release["cells"] if c["cell_type"] == "code")
     chapter = read_chapter(released(name) / f"{name}.ipynb")
     assert chapter.exercises and chapter.setup
-    assert all("raise NotImplementedError()" in ex.source and ex.points > 0 for ex in chapter.exercises)
+    assert all(ex.points > 0 for ex in chapter.exercises)
+    # every exercise a stub; chapter 12's checks have no exercise cell of their own (they grade chapters 01-11)
+    assert all("raise NotImplementedError()" in ex.source for ex in chapter.exercises if ex.cell is not None)
     # every source cell id survives into the release (stable ids keep the release byte-identical)
     assert [c["id"] for c in source["cells"]] == [c["id"] for c in release["cells"]]
 
@@ -83,6 +85,9 @@ def solved_copy(name: str, folder: Path, solve: int = 10**6) -> Path:
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_progress_sees_solved_and_unsolved(tmp_path, name):
     fresh = grade_chapter(released(name) / f"{name}.ipynb")
+    if name == "12_capstone":  # its checks grade chapters 01-11 (tests/test_grading.py's whole course: all solved)
+        assert fresh and all(r.points == 0 and "still the engine's own" in r.reason for r in fresh)
+        return
     assert fresh and all(r.status == "not started" and r.points == 0 for r in fresh)
     done = grade_chapter(solved_copy(name, tmp_path))
     assert all(r.status == "passing" and r.points == r.max_points for r in done), [
