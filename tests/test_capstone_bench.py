@@ -123,3 +123,19 @@ def test_a_slow_softmax_is_measured_slower_and_named_by_its_chapter(slow):
     assert lines[1].startswith("  your softmax (03_attention) takes")
     assert slow["profile_ms_per_token"]["yours"]["softmax"] > 6 * 2  # measured: the sleeps
     assert "transformers: skipped" in capstone.table(slow)
+
+
+def test_the_figure_draws_each_speed_beside_its_roofline(results, slow):
+    fig = capstone.figure(results)
+    bars = [t for t in fig.data if t.type == "bar"]
+    assert [list(b.x) for b in bars] == [["yours", "course engine", "transformers"]] * 2 + [
+        ["yours", "course engine"]
+    ] * 2
+    for bar, (row, _) in zip(bars, capstone.PANELS):
+        assert (
+            list(bar.y)
+            == [results["systems"][n][row] for n in capstone.SYSTEMS if n in results["systems"]][: len(bar.y)]
+        )
+    roofs = [shape.y0 for shape in fig.layout.shapes]
+    assert roofs == [results["roofline"][row] for row, _ in capstone.PANELS]
+    assert [list(b.x) for b in capstone.figure(slow).data][:2] == [["yours", "course engine"]] * 2  # no transformers

@@ -514,6 +514,52 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
+COLOURS = {"yours": "#7b3fb5", "course": "#1f77b4", "transformers": "#999999"}
+PANELS = (  # (row, title): higher is better for tokens/s, lower for times
+    ("prefill_tok_s", "prefill tok/s (higher is better)"),
+    ("decode_tok_s", "decode tok/s"),
+    ("ttft_ms", "TTFT p50 ms (lower is better)"),
+    ("itl_ms", "ITL p50 ms"),
+)
+
+
+def figure(r: dict):
+    """The table's speeds as bars, a panel per row, the roofline's prediction as a dashed line in each.
+
+    >>> show(figure(measure(my_engine())), "capstone-measured")            # doctest: +SKIP
+    """
+    import plotly.graph_objects as go  # the course extra, not the engine's: only the chapter's figure needs it
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=2, subplot_titles=[title for _, title in PANELS], vertical_spacing=0.16)
+    for i, (row, _) in enumerate(PANELS):
+        at = dict(row=i // 2 + 1, col=i % 2 + 1)
+        names = [n for n in SYSTEMS if r["systems"].get(n, {}).get(row) is not None]
+        fig.add_trace(
+            go.Bar(
+                x=[HEADS[n] for n in names],
+                y=[r["systems"][n][row] for n in names],
+                marker_color=[COLOURS[n] for n in names],
+                text=[f"{number(r['systems'][n][row])}<br>{percent(r['fractions'][n][row])}" for n in names],
+                textposition="inside",
+                hovertemplate="%{x}: %{y:.3g}<extra>" + LABELS[row] + "</extra>",
+                showlegend=False,
+            ),
+            **at,
+        )
+        fig.add_hline(
+            y=r["roofline"][row],
+            line_dash="dash",
+            line_color="#d62728",
+            annotation_text=f"roofline {number(r['roofline'][row])}",
+            annotation_position="top left",
+            **at,
+        )
+        fig.update_yaxes(rangemode="tozero", range=[0, 1.15 * max(r["roofline"][row], *fig.data[-1].y)], **at)
+    fig.update_layout(height=560, margin=dict(l=40, r=10, t=50, b=30), uniformtext_minsize=9)
+    return fig
+
+
 def advice(r: dict) -> list[str]:
     """What would make your engine as fast as the course engine, from this run's figures: each row where yours is
     slower, by how much, and — from the profile of one decode — which of your functions hold the difference and
