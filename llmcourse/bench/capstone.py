@@ -516,10 +516,10 @@ def table(r: dict) -> str:
 
 COLOURS = {"yours": "#7b3fb5", "course": "#1f77b4", "transformers": "#999999"}
 PANELS = (  # (row, title): higher is better for tokens/s, lower for times
-    ("prefill_tok_s", "prefill tok/s (higher is better)"),
-    ("decode_tok_s", "decode tok/s"),
-    ("ttft_ms", "TTFT p50 ms (lower is better)"),
-    ("itl_ms", "ITL p50 ms"),
+    ("prefill_tok_s", "prefill tok/s (↑ better)"),
+    ("decode_tok_s", "decode tok/s (↑)"),
+    ("ttft_ms", "TTFT p50 ms (↓ better)"),
+    ("itl_ms", "ITL p50 ms (↓)"),
 )
 
 
@@ -542,6 +542,7 @@ def figure(r: dict):
                 marker_color=[COLOURS[n] for n in names],
                 text=[f"{number(r['systems'][n][row])}<br>{percent(r['fractions'][n][row])}" for n in names],
                 textposition="inside",
+                textangle=0,
                 hovertemplate="%{x}: %{y:.3g}<extra>" + LABELS[row] + "</extra>",
                 showlegend=False,
             ),
