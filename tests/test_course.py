@@ -699,3 +699,10 @@ def test_progress_grades_chapter_12_on_the_chapters_it_finds(tmp_path):
     report = progress_report(tmp_path)
     assert "12_capstone: 1/2 points" in report and "✓ mine_check" in report
     assert "✗ all_check" in report and "write top_k" in report
+
+
+@pytest.mark.parametrize("folder", ["solutions", "chapters"])
+def test_cell_ids_are_unique_in_every_notebook(folder):
+    for path in sorted((ROOT / folder).glob("*/*.ipynb")):
+        ids = [c["id"] for c in json.loads(path.read_text())["cells"]]
+        assert len(ids) == len(set(ids)), f"{path.name}: {sorted({i for i in ids if ids.count(i) > 1})}"
