@@ -20,6 +20,28 @@ os.environ.setdefault("LLMCOURSE_QUICK", "1")
 import pytest  # noqa: E402
 
 
+def _start_kernel_with_retries():
+    """nbval's kernels start on ports jupyter_client picks before the kernel binds them: a kernel started at the
+    same moment by the other worker or by nbgrader can take one first, and the new kernel dies before it replies
+    (seen once in CI: "Kernel died before replying to kernel_info"). Such a start is retried on fresh ports."""
+    import nbval.kernel
+
+    start = nbval.kernel.start_new_kernel
+
+    def start_new_kernel(*args, **kwargs):
+        for attempt in range(3):
+            try:
+                return start(*args, **kwargs)
+            except RuntimeError as err:
+                if "died" not in str(err) or attempt == 2:
+                    raise
+
+    nbval.kernel.start_new_kernel = start_new_kernel
+
+
+_start_kernel_with_retries()
+
+
 def pytest_collection_modifyitems(config, items):
     from tests.release import learner_work
 

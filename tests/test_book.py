@@ -376,8 +376,15 @@ PLOTLY_PROBE = """
                    window: window.innerWidth};
         if (controls.length > 1) {  // what a click on the last menu entry or slider step runs, in the page
             const before = svg();
-            const last = controls[controls.length - 1];
-            await Plotly[last.method](gd, ...last.args);
+            const steps = (gd.layout.sliders || []).flatMap(s => s.steps || []);
+            let pick = controls[controls.length - 1];
+            if (steps.length > 1 && gd.layout.sliders[0].active === steps.length - 1) {
+                pick = steps[0];  // a replay opens at its last step: go to the first
+            }
+            // Plotly.animate (a replay's slider) redraws at once, but its promise may not settle in a headless
+            // browser: wait for it or 1 s
+            const ran = Plotly[pick.method](gd, ...pick.args);
+            await Promise.race([ran, new Promise(done => setTimeout(done, 1000))]);
             await new Promise(done => setTimeout(done, 300));
             r.changed = svg() !== before;
         }
