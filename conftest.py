@@ -24,8 +24,10 @@ def _start_kernel_with_retries():
     """nbval's kernels start on ports jupyter_client picks before the kernel binds them: a kernel started at the
     same moment by the other worker or by nbgrader can take one first, and the new kernel dies before it replies
     (seen once in CI: "Kernel died before replying to kernel_info"). Such a start is retried on fresh ports."""
-    import nbval.kernel
-
+    try:
+        import nbval.kernel
+    except ImportError:  # a machine that runs only some test files (a GPU's), without nbval
+        return
     start = nbval.kernel.start_new_kernel
 
     def start_new_kernel(*args, **kwargs):

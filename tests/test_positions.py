@@ -9,6 +9,8 @@ import torch
 
 from llmcourse.engine.positions import rope, rope_cos_sin, rotate_half, sinusoidal_positions
 
+from .conftest import DEVICES
+
 llama = pytest.importorskip("transformers.models.llama.modeling_llama")
 from transformers import LlamaConfig  # noqa: E402
 
@@ -114,3 +116,13 @@ def test_sinusoidal_positions_row_zero_and_the_first_pair():
     pe = sinusoidal_positions(100, 8)
     assert torch.equal(pe[0], torch.tensor([0.0, 1.0] * 4))
     assert torch.allclose(pe[:, 0], torch.sin(torch.arange(100.0)), atol=1e-6)  # pair 0 turns 1 radian a position
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_runs_where_its_input_is(device):
+    """A learner's rope slot may be the engine's own function: on a GPU its angles are computed there too."""
+    g = torch.Generator().manual_seed(0)
+    x, position_ids = torch.randn(2, 3, 5, 8, generator=g), torch.tensor([[0, 1, 2, 3, 4], [7, 8, 9, 10, 11]])
+    on_device = rope(x.to(device), position_ids.to(device), 500.0)
+    assert on_device.device.type == device
+    torch.testing.assert_close(on_device.cpu(), rope(x, position_ids, 500.0), rtol=1e-6, atol=1e-6)

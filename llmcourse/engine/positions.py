@@ -42,9 +42,9 @@ def sinusoidal_positions(n_positions: int, dim: int, base: float = 10000.0) -> T
     return pe.float()
 
 
-def rope_inv_freq(head_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float64) -> Tensor:
+def rope_inv_freq(head_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float64, device=None) -> Tensor:
     """The angular speed of each of the D/2 rotated pairs: base^(-2i/D), i = 0 .. D/2 - 1. [D/2]"""
-    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+    return 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=dtype, device=device) / head_dim))
 
 
 def rope_cos_sin(
@@ -55,7 +55,8 @@ def rope_cos_sin(
     The angles are computed in float64 whatever `dtype` is: position × speed reaches thousands of
     radians, where float32 is off by about 1e-4 (see the chapter).
     """
-    angle = position_ids[..., None].double() * rope_inv_freq(head_dim, base)  # [B, T, D/2]
+    speed = rope_inv_freq(head_dim, base, device=position_ids.device)  # on the GPU too, where the positions are
+    angle = position_ids[..., None].double() * speed  # [B, T, D/2]
     angle = torch.cat([angle, angle], dim=-1)  # [B, T, D]: pair i is (i, i + D/2)
     return angle.cos().to(dtype), angle.sin().to(dtype)
 
