@@ -427,18 +427,8 @@ def distribution(rows: dict, position: int, token: int, top: int, tokenizer) -> 
     return float(probs[token]), alternatives
 
 
-def trace(
-    engine,
-    prompt: str,
-    *,
-    max_new_tokens: int = 24,
-    temperature: float = 0.0,
-    seed: int = 0,
-    draft=None,
-    top: int = 5,
-    **settings,
-) -> Trace:
-    """Every event of generating from `prompt` with `engine`, collected (see `events`: same arguments).
+def trace(engine, prompt: str, **settings) -> Trace:
+    """Every event of generating from `prompt` with `engine`, collected (`settings`: those of `events`).
 
     Probabilities are the model's softmax over its logits at each position (before any sampling setting).
 
@@ -446,16 +436,7 @@ def trace(
         >>> t.tokens == generate(load_model(), t.tokenized.ids, max_new_tokens=8)     # doctest: +SKIP
         True
     """
-    stream_of = events(
-        engine,
-        prompt,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        draft=draft,
-        top=top,
-        **settings,
-    )
+    stream_of = events(engine, prompt, **settings)
     out = Trace(next(stream_of))
     for event in stream_of:
         out.add(event)
