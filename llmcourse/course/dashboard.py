@@ -505,7 +505,7 @@ def round_sizes(t: Trace) -> dict[int, int]:
 # ----------------------------------------------------------------------------------------------
 # The replay: a Plotly figure with a slider over the steps
 
-WRAP = 52  # characters per line of text: 12-pixel monospace fits a phone's 500 pixels
+WRAP = 36  # characters per line of text: 12-pixel monospace fits a 400-pixel phone
 
 
 def wrapped(items: list[tuple[str, str]], width: int = WRAP) -> tuple[str, int]:
@@ -690,7 +690,7 @@ def time_title(t: Trace) -> str:
     """The time chart's title, naming its colours (a legend would crowd a phone's screen)."""
     kinds = ["prefill"] + sorted(set(bar_kinds(t)) & {"decode", "round"}, key=list(COLORS).index)
     legend = " · ".join(f"<span style='color:{COLORS[k]}'>{BAR_NAMES[k]}</span>" for k in kinds)
-    return f"Time per step: {legend}" + (" (+n: tokens it gave)" if t.rounds else "")
+    return f"Time per step: {legend}" + (" (+n tokens)" if t.rounds else "")
 
 
 def step_note(t: Trace, s: Step) -> str:
