@@ -45,6 +45,7 @@ from llmcourse.engine.loading import resolve_device, save_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
 from llmcourse.engine.sampling import SamplingParams
+from llmcourse.engine.threads import choose as choose_threads
 from llmcourse.engine.tokenizer import vocab_files
 
 from .common import (
@@ -345,7 +346,7 @@ def run(
     check_model(sizes.model)
     dev = resolve_device(device)
     before = torch.get_num_threads()
-    threads = threads or before
+    threads = threads or choose_threads()
     torch.set_num_threads(threads)
     try:
         started = time.perf_counter()

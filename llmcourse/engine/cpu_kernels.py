@@ -1,17 +1,27 @@
-"""The C kernels of the quantized CPU routes (`kernels/quantized_linear.c`), compiled on first use.
+"""The C kernels of the CPU's decoding routes, compiled on first use: float32 products for a few rows
+(`kernels/float_linear.c`), a decode step's attention (`kernels/decode_attention.c`) and the quantized products
+(`kernels/quantized_linear.c`).
 
-Why C: on an x86 CPU with AVX2 (no AVX-512), every PyTorch route to multiply by 4-bit weights was measured
-slower than float32 for decoding GPT-2 124M (`_weight_int4pack_mm_for_cpu` 5-10x, `_dyn_quant_matmul_4bit`
-10x, dequantize-then-matmul 8x, torch.compile's generated loops 1.5-5x; see benchmarks.md), so 4 bits
-would have saved memory but not time. The int4 kernel reads the packed bytes once and multiplies them by the
-activations quantized to int8, summing each group of 32 exactly in integers (llama.cpp's Q4_0 dot product).
-The int8 kernel is the matrix-vector case of `torch._int_mm` (same exact integer sums, so the same results),
-which reads the weights at memory speed where `torch._int_mm` does not for one row.
+Why C for float32: a decode step multiplies one row per sequence by every weight, so it runs at the speed the
+weights stream in from memory. On an AMD EPYC (Zen 4, one thread) torch.addmm read GPT-2's weights at 17-19 GB/s
+where a plain read runs at 25-29 GB/s, and for 4-16 rows at 5-8 GB/s; the kernel reads each weight once, in memory
+order, for all the rows (`linear`: 21-25 GB/s for one row, 1.3-2x torch's speed for 4-16; benchmarks.md). It also
+sums every output in the same order whatever the number of rows, so a sequence decoded in a batch gets the numbers
+it gets decoded alone. Attention: at batch 16 a decode step reads more cached keys and values than weights, which
+torch's fused kernel read at 9 GB/s (`decode_attention`: 15-17).
+
+Why C for the quantized routes: on an x86 CPU with AVX2 (no AVX-512), every PyTorch route to multiply by 4-bit
+weights was measured slower than float32 for decoding GPT-2 124M (`_weight_int4pack_mm_for_cpu` 5-10x,
+`_dyn_quant_matmul_4bit` 10x, dequantize-then-matmul 8x, torch.compile's generated loops 1.5-5x; see benchmarks.md),
+so 4 bits would have saved memory but not time. The int4 kernel reads the packed bytes once and multiplies them by
+the activations quantized to int8, summing each group of 32 exactly in integers (llama.cpp's Q4_0 dot product). The
+int8 kernel is the matrix-vector case of `torch._int_mm` (same exact integer sums, so the same results), which reads
+the weights at memory speed where `torch._int_mm` does not for one row.
 
 The shared library is built with the system C compiler (`cc`, or $CC) into ~/.cache/llmcourse (or
-$XDG_CACHE_HOME/llmcourse) the first time an int4 model runs on the CPU, about a second. Without a
-compiler, or on a CPU without AVX2, `library()` is None and int4 layers take the slower route (with one
-warning saying why).
+$XDG_CACHE_HOME/llmcourse) the first time a model runs on the CPU, about two seconds, once per machine. Without a
+compiler, or on a CPU without AVX2, `library()` is None and every layer takes torch's route (with one warning
+saying why).
 
     >>> x = torch.tensor([[0.5, -1.0] * 16])
     >>> xq, xs = quantize_rows(x) if library() else (None, None)   # doctest: +SKIP
@@ -32,10 +42,23 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-SOURCE = Path(__file__).parent / "kernels" / "quantized_linear.c"
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC"]
+SOURCES = [
+    Path(__file__).parent / "kernels" / name for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c")
+]
+FLOAT_ROWS = 32  # up to this many rows `linear` takes the C kernel; from about 32 rows on torch's GEMM is as fast
+FLAGS = [
+    "-O3",
+    "-mavx2",
+    "-mfma",
+    "-mf16c",
+    "-ffp-contract=off",
+    "-fopenmp",
+    "-shared",
+    "-fPIC",
+]  # no contraction: a * b + c rounds as torch does
 
 
 def cache_dir() -> Path:
@@ -50,8 +73,8 @@ def library() -> Optional[ctypes.CDLL]:
         "AVX512",
     ):
         return None  # the dequantize-then-multiply route serves other CPUs; nothing to warn about
-    source = SOURCE.read_bytes()
-    path = cache_dir() / f"quantized_linear-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    path = cache_dir() / f"kernels-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
     try:
         if not path.exists():
             compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
@@ -61,7 +84,7 @@ def library() -> Optional[ctypes.CDLL]:
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # built aside, then moved: safe for parallel runs
                 built = Path(tmp) / path.name
                 subprocess.run(
-                    [compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True, text=True
+                    [compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True, text=True
                 )
                 os.replace(built, path)
         lib = ctypes.CDLL(str(path))
@@ -72,8 +95,9 @@ def library() -> Optional[ctypes.CDLL]:
             else err
         )
         warnings.warn(
-            f"quantized layers take slower routes (int4: dequantizing its weights): the CPU kernels of {SOURCE.name} "
-            f"could not be built ({detail}); install a C compiler (e.g. apt-get install gcc) to make them fast",
+            f"float32 and quantized layers take slower routes on the CPU: the kernels of "
+            f"{' and '.join(p.name for p in SOURCES)} could not be built ({detail}); install a C compiler "
+            "(e.g. apt-get install gcc) to make them fast",
             stacklevel=3,
         )
         return None
@@ -81,7 +105,60 @@ def library() -> Optional[ctypes.CDLL]:
     lib.quantize_rows.argtypes = [pointer, ctypes.c_int, ctypes.c_int, pointer, pointer, pointer]
     lib.int8_linear.argtypes = lib.int4_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
     lib.int4_dequantize.argtypes = [pointer] * 3 + [ctypes.c_int] * 3
+    float_args = [pointer, ctypes.c_ssize_t, pointer, ctypes.c_ssize_t, pointer, pointer] + [ctypes.c_int] * 4
+    lib.float_linear_kn.argtypes = lib.float_linear_nk.argtypes = float_args
+    lib.attention_scores.argtypes = [pointer, *[ctypes.c_ssize_t] * 2, pointer, *[ctypes.c_ssize_t] * 3, pointer]
+    lib.attention_scores.argtypes += [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
+    lib.attention_values.argtypes = [pointer, pointer, *[ctypes.c_ssize_t] * 3, pointer] + [ctypes.c_int] * 6
     return lib
+
+
+def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
+    """Whether the C kernels may take these tensors: float32 on the CPU (None: absent), no gradient wanted, not
+    while torch.compile traces (it sees torch's operations only), and the kernels built."""
+    present = [t for t in tensors if t is not None]
+    return (
+        all(t.dtype == torch.float32 and t.device.type == "cpu" for t in present)
+        and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
+        and not torch.compiler.is_compiling()
+        and library() is not None
+    )
+
+
+def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """rows [M, K] @ weight [K, N] + bias [N] -> [M, N]: `torch.addmm`'s product, by the C kernel where it applies
+    (float32 on the CPU, at most FLOAT_ROWS rows, no gradient wanted, not while torch.compile traces), else by
+    torch. `weight` may be stored either way: [K, N] row by row (GPT-2's layers) or the transpose of an [N, K]
+    matrix (`nn.Linear`'s, the Llama family's; K a multiple of 8).
+
+        >>> linear(torch.ones(1, 8), torch.eye(8)[:, :3], torch.tensor([1.0, 2.0, 3.0]))
+        tensor([[2., 3., 4.]])
+    """
+    (M, K), N = rows.shape, weight.shape[1]
+    kn, nk = weight.stride(1) == 1, weight.stride(0) == 1 and K % 8 == 0
+    if not (
+        (kn or nk)
+        and 0 < M <= FLOAT_ROWS
+        and rows.stride(1) == 1
+        and (bias is None or bias.is_contiguous())
+        and plain_cpu_floats(rows, weight, bias)
+    ):
+        return torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
+    y = torch.empty(M, N)
+    kernel = library().float_linear_kn if kn else library().float_linear_nk
+    kernel(
+        rows.data_ptr(),
+        rows.stride(0),
+        weight.data_ptr(),
+        weight.stride(0) if kn else weight.stride(1),
+        None if bias is None else bias.data_ptr(),
+        y.data_ptr(),
+        M,
+        N,
+        K,
+        torch.get_num_threads(),
+    )
+    return y
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
@@ -134,3 +211,39 @@ def in_group_order(rows: Tensor) -> Tensor:
     """rows [M, K] -> [M, K] with each group of 32 reordered as its even then its odd positions."""
     M, K = rows.shape
     return rows.view(M, K // 32, 16, 2).transpose(-1, -2).reshape(M, K)
+
+
+def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+    """Scaled dot-product attention of one query per sequence: q [B, H, 1, D], k and v [B, H_kv, T, D] (H a multiple
+    of H_kv: grouped-query attention reads kv head h // (H / H_kv)), `mask` bool broadcastable to [B, H, 1, T] (True:
+    attend) or None -> [B, H, 1, D]. The C kernel reads the keys, then the values, front to back (float32 on the
+    CPU, D a multiple of 8); torch's softmax in between. Elsewhere torch's fused kernel.
+
+        >>> k = torch.zeros(1, 1, 3, 8); v = torch.arange(3.0).view(1, 1, 3, 1).expand(1, 1, 3, 8)
+        >>> decode_attention(torch.ones(1, 1, 1, 8), k, v)[0, 0, 0, :2]   # equal scores: the mean of the values
+        tensor([1., 1.])
+    """
+    (B, H, Tq, D), (H_kv, T) = q.shape, k.shape[1:3]
+    if not (
+        Tq == 1
+        and H % H_kv == 0
+        and D % 8 == 0
+        and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
+        and (mask is None or mask.dtype == torch.bool)
+        and plain_cpu_floats(q, k, v)
+    ):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    lib, threads = library(), torch.get_num_threads()
+    scores = torch.empty(B, H, T)
+    lib.attention_scores(
+        q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+        scores.data_ptr(), B, H, H_kv, T, D, D**-0.5, threads,
+    )  # fmt: skip
+    if mask is not None:
+        scores = scores.masked_fill(~mask.expand(B, H, 1, T)[:, :, 0], float("-inf"))
+    p = torch.softmax(scores, dim=-1)  # [B, H, T]
+    out = torch.empty(B, H, 1, D)
+    lib.attention_values(
+        p.data_ptr(), v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), out.data_ptr(), B, H, H_kv, T, D, threads
+    )
+    return out

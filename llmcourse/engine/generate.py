@@ -40,7 +40,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from . import padding
+from . import padding, threads
 from .decoder import Decoder
 from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams, eos_ids
 from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
@@ -391,6 +391,7 @@ def decode_steps(
     position ids count only real tokens, so a row computes what it would alone. The tokens stay
     on the model's device: nothing in the loop waits for the GPU except the occasional EOS check.
     """
+    threads.choose()
     device, B = model.device, len(batch)
     longest = max(map(len, batch))
     total = longest + max_new_tokens
@@ -522,6 +523,7 @@ def beam_search(
     first, become the next live beams. Search stops when num_beams hypotheses are finished and the
     best live beam, scored at its current length, cannot beat the worst of them.
     """
+    threads.choose()
     device, V, K = model.device, model.config.vocab_size, num_beams
     settings, sampler = SamplingParams(repetition_penalty=repetition_penalty), sampler or ENGINE_SAMPLER
     prompt_t = torch.tensor([prompt], device=device)

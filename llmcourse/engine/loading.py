@@ -30,6 +30,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import quantize as quantization
+from . import threads
 from .checkpoints import CONFIG_FILE, INDEX_FILE, WEIGHTS_FILE, read_config, read_safetensors, weight_files
 from .config import CheckpointError, GPT2Config
 from .decoder import Decoder
@@ -91,8 +92,10 @@ def load_model(
     'gpt2', 'distilgpt2', 'Qwen/Qwen2.5-0.5B', 'meta-llama/Llama-3.2-1B' (taken from the local Hugging Face
     cache; downloaded only if not cached and a network is reachable). `dtype` defaults to float32; it is the
     dtype of the activations and of whatever stays float. `quantize`: None, 'int8' or 'int4'
-    (`llmcourse.engine.quantize`).
+    (`llmcourse.engine.quantize`). On a CPU it sets torch's threads to the engine's choice unless someone chose
+    (`llmcourse.engine.threads`).
     """
+    threads.choose()
     device, dtype = resolve_device(device), resolve_dtype(dtype)
     if quantize is not None:
         quantization.check_format(quantize)

@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from . import cpu_kernels
 from .config import GPT2Config
 from .decoder import Decoder, KVCache
 from .parts import Parts
@@ -62,7 +63,7 @@ class Table(nn.Module):
 
     def logits(self, x: Tensor) -> Tensor:
         """The tied head, x @ weight.T: [..., C] -> [..., N]."""
-        return x @ self.weight.T
+        return cpu_kernels.linear(x.reshape(-1, x.shape[-1]), self.weight.T).view(*x.shape[:-1], self.weight.shape[0])
 
 
 class Attention(nn.Module):

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import positions
+from . import cpu_kernels, positions
 from .checkpoints import load_llama_checkpoint
 from .slots import Slots
 
@@ -36,8 +36,9 @@ def layer_norm(x: Tensor, weight: Tensor, bias: Tensor, eps: float) -> Tensor:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
-    """x @ weight + bias with GPT-2's weight layout [C_in, C_out]. x [..., C_in] -> [..., C_out]."""
-    return torch.addmm(bias, x.reshape(-1, x.shape[-1]), weight).view(*x.shape[:-1], weight.shape[-1])
+    """x @ weight + bias with GPT-2's weight layout [C_in, C_out]. x [..., C_in] -> [..., C_out].
+    (A few float32 rows on the CPU, a decode step's, go through the engine's C kernel: `cpu_kernels.linear`.)"""
+    return cpu_kernels.linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[-1])
 
 
 def gelu(x: Tensor) -> Tensor:
@@ -75,11 +76,11 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) ->
     [B, H, Tq, Tk], True where attending is allowed; None means causal, with the queries being the
     last Tq positions of the Tk keys (prefill: Tq == Tk; decode: Tq == 1).
     """
+    if q.shape[-2] == 1 and q.shape[-2] != k.shape[-2]:  # a decode step: the engine's kernel where it applies
+        return cpu_kernels.decode_attention(q, k, v, mask)
     if mask is None:
         if q.shape[-2] == k.shape[-2]:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        if q.shape[-2] == 1:
-            return F.scaled_dot_product_attention(q, k, v)
         mask = causal_mask(q.shape[-2], k.shape[-2], q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 

@@ -21,6 +21,7 @@ from typing import NamedTuple, Optional, Sequence
 
 import torch
 
+from llmcourse.engine import threads
 from llmcourse.engine.decoder import Decoder
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
@@ -117,6 +118,7 @@ class LLMEngine:
             ):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         model, engines = as_model(model)  # my_engine()'s engine serves its model, with its functions
+        threads.choose()
         cfg = model.config
         if num_blocks is not None and kv_cache_memory is not None:
             raise ValueError("give num_blocks or kv_cache_memory, not both: kv_cache_memory sets num_blocks")

@@ -204,6 +204,75 @@ static void int8_product(const int8_t* weight, const float* scales, const int8_t
   }
 }
 
+/* The same product on CPUs with AVX-512 VNNI, whose vpdpbusd multiplies 32 unsigned by 32 signed bytes and adds
+   them to 8 int32 sums in one instruction (maddubs, madd and add above). The activations are made unsigned,
+   xq + 128 (xor 0x80), and 128 * sum_k w[n, k] is taken back off: the same exact integer sum, so the same result.
+   A tile of 4 weight rows x 3 input rows: each weight loaded once for three rows, 12 sums in registers. */
+#define VNNI __attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni")))
+
+VNNI static inline int32_t sum8_epi32(__m256i v)
+{
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1)));
+}
+
+VNNI static inline __attribute__((always_inline)) void int8_tile_vnni(const int8_t* w, const uint8_t* xu, int K,
+                                                                       int rows, int cols, int32_t* sums)
+{
+  __m256i acc[3][4];
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < cols; c++) acc[m][c] = _mm256_setzero_si256();
+  for (int k = 0; k < K; k += 32) {
+    __m256i wv[4];
+    for (int c = 0; c < cols; c++) wv[c] = _mm256_loadu_si256((const __m256i*)(w + (size_t)c * K + k));
+    for (int m = 0; m < rows; m++) {
+      __m256i x = _mm256_loadu_si256((const __m256i*)(xu + (size_t)m * K + k));
+      for (int c = 0; c < cols; c++) acc[m][c] = _mm256_dpbusd_epi32(acc[m][c], x, wv[c]);
+    }
+  }
+  for (int m = 0; m < rows; m++)
+    for (int c = 0; c < cols; c++) sums[m * 4 + c] = sum8_epi32(acc[m][c]);
+}
+
+VNNI static void int8_product_vnni(const int8_t* weight, const float* scales, const int8_t* xq, const float* xs,
+                                   const float* bias, float* y, int M, int N, int K, int threads)
+{
+  uint8_t* xu = malloc((size_t)M * K);
+  for (size_t i = 0; i < (size_t)M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
+  #pragma omp parallel for num_threads(threads) schedule(static)
+  for (int n0 = 0; n0 < N; n0 += 4) {
+    const int cols = N - n0 < 4 ? N - n0 : 4;
+    const int8_t* w = weight + (size_t)n0 * K;
+    int32_t wsum[4], sums[12];
+    const __m256i ones = _mm256_set1_epi8(1);
+    for (int c = 0; c < cols; c++) { /* 128 * sum_k w[n, k], what the unsigned activations add */
+      __m256i a = _mm256_setzero_si256();
+      for (int k = 0; k < K; k += 32) a = _mm256_dpbusd_epi32(a, ones, _mm256_loadu_si256((const __m256i*)(w + (size_t)c * K + k)));
+      wsum[c] = 128 * sum8_epi32(a);
+    }
+    for (int m0 = 0; m0 < M; m0 += 3) {
+      const int rows = M - m0 < 3 ? M - m0 : 3;
+      const uint8_t* x = xu + (size_t)m0 * K;
+      if (rows == 3 && cols == 4) int8_tile_vnni(w, x, K, 3, 4, sums);
+      else if (rows == 1 && cols == 4) int8_tile_vnni(w, x, K, 1, 4, sums);
+      else if (rows == 2 && cols == 4) int8_tile_vnni(w, x, K, 2, 4, sums);
+      else
+        for (int m = 0; m < rows; m++)
+          for (int c = 0; c < cols; c++) {
+            int32_t one;
+            int8_tile_vnni(w + (size_t)c * K, x + (size_t)m * K, K, 1, 1, &one);
+            sums[m * 4 + c] = one;
+          }
+      for (int m = 0; m < rows; m++)
+        for (int c = 0; c < cols; c++)
+          y[(size_t)(m0 + m) * N + n0 + c] =
+              (float)(sums[m * 4 + c] - wsum[c]) * (xs[m0 + m] * scales[n0 + c]) + (bias ? bias[n0 + c] : 0.f);
+    }
+  }
+  free(xu);
+}
+
 /* y [M, N] = x [M, K] (float32) times int4 weights [N, K], plus bias [N] (or NULL). */
 void int4_linear(const float* x, const uint8_t* packed, const uint16_t* scales, const float* bias, float* y,
                  int M, int N, int K, int threads)
@@ -223,7 +292,10 @@ void int8_linear(const float* x, const int8_t* weight, const float* scales, cons
   int8_t* xq = malloc((size_t)M * K);
   float* xs = malloc(sizeof(float) * M);
   quantize_rows(x, M, K, xq, xs, NULL);
-  int8_product(weight, scales, xq, xs, bias, y, M, N, K, threads);
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
+    int8_product_vnni(weight, scales, xq, xs, bias, y, M, N, K, threads);
+  else
+    int8_product(weight, scales, xq, xs, bias, y, M, N, K, threads);
   free(xq), free(xs);
 }
 
