@@ -15,6 +15,7 @@ import torch
 
 from llmcourse.bench import quantize as qb
 from llmcourse.bench.common import decode_step_cost
+from llmcourse.engine import threads
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT
 
@@ -94,6 +95,26 @@ def test_ratios_are_the_targets_of_the_issue_at_both_batch_sizes():
     ]
 
 
+def test_ctranslate2_at_its_own_threads_is_a_target_too():
+    got = qb.ratios(
+        rows(
+            engine_float32=(30.0, 150.0),
+            engine_int8=(40.0, 200.0),
+            ctranslate2_float32=(25.0, 160.0),
+            ctranslate2_int8=(32.0, 100.0),
+            **{"ctranslate2_float32,_2_threads": (40.0, 200.0), "ctranslate2_int8,_2_threads": (20.0, 400.0)},
+        ),
+        batch=16,
+    )
+    assert got["engine float32 / ctranslate2 float32, 2 threads, batch 1"] == {
+        "ratio": pytest.approx(0.75),
+        "target": 1.0,
+        "met": False,
+    }
+    assert got["engine int8 / ctranslate2 int8, 2 threads, batch 16"]["ratio"] == pytest.approx(0.5)
+    assert len(got) == 8
+
+
 def test_ratios_without_ctranslate2_keep_the_engines_own():
     got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(20.0, 300.0)), batch=16)
     assert {k: v["ratio"] for k, v in got.items()} == {
@@ -108,19 +129,27 @@ def test_ratios_without_ctranslate2_keep_the_engines_own():
 @pytest.fixture(scope="module")
 def quick():
     """The whole benchmark on the tiny configuration (a few seconds)."""
-    threads = torch.get_num_threads()
+    before, engine_count = torch.get_num_threads(), threads.count()
     lines = []
     r = qb.run(device="cpu", sizes=qb.QUICK, progress=lines.append)
-    assert torch.get_num_threads() == threads  # restored
+    assert torch.get_num_threads() == before  # restored
+    assert r["threads"] == engine_count  # the engine's count, for every engine
     return r, lines
+
+
+def own_threads_rows(r) -> list[str]:
+    """CTranslate2 again at its own default threads, where they differ from the run's."""
+    own = r["ctranslate2"]["default_threads"]
+    return [] if own == r["threads"] else [f"{name}, {own} threads" for name in CT2_ROWS]
 
 
 def test_the_benchmark_measures_every_row(quick):
     r, lines = quick
     pytest.importorskip("ctranslate2")
-    assert list(r["rows"]) == ENGINE_ROWS + CT2_ROWS
+    assert list(r["rows"]) == ENGINE_ROWS + CT2_ROWS + own_threads_rows(r)
     assert r["ctranslate2"]["version"] and "int8" in r["ctranslate2"]["compute_types"]
-    assert r["model"] == "tiny" and r["threads"] == torch.get_num_threads() and r["machine"]["cpu"]
+    assert r["ctranslate2"]["default_threads"] == min(4, os.cpu_count())
+    assert r["model"] == "tiny" and r["machine"]["cpu"]
     b = qb.QUICK.batch
     for name, v in r["rows"].items():
         assert v["bytes_per_weight"] == BYTES_PER_WEIGHT[v["format"]]
@@ -140,7 +169,8 @@ def test_the_benchmark_measures_every_row(quick):
     assert bounds == sorted(bounds)
     assert r["rows"]["ctranslate2 int8"]["batch_1"]["step_MB"] == r["rows"]["engine int8"]["batch_1"]["step_MB"]
     assert r["resident_MB"]["int4"] < r["resident_MB"]["int8"] < r["resident_MB"]["float32"]
-    assert len(r["ratios"]) == 6 and all(v["ratio"] > 0 for v in r["ratios"].values())
+    assert len(r["ratios"]) == 6 + 2 * len(own_threads_rows(r)) and all(v["ratio"] > 0 for v in r["ratios"].values())
+    assert set(r["attention_ms"]) == {1, b} and all(v["ms"] > 0 and v["GBps"] > 0 for v in r["attention_ms"].values())
     assert set(r["linear_ms"]) == {"float32", "int8", "int4"}
     assert all(
         set(v) == {1, b} and all(t["blocks_ms"] > 0 and t["head_ms"] > 0 for t in v.values())
@@ -172,8 +202,12 @@ def test_table_and_figure(quick, tmp_path):
     for name, v in r["rows"].items():
         assert re.search(rf"^ +{name} +[\d.]+ +{v['batch_1']['tokens_per_s']:.1f} ", text, re.M), name
     for name, v in r["ratios"].items():
-        assert f"{name:<48} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})" in text
+        assert f"{name:<58} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})" in text
     assert text.count("blocks") == 2 * len(r["linear_ms"])
+    for fmt, by_rows in r["linear_ms"].items():  # each format's decode step, taken apart
+        step = 1e3 / r["rows"][f"engine {fmt}"]["batch_1"]["decode_tokens_per_s"]
+        head = f"    {fmt:<8}batch 1: {step:5.1f} = {by_rows[1]['blocks_ms']:.1f} + {by_rows[1]['head_ms']:.1f} + "
+        assert head in text, head
     width, height = png_size(qb.plot(r, tmp_path))
     assert 600 <= width <= 1200 and 1 < height / width < 2.5  # two panels, stacked for a phone
     back = json.loads(json.dumps(r))  # keys become strings: the table reads them back alike

@@ -66,9 +66,14 @@ def someone_chose() -> bool:
     return torch.get_num_threads() != (TORCH_START if _set_by_engine is None else _set_by_engine)
 
 
+def count() -> int:
+    """The threads the engine computes with: the count someone chose, else `engine_threads()`."""
+    return torch.get_num_threads() if someone_chose() else engine_threads()
+
+
 def choose() -> int:
-    """Set torch's threads to `engine_threads()` unless someone chose; -> the count in effect. The engine's entry
-    points call it (`load_model`, `decode_steps`, `LLMEngine`, the benchmarks), so nothing needs to."""
+    """Set torch's threads to `count()`; -> that count. The engine's entry points call it (`load_model`,
+    `decode_steps`, `beam_search`, `LLMEngine`), so nothing needs to."""
     global _set_by_engine
     if not someone_chose():
         _set_by_engine = engine_threads()
