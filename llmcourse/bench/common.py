@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from llmcourse.engine import threads
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import load_model, save_model
 from llmcourse.engine.model import GPT2
@@ -231,7 +232,9 @@ def roofline(
 
 
 def load(name: str, device: torch.device, dtype: torch.dtype):
-    """A model by name: a configuration of `CONFIGS` with random weights, or a model `load_model` finds."""
+    """A model by name: a configuration of `CONFIGS` with random weights, or a model `load_model` finds. Either way
+    torch's threads become the engine's choice unless someone chose (`llmcourse.engine.threads`)."""
+    threads.choose()
     if name in CONFIGS:  # a configuration: random weights (the timings do not depend on their values)
         return GPT2(CONFIGS[name]).init_weights(0).to(device, dtype).eval().requires_grad_(False)
     return load_model(name, device=device, dtype=dtype)
