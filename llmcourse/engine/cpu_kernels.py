@@ -44,6 +44,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 SOURCES = [
     Path(__file__).parent / "kernels" / name for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c")
@@ -114,13 +115,15 @@ def library() -> Optional[ctypes.CDLL]:
 
 
 def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
-    """Whether the C kernels may take these tensors: float32 on the CPU (None: absent), no gradient wanted, not
-    while torch.compile traces (it sees torch's operations only), and the kernels built."""
+    """Whether the C kernels may take these tensors: float32 on the CPU (None: absent), no gradient wanted, and
+    nothing watching torch's operations (torch.compile tracing, or a dispatch mode such as FlopCounterMode: they see
+    torch's operations only), and the kernels built."""
     present = [t for t in tensors if t is not None]
     return (
         all(t.dtype == torch.float32 and t.device.type == "cpu" for t in present)
         and not (torch.is_grad_enabled() and any(t.requires_grad for t in present))
         and not torch.compiler.is_compiling()
+        and _get_current_dispatch_mode() is None
         and library() is not None
     )
 
