@@ -4,8 +4,10 @@ configuration. No timing is asserted: only that the figures exist, are computed 
 
 import json
 import math
+import os
 import random
 import re
+import shlex
 import struct
 import subprocess
 import sys
@@ -302,3 +304,26 @@ def test_the_benchmarks_page_shows_the_serving_figures():
         assert f"{q['continuous_vs_static_throughput']:.2f}×" in serving, name
         assert f"{q['prefix_cache_ttft_p50_speedup']:.1f}×" in serving, name
     assert "python -m llmcourse bench --serving" in serving
+
+
+def test_the_thread_counts_the_page_compares_are_what_the_runs_use(tmp_path):
+    """benchmarks.md's "Threads" section compares the engine's own choice with a count set in the environment; the
+    command it shows for that, as written (on the tiny model), records the count it was given, and the engine's
+    choice is what `llmcourse.engine.threads` says."""
+    page = (ROOT / "benchmarks.md").read_text()
+    section = page[page.index("## Threads") : page.index("## Speculative decoding")]
+    command = re.search(r"`(OMP_NUM_THREADS=(\d+) python -m llmcourse bench --serving)`", section)
+    assert command, "the Threads section shows the command with a thread count"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    variable, args = command.group(1).split(" ", 1)
+    done = subprocess.run(
+        [sys.executable, *shlex.split(args)[1:], "tiny", "--out", str(tmp_path)],
+        env={**env, variable.split("=")[0]: variable.split("=")[1]},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "bench.json").read_text())["serving"]["threads"] == int(command.group(2))
+    committed = json.loads((ROOT / "images" / "bench.json").read_text())["serving"]
+    assert f"{committed['threads']} thread" in section  # the page says which count its figures used

@@ -5,7 +5,7 @@
 Why C for float32: a decode step multiplies one row per sequence by every weight, so it runs at the speed the
 weights stream in from memory. On an AMD EPYC (Zen 4, one thread) torch.addmm read GPT-2's weights at 17-19 GB/s
 where a plain read runs at 25-29 GB/s, and for 4-16 rows at 5-8 GB/s; the kernel reads each weight once, in memory
-order, for all the rows (`linear`: 21-25 GB/s for one row, 1.3-2x torch's speed for 4-16; benchmarks.md). It also
+order, for all the rows (`linear`: 19-25 GB/s for one row, 1.3-2x torch's speed for 4-16; benchmarks.md). It also
 sums every output in the same order whatever the number of rows, so a sequence decoded in a batch gets the numbers
 it gets decoded alone. Attention: at batch 16 a decode step reads more cached keys and values than weights, which
 torch's fused kernel read at 9 GB/s (`decode_attention`: 15-17).
@@ -50,16 +50,8 @@ SOURCES = [
     Path(__file__).parent / "kernels" / name for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c")
 ]
 FLOAT_ROWS = 32  # up to this many rows `linear` takes the C kernel; from about 32 rows on torch's GEMM is as fast
-FLAGS = [
-    "-O3",
-    "-mavx2",
-    "-mfma",
-    "-mf16c",
-    "-ffp-contract=off",
-    "-fopenmp",
-    "-shared",
-    "-fPIC",
-]  # no contraction: a * b + c rounds as torch does
+# -ffp-contract=off: `a * b + c` in C rounds as written, as torch rounds it (GCC would otherwise fuse it into one FMA)
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
@@ -130,9 +122,8 @@ def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
 
 def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """rows [M, K] @ weight [K, N] + bias [N] -> [M, N]: `torch.addmm`'s product, by the C kernel where it applies
-    (float32 on the CPU, at most FLOAT_ROWS rows, no gradient wanted, not while torch.compile traces), else by
-    torch. `weight` may be stored either way: [K, N] row by row (GPT-2's layers) or the transpose of an [N, K]
-    matrix (`nn.Linear`'s, the Llama family's; K a multiple of 8).
+    (at most FLOAT_ROWS rows, `plain_cpu_floats`), else by torch. `weight` may be stored either way: [K, N] row by
+    row (GPT-2's layers) or the transpose of an [N, K] matrix (`nn.Linear`'s, the Llama family's; K a multiple of 8).
 
         >>> linear(torch.ones(1, 8), torch.eye(8)[:, :3], torch.tensor([1.0, 2.0, 3.0]))
         tensor([[2., 3., 4.]])
