@@ -609,7 +609,7 @@ def plot(r: dict, out: Path) -> Path:
             ax.set_title(title, fontsize=14)
         axes[1].set_xlabel("tokens/s")
         fig.legend(
-            handles=[Patch(facecolor="none", edgecolor=ROOF, hatch="///", label="roofline (bandwidth)")],
+            handles=[Patch(facecolor="none", edgecolor=ROOF, hatch="///", label="roofline")],
             loc="upper center",
             bbox_to_anchor=(0.5, 1.0),
             frameon=False,

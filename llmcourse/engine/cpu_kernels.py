@@ -4,7 +4,7 @@
 
 Why C for float32: a decode step multiplies one row per sequence by every weight, so it runs at the speed the
 weights stream in from memory. On an AMD EPYC (Zen 4, one thread) torch.addmm read GPT-2's weights at 17-19 GB/s
-where a plain read runs at 25-29 GB/s, and for 4-16 rows at 5-8 GB/s; the kernel reads each weight once, in memory
+where a plain read runs at 25-31 GB/s, and for 4-16 rows at 5-8 GB/s; the kernel reads each weight once, in memory
 order, for all the rows (`linear`: 19-25 GB/s for one row, 1.3-2x torch's speed for 4-16; benchmarks.md). It also
 sums every output in the same order whatever the number of rows, so a sequence decoded in a batch gets the numbers
 it gets decoded alone. Attention: at batch 16 a decode step reads more cached keys and values than weights, which
