@@ -66,7 +66,7 @@ def library() -> Optional[ctypes.CDLL]:
         "AVX512",
     ):
         return None  # the dequantize-then-multiply route serves other CPUs; nothing to warn about
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in [*SOURCES, SOURCES[0].parent / "simd.h"])
     path = cache_dir() / f"kernels-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
     try:
         if not path.exists():

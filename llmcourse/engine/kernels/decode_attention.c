@@ -12,12 +12,7 @@
 #include <immintrin.h>
 #include <stddef.h>
 
-static inline float sum8(__m256 v)
-{
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-}
+#include "simd.h"
 
 /* scores [B, H, T] = scale * q . k_t */
 void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k, ptrdiff_t kb, ptrdiff_t kh,

@@ -17,14 +17,9 @@
 #include <math.h>
 #include <stddef.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "simd.h"
 
-static inline float sum8(__m256 v)
-{
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
-}
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* ---------------------------------------------------------------------------------- kn: w [K, N], row stride ldw */
 

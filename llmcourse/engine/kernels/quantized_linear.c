@@ -18,6 +18,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "simd.h"
+
 /* xq[m] = round(x[m] / s[m]) with s[m] = max|x[m]| / 127 (the division, not a multiplication by 1 / s, to round
    exactly as torch does). With `group_sums` (the int4 kernel's input): each group in the order described above,
    and group_sums[m, g] = 8 * (the sum of the group's values). */
@@ -101,13 +103,6 @@ static inline int32_t sum4(__m128i v)
 {
   v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
   return _mm_cvtsi128_si32(_mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1)));
-}
-
-static inline float sum8(__m256 v)
-{
-  __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-  return _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
 }
 
 /* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n] */
