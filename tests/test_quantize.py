@@ -615,16 +615,9 @@ def test_the_kv_cache_gives_the_logits_of_a_full_recompute(small, fmt):
         steps = [model(ids[:, :10], cache=cache)] + [model(ids[:, t : t + 1], cache=cache) for t in range(10, 30)]
     incremental = torch.cat(steps, dim=1)
     assert incremental.shape == full.shape
-    # Prefill and decode take different float routes to each quantized layer's input (torch's fused attention for
-    # the prompt, the decode kernel after it; the integer sums are exact either way). An input within float noise
-    # of an int8 rounding boundary can round the other way, which moves that position's logits, and later ones', by
-    # about one int8 step: measured 4e-3 of the largest logit at 5 of 60 positions for int8, 0 or float noise
-    # (< 1e-6) everywhere else. The greedy token can change only at a near-tie the step bridges.
-    error = (incremental - full).abs().amax(-1) / full.abs().max()  # [2, 30]
-    assert error.max() < 1e-2 and (error > 1e-5).float().mean() <= 0.2, error
-    top2 = full.topk(2, dim=-1).values
-    clear = (top2[..., 0] - top2[..., 1]) / full.abs().max() > 2 * error  # the best logit leads by more than the error
-    assert torch.equal(incremental.argmax(-1)[clear], full.argmax(-1)[clear])
+    # prefill and decode may take different routes (library call, C kernel): the same integer sums, but
+    # attention's float differences may flip a rounded input (measured: < 1e-4 of the largest logit)
+    assert ((incremental - full).abs().max() / full.abs().max()).item() < 1e-3
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

@@ -229,9 +229,10 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
     lib, threads = library(), torch.get_num_threads()
     scores = torch.empty(B, H, T)
+    q = q * D**-0.5  # scaled before the products, as torch's fused kernel does: prefill and decode round alike
     lib.attention_scores(
         q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-        scores.data_ptr(), B, H, H_kv, T, D, D**-0.5, threads,
+        scores.data_ptr(), B, H, H_kv, T, D, 1.0, threads,
     )  # fmt: skip
     if mask is not None:
         scores = scores.masked_fill(~mask.expand(B, H, 1, T)[:, :, 0], float("-inf"))
