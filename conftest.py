@@ -1,7 +1,9 @@
-"""nbval on the notebooks: solutions/ must run with their checked outputs unchanged; in chapters/
-(the student release) every graded check, and every cell tagged `needs-exercise`, must fail on the
-stubs (strict xfail: a check that passes on a stub is a broken check). A notebook in chapters/ that holds a
-learner's work is not the release: its cells are skipped, saying so (tests/release.py)."""
+"""The test suite's setup: threads per worker, the notebooks' quick mode, and one worker for the course run.
+
+The slow proofs (every notebook run, the nbgrader round trip, the book) come from one run of the whole course
+(tests/course_run.py), made once by the session fixture `course_run`. Every test module that uses it runs on the
+same pytest-xdist worker, and that worker starts with them: the other worker meanwhile runs everything else.
+"""
 
 import os
 
@@ -14,49 +16,42 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
     )
 
 # Measurement cells of the notebooks (timings, bandwidth) measure less under test: `llmcourse.course.limits.quick`.
-# The kernels nbval starts, and the commands the tests run, inherit it; the published book is built without it.
+# The kernels nbgrader starts, and the commands the tests run, inherit it; the published book is built without it.
 os.environ.setdefault("LLMCOURSE_QUICK", "1")
+# torch.compile traces the decode step but generates no code (dynamo's eager backend): seconds instead of a minute
+# per compiling test. tests/test_static_decode.py compiles with inductor for real.
+os.environ.setdefault("LLMCOURSE_COMPILE_BACKEND", "eager")
 
 import pytest  # noqa: E402
 
-
-def _start_kernel_with_retries():
-    """nbval's kernels start on ports jupyter_client picks before the kernel binds them: a kernel started at the
-    same moment by the other worker or by nbgrader can take one first, and the new kernel dies before it replies
-    (seen once in CI: "Kernel died before replying to kernel_info"). Such a start is retried on fresh ports."""
-    try:
-        import nbval.kernel
-    except ImportError:  # a machine that runs only some test files (a GPU's), without nbval
-        return
-    start = nbval.kernel.start_new_kernel
-
-    def start_new_kernel(*args, **kwargs):
-        for attempt in range(3):
-            try:
-                return start(*args, **kwargs)
-            except RuntimeError as err:
-                if "died" not in str(err) or attempt == 2:
-                    raise
-
-    nbval.kernel.start_new_kernel = start_new_kernel
+# The test modules that use the `course_run` fixture: one scope for pytest-xdist, scheduled first.
+COURSE_RUN_MODULES = ("tests/test_notebooks.py", "tests/test_grading.py", "tests/test_book.py")
 
 
-_start_kernel_with_retries()
+def _module(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
 
 
 def pytest_collection_modifyitems(config, items):
-    from tests.release import learner_work
+    stray = sorted({_module(i.nodeid) for i in items if "course_run" in getattr(i, "fixturenames", ())})
+    stray = [m for m in stray if m not in COURSE_RUN_MODULES]
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)} use course_run: add them to COURSE_RUN_MODULES in conftest.py")
+    items.sort(key=lambda item: _module(item.nodeid) not in COURSE_RUN_MODULES)  # stable: the rest keep their order
 
-    edited = {}
-    for item in items:
-        cell = getattr(item, "cell", None)
-        if cell is None or "chapters" not in item.path.parts:
-            continue
-        if item.path not in edited:
-            edited[item.path] = learner_work(item.path)
-        if edited[item.path]:
-            item.add_marker(pytest.mark.skip(reason=edited[item.path]))
-            continue
-        graded = cell.get("metadata", {}).get("nbgrader", {}).get("grade", False)
-        if graded or "needs-exercise" in cell.get("metadata", {}).get("tags", []):
-            item.add_marker(pytest.mark.xfail(strict=True, reason="must fail until the learner writes the exercise"))
+
+@pytest.hookimpl(optionalhook=True)  # a machine may run some test files without pytest-xdist
+def pytest_xdist_make_scheduler(config, log):
+    """pytest-xdist's `--dist loadfile`, with the course run's modules as one unit, handed out first (the longest
+    unit: started last, it would keep one worker busy long after the other has finished)."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class CourseRunFirst(LoadFileScheduling):
+        def _split_scope(self, nodeid):
+            module = _module(nodeid)
+            return "course run" if module in COURSE_RUN_MODULES else module
+
+    config.option.loadscopereorder = False  # the order of collection, which puts the course run first
+    return CourseRunFirst(config, log)

@@ -72,3 +72,12 @@ def small_folder(small_pair, tmp_path_factory):
     folder = tmp_path_factory.mktemp("small_saved")
     save_model(small_pair[0], folder)
     return folder
+
+
+@pytest.fixture(scope="session")
+def course_run(tmp_path_factory):
+    """The whole course released, graded for ada (every solution) and bob (the release untouched), with feedback,
+    grades and ada's progress: each notebook executed once (tests/course_run.py). Several minutes."""
+    from .course_run import run_course
+
+    return run_course(tmp_path_factory.mktemp("course_run"))

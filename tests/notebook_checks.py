@@ -1,4 +1,4 @@
-"""A solution notebook's exercises against its own checks, visible and hidden parts, without a kernel."""
+"""A solution notebook's setup, exercise and check cells, read without a kernel."""
 
 import json
 from pathlib import Path
@@ -20,14 +20,3 @@ def notebook_cells(path):
         elif grading.get("grade") and "check_" in source:
             checks.append(source.replace("### BEGIN HIDDEN TESTS", "").replace("### END HIDDEN TESTS", ""))
     return setup, solutions, checks
-
-
-def run_notebook_checks(path, capsys):
-    setup, solutions, checks = notebook_cells(path)
-    namespace = {"__name__": "__learner__"}
-    for source in [*setup, *solutions]:
-        exec(compile(source, str(path), "exec"), namespace)
-    capsys.readouterr()
-    for source in checks:
-        exec(compile(source, f"{path}:check", "exec"), namespace)
-    return capsys.readouterr().out

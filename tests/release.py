@@ -4,8 +4,8 @@ A learner who works in this checkout edits `chapters/` (exercises filled in, out
 release — its checks must fail on the stubs (strict xfail), it equals what nbgrader generates, `progress` sees it
 untouched — are about the release as generated, not about the learner's copy: they use `released(name)`, which is
 `chapters/<name>` while it holds no learner work, and otherwise the chapter regenerated from `solutions/` into a
-scratch folder (once per test process). nbval skips a learner's edited notebook in `chapters/`, saying why (root
-`conftest.py`).
+scratch folder (once per test process). The notebooks the suite runs are released from `solutions/` into a scratch
+course (tests/course_run.py), whatever `chapters/` holds.
 """
 
 from __future__ import annotations

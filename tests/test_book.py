@@ -2,7 +2,8 @@
 internals, the exercise notebooks and the llmcourse wheel to download, maths that renders without a
 network, a menu that opens on a phone, streamed text that reads as text.
 
-The book is built once per session (a few minutes). The checks of what a browser shows run headless
+The book is built once per session from the course run's notebooks (tests/course_run.py), without executing them
+again. The checks of what a browser shows run headless
 Chromium on the built files, offline, and are skipped where no Chromium is installed."""
 
 import html
@@ -23,12 +24,42 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").is_file())
 
 
+IGNORED = shutil.ignore_patterns(
+    ".git",
+    ".venv",
+    "_build",
+    "__pycache__",
+    ".pytest_cache",
+    ".ipynb_checkpoints",
+    "submitted",
+    "autograded",
+    "feedback",
+    "gradebook.db",
+    "grades.csv",
+)
+
+
 @pytest.fixture(scope="session")
-def book(tmp_path_factory):
+def book(tmp_path_factory, course_run):
+    """The book, built with instructor.md's command and flags, from a copy of the course whose chapter pages hold the
+    outputs of the course run (ada's notebooks: the solutions run on the current code, tests/course_run.py), so
+    that no notebook is executed twice; the copy's _config.yml says `execute_notebooks: off` for that (the
+    published build executes every page itself)."""
+    from .course_run import with_outputs_of
+
+    source = tmp_path_factory.mktemp("book_source") / "course"
+    shutil.copytree(ROOT, source, ignore=IGNORED)
+    config = (source / "_config.yml").read_text(encoding="utf-8")
+    assert "  execute_notebooks: force" in config
+    (source / "_config.yml").write_text(config.replace("  execute_notebooks: force", "  execute_notebooks: 'off'"))
+    for name in CHAPTERS:
+        stored = notebook(ROOT / "solutions" / name / f"{name}.ipynb")
+        page_ = with_outputs_of(stored, course_run.autograded("ada", name))
+        (source / "solutions" / name / f"{name}.ipynb").write_text(json.dumps(page_, indent=1), encoding="utf-8")
     out = tmp_path_factory.mktemp("book")
     jb = Path(sys.executable).with_name("jupyter-book")
     done = subprocess.run(
-        [str(jb), "build", str(ROOT), "--path-output", str(out), "-W", "-n", "--keep-going"],
+        [str(jb), "build", str(source), "--path-output", str(out), "-W", "-n", "--keep-going"],
         capture_output=True,
         text=True,
         timeout=1800,
@@ -37,6 +68,7 @@ def book(tmp_path_factory):
     log = done.stdout + done.stderr
     sphinx_warnings = [line for line in log.splitlines() if "WARNING:" in line]  # not the kernel's "WARNING |"
     assert not sphinx_warnings, "\n".join(sphinx_warnings)  # -W makes them errors too
+    assert "Executing" not in log, "the test build executed a notebook again"
     return out / "_build" / "html"
 
 
@@ -133,6 +165,25 @@ def test_chapter_pages_show_no_grading_internals(book, name):
     assert solutions == len(exercises), "an exercise without its solution in the source notebook"
     if hidden:
         assert visible
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_chapter_pages_show_what_the_visible_checks_print_and_not_the_hidden(book, course_run, name):
+    """The page of a check cell shows the ✓ lines of its visible part, never a line that only the hidden part
+    printed (the book strips the hidden tests before it runs a page; here its outputs come from ada's run, where
+    they ran)."""
+    from .course_run import HIDDEN_BEGIN, code_cells, printed, visible_outputs
+
+    shown = text(page(book, f"solutions/{name}/{name}.html"))
+    for cell in code_cells(course_run.autograded("ada", name)):
+        if HIDDEN_BEGIN not in source(cell):
+            continue
+        visible = printed({"outputs": visible_outputs(source(cell), cell["outputs"])})
+        for line in visible.splitlines():
+            assert line.strip() in shown, f"{cell['id']}: the visible check's {line!r} is not on the page"
+        for line in printed(cell)[len(visible) :].splitlines():
+            if line.strip() and line not in visible.splitlines():
+                assert line.strip() not in shown, f"{cell['id']}: the hidden check's {line!r} is on the page"
 
 
 @pytest.mark.parametrize("name", CHAPTERS)

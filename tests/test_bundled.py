@@ -1,5 +1,6 @@
 """The models shipped in llmcourse/models: offline, deterministic, and as good as their cards say."""
 
+import hashlib
 import os
 import re
 import subprocess
@@ -12,7 +13,7 @@ from llmcourse import generate, get_tokenizer, load_model
 from llmcourse.engine.bpe_training import BPETokenizer
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import BUNDLED, DEFAULT_MODEL, MODELS_DIR
-from llmcourse.training.shakespeare import VALIDATION_FILE, validation_figures, validation_tokens
+from llmcourse.training.shakespeare import EVAL_CONTEXT, VALIDATION_FILE, validation_figures, validation_tokens
 
 # Greedy continuation of "ROMEO:" by gpt2-shakespeare, recorded when the model was trained.
 # token ids as a paragraph of numbers, not one per line
@@ -70,16 +71,39 @@ def test_greedy_output_is_deterministic_and_recorded(target):
     assert first == RECORDED_GREEDY
 
 
+# The cards' validation figures are over the whole held-out plays (418 windows of 256 tokens; 3 minutes on 2 cores).
+# They belong to these exact weights, and the suite checks the engine on the first SLICE windows, whose figures
+# were recorded beside the cards' (the first 16 windows: 4,097 tokens). A change of the weights or of the engine's
+# arithmetic that moves the whole set's loss by 1 % moves the slice's by 100 times the tolerance or more, also
+# when it touches only tokens the slice lacks (measured: tests/test_bundled.py's history, issue 39's note).
+SLICE = 16
+WEIGHTS_SHA256 = {
+    "gpt2-shakespeare": "9d44770804944adba2437cb364eea07c663c98fe5f2bc7990f237830bad6cff4",
+    "gpt2-shakespeare-draft": "a570df9822338b646307cc6569dde2c908e95b0f1f0d8f9407634ac2c801dbc5",
+    "llama-shakespeare": "eb80a47b68bc8b37c9bc335a360c1d3afadb9de313104c4f09f69d9c92aa1a6b",
+}
+SLICE_FIGURES = {"validation_loss": 4.1903, "draft_validation_loss": 4.9300, "acceptance_rate": 0.5751}
+
+
+def test_the_cards_figures_belong_to_the_shipped_weights():
+    for name, digest in WEIGHTS_SHA256.items():
+        found = hashlib.sha256((MODELS_DIR / name / "model.safetensors").read_bytes()).hexdigest()
+        assert found == digest, (
+            f"{name}'s weights changed: measure its card's figures again over the whole validation set "
+            "(llmcourse.training.shakespeare.validation_figures) and record the new hash and the slice's figures here"
+        )
+
+
 @pytest.fixture(scope="module")
 def figures(target, draft):
-    """Both models over the held-out plays, in one pass (the slowest part of this file)."""
-    return validation_figures(target, draft, validation_tokens())
+    """Both models over the first SLICE windows of the held-out plays, in one pass."""
+    tokens = validation_tokens()
+    return validation_figures(target, draft, tokens[: SLICE * EVAL_CONTEXT + 1])
 
 
-def test_validation_loss_equals_the_model_cards(figures):
-    assert figures["validation_loss"] == pytest.approx(card_figure("gpt2-shakespeare", "validation loss"), abs=2e-4)
-    card = card_figure("gpt2-shakespeare-draft", "validation loss")
-    assert figures["draft_validation_loss"] == pytest.approx(card, abs=2e-4)
+def test_validation_loss_equals_the_recorded_one(figures):
+    assert figures["validation_loss"] == pytest.approx(SLICE_FIGURES["validation_loss"], abs=2e-4)
+    assert figures["draft_validation_loss"] == pytest.approx(SLICE_FIGURES["draft_validation_loss"], abs=2e-4)
 
 
 def test_models_beat_the_unigram_baseline():
@@ -89,10 +113,10 @@ def test_models_beat_the_unigram_baseline():
         assert card_figure(name, "validation loss") < unigram - 1.0
 
 
-def test_draft_acceptance_rate_equals_its_card(figures):
+def test_draft_acceptance_rate_equals_the_recorded_one(figures):
     alpha = figures["acceptance_rate"]
-    assert alpha == pytest.approx(card_figure("gpt2-shakespeare-draft", "acceptance rate"), abs=2e-4)
-    assert 0.3 < alpha < 1
+    assert alpha == pytest.approx(SLICE_FIGURES["acceptance_rate"], abs=2e-4)
+    assert 0.3 < card_figure("gpt2-shakespeare-draft", "acceptance rate") < 1
 
 
 def test_transformers_loads_the_bundled_model_with_equal_logits(target):

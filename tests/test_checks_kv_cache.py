@@ -29,7 +29,6 @@ from llmcourse.checks.kv_cache import (
 )
 from llmcourse.engine.model import KVCache as EngineKVCache
 from llmcourse.engine.parts import attention
-from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOK = ROOT / "solutions/06_kv_cache/06_kv_cache.ipynb"
@@ -94,10 +93,6 @@ def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
     check(reference)
     check(reference, seed=101, **hidden)
     assert capsys.readouterr().out.count("✓") == 2
-
-
-def test_notebook_solutions_pass_their_checks(capsys):
-    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 10
 
 
 class StubCache:

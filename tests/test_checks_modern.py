@@ -25,7 +25,6 @@ from llmcourse.checks.modern import (
 from llmcourse.course.guards import guarded
 from llmcourse.engine.parts import Parts
 from llmcourse.engine.slots import PartError
-from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOK = ROOT / "solutions/11_modern/11_modern.ipynb"
@@ -669,12 +668,3 @@ def test_the_guard_names_a_loader_that_returns_what_the_engine_cannot_use(tmp_pa
     ]:
         with pytest.raises(PartError, match=r"part 'load_llama_checkpoint'[\s\S]*" + message):
             load_model(folder, parts=guarded(Parts, load_llama_checkpoint=wrong))
-
-
-# -- the notebook ------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not NOTEBOOK.is_file(), reason="chapter 11's notebook is not written yet")
-def test_solution_notebook_passes_its_checks(capsys):
-    out = run_notebook_checks(NOTEBOOK, capsys)
-    assert out.count("✓") == 2 * len(REFERENCES), out

@@ -12,7 +12,6 @@ from torch import topk as topk_imported_early  # an alias made before the check:
 from llmcourse.checks import CheckFailed, check_top_k_next_tokens
 from llmcourse.checks.harness.core import Case, run_check
 from llmcourse.engine.sampling import top_k_next_tokens
-from tests.notebook_checks import run_notebook_checks
 
 ENGINE = top_k_next_tokens
 
@@ -238,13 +237,6 @@ def test_the_time_out_hint_is_about_this_exercise(monkeypatch):
     with pytest.raises(CheckFailed, match=r"did not finish within 0.3 s") as caught:
         check_top_k_next_tokens(hangs)
     assert "merge" not in str(caught.value) and "50,257" in str(caught.value)
-
-
-def test_the_notebook_solution_passes_every_check(capsys):
-    from pathlib import Path
-
-    out = run_notebook_checks(Path(__file__).parents[1] / "solutions/00_pipeline/00_pipeline.ipynb", capsys)
-    assert out.count("✓") == 2, out
 
 
 def test_transformers_helpers_are_black_boxes_too():

@@ -31,7 +31,6 @@ from llmcourse.checks.speculative import (
 from llmcourse.course.guards import guarded
 from llmcourse.engine import speculative as engine
 from llmcourse.engine.speculative import Speculation
-from tests.notebook_checks import run_notebook_checks
 
 ROOT = Path(__file__).parents[1]
 NOTEBOOK = ROOT / "solutions/08_speculative/08_speculative.ipynb"
@@ -107,10 +106,6 @@ def test_reference_passes_visible_and_hidden(check, reference, hidden, capsys):
     check(reference)
     check(reference, seed=101, **hidden)
     assert capsys.readouterr().out.count("✓") == 2
-
-
-def test_notebook_solutions_pass_their_checks(capsys):
-    assert run_notebook_checks(NOTEBOOK, capsys).count("✓") == 10
 
 
 def stub(*args, **kwargs):

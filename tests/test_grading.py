@@ -1,8 +1,8 @@
 """The course's nbgrader pieces (llmcourse.course.grading) one by one.
 
 The whole round trip — release, autograde, feedback, export, as instructor.md says — is
-tests/test_instructor_guide.py for chapter 01; the whole course is graded end to end here too, for a student who
-solved everything and one who handed in the untouched release.
+tests/test_instructor_guide.py for one chapter; the whole course is graded end to end here too (the course run of
+tests/course_run.py), for a student who solved everything and one who handed in the untouched release.
 """
 
 import csv
@@ -10,11 +10,7 @@ import html
 import io
 import json
 import logging
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 from nbformat import NotebookNode
@@ -158,46 +154,26 @@ def hidden_lines(name):
     return [line.strip() for line in found if line.strip()]
 
 
-def test_the_whole_course_round_trips_through_nbgrader(tmp_path):
+def test_the_whole_course_round_trips_through_nbgrader(course_run):
     """Every chapter released; ada hands in every solution, bob every notebook untouched; autograde (hidden tests
-    included), feedback and export as instructor.md says. ada gets every point of every chapter (chapter 12 finds
-    her other chapters in submitted/ada/), bob none; no feedback shows a hidden test; grades.csv has every chapter;
-    `python -m llmcourse progress` on ada's notebooks shows the whole course, every point."""
-    from .test_course import solved_copy
+    included), feedback and export as instructor.md says (tests/course_run.py). ada gets every point of every
+    chapter (chapter 12 finds her other chapters in submitted/ada/), bob none; no feedback shows a hidden test;
+    grades.csv has every chapter; `python -m llmcourse progress` on ada's notebooks shows the whole course, every
+    point."""
     from .test_instructor_guide import points
 
-    shutil.copy(ROOT / "nbgrader_config.py", tmp_path)
-    shutil.copytree(ROOT / "solutions", tmp_path / "solutions")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # the venv's tools
-
-    def run(*args):
-        done = subprocess.run(
-            [sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1800
-        )
-        assert done.returncode == 0, f"{' '.join(args)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        return done.stdout
-
-    run("-m", "llmcourse", "release")
-    for name in CHAPTERS:
-        solved_copy(name, tmp_path / "submitted" / "ada")
-        shutil.copytree(tmp_path / "chapters" / name, tmp_path / "submitted" / "bob" / name)
-    for name in CHAPTERS:
-        run("-m", "nbgrader", "autograde", name, "--log-level=ERROR")
-        run("-m", "nbgrader", "generate_feedback", name, "--log-level=ERROR")
-    run("-m", "nbgrader", "export", "--log-level=ERROR")
-
-    with open(tmp_path / "grades.csv") as f:
+    with open(course_run.course / "grades.csv") as f:
         scores = {(row["assignment"], row["student_id"]): float(row["score"]) for row in csv.DictReader(f)}
     assert scores == {(name, "ada"): points(name) for name in CHAPTERS} | {(name, "bob"): 0.0 for name in CHAPTERS}
     for name in CHAPTERS:
         hidden = hidden_lines(name)
         assert hidden, f"{name} has no hidden tests"
         for student in ("ada", "bob"):
-            page = html.unescape((tmp_path / "feedback" / student / name / f"{name}.html").read_text())
+            page = html.unescape(course_run.feedback(student, name))
             shown = [line for line in hidden if line in page]
             assert not shown and "BEGIN HIDDEN TESTS" not in page, f"{student}'s {name} feedback shows {shown}"
 
-    report = run("-m", "llmcourse", "progress", "submitted/ada").splitlines()
+    report = course_run.progress.splitlines()
     total = sum(points(name) for name in CHAPTERS)
     assert [line for line in report if not line.startswith(" ")][1:] == [
         *(f"{name}: {points(name):g}/{points(name):g} points" for name in CHAPTERS),

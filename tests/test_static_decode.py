@@ -69,7 +69,17 @@ def test_static_decoding_gives_the_same_tokens(model, monkeypatch, settings):
     assert expected[1][-1] == eos and len(expected[1]) <= 7
 
 
+@pytest.fixture
+def inductor(monkeypatch):
+    """torch.compile with its default backend, inductor (the root conftest.py makes the rest of the suite trace
+    with dynamo's eager backend): code generated, and on the CPU the weights frozen into the graph."""
+    monkeypatch.setenv("LLMCOURSE_COMPILE_BACKEND", "inductor")
+    monkeypatch.setattr(generation, "_compiled", {})
+    monkeypatch.setattr(generation, "_frozen", {})
+
+
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.usefixtures("inductor")
 def test_compiled_decoding_equals_eager(model, device):
     """torch.compile for real (CPU: inductor; CUDA: also CUDA graphs): a batch with padding, greedy."""
     model = model.to(device)
@@ -83,6 +93,7 @@ def test_compiled_decoding_equals_eager(model, device):
     assert again == eager
 
 
+@pytest.mark.usefixtures("inductor")
 def test_compiled_decoding_follows_changed_weights():
     """On the CPU the weights are frozen into the compiled graph: changing them must not leave it stale."""
     model = lively_model(SMALL, seed=4)

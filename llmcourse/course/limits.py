@@ -19,7 +19,7 @@ from .failed import CheckFailed
 
 def quick() -> bool:
     """True when the test suite runs the notebooks (the root conftest.py sets LLMCOURSE_QUICK=1, and the kernels
-    that nbval starts inherit it): measurement cells then measure fewer repeats and sizes, so that each takes a
+    that nbgrader starts inherit it): measurement cells then measure fewer repeats and sizes, so that each takes a
     second or two. The published book, built without it, and a learner's kernel measure fully.
 
         >>> quick()  # doctests run under the test suite

@@ -16,7 +16,8 @@ its outputs in one canonical form:
 - a live ipywidgets tool is stored without its output and its widget state (new model ids every
   run, and nothing to show without a kernel): the learner's kernel draws it when the cell runs.
 
-nbval compares the cells tagged `nbval-check-output` with these stored outputs.
+The test suite compares the cells tagged `nbval-check-output` of a fresh run with these stored outputs, as
+nbval does (tests/test_notebooks.py).
 
     >>> merge_streams([{"output_type": "stream", "name": "stdout", "text": "a"},
     ...                {"output_type": "stream", "name": "stdout", "text": "b\\n"}])

@@ -10,7 +10,7 @@ NotImplementedError()`), IPython would show 20 lines of traceback ending in that
 (one line on the screen)
 
 only for a bare `NotImplementedError` raised by a function defined in the notebook itself; every other error keeps
-IPython's own traceback. The cell still fails (nbval, nbgrader and `progress` see an error as before).
+IPython's own traceback. The cell still fails (nbgrader and `progress` see an error as before).
 """
 
 from __future__ import annotations

@@ -18,7 +18,9 @@ proposals per round (or "auto": chosen from the acceptance rate as it goes): the
 when greedy, the same distribution when sampling (see `llmcourse.engine.speculative`); pass
 `stats=SpeculationStats()` to see how many proposals were accepted.
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
-CUDA graph on a GPU (the first call compiles, which takes a while).
+CUDA graph on a GPU (the first call compiles, which takes a while). The environment variable
+`LLMCOURSE_COMPILE_BACKEND=eager` traces the same graph without generating code (seconds instead of a
+minute: the test suite runs all but its inductor tests that way).
 
 The functions generation calls, each the engine's own unless given: `sampler` (a `Sampler`: the logits
 processors, `greedy`, `sample`), `kv_cache` (the KV cache class; a compiled step always uses the engine's
@@ -35,6 +37,7 @@ processors, `greedy`, `sample`), `kv_cache` (the KV cache class; a compiled step
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -473,8 +476,9 @@ def compiled_decode_step(model: Decoder):
     cache length. A failure to compile raises `CompileError`."""
     device = model.device
     if device.type not in _compiled:
-        mode = "reduce-overhead" if device.type == "cuda" else "default"
-        _compiled[device.type] = torch.compile(decode_step, mode=mode, fullgraph=True, dynamic=False)
+        backend = os.environ.get("LLMCOURSE_COMPILE_BACKEND", "inductor")
+        mode = None if backend != "inductor" else "reduce-overhead" if device.type == "cuda" else "default"
+        _compiled[device.type] = torch.compile(decode_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
     compiled = _compiled[device.type]
     if device.type == "cpu":
         # Frozen weights are copies: if this model's weights changed since (loaded, trained, moved),

@@ -1,0 +1,117 @@
+"""Every notebook, run once (the course run of tests/course_run.py): the solutions run top to bottom on the current
+code with their checked outputs unchanged; the release runs on its stubs, every check failing at its first call;
+the committed release is what nbgrader generates.
+
+This is what nbval did, with `--nbval-lax` (cells tagged `nbval-check-output` compared, sanitized as
+tests/nbval_sanitize.cfg says) and a strict xfail on every graded and `needs-exercise` cell of chapters/; the runs
+are now nbgrader's, which grades the same executions.
+"""
+
+import json
+
+import nbformat
+import pytest
+
+from .course_run import (
+    CHAPTERS,
+    CHECKED,
+    ROOT,
+    check_calls,
+    code_cells,
+    errors_in,
+    output_difference,
+    printed,
+    source,
+    without_solution_markers,
+)
+from .release import learner_work
+
+
+def solution(name):
+    return json.loads((ROOT / "solutions" / name / f"{name}.ipynb").read_text(encoding="utf-8"))
+
+
+def graded(cell):
+    return cell["metadata"].get("nbgrader", {}).get("grade", False)
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_the_solution_runs_top_to_bottom_with_its_checked_outputs(course_run, name):
+    """ada's autograded notebook is the solution notebook (cell for cell, hidden tests included) run on the current
+    code: no cell fails, every check call of a cell prints as many ✓ lines as the others (hidden ones included),
+    and each cell tagged `nbval-check-output` prints what the solution stores."""
+    stored, ran = solution(name), course_run.autograded("ada", name)
+    assert [c["id"] for c in code_cells(ran)] == [c["id"] for c in code_cells(stored)]
+    checked = 0
+    for want, got in zip(code_cells(stored), code_cells(ran)):
+        where = f"{name}, cell {want['id']}:\n{source(want)[:400]}"
+        assert without_solution_markers(source(got)) == without_solution_markers(source(want)), where
+        errors = errors_in(got, ran)
+        assert not errors, f"{where}\nfailed: {errors[0]['ename']}: {errors[0]['evalue']}"
+        if graded(want):
+            ticks = sum(line.startswith("✓") for line in printed(got).splitlines())
+            calls = len(check_calls(without_solution_markers(source(want))))
+            assert ticks and ticks % calls == 0, f"{where}\n{calls} checks printed {ticks} ✓ lines:\n{printed(got)}"
+        if CHECKED in want["metadata"].get("tags", []) and want.get("execution_count") is not None:
+            difference = output_difference(want["outputs"], got["outputs"])
+            assert difference is None, (
+                f"{where}\nprints something else than the solution stores (refresh it with "
+                f"`python -m llmcourse.course.refresh solutions/{name}/{name}.ipynb` if the change is meant):\n"
+                f"{difference}"
+            )
+            checked += 1
+    assert checked or name == "12_capstone", "no cell's output is checked"
+
+
+def test_the_checked_outputs_are_many():
+    tagged = sum(CHECKED in c["metadata"].get("tags", []) for name in CHAPTERS for c in code_cells(solution(name)))
+    assert tagged >= 90, tagged  # 99 when the suite stopped using nbval
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_the_release_runs_and_every_check_fails_on_its_stub(course_run, name):
+    """bob's autograded notebook is the release run on its stubs: a check cell fails at its first check (it printed
+    no ✓: its visible part failed before the hidden one ran), a `needs-exercise` demo fails, every other cell
+    runs."""
+    ran = course_run.autograded("bob", name)
+    for cell in code_cells(ran):
+        where = f"{name}, cell {cell['id']}:\n{source(cell)[:400]}"
+        errors = errors_in(cell, ran)
+        if graded(cell):
+            assert errors, f"{where}\npasses on the stubs"
+            assert "✓" not in printed(cell), f"{where}\na check passed on the stubs:\n{printed(cell)[-1000:]}"
+        elif "needs-exercise" in cell["metadata"].get("tags", []):
+            assert errors, f"{where}\nruns on the stubs: it is not a demo that needs an exercise (remove the tag)"
+        else:
+            assert not errors, f"{where}\nfails on the stubs: {errors[0]['ename']}: {errors[0]['evalue']}"
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_release_is_in_sync_with_nbgrader(course_run, name):
+    edited = learner_work(ROOT / "chapters" / name / f"{name}.ipynb")
+    if edited:  # a learner working in this checkout: their copy is not the release, and releasing would erase it
+        pytest.skip(edited)
+    committed = (ROOT / "chapters" / name / f"{name}.ipynb").read_bytes()
+    regenerated = (course_run.course / "chapters" / name / f"{name}.ipynb").read_bytes()
+    assert committed == regenerated, f"chapters/{name} is stale: run `python -m llmcourse release` and commit"
+
+
+def test_a_stale_stored_output_is_caught(course_run):
+    """A solution whose checked cell stores what the code no longer prints fails the comparison, naming what
+    differs; the sanitized parts (memory addresses, timings) do not count."""
+    stored = nbformat.reads(json.dumps(solution("00_pipeline")), as_version=4)
+    ran = course_run.autograded("ada", "00_pipeline")
+    cell = next(c for c in code_cells(stored) if CHECKED in c.metadata.get("tags", []) and c.outputs)
+    fresh = next(c for c in code_cells(ran) if c["id"] == cell.id)["outputs"]
+    assert output_difference(cell.outputs, fresh) is None
+    text = next(o for o in cell.outputs if o.output_type == "stream")
+    text.text = text.text.replace(text.text.strip()[:5], "stale", 1)
+    difference = output_difference(cell.outputs, fresh)
+    assert difference and difference.startswith("stdout differs") and "stale" in difference
+
+    edited = [{"output_type": "stream", "name": "stdout", "text": "at 0x7f3a2b1c9d40 in 12.5 ms\n"}]
+    again = [{"output_type": "stream", "name": "stdout", "text": "at 0x55d0c0ffee00 in 3.25 ms\n"}]
+    assert output_difference(edited, again) is None
+    assert output_difference(edited, again + [{"output_type": "stream", "name": "stderr", "text": "!"}])
+    split = [{"output_type": "stream", "name": "stdout", "text": t} for t in ["at 0x7f3a2b1c9d40", " in 1.0 ms\n"]]
+    assert output_difference(edited, split) is None  # a stream's pieces count as one text, as Jupyter shows them
