@@ -152,7 +152,7 @@ SKIPPED = {  # what nbval does not compare: run-to-run metadata, random widget i
     "image/png",
     "image/jpeg",
 }
-BACKSPACE = re.compile(r"[^\n]\b")
+BACKSPACE = re.compile("[^\n]\x08")  # a character and the backspace that erases it
 CARRIAGE_RETURN = re.compile(r"^.*\r(?=[^\n])", re.MULTILINE)
 
 

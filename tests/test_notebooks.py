@@ -18,6 +18,7 @@ from .course_run import (
     ROOT,
     check_calls,
     code_cells,
+    comparable,
     errors_in,
     output_difference,
     printed,
@@ -104,6 +105,7 @@ def test_a_stale_stored_output_is_caught(course_run):
     cell = next(c for c in code_cells(stored) if CHECKED in c.metadata.get("tags", []) and c.outputs)
     fresh = next(c for c in code_cells(ran) if c["id"] == cell.id)["outputs"]
     assert output_difference(cell.outputs, fresh) is None
+    assert "characters ->" in comparable(fresh)["stdout"][0]  # compared as printed (sanitizing spares it)
     text = next(o for o in cell.outputs if o.output_type == "stream")
     text.text = text.text.replace(text.text.strip()[:5], "stale", 1)
     difference = output_difference(cell.outputs, fresh)

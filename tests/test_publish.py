@@ -56,8 +56,9 @@ def test_the_workflow_builds_the_book_as_the_docs_say_and_deploys_what_it_writes
     assert builds == [BUILD]
     publish = section("Publish the book")
     assert BUILD in publish and "ghp-import -n -p -f _build/html" in publish
-    # the command tests/test_book.py builds the book with: the same flags
-    assert re.search(r'"build", str\(ROOT\), "--path-output", str\(out\), "-W", "-n", "--keep-going"', _book_test())
+    # the command tests/test_book.py builds the book with (a copy of the course holding the course run's outputs):
+    # the same flags
+    assert re.search(r'"build", str\(source\), "--path-output", str\(out\), "-W", "-n", "--keep-going"', _book_test())
     install = "\n".join(runs[: next(i for i, run in enumerate(runs) if BUILD in run)])
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     torch = re.search(r"^pip install (torch==\S+ --index-url https://download.pytorch.org/whl/cpu)", readme, re.M)
