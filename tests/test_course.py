@@ -62,16 +62,13 @@ def solved_copy(name: str, folder: Path, solve: int = 10**6) -> Path:
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
-def test_progress_sees_solved_and_unsolved(tmp_path, name):
+def test_progress_sees_an_untouched_release_as_not_started(name):
+    """(Every chapter solved is every point: the course run's `progress submitted/ada`, tests/test_grading.py.)"""
     fresh = grade_chapter(released(name) / f"{name}.ipynb")
-    if name == "12_capstone":  # its checks grade chapters 01-11 (tests/test_grading.py's whole course: all solved)
+    if name == "12_capstone":  # its checks grade chapters 01-11
         assert fresh and all(r.points == 0 and "still the engine's own" in r.reason for r in fresh)
         return
     assert fresh and all(r.status == "not started" and r.points == 0 for r in fresh)
-    done = grade_chapter(solved_copy(name, tmp_path))
-    assert all(r.status == "passing" and r.points == r.max_points for r in done), [
-        r for r in done if r.status != "passing"
-    ]
 
 
 def test_progress_reports_a_failing_exercise_with_its_reason(tmp_path):
