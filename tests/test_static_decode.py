@@ -159,6 +159,7 @@ def test_rows_past_eos_are_cut_even_when_the_loop_checks_late(model, monkeypatch
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")
 @pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.usefixtures("inductor")  # CUDA graphs (mode="reduce-overhead") come with inductor
 def test_cuda_decode_loop_never_waits_for_the_gpu(model, compile):
     model = model.to("cuda")
     try:
