@@ -33,7 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CHAPTERS = sorted(p.parent.name for p in (ROOT / "solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
-STUDENTS = {"ada": "every solution", "bob": "the release untouched"}
 CHECKED = "nbval-check-output"  # the tag of a cell whose stored outputs a fresh run must reproduce
 WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
 
@@ -94,8 +93,13 @@ def run_course(course: Path) -> CourseRun:
 # Reading executed notebooks
 
 
+def joined(text) -> str:
+    """A notebook's text field as one string (nbformat stores it as a string or a list of lines)."""
+    return "".join(text) if isinstance(text, list) else text
+
+
 def source(cell) -> str:
-    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+    return joined(cell["source"])
 
 
 def code_cells(nb) -> list:
@@ -132,9 +136,7 @@ def errors_in(cell, nb) -> list[dict]:
 
 
 def printed(cell) -> str:
-    return "".join(
-        source({"source": o.get("text", "")}) for o in cell.get("outputs", []) if o["output_type"] == "stream"
-    )
+    return "".join(joined(o.get("text", "")) for o in cell.get("outputs", []) if o["output_type"] == "stream")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,7 +172,7 @@ def comparable(outputs: list) -> dict[str, list]:
     fields: dict[str, list] = {}
     for output in outputs:
         if output["output_type"] == "stream":
-            streams[output["name"]] = streams.get(output["name"], "") + source({"source": output["text"]})
+            streams[output["name"]] = streams.get(output["name"], "") + joined(output["text"])
             continue
         for key, value in output.items():
             if key in SKIPPED:
@@ -187,8 +189,7 @@ def comparable(outputs: list) -> dict[str, list]:
     patterns = sanitizers()
 
     def clean(v):
-        if isinstance(v, list):
-            v = "".join(v)
+        v = joined(v)
         if isinstance(v, str):
             for regex, replace in patterns:
                 v = regex.sub(replace, v)

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from .course_run import source
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").is_file())
 
@@ -83,10 +85,6 @@ def text(markup):
 
 def notebook(path):
     return json.loads(Path(path).read_text(encoding="utf-8"))
-
-
-def source(cell):
-    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
 
 
 # ----------------------------------------------------------------------------------------------
