@@ -444,12 +444,19 @@ def run_generate(args: argparse.Namespace) -> int:
             yours = your_pieces(
                 args.parts,
                 notify=lambda line: print(line, file=sys.stderr, flush=True),
-                uses=slots_used({**settings, "quantize": args.quantize}),
+                uses=slots_used({**settings, "quantize": args.quantize}, model_type_of(args.model)),
             )
             if not isinstance(tokenizer, HFTokenizer):  # chapter 01's tokenizer is GPT-2's
                 tokenizer = yours.tokenizer
-        # with --parts, the learner's quantization functions (chapter 09) quantize the model once installed
-        model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=None if yours else args.quantize)
+        # with --parts, the learner's loader (chapter 11) reads a Llama-family checkpoint, and the learner's
+        # quantization functions (chapter 09) quantize the model once installed
+        model = load_model(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            quantize=None if yours else args.quantize,
+            parts=None if yours is None else yours.parts,
+        )
         if yours is not None:
             model = yours.install(model, args.quantize)  # an Engine: generation runs the learner's functions
         pieces = stream(model, tokenizer, args.prompt, **settings)

@@ -327,6 +327,38 @@ def test_the_notice_lists_only_what_the_run_uses():
     )
 
 
+def test_generate_parts_on_a_llama_model_names_and_runs_the_learners_llama_parts(monkeypatch, capsys, tmp_path):
+    """`generate --parts ... --model llama-shakespeare`: the notice is the Llama family's (rms_norm, swiglu and the
+    loader, no chapter 01 tokenizer), and the run calls exactly those learner functions: the notice said "your
+    temperature" only, before the command line passed the model's type."""
+    from llmcourse.course import learner
+    from llmcourse.engine import parts
+
+    from .test_cli import run_here
+
+    calls = {name: 0 for name in ("rms_norm", "swiglu", "load_llama_checkpoint", "temperature", "encode")}
+
+    def counted(name, fn):
+        def mine(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return mine
+
+    yours = {name: counted(name, getattr(parts, name)) for name in ("rms_norm", "swiglu", "load_llama_checkpoint")}
+    yours |= {"temperature": counted("temperature", MINE["temperature"]), "encode": counted("encode", lambda *a: [])}
+    monkeypatch.setattr(learner, "learner_functions", lambda *args, **kwargs: dict(yours))
+    settings = ["--model", "llama-shakespeare", "--max-new-tokens", "6", "--seed", "2", "--device", "cpu", "ROMEO:"]
+    code, text, notices = run_here(capsys, "generate", "--parts", str(tmp_path), *settings)
+    assert code == 0, notices
+    assert notices.splitlines() == [
+        "your engine: your rms_norm, swiglu, load_llama_checkpoint, temperature, the engine's own for the rest"
+    ]
+    assert calls["load_llama_checkpoint"] == 1 and calls["rms_norm"] > 0 and calls["swiglu"] > 0
+    assert calls["temperature"] == 6 and calls["encode"] == 0  # the model's own tokenizer, not chapter 01's
+    assert (code, text) == run_here(capsys, "generate", *settings)[:2]  # the same answers as the engine's own
+
+
 def test_the_notice_without_a_run_says_where_each_is_used():
     from llmcourse.course.learner import your_engine_notice
 
