@@ -322,6 +322,58 @@ def test_a_part_failing_its_check_is_not_used(tmp_path):
     ]
 
 
+def test_notices_and_the_engine_report_agree_in_number_with_the_functions_they_name(tmp_path):
+    """An exercise of two functions (chapter 09's) falls back to "the engine's quantize_int8 and dequantize_int8
+    run instead", one to "the engine's int8_linear runs instead"; the report says a reason of the functions it
+    lists: "are not written yet" for two, "is missing" for one."""
+    from llmcourse.course.learner import engine_report, pieces_of, your_pieces
+
+    def check(name, call, message):  # a failing check, and how the notice names it
+        line = f"assert {call} == 2, {message!r}"
+        where = f"{tmp_path.name}/09_quantization: {name} check, line 1: `{line}`"
+        return ("check", name, line), f"the check raised AssertionError: {message} ({where})"
+
+    pack_check, pack_fails = check("pack_int4", "pack_int4(1)", "two 4-bit values per byte")
+    linear_check, linear_fails = check("int8_linear", "int8_linear(1, 2, 3, 4)", "not the integer sums")
+    notebook(
+        tmp_path,
+        "09_quantization",
+        ("exercise", "quantize_int8", "def quantize_int8(w):\n    raise NotImplementedError\n\n\n"
+                                      "def dequantize_int8(q, scale):\n    raise NotImplementedError"),
+        ("check", "quantize_int8", "quantize_int8(None)"),
+        ("exercise", "pack_int4", "def pack_int4(q):\n    return q\n\n\ndef unpack_int4(packed):\n    return packed"),
+        pack_check,
+        ("exercise", "quantize_int4", "def quantize_int4(w):\n    return w\n\n\ndef dequantize_int4(q):\n    return q"),
+        ("check", "quantize_int4", "assert quantize_int4(1) == 1"),
+        ("exercise", "int8_linear", "def int8_linear(x, q, scale, bias):\n    return x"),
+        linear_check,
+    )  # fmt: skip
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert notices == [
+        "09_quantization: quantize_int8 is not written yet; the engine's quantize_int8 and dequantize_int8 run instead",
+        f"09_quantization: pack_int4 does not pass its check ({pack_fails}); the engine's pack_int4 and unpack_int4 "
+        "run instead",
+        f"09_quantization: int8_linear does not pass its check ({linear_fails}); the engine's int8_linear runs instead",
+        "your engine: your quantize_int4, dequantize_int4 (quantizing); the engine's own for the rest",
+    ]
+    report = engine_report(pieces).splitlines()
+    assert report[-2] == (
+        "09_quantization  yours: quantize_int4, dequantize_int4; the engine's: quantize_int8, dequantize_int8 (are not "
+        f"written yet); the engine's: pack_int4, unpack_int4 (do not pass their check ({pack_fails})); the engine's: "
+        f"int8_linear (does not pass its check ({linear_fails}))"
+    )
+    here = f".ipynb in {tmp_path})"
+    assert (
+        report[1]
+        == "02_embeddings    the engine's: embedding, rope (are missing: no 02_embeddings/02_embeddings" + here
+    )
+    assert report[5] == "06_kv_cache      the engine's: KVCache (is missing: no 06_kv_cache/06_kv_cache" + here
+    unknown = engine_report(pieces_of({}, notify=lambda line: None)).splitlines()
+    assert unknown[1] == "02_embeddings    the engine's: embedding, rope (their notebook was not found)"
+    assert unknown[5] == "06_kv_cache      the engine's: KVCache (its notebook was not found)"
+
+
 def test_my_engine_uses_every_passing_slot_and_notifies_once(tmp_path, small_pair):
     """Chapters 00 and 01 untouched, plus a gelu: one notice per unwritten slot exercise (none for
     exercises without a slot), and the engine runs, the same text as the engine's own."""
@@ -648,7 +700,7 @@ def test_the_capstone_names_a_chapter_that_is_missing(tmp_path):
     pieces = your_pieces(tmp_path, notify=lambda line: None)
     assert pieces.mine == {"greedy": pieces.mine["greedy"]}
     missing = f"missing: no 02_embeddings/02_embeddings.ipynb in {tmp_path}"
-    assert f"02_embeddings    the engine's: embedding, rope (is {missing})" in engine_report(pieces).splitlines()
+    assert f"02_embeddings    the engine's: embedding, rope (are {missing})" in engine_report(pieces).splitlines()
     with pytest.raises(CheckFailed) as err:
         check_mode("batched", pieces)
     assert f"  02_embeddings (embedding, rope): {missing}\n" in str(err.value)

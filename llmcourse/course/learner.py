@@ -133,11 +133,16 @@ def learner_functions(
                     if result.status == "not started"
                     else f"does not pass its check ({result.reason})"
                 )
-                theirs = ", ".join(f"the engine's {n}" for n in names)
-                notify(f"{chapter.name}: {ex.grade_id} {why}; {theirs} runs instead")
+                runs = "runs" if len(names) == 1 else "run"
+                notify(f"{chapter.name}: {ex.grade_id} {why}; the engine's {in_words(names)} {runs} instead")
             if origins is not None:
                 origins.update({n: (chapter.name, ex.grade_id, why) for n in names})
     return functions
+
+
+def in_words(names: list[str]) -> str:
+    """Names as a sentence lists them: 'a', 'a and b', 'a, b and c'."""
+    return " and ".join(filter(None, [", ".join(names[:-1]), names[-1]]))
 
 
 def learner_parts(folder: Optional[PathLike] = None, *, notify: Notify = print) -> Parts:
@@ -409,7 +414,8 @@ def engine_report(pieces: Pieces) -> str:
 
         >>> print(engine_report(your_pieces("chapters")))                  # doctest: +SKIP
         01_tokenization  yours: encode, decode, StreamDecoder
-        02_embeddings    yours: embedding; the engine's: rope (not written yet)
+        02_embeddings    yours: embedding; the engine's: rope (is not written yet)
+        03_attention     yours: softmax; the engine's: attention, split_heads, merge_heads (are not written yet); ...
         ...
     """
     lines = []
@@ -422,9 +428,27 @@ def engine_report(pieces: Pieces) -> str:
             why = (pieces.origins.get(slot) or (None, None, "its notebook was not found"))[2] or "not used"
             by_reason.setdefault(why, []).append(slot)
         said = [f"yours: {', '.join(yours)}"] if yours else []
-        said += [f"the engine's: {', '.join(slots)} ({why})" for why, slots in by_reason.items()]
+        said += [f"the engine's: {', '.join(held)} ({of_several(why, len(held))})" for why, held in by_reason.items()]
         lines.append(f"{chapter:<16} {'; '.join(said)}")
     return "\n".join(lines)
+
+
+# A reason as `learner_functions` gives it, said of one exercise ('is not written yet', 'does not pass its check
+# (...)', 'is missing: ...'; `engine_report`'s own 'its notebook was not found'), and its start said of several slots.
+SINGULAR_TO_PLURAL = (
+    ("is ", "are "),
+    ("does not pass its check", "do not pass their check"),
+    ("its notebook", "their notebook"),
+)
+
+
+def of_several(why: str, count: int) -> str:
+    """`why` in agreement with `count` functions: 'is not written yet', or for two or more 'are not written yet'."""
+    if count > 1:
+        for one, several in SINGULAR_TO_PLURAL:
+            if why.startswith(one):
+                return several + why.removeprefix(one)
+    return why
 
 
 class Engine:
