@@ -64,10 +64,7 @@ def solved_copy(name: str, folder: Path, solve: int = 10**6) -> Path:
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_progress_sees_an_untouched_release_as_not_started(name):
     """(Every chapter solved is every point: the course run's `progress submitted/ada`, tests/test_grading.py.)"""
-    fresh = grade_chapter(released(name) / f"{name}.ipynb")
-    if name == "12_capstone":  # its checks grade chapters 01-11
-        assert fresh and all(r.points == 0 and "still the engine's own" in r.reason for r in fresh)
-        return
+    fresh = grade_chapter(released(name) / f"{name}.ipynb")  # chapter 12's checks grade 01-11, all untouched too
     assert fresh and all(r.status == "not started" and r.points == 0 for r in fresh)
 
 
@@ -727,6 +724,47 @@ def test_progress_grades_chapter_12_on_the_chapters_it_finds(tmp_path):
     report = progress_report(tmp_path)
     assert "12_capstone: 1/2 points" in report and "✓ mine_check" in report
     assert "✗ all_check" in report and "write top_k" in report
+
+
+def test_progress_shows_the_capstone_not_started_then_failing_with_no_dangling_colon(tmp_path):
+    """The real chapter 12 beside untouched chapters: each mode 'not started', as other chapters say it. Once the
+    learner has written something (chapter 00 solved), each mode fails with its first line whole (the list of
+    functions still the engine's own, after its colon, is --verbose's) and no line ends with a colon."""
+    for name in ("00_pipeline", "05_sampling", "12_capstone"):
+        shutil.copytree(released(name), tmp_path / name)
+    modes = ["single", "batched", "llm_engine", "speculative", "int8", "int4", "sampled"]
+    points = dict(single=3, batched=2, llm_engine=3, speculative=3, int8=2, int4=2, sampled=2)
+    untouched = progress_report(tmp_path).splitlines()
+    assert untouched[untouched.index("12_capstone: 0/17 points") + 1 :] == [
+        f"  · {'capstone_' + mode:<22} {'0/' + str(points[mode]):>5}  not started" for mode in modes
+    ] + ["total: 0/39 points"]
+    solved_copy("00_pipeline", tmp_path)
+    started = progress_report(tmp_path).splitlines()
+    assert started[started.index("12_capstone: 0/17 points") + 1 :] == [
+        f"  ✗ {'capstone_' + mode:<22} {'0/' + str(points[mode]):>5}  failing: ✗ capstone {mode} — this mode runs "
+        "functions that are still the engine's own (--verbose shows which)"
+        for mode in modes
+    ] + ["total: 2/39 points"]
+    verbose = progress_report(tmp_path, verbose=True)
+    assert f"{'':34}  05_sampling (greedy): not written yet" in verbose.splitlines()
+    assert not [line for line in started + verbose.splitlines() if line.endswith(":")]
+
+
+def test_a_check_of_the_whole_course_is_not_started_until_an_exercise_is_written(tmp_path):
+    """A check cell with no exercise of its own (chapter 12's) is 'not started' while every exercise of the other
+    chapters in the folder is still its stub, and graded from the first one written."""
+    stub = ("exercise", "greedy", "def greedy(logits):\n    raise NotImplementedError")
+    notebook(tmp_path, "05_sampling", stub, ("check", "greedy", "greedy(None)"))
+    notebook(
+        tmp_path,
+        "12_capstone",
+        ("setup", "from llmcourse.course.learner import learner_functions"),
+        ("check", "greedy_yours", "assert 'greedy' in learner_functions(notify=print), 'write greedy'"),
+    )
+    assert statuses(tmp_path / "12_capstone" / "12_capstone.ipynb") == {"greedy_yours_check": ("not started", "")}
+    written = ("exercise", "greedy", "def greedy(logits):\n    return 1")
+    notebook(tmp_path, "05_sampling", written, ("check", "greedy", "assert greedy(None) == 1"))
+    assert statuses(tmp_path / "12_capstone" / "12_capstone.ipynb") == {"greedy_yours_check": ("passing", "")}
 
 
 @pytest.mark.parametrize("folder", ["solutions", "chapters"])

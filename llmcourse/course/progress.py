@@ -374,12 +374,12 @@ class ChapterRun:
 
     def _grade(self, ex: Exercise) -> Result:
         name = self.chapter.name
-        if ex.cell is not None and untouched(ex.source):
+        if untouched(ex.source) if ex.cell is not None else not others_started(self.chapter.path):
             return Result(name, ex.grade_id, "not started", "", 0.0, ex.points)
         problem = self.errors.get(id(ex.cell)) if ex.cell is not None else None
         if problem is not None and not problem.startswith("was not run"):
             message = f"your cell {problem}"
-            return Result(name, ex.grade_id, "failing", message.splitlines()[0], 0.0, ex.points, message)
+            return Result(name, ex.grade_id, "failing", headline(message), 0.0, ex.points, message)
         if problem is None and self.remaining() > 0:
             filename = cell_filename(self.chapter.path, ex.check_cell.label)
             problem = run_code(ex.check, filename, dict(self.namespace), min(self.check_seconds, self.remaining()))
@@ -394,7 +394,7 @@ class ChapterRun:
         if problem.startswith(PHRASES):
             problem = f"the check {problem}"
         message = self.blame(ex, problem)
-        return Result(name, ex.grade_id, "failing", message.splitlines()[0], 0.0, ex.points, message)
+        return Result(name, ex.grade_id, "failing", headline(message), 0.0, ex.points, message)
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -431,6 +431,26 @@ class ChapterRun:
             note = f" (it uses {', '.join(failing)}, which fail{'s' if len(failing) == 1 else ''} its own check)"
             return first + note + ("\n" + rest if rest else "")
         return problem
+
+
+def others_started(path: Path) -> bool:
+    """Whether the learner has written any exercise of the chapters that a check of the whole course's work in the
+    chapter `path` reads (chapter 12's: the other chapters of the folder its kernel finds, `default_folder`)."""
+    with running(path):
+        try:
+            others = [p for p in find_chapters(default_folder()) if p.resolve() != path.resolve()]
+        except FileNotFoundError:  # no chapters there at all
+            return False
+    return any(ex.cell is not None and not untouched(ex.source) for p in others for ex in read_chapter(p).exercises)
+
+
+def headline(message: str) -> str:
+    """A failing check's one-line reason: its message's first line. A first line that introduces the lines below it
+    (it ends with ':', as the capstone's list of functions still the engine's own) says where they are instead."""
+    first = message.splitlines()[0]
+    if first.endswith(":") and "\n" in message:
+        return f"{first[:-1]} (--verbose shows which)"
+    return first
 
 
 def run_chapter(
