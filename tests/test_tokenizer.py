@@ -121,3 +121,54 @@ def test_stream_decoder_equals_decode_on_random_ids(tokenizer):
     for _ in range(200):
         ids = [rng.randrange(EOT_ID) for _ in range(rng.randrange(1, 12))]
         assert "".join(stream_all(tokenizer, ids)) == tokenizer.decode(ids)
+
+
+# ----------------------------------------------------------------------------------------------
+# The trained tokenizer (`BPETokenizer`): special tokens that overlap, and the memory its chunk cache keeps
+
+
+OVERLAPPING = {EOT: 300, EOT + EOT: 301}  # Stanford CS336's test: the shorter one first, and the longer starts with it
+
+
+@pytest.fixture(scope="module")
+def trained():
+    """A small trained tokenizer with the two special tokens above, listed shorter first."""
+    from llmcourse.engine.bpe_training import SPLIT_PATTERN, BPETokenizer, train_bpe
+
+    return BPETokenizer(train_bpe("Hello hello, world! " * 20, 30, SPLIT_PATTERN), SPLIT_PATTERN, OVERLAPPING)
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Hello", EOT + EOT],
+        [EOT, "Hello", EOT + EOT, EOT],  # three in a row: the double, then the single
+        ["Hello", EOT, " ", EOT],
+    ],
+)
+def test_a_special_token_is_not_cut_by_a_shorter_one_it_starts_with(trained, pieces, tmp_path):
+    """The longest special token wins where several start at the same place; the `tokenizers` library, reading
+    the tokenizer.json it saves, gives the same ids."""
+    from tokenizers import Tokenizer
+
+    text = "".join(pieces)
+    ids = trained.encode(text)
+    assert ids == [i for p in pieces for i in ([OVERLAPPING[p]] if p in OVERLAPPING else trained.encode_ordinary(p))]
+    assert trained.decode(ids) == text
+    trained.save(tmp_path / "tokenizer.json")
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).encode(text).ids == ids
+
+
+def test_the_chunk_cache_keeps_at_most_its_bound_and_encodes_the_same(trained):
+    """12,000 distinct chunks (numbers) encoded: the cache holds the 10,000 used last, and chunks forgotten and
+    encoded again give the same ids as before, each chunk's own."""
+    from llmcourse.engine.bpe_training import CHUNK_CACHE_SIZE, BPETokenizer
+
+    fresh = BPETokenizer(trained.merges, trained.split_pattern, trained.special_tokens)
+    text = " ".join(str(n) for n in range(12_000))
+    ids = fresh.encode(text)
+    info = fresh.chunk_ids.cache_info()
+    assert CHUNK_CACHE_SIZE == info.maxsize == 10_000 and info.currsize == 10_000
+    each = [i for chunk in fresh.split.findall(text) for i in fresh.encode_chunk(chunk.encode("utf-8"))]
+    assert fresh.encode(text) == ids == each
+    assert fresh.decode(ids) == text and fresh.chunk_ids.cache_info().currsize == 10_000

@@ -28,6 +28,7 @@ chunks are laid out in order of their first occurrence in the text, which keeps 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 from pathlib import Path
@@ -42,6 +43,13 @@ from .tokenizer import GPT2_SPLIT_PATTERN, bytes_to_unicode
 SPLIT_PATTERN = GPT2_SPLIT_PATTERN.replace(r"|\s+(?!\S)", r"|\n\n|\s+(?!\S)")
 
 Pair = tuple[int, int]
+
+# How many distinct chunks a `BPETokenizer` remembers the ids of (the least recently used forgotten first). Text
+# repeats its common chunks (" the", " and", "\n\n"), so a few thousand cover nearly every one a text has; without a
+# bound, a long-lived tokenizer (a server's, one encoding a large corpus) would keep every chunk it ever saw, numbers
+# and names included, and its memory would grow with all the text it encoded. Each entry is a chunk and its ids: at
+# most a few hundred bytes, a few MB for all of them.
+CHUNK_CACHE_SIZE = 10_000
 
 
 def distinct_chunks(text: str, split_pattern: Optional[str]) -> tuple[list[bytes], list[int]]:
@@ -193,7 +201,8 @@ class BPETokenizer:
     """Byte-level BPE with `merges` ({pair: id}, ids 256, 257, ... in training order): text is cut with
     `split_pattern`, each chunk's bytes are merged lowest id first (the leftmost occurrence first), as
     minbpe's RegexTokenizer and the `tokenizers` library's BPE encode. `special_tokens` ({text: id}) are
-    matched in the text first and never merged with their neighbours.
+    matched in the text first, the longest first where one starts with another, and never merged with their
+    neighbours. The ids of the `CHUNK_CACHE_SIZE` chunks used most recently are remembered.
 
         >>> tok = BPETokenizer({(104, 105): 256}, special_tokens={"<|endoftext|>": 257})
         >>> tok.encode("hi<|endoftext|>hi")
@@ -222,12 +231,13 @@ class BPETokenizer:
                 )
             seen[token] = i
         self.vocab.update({i: s.encode("utf-8") for s, i in self.special_tokens.items()})
+        # longest first: the regex takes the first alternative that matches, so "<|endoftext|>" listed before
+        # "<|endoftext|><|endoftext|>" would cut the longer one in two
+        longest_first = sorted(self.special_tokens, key=len, reverse=True)
         self.special_split = (
-            regex.compile("(" + "|".join(regex.escape(s) for s in self.special_tokens) + ")")
-            if self.special_tokens
-            else None
+            regex.compile("(" + "|".join(regex.escape(s) for s in longest_first) + ")") if longest_first else None
         )
-        self.cache: dict[str, list[int]] = {}
+        self.chunk_ids = functools.lru_cache(maxsize=CHUNK_CACHE_SIZE)(self._chunk_ids)
 
     @classmethod
     def from_file(cls, path: Path) -> "BPETokenizer":
@@ -276,10 +286,12 @@ class BPETokenizer:
         """Token ids of `text`, special tokens written in it encoded as ordinary text."""
         ids = []
         for chunk in self.split.findall(text):
-            if chunk not in self.cache:
-                self.cache[chunk] = self.encode_chunk(chunk.encode("utf-8"))
-            ids.extend(self.cache[chunk])
+            ids.extend(self.chunk_ids(chunk))
         return ids
+
+    def _chunk_ids(self, chunk: str) -> tuple[int, ...]:
+        """A chunk of text's ids (`chunk_ids` remembers those of the chunks used most recently)."""
+        return tuple(self.encode_chunk(chunk.encode("utf-8")))
 
     def encode(self, text: str, allowed_special="all") -> list[int]:
         """Token ids of `text`; special tokens written in it become their ids (with `allowed_special="all"`, as
