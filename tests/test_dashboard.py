@@ -143,3 +143,25 @@ def test_an_error_in_the_learners_code_is_shown_not_raised(gpt2):
     assert "Traceback" not in board.status.value
     board.prompt.value = ""  # an empty prompt: the engine's own refusal, shown the same way
     assert "empty" in board.status.value
+
+
+def labelled(widget):
+    """The widgets under `widget` that show a description label beside their control (a Button's is its text)."""
+    style = getattr(widget, "style", None)
+    own = [widget] if getattr(widget, "description", "") and hasattr(style, "description_width") else []
+    return own + [w for child in getattr(widget, "children", ()) for w in labelled(child)]
+
+
+def test_every_setting_shows_its_whole_label(gpt2):
+    """Each setting's label is as wide as its text ('initial'; the fixed default cut "temperature" to "temperat…"),
+    and its widget leaves room for the control beside it: 8 px a character of the label, more than JupyterLab's
+    13 px interface font takes, and at least 90 px for the control."""
+    import ipywidgets as widgets
+
+    settings = labelled(dash.Dashboard(gpt2))
+    assert sorted(w.description for w in settings) == ["draft", "new tokens", "temperature"]
+    for widget in settings:
+        assert widget.style.description_width == "initial", widget.description
+    for widget in settings:
+        assert int(widget.layout.width.removesuffix("px")) - 8 * len(widget.description) >= 90, widget.description
+    assert widgets.FloatSlider(description="temperature").style.description_width == ""  # the default's fixed width

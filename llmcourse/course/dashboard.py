@@ -843,6 +843,9 @@ def rounds_html(t: Trace) -> str:
 
 
 ROUNDS_SHOWN = 12  # the dashboard lists the latest rounds only
+# Each setting's label as wide as its text: ipywidgets gives every label the same fixed width (80 px in JupyterLab),
+# which cuts "temperature" to "temperat…"; the widths of the settings leave room for the label and the control.
+LABEL_STYLE = {"description_width": "initial"}
 
 
 class Dashboard(widgets.VBox):
@@ -859,14 +862,26 @@ class Dashboard(widgets.VBox):
             layout=widgets.Layout(width="100%"),
         )
         self.max_new_tokens = widgets.BoundedIntText(
-            value=max_new_tokens, min=1, max=room, description="new tokens", layout=widgets.Layout(width="180px")
+            value=max_new_tokens,
+            min=1,
+            max=room,
+            description="new tokens",
+            style=LABEL_STYLE,
+            layout=widgets.Layout(width="180px"),
         )
         self.temperature = widgets.FloatSlider(
-            value=0.0, min=0.0, max=2.0, step=0.05, description="temperature", layout=widgets.Layout(width="300px")
+            value=0.0,
+            min=0.0,
+            max=2.0,
+            step=0.05,
+            description="temperature",
+            style=LABEL_STYLE,
+            layout=widgets.Layout(width="300px"),
         )
         self.draft = widgets.Dropdown(
             options=[("none", None), ("prompt lookup", PROMPT_LOOKUP)],
             description="draft",
+            style=LABEL_STYLE,
             layout=widgets.Layout(width="200px"),
         )
         self.button = widgets.Button(description="Generate", button_style="primary")
