@@ -3,13 +3,20 @@
 - Chapter 11 printed the largest difference of its logits from transformers' (4.2e-07 one run, 5.4e-07 the next), so
   refreshing the unchanged notebook changed it: it prints the bound instead, and no chapter here prints such a raw
   rounding difference in a cell whose output is meant to stay the same.
+- Chapter 05's side-by-side table, a cell of its own after the demo, raised a bare NameError (`texts`) on the stubs,
+  since the demo that makes `texts` had stopped at the first stub: the demo draws the table itself now (with a helper
+  defined above it), so the learner sees the one line that names the exercise still to write.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +67,28 @@ def test_no_raw_rounding_difference_in_an_output_meant_to_stay_the_same():
             if c["cell_type"] != "code" or "machine-dependent" in c["metadata"].get("tags", []):
                 continue
             assert not MEASURED_TINY.search(shown(c)), f"{name} {c['id']}: {shown(c)!r}"
+
+
+# ------------------------------------------------------------------------------------------------ 2: chapter 05's table
+
+
+def test_chapter_05_side_by_side_on_the_stubs_names_the_exercise_to_write_not_a_name_error():
+    """The release run on its stubs, up to the side-by-side demo and its table: one line naming `stream_text` (the
+    first exercise the demo calls), and no NameError in any cell."""
+    from llmcourse.course.stubs import message
+
+    release = nbformat.reads(json.dumps(notebook("05_sampling", "chapters")), as_version=4)
+    ids = [c.id for c in release.cells]
+    last = max(ids.index("side-by-side"), ids.index("side-by-side-table"))
+    nb = copy.deepcopy(release)
+    nb.cells = [c for c in release.cells[: last + 1] if "remove-cell" not in c.metadata.get("tags", [])]
+    folder = ROOT / "chapters" / "05_sampling"
+    NotebookClient(
+        nb, timeout=300, allow_errors=True, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
+    ).execute()
+    errors = {c.id: o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"}
+    named = {i: f"{e.ename}: {e.evalue}" for i, e in errors.items() if e.ename == "NameError"}
+    assert not named, named
+    demo = errors["side-by-side"]
+    assert demo.ename == "NotImplementedError" and demo.traceback == [message("stream_text")], demo
+    assert "side-by-side-table" not in errors  # the helper's definition runs on the stubs too
