@@ -376,7 +376,7 @@ def test_left_pad_that_raises_or_hangs_gets_a_clear_message(monkeypatch):
     fails(check_left_pad, raises, r"raised IndexError: list index out of range\n  at line \d+ in raises")
     quick = functools.partial(batching_checks.run_check, seconds=0.5)
     monkeypatch.setattr(batching_checks, "run_check", lambda *a, **k: quick(*a, **{**k, "seconds": 0.5}))
-    fails(check_left_pad, hangs, r"did not finish within 0\.5 s")
+    fails(check_left_pad, hangs, r"did not finish within its 0\.5 CPU-s")
 
 
 # -- BlockAllocator ---------------------------------------------------------------------------------

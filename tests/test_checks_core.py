@@ -4,6 +4,7 @@ here, on made-up exercises, so that a later chapter's check gets it without writ
 import functools
 import math
 import signal
+import re
 import sys
 import time
 from collections import Counter
@@ -15,7 +16,7 @@ import torch
 from llmcourse.checks.harness.core import Case, CheckFailed, call_learner, equal, run_check
 from llmcourse.checks.harness.forbid import Forbidden, ForbiddenCall, forbidding
 from llmcourse.checks.harness.show import short
-from llmcourse.course.limits import TimeUp, time_limit
+from llmcourse.course.limits import TimeUp, time_limit, time_out_message, wall_ceiling
 
 # -- order-aware comparison ---------------------------------------------------------------------
 
@@ -317,7 +318,7 @@ def test_an_exception_handler_does_not_swallow_the_time_out():
                 pass
 
     start = time.monotonic()
-    with pytest.raises(CheckFailed, match="did not finish within 0.3 s"):
+    with pytest.raises(CheckFailed, match="did not finish within its 0.3 CPU-s"):
         run_check("f", swallows, [Case("a case", (1,), 1)], seconds=0.3)
     assert time.monotonic() - start < 2
 
@@ -331,22 +332,29 @@ def test_a_bare_except_only_delays_the_time_out():
                 pass
         return x  # returns after its time was up: still a time-out
 
-    with pytest.raises(CheckFailed, match="did not finish within 0.3 s"):
+    with pytest.raises(CheckFailed, match="did not finish within its 0.3 CPU-s"):
         run_check("f", catches_everything, [Case("a case", (1,), 1)], seconds=0.3)
 
 
+def burn(cpu_seconds: float) -> None:
+    """Compute (not wait) for this much CPU time."""
+    end = time.process_time() + cpu_seconds
+    while time.process_time() < end:
+        pass
+
+
 def test_time_limits_nest():
-    start = time.monotonic()
-    with pytest.raises(TimeoutError, match="after 1 s"):
+    start = time.process_time()
+    with pytest.raises(TimeoutError, match="after 1 CPU-s"):
         with time_limit(1.0):
             for _ in range(20):  # each inner limit ends in time; the outer one still counts
                 with time_limit(0.5):
-                    time.sleep(0.1)
-    assert 0.9 < time.monotonic() - start < 2
+                    burn(0.1)
+    assert 0.9 < time.process_time() - start < 1.5
 
 
 def test_an_outer_limit_passes_through_an_inner_one():
-    with pytest.raises(TimeoutError, match="after 0.3 s"):
+    with pytest.raises(TimeoutError, match="after 0.3 CPU-s"):
         with time_limit(0.3):
             with pytest.raises(TimeUp):  # inside, it is the outer limit's TimeUp: the inner block lets it pass
                 with time_limit(5):
@@ -359,26 +367,69 @@ def test_a_learner_call_inside_an_outer_limit_leaves_it_running():
     with pytest.raises(TimeoutError):
         with time_limit(0.5):
             for i in range(100):
-                call_learner("f", lambda: time.sleep(0.05), (), seconds=10)
+                call_learner("f", lambda: burn(0.05), (), seconds=10)
+
+
+def test_a_limit_counts_cpu_time_not_the_wall():
+    """Waiting (the stand-in for a share of a busy core) uses no CPU time: a 0.3 CPU-s limit lets 1 s of
+    sleeping through, and stops 0.3 CPU-s of computing."""
+    with time_limit(0.3) as limit:
+        time.sleep(1.0)
+    assert not limit.expired and limit.wall_used >= 1.0 and limit.cpu_used < 0.3
+    with pytest.raises(TimeoutError, match="after 0.3 CPU-s"):
+        with time_limit(0.3) as limit:
+            spin()
+    assert 0.3 <= limit.cpu_used < 0.6 and not limit.by_wall
+
+
+def test_a_wait_is_stopped_by_the_wall_ceiling_with_a_message_that_says_it_waits():
+    assert wall_ceiling(10) == 50  # the default: far above 10 CPU-s of work with two processes per core
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match="after 0.5 s on the wall"):
+        with time_limit(10, wall=0.5) as limit:
+            time.sleep(3600)
+    assert time.monotonic() - start < 1.5 and limit.by_wall
+    message = time_out_message("f(1)", limit)
+    assert "did not finish within 0.5 s on the wall" in message and "waits rather than computes" in message
+    assert "time.sleep" in message
+
+
+def test_a_limit_scaled_to_the_reference_says_both_in_its_message():
+    def reference(x):
+        burn(0.05)
+        return x
+
+    with pytest.raises(CheckFailed) as caught:
+        call_learner("f", lambda x: spin(), (1,), seconds=0.2, reference=reference)
+    message = str(caught.value)
+    found = re.search(r"within its ([\d.]+) CPU-s: it was stopped after using ([\d.]+) CPU-s, where the engine's "
+                      r"reference used ([\d.]+) CPU-s on the same input \(the limit here is the larger of 0.2 CPU-s "
+                      r"and 20× the engine's\)", message)  # fmt: skip
+    assert found, message
+    limit, used, engine = map(float, found.groups())
+    assert 0.05 <= engine < 0.2 and limit == pytest.approx(20 * engine, rel=0.02) and used >= limit
+    call_learner("f", lambda x: burn(0.3) or x, (1,), seconds=0.2, reference=reference)  # 0.3 < 20 × 0.05: passes
 
 
 def test_time_limit_leaves_no_timer_behind():
-    previous = signal.getsignal(signal.SIGALRM)
+    previous = signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGPROF)
     with time_limit(5):
         pass
     with pytest.raises(TimeoutError):
         with time_limit(0.1):
             spin()
-    assert signal.getsignal(signal.SIGALRM) is previous
-    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert (signal.getsignal(signal.SIGALRM), signal.getsignal(signal.SIGPROF)) == previous
+    assert signal.getitimer(signal.ITIMER_REAL) == signal.getitimer(signal.ITIMER_PROF) == (0.0, 0.0)
 
 
 def test_a_check_has_a_total_budget():
     def slow(x):
-        time.sleep(0.1)
+        burn(0.1)
         return x
 
-    with pytest.raises(CheckFailed, match=r"stopped after 0.5 s in total, with \d of 20 cases done[\s\S]*too slow"):
+    with pytest.raises(
+        CheckFailed, match=r"stopped after 0.5 CPU-s in total, with \d of 20 cases done[\s\S]*too slow"
+    ):
         run_check("f", slow, [Case(f"#{i}", (i,), i) for i in range(20)], total_seconds=0.5)
 
 
@@ -466,6 +517,7 @@ import numpy  # noqa: E402
 
 from llmcourse.checks import later  # noqa: E402
 from llmcourse.checks.harness import isolate  # noqa: E402
+from llmcourse.course import limits  # noqa: E402
 from llmcourse.checks.harness.randomness import generator_contract  # noqa: E402
 
 SOFTMAX_RULES = [Forbidden("torch.softmax", "Write it yourself.")]
@@ -495,12 +547,23 @@ def test_a_hang_the_in_process_limit_cannot_stop_is_ended_and_the_caller_survive
             except BaseException:  # also the time-out, every time it comes back
                 continue
 
-    start = time.perf_counter()
-    with pytest.raises(CheckFailed, match=r"did not finish within 1 s[\s\S]*the check ended it"):
+    before = os.times()
+    with pytest.raises(CheckFailed, match=r"did not finish within its 1 CPU-s[\s\S]*the check ended it"):
         _isolated_check(in_c if hang == "one C call" else catches, [Case("a case", (1,), 1)], seconds=1)
-    assert time.perf_counter() - start < 6
+    after = os.times()  # the ended child's CPU time, now counted in its parent's children_* (it was waited for)
+    child_cpu = after.children_user + after.children_system - before.children_user - before.children_system
+    assert 1.0 < child_cpu < 1.0 + 0.5 + 1.0  # its limit, the grace, and the parent's polling and slack
     assert sys.getprofile() is None and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
     _isolated_check(lambda x: x, [Case("a case", (1,), 1)])  # the caller goes on as before
+
+
+@pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
+def test_a_long_sleep_in_a_child_is_stopped_by_the_wall_ceiling(monkeypatch):
+    monkeypatch.setattr(limits, "wall_ceiling", lambda cpu: 1.0)  # forked after this: the child has it too
+    start = time.monotonic()
+    with pytest.raises(CheckFailed, match=r"(did not finish within|stopped after) 1 s on the wall[\s\S]*waits rather than computes"):
+        _isolated_check(lambda x: time.sleep(3600), [Case("a case", (1,), 1)], seconds=10)
+    assert time.monotonic() - start < 30  # 1 s, however busy the machine (the wall is what this limit counts)
 
 
 @pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")

@@ -878,7 +878,7 @@ def test_a_function_that_raises_or_hangs_gets_a_clear_message():
         while True:
             pass
 
-    msg = fails(q8(forever), r"did not finish within 5 s")
+    msg = fails(q8(forever), r"did not finish within its 5 CPU-s")
     assert "Traceback" not in msg
 
 

@@ -513,7 +513,7 @@ BATCH_MISTAKES = {
     "max_batch_for_none": (_none_as("max_batch"), r"return None \(not max_batch\)"),
     "zero_for_none": (_none_as(0), r"levels off below the ridge.*return None"),
     "max_batch_ignored": (max_batch_ignored, r"max_batch below the answer.*no batch above max_batch"),
-    "linear_search": (linear_search, r"did not finish within 2 s.*binary search"),
+    "linear_search": (linear_search, r"did not finish within its 2 CPU-s.*binary search"),
 }
 
 

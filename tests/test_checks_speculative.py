@@ -304,7 +304,7 @@ def test_accept_token_that_raises_or_hangs_gets_a_clear_message(monkeypatch):
     fails(check_accept_token, raises, r"raised IndexError.*\n  at line \d+ in raises")
     quick = functools.partial(spec_checks.run_check, seconds=0.5)
     monkeypatch.setattr(spec_checks, "run_check", lambda *a, **k: quick(*a, **{**k, "seconds": 0.5}))
-    fails(check_accept_token, hangs, r"did not finish within [\d.]+ s")
+    fails(check_accept_token, hangs, r"did not finish within its [\d.]+ CPU-s")
 
 
 # -- verify ----------------------------------------------------------------------------------------

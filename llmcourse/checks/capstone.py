@@ -43,7 +43,7 @@ from llmcourse.course.learner import (
     pieces_of,
     slots_used,
 )
-from llmcourse.course.limits import time_limit
+from llmcourse.course.limits import SCALE, cpu_seconds, time_limit, time_out_message
 from llmcourse.engine.generate import generate, stream
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import load_model
@@ -58,7 +58,8 @@ GPT2, LLAMA, DRAFT = "gpt2-shakespeare", "llama-shakespeare", "gpt2-shakespeare-
 MARGIN = 1e-3  # the reference's best token leads the second by this much (logits) at every step of a chosen prompt
 NEW_TOKENS = 16
 PROMPTS = 3
-SECONDS = 300  # a mode's whole run, yours and the reference's; far more than a working engine needs
+SECONDS = 120  # CPU-s for one run of a mode with your functions (or SCALE × the engine's, if more): far more than
+# a working engine needs (seconds), so that an endless loop in one of your functions ends the check, not the kernel
 SAMPLING = dict(temperature=0.9, top_k=40, top_p=0.95)
 
 
@@ -264,21 +265,29 @@ def check_mode(mode: str, pieces: Pieces, *, seed: int = 0) -> None:
         raise CheckFailed(
             f"✗ {name} — this mode runs functions that are still the engine's own:\n" + still_to_do(engines, pieces)
         )
-    with time_limit(SECONDS):
-        for run in MODES[mode]:
-            expected = run_side(run, None, seed)
-            try:
+    for run in MODES[mode]:
+        start = cpu_seconds()
+        expected = run_side(run, None, seed)
+        engine = cpu_seconds() - start
+        limit = time_limit(max(SECONDS, SCALE * engine))
+        try:
+            with limit:
                 got = run_side(run, pieces, seed)
-            except PartError as err:
-                raise CheckFailed(f"✗ {name} — {describe(run)}: your engine stopped: {err}") from None
-            diff = first_difference(expected, got)
-            if diff is not None:
-                prompt, what = diff
-                text = hidden_prompts(run.model, run.quantize, seed)[prompt][0]
-                raise CheckFailed(
-                    f"✗ {name} — {describe(run)}, prompt {prompt} of seed {seed} ({short(text, 60)}): {what}\n"
-                    + blame(run, pieces, uses, expected, seed)
-                )
+        except PartError as err:
+            raise CheckFailed(f"✗ {name} — {describe(run)}: your engine stopped: {err}") from None
+        except TimeoutError:
+            if not limit.expired:
+                raise
+            what = f"{name} — {describe(run)}: your engine"
+            raise CheckFailed(time_out_message(what, limit, floor=SECONDS, reference=("engine", engine))) from None
+        diff = first_difference(expected, got)
+        if diff is not None:
+            prompt, what = diff
+            text = hidden_prompts(run.model, run.quantize, seed)[prompt][0]
+            raise CheckFailed(
+                f"✗ {name} — {describe(run)}, prompt {prompt} of seed {seed} ({short(text, 60)}): {what}\n"
+                + blame(run, pieces, uses, expected, seed)
+            )
     if set(TOKENIZER_SLOTS) & uses and set(TOKENIZER_SLOTS) - set(pieces.tokenizer.mine):
         gone = sorted(set(TOKENIZER_SLOTS) - set(pieces.tokenizer.mine))
         raise CheckFailed(f"✗ {name} — your {', '.join(gone)} failed during the run, and the engine's took over")

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from llmcourse.course.guards import guarded
-from llmcourse.course.limits import TimeUp, time_limit
+from llmcourse.course.limits import TimeUp, time_limit, time_out_message
 from llmcourse.engine import sampling as S
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import beam_search as engine_beam_search
@@ -273,7 +273,7 @@ def in_engine(
     except BaseException as err:
         if limit.expired:
             raise CheckFailed(
-                f"✗ {name} in the engine: generating 4 tokens with your {name} did not finish within {seconds:g} s"
+                time_out_message(f"{name} in the engine: generating 4 tokens with your {name}", limit)
             ) from None
         text = str(err) if isinstance(err, PartError) else f"{type(err).__name__}: {short(str(err), 300)}"
         lines = text.split("\n")
@@ -1046,7 +1046,7 @@ def _one_row_draws(
     except TimeoutError:
         if not budget.expired:
             raise
-        raise CheckFailed(f"✗ {name}: {n} calls with one row did not finish within 20 s in total") from None
+        raise CheckFailed(time_out_message(f"{name}: {n} calls with one row", budget)) from None
     problem = frequency_problem(torch.cat(tokens), torch.softmax(logits.double(), -1))
     if problem:
         raise CheckFailed(

@@ -37,12 +37,12 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 from .failed import CheckFailed
-from .limits import TimeUp, time_limit
+from .limits import TimeUp, time_limit, wall_ceiling, work_seconds
 
 STUB = "raise NotImplementedError"
 SKIPPED_TAGS = {"needs-exercise"}  # demos of an exercise's answer: never run by progress or the engine
 
-CELL_SECONDS = 60.0  # each setup, exercise or helper cell
+CELL_SECONDS = 60.0  # CPU-s: each setup, exercise or helper cell
 CHECK_SECONDS = 120.0  # each check cell
 CHAPTER_SECONDS = 600.0  # everything in one chapter
 
@@ -321,13 +321,14 @@ def run_code(source: str, filename: str, namespace: dict, seconds: float) -> Opt
     a phrase to follow the cell's name ('raised ValueError: ... (line)', 'was still running after 60 s')."""
     if seconds <= 0:
         return "was not run: the chapter's time ran out"
+    limit = time_limit(seconds)
     try:
-        with quietly(), time_limit(seconds):
+        with quietly(), limit:
             exec(compile_cell(source, filename), namespace)
     except PASS_THROUGH:
         raise
     except TimeoutError:
-        return f"was still running after {seconds:g} s (a loop that never ends?)"
+        return f"was still running after {limit.describe()} (a loop that never ends?)"
     except CheckFailed as err:
         return str(err).strip() or "✗ the check failed"
     except BaseException as err:  # also SystemExit and errors not derived from Exception (e.g. a Rust panic)
@@ -349,6 +350,22 @@ class Result:
     message: str = ""  # the check's whole message
 
 
+class Budget:
+    """A chapter's time: `seconds` of CPU time, its own and its checks' (`work_seconds`), and a wall-clock ceiling
+    far above (`wall_ceiling`) for cells that wait rather than compute."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.wall = seconds, wall_ceiling(seconds)
+        self.cpu_end, self.wall_end = work_seconds() + seconds, time.monotonic() + self.wall
+
+    def remaining(self) -> float:
+        """CPU-seconds left, 0 or less once either limit is reached."""
+        return self.cpu_end - work_seconds() if time.monotonic() < self.wall_end else 0.0
+
+    def describe(self) -> str:
+        return f"{self.wall:g} s on the wall" if time.monotonic() >= self.wall_end else f"{self.seconds:g} CPU-s"
+
+
 @dataclasses.dataclass
 class ChapterRun:
     """One chapter's cells run once; each exercise's check runs (once) when asked for."""
@@ -356,7 +373,7 @@ class ChapterRun:
     chapter: Chapter
     namespace: dict
     errors: dict[int, str]  # id(cell) -> what went wrong running it
-    deadline: float
+    deadline: "Budget"
     seconds: float  # the chapter's limit
     check_seconds: float
     results: dict[str, Result] = dataclasses.field(default_factory=dict)
@@ -387,8 +404,8 @@ class ChapterRun:
                 return Result(name, ex.grade_id, "passing", "", ex.points, ex.points)
         if self.remaining() <= 0:
             message = (
-                f"not checked: this chapter's cells and checks ran longer than the {self.seconds:g} s allowed "
-                "in all (a slow or endless loop in an earlier exercise?)"
+                f"not checked: this chapter's cells and checks used more than the {self.deadline.describe()} "
+                "allowed in all (a slow or endless loop in an earlier exercise?)"
             )
             return Result(name, ex.grade_id, "failing", message, 0.0, ex.points, message)
         if problem.startswith(PHRASES):
@@ -397,7 +414,7 @@ class ChapterRun:
         return Result(name, ex.grade_id, "failing", headline(message), 0.0, ex.points, message)
 
     def remaining(self) -> float:
-        return self.deadline - time.monotonic()
+        return self.deadline.remaining()
 
     def dependencies(self, ex: Exercise) -> list[Cell]:
         """The other cells whose definitions `ex` or its check use, directly or through other definitions."""
@@ -467,13 +484,13 @@ def run_chapter(
     if _reused is not None and key in _reused:
         return _reused[key]
     chapter = read_chapter(path)
-    deadline = time.monotonic() + chapter_seconds
+    deadline = Budget(chapter_seconds)
     namespace: dict = {"__name__": "__learner__"}
     errors: dict[int, str] = {}
     with running(chapter.path):
         for cell in chapter.cells:
             filename = cell_filename(chapter.path, cell.label)
-            problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline - time.monotonic()))
+            problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline.remaining()))
             if problem is not None:
                 errors[id(cell)] = problem
     run = ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds)

@@ -26,9 +26,12 @@ and, if it wants a specific diagnosis, a judge:
   seen by one profile function (`sys.setprofile`) while the learner's function runs: about 1.1x
   the time on typical exercise code, up to 2x on code made of tiny calls. See `NOT_ENFORCEABLE`
   for what no in-process watch can catch.
-- **Time**: each call has a limit (`seconds`), and the whole check a budget (`total_seconds`).
-  The time-out is a `BaseException` that `except Exception:` does not catch and that comes back
-  every 50 ms until the call returns; limits nest (an inner limit never switches an outer one off).
+- **Time**: each call has a limit (`seconds`), and the whole check a budget (`total_seconds`), both in
+  CPU time, so that a verdict does not depend on how busy the machine is; a call's limit may also be scaled
+  to the CPU time the engine's own function uses on the same input (`reference`), and a wall-clock
+  ceiling far above stops code that waits instead (`limits.wall_ceiling`). The time-out is a
+  `BaseException` that `except Exception:` does not catch and that comes back every 50 ms until the
+  call returns; limits nest (an inner limit never switches an outer one off).
   What that cannot stop (a loop inside one C call, code that catches the time-out for ever) is ended
   from outside: every exported check runs in a child process (`isolate`).
 - **Answers out of reach**: a case's expected answer may be `later(reference, *args)`, computed only
@@ -61,7 +64,7 @@ from typing import Any, Callable, Collection, Iterable, Optional, Sequence, Unio
 import torch
 
 from llmcourse.course.failed import CheckFailed
-from llmcourse.course.limits import TimeUp, time_limit
+from llmcourse.course.limits import SCALE, TimeUp, cpu_seconds, time_limit, time_out_message
 
 from . import isolate
 from .forbid import Forbidden, forbidding
@@ -168,19 +171,27 @@ def call_learner(
     timeout_hint: str = "",
     show: Optional[Callable[[tuple], str]] = None,
     inputs: Optional[_Inputs] = None,
+    reference: Optional[Callable] = None,
 ):
     """fn(*args), turning a raise, a hang, a forbidden call or a changed input into a CheckFailed that says so.
 
     `show(args)` writes the call for messages (default `name(arg, ...)`); `inputs` lets run_check
-    snapshot a shared argument once for all cases.
+    snapshot a shared argument once for all cases. The call may use `seconds` of CPU time, or, given the
+    engine's `reference` function, `SCALE` times the CPU time `reference(*args)` uses just before (its answer
+    is dropped), if that is more: on a loaded machine both take longer on the wall, not in CPU time.
     """
     __tracebackhide__ = True
     call = (show or _default_show(name))(args)
     inputs = inputs or _Inputs(fn, may_modify)
     inputs.remember(args)
-    limit = time_limit(seconds)
+    measured = None
+    if reference is not None:
+        start = cpu_seconds()
+        reference(*args)
+        measured = (getattr(reference, "__name__", name), cpu_seconds() - start)
+    limit = time_limit(max(seconds, SCALE * measured[1]) if measured else seconds)
     watch = forbidding(forbid)
-    isolate.call_started(call, seconds)
+    isolate.call_started(call, limit.seconds, limit.wall)
     try:
         with limit:
             with watch:
@@ -191,11 +202,9 @@ def call_learner(
         raise
     except BaseException as err:  # also SystemExit and errors not derived from Exception (a Rust panic)
         if limit.expired:
-            hint = (
-                timeout_hint
-                or "look for a loop that never ends (a condition that never changes, an index that never moves on)"
-            )
-            raise CheckFailed(f"✗ {call} did not finish within {seconds:g} s.\n  hint: {hint}") from None
+            raise CheckFailed(
+                time_out_message(call, limit, hint=timeout_hint, floor=seconds, reference=measured)
+            ) from None
         if watch.violation:
             raise CheckFailed(f"✗ {call}\n  {watch.violation}") from None
         if isinstance(err, NotImplementedError):
@@ -417,14 +426,16 @@ def run_check(
     timeout_hint: str = "",
     show_call: Optional[Callable[[tuple], str]] = None,
     success: Optional[str] = None,
+    reference: Optional[Callable] = None,
 ) -> None:
     """Run every case; raise CheckFailed at the first wrong one; print '✓ name — N cases'.
 
     Answers are judged by `compare(got, expected)` -> None or what is wrong, or, when the verdict
     needs the input too, by `judge(case, got)` -> Verdict; a wrong answer's message shows the
     case's own hint and the judge's. `error_hints` adds a hint when the learner's function raises an
-    error whose message contains one of its keys. Each call may take `seconds`, the whole check
-    `total_seconds`. No argument may change unless `may_modify` is True or names it (by position or
+    error whose message contains one of its keys. Each call may use `seconds` of CPU time (or, given the
+    engine's `reference` function, `SCALE` times what it uses on the same input, if more: see `call_learner`),
+    the whole check `total_seconds`. No argument may change unless `may_modify` is True or names it (by position or
     parameter name). `timeout_hint` says what to look for when a call does not finish; `show_call`
     writes a call for messages (default `name(arg, ...)`); `success` replaces the line printed at
     the end. A judge may also raise CheckFailed itself, with a message of its own.
@@ -452,6 +463,7 @@ def run_check(
                         timeout_hint=timeout_hint,
                         show=show,
                         inputs=inputs,
+                        reference=reference,
                     )
                 except CheckFailed as err:
                     hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
@@ -483,8 +495,14 @@ def run_check(
             raise
         of = f" of {total}" if total is not None else ""
         hint = f"\n  hint: {timeout_hint}" if timeout_hint else ""
+        if budget.by_wall:
+            raise CheckFailed(
+                f"✗ {name}: the check stopped after {budget.wall:g} s on the wall, with {count}{of} cases done (each "
+                f"was right), having used only {budget.cpu_used:.2g} CPU-s: your function waits rather than computes."
+                "\n  hint: look for a time.sleep, input(), a lock or a queue"
+            ) from None
         raise CheckFailed(
-            f"✗ {name}: the check stopped after {total_seconds:g} s in total, with {count}{of} cases "
+            f"✗ {name}: the check stopped after {total_seconds:g} CPU-s in total, with {count}{of} cases "
             f"done (each was right): your function is too slow.{hint}"
         ) from None
     print(success or f"✓ {name} — {count} case{'s' if count != 1 else ''}")

@@ -4,8 +4,9 @@ The in-process time limit (`limits`) stops a learner's function between two Pyth
 cannot stop a loop inside one C call (`sum(range(10**13))`), nor code that catches the time-out
 again and again (`except BaseException: continue`). So a check runs in a forked copy of the process:
 the child runs the check as usual and tells the parent, over a pipe, what it prints, when a call of
-the learner's function starts (with its time limit) and ends, and how the check ended. When a call
-overruns its limit by `GRACE` seconds, the parent ends the child by force and reports that call: the
+the learner's function starts (with its limits: CPU-seconds and a wall-clock ceiling) and ends, and how
+the check ended. The parent reads the child's CPU time from /proc while a call runs; when the call
+overruns a limit by `GRACE` seconds, the parent ends the child by force and reports that call: the
 Jupyter kernel survives, and its state is as before the check.
 
 Costs, measured on a 2-core x86-64 machine with torch and transformers loaded (520 MB resident):
@@ -31,6 +32,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from llmcourse.course import limits
 from llmcourse.course.failed import CheckFailed
 
 GRACE = 3.0  # seconds past a call's own limit before the child is ended by force
@@ -72,10 +74,11 @@ class _Stream:
         return False
 
 
-def call_started(call: str, seconds: float) -> None:
-    """In a child: the learner's function starts (the parent ends it `GRACE` s after `seconds`)."""
+def call_started(call: str, seconds: float, wall: float) -> None:
+    """In a child: the learner's function starts (the parent ends it `GRACE` s after it used `seconds` of CPU
+    time, or after `wall` seconds on the wall)."""
     if _channel is not None:
-        _channel.send("call", call, float(seconds))
+        _channel.send("call", call, float(seconds), float(wall))
 
 
 def call_ended() -> None:
@@ -107,6 +110,7 @@ def _payload(err: BaseException) -> tuple:
 def _child(check: Callable, args: tuple, kwargs: dict, fd: int) -> None:
     global _channel
     _channel = channel = _Channel(fd)
+    limits.forget_inherited()
     torch.set_num_threads(1)
     sys.stdout, sys.stderr = _Stream(channel, "stdout"), _Stream(channel, "stderr")
     try:
@@ -147,6 +151,48 @@ def _end(pid: int) -> Optional[int]:
         return None
 
 
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+POLL = 0.25  # seconds between two readings of the child's CPU time while a call runs
+
+
+def child_cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process `pid` has used, from /proc/pid/stat (0 if it cannot be read)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+        return (int(fields[11]) + int(fields[12])) / _TICK  # utime and stime: fields 14 and 15 of stat
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+class _Call:
+    """A call of the learner's function that the child reported: its limits, and what it has used so far."""
+
+    def __init__(self, pid: int, call: str, seconds: float, wall: float):
+        self.pid, self.call, self.seconds, self.wall = pid, call, seconds, wall
+        self.cpu_start, self.wall_start = child_cpu_seconds(pid), time.monotonic()
+
+    def cpu_used(self) -> float:
+        return child_cpu_seconds(self.pid) - self.cpu_start
+
+    def overrun(self) -> Optional[str]:
+        """Why the child must be ended now (it ran `GRACE` s past a limit, so it ignores the time-out), or None."""
+        used = self.cpu_used()
+        if used > self.seconds + GRACE:
+            limit = f"its {self.seconds:g} CPU-s"
+        elif time.monotonic() - self.wall_start > self.wall + GRACE:
+            limit = f"{self.wall:g} s on the wall (having used {used:.2g} CPU-s)"
+        else:
+            return None
+        return (
+            f"✗ {self.call} did not finish within {limit}, and could not be stopped from inside "
+            f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
+            "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
+            "or one that catches every exception (`except BaseException:` / a bare `except:` also "
+            "catches the time-out: catch `Exception`)"
+        )
+
+
 def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
     __tracebackhide__ = True
     for stream in (sys.stdout, sys.stderr):
@@ -167,29 +213,27 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
     os.close(write)
     buffer = bytearray()
     outcome: Optional[tuple] = None
-    call: Optional[tuple[str, float, float]] = None  # (call, its limit, the time the child is ended)
+    call: Optional[_Call] = None
     cap = time.monotonic() + CAP
     try:
         while True:
-            deadline = min(cap, call[2]) if call else cap
-            wait = deadline - time.monotonic()
-            if wait <= 0 or not select.select([read], [], [], wait)[0]:
-                if call:
-                    raise CheckFailed(
-                        f"✗ {call[0]} did not finish within {call[1]:g} s, and could not be stopped from inside "
-                        f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
-                        "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
-                        "or one that catches every exception (`except BaseException:` / a bare `except:` also "
-                        "catches the time-out: catch `Exception`)"
-                    ) from None
+            wait = cap - time.monotonic()
+            if call is not None:
+                why = call.overrun()
+                if why:
+                    raise CheckFailed(why) from None
+                wait = min(wait, POLL)
+            if wait <= 0:
                 raise CheckFailed(f"✗ the check did not finish within {CAP:g} s: it was ended.") from None
+            if not select.select([read], [], [], wait)[0]:
+                continue
             messages, closed = _read_messages(read, buffer)
             for message in messages:
                 kind = message[0]
                 if kind == "out":
                     print(message[2], end="", file=sys.stdout if message[1] == "stdout" else sys.stderr, flush=True)
                 elif kind == "call":
-                    call = (message[1], message[2], time.monotonic() + message[2] + GRACE)
+                    call = _Call(pid, *message[1:])
                 elif kind == "end":
                     call = None
                 else:
@@ -207,7 +251,7 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
             if status is not None
             else "unknown"
         )
-        where = f" while running {call[0]}" if call else ""
+        where = f" while running {call.call}" if call else ""
         raise CheckFailed(
             f"✗ the check's process ended unexpectedly ({how}){where}: the learner's code crashed it "
             "(os._exit, a segmentation fault in C code, or memory ran out)."
