@@ -6,6 +6,9 @@
 - Chapter 05's side-by-side table, a cell of its own after the demo, raised a bare NameError (`texts`) on the stubs,
   since the demo that makes `texts` had stopped at the first stub: the demo draws the table itself now (with a helper
   defined above it), so the learner sees the one line that names the exercise still to write.
+- Chapter 01 said how a training step settles a tie of counts (the pair seen first) but not that this is minbpe's
+  rule and not every course's: Stanford's CS336 takes the lexicographically greatest pair, so a learner comparing
+  merges with that course finds most, not all, shared. The engine's fast trainer keeps the first-seen rule.
 """
 
 from __future__ import annotations
@@ -92,3 +95,48 @@ def test_chapter_05_side_by_side_on_the_stubs_names_the_exercise_to_write_not_a_
     demo = errors["side-by-side"]
     assert demo.ename == "NotImplementedError" and demo.traceback == [message("stream_text")], demo
     assert "side-by-side-table" not in errors  # the helper's definition runs on the stubs too
+
+
+# ------------------------------------------------------------------------------------------------ 3: BPE's ties
+
+
+def test_chapter_01_says_which_pair_a_tie_merges_and_that_cs336_takes_another():
+    prose = joined(cell(notebook("01_tokenization"), "train-md")["source"])
+    flat = " ".join(prose.split())
+    assert "merge the one **seen first**" in flat and "`max` keeps the first of equal maxima" in flat
+    assert "minbpe" in flat and "`llmcourse.engine.bpe_training`" in flat
+    assert "CS336 takes the lexicographically greatest pair" in flat
+    assert "most merges but not all" in flat
+    assert "240 of 243" not in flat  # a figure nobody measured here
+    assert "merge 261" in flat and "`b', '`" in flat and "`b'd '`" in flat  # the page's first such tie, below
+
+
+def test_the_engines_trainer_merges_the_pair_seen_first_on_a_tie():
+    from llmcourse.course import bpe
+    from llmcourse.engine.bpe_training import SPLIT_PATTERN, train_bpe
+
+    # c d a b: three pairs, each once; seen first (c, d), lexicographically greatest (d, a), smallest (a, b)
+    assert train_bpe("cdab", 1) == {(ord("c"), ord("d")): 256} == bpe.train_bpe("cdab", 1)
+    # cut into chunks ("cd", " ab"), the same rule over all of them
+    assert train_bpe("cd ab", 1, SPLIT_PATTERN) == {(ord("c"), ord("d")): 256}
+    # a tie of counts above 1: (x, y) and (a, b) twice each, (x, y) seen first though (a, b) is smaller
+    assert list(train_bpe("xyab xyab", 1)) == [(ord("x"), ord("y"))]
+
+
+def test_the_tie_the_chapter_names_is_on_its_page():
+    """On the chapter's corpus, after merges 256–260, `b', '` and `b'd '` are the most frequent pairs, equally: the
+    first-seen rule merges `b', '` as 261 (seen first), then `b'd '` as 262; the lexicographically greatest is
+    `b'd '` (b"d" > b",")."""
+    from llmcourse.course import bpe
+    from llmcourse.engine.bpe_training import train_bpe
+
+    corpus = bpe.CORPUS_FILE.read_text(encoding="utf-8")
+    merges = train_bpe(corpus, 7)
+    ids = list(corpus.encode("utf-8"))
+    for pair, new_id in list(merges.items())[:5]:
+        ids = bpe.merge(ids, pair, new_id)
+    counts = bpe.get_pair_counts(ids)
+    comma, d = (ord(","), ord(" ")), (ord("d"), ord(" "))
+    assert counts[comma] == counts[d] == max(counts.values())
+    assert list(counts).index(comma) < list(counts).index(d)  # seen first
+    assert merges[comma] == 261 and merges[d] == 262
