@@ -9,6 +9,10 @@
 - Chapter 01 said how a training step settles a tie of counts (the pair seen first) but not that this is minbpe's
   rule and not every course's: Stanford's CS336 takes the lexicographically greatest pair, so a learner comparing
   merges with that course finds most, not all, shared. The engine's fast trainer keeps the first-seen rule.
+- Chapter 12's table put "yours" and "course engine" side by side with different speeds when no function of the
+  learner's was in their engine (nothing written yet): the same code twice, so the difference was noise that read as
+  a finding. The measurement records which of the learner's functions the engine runs; with none, the column is
+  "yours = course", a note says the differences are run-to-run noise and how large, and the advice compares nothing.
 """
 
 from __future__ import annotations
@@ -140,3 +144,41 @@ def test_the_tie_the_chapter_names_is_on_its_page():
     assert counts[comma] == counts[d] == max(counts.values())
     assert list(counts).index(comma) < list(counts).index(d)  # seen first
     assert merges[comma] == 261 and merges[d] == 262
+
+
+# ------------------------------------------------------------------------------------------------ 4: capstone's table
+
+
+def test_chapter_12_table_says_when_yours_is_the_course_engine():
+    from llmcourse.bench import capstone
+    from llmcourse.checks.kv_cache import one_thread
+    from llmcourse.course.learner import pieces_of
+    from llmcourse.engine.loading import load_model
+    from llmcourse.engine.parts import softmax
+
+    def quiet(line):
+        pass
+
+    nothing = pieces_of({}, notify=quiet)  # a learner who has written nothing yet: the engine's own everywhere
+    engine = nothing.install(load_model("gpt2-shakespeare", parts=nothing.parts))
+    assert capstone.functions_of_yours(engine) == [] == capstone.functions_of_yours(load_model("gpt2-shakespeare"))
+    with one_thread():
+        r = capstone.measure(engine, model="gpt2-shakespeare", quick=True, with_transformers=False)
+    assert r["yours_functions"] == []
+    text = capstone.table(r)
+    header = next(line for line in text.splitlines() if "course engine" in line and "roofline" in line)
+    assert "yours = course" in header, text
+    assert "no function of yours is in this engine yet, so the two columns time the same code" in text, text
+    assert "run-to-run noise" in text, text
+    (advice,) = capstone.advice(r)
+    assert advice.startswith("yours is the course engine here") and "slower" not in advice, advice
+    assert [list(b.x) for b in capstone.figure(r).data][0] == ["yours = course", "course engine"]
+
+    # one function of the learner's (guarded, even a copy of the engine's): yours is yours, compared as before
+    one = pieces_of({"softmax": softmax}, notify=quiet)
+    assert "softmax" in capstone.functions_of_yours(one.install(load_model("gpt2-shakespeare", parts=one.parts)))
+    theirs = capstone.table({**r, "yours_functions": ["softmax"]})
+    assert "yours = course" not in theirs and "run-to-run noise" not in theirs
+    assert not capstone.advice({**r, "yours_functions": ["softmax"]})[0].startswith("yours is the course engine")
+    prose = " ".join(joined(cell(notebook("12_capstone"), "measure-md")["source"]).split())
+    assert 'yours *is* the course engine: the table then heads its column "yours = course"' in prose

@@ -29,6 +29,11 @@ functions) and **transformers** (GPT2LMHeadModel / the Llama family's class load
   (`ModelShape.resident_params`: biases, norms and GPT-2's position table left out) and of the cache.
 - **fractions**: tokens/s measured / predicted; times predicted / measured; memory measured / predicted.
 
+When no function of yours is in the engine given (`yours_functions` is empty: a learner who has not written or passed
+any exercise yet, or `load_model(model)` itself), yours and the course engine run the same code: the table heads the
+column "yours = course", says that the two columns' differences are run-to-run noise and how large they were, and
+`advice` compares nothing.
+
 Every figure is a median of `repeats` (3; quick: 1) repeats, the systems interleaved within each repeat (prefill of
 each, then decode of each, then the server of each) so that drifts of the machine fall on all alike. A repeat's
 TTFT and ITL are the medians over its requests (ITL pooled over their gaps). `spread` keeps each row's max / min
@@ -103,6 +108,23 @@ TEXT = Path(__file__).resolve().parents[1] / "data" / "shakespeare_val.txt"
 
 
 # ------------------------------------------------------------------------------------------------ the systems
+
+
+def functions_of_yours(engine) -> list[str]:
+    """The slots where `engine` runs a function that is not the engine's own: its model's parts, its drivers' tables
+    (sampler, speculation, batching), a KVCache or left_pad of its own, its tokenizer's functions. Empty: `engine`
+    runs the course engine's code, as `load_model(model)` does (a learner's function is always guarded, so even a
+    copy of the engine's function counts as theirs)."""
+    model, functions = as_model(engine)
+    parts = getattr(model, "parts", None)
+    names = list(parts.overridden()) if hasattr(parts, "overridden") else []
+    for keyword, fn in functions.items():
+        if hasattr(fn, "overridden"):
+            names += fn.overridden()
+        elif fn is not None:
+            names.append(keyword)
+    names += sorted(getattr(getattr(engine, "tokenizer", None), "mine", None) or ())
+    return names
 
 
 def transformers_of(model: Decoder):
@@ -297,6 +319,7 @@ def measured(engine, model: str, sizes: Sizes, with_transformers: bool, progress
     tokenizer = getattr(engine, "tokenizer", None) if isinstance(mine, GPT2) else None
     tokenizer = tokenizer or load_tokenizer(model)
     course = load_model(model, device=dev, dtype=dt)
+    yours_functions = functions_of_yours(engine)
     systems = {
         "yours": System("yours", engine, mine, tokenizer),
         "course": System("course", course, course, load_tokenizer(model)),
@@ -308,6 +331,7 @@ def measured(engine, model: str, sizes: Sizes, with_transformers: bool, progress
         "threads": torch.get_num_threads(),
         "sizes": dataclasses.asdict(sizes),
         "machine": machine(dev, resident_bytes(course)),
+        "yours_functions": yours_functions,  # empty: yours is the course engine's code
     }
     if with_transformers:
         try:
@@ -462,6 +486,39 @@ LABELS = {
     "memory_MB": "memory MB",
 }
 HEADS = {"yours": "yours", "course": "course engine", "transformers": "transformers", "roofline": "roofline"}
+SPEEDS = ("prefill_tok_s", "decode_tok_s", "ttft_ms", "itl_ms")
+
+
+def yours_is_course(r: dict) -> bool:
+    """Whether yours ran the course engine's own code (no function of yours in it); False where not recorded."""
+    return r.get("yours_functions") == []
+
+
+def heads(r: dict) -> dict:
+    """The columns' names: yours is named the course engine's where it ran the same code."""
+    return {**HEADS, "yours": "yours = course"} if yours_is_course(r) else HEADS
+
+
+def same_code_note(r: dict) -> str:
+    """Where yours is the course engine: the two columns time the same code, so what separates them is noise, as
+    large as this run shows it (and the repeats' spread, with more than one repeat)."""
+    yours, course = r["systems"]["yours"], r["systems"]["course"]
+    apart = max(
+        (
+            max(yours[row], course[row]) / min(yours[row], course[row])
+            for row in SPEEDS
+            if yours.get(row) and course.get(row)
+        ),
+        default=1.0,
+    )
+    note = (
+        "yours = the course engine here: no function of yours is in this engine yet, so the two columns time the "
+        f"same code, and their differences (up to {apart - 1:.0%} in this run) are run-to-run noise"
+    )
+    spreads = [v for name in ENGINES for row, v in r.get("spread", {}).get(name, {}).items() if row in SPEEDS]
+    if r["sizes"]["repeats"] > 1 and spreads:
+        note += f"; the repeats of one engine spread by up to {max(spreads) - 1:.0%}"
+    return note
 
 
 def number(x: float) -> str:
@@ -487,13 +544,14 @@ def table(r: dict) -> str:
     }
     width = max(len(v) for v in rows.values()) + 2
     col = 20
+    named = heads(r)
     lines = [
         f"capstone: {r['model']}, {r['device']}, {r['dtype']}, {r['threads']} threads, median of {sz['repeats']} "
         "interleaved repeats",
         "machine: " + describe_machine(r["machine"]),
         f"roofline: bandwidth {roof['bandwidth_GBps']:.1f} GB/s, matmul {roof['peak_GFLOPs']:.0f} GFLOP/s (measured "
         "now); (x%) = the figure's fraction of the roofline's",
-        " " * width + "".join(f"{HEADS[c]:>{col}}" for c in ("yours", "course", "transformers", "roofline")),
+        " " * width + "".join(f"{named[c]:>{col}}" for c in ("yours", "course", "transformers", "roofline")),
     ]
     for row, label in rows.items():
         cells = []
@@ -509,6 +567,8 @@ def table(r: dict) -> str:
         lines.append(f"{label:<{width}}" + "".join(f"{c:>{col}}" for c in cells) + f"{roof_cell:>{col}}")
     same = ", ".join(f"{HEADS[n]} {'yes' if ok else 'NO'}" for n, ok in r["same_tokens"].items() if n != "course")
     lines.append(f"same greedy tokens as the course engine: {same}")
+    if yours_is_course(r):
+        lines.append(same_code_note(r))
     if "transformers_skipped" in r:
         lines.append(f"transformers: skipped, {r['transformers_skipped']}")
     return "\n".join(lines)
@@ -537,7 +597,7 @@ def figure(r: dict):
         names = [n for n in SYSTEMS if r["systems"].get(n, {}).get(row) is not None]
         fig.add_trace(
             go.Bar(
-                x=[HEADS[n] for n in names],
+                x=[heads(r)[n] for n in names],
                 y=[r["systems"][n][row] for n in names],
                 marker_color=[COLOURS[n] for n in names],
                 text=[f"{number(r['systems'][n][row])}<br>{percent(r['fractions'][n][row])}" for n in names],
@@ -566,6 +626,13 @@ def advice(r: dict) -> list[str]:
     slower, by how much, and — from the profile of one decode — which of your functions hold the difference and
     their chapter; where yours is as fast, how far both are from the roofline."""
     yours, course, roof = r["systems"]["yours"], r["systems"]["course"], r["roofline"]
+    if yours_is_course(r):
+        fraction = r["fractions"]["course"]["decode_tok_s"]
+        return [
+            "yours is the course engine here (no function of yours is in it yet): there is nothing of yours to compare "
+            f"or to make faster; it decodes at {percent(fraction)} of the roofline's {number(roof['decode_tok_s'])} "
+            "tok/s. Write your chapters' functions (each one's check must pass), save them, and measure again."
+        ]
     out = []
     slower = {}
     noise = {}  # a ratio counts beyond SLOWER and beyond the spread of either engine's repeats of that row
