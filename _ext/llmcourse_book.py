@@ -7,6 +7,8 @@
 - The page's "download source" button hands out the exercise notebook (``chapters/NN/NN.ipynb``),
   never the instructor notebook, and so do its launch buttons (Binder, Colab, JupyterHub: their URLs name
   ``chapters/NN/NN.ipynb`` in the repository that _config.yml's ``repository: url`` names).
+- A page whose cell outputs show a failure (a ✗, "does not pass", a traceback) stops the build with that
+  line: the book never publishes the course's own solution failing its check.
 - Stream outputs are merged as Jupyter shows them: myst-nb's ``coalesce_streams`` strips each piece
   and ends it with a newline, which turns a token-by-token stream into one token per line.
 - The build offers what a reader needs to work offline: ``downloads/llmcourse-chapters.zip`` (the
@@ -30,11 +32,12 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util import logging
 
-from llmcourse.course.refresh import merge_streams
+from llmcourse.course.refresh import FAILURE_MARKS, merge_streams
 
 logger = logging.getLogger(__name__)
 
@@ -233,6 +236,26 @@ def _on_launch_buttons(app: Sphinx, pagename: str, templatename: str, context: d
             buttons.remove(group)
 
 
+def shown_failure(doctree) -> str | None:
+    """The first line of a cell's output on a page that shows a failure (a ✗, "does not pass", a traceback), or
+    None."""
+    for node in doctree.findall(nodes.Element):
+        if "cell_output" in node.get("classes", []):
+            for line in node.astext().splitlines():
+                if any(mark in line for mark in FAILURE_MARKS):
+                    return line.strip()[:300]
+    return None
+
+
+def _on_doctree_read(app: Sphinx, doctree) -> None:
+    failure = shown_failure(doctree)
+    if failure is not None:
+        raise ExtensionError(
+            f"{app.env.docname}: a cell's output shows a failure, and a chapter page never publishes one:\n"
+            f"  {failure}\n  fix the solution (or its check); a busy machine is no reason: the checks limit CPU time"
+        )
+
+
 def _on_config_inited(app: Sphinx, config) -> None:
     config.html_static_path = [*config.html_static_path, str(STATIC)]
 
@@ -241,6 +264,7 @@ def setup(app: Sphinx) -> dict:
     _patch_myst_nb()
     app.connect("config-inited", _on_config_inited)
     app.connect("source-read", _on_source_read)
+    app.connect("doctree-read", _on_doctree_read)
     app.connect("html-page-context", _on_html_page_context)
     app.connect("html-page-context", _on_launch_buttons, priority=600)  # after sphinx-book-theme's (501) made them
     app.connect("build-finished", _on_build_finished)

@@ -184,6 +184,43 @@ def test_chapter_pages_show_what_the_visible_checks_print_and_not_the_hidden(boo
                 assert line.strip() not in shown, f"{cell['id']}: the hidden check's {line!r} is on the page"
 
 
+def book_extension():
+    sys.path.insert(0, str(ROOT / "_ext"))
+    try:
+        import llmcourse_book
+    finally:
+        sys.path.pop(0)
+    return llmcourse_book
+
+
+@pytest.mark.parametrize(
+    "printed", ["✗ capstone llm_engine — 07_batching (paged_attention): does not pass its check", "ZeroDivisionError   Traceback (most recent call last)"]
+)
+def test_a_page_whose_output_shows_a_failure_stops_the_build_with_it(printed):
+    """As myst-nb renders a cell: its outputs in a container of class cell_output (the real pages have them: the
+    next test). The extension's doctree-read handler raises, naming the page and the line."""
+    from docutils import nodes
+    from sphinx.errors import ExtensionError
+
+    ext = book_extension()
+    doctree = nodes.document(None, None)
+    output = nodes.container(classes=["cell_output", "docutils"])
+    output += nodes.literal_block("", "✓ softmax — 12 cases\n" + printed)
+    doctree += output
+    app = type("App", (), {"env": type("Env", (), {"docname": "solutions/12_capstone/12_capstone"})()})()
+    with pytest.raises(ExtensionError, match=r"12_capstone: a cell's output shows a failure[\s\S]*" + re.escape(printed)):
+        ext._on_doctree_read(app, doctree)
+    doctree.remove(output)
+    ext._on_doctree_read(app, doctree)  # nothing failing: the page is published
+
+
+@pytest.mark.parametrize("name", ["03_attention", "12_capstone"])
+def test_check_lines_sit_in_cell_outputs_where_the_extension_looks(book, name):
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    after = html_.split('class="cell_output')[1:]  # what follows the start of each cell_output container
+    assert after and any("✓" in text(chunk.split("</pre>", 1)[0]) for chunk in after), "no ✓ in a cell_output"
+
+
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_download_button_gives_the_exercise_notebook(book, name):
     html_ = page(book, f"solutions/{name}/{name}.html")

@@ -12,6 +12,8 @@ import json
 import nbformat
 import pytest
 
+from llmcourse.course.refresh import failures
+
 from .course_run import (
     CHAPTERS,
     CHECKED,
@@ -43,6 +45,8 @@ def test_the_solution_runs_top_to_bottom_with_its_checked_outputs(course_run, na
     and each cell tagged `nbval-check-output` prints what the solution stores."""
     stored, ran = solution(name), course_run.autograded("ada", name)
     assert [c["id"] for c in code_cells(ran)] == [c["id"] for c in code_cells(stored)]
+    shown = failures(ran)  # a ✗, "does not pass" or a traceback anywhere, also in a cell that did not raise
+    assert not shown, f"{name}: the solution's run shows a failure:\n" + "\n".join(shown)
     checked = 0
     for want, got in zip(code_cells(stored), code_cells(ran)):
         where = f"{name}, cell {want['id']}:\n{source(want)[:400]}"

@@ -6,7 +6,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from llmcourse.course.refresh import MACHINE_DEPENDENT, canonical, main, merge_streams
+from llmcourse.course.refresh import MACHINE_DEPENDENT, canonical, failures, main, merge_streams
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTIONS = sorted(p for p in (ROOT / "solutions").glob("*/*.ipynb") if p.parent.name == p.stem)
@@ -67,3 +67,28 @@ def test_refresh_without_notebooks_is_one_clear_error(tmp_path, monkeypatch, cap
     monkeypatch.chdir(tmp_path)
     assert main([]) == 2
     assert "solutions/" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path", SOLUTIONS, ids=lambda p: p.stem)
+def test_no_stored_solution_output_shows_a_failure(path):
+    assert failures(nbformat.read(path, as_version=4)) == []
+
+
+@pytest.mark.parametrize(
+    "code, shown",
+    [
+        ("print('✗ softmax([1.0]) did not finish within its 5 CPU-s')", "✗ softmax"),
+        ("print('capstone llm_engine: 07_batching (paged_attention) does not pass its check')", "does not pass"),
+        ("import traceback\ntry:\n    1/0\nexcept Exception:\n    traceback.print_exc()", "Traceback"),
+    ],
+)
+def test_refresh_refuses_to_store_a_failing_output(tmp_path, capsys, code, shown):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("x = 1", id="fine"), nbformat.v4.new_code_cell(code, id="failing")]
+    path = tmp_path / "01_topic.ipynb"
+    nbformat.write(nb, path)
+    before = path.read_text(encoding="utf-8")
+    assert main([str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "not stored: its outputs show a failure" in err and "cell 2 (" in err and shown in err
+    assert path.read_text(encoding="utf-8") == before  # nothing written

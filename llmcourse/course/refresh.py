@@ -14,7 +14,9 @@ its outputs in one canonical form:
   metadata `outputs_of` holds a hash of that source). The book executes every page when it is
   built, so readers still see figures from the build;
 - a live ipywidgets tool is stored without its output and its widget state (new model ids every
-  run, and nothing to show without a kernel): the learner's kernel draws it when the cell runs.
+  run, and nothing to show without a kernel): the learner's kernel draws it when the cell runs;
+- outputs that show a failure (a ✗, "does not pass", a traceback: `failures`) are not stored at all: the
+  command says where and exits with status 1.
 
 The test suite compares the cells tagged `nbval-check-output` of a fresh run with these stored outputs, as
 nbval does (tests/test_notebooks.py).
@@ -58,6 +60,39 @@ def source_hash(source: str) -> str:
     return hashlib.sha256(source.encode("utf-8")).hexdigest()[:16]
 
 
+FAILURE_MARKS = ("✗", "does not pass", "Traceback (most recent call last)")
+
+
+def failures(nb) -> list[str]:
+    """Where a notebook's outputs show a failure, one line each: an error output, or a text that holds a ✗, "does
+    not pass" or a traceback. A solution's outputs never do: `refresh` refuses to store them, the book's extension
+    to publish them, and the tests to accept them.
+
+        >>> failures({"cells": [{"cell_type": "code", "source": "check_softmax(softmax)", "outputs": [
+        ...     {"output_type": "stream", "name": "stdout", "text": "✗ softmax([1.0]) raised ValueError"}]}]})
+        ["cell 1 (check_softmax(softmax)): '✗ softmax([1.0]) raised ValueError'"]
+    """
+    found = []
+    for number, cell in enumerate(nb["cells"], 1):
+        source = "".join(cell.get("source", ""))
+        where = f"cell {number} ({source.strip().splitlines()[0][:60] if source.strip() else 'empty'})"
+        for output in cell.get("outputs", []):
+            if output["output_type"] == "error":
+                found.append(f"{where}: raised {output.get('ename')}: {str(output.get('evalue'))[:200]}")
+                continue
+            texts = [output.get("text", "")] + [v for k, v in output.get("data", {}).items() if k.startswith("text/")]
+            for text in ("".join(t) if isinstance(t, list) else str(t) for t in texts):
+                line = next((line for line in text.splitlines() if any(m in line for m in FAILURE_MARKS)), None)
+                if line is not None:
+                    found.append(f"{where}: {line.strip()[:200]!r}")
+                    break
+    return found
+
+
+class StoredFailure(Exception):
+    """A solution notebook's fresh outputs show a failure (`failures`): they are not stored."""
+
+
 def canonical(nb, stored) -> None:
     """Put the freshly executed `nb` into its stored form; `stored` is the notebook as it was."""
     before = {cell.get("id"): cell for cell in stored.cells}
@@ -94,6 +129,13 @@ def refresh(path: Path, timeout: int = 600) -> bool:
         resources={"metadata": {"path": str(path.parent.resolve())}},
     ).execute()
     canonical(nb, stored)
+    problems = failures(nb)
+    if problems:
+        raise StoredFailure(
+            f"{path}: not stored: its outputs show a failure, and a solution's never may:\n"
+            + "".join(f"  {p}\n" for p in problems)
+            + "  fix the solution (or its check), then refresh again"
+        )
     new = nbformat.writes(nb) + "\n"
     path.write_text(new, encoding="utf-8")
     return new != text
@@ -120,7 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         if not path.is_file():
             print(f"no notebook {path}", file=sys.stderr)
             return 2
-        changed = refresh(path)
+        try:
+            changed = refresh(path)
+        except StoredFailure as err:
+            print(err, file=sys.stderr)
+            return 1
         print(f"{path}: {'outputs changed' if changed else 'unchanged'}")
     return 0
 

@@ -1,0 +1,121 @@
+"""A correct solution passes its checks on a busy machine: the checks limit the CPU time a learner's function
+uses, not the time on the wall (llmcourse/course/limits.py).
+
+Here every core is kept busy by other processes (one more than there are cores, as on a shared JupyterHub node)
+while the solutions of chapters 03, 07 and 12 run their checks, visible and hidden parts, as a student's
+submission runs them: each must pass. Chapter 12 decides which functions are the learner's by running every
+chapter's checks (`your_pieces`): on a busy machine that once showed a red ✗ on the course's own chapter 07.
+
+The sweep over every chapter under load is marked `under_load` and left out of the default run (it takes about
+ten minutes): `pytest -m under_load -n 0 -s tests/test_under_load.py` prints, per chapter, the checks' CPU and
+wall time idle and loaded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmcourse.course.learner import your_pieces
+
+from tests.notebook_checks import notebook_cells
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted(p.name for p in (ROOT / "solutions").iterdir() if (p / f"{p.name}.ipynb").exists())
+
+
+@contextlib.contextmanager
+def busy_cores(n: int = (os.cpu_count() or 1) + 1):
+    """`n` processes that compute for ever, at the same priority as the checks, until the block ends."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
+    try:
+        time.sleep(0.2)  # they are running
+        yield
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+
+
+@contextlib.contextmanager
+def in_folder(path: Path):
+    before = Path.cwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+def checks_of(chapter: str, solutions: Path) -> list[str]:
+    """The chapter's check cells run on its solutions, in order, as a kernel started in its folder runs them:
+    each cell's printed output. Chapter 12's `pieces` are `your_pieces` of the solution chapters beside it."""
+    setup, exercises, checks = notebook_cells(solutions / chapter / f"{chapter}.ipynb")
+    namespace: dict = {"__name__": "__main__"}
+    outputs = []
+    with in_folder(solutions / chapter):
+        for source in setup + exercises:
+            exec(compile(source, f"<{chapter}>", "exec"), namespace)
+        if chapter == "12_capstone":
+            with contextlib.redirect_stdout(io.StringIO()):
+                namespace["pieces"] = your_pieces(solutions)
+        for source in checks:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(source, f"<{chapter} check>", "exec"), namespace)
+            outputs.append(printed.getvalue())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def solutions(tmp_path_factory) -> Path:
+    """A copy of solutions/: `your_pieces` reads chapter notebooks from a folder, and nothing here may write
+    into the repository."""
+    copy = tmp_path_factory.mktemp("load") / "solutions"
+    shutil.copytree(ROOT / "solutions", copy)
+    return copy
+
+
+def timed(chapter: str, solutions: Path) -> tuple[list[str], float, float]:
+    """The chapter's check outputs, and the CPU time (this process and the checks' children) and wall time."""
+    before, start = os.times(), time.monotonic()
+    outputs = checks_of(chapter, solutions)
+    after = os.times()
+    cpu = sum(after[:4]) - sum(before[:4])
+    return outputs, cpu, time.monotonic() - start
+
+
+def assert_all_pass(chapter: str, outputs: list[str]) -> None:
+    for output in outputs:
+        assert "✗" not in output and "✓" in output, f"{chapter}: {output}"
+
+
+@pytest.mark.parametrize("chapter", ["03_attention", "07_batching", "12_capstone"])
+def test_the_solutions_pass_their_checks_with_every_core_busy(chapter, solutions):
+    with busy_cores():
+        outputs, cpu, wall = timed(chapter, solutions)
+    assert_all_pass(chapter, outputs)
+    print(f"{chapter}: {len(outputs)} check cells passed under load, {cpu:.1f} CPU-s, {wall:.1f} s on the wall")
+
+
+@pytest.mark.under_load
+def test_every_chapter_passes_its_checks_idle_and_with_every_core_busy(solutions):
+    rows = []
+    for chapter in CHAPTERS:
+        idle, cpu_idle, wall_idle = timed(chapter, solutions)
+        assert_all_pass(chapter, idle)
+        with busy_cores():
+            loaded, cpu_loaded, wall_loaded = timed(chapter, solutions)
+        assert_all_pass(chapter, loaded)
+        rows.append((chapter, cpu_idle, wall_idle, cpu_loaded, wall_loaded))
+    print("\n| chapter | idle: CPU-s | idle: wall s | loaded: CPU-s | loaded: wall s |\n|---|---|---|---|---|")
+    for chapter, *figures in rows:
+        print(f"| {chapter} | " + " | ".join(f"{x:.1f}" for x in figures) + " |")
