@@ -750,9 +750,10 @@ def test_progress_shows_the_capstone_not_started_then_failing_with_no_dangling_c
     assert not [line for line in started + verbose.splitlines() if line.endswith(":")]
 
 
-def test_a_check_of_the_whole_course_is_not_started_until_an_exercise_is_written(tmp_path):
+def test_a_check_of_the_whole_course_is_not_started_until_an_exercise_is_written(tmp_path, monkeypatch):
     """A check cell with no exercise of its own (chapter 12's) is 'not started' while every exercise of the other
-    chapters in the folder is still its stub, and graded from the first one written."""
+    chapters in the folder is still its stub, and graded from the first one written; the folder given as a relative
+    path too (`progress chapters/`)."""
     stub = ("exercise", "greedy", "def greedy(logits):\n    raise NotImplementedError")
     notebook(tmp_path, "05_sampling", stub, ("check", "greedy", "greedy(None)"))
     notebook(
@@ -762,6 +763,8 @@ def test_a_check_of_the_whole_course_is_not_started_until_an_exercise_is_written
         ("check", "greedy_yours", "assert 'greedy' in learner_functions(notify=print), 'write greedy'"),
     )
     assert statuses(tmp_path / "12_capstone" / "12_capstone.ipynb") == {"greedy_yours_check": ("not started", "")}
+    monkeypatch.chdir(tmp_path.parent)
+    assert "  · greedy_yours_check       0/1  not started" in progress_report(tmp_path.name).splitlines()
     written = ("exercise", "greedy", "def greedy(logits):\n    return 1")
     notebook(tmp_path, "05_sampling", written, ("check", "greedy", "assert greedy(None) == 1"))
     assert statuses(tmp_path / "12_capstone" / "12_capstone.ipynb") == {"greedy_yours_check": ("passing", "")}

@@ -378,6 +378,7 @@ class ChapterRun:
     check_seconds: float
     results: dict[str, Result] = dataclasses.field(default_factory=dict)
     grading: set[str] = dataclasses.field(default_factory=set)  # being graded now (exercises may use each other)
+    others_started: bool = True  # whether an exercise of the other chapters is written (chapter 12's checks grade them)
 
     def result(self, ex: Exercise) -> Optional[Result]:
         if ex.grade_id not in self.results:
@@ -391,7 +392,7 @@ class ChapterRun:
 
     def _grade(self, ex: Exercise) -> Result:
         name = self.chapter.name
-        if untouched(ex.source) if ex.cell is not None else not others_started(self.chapter.path):
+        if untouched(ex.source) if ex.cell is not None else not self.others_started:
             return Result(name, ex.grade_id, "not started", "", 0.0, ex.points)
         problem = self.errors.get(id(ex.cell)) if ex.cell is not None else None
         if problem is not None and not problem.startswith("was not run"):
@@ -452,10 +453,12 @@ class ChapterRun:
 
 def others_started(path: Path) -> bool:
     """Whether the learner has written any exercise of the chapters that a check of the whole course's work in the
-    chapter `path` reads (chapter 12's: the other chapters of the folder its kernel finds, `default_folder`)."""
-    with running(path):
+    chapter `path` reads (chapter 12's: the other chapters of the folder its kernel finds, `default_folder`). `path`
+    is taken from here (not from inside `running`, where a relative path would point elsewhere)."""
+    own = Path(path).resolve()
+    with running(own):
         try:
-            others = [p for p in find_chapters(default_folder()) if p.resolve() != path.resolve()]
+            others = [p for p in find_chapters(default_folder()) if p.resolve() != own]
         except FileNotFoundError:  # no chapters there at all
             return False
     return any(ex.cell is not None and not untouched(ex.source) for p in others for ex in read_chapter(p).exercises)
@@ -484,6 +487,7 @@ def run_chapter(
     if _reused is not None and key in _reused:
         return _reused[key]
     chapter = read_chapter(path)
+    started = not any(ex.cell is None for ex in chapter.exercises) or others_started(chapter.path)
     deadline = Budget(chapter_seconds)
     namespace: dict = {"__name__": "__learner__"}
     errors: dict[int, str] = {}
@@ -493,7 +497,7 @@ def run_chapter(
             problem = run_code(cell.source, filename, namespace, min(cell_seconds, deadline.remaining()))
             if problem is not None:
                 errors[id(cell)] = problem
-    run = ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds)
+    run = ChapterRun(chapter, namespace, errors, deadline, chapter_seconds, check_seconds, others_started=started)
     if _reused is not None:
         _reused[key] = run
     return run
