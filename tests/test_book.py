@@ -194,7 +194,11 @@ def book_extension():
 
 
 @pytest.mark.parametrize(
-    "printed", ["✗ capstone llm_engine — 07_batching (paged_attention): does not pass its check", "ZeroDivisionError   Traceback (most recent call last)"]
+    "printed",
+    [
+        "✗ capstone llm_engine — 07_batching (paged_attention): does not pass its check",
+        "ZeroDivisionError   Traceback (most recent call last)",
+    ],
 )
 def test_a_page_whose_output_shows_a_failure_stops_the_build_with_it(printed):
     """As myst-nb renders a cell: its outputs in a container of class cell_output (the real pages have them: the
@@ -208,7 +212,9 @@ def test_a_page_whose_output_shows_a_failure_stops_the_build_with_it(printed):
     output += nodes.literal_block("", "✓ softmax — 12 cases\n" + printed)
     doctree += output
     app = type("App", (), {"env": type("Env", (), {"docname": "solutions/12_capstone/12_capstone"})()})()
-    with pytest.raises(ExtensionError, match=r"12_capstone: a cell's output shows a failure[\s\S]*" + re.escape(printed)):
+    with pytest.raises(
+        ExtensionError, match=r"12_capstone: a cell's output shows a failure[\s\S]*" + re.escape(printed)
+    ):
         ext._on_doctree_read(app, doctree)
     doctree.remove(output)
     ext._on_doctree_read(app, doctree)  # nothing failing: the page is published

@@ -182,3 +182,19 @@ def test_chapter_12_table_says_when_yours_is_the_course_engine():
     assert not capstone.advice({**r, "yours_functions": ["softmax"]})[0].startswith("yours is the course engine")
     prose = " ".join(joined(cell(notebook("12_capstone"), "measure-md")["source"]).split())
     assert 'yours *is* the course engine: the table then heads its column "yours = course"' in prose
+
+
+def test_run_all_goes_on_past_a_failing_check_in_the_release_only():
+    """Each check cell of the release carries JupyterLab's `raises-exception` tag (Run All goes on past an unfinished
+    exercise's check to the demonstrations after it); no solution cell does (there a failure must stop the run)."""
+    for chapter in sorted(p.name for p in (ROOT / "solutions").iterdir() if p.is_dir()):
+        release = json.loads((ROOT / "chapters" / chapter / f"{chapter}.ipynb").read_text(encoding="utf-8"))
+        solution = json.loads((ROOT / "solutions" / chapter / f"{chapter}.ipynb").read_text(encoding="utf-8"))
+        for cell in release["cells"]:
+            grading = cell["metadata"].get("nbgrader", {})
+            is_check = cell["cell_type"] == "code" and grading.get("grade") and not grading.get("solution")
+            tagged = "raises-exception" in cell["metadata"].get("tags", [])
+            assert tagged == bool(is_check), (
+                f"{chapter}, cell {cell.get('id')}: check {bool(is_check)}, tagged {tagged}"
+            )
+        assert not any("raises-exception" in c["metadata"].get("tags", []) for c in solution["cells"]), chapter

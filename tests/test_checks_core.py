@@ -3,8 +3,8 @@ here, on made-up exercises, so that a later chapter's check gets it without writ
 
 import functools
 import math
-import signal
 import re
+import signal
 import sys
 import time
 from collections import Counter
@@ -427,9 +427,7 @@ def test_a_check_has_a_total_budget():
         burn(0.1)
         return x
 
-    with pytest.raises(
-        CheckFailed, match=r"stopped after 0.5 CPU-s in total, with \d of 20 cases done[\s\S]*too slow"
-    ):
+    with pytest.raises(CheckFailed, match=r"stopped after 0.5 CPU-s in total, with \d of 20 cases done[\s\S]*too slow"):
         run_check("f", slow, [Case(f"#{i}", (i,), i) for i in range(20)], total_seconds=0.5)
 
 
@@ -517,8 +515,8 @@ import numpy  # noqa: E402
 
 from llmcourse.checks import later  # noqa: E402
 from llmcourse.checks.harness import isolate  # noqa: E402
-from llmcourse.course import limits  # noqa: E402
 from llmcourse.checks.harness.randomness import generator_contract  # noqa: E402
+from llmcourse.course import limits  # noqa: E402
 
 SOFTMAX_RULES = [Forbidden("torch.softmax", "Write it yourself.")]
 
@@ -561,7 +559,9 @@ def test_a_hang_the_in_process_limit_cannot_stop_is_ended_and_the_caller_survive
 def test_a_long_sleep_in_a_child_is_stopped_by_the_wall_ceiling(monkeypatch):
     monkeypatch.setattr(limits, "wall_ceiling", lambda cpu: 1.0)  # forked after this: the child has it too
     start = time.monotonic()
-    with pytest.raises(CheckFailed, match=r"(did not finish within|stopped after) 1 s on the wall[\s\S]*waits rather than computes"):
+    with pytest.raises(
+        CheckFailed, match=r"(did not finish within|stopped after) 1 s on the wall[\s\S]*waits rather than computes"
+    ):
         _isolated_check(lambda x: time.sleep(3600), [Case("a case", (1,), 1)], seconds=10)
     assert time.monotonic() - start < 30  # 1 s, however busy the machine (the wall is what this limit counts)
 

@@ -220,7 +220,12 @@ def test_progress_chapter_limit_holds_through_the_checks_own_limits(tmp_path):
         tmp_path,
         "05_topic",
         ("setup", "import time\nfrom llmcourse.checks import Case, run_check"),
-        ("exercise", "slow", "def slow(x):\n    end = time.process_time() + 0.3\n    while time.process_time() < end:\n        pass\n    return x"),
+        (
+            "exercise",
+            "slow",
+            "def slow(x):\n    end = time.process_time() + 0.3\n"
+            "    while time.process_time() < end:\n        pass\n    return x",
+        ),
         ("check", "slow", "run_check('slow', slow, [Case(str(i), (i,), i) for i in range(30)])"),
         ("exercise", "later", "def later(x):\n    return x"),
         ("check", "later", "assert later(1) == 1"),

@@ -1,4 +1,4 @@
-"""nbgrader for the course: the release command and three preprocessors that `nbgrader_config.py` names.
+"""nbgrader for the course: the release command and four preprocessors that `nbgrader_config.py` names.
 
 `release` is `python -m llmcourse release`: it regenerates `chapters/` from `solutions/` with
 `nbgrader generate_assignment` and records each chapter's notebook in the gradebook
@@ -15,6 +15,9 @@ from the source in any other way still gets the warning.
 HTML exporter configures that option for every preprocessor, and nbgrader's base class declares it
 without `config=True`, hence "Config option display_data_priority not recognized by
 ClearHiddenTests" (nbgrader's own `GetGrades` does the same re-declaration).
+
+`RunAllGoesOn` (release): each check cell tagged `raises-exception`, so that Run All in JupyterLab goes on past
+an unfinished exercise's check.
 
 `ShortTracebacks` (feedback): a failed check's traceback would print the check cell's source around
 the failing line — hidden tests included — so each error output is cut down to its last line,
@@ -127,6 +130,25 @@ class ClearHiddenTests(nbgrader_preprocessors.ClearHiddenTests):
     display_data_priority = List(nbgrader_preprocessors.ClearHiddenTests.display_data_priority.default_value).tag(
         config=True
     )
+
+
+class RunAllGoesOn(Preprocessor):
+    """(generate_assignment) Every check cell of the release tagged `raises-exception`: in JupyterLab, Run All
+    then goes on past a check that fails (an exercise not written yet), and the demonstrations after it still run —
+    they say themselves what they are missing. The solution notebooks are never tagged: there a failing check must
+    stop the run (`refresh`, the book and the tests refuse any failure)."""
+
+    enabled = True
+
+    def preprocess_cell(self, cell, resources, index):
+        if cell.cell_type == "code" and utils.is_grade(cell) and not utils.is_solution(cell):
+            tags = cell.metadata.setdefault("tags", [])
+            if RAISES not in tags:
+                tags.append(RAISES)
+        return cell, resources
+
+
+RAISES = "raises-exception"  # JupyterLab's tag: an error in this cell does not stop Run All
 
 
 class ShortTracebacks(Preprocessor):

