@@ -26,7 +26,11 @@ from pathlib import Path
 
 import pytest
 
+from llmcourse.checks import Case, run_check
+from llmcourse.checks.harness import isolate
+from llmcourse.course.failed import CheckFailed
 from llmcourse.course.learner import CHAPTER_OF, ENGINE_SLOTS, Pieces, pieces_of, your_pieces
+from llmcourse.course.limits import wall_ceiling
 from tests.notebook_checks import notebook_cells
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -142,3 +146,28 @@ def test_every_chapter_passes_its_checks_idle_and_with_every_core_busy(solutions
     print("\n| chapter | idle: CPU-s | idle: wall s | loaded: CPU-s | loaded: wall s |\n|---|---|---|---|---|")
     for chapter, *figures in rows:
         print(f"| {chapter} | " + " | ".join(f"{x:.1f}" for x in figures) + " |")
+
+
+def test_an_endless_loop_and_a_long_sleep_are_stopped_within_their_limits_on_a_busy_core():
+    """Under the same load, a learner's endless loop is stopped by its CPU limit and a `time.sleep(3600)` by the wall
+    ceiling (`wall_ceiling`: 21.5 s for a limit of 0.5 CPU-s), each in a check's child process as every exported check
+    runs; the message says which, and the caller goes on."""
+
+    def endless(x):
+        while True:
+            pass
+
+    def check(fn):
+        return isolate.isolated(lambda: run_check("f", fn, [Case("a case", (1,), 1)], seconds=0.5))()
+
+    with busy_cores(1, pinned=True):
+        before = os.times()
+        with pytest.raises(CheckFailed, match=r"did not finish within its 0.5 CPU-s: it was stopped after using 0.5"):
+            check(endless)
+        after = os.times()  # the child's CPU time, counted in children_* once it was waited for
+        assert 0.5 <= after.children_user + after.children_system - before.children_user - before.children_system < 1.5
+        start = time.monotonic()
+        with pytest.raises(CheckFailed, match=r"did not finish within 21.5 s on the wall[\s\S]*waits rather than"):
+            check(lambda x: time.sleep(3600))
+        assert wall_ceiling(0.5) == 21.5 and 21.5 <= time.monotonic() - start < 21.5 + 3 + 5
+        check(lambda x: x)  # the caller goes on as before
