@@ -69,5 +69,8 @@ c.GenerateAssignment.preprocessors = [
     "llmcourse.course.grading.RunAllGoesOn",
 ]
 
-# A check that hangs must not stall autograding a whole class.
-c.Execute.timeout = 300
+# A cell that hangs must not stall autograding a whole class; but this limit is on the wall, and a grading machine
+# that is busy gives a cell a fraction of a core. The checks inside limit the learner's CPU time themselves (and stop
+# an endless loop or a long sleep within a minute or so), so this is only a last resort, far above the longest
+# solution cell (chapter 12's, about 70 CPU-s with every chapter's checks) even at a quarter of a core.
+c.Execute.timeout = 1200

@@ -317,10 +317,10 @@ def test_an_exception_handler_does_not_swallow_the_time_out():
             except Exception:  # everything an Exception can be: the time-out is not one
                 pass
 
-    start = time.monotonic()
+    start = time.process_time()
     with pytest.raises(CheckFailed, match="did not finish within its 0.3 CPU-s"):
         run_check("f", swallows, [Case("a case", (1,), 1)], seconds=0.3)
-    assert time.monotonic() - start < 2
+    assert time.process_time() - start < 1
 
 
 def test_a_bare_except_only_delays_the_time_out():
@@ -407,7 +407,7 @@ def test_a_limit_scaled_to_the_reference_says_both_in_its_message():
                       r"and 20× the engine's\)", message)  # fmt: skip
     assert found, message
     limit, used, engine = map(float, found.groups())
-    assert 0.05 <= engine < 0.2 and limit == pytest.approx(20 * engine, rel=0.02) and used >= limit
+    assert 0.05 <= engine < 0.2 and limit == pytest.approx(20 * engine, rel=0.02) and used >= 0.99 * limit  # 3 digits
     call_learner("f", lambda x: burn(0.3) or x, (1,), seconds=0.2, reference=reference)  # 0.3 < 20 × 0.05: passes
 
 

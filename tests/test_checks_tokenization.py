@@ -896,9 +896,9 @@ def test_reference_encode_is_fast_on_a_few_kilobytes():
 
     text = bpe.CORPUS_FILE.read_text(encoding="utf-8")
     bpe.encode("warm up")
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the same on a busy machine
     ids = bpe.encode(text)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
     assert ids == get_tokenizer().encode(text)
 
 

@@ -4,13 +4,13 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from llmcourse.course.learner import learner_functions, learner_parts, learner_tokenizer, my_engine
+from llmcourse.course.limits import work_seconds
 from llmcourse.course.progress import grade_chapter, progress_report, read_chapter
 
 from .release import released
@@ -206,9 +206,9 @@ def test_progress_bounds_a_hang(tmp_path):
         ("exercise", "fine", "def fine(x):\n    return x"),
         ("check", "fine", "assert fine(1) == 1"),
     )
-    start = time.monotonic()
+    start = work_seconds()  # CPU time, the checks' child processes included: the same on a busy machine
     got = statuses(path, cell_seconds=1, check_seconds=1)
-    assert time.monotonic() - start < 10
+    assert work_seconds() - start < 5
     assert got["loops"] == ("failing", "your cell was still running after 1 CPU-s (a loop that never ends?)")
     assert got["slow"][0] == "failing" and "still running after 1 CPU-s" in got["slow"][1]
     assert got["fine"] == ("passing", "")
@@ -230,9 +230,9 @@ def test_progress_chapter_limit_holds_through_the_checks_own_limits(tmp_path):
         ("exercise", "later", "def later(x):\n    return x"),
         ("check", "later", "assert later(1) == 1"),
     )
-    start = time.monotonic()
+    start = work_seconds()
     got = statuses(path, chapter_seconds=2)
-    assert time.monotonic() - start < 5
+    assert work_seconds() - start < 4
     assert got["slow"][0] == "failing" and got["later"][0] == "failing"
     assert "used more than the 2 CPU-s allowed" in got["later"][1]
 
