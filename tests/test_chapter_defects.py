@@ -13,6 +13,10 @@
   learner's was in their engine (nothing written yet): the same code twice, so the difference was noise that read as
   a finding. The measurement records which of the learner's functions the engine runs; with none, the column is
   "yours = course", a note says the differences are run-to-run noise and how large, and the advice compares nothing.
+- Chapter 01's demos after an unfinished exercise raised bare NameErrors on the stubs once Run All went on past the
+  failing checks (`counts` in the merge demo, `merges` in the compression table, `seen_lengths` in its plot): each
+  demo now computes what it uses from the exercises it needs (the plot is drawn by the compression cell, with a
+  helper defined above it), so every demo names the exercise still to write in one line.
 """
 
 from __future__ import annotations
@@ -198,3 +202,49 @@ def test_run_all_goes_on_past_a_failing_check_in_the_release_only():
                 f"{chapter}, cell {cell.get('id')}: check {bool(is_check)}, tagged {tagged}"
             )
         assert not any("raises-exception" in c["metadata"].get("tags", []) for c in solution["cells"]), chapter
+
+
+# ------------------------------------------------------------------------------------------------ 5: chapter 01's demos
+
+
+def test_chapter_01_on_the_stubs_every_demo_names_the_exercise_to_write_not_a_name_error():
+    """The whole release run on its stubs, as Run All does (it goes on past the failing checks): every error is a
+    check's failure or the one line that names an exercise above the cell, never a NameError (or any other raw
+    traceback) from a result an earlier demo never made."""
+    from llmcourse.course.stubs import message
+
+    release = nbformat.reads(json.dumps(notebook("01_tokenization", "chapters")), as_version=4)
+    nb = copy.deepcopy(release)
+    nb.cells = [c for c in release.cells if "remove-cell" not in c.metadata.get("tags", [])]
+    folder = ROOT / "chapters" / "01_tokenization"
+    NotebookClient(
+        nb, timeout=300, allow_errors=True, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
+    ).execute()
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    defined = {  # each exercise's function or class -> the index of its cell
+        name: n
+        for n, c in enumerate(code)
+        if c.metadata.get("nbgrader", {}).get("solution")
+        for name in re.findall(r"^(?:def|class) (\w+)", c.source, re.M)
+    }
+    named, raw = {}, {}
+    for n, c in enumerate(code):
+        for e in (o for o in c.outputs if o.output_type == "error"):
+            grading = c.metadata.get("nbgrader", {})
+            if grading.get("grade") and not grading.get("solution"):
+                assert e.ename == "CheckFailed", (c.id, e.ename, e.evalue)  # a check cell's own failure
+                continue
+            line = re.fullmatch(r"NotImplementedError: `([\w.]+)` is not written yet: .*", "".join(e.traceback))
+            name = line and line.group(1)
+            if not (name and e.traceback == [message(name)] and defined.get(name.split(".")[0], n) < n):
+                raw[c.id] = f"{e.ename}: {e.evalue}"
+            else:
+                named[c.id] = name
+    assert not raw, raw
+    # the three that raised a NameError before, now each naming the first exercise it needs
+    assert named["merge-demo"] == "get_pair_counts", named
+    assert named["compression"] == "train_bpe", named
+    assert "compression-plot" not in named  # the plot's helper is a definition: it runs on the stubs too
+    # every demo after the first exercise that calls one says which (none passes on a stub)
+    demos = [c.id for c in code if "needs-exercise" in c.metadata.get("tags", [])]
+    assert set(named) == set(demos), (sorted(named), sorted(demos))
