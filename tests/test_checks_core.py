@@ -556,6 +556,22 @@ def test_a_hang_the_in_process_limit_cannot_stop_is_ended_and_the_caller_survive
 
 
 @pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
+def test_a_hang_under_any_limit_of_the_check_is_ended_not_only_a_learner_call(short_grace):
+    """A check that runs learner code under a `time_limit` of its own (as generating with the learner's sampler in
+    the engine does) is watched as a call is: the child reports every limit it enters."""
+
+    def check():
+        with time_limit(1):
+            sum(range(10**13))  # one C call
+
+    before = os.times()
+    with pytest.raises(CheckFailed, match=r"✗ the check did not finish within its 1 CPU-s[\s\S]*the check ended it"):
+        isolate.isolated(check)()
+    after = os.times()
+    assert 1.0 < after.children_user + after.children_system - before.children_user - before.children_system < 2.5
+
+
+@pytest.mark.skipif(not isolate.usable(), reason="needs fork (Linux)")
 def test_a_long_sleep_in_a_child_is_stopped_by_the_wall_ceiling(monkeypatch):
     monkeypatch.setattr(limits, "wall_ceiling", lambda cpu: 1.0)  # forked after this: the child has it too
     start = time.monotonic()

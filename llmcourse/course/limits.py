@@ -20,7 +20,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .failed import CheckFailed
 
@@ -85,9 +85,27 @@ _TIMERS = (
     ((signal.SIGPROF, signal.ITIMER_PROF), (signal.SIGALRM, signal.ITIMER_REAL)) if hasattr(signal, "SIGPROF") else ()
 )
 _limits: list["time_limit"] = []  # the active limits, outermost first
+# Told the earliest active limit (see `earliest`) each time the active limits change; a check's child process sets
+# it, so that its parent can end it when it ignores its time-out (llmcourse.checks.harness.isolate).
+observer: Optional[Callable[[Optional[tuple]], None]] = None
 _saved: dict = {}  # the handlers and interval timers found when the outermost limit started
 _critical = 0  # > 0 while this module (or forbid.py) restores state: a due time-out waits for the next tick
 _NAG_AFTER = 5.0  # wall seconds past the limit before telling the learner that their code ignores it
+
+
+def earliest() -> Optional[tuple]:
+    """(CPU deadline as `cpu_seconds` reads it, wall deadline as time.monotonic reads it, that limit's CPU-s and
+    wall seconds) of the active limit that runs out first in CPU time, or None when none is active."""
+    if not _limits:
+        return None
+    first = min(_limits, key=lambda limit: limit.cpu_deadline)
+    wall = min(limit.wall_deadline for limit in _limits)
+    return first.cpu_deadline, wall, first.seconds, first.wall
+
+
+def _notify() -> None:
+    if observer is not None:
+        observer(earliest())
 
 
 def _timers_usable() -> bool:
@@ -179,6 +197,7 @@ class time_limit:
             _limits.append(self)
             self.active = True
             _arm()
+            _notify()
         finally:
             _critical -= 1
         return self
@@ -195,6 +214,7 @@ class time_limit:
                     _arm()
                 else:
                     _restore()
+                _notify()
         finally:
             _critical -= 1
         if isinstance(err, TimeUp) and err.limit is not self:
@@ -220,9 +240,9 @@ def _restore() -> None:
 def forget_inherited() -> None:
     """In a forked child: the limits of the parent's blocks are the parent's to enforce (the child's CPU clock
     starts again at zero, and the parent waits on the wall), so the child starts with none and default handlers."""
-    global _critical
+    global _critical, observer
     _limits.clear()
-    _critical = 0
+    _critical, observer = 0, None
     for signum, which in _TIMERS:
         signal.setitimer(which, 0)
     for signum, (handler, which, until, interval) in _saved.items():
@@ -270,4 +290,4 @@ def time_out_message(
 
 # Code that restores state: a time-out that falls due while it runs waits for the next tick
 # (forbid.py adds forbidding.__enter__ and __exit__).
-_DEFER = {f.__code__ for f in (time_limit.__enter__, time_limit.__exit__, _arm, _on_timer, _restore)}
+_DEFER = {f.__code__ for f in (time_limit.__enter__, time_limit.__exit__, _arm, _on_timer, _restore, _notify)}

@@ -191,7 +191,7 @@ def call_learner(
         measured = (getattr(reference, "__name__", name), cpu_seconds() - start)
     limit = time_limit(max(seconds, SCALE * measured[1]) if measured else seconds)
     watch = forbidding(forbid)
-    isolate.call_started(call, limit.seconds, limit.wall)
+    isolate.call_started(call)
     try:
         with limit:
             with watch:

@@ -4,10 +4,11 @@ The in-process time limit (`limits`) stops a learner's function between two Pyth
 cannot stop a loop inside one C call (`sum(range(10**13))`), nor code that catches the time-out
 again and again (`except BaseException: continue`). So a check runs in a forked copy of the process:
 the child runs the check as usual and tells the parent, over a pipe, what it prints, when a call of
-the learner's function starts (with its limits: CPU-seconds and a wall-clock ceiling) and ends, and how
-the check ended. The parent reads the child's CPU time from /proc while a call runs; when the call
-overruns a limit by `GRACE` seconds, the parent ends the child by force and reports that call: the
-Jupyter kernel survives, and its state is as before the check.
+the learner's function starts and ends, its time limits as they change (`limits.earliest`: every
+`time_limit` of the check, a call's own and the check's budget alike), and how the check ended. While a
+limit is active the parent reads the child's CPU time from /proc; when the child overruns a limit by
+`GRACE` seconds, the parent ends it by force and reports the call that ran: the Jupyter kernel survives,
+and its state is as before the check.
 
 Costs, measured on a 2-core x86-64 machine with torch and transformers loaded (520 MB resident):
 a fork and a child's exit take about 20 ms. The child runs torch with one thread: after a fork, the
@@ -74,11 +75,10 @@ class _Stream:
         return False
 
 
-def call_started(call: str, seconds: float, wall: float) -> None:
-    """In a child: the learner's function starts (the parent ends it `GRACE` s after it used `seconds` of CPU
-    time, or after `wall` seconds on the wall)."""
+def call_started(call: str) -> None:
+    """In a child: the learner's function starts (the parent names it if it must end the child)."""
     if _channel is not None:
-        _channel.send("call", call, float(seconds), float(wall))
+        _channel.send("call", call)
 
 
 def call_ended() -> None:
@@ -111,6 +111,7 @@ def _child(check: Callable, args: tuple, kwargs: dict, fd: int) -> None:
     global _channel
     _channel = channel = _Channel(fd)
     limits.forget_inherited()
+    limits.observer = lambda earliest: channel.send("limits", earliest)
     torch.set_num_threads(1)
     sys.stdout, sys.stderr = _Stream(channel, "stdout"), _Stream(channel, "stderr")
     try:
@@ -152,7 +153,7 @@ def _end(pid: int) -> Optional[int]:
 
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
-POLL = 0.25  # seconds between two readings of the child's CPU time while a call runs
+POLL = 0.25  # seconds between two readings of the child's CPU time while a limit is active
 
 
 def child_cpu_seconds(pid: int) -> float:
@@ -165,32 +166,24 @@ def child_cpu_seconds(pid: int) -> float:
         return 0.0
 
 
-class _Call:
-    """A call of the learner's function that the child reported: its limits, and what it has used so far."""
-
-    def __init__(self, pid: int, call: str, seconds: float, wall: float):
-        self.pid, self.call, self.seconds, self.wall = pid, call, seconds, wall
-        self.cpu_start, self.wall_start = child_cpu_seconds(pid), time.monotonic()
-
-    def cpu_used(self) -> float:
-        return child_cpu_seconds(self.pid) - self.cpu_start
-
-    def overrun(self) -> Optional[str]:
-        """Why the child must be ended now (it ran `GRACE` s past a limit, so it ignores the time-out), or None."""
-        used = self.cpu_used()
-        if used > self.seconds + GRACE:
-            limit = f"its {self.seconds:g} CPU-s"
-        elif time.monotonic() - self.wall_start > self.wall + GRACE:
-            limit = f"{self.wall:g} s on the wall (having used {used:.2g} CPU-s)"
-        else:
-            return None
-        return (
-            f"✗ {self.call} did not finish within {limit}, and could not be stopped from inside "
-            f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
-            "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
-            "or one that catches every exception (`except BaseException:` / a bare `except:` also "
-            "catches the time-out: catch `Exception`)"
-        )
+def overrun(pid: int, earliest: tuple, call: Optional[str]) -> Optional[str]:
+    """Why the child `pid` must be ended now: it ran `GRACE` s past its earliest limit (see `limits.earliest`), so it
+    ignores the time-out; None while it has not."""
+    cpu_deadline, wall_deadline, seconds, wall = earliest
+    used = child_cpu_seconds(pid)
+    if used > cpu_deadline + GRACE:
+        limit = f"its {seconds:g} CPU-s"
+    elif time.monotonic() > wall_deadline + GRACE:
+        limit = f"{wall:g} s on the wall"
+    else:
+        return None
+    return (
+        f"✗ {call or 'the check'} did not finish within {limit}, and could not be stopped from inside "
+        f"(it ran on {GRACE:g} s past its limit): the check ended it.\n"
+        "  hint: look for a loop that never ends — also one inside a single call (sum(range(10**13))) "
+        "or one that catches every exception (`except BaseException:` / a bare `except:` also "
+        "catches the time-out: catch `Exception`)"
+    )
 
 
 def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
@@ -213,13 +206,14 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
     os.close(write)
     buffer = bytearray()
     outcome: Optional[tuple] = None
-    call: Optional[_Call] = None
+    call: Optional[str] = None  # the learner's call that runs now, if any
+    earliest: Optional[tuple] = None  # the child's limit that runs out first (limits.earliest)
     cap = time.monotonic() + CAP
     try:
         while True:
             wait = cap - time.monotonic()
-            if call is not None:
-                why = call.overrun()
+            if earliest is not None:
+                why = overrun(pid, earliest, call)
                 if why:
                     raise CheckFailed(why) from None
                 wait = min(wait, POLL)
@@ -233,9 +227,11 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
                 if kind == "out":
                     print(message[2], end="", file=sys.stdout if message[1] == "stdout" else sys.stderr, flush=True)
                 elif kind == "call":
-                    call = _Call(pid, *message[1:])
+                    call = message[1]
                 elif kind == "end":
                     call = None
+                elif kind == "limits":
+                    earliest = message[1]
                 else:
                     outcome = message
             if closed:
@@ -251,7 +247,7 @@ def _run_in_child(check: Callable, args: tuple, kwargs: dict) -> Any:
             if status is not None
             else "unknown"
         )
-        where = f" while running {call.call}" if call else ""
+        where = f" while running {call}" if call else ""
         raise CheckFailed(
             f"✗ the check's process ended unexpectedly ({how}){where}: the learner's code crashed it "
             "(os._exit, a segmentation fault in C code, or memory ran out)."
