@@ -4,13 +4,15 @@ uses, not the time on the wall (llmcourse/course/limits.py).
 In the default run, the solutions of chapters 03, 07 and 12 run their checks, visible and hidden parts, as a
 student's submission runs them, pinned to one core with a process beside them that computes for ever: they get
 at most half a core (on a shared JupyterHub node they got about that), and the suite's other worker keeps the
-other core busy. Each check must pass. Chapter 12's engine is made of the solutions' own functions; which of a
-learner's functions the capstone uses is decided by their chapter's checks (`your_pieces`), chapter 07's among
-them, which is the check that once showed a red ✗ on the book's chapter 12 page when built on a busy machine.
+other core busy. Each check must pass (chapter 12's modes on 2 hidden prompts of 8 tokens). Chapter 12's engine is
+made of the solutions' own functions; which of a learner's functions the capstone uses is decided by their chapter's
+checks (`your_pieces`), chapter 07's among them, which is the check that once showed a red ✗ on the book's chapter
+12 page when built on a busy machine. A learner's endless loop is stopped by its CPU limit on that core.
 
-The sweep over every chapter is marked `under_load` and left out of the default run (about ten minutes):
-`pytest -m under_load -n 0 -s tests/test_under_load.py` runs each chapter's checks idle and then with every core
-busy (one process more than there are cores), and prints their CPU and wall time.
+Marked `under_load` and left out of the default run (about 6 minutes): the sweep over every chapter, each chapter's
+checks (chapter 12's whole, with `your_pieces`) idle and then with every core busy (one process more than there are
+cores), printing their CPU and wall time, and a `time.sleep(3600)` stopped by the wall ceiling on those cores:
+`pytest -m under_load -n 0 -s tests/test_under_load.py`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from llmcourse.checks import Case, run_check
+from llmcourse.checks import Case, capstone, run_check
 from llmcourse.checks.harness import isolate
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.learner import CHAPTER_OF, ENGINE_SLOTS, Pieces, pieces_of, your_pieces
@@ -125,7 +127,12 @@ def assert_all_pass(chapter: str, outputs: list[str]) -> None:
 
 
 @pytest.mark.parametrize("chapter", ["03_attention", "07_batching", "12_capstone"])
-def test_the_solutions_pass_their_checks_on_a_busy_core(chapter, solutions):
+def test_the_solutions_pass_their_checks_on_a_busy_core(chapter, solutions, monkeypatch, request):
+    if chapter == "12_capstone":  # each mode on 2 hidden prompts of 8 tokens, as tests/test_checks_capstone.py runs
+        monkeypatch.setattr(capstone, "NEW_TOKENS", 8)  # them: the same limits and verdicts in a third of the time
+        monkeypatch.setattr(capstone, "PROMPTS", 2)  # (the marked sweep runs the whole check)
+        capstone.hidden_prompts.cache_clear()
+        request.addfinalizer(capstone.hidden_prompts.cache_clear)  # before monkeypatch restores the sizes
     with busy_cores(1, pinned=True):
         outputs, cpu, wall = timed(chapter, solutions)
     assert_all_pass(chapter, outputs)
@@ -148,26 +155,35 @@ def test_every_chapter_passes_its_checks_idle_and_with_every_core_busy(solutions
         print(f"| {chapter} | " + " | ".join(f"{x:.1f}" for x in figures) + " |")
 
 
-def test_an_endless_loop_and_a_long_sleep_are_stopped_within_their_limits_on_a_busy_core():
-    """Under the same load, a learner's endless loop is stopped by its CPU limit and a `time.sleep(3600)` by the wall
-    ceiling (`wall_ceiling`: 21.5 s for a limit of 0.5 CPU-s), each in a check's child process as every exported check
-    runs; the message says which, and the caller goes on."""
+def endless(x):
+    while True:
+        pass
 
-    def endless(x):
-        while True:
-            pass
 
-    def check(fn):
-        return isolate.isolated(lambda: run_check("f", fn, [Case("a case", (1,), 1)], seconds=0.5))()
+def isolated_check(fn):
+    """A check as every exported one runs: in a child process, with a limit of 0.5 CPU-s per call."""
+    return isolate.isolated(lambda: run_check("f", fn, [Case("a case", (1,), 1)], seconds=0.5))()
 
+
+def test_an_endless_loop_is_stopped_by_its_cpu_limit_on_a_busy_core():
+    """Under the same load, a learner's endless loop is stopped when it has used its CPU time (at half a core, twice
+    that on the wall), and the caller goes on."""
     with busy_cores(1, pinned=True):
         before = os.times()
         with pytest.raises(CheckFailed, match=r"did not finish within its 0.5 CPU-s: it was stopped after using 0.5"):
-            check(endless)
+            isolated_check(endless)
         after = os.times()  # the child's CPU time, counted in children_* once it was waited for
         assert 0.5 <= after.children_user + after.children_system - before.children_user - before.children_system < 1.5
+        isolated_check(lambda x: x)
+
+
+@pytest.mark.under_load
+def test_a_long_sleep_is_stopped_by_the_wall_ceiling_on_busy_cores():
+    """`time.sleep(3600)` uses no CPU time: the wall ceiling (`wall_ceiling`: 21.5 s for a limit of 0.5 CPU-s) stops
+    it, with every core busy, and says that it waits. (In the default run: tests/test_checks_core.py, with a 1 s
+    ceiling.)"""
+    with busy_cores():
         start = time.monotonic()
         with pytest.raises(CheckFailed, match=r"did not finish within 21.5 s on the wall[\s\S]*waits rather than"):
-            check(lambda x: time.sleep(3600))
+            isolated_check(lambda x: time.sleep(3600))
         assert wall_ceiling(0.5) == 21.5 and 21.5 <= time.monotonic() - start < 21.5 + 3 + 5
-        check(lambda x: x)  # the caller goes on as before
