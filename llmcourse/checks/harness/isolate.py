@@ -110,6 +110,10 @@ def _payload(err: BaseException) -> tuple:
 def _child(check: Callable, args: tuple, kwargs: dict, fd: int) -> None:
     global _channel
     _channel = channel = _Channel(fd)
+    try:  # a signal here (a time limit's) must not write into the parent's event-loop pipe, which the child shares
+        signal.set_wakeup_fd(-1)
+    except ValueError:  # not the main thread
+        pass
     limits.forget_inherited()
     limits.observer = lambda earliest: channel.send("limits", earliest)
     torch.set_num_threads(1)
