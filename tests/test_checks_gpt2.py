@@ -495,6 +495,31 @@ def load_buffers_by_single_digit(folder):
     return sd, json.loads((folder / "config.json").read_text())
 
 
+def _load_files(folder, files):
+    """A GPT-2 state dict (the engine's names, float32) and config.json, from these safetensors files in order."""
+    sd = {}
+    for file in files:
+        for key, tensor in load_file(file).items():
+            key = key.removeprefix("transformer.")
+            if key != "lm_head.weight" and not key.endswith((".attn.bias", ".attn.masked_bias")):
+                sd[key] = tensor.float()
+    return sd, json.loads((Path(folder) / "config.json").read_text())
+
+
+def load_every_safetensors(folder):
+    return _load_files(folder, sorted(Path(folder).glob("*.safetensors")))  # adapters and optimizers too
+
+
+def load_first_safetensors(folder):
+    return _load_files(folder, sorted(Path(folder).glob("*.safetensors"))[:1])  # adapter_model sorts first
+
+
+def load_every_safetensors_keeping_gpt2_names(folder):
+    sd, config = load_every_safetensors(folder)
+    names = ("wte.", "wpe.", "h.", "ln_f.")
+    return {k: v for k, v in sd.items() if k.startswith(names)}, config  # optimizer.safetensors overwrites them
+
+
 MISTAKES = [
     (check_layer_norm, layer_norm_unbiased, r"biased variance[\s\S]*unbiased=False"),
     (check_layer_norm, layer_norm_std_unbiased, r"biased variance|eps goes inside"),
@@ -601,6 +626,23 @@ MISTAKES = [
         check_load_gpt2_checkpoint,
         load_buffers_by_single_digit,
         r"12 layers[\s\S]*unexpected key 'h\.10\.attn\.bias'[\s\S]*buffers",
+    ),
+    (
+        check_load_gpt2_checkpoint,
+        load_every_safetensors,
+        r"beside a LoRA adapter[\s\S]*unexpected key 'base_model\.[\s\S]*"
+        r"hint: read the files the index lists \(its weight_map\), or model\.safetensors alone",
+    ),
+    (
+        check_load_gpt2_checkpoint,
+        load_first_safetensors,
+        r"adapter_model\.safetensors[\s\S]*hint: read the files the index lists[\s\S]*nor the first one",
+    ),
+    (
+        check_load_gpt2_checkpoint,
+        load_every_safetensors_keeping_gpt2_names,
+        r"beside optimizer\.safetensors[\s\S]*the values of '[\s\S]*differ[\s\S]*hint: read the files the index "
+        r"lists[\s\S]*\(optimizer\.safetensors\)",
     ),
 ]
 
@@ -764,6 +806,15 @@ def load_in_sorted_order(folder):
     return {k: v.to(torch.float32) for k, v in sorted(sd.items())}, config
 
 
+def load_by_the_index(folder):
+    """The engine's rule: model.safetensors, else every shard model.safetensors.index.json lists (once each)."""
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return _load_files(folder, [folder / "model.safetensors"])
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    return _load_files(folder, [folder / name for name in dict.fromkeys(index["weight_map"].values())])
+
+
 ALTERNATIVES = [
     (check_layer_norm, layer_norm_with_var),
     (check_layer_norm, layer_norm_with_var_mean),
@@ -784,6 +835,7 @@ ALTERNATIVES = [
     (check_block, block_welford),
     (check_gpt2_forward, forward_in_float64),
     (check_load_gpt2_checkpoint, load_in_sorted_order),
+    (check_load_gpt2_checkpoint, load_by_the_index),
 ]
 
 

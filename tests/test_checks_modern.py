@@ -466,6 +466,35 @@ def load_transposing(folder):
     return {k: v.T.contiguous() if k.endswith("proj.weight") else v for k, v in state.items()}, config
 
 
+def _load_files(folder, files):
+    """The engine's names and config.json, from these safetensors files in order."""
+    config = json.loads((Path(folder) / "config.json").read_text())
+    state = {}
+    for file in files:
+        state.update({k.removeprefix("model."): v for k, v in load_file(file).items() if not k.endswith("inv_freq")})
+    if config.get("tie_word_embeddings"):
+        state.pop("lm_head.weight", None)
+    return state, config
+
+
+def load_every_safetensors(folder):
+    return _load_files(folder, sorted(Path(folder).glob("*.safetensors")))  # shards, and whatever lies beside them
+
+
+def load_index_else_every_safetensors(folder):
+    folder = Path(folder)
+    if (folder / "model.safetensors.index.json").is_file():
+        return _load_files(folder, weight_files(folder))
+    return _load_files(folder, sorted(folder.glob("*.safetensors")))  # model.safetensors and an adapter
+
+
+def load_every_shard_by_name(folder):
+    folder = Path(folder)
+    if (folder / "model.safetensors").is_file():
+        return _load_files(folder, [folder / "model.safetensors"])
+    return _load_files(folder, sorted(folder.glob("model-*.safetensors")))  # an old shard too, not in the index
+
+
 MISTAKES = [
     (check_rms_norm, rms_layer_norm, r"that is LayerNorm"),
     (check_rms_norm, rms_eps_outside, r"eps goes inside the square root"),
@@ -519,6 +548,23 @@ MISTAKES = [
         r"expected torch\.float16 \(as stored\)[\s\S]*the dtype the file stores",
     ),
     (check_load_llama_checkpoint, load_transposing, r"no transpose"),
+    (
+        check_load_llama_checkpoint,
+        load_every_safetensors,
+        r"beside consolidated\.safetensors[\s\S]*unexpected key 'layers\.0\.attention\.[\s\S]*"
+        r"hint: read the files the index lists \(its weight_map\), or model\.safetensors alone",
+    ),
+    (
+        check_load_llama_checkpoint,
+        load_index_else_every_safetensors,
+        r"beside a LoRA adapter[\s\S]*unexpected key 'base_model\.[\s\S]*hint: read the files the index lists",
+    ),
+    (
+        check_load_llama_checkpoint,
+        load_every_shard_by_name,
+        r"left over from an earlier save[\s\S]*the values of 'layers\.1\.[\s\S]*differ[\s\S]*"
+        r"hint: read the files the index lists[\s\S]*\(model-00003-of-00003\.safetensors\)",
+    ),
 ]
 
 

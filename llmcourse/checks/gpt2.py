@@ -32,11 +32,12 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from llmcourse.course.guards import guarded
 from llmcourse.engine import parts as P
+from llmcourse.engine.checkpoints import weight_files
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import check_weights, read_checkpoint
 from llmcourse.engine.model import GPT2
@@ -1598,7 +1599,8 @@ def _hf_save_pretrained(folder: Path, state_dict: dict, config: GPT2Config) -> P
 
 def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False) -> list[tuple[str, Path]]:
     """Model folders in each layout a GPT-2 checkpoint comes in, with random weights: (description, folder).
-    Among them 12 layers (keys h.10.*, h.11.*: two digits), and files stored in float16, bfloat16 and float64."""
+    Among them 12 layers (keys h.10.*, h.11.*: two digits), files stored in float16, bfloat16 and float64, and other
+    *.safetensors files beside model.safetensors that are not the model's (a LoRA adapter, an optimizer's state)."""
     out = []
     configs = [
         GPT2Config(n_layer=2, n_head=2, n_embd=8, n_positions=16, vocab_size=50),
@@ -1652,7 +1654,70 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
                     _hf_save_pretrained(root / f"save_pretrained-{n}", sd, config),
                 )
             )
+        if n == 0:
+            out += _folders_with_strays(root, config, prefixed, seed=seed)
     return out
+
+
+def _folders_with_strays(root: Path, config: GPT2Config, prefixed: dict[str, Tensor], *, seed: int):
+    """Two folders whose model.safetensors has other *.safetensors files beside it, as fine-tuning and training
+    leave them: a LoRA adapter (other names, sorted before model.safetensors) and an optimizer's moments (the
+    weights' own names, other values, sorted after it). Only model.safetensors is the model (the engine's rule)."""
+    g = torch.Generator().manual_seed(seed + 50)
+    rank = 2
+    adapter = {}
+    for i in range(config.n_layer):
+        stem = f"base_model.model.transformer.h.{i}.attn.c_attn"
+        adapter[f"{stem}.lora_A.weight"] = _randn(g, rank, config.n_embd)
+        adapter[f"{stem}.lora_B.weight"] = _randn(g, 3 * config.n_embd, rank)
+    moments = {k: _randn(g, *v.shape) for k, v in prefixed.items()}
+    return [
+        (
+            "beside a LoRA adapter, adapter_model.safetensors (keys base_model.model.…lora_A.weight): only "
+            "model.safetensors is the model",
+            add_stray_file(_save(root / "with-adapter", config, prefixed), "adapter_model.safetensors", adapter),
+        ),
+        (
+            "beside optimizer.safetensors, the optimizer's moments stored under the weights' own names: only "
+            "model.safetensors is the model",
+            add_stray_file(_save(root / "with-optimizer", config, prefixed), "optimizer.safetensors", moments),
+        ),
+    ]
+
+
+def add_stray_file(folder: Path, name: str, tensors: dict[str, Tensor]) -> Path:
+    """`folder` with one more safetensors file, `name`, that is not among its weights."""
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / name))
+    return folder
+
+
+STRAY_FILES_HINT = (
+    "read the files the index lists (its weight_map), or model.safetensors alone: a folder may hold other "
+    "*.safetensors files ({names}) that are not this model's weights, so never load every *.safetensors (a glob), "
+    "nor the first one in sorted order"
+)
+
+
+def stray_files_hint(folder: Path, sd: dict, expected_sd: dict[str, Tensor], prefixes: Sequence[str]) -> str:
+    """STRAY_FILES_HINT naming the folder's stray *.safetensors files (those the engine does not read:
+    `weight_files`), if the learner's state dict holds a tensor of one of them: under a name that is not the
+    model's, or in place of the model's own tensor of that name; else ''."""
+    folder = Path(folder)
+    listed = set(weight_files(folder))
+    strays = sorted(p for p in folder.glob("*.safetensors") if p not in listed)
+    for path in strays:
+        for name, tensor in load_file(str(path)).items():
+            for key in {name, *(name.removeprefix(prefix) for prefix in prefixes)}:
+                got = sd.get(key)
+                if got is None or not isinstance(got, Tensor):
+                    continue
+                if key not in expected_sd:
+                    return STRAY_FILES_HINT.format(names=", ".join(p.name for p in strays))
+                want = expected_sd[key]
+                if got.shape == tensor.shape and not torch.equal(got.to(want.dtype), want):
+                    if torch.equal(got.to(tensor.dtype), tensor):
+                        return STRAY_FILES_HINT.format(names=", ".join(p.name for p in strays))
+    return ""
 
 
 def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
@@ -1665,6 +1730,19 @@ def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
 
 
 def _judge_checkpoint(case: Case, got: Any) -> Verdict:
+    verdict = _checkpoint_problem(case, got)
+    if verdict is None:
+        return None
+    stray = stray_files_hint(case.args[0], got[0], case.expected[0], ("transformer.",)) if _a_state(got) else ""
+    return (verdict[0], stray) if stray else verdict
+
+
+def _a_state(got: Any) -> bool:
+    """Whether `got` is a pair whose first item is a dict (a loader's state dict, right or wrong)."""
+    return isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], dict)
+
+
+def _checkpoint_problem(case: Case, got: Any) -> Verdict:
     expected_sd, expected_config = case.expected
     if not isinstance(got, (tuple, list)) or len(got) != 2:
         return f"expected a pair (state_dict, config), got {short(got, 80)}", "return state_dict, config"

@@ -58,6 +58,8 @@ from .gpt2 import (
     _u,
     _wide,
     accuracy_judge,
+    add_stray_file,
+    stray_files_hint,
     tensors_and_config_problem,
 )
 from .harness.core import Case, Verdict, also_reference, later, run_check, unwritten_helper
@@ -1601,7 +1603,8 @@ def _hf_save_pretrained(folder: Path, config, state: dict, *, max_shard_size=Non
 def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False) -> list[tuple[str, Path]]:
     """Llama-family checkpoint folders in every layout they come in, with random weights: (description, folder).
     Tied and untied heads, Qwen2's biases, Qwen3's QK-norms, shards with an index, the rotary inv_freq buffers of
-    old checkpoints, 11 layers (two-digit keys), files in float16, bfloat16 and float32."""
+    old checkpoints, 11 layers (two-digit keys), files in float16, bfloat16 and float32, and other *.safetensors files
+    beside the weights that are not the model's (see `_folders_with_strays`)."""
     out = []
 
     def prefixed(state):
@@ -1652,6 +1655,7 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
             _write(root / "llama-old-style", old.to_dict(), {**prefixed(state), **buffers}, 2),
         )
     )
+    out += _folders_with_strays(root, prefixed, seed=seed)
     if transformers:
         llama = tiny_config(tie_word_embeddings=False, n_kv_head=1)
         out.append(
@@ -1677,6 +1681,79 @@ def checkpoint_folders(root: Path, *, seed: int = 0, transformers: bool = False)
             )
         )
     return out
+
+
+# Meta's (and Mistral's) own names for a Llama's tensors, as their consolidated files store them
+META_NAMES = [
+    (r"^embed_tokens\.", "tok_embeddings."),
+    (r"\.self_attn\.([qkvo])_proj\.", r".attention.w\1."),
+    (r"\.mlp\.gate_proj\.", ".feed_forward.w1."),
+    (r"\.mlp\.down_proj\.", ".feed_forward.w2."),
+    (r"\.mlp\.up_proj\.", ".feed_forward.w3."),
+    (r"\.input_layernorm\.", ".attention_norm."),
+    (r"\.post_attention_layernorm\.", ".ffn_norm."),
+    (r"^lm_head\.", "output."),
+]
+
+
+def _meta_names(state: dict[str, Tensor]) -> dict[str, Tensor]:
+    renamed = {}
+    for key, tensor in state.items():
+        for pattern, replacement in META_NAMES:
+            key = re.sub(pattern, replacement, key)
+        renamed[key] = tensor
+    return renamed
+
+
+def _folders_with_strays(root: Path, prefixed: Callable, *, seed: int) -> list[tuple[str, Path]]:
+    """Folders with *.safetensors files beside the weights that are not the model's: the original consolidated file
+    Mistral's Hub repositories ship beside transformers' shards; a shard left over from an earlier save into 3 files
+    (the weights' own names, stale values), not in the index; a LoRA adapter beside model.safetensors. The model is
+    model.safetensors, else the shards the index lists (the engine's rule)."""
+    config = tiny_config(model_type="mistral", tie_word_embeddings=False, n_kv_head=1)
+    state = lively_llama_state(config, seed=seed + 8)
+    consolidated = add_stray_file(
+        _write(root / "mistral-with-consolidated", config.to_dict(), prefixed(state), 2),
+        "consolidated.safetensors",
+        _meta_names(state),
+    )
+    config = tiny_config(tie_word_embeddings=True)
+    state = lively_llama_state(config, seed=seed + 9)
+    stale = {k: v + 1 for k, v in prefixed(state).items() if ".layers.1." in k}
+    leftover = add_stray_file(
+        _write(root / "llama-with-old-shard", config.to_dict(), prefixed(state), 2),
+        "model-00003-of-00003.safetensors",
+        stale,
+    )
+    config = tiny_config(model_type="qwen2", attention_bias=True, tie_word_embeddings=True)
+    state = lively_llama_state(config, seed=seed + 10)
+    rank = 2
+    lora = {}
+    for i in range(config.n_layer):
+        stem = f"base_model.model.model.layers.{i}.self_attn.q_proj"
+        lora[f"{stem}.lora_A.weight"] = torch.randn(rank, config.n_embd)
+        lora[f"{stem}.lora_B.weight"] = torch.randn(config.n_head * config.head_dim, rank)
+    adapter = add_stray_file(
+        _write(root / "qwen2-with-adapter", config.to_dict(), prefixed(state)), "adapter_model.safetensors", lora
+    )
+    return [
+        (
+            "Mistral in 2 shards listed by the index, beside consolidated.safetensors (the same weights under "
+            "Mistral's own names: layers.0.attention.wq.weight, ...), as Mistral's Hub repositories ship it: the "
+            "model is what the index lists",
+            consolidated,
+        ),
+        (
+            "Llama in 2 shards listed by the index, beside model-00003-of-00003.safetensors, left over from an "
+            "earlier save into 3 shards (the index does not list it)",
+            leftover,
+        ),
+        (
+            "Qwen2, model.safetensors beside a LoRA adapter, adapter_model.safetensors: the model is "
+            "model.safetensors alone",
+            adapter,
+        ),
+    ]
 
 
 def reference_checkpoint(folder) -> tuple[dict[str, Tensor], dict]:
@@ -1721,6 +1798,17 @@ class _LoadFailed(str):
 
 
 def _judge_checkpoint(case: Case, got: Any) -> Verdict:
+    verdict = _checkpoint_problem(case, got)
+    if verdict is None or isinstance(case.args[0], LoaderRun):
+        return verdict
+    if isinstance(got, (tuple, list)) and len(got) == 2 and isinstance(got[0], dict):
+        stray = stray_files_hint(case.args[0], got[0], case.expected[0], ("model.",))
+        if stray:
+            return verdict[0], stray
+    return verdict
+
+
+def _checkpoint_problem(case: Case, got: Any) -> Verdict:
     if isinstance(case.args[0], LoaderRun):
         if isinstance(got, _LoadFailed):
             return f"the engine could not load your state dict: {got}", "run the cases above first"
