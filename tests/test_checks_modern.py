@@ -498,8 +498,13 @@ def load_every_shard_by_name(folder):
 MISTAKES = [
     (check_rms_norm, rms_layer_norm, r"that is LayerNorm"),
     (check_rms_norm, rms_eps_outside, r"eps goes inside the square root"),
-    (check_rms_norm, rms_in_float16, r"float16[\s\S]*compute in float32: x.float\(\) first"),
-    (check_rms_norm, rms_weight_before_cast, r"float16 \[2, 5, 64\][\s\S]*then multiply by weight"),
+    (
+        check_rms_norm,
+        rms_in_float16,
+        r"float16, large values[\s\S]*got:      tensor\(shape=\(2, 32\), dtype=torch.float16, values=\[\*\[0\][\s\S]*"
+        r"computed in x's dtype, without the float32 cast[\s\S]*x\.float\(\) first",
+    ),
+    (check_rms_norm, rms_weight_before_cast, r"float16, large values[\s\S]*then multiply by weight"),
     (check_rms_norm, rms_one_plus_weight, r"Gemma"),
     (check_rms_norm, rms_sum_not_mean, r"root \*mean\* square"),
     (check_rms_norm, rms_returns_float32, r"expected dtype torch.float16, got torch.float32[\s\S]*float16 in"),
@@ -512,11 +517,11 @@ MISTAKES = [
     (check_swiglu, swiglu_exp_sigmoid, r"large values ±1000[\s\S]*got nan[\s\S]*inf / inf"),
     (check_swiglu, swiglu_with_f_silu, r"F\.silu \(and nn\.SiLU\) is the black box"),
     (check_swiglu, swiglu_in_float32, r"expected dtype torch.float16, got torch.float32[\s\S]*float16 in"),
-    (check_repeat_kv, repeat_tiled, r"n_rep 2[\s\S]*not the whole set tiled"),
-    (check_repeat_kv, repeat_cat, r"not the whole set tiled"),
+    (check_repeat_kv, repeat_tiled, r"n_rep 2[\s\S]*the KV heads tiled, 0, 1, 0, 1[\s\S]*repeat_interleave"),
+    (check_repeat_kv, repeat_cat, r"the KV heads tiled, 0, 1, 0, 1[\s\S]*torch\.cat\(\[x\] \* n_rep, dim=1\)"),
     (check_repeat_kv, repeat_positions, r"not the positions"),
     (check_repeat_kv, repeat_with_view, r"non-contiguous view[\s\S]*view size[\s\S]*reshape"),
-    (check_repeat_kv, repeat_expand_wrong_axis, r"not the whole set tiled"),
+    (check_repeat_kv, repeat_expand_wrong_axis, r"the KV heads tiled[\s\S]*a new axis before the heads"),
     (check_qk_norm, qk_norm_over_heads, r"over head_dim \(the last dim, D features\), not over all the heads"),
     (check_qk_norm, qk_norm_one_weight, r"a weight each"),
     (check_qk_norm, qk_norm_q_only, r"normalize the keys too"),
@@ -575,6 +580,18 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
     text = str(caught.value)
     if not any(w in text for w in ("raised", "black box", "changed its input")):  # a wrong answer: input, expected, got
         assert "input:" in text and "expected:" in text and "got:" in text
+
+
+@pytest.mark.parametrize(
+    "check, wrong",
+    [(check_repeat_kv, repeat_tiled), (check_repeat_kv, repeat_expand_wrong_axis), (check_rms_norm, rms_in_float16)],
+    ids=["repeat_tiled", "repeat_expand_wrong_axis", "rms_in_float16"],
+)
+def test_a_named_mistake_gets_one_hint(check, wrong):
+    """The diagnosis alone: no case hint beside it that says the same (or, for rms_norm, the opposite)."""
+    with pytest.raises(CheckFailed) as caught:
+        check(wrong)
+    assert str(caught.value).count("hint:") == 1
 
 
 # -- correct, but written differently ----------------------------------------------------------------------------

@@ -188,9 +188,9 @@ RMS_NORM_MISTAKES = [
     ),
     (
         _rms_in_dtype,
-        "compute in float32: x.float() first. In float16, x² overflows past 256 (65504 is its largest number) and "
-        "underflows below 1e-4, and in either half format mean(x²) loses digits; cast the normalized x back to x's "
-        "dtype, then multiply by weight",
+        "this is rms_norm computed in x's dtype, without the float32 cast: in float16, x² overflows past 256 (65504 "
+        "is its largest number) and underflows below 1e-4, and in either half format mean(x²) loses digits; "
+        "square in float32: x.float() first, then cast the normalized x back to x's dtype and multiply by weight",
     ),
     (
         _rms_weight_before_cast,
@@ -329,6 +329,18 @@ def rms_norm_cases(seed: int, n_random: int) -> list[Case]:
         _rms_case("a constant row of zeros", torch.zeros(2, 6), 1 + 0.3 * _randn(g, 6), 1e-6, "0 / √eps = 0: no NaN"),
         _rms_case("C = 2048 (Llama-3.2-1B's width)", _randn(g, 1, 2, 2048) * 0.5, 1 + 0.3 * _randn(g, 2048), 1e-5),
         _rms_case(
+            "float16, large values (±1000: x² = 1e6 is past float16's largest number, 65504)",
+            (_randn(g, 2, 32) * 1000).half(),
+            (1 + 0.3 * _randn(g, 32)).half(),
+            1e-6,
+        ),
+        _rms_case(
+            "float16, tiny values (±3e-3: x² ≈ 1e-5 keeps few digits in float16), eps 1e-8",
+            (_randn(g, 2, 32) * 3e-3).half(),
+            (1 + 0.3 * _randn(g, 32)).half(),
+            1e-8,
+        ),
+        _rms_case(
             "float16 [2, 5, 64], as a float16 model runs it",
             (_randn(g, 2, 5, 64) * 3).half(),
             (1 + 0.3 * _randn(g, 64)).half(),
@@ -341,20 +353,6 @@ def rms_norm_cases(seed: int, n_random: int) -> list[Case]:
             (1 + 0.3 * _randn(g, 48)).bfloat16(),
             1e-5,
             "bfloat16 in, bfloat16 out",
-        ),
-        _rms_case(
-            "float16, large values (±1000: x² = 1e6 is past float16's largest number, 65504)",
-            (_randn(g, 2, 32) * 1000).half(),
-            (1 + 0.3 * _randn(g, 32)).half(),
-            1e-6,
-            "square in float32: x.float() first",
-        ),
-        _rms_case(
-            "float16, tiny values (±3e-3: x² ≈ 1e-5 keeps few digits in float16), eps 1e-8",
-            (_randn(g, 2, 32) * 3e-3).half(),
-            (1 + 0.3 * _randn(g, 32)).half(),
-            1e-8,
-            "square in float32: x.float() first",
         ),
         _rms_case(
             "bfloat16, values around 1e4 (the residual stream of a deep model)",
@@ -579,10 +577,6 @@ def _repeat_tiled(x, n_rep):
     return x.repeat(1, n_rep, 1, 1)
 
 
-def _repeat_cat(x, n_rep):
-    return torch.cat([x] * n_rep, dim=1)
-
-
 def _repeat_along_t(x, n_rep):
     return x.repeat_interleave(n_rep, dim=2)
 
@@ -597,14 +591,12 @@ def _repeat_batch(x, n_rep):
 
 REPEAT_KV_MISTAKES = [
     (
-        _repeat_tiled,
-        "each KV head is repeated in place — heads 0, 0, 1, 1 for n_rep 2, not the whole set tiled (0, 1, 0, 1): "
-        "query head h reads KV head h // n_rep (x.repeat tiles; repeat_interleave, or expand then reshape, does not)",
-    ),
-    (
-        _repeat_cat,
-        "each KV head is repeated in place — heads 0, 0, 1, 1 for n_rep 2, not the whole set tiled (0, 1, 0, 1): "
-        "query head h reads KV head h // n_rep (torch.cat of copies tiles)",
+        _repeat_tiled,  # torch.cat([x] * n_rep, dim=1) and x[:, None].expand(B, n_rep, H_kv, T, D) give the same
+        "these are the KV heads tiled, 0, 1, 0, 1 for n_rep 2 — the order x.repeat(1, n_rep, 1, 1), "
+        "torch.cat([x] * n_rep, dim=1) and a new axis before the heads, x[:, None].expand(B, n_rep, H_kv, T, D), "
+        "give. Repeat each KV head in place, 0, 0, 1, 1 (query head h reads KV head h // n_rep): "
+        "x.repeat_interleave(n_rep, dim=1), or a new axis after the heads, x[:, :, None].expand(B, H_kv, n_rep, T, D), "
+        "then reshape",
     ),
     (_repeat_along_t, "repeat the heads (dim 1), not the positions (dim 2): [B, H_kv, T, D] -> [B, H_kv·n_rep, T, D]"),
     (_repeat_along_d, "repeat the heads (dim 1), not the head's features: [B, H_kv, T, D] -> [B, H_kv·n_rep, T, D]"),
@@ -638,10 +630,7 @@ def repeat_kv_cases(seed: int, n_random: int) -> list[Case]:
     shared = heads(2, 2, 3, 4)
     cases = [
         case(
-            "2 KV heads, n_rep 2 (values 100·head + position)",
-            heads(1, 2, 3, 4),
-            2,
-            "the answer has heads 0, 0, 1, 1 (query heads 0 and 1 share KV head 0)",
+            "2 KV heads, n_rep 2 (values 100·head + position; the answer's heads are 0, 0, 1, 1)", heads(1, 2, 3, 4), 2
         ),
         case("4 KV heads, n_rep 3, a batch of 2", heads(2, 4, 5, 8), 3),
         case("n_rep 1 (multi-head attention: as many KV heads as query heads)", heads(2, 3, 4, 8), 1),
