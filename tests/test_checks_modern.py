@@ -526,7 +526,7 @@ MISTAKES = [
     (check_qk_norm, qk_norm_one_weight, r"a weight each"),
     (check_qk_norm, qk_norm_q_only, r"normalize the keys too"),
     (check_qk_norm, qk_norm_swapped, r"return \(q, k\) in that order"),
-    (check_qk_norm, qk_norm_in_half, r"compute in float32"),
+    (check_qk_norm, qk_norm_in_half, r"without the float32 cast[\s\S]*x\.float\(\) first"),
     (check_llama_block, block_post_norm, r"Llama is pre-norm"),
     (check_llama_block, block_rope_before_norm, r"Qwen3[\s\S]*QK-norm comes before RoPE"),
     (check_llama_block, block_no_attention_residual, r"residual connection"),
