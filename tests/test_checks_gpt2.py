@@ -495,6 +495,24 @@ def load_buffers_by_single_digit(folder):
     return sd, json.loads((folder / "config.json").read_text())
 
 
+def layer_norm_in_place_after_float(x, weight, bias, eps):
+    x = x.float()  # for a float32 x, x.float() is x itself: the in-place steps below change the caller's tensor
+    x -= x.mean(dim=-1, keepdim=True)
+    x /= torch.sqrt((x**2).mean(dim=-1, keepdim=True) + eps)
+    return x * weight + bias
+
+
+def block_adding_in_place(x, w, n_head, eps=1e-5):
+    x += attend(layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps), w, n_head)  # the caller's x
+    x += mlp_of(layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
+    return x
+
+
+def forward_adding_lm_head(sd, ids, n_head, eps=1e-5):
+    head = sd.setdefault("lm_head.weight", sd["wte.weight"])  # the tied head, written into the caller's dict
+    return gpt2_forward(sd, ids, n_head, eps, head=head)
+
+
 def _load_files(folder, files):
     """A GPT-2 state dict (the engine's names, float32) and config.json, from these safetensors files in order."""
     sd = {}
@@ -627,6 +645,13 @@ MISTAKES = [
         load_buffers_by_single_digit,
         r"12 layers[\s\S]*unexpected key 'h\.10\.attn\.bias'[\s\S]*buffers",
     ),
+    (check_layer_norm, layer_norm_in_place_after_float, r"changed its input `x`[\s\S]*in-place operation"),
+    (check_block, block_adding_in_place, r"changed its input `x`[\s\S]*in-place operation"),
+    (
+        check_gpt2_forward,
+        forward_adding_lm_head,
+        r"changed its input `sd`[\s\S]*had no key 'lm_head\.weight'[\s\S]*copy it first",
+    ),
     (
         check_load_gpt2_checkpoint,
         load_every_safetensors,
@@ -652,7 +677,7 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
     with pytest.raises(CheckFailed, match=message) as caught:
         check(wrong)
     text = str(caught.value)
-    if "raised" not in text:  # a wrong answer (not an error) shows input, expected and got
+    if not any(w in text for w in ("raised", "changed its input")):  # a wrong answer: input, expected and got
         assert "input:" in text and "expected:" in text and "got:" in text
 
 
@@ -806,6 +831,24 @@ def load_in_sorted_order(folder):
     return {k: v.to(torch.float32) for k, v in sorted(sd.items())}, config
 
 
+def layer_norm_in_place_on_a_copy(x, weight, bias, eps):
+    x = x.clone()  # a tensor of its own: in-place steps are fine
+    x -= x.mean(dim=-1, keepdim=True)
+    x /= torch.sqrt((x**2).mean(dim=-1, keepdim=True) + eps)
+    return x * weight + bias
+
+
+def block_adding_in_place_to_a_copy(x, w, n_head, eps=1e-5):
+    x = x.clone()
+    x += attend(layer_norm(x, w["ln_1.weight"], w["ln_1.bias"], eps), w, n_head)
+    x += mlp_of(layer_norm(x, w["ln_2.weight"], w["ln_2.bias"], eps), w)
+    return x
+
+
+def forward_reading_lm_head(sd, ids, n_head, eps=1e-5):
+    return gpt2_forward(sd, ids, n_head, eps, head=sd.get("lm_head.weight", sd["wte.weight"]))
+
+
 def load_by_the_index(folder):
     """The engine's rule: model.safetensors, else every shard model.safetensors.index.json lists (once each)."""
     folder = Path(folder)
@@ -836,6 +879,9 @@ ALTERNATIVES = [
     (check_gpt2_forward, forward_in_float64),
     (check_load_gpt2_checkpoint, load_in_sorted_order),
     (check_load_gpt2_checkpoint, load_by_the_index),
+    (check_layer_norm, layer_norm_in_place_on_a_copy),
+    (check_block, block_adding_in_place_to_a_copy),
+    (check_gpt2_forward, forward_reading_lm_head),
 ]
 
 

@@ -466,6 +466,17 @@ def load_transposing(folder):
     return {k: v.T.contiguous() if k.endswith("proj.weight") else v for k, v in state.items()}, config
 
 
+def rms_in_place_after_float(x, weight, eps):
+    x32 = x.float()  # for a float32 x, x.float() is x itself: *= below changes the caller's tensor
+    x32 *= torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu_in_place(gate, up):
+    up *= gate * torch.sigmoid(gate)  # the caller's up
+    return up
+
+
 def _load_files(folder, files):
     """The engine's names and config.json, from these safetensors files in order."""
     config = json.loads((Path(folder) / "config.json").read_text())
@@ -553,6 +564,8 @@ MISTAKES = [
         r"expected torch\.float16 \(as stored\)[\s\S]*the dtype the file stores",
     ),
     (check_load_llama_checkpoint, load_transposing, r"no transpose"),
+    (check_rms_norm, rms_in_place_after_float, r"changed its input `x`[\s\S]*in-place operation"),
+    (check_swiglu, swiglu_in_place, r"changed its input `up`[\s\S]*in-place operation"),
     (
         check_load_llama_checkpoint,
         load_every_safetensors,
@@ -652,6 +665,19 @@ def llama_block_own_attention(x, layer, config, rope, attend, parts):
     return residual + m.down_proj(gate * torch.sigmoid(gate) * m.up_proj(h, parts.linear), parts.linear)
 
 
+def rms_in_place_on_a_copy(x, weight, eps):
+    x32 = x.to(torch.float32, copy=True)  # a tensor of its own, whatever x's dtype
+    x32 *= torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def swiglu_in_place_on_its_own_tensor(gate, up):
+    out = torch.sigmoid(gate)
+    out *= gate
+    out *= up
+    return out
+
+
 def load_with_safe_open(folder):
     import re
 
@@ -684,6 +710,8 @@ CORRECT = [
     (check_qk_norm, qk_norm_returns_list),
     (check_llama_block, llama_block_own_attention),
     (check_load_llama_checkpoint, load_with_safe_open),
+    (check_rms_norm, rms_in_place_on_a_copy),
+    (check_swiglu, swiglu_in_place_on_its_own_tensor),
 ]
 
 
