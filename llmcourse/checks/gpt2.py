@@ -149,9 +149,15 @@ def accuracy_judge(accuracy: Accuracy, contract: str, mistakes: Sequence[tuple[C
     def judge(case: Case, got: Any) -> Verdict:
         expected = case.expected
         problem = tensor_problem(got, expected, atol=math.inf, rtol=0.0)  # type, shape, dtype, device, nan/inf
-        if problem:
+        if problem and not (isinstance(got, Tensor) and got.shape == expected.shape and got.dtype == expected.dtype):
             return problem, _dtype_hint(got, expected)
         exact, allowed = accuracy(case.args)
+
+        def far(candidate: Tensor) -> bool:
+            return not bool(((candidate.double() - exact).abs() <= allowed).all())
+
+        if problem:  # nan or inf where the answer is finite: an overflow, which a known mistake may name
+            return problem, known_mistake(got, case.args, mistakes, far)
         error = (got.detach().double() - exact).abs()
         wrong = ~(error <= allowed)
         if not bool(wrong.any()):
@@ -165,9 +171,7 @@ def accuracy_judge(accuracy: Accuracy, contract: str, mistakes: Sequence[tuple[C
             f"[{', '.join(str(int(i)) for i in index)}]: expected {want}, got {have} "
             f"(|difference| {error[at].item():.3g}, allowed {allowed[at].item():.3g} there)"
         )
-        hint = known_mistake(
-            got, case.args, mistakes, lambda candidate: not bool(((candidate.double() - exact).abs() <= allowed).all())
-        )
+        hint = known_mistake(got, case.args, mistakes, far)
         if not hint and got.dtype == torch.float64 and bool((error <= allowed * 2.0**29).all()):
             hint = FLOAT32_ACCURACY
         if not hint and ratio.max().item() < 30:
@@ -305,6 +309,11 @@ def _layer_norm_one_pass(x, weight, bias, eps):
     return (x - x.mean(-1, keepdim=True)) / torch.sqrt(var + eps) * weight + bias
 
 
+def _layer_norm_sum_over_c(x, weight, bias, eps):
+    centered = x - x.mean(-1, keepdim=True)
+    return centered / torch.sqrt((centered**2).sum(-1, keepdim=True) / x.shape[-1] + eps) * weight + bias
+
+
 def _layer_norm_dim1(x, weight, bias, eps):
     if x.dim() < 3:
         raise ValueError
@@ -322,6 +331,11 @@ LAYER_NORM_MISTAKES = [
     (_layer_norm_no_eps, "add eps to the variance before the square root: it matters when the variance is small"),
     (_layer_norm_no_bias, "after normalizing, scale by weight and shift by bias: x̂ * weight + bias"),
     (_layer_norm_no_weight, "after normalizing, scale by weight and shift by bias: x̂ * weight + bias"),
+    (
+        _layer_norm_sum_over_c,
+        "in float16 the sum of the C squares overflows before you divide by C (65504 is float16's largest number): "
+        "average them with .mean(-1, keepdim=True), which torch accumulates in float32 and rounds once",
+    ),
     (
         _layer_norm_one_pass,
         "mean(x²) - mean(x)² loses all precision when the values are far from their mean (here around 1000): "
@@ -472,6 +486,13 @@ def check_layer_norm(fn, *, seed: int = 0, n_random: int = 10) -> None:
             "float16 in, float16 out",
         ),
         _layer_norm_case(
+            "float16, values 300 ± 40 (x² = 90000 is past float16's largest number, 65504; x - mean is not)",
+            (300 + _randn(g, 2, 3, 64) * 40).half(),
+            (1 + 0.3 * _randn(g, 64)).half(),
+            _randn(g, 64).half(),
+            1e-5,
+        ),
+        _layer_norm_case(
             "bfloat16 [3, 4, 48], eps 1e-3",
             (_randn(g, 3, 4, 48) * 2).bfloat16(),
             (1 + 0.3 * _randn(g, 48)).bfloat16(),
@@ -549,6 +570,13 @@ def _gelu_no_root(x):
     return 0.5 * x * (1 + torch.tanh(2 / math.pi * (x + 0.044715 * x**3)))
 
 
+def _gelu_tanh_by_exp_in_half(x):
+    if x.dtype not in HALF:
+        raise ValueError("float32's overflow has a case hint of its own (large values ±20)")
+    e = torch.exp(2 * math.sqrt(2 / math.pi) * (x + 0.044715 * x**3))
+    return 0.5 * x * (1 + (e - 1) / (e + 1))
+
+
 GELU_MISTAKES = [
     (
         _gelu_erf,
@@ -563,6 +591,12 @@ GELU_MISTAKES = [
     (_gelu_no_half, "the formula starts with 0.5·x"),
     (_gelu_coefficient, "the cubic coefficient is 0.044715 (not 0.44715)"),
     (_gelu_no_root, "the factor in front is √(2/π) ≈ 0.7979, the square root of 2/π"),
+    (
+        _gelu_tanh_by_exp_in_half,
+        "tanh written with exp overflows in float16: e^(2z) is inf past z ≈ 5.5 (65504 is its largest number), "
+        "however z is clamped for float32, and inf / inf is nan. Use torch.tanh (or x·sigmoid(2z), which cannot "
+        "overflow)",
+    ),
 ]
 
 # Contract: each output within 8 units of rounding of x's dtype times (|x| + |answer|): every step of the
@@ -622,6 +656,10 @@ def check_gelu(fn, *, seed: int = 0, n_random: int = 6) -> None:
         case(
             "float16, large values ±30 (x³ = 27000 is near float16's largest number, 65504)",
             torch.tensor([-30.0, -12.0, 12.0, 30.0], dtype=f16),
+        ),
+        case(
+            "float16, x³ past float16's largest number (±50, ±300: x³ is ±inf, and tanh(±inf) = ±1)",
+            torch.tensor([-300.0, -50.0, 50.0, 300.0], dtype=f16),
         ),
     ]
     rng = random.Random(seed)
