@@ -328,6 +328,14 @@ def rope_table_by_head_dim(x, position_ids, base=10000.0):  # transformers-like 
     return x * angle.cos().to(x.dtype) + rotate_half(x) * angle.sin().to(x.dtype)
 
 
+def rope_angles_in_half(x, position_ids, base=10000.0):  # right for float32 and float64 x
+    d = x.shape[-1]
+    inv_freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=x.dtype) / d)  # float16 / bfloat16 for a half x
+    angle = position_ids[..., None].to(x.dtype) * inv_freq
+    angle = torch.cat([angle, angle], dim=-1)[:, None]
+    return x * angle.cos() + rotate_half(x) * angle.sin()
+
+
 MISTAKES = [
     (check_embedding, embedding_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view[\s\S]*use \.reshape\(\)"),
     (
@@ -359,6 +367,7 @@ MISTAKES = [
     (check_rope, rope_cached_by_shape, r"\[5, 6, 7\][\s\S]*use position_ids"),
     (check_rope, rope_uint8_positions, r"positions go past 255"),
     (check_rope, rope_table_by_head_dim, r"the base is an argument"),
+    (check_rope, rope_angles_in_half, r"float16 stays float16[\s\S]*the angles were computed in x's dtype"),
     (check_embedding, embedding_flat, r"expected shape \(1, 3, 3\), got \(3, 3\)[\s\S]*keep the shape of ids"),
     (check_embedding, embedding_from_one, r"the values differ[\s\S]*ids count from 0"),
     (check_embedding, embedding_first_row_only, r"a batch of two rows[\s\S]*not ids\[0\] for all"),

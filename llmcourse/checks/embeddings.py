@@ -732,6 +732,13 @@ def _rope_with(
     return x * angle.cos().to(x.dtype) + rotated * angle.sin().to(x.dtype)
 
 
+def _rope_half_angles(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
+    """The angles computed in x's dtype, float16 or bfloat16 (named only there: float32 angles are allowed)."""
+    if x.dtype not in HALF_DTYPES:
+        raise ValueError("float32 angles are a mistake of their own, and only for a float64 x")
+    return _rope_with(x, pos, base, angle_dtype=x.dtype)
+
+
 ROPE_MISTAKES: list[Mistake] = [
     (
         lambda *a: _rope_interleaved(*_rope_args(a)),
@@ -759,6 +766,12 @@ ROPE_MISTAKES: list[Mistake] = [
         "compute the angles (inv_freq and position × inv_freq) in float64 (or in x's dtype when it is float64): "
         "in float32 an angle of 1000 radians is off by about 3e-5, which a float64 input must not lose. "
         "torch.arange(...) is float32 unless you pass dtype=",
+    ),
+    (
+        lambda *a: _rope_half_angles(*_rope_args(a)),
+        "the angles were computed in x's dtype: in float16 and bfloat16, inv_freq keeps 3 digits and a position past "
+        "2048 (float16) or 256 (bfloat16) is rounded (3999 is 4000 in bfloat16), so the angles are off by radians. "
+        "Compute inv_freq and position × inv_freq in float64 (or float32), then cast cos and sin to x's dtype",
     ),
     (
         lambda *a: positions.rope(_rope_args(a)[0].float(), *_rope_args(a)[1:]),
@@ -870,8 +883,7 @@ def check_rope(fn, *, seed: int = 0, n_random: int = 10) -> None:
             "float16 stays float16 (q from split_heads)",
             _as_engine_qk(fixed, 2, 2, 5, 32, torch.float16),
             torch.tensor([[0, 1, 2, 3, 4], [600, 601, 602, 603, 604]]),
-            hint="float16 in, float16 out: compute the angles in float64 (or float32), then cast cos and sin "
-            "to x's dtype",
+            hint="float16 in, float16 out",
         ),
         _rope_case(
             "bfloat16 stays bfloat16, positions up to 4000",
