@@ -781,7 +781,7 @@ def test_top_k_other_ways_are_accepted(nb, source):
     [
         (
             TOP_P_DESCENDING.replace("return logits.masked_fill", "return logits.float().masked_fill"),
-            "expected dtype torch.float16",
+            "expected dtype torch.float(16|64), got torch.float32",
         ),
         (
             TOP_P_DESCENDING.replace(
@@ -818,7 +818,7 @@ def test_top_p_in_float64_is_accepted(nb):
         (
             "def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
             "    return logits.masked_fill(probs <= p * probs.amax(-1, keepdim=True), float('-inf'))",
-            "compare with <, not <=",
+            "p = 1 keeps only the most likely token[\\s\\S]*not <=",
         ),
         (
             "def min_p(logits, p):\n    probs = torch.softmax(logits.float(), -1)\n"
@@ -1080,3 +1080,198 @@ def test_beam_search_kinds_of_mistake(nb, source, pattern):
     for key, value in BEAM_RIGHT.items():
         source = source.replace(key, value)
     fails(C.check_beam_search, learner(nb, source, "beam_search"), pattern)
+
+
+# ----------------------------------------------------------------------------------------------
+# Issue 41's kinds of hole: exactly on a threshold, float16 with large scores, inputs changed in place,
+# settings that look greedy, beam search's stopping rules, streaming's bookkeeping
+
+TOP_P_TUTORIAL = """
+def top_p(logits, p):   # the tutorials' rule: remove a token once the mass before it exceeds p
+    probs, order = torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)
+    before = probs.cumsum(dim=-1) - probs
+    keep = torch.zeros_like(before, dtype=torch.bool).scatter(-1, order, before <= p)
+    return logits.masked_fill(~keep, float("-inf"))
+"""
+TOP_P_STRICT = """
+def top_p(logits, p):   # the chapter's rule with < where it says <=
+    sorted_logits, order = torch.sort(logits, dim=-1)
+    remove_sorted = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) < 1 - p
+    remove_sorted[:, -1] = False
+    return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), float("-inf"))
+"""
+TOP_P_SHIFTED = """
+def top_p(logits, p):   # transformers' old rule: remove where the cumulative passes p, shifted right by one
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+    remove = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1) COMPARE p
+    remove[:, 1:] = remove[:, :-1].clone()
+    remove[:, 0] = False
+    return logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
+"""
+
+
+def test_the_threshold_cases_are_exact_in_float64_and_float32():
+    probs = [0.5, 0.25, 0.125, 0.03125, 0.03125, 0.03125, 0.03125]
+    logits = C._exact_logits(probs)
+    for x in (logits, logits.float()):  # computed in their own dtype
+        assert torch.softmax(x, -1).double().tolist()[0] == probs
+    for p in (0.75, 0.5):  # float32 logits computed in float64 (by the check's reference) keep the same tokens
+        assert torch.equal(S.top_p(logits.float(), p) > -INF, S.top_p(logits.float().double(), p) > -INF)
+
+
+@pytest.mark.parametrize(
+    "source", [TOP_P_TUTORIAL, TOP_P_STRICT, TOP_P_SHIFTED.replace("COMPARE", ">")], ids=["tutorial", "<", "shifted"]
+)
+def test_top_p_one_token_too_many_exactly_on_the_threshold_is_told(nb, source):
+    fails(
+        C.check_top_p,
+        learner(nb, source, "top_p"),
+        r"\.5 \+ \.25 is exactly p and is kept alone: row 0: expected 2 tokens kept: \[0, 1\], got 3"
+        r"[\s\S]*hint: one token too many exactly on the boundary",
+    )
+
+
+def test_top_p_shifted_with_reaches_is_accepted(nb):
+    C.check_top_p(learner(nb, TOP_P_SHIFTED.replace("COMPARE", ">="), "top_p"), seed=101, n_random=30)
+
+
+MIN_P_AT_MOST = """
+def min_p(logits, p):   # <= where the rule says <, the most likely token kept apart
+    probs = torch.softmax(logits, -1)
+    top = probs.amax(-1, keepdim=True)
+    return logits.masked_fill((probs <= p * top) & (probs < top), float("-inf"))
+"""
+
+
+def test_min_p_that_removes_a_probability_exactly_on_the_bar_is_told(nb):
+    fails(
+        C.check_min_p,
+        learner(nb, MIN_P_AT_MOST, "min_p"),
+        r"a probability of exactly 0\.25 × \.5 = 0\.125 is kept: row 0: expected 3 tokens kept[\s\S]*not <=",
+    )
+
+
+def test_min_p_as_a_ratio_is_accepted(nb):
+    source = (
+        "def min_p(logits, p):\n    probs = torch.softmax(logits, -1)\n"
+        "    return logits.masked_fill(probs / probs.amax(-1, keepdim=True) < p, float('-inf'))"
+    )
+    C.check_min_p(learner(nb, source, "min_p"), seed=101, n_random=30)
+
+
+@pytest.mark.parametrize(
+    "source, pattern",
+    [
+        (
+            "def top_k(logits, k):\n    rows = []\n    for row in logits:\n"
+            "        values = torch.unique(row, sorted=True).flip(0)   # distinct values, highest first\n"
+            "        rows.append(row.masked_fill(row < values[min(k, len(values)) - 1], float('-inf')))\n"
+            "    return torch.stack(rows)",
+            r"the two highest tie, k = 2[\s\S]*not the k-th distinct value",
+        ),
+        (
+            "def top_k(logits, k):\n    kth = torch.topk(logits, min(k, logits.shape[-1])).values[:, -1:]\n"
+            "    return logits.masked_fill(logits <= kth, float('-inf'))",
+            r"hint: the k-th highest logit itself stays: remove only the logits < the k-th \(not <=\)",
+        ),
+        (
+            "def top_k(logits, k):\n    kth = torch.topk(logits, min(k, logits.shape[-1])).values[:, -1:]\n"
+            "    logits[logits < kth] = float('-inf')\n    return logits",
+            r"changed its input `logits`[\s\S]*in-place operation",
+        ),
+    ],
+    ids=["distinct values", "<=", "in place"],
+)
+def test_top_k_ties_and_boundary_mistakes(nb, source, pattern):
+    fails(C.check_top_k, learner(nb, source, "top_k"), pattern)
+
+
+# a softmax that subtracts the max only where float32 would overflow: right in float32, inf / inf in float16
+GUARDS_FLOAT32_ONLY = """
+def softmax(x):
+    if bool((x.abs().amax(-1) > 80).any()):
+        x = x - x.amax(-1, keepdim=True)
+    e = x.exp()
+    return e / e.sum(-1, keepdim=True)
+"""
+
+
+@pytest.mark.parametrize(
+    "name, body",
+    [
+        (
+            "top_p",
+            "def top_p(logits, p):\n    sorted_logits, order = torch.sort(logits, dim=-1)\n"
+            "    remove_sorted = softmax(sorted_logits).cumsum(dim=-1) <= 1 - p\n    remove_sorted[:, -1] = False\n"
+            "    return logits.masked_fill(torch.zeros_like(remove_sorted).scatter(-1, order, remove_sorted), "
+            "float('-inf'))",
+        ),
+        (
+            "min_p",
+            "def min_p(logits, p):\n    probs = softmax(logits)\n"
+            "    return logits.masked_fill(probs < p * probs.amax(-1, keepdim=True), float('-inf'))",
+        ),
+        (
+            "sample",
+            "def sample(logits, generator):\n"
+            "    return torch.multinomial(softmax(logits), 1, generator=generator).squeeze(-1)",
+        ),
+    ],
+)
+def test_a_softmax_that_overflows_in_float16_is_told(nb, name, body):
+    fn = learner(nb, GUARDS_FLOAT32_ONLY + body, name)
+    fails(getattr(C, f"check_{name}"), fn, r"float16[\s\S]*subtract each row's max")
+
+
+NEXT_TOKEN_SHORTCUT = """
+def next_token(logits, settings, seen=None, generator=None):
+    if seen is not None and settings.repetition_penalty != 1.0:
+        logits = repetition_penalty(logits, seen, settings.repetition_penalty)
+    if SHORTCUT:
+        return greedy(logits)
+    logits = temperature(logits, settings.temperature)
+    if settings.top_k:
+        logits = top_k(logits, settings.top_k)
+    if settings.top_p < 1.0:
+        logits = top_p(logits, settings.top_p)
+    if settings.min_p:
+        logits = min_p(logits, settings.min_p)
+    return sample(logits, generator)
+"""
+
+
+@pytest.mark.parametrize(
+    "shortcut, pattern",
+    [
+        ("settings.temperature == 0 or settings.top_k == 1", r"top-k 1 with two tokens tied[\s\S]*not greedy|ties"),
+        ("settings.temperature < 0.01", r"temperature 0\.001, logits 0\.001 apart[\s\S]*only temperature 0 is greedy"),
+    ],
+    ids=["top-k 1 is greedy", "a small temperature is greedy"],
+)
+def test_next_token_that_takes_a_shortcut_to_greedy_is_told(nb, shortcut, pattern):
+    fails(C.check_next_token, learner(nb, NEXT_TOKEN_SHORTCUT.replace("SHORTCUT", shortcut), "next_token"), pattern)
+
+
+def test_next_token_that_is_greedy_at_top_k_1_before_the_penalty_is_told(nb):
+    source = NEXT_TOKEN_SHORTCUT.replace("    if seen is not None", "    if settings.top_k == 1:\n"
+                                          "        return greedy(logits)\n    if seen is not None", 1)
+    fails(
+        C.check_next_token,
+        learner(nb, source.replace("SHORTCUT", "settings.temperature == 0"), "next_token"),
+        r"top-k 1 after the repetition penalty[\s\S]*top_k=1 is not greedy decoding",
+    )
+
+
+def test_next_token_that_divides_its_input_in_place_is_told(nb):
+    source = NEXT_TOKEN_SHORTCUT.replace("SHORTCUT", "settings.temperature == 0").replace(
+        "logits = temperature(logits, settings.temperature)", "logits /= settings.temperature"
+    )
+    fails(C.check_next_token, learner(nb, source, "next_token"), r"changed its input `logits`")
+
+
+def test_a_sampler_that_changes_its_one_row_input_is_told(nb):
+    source = (
+        "def sample(logits, generator):\n    if logits.shape[0] == 1:\n        logits -= logits.amax(-1, keepdim=True)\n"
+        "    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)"
+    )
+    fails(C.check_sample, learner(nb, source, "sample"), r"changed its input `logits`")

@@ -156,6 +156,10 @@ NOT_CONTIGUOUS_HINT = (
 ERROR_HINTS = {
     "view size is not compatible": NOT_CONTIGUOUS_HINT,
     "selected index k out of range": "k may be larger than the vocabulary: use min(k, V)",
+    "contains either `inf`, `nan`": (
+        "the probabilities hold inf or nan: subtract each row's max before exp (exp overflows above 11 in float16 "
+        "and above 88 in float32, and inf / inf is nan)"
+    ),
 }
 
 
@@ -479,6 +483,13 @@ def check_greedy(fn, *, seed: int = 0, n_random: int = 6) -> None:
     in_engine("greedy", fn, [dict()], judge, lambda logits: logits.argmax(-1))
 
 
+def _kth_distinct(x: Tensor, k: int) -> Tensor:
+    """A known mistake: top-k that takes the k-th highest *distinct* value of each row as the k-th."""
+    rows = [row.unique(sorted=True).flip(0) for row in x]
+    kth = torch.stack([row[min(k, len(row)) - 1] for row in rows])[:, None]
+    return x.masked_fill(x < kth, -INF)
+
+
 def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
     """top_k(logits [B, V], k) -> [B, V]: the k highest and any tied with the k-th kept, the rest -inf."""
 
@@ -492,6 +503,11 @@ def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
             "keep every token tied with the k-th highest logit: compare with the k-th value (>=) instead of "
             "keeping exactly k positions",
         ),
+        (
+            _kth_distinct,
+            "count tied logits one by one: the k-th highest is the k-th entry of the sorted row (torch.topk or "
+            "torch.sort), not the k-th distinct value",
+        ),
         (lambda x, k: S.top_k(x, k + 1), "off by one: keep k tokens, not k + 1"),
         (
             lambda x, k: x.masked_fill(x < torch.topk(x, min(k, x.shape[-1])).values[..., -1:], 0.0),
@@ -500,6 +516,10 @@ def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
         (
             lambda x, k: x.masked_fill(x < torch.sort(x.flatten(), descending=True).values[k - 1], -INF),
             "find the k-th highest value of each row (along dim=-1), not of the whole batch",
+        ),
+        (
+            lambda x, k: x.masked_fill(x <= torch.topk(x, min(k, x.shape[-1])).values[..., -1:], -INF),
+            "the k-th highest logit itself stays: remove only the logits < the k-th (not <=)",
         ),
     ]
     x = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
@@ -518,6 +538,21 @@ def check_top_k(fn, *, seed: int = 0, n_random: int = 6) -> None:
             "k larger than V keeps every token: use min(k, V)",
         ),
         Case("k = 1", (torch.tensor([[0.0, 5.0, 5.0, 1.0]]), 1), torch.tensor([[-INF, 5.0, 5.0, -INF]])),
+        Case(
+            "the two highest tie, k = 2: the k-th is the second 3, not the next distinct value",
+            (torch.tensor([[3.0, 1.0, 3.0, 0.0]]), 2),
+            torch.tensor([[3.0, -INF, 3.0, -INF]]),
+        ),
+        Case(
+            "every logit ties, k = 1: all tie with the k-th and stay",
+            (torch.full((1, 4), 2.5), 1),
+            torch.full((1, 4), 2.5),
+        ),
+        Case(
+            "float16 ties at the k-th (float16 rounds 1.0001 to 1.0), k = 2",
+            (torch.tensor([[2.0, 1.0001, 0.5, 1.0]]).half(), 2),
+            torch.tensor([[2.0, 1.0, -INF, 1.0]]).half(),
+        ),
         Case(
             "two rows, each with its own k-th value",
             (torch.tensor([[5.0, 4.0, 3.0], [-1.0, -2.0, -3.0]]), 2),
@@ -557,6 +592,45 @@ def _unambiguous(fn: Callable[[Tensor], Tensor], x: Tensor) -> bool:
     return bool((highest_removed < lowest_kept).all())
 
 
+def _exact_logits(probs: Sequence[float]) -> Tensor:
+    """[1, V] float64 logits whose softmax is exactly `probs` (powers of two that add up to 1), in float64 and
+    in float32: log(p / max p), whose exp rounds back to p / max p for the ratios 1, 1/2, 1/4, 1/16 and 1/32
+    (not 1/8: exp(log(1/8)) is 1 ulp off in float64). A case built on them sits exactly on a threshold."""
+    top = max(probs)
+    return torch.tensor([[math.log(p / top) for p in probs]], dtype=torch.float64)
+
+
+def _large_half_logits(
+    maybe: Callable[[str, Tensor, float], Optional[Case]], p16: float, p_bf16: float
+) -> list[Optional[Case]]:
+    """Cases `maybe(description, logits, p)` on float16 and bfloat16 logits whose exp overflows the dtype (e^11.1
+    is float16's largest number): a softmax that does not subtract the max gives inf / inf = nan."""
+    return [
+        maybe(
+            "large float16 logits (up to 12.5: exp overflows float16 unless the max is subtracted)",
+            torch.tensor([[11.0, 12.5, 9.0, 12.0, 7.0]]).half(),
+            p16,
+        ),
+        maybe(
+            "large bfloat16 logits (near 1000: exp overflows unless the max is subtracted)",
+            torch.tensor([[1000.0, 996.0, 1000.0, 992.0]]).bfloat16(),
+            p_bf16,
+        ),
+    ]
+
+
+WITHOUT_MAX = (
+    "subtract each row's max before exp (softmax(x) = softmax(x - max)): exp overflows above 11 in float16 and "
+    "above 88 in float32, and inf / inf is nan"
+)
+
+
+def _softmax_without_max(x: Tensor) -> Tensor:
+    """A known mistake: exp(x) / sum, which overflows on large logits."""
+    e = x.exp()
+    return e / e.sum(-1, keepdim=True)
+
+
 def _margin(dtype: torch.dtype) -> float:
     """How far from a cut a probability must be for every correct way of computing it to agree: 1e-5 for float32
     and float64; for float16 / bfloat16, whose softmax and cumulative sums may be computed in the half dtype
@@ -577,11 +651,16 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         keep[..., 0] = True
         return x.masked_fill(~keep.scatter(-1, order, keep), -INF)
 
-    def too_many(x, p):  # keeps the first token whose cumulative probability exceeds p, and one more
+    def mass_before_exceeds(x, p):  # the tutorials' rule: remove a token when the mass before it exceeds p
         probs, order = torch.sort(torch.softmax(x, -1), descending=True)
         keep = probs.cumsum(-1) - probs <= p
-        keep[..., 1:] &= (probs.cumsum(-1) - probs)[..., :-1] < p
         return x.masked_fill(~keep.scatter(-1, order, keep), -INF)
+
+    def without_max(x, p):  # softmax as exp(x) / sum: exp overflows on large logits, and inf / inf is nan
+        sorted_x, order = torch.sort(x)
+        remove = _softmax_without_max(sorted_x).cumsum(-1) <= 1 - p
+        remove[..., -1] = False
+        return x.masked_fill(remove.scatter(-1, order, remove), -INF)
 
     def keep_below_p(x, p):  # removes tokens while the cumulative, from the least likely, is <= p
         return S.top_p(x, 1 - p) if p < 1 else x
@@ -592,7 +671,8 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         remove[..., -1] = False
         return x.masked_fill(remove.scatter(-1, order, remove), -INF)
 
-    mistakes = [
+    mistakes = [  # the overflow first: where it is wrong, it may also look like another mistake
+        (without_max, WITHOUT_MAX),
         (
             too_few,
             "one token too few: keep the token whose probability makes the sum pass p (the smallest "
@@ -603,6 +683,12 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         (
             lambda x, p: S.top_p(x.T, p).T if x.shape[0] > 1 else None,
             "softmax and sort each row along the vocabulary (dim=-1)",
+        ),
+        (
+            mass_before_exceeds,
+            "one token too many exactly on the boundary: remove every token whose cumulative probability, from "
+            "the least likely, is <= 1 - p (<=, not <); seen from the most likely, remove a token once the mass "
+            "before it reaches p (>=), not only once it exceeds p",
         ),
     ]
 
@@ -631,6 +717,24 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         ),
         case("two rows, each with its own distribution", two_rows, 0.7),
         case("some tokens already removed (-inf)", torch.tensor([[1.0, -INF, 0.5, -INF, 0.0]]), 0.8),
+        case("large logits (softmax must subtract the max)", torch.tensor([[1000.0, 999.0, 990.0, 998.0]]), 0.7),
+    ]
+    # exactly on the boundary: the cumulative probability equals 1 - p, exactly in float64 and float32 (answers
+    # computed now, not later: a smaller version of these logits, as shrinking would try, is off the boundary)
+    halves = _exact_logits([0.5, 0.25, 0.125, 0.03125, 0.03125, 0.03125, 0.03125])
+    cases += [
+        Case(
+            "probabilities .5 .25 .125 4×.03125 (exact in float64), p = 0.75: .5 + .25 is exactly p and is kept alone",
+            (halves, 0.75),
+            S.top_p(halves, 0.75),
+            "here 4 × .03125 + .125 = 0.25 = 1 - p: those tokens go, and .5 + .25 (exactly p) stay",
+        ),
+        Case(
+            "the same probabilities in float32, p = 0.5: the most likely alone is exactly p and is kept alone",
+            (halves.float(), 0.5),
+            S.top_p(halves.float(), 0.5),
+            "here all but the most likely add up to 0.5 = 1 - p: they go, and .5 (exactly p) stays alone",
+        ),
     ]
 
     def fair(logits, p):  # every correct way of computing it keeps the same tokens
@@ -647,6 +751,7 @@ def check_top_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         case("the same logits again, p = 0.3 (one call must not remember another)", same, 0.3),
         case("p = 0.001 keeps only the most likely token", same, 0.001),
         maybe("one row of GPT-2's logits [1, 50257]", one, 0.95),
+        *_large_half_logits(maybe, 0.9, 0.9),
     ]
     g = torch.Generator().manual_seed(seed)
     cases += _shapes_and_layouts(g, lambda x, what: maybe(what, x, _choice(g, [0.3, 0.6, 0.9])))
@@ -683,8 +788,23 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         probs = torch.softmax(x, -1)
         return x.masked_fill(probs < p * probs.max(), -INF)
 
-    mistakes = [
+    def at_most(x, p, keep_the_largest=False):  # removes probabilities <= p × the largest
+        probs = torch.softmax(x, -1)
+        top = probs.amax(-1, keepdim=True)
+        return x.masked_fill((probs <= p * top) & ((probs < top) if keep_the_largest else True), -INF)
+
+    def without_max(x, p):
+        probs = _softmax_without_max(x)
+        return x.masked_fill(probs < p * probs.amax(-1, keepdim=True), -INF)
+
+    at_most_hint = (
+        "a probability of exactly p × the largest is kept: remove only the probabilities < p × the largest (not <=)"
+    )
+    mistakes = [  # the overflow first: where it is wrong, it may also look like another mistake
+        (without_max, WITHOUT_MAX),
         (batch_max, "each row has its own largest probability: amax(dim=-1, keepdim=True)"),
+        (at_most, at_most_hint),
+        (functools.partial(at_most, keep_the_largest=True), at_most_hint),
         (
             of_sum,
             "compare each probability with p times the LARGEST probability of its row, not with p "
@@ -742,6 +862,20 @@ def check_min_p(fn, *, seed: int = 0, n_random: int = 8) -> None:
         Case("the same logits again, p = 0.5 (one call must not remember another)", (ties, 0.5), S.min_p(ties, 0.5)),
         Case("p = 1, float16", (ties.half(), 1.0), torch.tensor([[3.0, -INF, 3.0, -INF, -INF]]).half()),
         maybe("one row of GPT-2's logits [1, 50257]", real_logits(seed)[0], 0.02),
+        *_large_half_logits(maybe, 0.3, 0.01),
+    ]
+    # exactly on the boundary, in float64 (where these probabilities are exact; see _exact_logits; answers computed
+    # now: a smaller version of these logits is off the boundary)
+    halves = _exact_logits([0.5, 0.25, 0.125, 0.03125, 0.03125, 0.03125, 0.03125])
+    cases += [
+        Case(
+            f"probabilities .5 .25 .125 4×.03125 (exact in float64), p = {p}: a probability of exactly "
+            f"{p} × .5 = {p / 2:g} is kept",
+            (halves, p),
+            S.min_p(halves, p),
+            f"the bar is p × .5 = {p / 2:g}: a probability equal to it stays",
+        )
+        for p in (0.25, 0.5)
     ]
     g = torch.Generator().manual_seed(seed)
     cases = [
@@ -976,29 +1110,6 @@ def _draws_judge(n_draws: int, extra_hint: Callable[[Any, tuple], str] = lambda 
     return judge
 
 
-def _same_generator_same_tokens(name: str, fn, make_args: Callable[[torch.Generator], tuple], forbid) -> None:
-    """The learner's sampler must draw from the generator it is given: equal seeds, equal tokens;
-    different seeds, different tokens."""
-
-    def draw(seed):
-        return call_learner(
-            name, fn, make_args(torch.Generator().manual_seed(seed)), forbid=forbid, seconds=5.0, may_modify=True
-        )
-
-    first, again, other = draw(7), draw(7), draw(8)
-    if isinstance(first, Tensor) and isinstance(again, Tensor) and not torch.equal(first, again):
-        raise CheckFailed(
-            f"✗ {name}: two calls with generators seeded alike (7) drew different tokens.\n"
-            f"  hint: draw with the generator you are given: torch.multinomial(probs, 1, "
-            f"generator=generator) — not the global random state"
-        )
-    if isinstance(first, Tensor) and isinstance(other, Tensor) and torch.equal(first, other):
-        raise CheckFailed(
-            f"✗ {name}: generators seeded 7 and 8 drew exactly the same tokens.\n"
-            f"  hint: draw with the generator you are given, and do not seed anything yourself"
-        )
-
-
 def _many(logits: Tensor, n: int) -> Tensor:
     return logits.repeat(n, 1)  # [n·B, V]: row i is logits[i % B]
 
@@ -1030,7 +1141,7 @@ def _one_row_draws(
         with budget:
             for _ in range(n):
                 args = make_args(logits, g)
-                got = call_learner(name, fn, args, forbid=FORBID, seconds=5.0, may_modify=True, show=show)
+                got = call_learner(name, fn, args, forbid=FORBID, seconds=5.0, show=show)
                 if not isinstance(got, Tensor) or got.shape != (1,) or got.dtype != torch.long:
                     problem = tensor_problem(got, torch.zeros(1, dtype=torch.long))
                     hint = (
@@ -1069,6 +1180,16 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
             "draw one token per row, from that row's probabilities",
         ),
         ("large logits", torch.tensor([[1000.0, 999.0, 998.5]]), "softmax must subtract the max"),
+        (
+            "large float16 logits (up to 12.5: exp overflows float16 unless the max is subtracted)",
+            torch.tensor([[11.0, 12.5, 9.0, 12.0]]).half(),
+            "softmax must subtract the max",
+        ),
+        (
+            "bfloat16 logits near 1000",
+            torch.tensor([[1000.0, 996.0, 1000.0, 992.0]]).bfloat16(),
+            "softmax must subtract the max",
+        ),
         ("float64 logits", torch.tensor([[0.3, -0.4, 1.1, 0.0]], dtype=torch.float64), ""),
         (f"{LAYOUTS[1]}: not contiguous", _layout(torch.tensor([[0.0, 1.0, 2.0], [2.0, 1.0, 0.0]]), LAYOUTS[1]), ""),
     ]
@@ -1135,7 +1256,7 @@ def check_sample(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 3000) -
     flat = torch.zeros(4, 50)
     generator_contract(
         "sample",
-        lambda gen: call_learner("sample", fn, (flat, gen), forbid=FORBID, seconds=5.0, may_modify=True),
+        lambda gen: call_learner("sample", fn, (flat, gen), forbid=FORBID, seconds=5.0),
         what="sample(torch.zeros(4, 50), generator)",
     )
     _one_row_draws(
@@ -1249,10 +1370,41 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             None,
             "draw from softmax(logits), with the generator you are given",
         ),
+        # settings that look greedy but are not: every processor that is on must run, then a draw
+        (
+            "top-k 1 after the repetition penalty, temperature 0.7: the penalty changes the most likely token",
+            torch.tensor([[3.0, 2.9, -1.0, 0.5]]),
+            Settings(temperature=0.7, top_k=1, repetition_penalty=1.5),
+            torch.tensor([[True, False, False, False]]),
+            "top_k=1 is not greedy decoding: the repetition penalty comes first (token 0, seen, drops from 3 to 2), "
+            "then top-k keeps the new most likely token",
+        ),
+        (
+            "top-k 1 with two tokens tied for the top: both stay, and each is drawn half of the time",
+            torch.tensor([[1.0, 2.0, 2.0, 0.5]]),
+            Settings(temperature=0.8, top_k=1),
+            None,
+            "top_k=1 keeps every token tied with the highest (top-k keeps ties), and sampling draws among them: "
+            "do not replace it by greedy decoding (argmax takes the lowest id)",
+        ),
+        (
+            "temperature 0.001, logits 0.001 apart: still a draw (27 % / 73 %)",
+            torch.tensor([[1.0, 1.001, -1.0]], dtype=torch.float64),
+            Settings(temperature=0.001),
+            None,
+            "only temperature 0 is greedy: divide by any temperature > 0, however small, and draw",
+        ),
+        (
+            "large float16 logits (up to 12.5) at temperature 0.5: exp overflows float16 unless the max is subtracted",
+            torch.tensor([[11.0, 12.5, 9.0, 12.0]]).half(),
+            Settings(temperature=0.5, top_p=0.95),
+            None,
+            "softmax must subtract each row's max (e^11.1 is float16's largest number)",
+        ),
     ]
     g = torch.Generator().manual_seed(seed)
     attempts = 0
-    while len(sampled) < 6 + n_random and attempts < 50:
+    while len(sampled) < 10 + n_random and attempts < 50:
         attempts += 1
         logits = _random_logits(
             g,
@@ -1347,9 +1499,7 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
     flat = torch.zeros(4, 50)
     generator_contract(
         "next_token",
-        lambda gen: call_learner(
-            "next_token", fn, (flat, one_row, None, gen), forbid=FORBID, seconds=5.0, may_modify=True
-        ),
+        lambda gen: call_learner("next_token", fn, (flat, one_row, None, gen), forbid=FORBID, seconds=5.0),
         what="next_token(torch.zeros(4, 50), SamplingParams(temperature=1.0), None, generator)",
     )
     _one_row_draws(
