@@ -1275,3 +1275,88 @@ def test_a_sampler_that_changes_its_one_row_input_is_told(nb):
         "    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)"
     )
     fails(C.check_sample, learner(nb, source, "sample"), r"changed its input `logits`")
+
+
+def beam_right():
+    source = BEAM
+    for key, value in BEAM_RIGHT.items():
+        source = source.replace(key, value)
+    return source
+
+
+@pytest.mark.parametrize(
+    "old, new, pattern",
+    [
+        ("2 * num_beams)", "num_beams)", r"found only by keeping 2·num_beams[\s\S]*hint: take the 2·num_beams best"),
+        (
+            "if token == eos_token_id or last:",
+            "if (token == eos_token_id and rank == 0) or last:",
+            r"\[EOS\] is finished, never extended[\s\S]*hint: a candidate that ends with EOS is finished at any rank",
+        ),
+        (
+            "if rank < num_beams:",
+            "if rank < 2 * num_beams:",
+            r"ranked 3rd, below num_beams: it does not finish[\s\S]*hint: only candidates ranked among the first",
+        ),
+        (
+            "if token == eos_token_id or last:",
+            "if token == eos_token_id:",
+            r"reaching max_new_tokens finishes \[A, X\][\s\S]*hint: at the last step \(max_new_tokens\) every",
+        ),
+        (
+            "live[0][0] / n**length_penalty <= finished[-1][0]",
+            "live[0][0] <= finished[-1][0]",
+            r"scored at its length \(-0\.76\) can still beat[\s\S]*hint: in the stopping test, score the best live",
+        ),
+        (
+            "if len(finished) == num_beams and live[0][0]",
+            "if False and live[0][0]",
+            r"1 beam, length_penalty 2: EOS \.6 first[\s\S]*hint: stop once num_beams hypotheses are finished",
+        ),
+        ("or False:", "or bool(finished):", r"hint: do not stop when the first hypothesis is finished"),
+    ],
+    ids=["num_beams candidates", "EOS only at rank 0", "EOS at any of 2k ranks", "length does not finish",
+         "stopping test unnormalized", "never stops early", "stops at the first EOS"],
+)
+def test_beam_search_stopping_rule_mistakes_are_named(nb, old, new, pattern):
+    source = beam_right()
+    assert old in source
+    source = source.replace(old, new).replace(
+        "return finished[0][1][len(prompt_ids):]", "return (finished or live)[0][1][len(prompt_ids):]"
+    )
+    fails(C.check_beam_search, learner(nb, source, "beam_search"), pattern)
+
+
+def test_beam_search_with_a_sort_instead_of_topk_is_accepted(nb):
+    source = beam_right().replace(
+        "top, index = torch.topk((scores[:, None] + log_probs).flatten(), 2 * num_beams)",
+        "top, index = torch.sort((scores[:, None] + log_probs).flatten(), descending=True)\n"
+        "        top, index = top[: 2 * num_beams], index[: 2 * num_beams]",
+    )
+    assert "torch.sort" in source
+    C.check_beam_search(learner(nb, source, "beam_search"), seed=101, n_random=6)
+
+
+def test_one_beam_as_greedy_decoding_that_extends_the_prompt_is_told(nb):
+    source = beam_right().replace(
+        "    beams = [list(prompt_ids)] * num_beams",
+        "    if num_beams == 1:   # greedy decoding\n        ids = prompt_ids\n"
+        "        for _ in range(max_new_tokens):\n"
+        "            with torch.no_grad():\n"
+        "                ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))\n"
+        "            if ids[-1] == eos_token_id:\n                break\n"
+        "        return ids[len(ids) - max_new_tokens:]\n"
+        "    beams = [list(prompt_ids)] * num_beams",
+    )
+    fails(C.check_beam_search, learner(nb, source, "beam_search"), r"changed its input `prompt_ids`")
+
+
+def test_the_checks_beam_search_by_the_chapters_rules_is_the_engines(monkeypatch):
+    cases = captured_cases(C.check_beam_search, monkeypatch)
+    trees = [case for case in cases if isinstance(case.args[0], C.TreeModel)]
+    assert len(trees) == 6 and len(cases) >= 15
+    for case in cases:
+        assert C.beam_search_by(C.BeamRules(), *case.args) == case.expected, case.description
+    # each scripted case separates its mistake from the chapter's rules
+    designed = [[7], [2, 7], [1, 4], [1, 4], [7], [1, 4, 7]]
+    assert [case.expected for case in trees] == designed

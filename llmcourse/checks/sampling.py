@@ -1621,6 +1621,200 @@ def one_thread(check: Callable) -> Callable:
     return run
 
 
+@dataclasses.dataclass(frozen=True)
+class BeamRules:
+    """The chapter's rules of beam search (the defaults), or one known way of getting them wrong: see
+    `beam_search_by`, and `BEAM_MISTAKES` for the mistakes and the hints that name them."""
+
+    candidates: int = 2  # candidates taken each step, per beam (1: only num_beams)
+    finish_below: int = 1  # a candidate may finish only if its rank < finish_below × num_beams
+    eos_at_any_rank: bool = True  # False: only the best candidate's EOS finishes it, the others live on
+    length_finishes: bool = True  # False: at max_new_tokens only EOS ends a candidate (else the best live one wins)
+    stop: str = "normalized"  # stop early when the best live beam at its length cannot win ("normalized"); "raw":
+    # compared unnormalized; "first": as soon as one hypothesis is finished; "never"
+
+
+def beam_search_by(
+    rules: BeamRules,
+    model: Callable,
+    prompt: Sequence[int],
+    num_beams: int,
+    max_new_tokens: int,
+    length_penalty: float = 1.0,
+    eos_token_id: Optional[int] = None,
+) -> list[int]:
+    """Beam search by `rules`, written as the chapter asks (whole beams recomputed each step, float32 log-softmax):
+    with the default rules, the engine's answer (a test says so); with a mistake's, that mistake's."""
+    K = num_beams
+    beams, scores = [list(prompt)] * K, torch.full((K,), -INF)
+    scores[0] = 0.0
+    finished: list[tuple[float, list[int]]] = []
+    live: list[tuple[float, list[int]]] = []
+    with torch.no_grad():
+        for step in range(max_new_tokens):
+            log_probs = torch.log_softmax(model(torch.tensor(beams))[:, -1].float(), dim=-1)  # [K, V]
+            V = log_probs.shape[-1]
+            top, index = torch.topk((scores[:, None] + log_probs).flatten(), rules.candidates * K)
+            new_tokens, last = step + 1, step == max_new_tokens - 1
+            live = []
+            for rank, (score, i) in enumerate(zip(top.tolist(), index.tolist())):
+                beam, token = divmod(i, V)
+                eos = token == eos_token_id and (rules.eos_at_any_rank or rank == 0)
+                if eos or (last and rules.length_finishes):
+                    if rank < rules.finish_below * K:
+                        finished.append((score / new_tokens**length_penalty, beams[beam] + [token]))
+                elif len(live) < K:
+                    live.append((score, beams[beam] + [token]))
+            finished = sorted(finished, key=lambda f: -f[0])[:K]
+            if last or not live or (rules.stop == "first" and finished):
+                break
+            best = live[0][0] / (1 if rules.stop == "raw" else new_tokens**length_penalty)
+            if rules.stop != "never" and len(finished) == K and best <= finished[-1][0]:
+                break
+            beams, scores = [tokens for _, tokens in live], torch.tensor([score for score, _ in live])
+    return (finished[0][1] if finished else live[0][1])[len(prompt) :]  # none finished: only if length_finishes=False
+
+
+BEAM_MISTAKES = [
+    (
+        BeamRules(candidates=1),
+        "take the 2·num_beams best candidates each step: one that ends with EOS finishes and takes no live beam's "
+        "place, so the candidates after it still fill num_beams live beams",
+    ),
+    (
+        BeamRules(eos_at_any_rank=False),
+        "a candidate that ends with EOS is finished at any rank among the first num_beams, not only the best one, "
+        "and never becomes a live beam",
+    ),
+    (
+        BeamRules(finish_below=2),
+        "only candidates ranked among the first num_beams (of the 2·num_beams) may finish: an EOS candidate ranked "
+        "lower is dropped",
+    ),
+    (
+        BeamRules(length_finishes=False),
+        "at the last step (max_new_tokens) every candidate among the first num_beams finishes, not only those "
+        "ending with EOS: then the best finished hypothesis is the answer",
+    ),
+    (
+        BeamRules(stop="first"),
+        "do not stop when the first hypothesis is finished: keep searching until num_beams beams are finished and "
+        "no live beam can beat the worst of them",
+    ),
+    (
+        BeamRules(stop="raw"),
+        "in the stopping test, score the best live beam at its current length (score / new_tokens ** "
+        "length_penalty), as the finished ones are scored",
+    ),
+    (
+        BeamRules(stop="never"),
+        "stop once num_beams hypotheses are finished and the best live beam, scored at its length, is not better "
+        "than the worst of them: searching on finds other texts than transformers' beam search",
+    ),
+]
+
+
+class TreeModel:
+    """Stands in for a model in beam search: its next-token probabilities after each continuation of the prompt
+    come from a table (the new tokens so far -> {token: probability}; the rest of the probability spread over the
+    other tokens in decreasing shares, so that no two tie), so that a case can put EOS exactly where a rule
+    matters and say every beam's score."""
+
+    def __init__(self, prompt_length: int, table: dict[tuple[int, ...], dict[int, float]], vocab_size: int = 8):
+        self.prompt_length, self.table = prompt_length, table
+        self.config = GPT2Config(n_layer=1, n_head=1, n_embd=8, vocab_size=vocab_size)
+        self.device, self.dtype = torch.device("cpu"), torch.float32
+
+    def probs(self, new: tuple[int, ...]) -> Tensor:
+        """[V] float64: the next token's probabilities after the new tokens `new`."""
+        given, V = self.table.get(new, {}), self.config.vocab_size
+        others = [t for t in range(V) if t not in given]
+        shares = torch.tensor([0.8**i for i in range(len(others))], dtype=torch.float64)
+        probs = torch.zeros(V, dtype=torch.float64)
+        probs[others] = shares / shares.sum() * (1 - sum(given.values()))
+        probs[list(given)] = torch.tensor(list(given.values()), dtype=torch.float64)
+        return probs
+
+    def __call__(self, input_ids, *args, **kwargs) -> Tensor:
+        ids = torch.as_tensor(input_ids)
+        ids = ids[None] if ids.dim() == 1 else ids
+        logits = torch.empty(*ids.shape, self.config.vocab_size)  # [B, T, V], the same at every position
+        for row in range(ids.shape[0]):
+            logits[row] = self.probs(tuple(ids[row, self.prompt_length :].tolist())).log().float()
+        return logits
+
+    def __repr__(self) -> str:
+        return "model"
+
+
+TREE_PROMPT, TREE_EOS = [6, 6], 7
+
+
+def _beam_trees() -> list[tuple[str, dict, int, int, float]]:
+    """The stopping rules of beam search, each where it decides the answer: (what the case shows, a TreeModel's
+    table, num_beams, max_new_tokens, length_penalty), for the prompt TREE_PROMPT and EOS = TREE_EOS."""
+    A, B, X, Y, EOS = 1, 2, 4, 5, TREE_EOS
+    return [
+        (
+            "2 beams: after the prompt A .5, EOS .4 (ranked 2nd: [EOS] is finished, never extended), B .05; after A, "
+            "X .3: [EOS] wins (-0.92 against [A, X]'s -1.90 / 2)",
+            {(): {A: 0.5, EOS: 0.4, B: 0.05}, (A,): {X: 0.3}, (EOS,): {Y: 0.99}},
+            2,
+            2,
+            1.0,
+        ),
+        (
+            "2 beams: after the prompt A .5, EOS .3 (ranked 2nd: it finishes), B .15; after B, EOS .95: [B, EOS] "
+            "wins (-1.95 / 2), found only by keeping 2·num_beams candidates",
+            {(): {A: 0.5, EOS: 0.3, B: 0.15}, (B,): {EOS: 0.95}, (A,): {X: 0.2}},
+            2,
+            2,
+            1.0,
+        ),
+        (
+            "2 beams: after the prompt A .34, B .33, EOS .32 (ranked 3rd, below num_beams: it does not finish)",
+            {(): {A: 0.34, B: 0.33, EOS: 0.32}, (A,): {X: 0.25}, (B,): {Y: 0.2}},
+            2,
+            2,
+            1.0,
+        ),
+        (
+            "2 beams, max_new_tokens 2: EOS .45 first, then A .35 and A X .9: reaching max_new_tokens finishes [A, X], "
+            "which wins (-1.15 / 2)",
+            {(): {EOS: 0.45, A: 0.35, B: 0.15}, (A,): {X: 0.9}},
+            2,
+            2,
+            1.0,
+        ),
+        (
+            "1 beam, length_penalty 2: EOS .6 first, so one beam stops there, as greedy decoding does",
+            {(): {EOS: 0.6, A: 0.3}, (A,): {EOS: 0.99}},
+            1,
+            3,
+            2.0,
+        ),
+        (
+            "2 beams: EOS .3 finishes first, then [A, EOS] (-1.40 / 2); the live [A, X] (-1.51) scored at its length "
+            "(-0.76) can still beat the worst finished (-1.20), and [A, X, EOS] wins",
+            {(): {A: 0.55, EOS: 0.3, B: 0.1}, (A,): {EOS: 0.45, X: 0.4}, (A, X): {EOS: 0.99}},
+            2,
+            3,
+            1.0,
+        ),
+    ]
+
+
+def _beam_mistake(case: Case, got: Any) -> str:
+    """The hint of the first of BEAM_MISTAKES whose answer on the case is `got`, else ''."""
+    for rules, hint in BEAM_MISTAKES:
+        try:
+            if beam_search_by(rules, *case.args) == got:
+                return hint
+        except Exception:  # a mistake that cannot run on this case names nothing
+            continue
+    return ""
+
+
 @one_thread
 def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
     """beam_search(model, prompt_ids, num_beams, max_new_tokens, length_penalty=1.0, eos_token_id=None)
@@ -1722,9 +1916,16 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         "the defaults: length_penalty=1.0, eos_token_id=None",
     )
     cases.append(dataclasses.replace(defaults, args=defaults.args[:4]))
+    # the stopping rules, each where it decides the answer, on scripted models: early, so that a mistake in them is
+    # named by the first case it fails (after the two that show the start)
+    trees = []
+    for what, table, num_beams, new_tokens, length_penalty in _beam_trees():
+        args = (TreeModel(len(TREE_PROMPT), table), TREE_PROMPT, num_beams, new_tokens, length_penalty, TREE_EOS)
+        trees.append(Case(f"{what} (A = 1, B = 2, X = 4, Y = 5, EOS = 7)", args, beam_search_by(BeamRules(), *args)))
+    cases[2:2] = trees
     doubles = {s: tiny_model(s).double() for s in (seed, seed + 1)}
     attempts = 0
-    while len(cases) < 5 + n_random and attempts < 4 * (n_random + 1):
+    while len(cases) < 11 + n_random and attempts < 4 * (n_random + 1):
         attempts += 1
         model_seed = seed + attempts % 2
         prompt = torch.randint(0, 97, (_randint(g, 1, 6),), generator=g).tolist()
@@ -1747,22 +1948,24 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
         more = ", length_penalty={}, eos_token_id={}".format(*rest) if rest else ""
         return f"beam_search(model, {prompt}, num_beams={num_beams}, max_new_tokens={new}{more})"
 
-    def compare(got, expected):
+    def judge(case: Case, got: Any) -> Verdict:
+        expected = case.expected
         if not isinstance(got, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in got):
-            return f"expected a list of token ids (Python ints), got {short(got, 80)}"
+            return f"expected a list of token ids (Python ints), got {short(got, 80)}", ""
         if got == expected:
             return None
         same = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected)))
         return (
             f"a different sequence ({len(got)} token{'s' * (len(got) != 1)} instead of {len(expected)}; "
-            f"the first difference at position {same})"
+            f"the first difference at position {same})",
+            _beam_mistake(case, got),
         )
 
     run_check(
         "beam_search",
         fn,
         cases,
-        compare=compare,
+        judge=judge,
         forbid=FORBID,
         show_call=show,
         may_modify=[0],
