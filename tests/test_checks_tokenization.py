@@ -3,9 +3,7 @@ message that says what is wrong, other correct ways of writing each exercise pas
 endless loops are stopped."""
 
 import codecs
-import inspect
 import sys
-import textwrap
 from codecs import getincrementaldecoder as incremental_decoder_imported_early
 from collections import Counter, defaultdict
 from encodings.utf_8 import IncrementalDecoder as Utf8IncrementalDecoder
@@ -34,21 +32,73 @@ from llmcourse.engine.tokenizer import bytes_to_unicode as engine_table_imported
 tokenizers = pytest.importorskip("tokenizers")  # Hugging Face's (a dependency of transformers): a black box too
 
 
-def copy_of(fn):
-    """The engine's function as a learner would have it: the same source, compiled in their notebook.
-
-    (The engine's own functions are the black boxes: a check rejects them however they are reached.)
-    """
-    namespace = dict(inspect.unwrap(fn).__globals__, __name__="__learner__")
-    exec(compile(textwrap.dedent(inspect.getsource(fn)), "<learner's cell>", "exec"), namespace)
-    return namespace[fn.__name__]
+# -- the chapter's solutions, as a learner writes them (a copy of the engine's own source is its black box) -----
 
 
-ENCODE_COPY = copy_of(bpe.encode)
+def get_pair_counts(ids):
+    counts = {}
+    for pair in zip(ids, ids[1:]):
+        counts[pair] = counts.get(pair, 0) + 1
+    return counts
 
 
-def engine_encode(text, ranks):
-    return ENCODE_COPY(text, ranks=ranks)
+def merge(ids, pair, new_id):
+    out, i = [], 0
+    while i < len(ids):
+        if i + 1 < len(ids) and (ids[i], ids[i + 1]) == pair:
+            out.append(new_id)
+            i += 2
+        else:
+            out.append(ids[i])
+            i += 1
+    return out
+
+
+def train_bpe(text, num_merges):
+    ids, merges = list(text.encode("utf-8")), {}
+    for new_id in range(256, 256 + num_merges):
+        counts = get_pair_counts(ids)
+        if not counts:
+            break
+        pair = max(counts, key=counts.get)
+        ids, merges[pair] = merge(ids, pair, new_id), new_id
+    return merges
+
+
+def printable_bytes_first():
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in printable}
+    n = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + n)
+            n += 1
+    return table
+
+
+def bpe_encode_chunk(chunk, ranks):
+    parts = [bytes([b]) for b in chunk]
+    while len(parts) > 1:
+        joined = [left + right for left, right in zip(parts, parts[1:])]
+        best = min(range(len(joined)), key=lambda i: ranks.get(joined[i], float("inf")))
+        if joined[best] not in ranks:
+            break
+        parts[best : best + 2] = [joined[best]]
+    return [ranks[part] for part in parts]
+
+
+def encode(text, ranks):
+    ids = []
+    for n, piece in enumerate(text.split(EOT)):
+        if n > 0:
+            ids.append(EOT_ID)
+        for chunk in regex.findall(GPT2_SPLIT_PATTERN, piece):
+            ids.extend(bpe_encode_chunk(chunk.encode("utf-8"), ranks))
+    return ids
+
+
+def decode(ids, vocab):
+    return b"".join(vocab[i] for i in ids).decode("utf-8", errors="replace")
 
 
 class ManualStreamDecoder:
@@ -77,13 +127,13 @@ class ManualStreamDecoder:
 
 
 REFERENCES = [
-    (check_get_pair_counts, copy_of(bpe.get_pair_counts)),
-    (check_merge, copy_of(bpe.merge)),
-    (check_train_bpe, copy_of(bpe.train_bpe)),
-    (check_bytes_to_unicode, copy_of(bytes_to_unicode)),
-    (check_bpe_encode_chunk, copy_of(bpe.bpe_encode_chunk)),
-    (check_encode, engine_encode),
-    (check_decode, copy_of(bpe.decode)),
+    (check_get_pair_counts, get_pair_counts),
+    (check_merge, merge),
+    (check_train_bpe, train_bpe),
+    (check_bytes_to_unicode, printable_bytes_first),
+    (check_bpe_encode_chunk, bpe_encode_chunk),
+    (check_encode, encode),
+    (check_decode, decode),
     (check_stream_decoder, ManualStreamDecoder),
 ]
 IDS = [check.__name__ for check, _ in REFERENCES]
@@ -162,6 +212,39 @@ def train_ties_by_smallest_pair(text, num_merges):
         pair = max(sorted(counts), key=counts.get)  # ties go to the smallest pair, not the first one
         ids, merges[pair] = bpe.merge(ids, pair, new_id), new_id
     return merges
+
+
+def _train_with_tie_rule(text, num_merges, choose):
+    """train_bpe with `choose(counts)` picking the pair to merge."""
+    ids, merges = list(text.encode()), {}
+    for new_id in range(256, 256 + num_merges):
+        counts = bpe.get_pair_counts(ids)
+        if not counts:
+            break
+        pair = choose(counts, bpe.build_vocab(merges))
+        ids, merges[pair] = bpe.merge(ids, pair, new_id), new_id
+    return merges
+
+
+def train_ties_by_greatest_bytes(text, num_merges):  # Stanford CS336's rule
+    return _train_with_tie_rule(
+        text, num_merges, lambda counts, vocab: max(counts, key=lambda p: (counts[p], vocab[p[0]], vocab[p[1]]))
+    )
+
+
+def train_ties_by_greatest_pair(text, num_merges):
+    return _train_with_tie_rule(text, num_merges, lambda counts, vocab: max(counts, key=lambda p: (counts[p], p)))
+
+
+def train_ties_by_last_seen(text, num_merges):
+    def choose(counts, vocab):
+        best, pair = 0, None
+        for candidate, count in counts.items():
+            if count >= best:  # >= keeps the last of equal counts
+                best, pair = count, candidate
+        return pair
+
+    return _train_with_tie_rule(text, num_merges, choose)
 
 
 def train_stops_at_count_one(text, num_merges):
@@ -266,7 +349,14 @@ MISTAKES = [
     (check_merge, merge_overlapping, r"overlapping pairs \[1, 1, 1\][\s\S]*got:      \[9, 9\][\s\S]*without overlaps"),
     (check_merge, merge_as_tuple, r"expected a list, got a tuple"),
     (check_merge, merge_right_to_left, r"right length, wrong ids[\s\S]*left to right"),
-    (check_train_bpe, train_ties_by_smallest_pair, r"a tie: both pairs occur \d+ times"),
+    (check_train_bpe, train_ties_by_smallest_pair, r"a tie: 2 pairs occur 2 times, and you took the smallest pair"),
+    (check_train_bpe, train_ties_by_greatest_bytes, r"a tie: 3 pairs occur 1 time, [\s\S]*bytes \(CS336's rule\)"),
+    (
+        check_train_bpe,
+        train_ties_by_greatest_pair,
+        r"a tie: \d+ pairs occur \d+ times?, and you took the greatest pair",
+    ),
+    (check_train_bpe, train_ties_by_last_seen, r"a tie: \d+ pairs[\s\S]*or the last of them to occur \(a loop with >="),
     (check_train_bpe, train_stops_at_count_one, r"even a pair that occurs only once"),
     (
         check_train_bpe,
@@ -311,6 +401,17 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
 
 def pair_counts_with_counter(ids):
     return Counter(zip(ids, ids[1:]))
+
+
+def train_with_a_strict_loop(text, num_merges):
+    def first_of_the_most_frequent(counts, vocab):
+        best, pair = 0, None
+        for candidate, count in counts.items():
+            if count > best:  # > keeps the first of equal counts
+                best, pair = count, candidate
+        return pair
+
+    return _train_with_tie_rule(text, num_merges, first_of_the_most_frequent)
 
 
 def merge_with_flag(ids, pair, new_id):
@@ -441,6 +542,7 @@ ALTERNATIVES = [
     (check_get_pair_counts, pair_counts_with_counter),
     (check_merge, merge_with_flag),
     (check_train_bpe, train_with_most_common),
+    (check_train_bpe, train_with_a_strict_loop),
     (check_bytes_to_unicode, gpt2_original_bytes_to_unicode),
     (check_bpe_encode_chunk, chunk_merging_every_occurrence),
     (check_encode, encode_with_regex_split),
@@ -610,6 +712,27 @@ NEAR_MISSES = [
 def test_near_miss_is_rejected(check, wrong, message):
     with pytest.raises(CheckFailed, match=message):
         check(wrong)
+
+
+FIVE_PAIR_TIE = "xyxaxy xaaby xaab y"  # a fixed case of check_train_bpe
+
+
+@pytest.mark.parametrize(
+    "wrong, rule",
+    [
+        (train_ties_by_smallest_pair, "the smallest pair of ids or the lexicographically smallest pair of bytes."),
+        (train_ties_by_greatest_pair, "the greatest pair of ids."),
+        (train_ties_by_greatest_bytes, "the lexicographically greatest pair of bytes (CS336's rule)."),
+        (train_ties_by_last_seen, "the last of them to occur (a loop with >= keeps the last of equal counts)."),
+    ],
+)
+def test_each_tie_rule_is_named_alone_where_five_pairs_tie(wrong, rule):
+    def right_but_there(text, num_merges):
+        return (wrong if text == FIVE_PAIR_TIE else train_with_a_strict_loop)(text, num_merges)
+
+    with pytest.raises(CheckFailed, match=r"a tie among five pairs") as caught:
+        check_train_bpe(right_but_there)
+    assert f"a tie: 5 pairs occur 2 times, and you took {rule}" in str(caught.value)
 
 
 def test_only_the_decode_hints_are_shown_for_decode():

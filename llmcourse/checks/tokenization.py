@@ -475,10 +475,7 @@ def _judge_train_bpe(case: Case, got: Any) -> Verdict:
             if max(pair) >= 256 and all(max(p) < 256 for p, _ in learned):
                 return problem, f"none of your merges uses a merged id (256 or more): {recount}"
             if counts[got_pair] == best:
-                return problem, (
-                    f"a tie: both pairs occur {best} times. Break ties by the pair that occurs first in "
-                    "the current ids: max(counts, key=counts.get) with counts in order of first occurrence"
-                )
+                return problem, _tie_hint(counts, got_pair, bpe.build_vocab(dict(list(expected.items())[:step])))
             return (
                 problem,
                 f"{got_pair} occurs {counts[got_pair]} times, {pair} {best} times: pick the most frequent pair",
@@ -487,6 +484,34 @@ def _judge_train_bpe(case: Case, got: Any) -> Verdict:
     return (
         f"expected {len(expected)} merges, got {len(got)}",
         "stop after num_merges merges, or earlier when no pair is left",
+    )
+
+
+# Other ways to break a tie among equally frequent pairs (`tied`, in order of first occurrence; `as_bytes(pair)`:
+# the two tokens' bytes), each with what it is called in a hint
+TIE_RULES = [
+    (lambda tied, as_bytes: max(tied), "the greatest pair of ids"),
+    (lambda tied, as_bytes: max(tied, key=as_bytes), "the lexicographically greatest pair of bytes (CS336's rule)"),
+    (lambda tied, as_bytes: min(tied), "the smallest pair of ids"),
+    (lambda tied, as_bytes: min(tied, key=as_bytes), "the lexicographically smallest pair of bytes"),
+    (lambda tied, as_bytes: tied[-1], "the last of them to occur (a loop with >= keeps the last of equal counts)"),
+]
+
+
+def _tie_hint(counts: dict[tuple[int, int], int], got_pair: tuple[int, int], vocab: dict[int, bytes]) -> str:
+    """What a merge that took `got_pair` among equally frequent pairs did instead of the chapter's rule."""
+    best = counts[got_pair]
+    tied = [pair for pair, count in counts.items() if count == best]
+
+    def as_bytes(pair):
+        return vocab[pair[0]], vocab[pair[1]]
+
+    rules = [name for pick, name in TIE_RULES if pick(tied, as_bytes) == got_pair] or ["another of them"]
+    took = ", ".join(rules[:-1]) + (" or " if len(rules) > 1 else "") + rules[-1]
+    return (
+        f"a tie: {len(tied)} pairs occur {best} time{'s' if best > 1 else ''}, and you took {took}. This chapter "
+        f"breaks ties by the pair seen first in the current ids, {tied[0]}: max(counts, key=counts.get), with "
+        "counts in order of first occurrence"
     )
 
 
@@ -513,7 +538,14 @@ def check_train_bpe(fn, *, seed: int = 0, n_random: int = 10) -> None:
         ("overlapping pairs", "aaaa", 3, "merge without overlaps: 'aaaa' becomes [256, 256], then [257]"),
         ("pairs that occur once", "abcabd", 10, count_one),
         ("more merges than pairs", "abc", 10, "after 'abc' becomes one token there is nothing left to merge: stop"),
-        ("a tie between two pairs", "cdab cdab", 2, "break ties by the pair that occurs first in the current ids"),
+        ("a tie between three pairs", "cdab cdab", 2, ""),
+        (
+            "a tie among five pairs after a merge: the first seen, the smallest, the greatest (by ids, by bytes) "
+            "and the last all differ",
+            "xyxaxy xaaby xaab y",
+            3,
+            "",
+        ),
         (
             "non-ASCII: é and — are two and three bytes",
             "café — café — cafés",
