@@ -1253,8 +1253,11 @@ def test_next_token_that_takes_a_shortcut_to_greedy_is_told(nb, shortcut, patter
 
 
 def test_next_token_that_is_greedy_at_top_k_1_before_the_penalty_is_told(nb):
-    source = NEXT_TOKEN_SHORTCUT.replace("    if seen is not None", "    if settings.top_k == 1:\n"
-                                          "        return greedy(logits)\n    if seen is not None", 1)
+    source = NEXT_TOKEN_SHORTCUT.replace(
+        "    if seen is not None",
+        "    if settings.top_k == 1:\n        return greedy(logits)\n    if seen is not None",
+        1,
+    )
     fails(
         C.check_next_token,
         learner(nb, source.replace("SHORTCUT", "settings.temperature == 0"), "next_token"),
@@ -1271,7 +1274,8 @@ def test_next_token_that_divides_its_input_in_place_is_told(nb):
 
 def test_a_sampler_that_changes_its_one_row_input_is_told(nb):
     source = (
-        "def sample(logits, generator):\n    if logits.shape[0] == 1:\n        logits -= logits.amax(-1, keepdim=True)\n"
+        "def sample(logits, generator):\n    if logits.shape[0] == 1:\n"
+        "        logits -= logits.amax(-1, keepdim=True)\n"
         "    return torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(-1)"
     )
     fails(C.check_sample, learner(nb, source, "sample"), r"changed its input `logits`")
@@ -1315,8 +1319,15 @@ def beam_right():
         ),
         ("or False:", "or bool(finished):", r"hint: do not stop when the first hypothesis is finished"),
     ],
-    ids=["num_beams candidates", "EOS only at rank 0", "EOS at any of 2k ranks", "length does not finish",
-         "stopping test unnormalized", "never stops early", "stops at the first EOS"],
+    ids=[
+        "num_beams candidates",
+        "EOS only at rank 0",
+        "EOS at any of 2k ranks",
+        "length does not finish",
+        "stopping test unnormalized",
+        "never stops early",
+        "stops at the first EOS",
+    ],
 )
 def test_beam_search_stopping_rule_mistakes_are_named(nb, old, new, pattern):
     source = beam_right()
@@ -1360,3 +1371,122 @@ def test_the_checks_beam_search_by_the_chapters_rules_is_the_engines(monkeypatch
     # each scripted case separates its mistake from the chapter's rules
     designed = [[7], [2, 7], [1, 4], [1, 4], [7], [1, 4, 7]]
     assert [case.expected for case in trees] == designed
+
+
+def stream_right():
+    source = STREAM
+    for key, value in STREAM_RIGHT.items():
+        source = source.replace(key, value)
+    return source
+
+
+@pytest.mark.parametrize(
+    "old, new, pattern",
+    [
+        ("        seen[0, token] = True\n", "", r"repetition penalty 1\.5[\s\S]*hint: add each new token to seen"),
+        ("    seen[0, ids] = True\n", "", r"repetition penalty 1\.5[\s\S]*hint: seen starts with the prompt's tokens"),
+        (
+            "next_token(logits, settings, seen, generator)",
+            "next_token(logits, settings, seen, torch.Generator().manual_seed(seed))",
+            r"a draw from one generator[\s\S]*hint: make the generator once, before the loop",
+        ),
+        ("manual_seed(seed)", "manual_seed(0)", r"seed 5: [\s\S]*hint: seed the generator with the seed given"),
+        (
+            "next_token(logits, settings, seen, generator)",
+            "next_token(logits, SamplingParams(), seen, generator)",
+            r"repetition penalty 1\.5[\s\S]*hint: pass the settings given to your next_token",
+        ),
+        (
+            "    generator = torch.Generator().manual_seed(seed)\n",
+            "    torch.manual_seed(seed)\n    generator = None\n",
+            r"the text is right, but torch's global generator changed",
+        ),
+    ],
+    ids=[
+        "seen without new tokens",
+        "seen without the prompt",
+        "a generator each step",
+        "seed ignored",
+        "settings ignored",
+        "the global generator",
+    ],
+)
+def test_stream_text_bookkeeping_mistakes_are_named(nb, old, new, pattern):
+    source = stream_right()
+    assert old in source
+    fails(C.check_stream_text, learner(nb, source.replace(old, new), "stream_text"), pattern)
+
+
+def test_stream_text_that_returns_a_list_is_told(nb):
+    fn = learner(nb, "def stream_text(*args, **kwargs):\n    return list(STREAM(*args, **kwargs))", "stream_text")
+    fn.__globals__["STREAM"] = nb["stream_text"]
+    fails(C.check_stream_text, fn, r"returned a list: it must be a generator function[\s\S]*hint: write `yield piece`")
+
+
+STREAM_REDECODED = """
+def stream_text(model, tokenizer, prompt, settings, max_new_tokens, eos_token_id=EOT_ID, stop=(), seed=0):
+    ids = tokenizer.encode(prompt, allowed_special="all")
+    generator = torch.Generator().manual_seed(seed)
+    seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
+    seen[0, ids] = True
+    new, shown = [], 0
+    for _ in range(max_new_tokens):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids]))[:, -1]
+        token = int(next_token(logits, settings, seen, generator))
+        if token == eos_token_id:
+            break
+        ids.append(token)
+        new.append(token)
+        seen[0, token] = True
+        text = tokenizer.decode(new)          # all the new text, decoded again at every step
+        ready = len(HELD)
+        cut = min([i for i in (text.find(s) for s in stop) if i >= 0], default=-1)
+        if cut >= 0:
+            if cut > shown:
+                yield text[shown:cut]
+            return
+        ready -= max([n for s in stop for n in range(1, len(s)) if text[:ready].endswith(s[:n])], default=0)
+        if ready > shown:
+            yield text[shown:ready]
+            shown = ready
+    text = tokenizer.decode(new)
+    cut = min([i for i in (text.find(s) for s in stop) if i >= 0], default=len(text))
+    if cut > shown:
+        yield text[shown:cut]
+"""
+
+
+def test_stream_text_that_decodes_again_each_step_is_accepted_if_it_holds_back_a_partial_character(nb):
+    held_back = STREAM_REDECODED.replace("HELD", 'text.rstrip("\\ufffd")')  # an unfinished character waits
+    C.check_stream_text(learner(nb, held_back, "stream_text"), seed=101, n_random=2)
+    fails(
+        C.check_stream_text,
+        learner(nb, STREAM_REDECODED.replace("HELD", "text"), "stream_text"),
+        r"an emoji split over several tokens[\s\S]*unfinished UTF-8 character",
+    )
+
+
+def test_stream_tokens_is_the_engines_loop():
+    from llmcourse.engine.generate import generate
+
+    model, tok = C.tiny_model(3, vocab_size=1000), get_tokenizer()
+    prompt = tok.encode("The")
+    for settings in (
+        S.SamplingParams(temperature=0.9, top_k=20, repetition_penalty=1.3),
+        S.SamplingParams(repetition_penalty=1.5),
+    ):
+        theirs = generate(model, prompt, settings, max_new_tokens=12, eos_token_id=None, seed=7)
+        assert C.stream_tokens(model, prompt, settings, 12, 7) == theirs
+
+
+@pytest.mark.parametrize("seed", [0, 101])
+def test_the_sampled_stream_case_tells_the_generator_mistakes_apart(seed):
+    tok = get_tokenizer()
+    yes, no = tok.encode(" yes") + tok.encode(" no")
+    model = C.ScriptedModel(4, [{yes: 30.0, no: 30.0}] * 8)
+    settings = S.SamplingParams(temperature=1.0, top_k=2)
+    right = C.stream_tokens(model, [0, 1, 2, 3], settings, 8, seed + 5)
+    assert {yes, no} <= set(right)
+    assert right != C.stream_tokens(model, [0, 1, 2, 3], settings, 8, seed + 5, one_generator=False)
+    assert right != C.stream_tokens(model, [0, 1, 2, 3], settings, 8, 0)

@@ -23,7 +23,8 @@ import dataclasses
 import functools
 import math
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -1979,17 +1980,22 @@ def check_beam_search(fn, *, seed: int = 0, n_random: int = 1) -> None:
 
 
 class _Pieces(list):
-    """The pieces a stream yielded; `first_at`: the model's calls when the first non-empty one came."""
+    """The pieces a stream yielded; `first_at`: the model's calls when the first non-empty one came; `returned`: the
+    type of what the function returned when it was not an iterator (a list: not streamed); `global_rng_used`:
+    whether torch's global generator changed meanwhile."""
 
     first_at: Optional[int] = None
     calls: Optional[int] = None
+    returned: Optional[str] = None
+    global_rng_used: bool = False
 
 
 class ScriptedModel:
     """Stands in for GPT-2: whatever the text, its next token is the script's next one (a logit 30 above
-    the rest), so a check knows exactly which tokens a correct loop produces."""
+    the rest), so a check knows exactly which tokens a correct loop produces. A step of the script may also
+    be {token: logit} (the others 0): then the settings decide (a repetition penalty, a draw)."""
 
-    def __init__(self, prompt_length: int, script: list[int]):
+    def __init__(self, prompt_length: int, script: list[Union[int, dict[int, float]]]):
         self.prompt_length, self.script = prompt_length, script
         self.config = GPT2Config(n_layer=1, n_head=1, n_embd=8)
         self.device, self.dtype = torch.device("cpu"), torch.float32
@@ -2003,11 +2009,70 @@ class ScriptedModel:
         B, T = ids.shape
         step = min(max(T - self.prompt_length, 0), len(self.script) - 1)
         logits = torch.zeros(B, T, self.config.vocab_size)
-        logits[:, -1, self.script[step]] = 30.0
+        entry = self.script[step]
+        for token, logit in ({entry: 30.0} if isinstance(entry, int) else entry).items():
+            logits[:, -1, token] = logit
         return logits
 
     def __repr__(self) -> str:
         return "model"
+
+
+def stream_tokens(
+    model: Callable,
+    prompt_ids: list[int],
+    settings: S.SamplingParams,
+    max_new_tokens: int,
+    seed: int,
+    *,
+    seen_prompt: bool = True,
+    seen_new: bool = True,
+    one_generator: bool = True,
+) -> list[int]:
+    """The new tokens the engine's loop chooses (EOS not minded): the engine's next_token on the last position's
+    logits, `seen` the prompt's and the new tokens, one generator seeded `seed` (`generate`'s own, a test says).
+    With `seen_prompt`, `seen_new` or `one_generator` False, the tokens of a loop that gets that wrong."""
+    ids, generator = list(prompt_ids), torch.Generator().manual_seed(seed)
+    seen = torch.zeros(1, model.config.vocab_size, dtype=torch.bool)
+    seen[0, ids] = seen_prompt
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            if not one_generator:
+                generator = torch.Generator().manual_seed(seed)
+            token = int(S.next_token(model(torch.tensor([ids]))[:, -1], settings, seen, generator))
+            ids.append(token)
+            seen[0, token] |= seen_new
+    return ids[len(prompt_ids) :]
+
+
+STREAM_MISTAKES = [  # (how the loop goes wrong: stream_tokens' arguments, the hint that names it)
+    (dict(settings=S.SamplingParams()), "pass the settings given to your next_token: they are not always greedy"),
+    (
+        dict(seen_new=False),
+        "add each new token to seen as soon as it is chosen (seen[0, token] = True): the repetition penalty applies "
+        "to the tokens the stream wrote too",
+    ),
+    (dict(seen_prompt=False), "seen starts with the prompt's tokens (seen[0, ids] = True before the loop)"),
+    (
+        dict(one_generator=False),
+        "make the generator once, before the loop, and pass that one to next_token at every step: a new generator "
+        "each step draws the same number again",
+    ),
+    (dict(seed=0), "seed the generator with the seed given: torch.Generator().manual_seed(seed)"),
+]
+
+
+def _stream_mistake(case: Case, text: str) -> str:
+    """The hint of the first of STREAM_MISTAKES whose text on a scripted case is `text`, else ''."""
+    model, tok, prompt, settings, max_new_tokens, *rest = case.args
+    eos, stop, seed = rest or (EOT_ID, (), 0)
+    prompt_ids = tok.encode(prompt, allowed_special="all")
+    for change, hint in STREAM_MISTAKES:
+        arguments = {"settings": settings, "seed": seed, **change}
+        tokens = stream_tokens(model, prompt_ids, max_new_tokens=max_new_tokens, **arguments)
+        if "".join(stop_at(decoded(iter(tokens), tok, eos), stop)) == text:
+            return hint
+    return ""
 
 
 @one_thread
@@ -2023,12 +2088,15 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
         if isinstance(model, ScriptedModel):
             model.calls = 0
         try:
-            pieces = _Pieces()
-            for piece in fn(*args):
+            pieces, global_rng = _Pieces(), torch.random.get_rng_state()
+            stream = fn(*args)
+            pieces.returned = None if isinstance(stream, Iterator) else type(stream).__name__
+            for piece in stream:
                 if pieces.first_at is None and isinstance(piece, str) and piece:
                     pieces.first_at = getattr(model, "calls", None)
                 pieces.append(piece)
             pieces.calls = getattr(model, "calls", None)
+            pieces.global_rng_used = not torch.equal(global_rng, torch.random.get_rng_state())
             return pieces
         except NotImplementedError as err:
             stub = traceback.extract_tb(err.__traceback__)[-1].name
@@ -2038,16 +2106,22 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                 ).with_traceback(err.__traceback__) from None
             raise
 
-    def scripted(description, prompt, text_tokens, max_new, eos=EOT_ID, stop=(), hint="", defaults=False):
+    def scripted(
+        description, prompt, script, max_new, eos=EOT_ID, stop=(), hint="", defaults=False, settings=greedy, at=seed
+    ):
         prompt_ids = tok.encode(prompt, allowed_special="all")
-        model = ScriptedModel(len(prompt_ids), text_tokens)
-        tokens = (text_tokens + text_tokens[-1:] * max_new)[:max_new]  # the model repeats its last token
+        model = ScriptedModel(len(prompt_ids), script)
+        if all(isinstance(step, int) for step in script):  # the model repeats its last token
+            tokens = (script + script[-1:] * max_new)[:max_new]
+        else:
+            tokens = stream_tokens(model, prompt_ids, settings, max_new, at)
         expected = "".join(stop_at(decoded(iter(tokens), tok, eos), stop))
-        args = (model, tok, prompt, greedy, max_new) + (() if defaults else (eos, tuple(stop), seed))
+        args = (model, tok, prompt, settings, max_new) + (() if defaults else (eos, tuple(stop), at))
         return Case(description, args, expected, hint)
 
     hello = tok.encode(" Hello world, and good night.")
     llama = tok.encode(" I ❤ 🦙 llamas")
+    yes, no = tok.encode(" yes") + tok.encode(" no")
     cases = [
         scripted("stop after max_new_tokens = 3", "Say:", hello, 3, hint="exactly max_new_tokens new tokens"),
         scripted(
@@ -2123,6 +2197,31 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
             hint="after the loop, yield what decoder.flush() returns (an unfinished character becomes '\\ufffd')",
         ),
         scripted("a long text: the first piece comes as soon as it is decoded", "Say:", hello, 8),
+        # the settings and the bookkeeping: seen (the prompt's tokens and each new one) and one generator
+        scripted(
+            "repetition penalty 1.5, greedy: ' Hello' (in the prompt) and ' world' (once chosen) lose to the next best",
+            "Say: Hello",
+            [
+                {hello[0]: 3.0, hello[1]: 2.5},
+                {hello[0]: 3.0, hello[2]: 2.5},
+                {hello[1]: 3.0, hello[3]: 2.5},
+                *hello[4:],
+            ],
+            6,
+            settings=Settings(repetition_penalty=1.5),
+            hint="pass the settings to your next_token, with seen: the prompt's tokens and each new token as soon "
+            "as it is chosen",
+        ),
+        scripted(
+            f"temperature 1, top-k 2, seed {seed + 5}: two tokens as likely at each step, a draw from one generator",
+            "Yes or no?",
+            [{yes: 30.0, no: 30.0}] * 8,
+            8,
+            settings=Settings(temperature=1.0, top_k=2),
+            at=seed + 5,
+            hint=f"one generator, torch.Generator().manual_seed(seed) with the seed given ({seed + 5}), made once "
+            "before the loop and passed to your next_token at every step, with the settings given",
+        ),
     ]
     model = tiny_model(seed + 10, vocab_size=1000)  # GPT-2's first 1000 tokens: short, common pieces of text
     for i in range(n_random + 1):
@@ -2171,6 +2270,8 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                     "bytes of an unfinished character)"
                 )
             model = case.args[0]
+            if isinstance(model, ScriptedModel) and not all(isinstance(step, int) for step in model.script):
+                return problem, _stream_mistake(case, text)
             if not isinstance(model, ScriptedModel) and case.args[3].temperature > 0 and expected[:3] == text[:3]:
                 return problem, (
                     "use torch.Generator().manual_seed(seed) once, and your next_token on the last "
@@ -2178,6 +2279,19 @@ def check_stream_text(fn, *, seed: int = 0, n_random: int = 0) -> None:
                     "penalty"
                 )
             return problem, ""
+        if got.global_rng_used:
+            return (
+                "the text is right, but torch's global generator changed (torch.manual_seed, or a draw without "
+                "generator=)",
+                "make one generator, torch.Generator().manual_seed(seed), and pass it to next_token: a stream must "
+                "not reseed or draw from the global generator that the rest of the program uses",
+            )
+        if got.returned is not None:
+            return (
+                f"the text is right, but stream_text returned a {got.returned}: it must be a generator function that "
+                "yields each piece as soon as it is ready",
+                "write `yield piece` where a piece is ready, not `pieces.append(piece)` and `return pieces`",
+            )
         if len(expected) > 12 and len([p for p in got if p]) < 2:
             return (
                 "the text is right, but it came in one piece: yield each piece as soon as it is decoded (stream it)",
