@@ -614,7 +614,8 @@ SINUSOIDAL_MISTAKES: list[Mistake] = [
     ),
     (
         lambda *a: _sinusoid(_sin_args(a)[0], _sin_args(a)[1], 10000.0, lambda i: 2 * i / _sin_args(a)[1]),
-        "use the base you are given (the default 10000 is only the default)",
+        "use the base you are given now (the default 10000 is only the default, and a table cached by "
+        "(n_positions, dim) alone is an earlier call's)",
     ),
     (
         lambda *a: _sinusoid(*_sin_args(a), lambda i: 2 * i / _sin_args(a)[1], wrap=256),

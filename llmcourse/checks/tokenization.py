@@ -347,18 +347,20 @@ def _judge_merge(case: Case, got: Any) -> Verdict:
     if len(got) < len(expected):
         return (
             f"expected {len(expected)} ids, got {len(got)}: too many merges or ids lost",
-            "merges must not overlap: after merging ids[i] and ids[i + 1], continue at i + 2, so that "
+            case.hint
+            or "merges must not overlap: after merging ids[i] and ids[i + 1], continue at i + 2, so that "
             "[1, 1, 1] becomes [9, 1]; and keep every id that is not merged",
         )
     if len(got) > len(expected):
         return (
             f"expected {len(expected)} ids, got {len(got)}: some occurrences were not merged or ids were repeated",
-            "after a merge skip both ids (i += 2); don't forget a pair at the very end; append each "
+            case.hint
+            or "after a merge skip both ids (i += 2); don't forget a pair at the very end; append each "
             "unmerged id exactly once",
         )
     return (
         "right length, wrong ids",
-        "scan left to right, without overlaps: [1, 1, 1] with (1, 1) gives [9, 1], not [1, 9] or [9, 9]",
+        case.hint or "scan left to right, without overlaps: [1, 1, 1] with (1, 1) gives [9, 1], not [1, 9] or [9, 9]",
     )
 
 
@@ -700,7 +702,7 @@ def _judge_encode_chunk(case: Case, got: Any) -> Verdict:
             "some adjacent parts still join into a token in `ranks`: keep merging until no "
             "adjacent pair's concatenation is in ranks"
         )
-    return problem, (
+    return problem, case.hint or (
         "at each step merge the adjacent pair whose concatenation has the lowest rank "
         "(not the first pair you find, nor the longest token)"
     )
@@ -845,7 +847,7 @@ def _judge_encode(case: Case, got: Any) -> Verdict:
 
     return (
         f"first difference at token #{at}: expected {show(expected)}, got {show(got)}",
-        "print(regex.findall(GPT2_SPLIT_PATTERN, text)) and check each chunk with bpe_encode_chunk",
+        case.hint or "print(regex.findall(GPT2_SPLIT_PATTERN, text)) and check each chunk with bpe_encode_chunk",
     )
 
 
@@ -918,7 +920,9 @@ def _judge_decode(case: Case, got: Any) -> Verdict:
     return (
         f"the texts differ from character #{at} on: expected {short(expected[at : at + 10], 40)}, "
         f"got {short(got[at : at + 10], 40)}",
-        "join the bytes of all the tokens (vocab[i] for each id), then decode once: .decode('utf-8', errors='replace')",
+        case.hint
+        or "join the bytes of all the tokens (vocab[i] for each id), then decode once: "
+        ".decode('utf-8', errors='replace')",
     )
 
 
