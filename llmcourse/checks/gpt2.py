@@ -1392,7 +1392,7 @@ def _judge_forward() -> Callable[[Case, Any], Verdict]:
                     "the first sequence is right but not the others: each row of input_ids is its "
                     "own sequence, with positions 0..T-1 (torch.arange(T), not numel())"
                 )
-        return verdict[0], (
+        return verdict[0], case.hint or (
             "check the tied head — logits = ln_f(x) @ wte.weight.T, GPT-2 has no separate lm_head — "
             "and the embeddings: x = wte[input_ids] + wpe[positions]"
         )

@@ -167,7 +167,10 @@ RMS_NORM_MISTAKES = [
         "that is LayerNorm: RMSNorm subtracts no mean (and has no bias): x / √(mean(x²) + eps) · weight",
     ),
     (_rms_eps_outside, "eps goes inside the square root: x / √(mean(x²) + eps), not x / (√mean(x²) + eps)"),
-    (_rms_no_eps, "add eps to mean(x²) before the root: it matters when the values are tiny"),
+    (
+        _rms_no_eps,
+        "add the eps you are given to mean(x²) before the root: it matters when the values are tiny or eps is large",
+    ),
     (
         _rms_one_plus_weight,
         "Llama multiplies by weight itself (Gemma's RMSNorm is the one that multiplies by 1 + weight)",
