@@ -2,6 +2,8 @@
 here, on made-up exercises, so that a later chapter's check gets it without writing a line."""
 
 import functools
+import importlib
+import importlib.util
 import math
 import re
 import signal
@@ -13,6 +15,7 @@ from math import factorial as factorial_imported_early
 import pytest
 import torch
 
+from llmcourse.checks.harness import forbid
 from llmcourse.checks.harness.core import Case, CheckFailed, call_learner, equal, run_check
 from llmcourse.checks.harness.forbid import Forbidden, ForbiddenCall, forbidding
 from llmcourse.checks.harness.show import short
@@ -236,17 +239,41 @@ def test_a_c_method_is_caught():
 def test_a_package_is_caught_even_if_imported_during_the_call(tmp_path, monkeypatch):
     package = tmp_path / "made_up_black_box"
     package.mkdir()
-    (package / "__init__.py").write_text("def solve(x):\n    return x\n")
+    slow = "import time\nstart = time.process_time()\nwhile time.process_time() - start < 30:\n    pass\n"
+    (package / "__init__.py").write_text(slow + "def solve(x):\n    return x\n")  # slow on first use
+    (package / "part.py").write_text("def solve(x):\n    return x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
 
     def uses_it(x):
-        import made_up_black_box
+        from made_up_black_box.part import solve
 
-        return made_up_black_box.solve(x)
+        return solve(x)
 
-    with pytest.raises(CheckFailed, match=r"called made_up_black_box\.<module> \(part of made_up_black_box\)"):
-        run_check("f", uses_it, [Case("a case", (1,), 1)], forbid=[Forbidden("made_up_black_box")])
-    monkeypatch.delitem(sys.modules, "made_up_black_box", raising=False)
+    start = time.process_time()
+    with pytest.raises(CheckFailed, match=r"your function imported made_up_black_box, the black box"):
+        run_check("f", uses_it, [Case("a case", (1,), 1)], forbid=[Forbidden("made_up_black_box")], seconds=5)
+    assert time.process_time() - start < 1  # refused before it loads: not "did not finish within 5 CPU-s"
+    assert "made_up_black_box" not in sys.modules and importlib.util.find_spec("made_up_black_box") is not None
+    assert sys.meta_path[0] is not forbid._IMPORTS  # the import watch ends with the call
+
+
+def test_a_forbidden_c_extension_is_refused_when_imported():
+    """An extension module has no Python frame to see: it is refused by the import watch, before it loads."""
+
+    def extension(name):
+        spec = importlib.util.find_spec(name)
+        return name not in sys.modules and spec is not None and str(spec.origin).endswith(".so")
+
+    name = next(filter(extension, ["xxlimited", "termios", "resource", "_curses"]), None)
+    if name is None:
+        pytest.skip("no C extension module left to import")
+
+    def uses_it(x):
+        return importlib.import_module(name) and x
+
+    with pytest.raises(CheckFailed, match=rf"your function imported {name}, the black box"):
+        run_check("f", uses_it, [Case("a case", (1,), 1)], forbid=[Forbidden(name)])
+    assert name not in sys.modules
 
 
 def test_torch_functions_are_caught_by_name_on_every_route():
@@ -486,14 +513,19 @@ def test_the_learner_error_points_at_the_learner_line():
 # -- hints --------------------------------------------------------------------------------------
 
 
-def test_the_case_hint_and_the_judge_hint_are_both_shown():
+def test_one_hint_per_message_the_diagnosis_before_the_cases_own():
     def judge(case, got):
-        return ("wrong", "the judge's diagnosis") if got != case.expected else None
+        if got == case.expected:
+            return None
+        return ("wrong", "the judge's diagnosis") if got == 0 else ("wrong", "")
 
+    cases = [Case("a case", (1,), 1, hint="the case's own hint")]
     with pytest.raises(CheckFailed) as caught:
-        run_check("f", lambda x: 0, [Case("a case", (1,), 1, hint="the case's own hint")], judge=judge)
-    text = str(caught.value)
-    assert "hint: the case's own hint\n  hint: the judge's diagnosis" in text
+        run_check("f", lambda x: 0, cases, judge=judge)
+    assert str(caught.value).count("hint:") == 1 and str(caught.value).endswith("hint: the judge's diagnosis")
+    with pytest.raises(CheckFailed) as caught:
+        run_check("f", lambda x: 2, cases, judge=judge)  # nothing diagnosed: the case's hint
+    assert str(caught.value).count("hint:") == 1 and str(caught.value).endswith("hint: the case's own hint")
 
 
 def test_the_time_out_hint_is_the_checks_own():
@@ -818,3 +850,145 @@ def test_every_forbidden_name_of_the_package_resolves():
     forbid._compile(rules)  # raises on a name that resolves to nothing
     with pytest.raises(ValueError, match=r"Forbidden\('llmcourse.parts.softmax'\) names nothing in llmcourse"):
         forbid._compile([Forbidden("llmcourse.parts.softmax", "moved")])
+
+
+# -- issue 41: messages that show where expected and got differ, at the smallest failing case ------
+
+from llmcourse.checks.harness import shrink as shrinking  # noqa: E402
+from llmcourse.checks.harness.show import previews  # noqa: E402
+from llmcourse.checks.harness.tensors import tensor_judge  # noqa: E402
+
+CLOSE = tensor_judge({torch.float32: (1e-6, 1e-5), torch.float64: (1e-12, 1e-12)})
+
+
+def _lines(message, *labels):
+    return [next(line for line in message.splitlines() if line.startswith(f"  {label}:")) for label in labels]
+
+
+def test_the_previews_show_where_expected_and_got_differ_aligned():
+    x = torch.arange(48.0).view(4, 12)
+    wrong = x.clone()
+    wrong[3, 8] = -7.5  # flat index 44: past the first 40 values
+
+    with pytest.raises(CheckFailed) as caught:
+        run_check("f", lambda x: wrong, [Case("a case", (x,), x.clone())], judge=CLOSE)
+    expected, got = _lines(str(caught.value), "expected", "got")
+    assert "values[36:48]=" in expected and "values[36:48]=" in got
+    assert "44" in expected and "-7.5" in got and "-7.5" not in expected
+    assert expected.index("  44,") == got.index("-7.5,") and len(expected) == len(got)  # aligned, column by column
+
+
+@pytest.mark.parametrize(
+    "expected, got, shown",
+    [
+        (list(range(100)), [*range(70), -1, *range(71, 100)], "[67:79]="),
+        ("a" * 50 + "b" + "a" * 50, "a" * 101, "[47:83]="),
+        (b"\x00" * 80 + b"\x01" * 20, b"\x00" * 100, "[64:100]="),
+        ((torch.zeros(3), torch.arange(30)), (torch.zeros(3), torch.arange(30).flip(0)), "item 1: tensor"),
+    ],
+    ids=["list", "str", "bytes", "tuple of tensors"],
+)
+def test_previews_of_sequences_of_one_length_show_the_first_difference(expected, got, shown):
+    want, have = previews(expected, got)
+    assert shown in want and shown in have and want != have
+    assert len(want) <= 300 and len(have) <= 300
+
+
+def test_previews_leave_small_or_unlike_answers_as_short_shows_them():
+    assert previews([1, 2], [1, 3]) == (short([1, 2]), short([1, 3]))
+    assert previews(torch.zeros(40), torch.zeros(41)) == (short(torch.zeros(40)), short(torch.zeros(41)))
+    assert previews(torch.zeros(40), torch.zeros(40)) == (short(torch.zeros(40)), short(torch.zeros(40)))
+    assert previews(torch.arange(40), "not a tensor")[1] == short("not a tensor")
+
+
+def _softmax_wrong_at_5(x):  # a planted bug: wrong only at index 5 of the last dimension
+    y = torch.softmax(x, -1)
+    return y + (torch.arange(x.shape[-1]) == 5) * 0.5
+
+
+def _softmax_wrong_at_the_max(x):  # a planted bug: wrong only at each row's largest value
+    y = torch.softmax(x, -1)
+    return torch.where(x == x.amax(-1, keepdim=True), 1.01 * y, y)
+
+
+def _random_case(shape, seed=0):
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+    return Case(f"random {list(shape)}", (x,), later(torch.softmax, x, -1))
+
+
+@pytest.mark.parametrize(
+    "bug, smallest", [(_softmax_wrong_at_5, (1, 1, 6)), (_softmax_wrong_at_the_max, (1, 1, 1))], ids=["index 5", "max"]
+)
+def test_a_failing_random_case_is_shown_at_its_smallest(bug, smallest):
+    with pytest.raises(CheckFailed) as caught:
+        run_check("softmax", bug, [_random_case((4, 7, 61))], judge=CLOSE)
+    message = str(caught.value)
+    assert message.startswith("✗ softmax — random [4, 7, 61] (shrunk from x [4, 7, 61]): the values differ")
+    (call,) = _lines(message, "input")
+    assert f"shape={smallest}" in call
+
+
+def test_arguments_of_tied_sizes_shrink_together():
+    def attend(q, k):  # a planted bug: the scores of the third key are doubled
+        scores = q @ k.transpose(-1, -2)
+        return scores * torch.where(torch.arange(k.shape[-2]) == 2, 2.0, 1.0)
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 9, 16, generator=g), torch.randn(3, 11, 16, generator=g)
+    case = Case("random q [3, 9, 16], k [3, 11, 16]", (q, k), later(lambda q, k: q @ k.transpose(-1, -2), q, k))
+    with pytest.raises(CheckFailed) as caught:
+        run_check("scores", attend, [case], judge=CLOSE)
+    (call,) = _lines(str(caught.value), "input")
+    assert "shape=(1, 1, 1)" in call and "shape=(1, 3, 1)" in call  # batch and features shrunk in both at once
+    assert "(shrunk from q [3, 9, 16], k [3, 11, 16])" in str(caught.value)
+
+
+def test_shrinking_keeps_the_same_failure_and_leaves_other_arguments_alone():
+    def top(x, k, mode):  # wrong (k + 1 values) only where k > 2: smaller ks pass, so they stay out of the message
+        return x.topk(k + (k > 2), -1).values.sum(-1) if mode == "sum" else None
+
+    x = torch.arange(40.0).view(2, 20)
+    case = Case("k = 7", (x, 7, "sum"), later(lambda x, k, mode: x.topk(k, -1).values.sum(-1), x, 7, "sum"))
+    with pytest.raises(CheckFailed) as caught:
+        run_check("top", top, [case], judge=CLOSE)
+    (call,) = _lines(str(caught.value), "input")
+    assert call.endswith(", 3, 'sum')") and "shape=(1, 4)" in call
+
+
+def test_shrinking_is_bounded_and_can_be_switched_off():
+    def slow_and_wrong(x):
+        start = time.process_time()
+        while time.process_time() - start < 0.05:
+            pass
+        return torch.softmax(x, -1) + 1
+
+    start = time.process_time()
+    with pytest.raises(CheckFailed, match=r"shrunk from x \[64, 64\]"):
+        run_check("softmax", slow_and_wrong, [_random_case((64, 64))], judge=CLOSE, total_seconds=20)
+    assert time.process_time() - start < shrinking.SECONDS + 1.0
+    with pytest.raises(CheckFailed) as caught:
+        run_check("softmax", _softmax_wrong_at_5, [_random_case((4, 61))], judge=CLOSE, shrink=False)
+    assert "shrunk" not in str(caught.value) and "shape=(4, 61)" in str(caught.value)
+    x = torch.randn(4, 61)  # a fixed expected answer: nothing to recompute, nothing shrunk
+    with pytest.raises(CheckFailed) as caught:
+        run_check("softmax", _softmax_wrong_at_5, [Case("fixed", (x,), torch.softmax(x, -1))], judge=CLOSE)
+    assert "shrunk" not in str(caught.value)
+
+
+def test_a_shrunk_tensor_keeps_its_layout_and_the_case_its_own():
+    base = torch.randn(6, 8)
+    view = base.t()  # not contiguous
+    before = view.clone()
+    seen = []
+
+    def records(x):
+        seen.append(x.is_contiguous())
+        x.mul_(0)  # changes its input: every try fails on that, and the case's own tensor stays as it was
+        return x
+
+    with pytest.raises(CheckFailed, match="changed its input"):
+        run_check("f", records, [Case("a view", (view,), later(lambda x: x.clone(), view))], judge=CLOSE)
+    assert seen == [False] and torch.equal(view, before * 0)  # the first call changed it; no try was made
+    narrowed = shrinking._narrow(view, 1, 0, 3)
+    assert not narrowed.is_contiguous() and narrowed.stride() == view.stride()
+    assert narrowed.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()

@@ -179,6 +179,15 @@ class time_limit:
         """'10 CPU-s', or '50 s on the wall' when the wall ceiling ended it."""
         return f"{self.wall:g} s on the wall" if self.by_wall else f"{self.seconds:g} CPU-s"
 
+    def cpu_left(self) -> float:
+        """The CPU-s left to the block while it runs (inf where there is no limit).
+
+        >>> with time_limit(10) as limit:
+        ...     0 < limit.cpu_left() <= 10
+        True
+        """
+        return self.cpu_deadline - cpu_seconds()
+
     def __enter__(self) -> "time_limit":
         self._start = (cpu_seconds(), time.monotonic())
         if not _timers_usable() or not (self.seconds > 0 and math.isfinite(self.seconds)):

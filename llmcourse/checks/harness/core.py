@@ -24,8 +24,9 @@ and, if it wants a specific diagnosis, a judge:
   by their code object, C functions by identity or by the class of their `self`, whole packages by
   module name, torch functions by name on every route (torch.X, Tensor.X, torch.ops.aten.X), all
   seen by one profile function (`sys.setprofile`) while the learner's function runs: about 1.1x
-  the time on typical exercise code, up to 2x on code made of tiny calls. See `NOT_ENFORCEABLE`
-  for what no in-process watch can catch.
+  the time on typical exercise code, up to 2x on code made of tiny calls; also a forbidden module
+  imported during the call (refused before it loads), a function compiled by TorchScript, and a
+  copy of a forbidden function's source. See `NOT_ENFORCEABLE` for what no in-process watch can catch.
 - **Time**: each call has a limit (`seconds`), and the whole check a budget (`total_seconds`), both in
   CPU time, so that a verdict does not depend on how busy the machine is; a call's limit may also be scaled
   to the CPU time the engine's own function uses on the same input (`reference`), and a wall-clock
@@ -41,11 +42,13 @@ and, if it wants a specific diagnosis, a judge:
   while comparing a strange result — becomes a `CheckFailed`; only `KeyboardInterrupt` (the user
   pressing stop) passes through.
 - **Messages** are bounded (`short`) and, in Jupyter, shown without a traceback
-  (`CheckFailed._render_traceback_`).
+  (`CheckFailed._render_traceback_`); they show expected and got around where they differ (`previews`),
+  one hint (the judge's diagnosis, else the case's own), and a wrong random case at the smallest
+  version of it that still fails (`shrink`).
 
 Each of these lives in a module of its own: `show` (bounded text), `limits` (time limits), `isolate`
 (the child process), `forbid` (black boxes), `inputs` (unchanged arguments), `failed` (`CheckFailed`),
-`randomness` (the contract of a function that draws random numbers).
+`randomness` (the contract of a function that draws random numbers), `shrink` (smaller failing cases).
 """
 
 from __future__ import annotations
@@ -67,9 +70,10 @@ from llmcourse.course.failed import CheckFailed
 from llmcourse.course.limits import SCALE, TimeUp, cpu_seconds, time_limit, time_out_message
 
 from . import isolate
+from . import shrink as shrinking
 from .forbid import Forbidden, forbidding
 from .inputs import _describe_change, _Inputs, _modify_hint
-from .show import distinct, short
+from .show import distinct, previews, short
 from .tensors import plain_tensor_problem
 
 
@@ -377,37 +381,29 @@ def also_reference(
     return both
 
 
-def _hints(*hints: str) -> list[str]:
-    """The hints to show, in order, without repeats (one that another contains, or that says the same
-    thing before its first colon, gives way to the longer one)."""
+def one_hint(*hints: str) -> str:
+    """The one hint a message shows: the first given that is not empty. Give them from the most specific (what the
+    judge diagnosed in this answer) to the most general (the case's own); two hints would mostly say one thing twice.
 
-    def same(a: str, b: str) -> bool:
-        head_a, head_b = a.split(":")[0].strip().lower(), b.split(":")[0].strip().lower()
-        return a in b or b in a or (head_a == head_b and len(head_a) > 10 and ":" in a and ":" in b)
-
-    out: list[str] = []
-    for hint in hints:
-        if not hint:
-            continue
-        twin = next((i for i, other in enumerate(out) if same(hint, other)), None)
-        if twin is None:
-            out.append(hint)
-        elif len(hint) > len(out[twin]):
-            out[twin] = hint
-    return out
+    >>> one_hint("", "off by one: keep k tokens, not k + 1", "keep the k highest")
+    'off by one: keep k tokens, not k + 1'
+    """
+    return next((hint for hint in hints if hint), "")
 
 
 def failure(
     name: str, description: str, problem: str, call: str, expected: Any, got: Any, hint: Union[str, Sequence[str]]
 ) -> CheckFailed:
-    """The message every check gives for a wrong answer (each hint on its own line)."""
-    hints = _hints(hint) if isinstance(hint, str) else _hints(*hint)
-    lines = "".join(f"\n  hint: {h}" for h in hints)
+    """The message every check gives for a wrong answer. `hint`: one, or several from the most specific to the most
+    general, of which the first not empty is shown (`one_hint`). Expected and got are shown around where they
+    differ (`previews`)."""
+    hint = one_hint(hint) if isinstance(hint, str) else one_hint(*hint)
+    want, have = previews(expected, got)
     return CheckFailed(
         f"✗ {name} — {description}: {problem}\n"
         f"  input:    {call}\n"
-        f"  expected: {short(expected)}\n"
-        f"  got:      {short(got)}{lines}"
+        f"  expected: {want}\n"
+        f"  got:      {have}" + (f"\n  hint: {hint}" if hint else "")
     )
 
 
@@ -427,12 +423,16 @@ def run_check(
     show_call: Optional[Callable[[tuple], str]] = None,
     success: Optional[str] = None,
     reference: Optional[Callable] = None,
+    shrink: bool = True,
 ) -> None:
     """Run every case; raise CheckFailed at the first wrong one; print '✓ name — N cases'.
 
     Answers are judged by `compare(got, expected)` -> None or what is wrong, or, when the verdict
-    needs the input too, by `judge(case, got)` -> Verdict; a wrong answer's message shows the
-    case's own hint and the judge's. `error_hints` adds a hint when the learner's function raises an
+    needs the input too, by `judge(case, got)` -> Verdict; a wrong answer's message shows the judge's
+    hint, or if it has none the case's own. A case whose expected answer is `later(reference, *args)` and
+    whose answer is wrong in its values (right type and shape) is shown at the smallest version of it
+    found that still fails the same way (`shrink`; `shrink=False` where the arguments cannot be cut
+    meaningfully). `error_hints` adds a hint when the learner's function raises an
     error whose message contains one of its keys. Each call may use `seconds` of CPU time (or, given the
     engine's `reference` function, `SCALE` times what it uses on the same input, if more: see `call_learner`),
     the whole check `total_seconds`. No argument may change unless `may_modify` is True or names it (by position or
@@ -450,27 +450,31 @@ def run_check(
     total = len(cases) if isinstance(cases, Sized) else None
     count = 0
     budget = time_limit(total_seconds)
+
+    def learner(args: tuple, inputs: _Inputs = inputs) -> Any:
+        return call_learner(
+            name,
+            fn,
+            args,
+            forbid=forbid,
+            seconds=seconds,
+            timeout_hint=timeout_hint,
+            show=show,
+            inputs=inputs,
+            reference=reference,
+        )
+
     try:
         with budget:
             for case in cases:
                 try:
-                    got = call_learner(
-                        name,
-                        fn,
-                        case.args,
-                        forbid=forbid,
-                        seconds=seconds,
-                        timeout_hint=timeout_hint,
-                        show=show,
-                        inputs=inputs,
-                        reference=reference,
-                    )
+                    got = learner(case.args)
                 except CheckFailed as err:
                     hint = next((h for key, h in (error_hints or {}).items() if key in str(err)), "")
-                    if hint and hint not in str(err):
+                    if hint and "\n  hint: " not in str(err):
                         raise CheckFailed(f"{err}\n  hint: {hint}") from None
                     raise
-                case = resolved(case)
+                pending, case = case, resolved(case)
                 try:
                     verdict = judge(case, got)
                 except (TimeUp, KeyboardInterrupt, CheckFailed):
@@ -485,10 +489,20 @@ def run_check(
                         f"  got:      {short(got)}"
                     ) from None
                 if verdict:
+                    description = case.description
+                    if shrink and isinstance(pending.expected, Later) and shrinking.worth_it(got, case.expected):
+                        smaller = _shrunk(
+                            pending,
+                            verdict,
+                            judge,
+                            lambda args: learner(args, _Inputs(fn, may_modify)),  # fresh snapshots: ids are reused
+                            inputs.name,
+                            shrinking.allowed(budget.cpu_left()),
+                        )
+                        if smaller is not None:
+                            case, got, verdict, description = smaller
                     problem, hint = verdict
-                    raise failure(
-                        name, case.description, problem, show(case.args), case.expected, got, [case.hint, hint]
-                    )
+                    raise failure(name, description, problem, show(case.args), case.expected, got, [hint, case.hint])
                 count += 1
     except TimeoutError:
         if not budget.expired:
@@ -506,6 +520,60 @@ def run_check(
             f"done (each was right): your function is too slow.{hint}"
         ) from None
     print(success or f"✓ {name} — {count} case{'s' if count != 1 else ''}")
+
+
+def _shared_arguments(args: tuple, theirs: tuple) -> list[tuple[int, int]]:
+    """(i, j) where `args[i] is theirs[j]`, for the one shift j - i that pairs the most: the case's arguments and
+    its reference's, which may add some before or after (`later(in_float64, softmax, x, dim)` for `(x, dim)`,
+    `later(softmax, x, -1)` for `(x,)`, `later(engine_f, *args)` for `("call", *args)`).
+
+    >>> x = [1.0]
+    >>> _shared_arguments(("call", x, 3), (x, 3)), _shared_arguments((x,), (max, x, -1))
+    ([(1, 0), (2, 1)], [(0, 1)])
+    """
+    best: list[tuple[int, int]] = []
+    for shift in range(-len(args) + 1, len(theirs)):
+        pairs = [
+            (i, i + shift) for i in range(len(args)) if 0 <= i + shift < len(theirs) and args[i] is theirs[i + shift]
+        ]
+        if len(pairs) > len(best):
+            best = pairs
+    return best
+
+
+def _shrunk(
+    case: Case,
+    verdict: tuple[str, str],
+    judge: Callable[[Case, Any], Verdict],
+    learner: Callable[[tuple], Any],
+    names: Callable[[int], str],
+    seconds: float,
+) -> Optional[tuple[Case, Any, tuple[str, str], str]]:
+    """(the case, the learner's answer, the verdict, the description) at the smallest version found of `case` (its
+    expected answer `later(reference, ...)`) on which the learner's answer is still wrong as `verdict` says (see
+    `shrink`), or None if none is smaller. `learner(args)` calls the learner's function as the case did; a try on
+    which anything raises (the learner's function, the reference, the judge) is simply not smaller."""
+    reference: Later = case.expected
+    pairs = _shared_arguments(case.args, reference.args)
+
+    def attempt(args: tuple) -> Optional[tuple]:
+        theirs = list(reference.args)
+        for i, j in pairs:
+            theirs[j] = args[i]
+        smaller = dataclasses.replace(case, args=args, expected=Later(reference.fn, tuple(theirs), reference.kwargs))
+        try:
+            got = learner(args)
+            smaller = resolved(smaller)
+            outcome = judge(smaller, got)
+        except Exception:  # CheckFailed too; a time-out (TimeUp) is not an Exception: it ends the shrinking
+            return None
+        return (smaller, got, outcome) if outcome else None
+
+    found = shrinking.shrink(case.args, [i for i, _ in pairs], attempt, verdict, seconds=seconds)
+    if found is None:
+        return None
+    before = shrinking.summary(case.args, names, found.case.args)
+    return found.case, found.got, found.verdict, f"{case.description} (shrunk from {before})"
 
 
 def unwritten_helper(fn: Callable) -> Callable:

@@ -2,7 +2,12 @@
 
 The targets are compiled into rules (code objects, C functions, classes, modules, torch names) that
 one profile function (`sys.setprofile`) compares with every call while the learner's code runs.
-`NOT_ENFORCEABLE` lists what no in-process watch can catch.
+Three more watches see what it cannot: an import finder refuses to load a forbidden module (before
+any of it runs: a slow import is refused at once, not timed out), TorchScript's functions and methods
+are refused by their qualified name (`torch.jit.script(engine_function)`, run in C++), and a
+learner's code object whose content is a forbidden function's (its source copied by
+`inspect.getsource` and exec'd) is refused as that function. `NOT_ENFORCEABLE` lists what no
+in-process watch can catch.
 """
 
 from __future__ import annotations
@@ -11,13 +16,16 @@ import builtins
 import dataclasses
 import functools
 import importlib
+import importlib.abc
+import importlib.machinery
 import importlib.util
 import inspect
 import os
+import re
 import sys
 import sysconfig
 import types
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -32,7 +40,9 @@ NOT_ENFORCEABLE = [
     "function; ctypes / cffi, e.g. a C library's own matrix product)",
     "a cached result of another library's function (functools.lru_cache / cache) that was computed "
     "before the check: the cache answers without running code the check can see",
-    "a copy of a black box's source code pasted or exec'd as the learner's own",
+    "a copy of a black box's source code pasted or exec'd as the learner's own and then edited (a name or its "
+    "docstring changed), or copied from a third-party package forbidden as a whole (transformers): an unedited "
+    "copy of a function the rules name, or of any function of a forbidden llmcourse module, is caught",
     "frames reached through attributes (an exception's __traceback__.tb_frame.f_back): the check's "
     "expected answers are computed after the call, so there is nothing to find there, but other state is",
     "anything not on the exercise's list (other libraries' sorting or selection, e.g. numpy.argpartition, "
@@ -167,10 +177,14 @@ class Forbidden:
       calling any of its methods, in subclasses too);
     - a module or package: 'tiktoken', 'transformers' (any function defined in it, even if it is
       imported only during the call).
+
+    `direct`: refused only where the learner's own code calls it (a function or module): the engine that a check
+    runs around the learner's part may use it (the engine's C kernels, `llmcourse.engine.cpu_kernels`).
     """
 
     target: str
     instead: str = ""
+    direct: bool = False
 
 
 @dataclasses.dataclass
@@ -185,6 +199,8 @@ class _Rules:
     torch_names: dict = dataclasses.field(default_factory=dict)  # torch function name -> rule
     aten_names: dict = dataclasses.field(default_factory=dict)  # aten operator name -> rule (SAME_JOB groups)
     caches: list = dataclasses.field(default_factory=list)  # lru_cache wrappers to clear at the start
+    copies: dict = dataclasses.field(default_factory=dict)  # content id (`_content_id`) -> (rule, what it copies)
+    names: dict = dataclasses.field(default_factory=dict)  # dotted name of a function or class -> rule (TorchScript)
     keep: list = dataclasses.field(default_factory=list)  # keeps the objects whose ids are used alive
 
 
@@ -218,6 +234,7 @@ def _is_module(target: str) -> bool:
 
 def _add_function(rules: _Rules, fn: Any, rule: Forbidden) -> None:
     seen = 0
+    _add_name(rules, fn, rule)
     while fn is not None and seen < 10:
         seen += 1
         if isinstance(fn, functools._lru_cache_wrapper):
@@ -232,6 +249,7 @@ def _add_function(rules: _Rules, fn: Any, rule: Forbidden) -> None:
         if isinstance(code, types.CodeType):
             rules.codes[id(code)] = rule
             rules.keep.append(code)
+            _add_copies(rules, code, rule, f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', '?')}")
         elif isinstance(fn, (types.BuiltinFunctionType, types.BuiltinMethodType)):
             rules.builtins[id(fn)] = rule
             rules.keep.append(fn)
@@ -240,8 +258,72 @@ def _add_function(rules: _Rules, fn: Any, rule: Forbidden) -> None:
         fn = getattr(fn, "__wrapped__", None)
 
 
+def _add_name(rules: _Rules, fn: Any, rule: Forbidden) -> None:
+    """fn's dotted name (module.qualname), by which TorchScript names what it compiles from it."""
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str):
+        rules.names.setdefault(f"{module}.{qualname}", rule)
+
+
+# Code objects by content: a copy of a function (its source exec'd elsewhere) has the same docstring, constants and
+# names as the original, but another identity, file and first line -- and not always the same bytecode (CPython 3.11
+# compiles `torch.softmax(x)` otherwise when `torch` is a name the module imports than when it compiles the function
+# alone), so the bytecode is not compared.
+_CONTENT_IDS: dict = {}  # content -> a small int standing for it
+
+
+def _content(code: types.CodeType) -> tuple:
+    """What a copy of `code` has in common with it: not its file, line numbers, bytecode or name."""
+    consts = tuple(_content(c) if isinstance(c, types.CodeType) else (type(c), c) for c in code.co_consts)
+    return (
+        consts,
+        code.co_names,
+        code.co_varnames,
+        code.co_freevars,
+        code.co_cellvars,
+        code.co_argcount,
+        code.co_posonlyargcount,
+        code.co_kwonlyargcount,
+    )
+
+
+def _content_id(code: types.CodeType) -> int:
+    return _CONTENT_IDS.setdefault(_content(code), len(_CONTENT_IDS))
+
+
+def _documented(code: types.CodeType) -> bool:
+    """Whether `code` is a function with a docstring (in CPython its first constant): only a copy shares it, so a
+    learner's own function that happens to compile to the same bytecode (a one-line formula) is never taken for
+    a copy."""
+    first = code.co_consts[0] if code.co_consts else None
+    return not code.co_name.startswith("<") and isinstance(first, str) and bool(first.strip())
+
+
+def _add_copies(rules: _Rules, code: types.CodeType, rule: Forbidden, name: str) -> None:
+    """The contents of `code` and of the documented functions defined inside it, refused in copies."""
+    if _documented(code):
+        rules.copies.setdefault(_content_id(code), (rule, name))
+    for inner in code.co_consts:
+        if isinstance(inner, types.CodeType):
+            _add_copies(rules, inner, rule, f"{name}.<locals>.{inner.co_name}")
+
+
+def _add_module_copies(rules: _Rules, module: types.ModuleType, rule: Forbidden) -> None:
+    """The Python functions and methods a module defines, refused in copies and by their TorchScript names."""
+    name = module.__name__
+    for value in list(vars(module).values()):
+        if getattr(value, "__module__", None) != name:
+            continue
+        members = list(vars(value).values()) if isinstance(value, type) else [value]
+        for member in members:
+            fn = getattr(member, "__func__", member)  # staticmethod, classmethod
+            if isinstance(fn, types.FunctionType):
+                _add_copies(rules, fn.__code__, rule, f"{name}.{fn.__qualname__}")
+
+
 def _add_class(rules: _Rules, cls: type, rule: Forbidden) -> None:
     rules.classes[cls] = rule
+    _add_name(rules, cls, rule)
     for klass in cls.__mro__:
         if klass is object or klass.__module__ == "builtins" and klass is not cls:
             continue
@@ -256,6 +338,7 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
         target = rule.target
         if target.startswith("torch.") and not _is_module(target):
             name = target.rsplit(".", 1)[1]
+            rules.names.setdefault(target, rule)  # torch.jit.script(F.silu)
             rules.torch_names.setdefault(name, rule)  # every route: torch.X, Tensor.X, torch.ops.aten.X
             for alias in next((group for group in SAME_JOB if name in group), ()):
                 rules.torch_names.setdefault(alias, rule)
@@ -266,6 +349,8 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
             for name, module in list(sys.modules.items()):
                 if module is None or not (name == target or name.startswith(target + ".")):
                     continue
+                if target.split(".")[0] == "llmcourse":  # the course's own: a few hundred functions to know by content
+                    _add_module_copies(rules, module, rule)
                 native = str(getattr(module, "__file__", "") or "").endswith((".so", ".pyd"))
                 for value in list(vars(module).values()):
                     if isinstance(value, functools._lru_cache_wrapper) and value.__module__ == name:
@@ -308,6 +393,7 @@ def _compile(forbid: Sequence[Forbidden]) -> _Rules:
                     f"Forbidden({target!r}) names nothing in llmcourse ({err}): the rule would forbid nothing"
                 ) from err
             continue  # a library that is not installed: nothing to call
+        rules.names.setdefault(target, rule)
         if isinstance(obj, type):
             _add_class(rules, obj, rule)
         else:
@@ -328,14 +414,21 @@ def _rules_for(forbid: Sequence[Forbidden]) -> _Rules:
     return cached[1]
 
 
-def _message(rule: Forbidden, reached: str) -> str:
+def _message(rule: Forbidden, reached: str, verb: str = "called", copy_of: str = "") -> str:
+    """'your function called X (that is T), the black box ...': `verb` 'imported' for a module it imports, `copy_of`
+    the original when X is a copy of a forbidden function."""
     if rule.instead == _PEEK_TEXT:
         return f"your function called {reached}, which {_PEEKING}."
     if rule is _CHECKS_RULE:
         return f"your function called {reached}, one of the check's own functions. {rule.instead}"
-    via = "" if reached == rule.target else f" ({'part of ' if _is_module(rule.target) else 'that is '}{rule.target})"
+    if copy_of:
+        reached, via = f"{reached}, a copy of {copy_of} (the same code: its source exec'd)", ""
+    elif reached == rule.target:
+        via = ""
+    else:
+        via = f" ({'part of ' if _is_module(rule.target) else 'that is '}{rule.target})"
     return (
-        f"your function called {reached}{via}, the black box this exercise asks you to write yourself. {rule.instead}"
+        f"your function {verb} {reached}{via}, the black box this exercise asks you to write yourself. {rule.instead}"
     ).rstrip()
 
 
@@ -362,23 +455,26 @@ _MACHINERY = {os.path.join(_HARNESS_DIR, f"{name}.py") for name in ("forbid", "i
 _LIBRARIES = tuple(p for p in {sysconfig.get_paths().get(k) for k in ("stdlib", "purelib", "platlib")} if p)
 
 
-_HELPERS: dict = {}  # id(code) -> whether it is a reference helper of the checks
+_FACTS: dict = {}  # id(code) -> (whether it is a reference helper of the checks, its content id or -1)
 
 
-def _reference_helper(code: types.CodeType) -> bool:
-    """Whether `code` is one of the checks' own functions (their references, expected answers and known
-    mistakes), which a learner's function may not call. Methods of the checks' classes are allowed: checks
-    hand learners such objects (scripted models, recorded caches)."""
-    known = _HELPERS.get(id(code))
+def _facts(code: types.CodeType) -> tuple[bool, int]:
+    """What the watch needs to know of a code object, found once: whether it is one of the checks' own functions
+    (their references, expected answers and known mistakes), which a learner's function may not call -- methods of
+    the checks' classes are allowed: checks hand learners such objects (scripted models, recorded caches) --, and,
+    for code outside the libraries (the learner's), its content id (to recognise a copy of a forbidden function)."""
+    known = _FACTS.get(id(code))
     if known is None:
         parts = code.co_qualname.split(".")
-        known = (
-            code.co_filename.startswith(_CHECKS_DIR)
-            and code.co_filename not in _MACHINERY
+        filename = code.co_filename
+        helper = (
+            filename.startswith(_CHECKS_DIR)
+            and filename not in _MACHINERY
             and parts[-1] not in ("<listcomp>", "<genexpr>", "<dictcomp>", "<setcomp>")
             and (len(parts) == 1 or parts[-2] == "<locals>")
         )
-        _HELPERS[id(code)] = known
+        library = filename.startswith((*_LIBRARIES, _PACKAGE_DIR)) or filename.startswith("<frozen")
+        known = _FACTS[id(code)] = (helper, -1 if library or not _documented(code) else _content_id(code))
         _KEEP.append(code)  # its id stays its own
     return known
 
@@ -397,6 +493,11 @@ def _learners(frame) -> bool:
 
 
 _PACKAGE_DIR = os.path.dirname(_CHECKS_DIR.rstrip(os.sep)) + os.sep
+
+
+def _applies(rule: Forbidden, caller) -> bool:
+    """Whether `rule` refuses a call made from the frame `caller`: a `direct` rule only the learner's own calls."""
+    return not rule.direct or (caller is not None and _learners(caller))
 
 
 class _AtenWatch(TorchDispatchMode):
@@ -433,7 +534,7 @@ class forbidding:
     def __init__(self, forbid: Sequence[Forbidden]):
         rules = _rules_for(forbid) if forbid else _Rules()
         self.rules = rules
-        self.codes, self.builtins = rules.codes, rules.builtins
+        self.codes, self.builtins, self.copies = rules.codes, rules.builtins, rules.copies
         self.names = {**{name: None for name in rules.methods}, **{name: None for name in rules.torch_names}}
         self.by_module = bool(rules.modules)
         self.module_rules: dict = {}  # module name -> rule or None, filled as modules are seen
@@ -447,8 +548,8 @@ class forbidding:
         )
         self.aten = _AtenWatch(self, rules.aten_names, quantized) if rules.aten_names else None
 
-    def refuse(self, rule: Forbidden, reached: str):
-        message = _message(rule, reached)
+    def refuse(self, rule: Forbidden, reached: str, verb: str = "called", copy_of: str = ""):
+        message = _message(rule, reached, verb, copy_of)
         if self.violation is None:
             self.violation = message
         raise ForbiddenCall(message)
@@ -498,13 +599,19 @@ class forbidding:
             code = frame.f_code
             key = id(code)
             rule = self.codes.get(key)
-            if rule is not None:
+            if rule is not None and _applies(rule, frame.f_back):
                 self.refuse(rule, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
             rule = self.peeking.codes.get(key)
             if rule is not None and frame.f_back is not None and _learners(frame.f_back):
                 self.refuse(rule, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
-            if _reference_helper(code) and frame.f_back is not None and _learners(frame.f_back):
+            helper, content = _facts(code)
+            if helper and frame.f_back is not None and _learners(frame.f_back):
                 self.refuse(_CHECKS_RULE, f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}")
+            if content >= 0 and content in self.copies:
+                rule, original = self.copies[content]
+                if _applies(rule, frame.f_back):
+                    name = f"{frame.f_globals.get('__name__') or '?'}.{code.co_qualname}"
+                    self.refuse(rule, name, copy_of=original)
             if key in _OP_CALLS and self.rules.torch_names:  # torch.ops.aten.X(...)
                 op = str(frame.f_locals.get("self", ""))  # 'aten.topk' or 'aten.topk.default'
                 parts = op.split(".")
@@ -513,11 +620,11 @@ class forbidding:
             if self.by_module:
                 module = frame.f_globals.get("__name__")
                 rule = self._module_rule(module)
-                if rule is not None:
+                if rule is not None and _applies(rule, frame.f_back):
                     self.refuse(rule, _frame_name(frame, module, rule))
         elif event == "c_call":
             rule = self.builtins.get(id(arg))
-            if rule is not None:
+            if rule is not None and _applies(rule, frame):
                 self.refuse(rule, _c_name(arg))
             rule = self.peeking.builtins.get(id(arg))
             if rule is not None and _learners(frame):
@@ -534,8 +641,12 @@ class forbidding:
                     self.refuse(rule, _c_name(arg))
             if self.by_module:
                 rule = self._module_rule(getattr(arg, "__module__", None))
-                if rule is not None:
+                if rule is not None and _applies(rule, frame):
                     self.refuse(rule, _c_name(arg))
+
+    def script_rule(self, name: str) -> Optional[Forbidden]:
+        """The rule refusing a TorchScript function or class of this dotted name (`_script_name`), or None."""
+        return self.rules.names.get(name) or self._module_rule(name)
 
     def __enter__(self) -> "forbidding":
         rules = self.rules
@@ -546,11 +657,19 @@ class forbidding:
             self.profiling = True
         if self.aten is not None:
             self.aten.__enter__()
+        if rules.modules or rules.names:
+            _WATCHES.append(self)
+            if len(_WATCHES) == 1:
+                _start_watching_scripts_and_imports()
         return self
 
     def __exit__(self, kind, err, tb) -> bool:
         limits._critical += 1
         try:
+            if self in _WATCHES:
+                _WATCHES.remove(self)
+                if not _WATCHES:
+                    _stop_watching_scripts_and_imports()
             if self.aten is not None:
                 modes = torch.utils._python_dispatch._get_current_dispatch_mode_stack()
                 if self.aten in modes:
@@ -568,6 +687,90 @@ class forbidding:
 
 
 _CHECKS_RULE = Forbidden("llmcourse.checks", "The checks' own functions compute the expected answers: write yours.")
+
+
+# ----------------------------------------------------------------------------------------------
+# What the profile function cannot see: TorchScript (compiled functions run in C++, called through a C type's
+# __call__) and imports (a forbidden module is refused before any of it runs). Both are watched while at least one
+# `forbidding` with module or name rules is active.
+
+_WATCHES: list = []  # the active watches with rules for TorchScript names and imports, outermost first
+_SCRIPT_TYPES = (torch.jit.ScriptFunction, torch._C.ScriptMethod)
+_SCRIPT_CALLS = {kind: kind.__call__ for kind in _SCRIPT_TYPES}  # their own __call__, put back when no watch is on
+
+
+def _script_name(scripted: Any) -> str:
+    """The dotted name of what TorchScript compiled: a function's, or a method's class ('__torch__.transformers.
+    activations.___torch_mangle_3.NewGELUActivation' is transformers.activations.NewGELUActivation)."""
+    if isinstance(scripted, torch._C.ScriptMethod):
+        qualified = scripted.owner._type().qualified_name()
+    else:
+        qualified = scripted.qualified_name
+    return re.sub(r"\.___torch_mangle_\d+", "", qualified.removeprefix("__torch__."))
+
+
+def _watched_script_call(kind: type) -> Callable:
+    original = _SCRIPT_CALLS[kind]
+
+    def call(self, *args, **kwargs):
+        name = _script_name(self)
+        for watch in _WATCHES:
+            rule = watch.script_rule(name)
+            if rule is not None and _applies(rule, sys._getframe(1)):
+                watch.refuse(rule, name, verb="called the TorchScript-compiled")
+        return original(self, *args, **kwargs)
+
+    return call
+
+
+class _ImportWatch(importlib.abc.MetaPathFinder):
+    """First on sys.meta_path while watching: a forbidden module that is not loaded yet is found as usual, but its
+    loader refuses to run it (a probe such as importlib.util.find_spec still gets its answer). A `direct` rule is
+    left to the profile function: who imports is not known here."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Optional[importlib.machinery.ModuleSpec]:
+        rule = next((rule for watch in _WATCHES if (rule := watch._module_rule(name)) is not None), None)
+        if rule is None or rule.direct:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(name, path, target)
+            if spec is not None:
+                spec.loader = _RefusingLoader(rule)
+                return spec
+        return None
+
+
+class _RefusingLoader(importlib.abc.Loader):
+    def __init__(self, rule: Forbidden):
+        self.rule = rule
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec):
+        for watch in _WATCHES:
+            if watch._module_rule(spec.name) is self.rule:
+                watch.refuse(self.rule, spec.name, verb="imported")
+        raise ImportError(f"{spec.name} is a black box here")  # the watch that refused it has ended
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        raise ImportError(f"{module.__name__} is a black box here")
+
+
+_IMPORTS = _ImportWatch()
+
+
+def _start_watching_scripts_and_imports() -> None:
+    for kind in _SCRIPT_TYPES:
+        kind.__call__ = _watched_script_call(kind)
+    sys.meta_path.insert(0, _IMPORTS)
+
+
+def _stop_watching_scripts_and_imports() -> None:
+    for kind, call in _SCRIPT_CALLS.items():
+        kind.__call__ = call
+    while _IMPORTS in sys.meta_path:
+        sys.meta_path.remove(_IMPORTS)
 
 
 @functools.lru_cache(maxsize=None)

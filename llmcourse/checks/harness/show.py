@@ -1,7 +1,9 @@
-"""`short`: a readable repr of bounded length, for the messages of checks."""
+"""`short`: a readable repr of bounded length, for the messages of checks; `previews`: an expected and a got
+answer side by side, both showing the positions where they differ."""
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict, defaultdict
 from typing import Any, Optional, Sequence, Union
 
@@ -9,6 +11,7 @@ import torch
 
 _DICT_REPRS = (dict.__repr__, Counter.__repr__, defaultdict.__repr__, OrderedDict.__repr__)
 _RUN = 6  # this many equal items in a row or more are shown as a repetition
+WINDOW = 12  # values (items, 3x as many characters) shown around where an expected and a got answer differ
 
 
 def short(value: Any, limit: int = 300) -> str:
@@ -40,6 +43,110 @@ def distinct(expected: float, got: float) -> tuple[str, str]:
         if a != b:
             return a, b
     return repr(expected), repr(got)
+
+
+def previews(expected: Any, got: Any, limit: int = 300) -> tuple[str, str]:
+    """`short(expected)` and `short(got)`; but where both are tensors of one shape, or lists, tuples, strings or
+    bytes of one length, that differ somewhere `short` would hide, both show the same positions around where they
+    differ, aligned: for tensors, the first position of the largest difference (the one the message names), else
+    the first that differs.
+
+        >>> expected, got = list(range(100)), list(range(100))
+        >>> got[60] = -1
+        >>> for line in previews(expected, got): print(line)
+        list of 100 items, [57:69]=[57, 58, 59, 60, 61, 62, 63, 64, 65, 66, 67, 68]
+        list of 100 items, [57:69]=[57, 58, 59, -1, 61, 62, 63, 64, 65, 66, 67, 68]
+    """
+    try:
+        shown = _windows(expected, got, limit)
+    except Exception:  # a learner's object that cannot be compared or shown: the usual previews
+        shown = None
+    if shown is None:
+        return short(expected, limit), short(got, limit)
+    return tuple(text if len(text) <= limit else text[: max(limit - 4, 1)] + " ..." for text in shown)
+
+
+def _windows(expected: Any, got: Any, budget: int) -> Optional[tuple[str, str]]:
+    """The two previews windowed on where they differ, or None where `short` shows enough (or they are alike)."""
+    if isinstance(expected, torch.Tensor) and isinstance(got, torch.Tensor):
+        return _tensor_windows(expected, got, budget)
+    if type(expected) is not type(got) or not isinstance(expected, (str, bytes, list, tuple)):
+        return None
+    if len(expected) != len(got):
+        return None
+    if isinstance(expected, (str, bytes)):
+        at = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), None)
+        if at is None or len(expected) <= 3 * WINDOW:
+            return None
+        start, end = _span(at, len(expected), 3 * WINDOW)
+        kind = "characters" if isinstance(expected, str) else "bytes"
+        head = f"{type(expected).__name__} of {len(expected)} {kind}, [{start}:{end}]="
+        return head + repr(expected[start:end]), head + repr(got[start:end])
+    at = next((i for i, (a, b) in enumerate(zip(expected, got)) if not _alike(a, b)), None)
+    if at is None:
+        return None
+    head = f"{type(expected).__name__} of {len(expected)} items"
+    inner = _windows(expected[at], got[at], budget - len(head) - 20)
+    if inner is not None:  # the first differing item is itself long: window into it
+        return f"{head}, item {at}: {inner[0]}", f"{head}, item {at}: {inner[1]}"
+    if len(expected) <= WINDOW:
+        return None
+    start, end = _span(at, len(expected), WINDOW)
+    each = max(budget // WINDOW - 2, 8)
+    want, have = _aligned([short(v, each) for v in expected[start:end]], [short(v, each) for v in got[start:end]])
+    return f"{head}, [{start}:{end}]={want}", f"{head}, [{start}:{end}]={have}"
+
+
+def _alike(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    return type(a) is type(b) and bool(a == b)
+
+
+def _tensor_windows(expected: torch.Tensor, got: torch.Tensor, budget: int) -> Optional[tuple[str, str]]:
+    """Both tensors' values at the same flat positions, around the first largest difference (floats) or the first
+    difference (integers, bools); None for small tensors (`short` shows them whole) or tensors that cannot be
+    compared value by value."""
+    if expected.shape != got.shape or expected.numel() <= WINDOW or expected.device != got.device:
+        return None
+    if expected.device.type == "meta" or expected.is_complex() or got.is_complex():
+        return None
+    want, have = expected.detach().flatten(), got.detach().flatten()
+    if want.is_floating_point() or have.is_floating_point():
+        want64, have64 = want.double(), have.double()
+        same = (want64 == have64) | (want64.isnan() & have64.isnan())
+        difference = (have64 - want64).abs().nan_to_num(nan=math.inf).masked_fill(same, 0.0)
+        if not bool(difference.any()):
+            return None
+        at = int(difference.argmax())  # the first of the largest: where the message says they differ most
+    else:
+        differs = want != have
+        if not bool(differs.any()):
+            return None
+        at = int(differs.nonzero()[0])
+    start, end = _span(at, want.numel(), WINDOW)
+
+    def values(t: torch.Tensor) -> list[str]:
+        items = t[start:end].tolist()
+        return [repr(_Float(v)) if isinstance(v, float) else repr(v) for v in items]
+
+    shown = _aligned(values(want), values(have))
+    return tuple(
+        f"tensor(shape={tuple(t.shape)}, dtype={t.dtype}, values[{start}:{end}]={text})"
+        for t, text in zip((expected, got), shown)
+    )
+
+
+def _span(at: int, n: int, width: int) -> tuple[int, int]:
+    """[start, end) of `width` positions out of n that shows position `at` with a few before it."""
+    start = max(0, min(at - 3, n - width))
+    return start, min(n, start + width)
+
+
+def _aligned(left: list[str], right: list[str]) -> tuple[str, str]:
+    """'[a, b]' and '[c, d]' with each pair of items padded to one width, so that the two lines align."""
+    widths = [max(len(a), len(b)) for a, b in zip(left, right)]
+    return tuple("[" + ", ".join(v.rjust(w) for v, w in zip(side, widths)) + "]" for side in (left, right))
 
 
 def _module(value: torch.nn.Module) -> str:
