@@ -78,6 +78,13 @@ NO_LIBRARIES = [
         "(json and safetensors.torch.load_file).",
     ),
 ]
+NO_KERNELS = [  # cpu_kernels.linear computes linear (by the engine's C kernel): refused where the learner's code calls it
+    Forbidden(
+        "llmcourse.engine.cpu_kernels",
+        "The engine's C kernels are the black box here: write it with @ and + yourself.",
+        direct=True,  # the engine a check runs around the learner's linear uses them (the LM head)
+    )
+]
 COMPOSED = [*ENGINE_PARTS, *NO_LAYER_NORM, *NO_GELU, *NO_LIBRARIES]
 
 
@@ -533,7 +540,7 @@ def check_layer_norm(fn, *, seed: int = 0, n_random: int = 10) -> None:
         cases,
         judge=judge,
         error_hints=VIEW_HINTS,
-        forbid=[*NO_LAYER_NORM, *ENGINE_PARTS[:1]],
+        forbid=[*NO_LAYER_NORM, *ENGINE_PARTS[:1], NO_LIBRARIES[0]],
         show_call=_show_layer_norm,
         seconds=5,
         total_seconds=30,
@@ -681,7 +688,7 @@ def check_gelu(fn, *, seed: int = 0, n_random: int = 6) -> None:
         run,
         cases,
         judge=judge,
-        forbid=[*NO_GELU, *ENGINE_PARTS[1:2]],
+        forbid=[*NO_GELU, *ENGINE_PARTS[1:2], NO_LIBRARIES[0]],  # transformers: ACT2FN["gelu_new"]
         seconds=5,
         total_seconds=20,
         error_hints=VIEW_HINTS,
@@ -823,7 +830,7 @@ def check_linear(fn, *, seed: int = 0, n_random: int = 8) -> None:
             "of them (addmm and mm take matrices only)",
             **VIEW_HINTS,
         },
-        forbid=[*ENGINE_PARTS[2:], NO_LIBRARIES[0]],
+        forbid=[*ENGINE_PARTS[2:], *NO_KERNELS, NO_LIBRARIES[0]],
         show_call=_show_linear,
         seconds=5,
         total_seconds=20,
@@ -942,7 +949,7 @@ def check_mlp(fn, *, seed: int = 0, n_random: int = 4) -> None:
         unwritten_helper(fn),
         cases,
         judge=accuracy_judge(mlp_accuracy, MLP_CONTRACT, MLP_MISTAKES),
-        forbid=COMPOSED,
+        forbid=[*COMPOSED, *NO_KERNELS],
         show_call=_show_mlp,
         seconds=5,
         total_seconds=20,
