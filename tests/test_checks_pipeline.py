@@ -1,9 +1,8 @@
 """Chapter 00's check: a correct answer passes, plausible mistakes fail with a specific message."""
 
 import heapq
-import inspect
 import math
-import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,22 +11,28 @@ from torch import topk as topk_imported_early  # an alias made before the check:
 from llmcourse.checks import CheckFailed, check_top_k_next_tokens
 from llmcourse.checks.harness.core import Case, run_check
 from llmcourse.engine.sampling import top_k_next_tokens
+from tests.notebook_checks import notebook_cells
 
 ENGINE = top_k_next_tokens
 
 
-def copy_of(fn):
-    """The engine's function as a learner would have it: the same source, compiled in their notebook."""
-    namespace = dict(fn.__globals__, __name__="__learner__")
-    exec(compile(textwrap.dedent(inspect.getsource(fn)), "<learner's cell>", "exec"), namespace)
-    return namespace[fn.__name__]
+NOTEBOOK = Path(__file__).resolve().parent.parent / "solutions/00_pipeline/00_pipeline.ipynb"
 
 
-def test_reference_passes(capsys):
-    reference = copy_of(top_k_next_tokens)
-    check_top_k_next_tokens(reference)
-    check_top_k_next_tokens(reference, seed=2026, n_random=60)  # the notebook's hidden test
-    assert capsys.readouterr().out == "✓ top_k_next_tokens — 30 cases\n✓ top_k_next_tokens — 70 cases\n"
+@pytest.fixture(scope="module")
+def nb():
+    """The notebook's solution, defined as a learner's notebook defines it."""
+    setup, solutions, _ = notebook_cells(NOTEBOOK)
+    namespace = {"__name__": "__learner__"}
+    for source in [*setup, *solutions]:
+        exec(compile(source, str(NOTEBOOK), "exec"), namespace)
+    return namespace
+
+
+def test_the_solution_passes(nb, capsys):
+    check_top_k_next_tokens(nb["top_k_next_tokens"])
+    check_top_k_next_tokens(nb["top_k_next_tokens"], seed=2026, n_random=60)  # the notebook's hidden test
+    assert capsys.readouterr().out == "✓ top_k_next_tokens — 35 cases\n✓ top_k_next_tokens — 75 cases\n"
 
 
 def stub(logits, k):
@@ -250,3 +255,49 @@ def test_transformers_helpers_are_black_boxes_too():
 
     with pytest.raises(CheckFailed, match=r"called transformers\.generation\.logits_process\.TopKLogitsWarper"):
         check_top_k_next_tokens(with_a_warper)
+
+
+# -- issue 41: ties at the k-th place, float16 and bfloat16 logits ------------------------------
+
+
+def unstable_sort(logits, k):  # torch's default sort: equal values in any order past 16 of them
+    probs = torch.softmax(logits.float(), -1)
+    order = torch.argsort(probs, descending=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+def every_tie_at_the_kth(logits, k):  # a threshold, as top-k filtering keeps ties: more than k pairs
+    probs = torch.softmax(logits.float(), -1)
+    kth = torch.sort(probs, descending=True).values[min(k, len(probs)) - 1]
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order if probs[i] >= kth]
+
+
+def guards_float32_only(logits, k):  # subtracts the max only where float32's exp would overflow
+    x = logits - logits.max() if logits.abs().max() > 80 else logits
+    probs = x.exp() / x.exp().sum()
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (unstable_sort, r"four tokens tied for 2nd place in a vocabulary of 40[\s\S]*stable=True"),
+        (every_tie_at_the_kth, r"expected 3 pairs, got 4[\s\S]*hint: return exactly k pairs"),
+        (guards_float32_only, r"large float16 logits[\s\S]*got nan[\s\S]*float16's largest number"),
+    ],
+)
+def test_ties_and_half_precision_mistakes_are_named(wrong, message):
+    with pytest.raises(CheckFailed, match=message):
+        check_top_k_next_tokens(wrong)
+
+
+def softmax_in_the_logits_dtype(logits, k):  # float16 in: probabilities to float16's accuracy
+    probs = torch.softmax(logits, -1)
+    order = torch.argsort(probs, descending=True, stable=True)
+    return [(int(i), float(probs[i])) for i in order[:k]]
+
+
+def test_a_softmax_in_the_logits_own_dtype_is_accepted():
+    check_top_k_next_tokens(softmax_in_the_logits_dtype, seed=2026, n_random=60)

@@ -21,7 +21,14 @@ NO_TOPK = [
 ]
 
 
-def _pairs_match(got: Any, expected: list[tuple[int, float]]) -> Optional[str]:
+def _rel_tol(dtype: torch.dtype) -> float:
+    """The accuracy asked of a probability: float32's (1e-4 relative) for float32 and float64 logits; for float16
+    and bfloat16 ones, 2 units in the last place of that dtype, so that a softmax computed in the logits' own dtype
+    passes as well as one computed in float32."""
+    return 2 * torch.finfo(dtype).eps if dtype in (torch.float16, torch.bfloat16) else 1e-4
+
+
+def _pairs_match(got: Any, expected: list[tuple[int, float]], rel_tol: float = 1e-4) -> Optional[str]:
     if not isinstance(got, list):
         return f"expected a list of (token id, probability) pairs, got a {type(got).__name__}"
     if len(got) != len(expected):
@@ -38,9 +45,18 @@ def _pairs_match(got: Any, expected: list[tuple[int, float]]) -> Optional[str]:
             )
         if got_token != token:
             return f"item {rank}: expected token {token}, got {got_token}"
-        if not math.isclose(got_prob, prob, rel_tol=1e-4, abs_tol=1e-6):
+        if not math.isclose(got_prob, prob, rel_tol=rel_tol, abs_tol=1e-6):
             return f"item {rank} (token {token}): expected probability {prob:.6f}, got {got_prob:.6f}"
     return None
+
+
+def _judge(case: Case, got: Any) -> Optional[tuple[str, str]]:
+    """`_pairs_match` at the accuracy of the case's logits."""
+    problem = _pairs_match(got, case.expected, _rel_tol(case.args[0].dtype))
+    if problem is None:
+        return None
+    too_many = isinstance(got, list) and len(got) > len(case.expected)
+    return problem, "return exactly k pairs, even when more tokens tie at the k-th place" if too_many else ""
 
 
 def _case(description: str, logits: torch.Tensor, k: int, hint: str = "") -> Case:
@@ -143,20 +159,52 @@ def check_top_k_next_tokens(fn, *, seed: int = 0, n_random: int = 20) -> None:
             "exp(-inf) is 0: those tokens come last, smaller id first",
         ),
         _case("k larger than 10", torch.linspace(3.0, -3.0, 30).flip(0), 25, ""),
+        _case(
+            "a tie across the k-th place: exactly k pairs, the smaller ids first",
+            torch.tensor([2.0, 1.0, 0.0, 1.0, 1.0]),
+            2,
+            "return exactly k pairs: of the tokens tied at the k-th place, the smaller ids first until there are k",
+        ),
+        _case(
+            "four tokens tied for 2nd place in a vocabulary of 40",
+            torch.zeros(40).index_fill(0, torch.tensor([5, 12, 25, 39]), 1.0).index_fill(0, torch.tensor([30]), 2.0),
+            3,
+            "torch's sort of more than 16 values lists equal values in any order: use torch.argsort(probs, "
+            "descending=True, stable=True), or sort by (-probability, id)",
+        ),
+        # float16 and bfloat16 logits (probabilities to their own accuracy, see _rel_tol)
+        _case(
+            "large float16 logits (up to 12.5: exp overflows float16 unless the max is subtracted)",
+            torch.tensor([11.0, 12.5, 9.0, 12.0, 7.0]).half(),
+            3,
+            "softmax(x) = softmax(x - max(x)): e^11.1 is float16's largest number",
+        ),
+        _case(
+            "bfloat16 logits near 1000, two tied for the top",
+            torch.tensor([1000.0, 996.0, 1000.0, 992.0]).bfloat16(),
+            3,
+            "softmax(x) = softmax(x - max(x)): subtracting the max keeps exp() finite",
+        ),
+        _case(
+            "float16 rounds 1.0001 to 1.0: a tie, the smaller id first",
+            torch.tensor([2.0, 1.0001, 1.0, 0.5]).half(),
+            2,
+        ),
     ]
     g = torch.Generator().manual_seed(seed)
     attempts = 0
-    while len(cases) < 10 + n_random and attempts < 20 * (n_random + 1):
+    fixed = len(cases)
+    while len(cases) < fixed + n_random and attempts < 20 * (n_random + 1):
         attempts += 1
-        what, logits, k = _random_logits(g, len(cases) - 10)
-        case = _case(f"random logits #{len(cases) - 10} ({what})", logits, k)
+        what, logits, k = _random_logits(g, len(cases) - fixed)
+        case = _case(f"random logits #{len(cases) - fixed} ({what})", logits, k)
         if _unambiguous(logits, k, case.expected):
             cases.append(case)
     run_check(
         "top_k_next_tokens",
         fn,
         cases,
-        compare=_pairs_match,
+        judge=_judge,
         forbid=NO_TOPK,
         # sorted() over 50,257 ids with a key that indexes the tensor (p[i]: a 0-d tensor per comparison) is
         # correct and slow: 2.3 CPU-s a call, 36 under the watch for torch.topk, which sees every tensor
