@@ -992,3 +992,41 @@ def test_a_shrunk_tensor_keeps_its_layout_and_the_case_its_own():
     narrowed = shrinking._narrow(view, 1, 0, 3)
     assert not narrowed.is_contiguous() and narrowed.stride() == view.stride()
     assert narrowed.untyped_storage().data_ptr() != view.untyped_storage().data_ptr()
+
+
+def _top_k_exactly_k(logits, k):  # drops the tokens tied with the k-th
+    idx = torch.topk(logits, min(k, logits.shape[-1])).indices
+    return torch.full_like(logits, -math.inf).scatter(-1, idx, logits.gather(-1, idx))
+
+
+def _top_k_one_more(logits, k):
+    kth = torch.topk(logits, min(k + 1, logits.shape[-1])).values[..., -1:]
+    return logits.masked_fill(logits < kth, -math.inf)
+
+
+def _repeat_kv_tiled(x, n_rep):
+    return x.repeat(1, n_rep, 1, 1)
+
+
+def _rms_norm_without_the_cast(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize(
+    "check, mistake, named",
+    [
+        ("sampling.check_top_k", _top_k_exactly_k, "tied with the k-th"),
+        ("sampling.check_top_k", _top_k_one_more, "off by one"),
+        ("modern.check_repeat_kv", _repeat_kv_tiled, "tiled"),
+        ("modern.check_rms_norm", _rms_norm_without_the_cast, "float32"),
+    ],
+    ids=["top_k ties", "top_k k + 1", "repeat_kv tiled", "rms_norm without the cast"],
+)
+def test_the_chapters_messages_carry_one_hint_the_diagnosis(check, mistake, named):
+    """A case with a hint of its own and a judge that names the mistake used to print both (they said the same)."""
+    module, name = check.split(".")
+    check = getattr(importlib.import_module(f"llmcourse.checks.{module}"), name)
+    with pytest.raises(CheckFailed) as caught:
+        check(mistake)
+    hints = [line for line in str(caught.value).splitlines() if line.lstrip().startswith("hint:")]
+    assert len(hints) == 1 and named in hints[0]
