@@ -397,6 +397,11 @@ def test_next_token_written_differently_is_accepted(nb):
         ),
         ('["repetition_penalty", "temperature", "top_p", "top_k", "min_p"]', "greedy(logits)", "top-k 3 before top-p"),
         (
+            '["repetition_penalty", "temperature", "top_k", "min_p", "top_p"]',
+            "greedy(logits)",
+            "top-p 0.8 before min-p",
+        ),
+        (
             '["temperature", "top_k", "repetition_penalty", "top_p", "min_p"]',
             "greedy(logits)",
             "repetition penalty before",

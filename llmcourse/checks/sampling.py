@@ -1349,6 +1349,14 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
             "top-k first, then top-p on what top-k kept (softmax again: the 3 kept probabilities add up to 1)",
         ),
         (
+            "top-p 0.8 before min-p 0.15",
+            torch.tensor([[0.6, 0.12] + [0.0175] * 16]).log(),
+            Settings(temperature=1.0, top_p=0.8, min_p=0.15),
+            None,
+            "top-p comes before min-p: here it keeps tokens 0 and 1 (and 5 of the small ones, that min-p removes); "
+            "min-p first would leave 0.6 and 0.12, and top-p on those would drop token 1",
+        ),
+        (
             "the repetition penalty before top-k 2",
             torch.tensor([[2.0, 1.5, 1.0, -1.0, -3.0]]),
             Settings(temperature=1.0, top_k=2, repetition_penalty=3.0),
@@ -1405,7 +1413,7 @@ def check_next_token(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 300
     ]
     g = torch.Generator().manual_seed(seed)
     attempts = 0
-    while len(sampled) < 10 + n_random and attempts < 50:
+    while len(sampled) < 11 + n_random and attempts < 50:
         attempts += 1
         logits = _random_logits(
             g,
