@@ -26,6 +26,8 @@ from llmcourse.checks import (
 )
 from llmcourse.course import bpe
 from llmcourse.course.bpe import merge as engine_merge_imported_early
+from llmcourse.engine.bpe_training import BPETokenizer
+from llmcourse.engine.bpe_training import train_bpe as fast_trainer
 from llmcourse.engine.tokenizer import EOT, EOT_ID, GPT2_SPLIT_PATTERN, StreamDecoder, bytes_to_unicode
 from llmcourse.engine.tokenizer import bytes_to_unicode as engine_table_imported_early
 
@@ -847,6 +849,19 @@ class DecodeStreamDecoder:
         return ""
 
 
+def encode_with_the_engines_bpe_tokenizer(text, ranks):
+    merges = {}  # GPT-2's ranks as merges: every token of 2+ bytes joins its two parts of lower rank
+    token_of = {rank: token for token, rank in ranks.items()}
+    for rank in sorted(token_of):
+        token = token_of[rank]
+        if len(token) > 1:
+            for cut in range(1, len(token)):
+                if token[:cut] in ranks and token[cut:] in ranks:
+                    merges[ranks[token[:cut]], ranks[token[cut:]]] = rank
+                    break
+    return BPETokenizer(merges, GPT2_SPLIT_PATTERN).encode(text)
+
+
 BLACK_BOXES = [
     (
         check_encode,
@@ -872,6 +887,8 @@ BLACK_BOXES = [
         r"called llmcourse\.course\.bpe\.merge",
     ),
     (check_train_bpe, lambda text, n: bpe.train_bpe(text, n), r"called llmcourse\.course\.bpe\.train_bpe"),
+    (check_train_bpe, lambda text, n: fast_trainer(text, n), r"called llmcourse\.engine\.bpe_training\.train_bpe"),
+    (check_encode, encode_with_the_engines_bpe_tokenizer, r"called llmcourse\.engine\.bpe_training\.BPETokenizer"),
     (
         check_bytes_to_unicode,
         lambda: dict(engine_table_imported_early()),

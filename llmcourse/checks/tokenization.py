@@ -37,8 +37,15 @@ from .harness.forbid import Forbidden
 from .harness.show import short
 
 NO_TIKTOKEN = [Forbidden("tiktoken", "tiktoken is the black box this chapter opens: use your own functions.")]
+NO_ENGINE_TRAINER = [  # the engine's fast trainer gives the same merges, and its BPETokenizer encodes with them
+    Forbidden(
+        "llmcourse.engine.bpe_training",
+        "The engine's BPE trainer and tokenizer are black boxes here: use your own functions.",
+    )
+]
 NO_LIBRARIES = [
     *NO_TIKTOKEN,
+    *NO_ENGINE_TRAINER,
     Forbidden("transformers", "Hugging Face's tokenizers are black boxes here: use your own functions."),
     Forbidden("tokenizers", "Hugging Face's tokenizers are black boxes here: use your own functions."),
 ]
@@ -581,7 +588,7 @@ def check_train_bpe(fn, *, seed: int = 0, n_random: int = 10) -> None:
         fn,
         cases,
         judge=_judge_train_bpe,
-        forbid=_engine("train_bpe", instead="Build it from your get_pair_counts and merge."),
+        forbid=[*_engine("train_bpe", instead="Build it from your get_pair_counts and merge."), *NO_ENGINE_TRAINER],
         timeout_hint="does every step shrink the ids (ids = merge(ids, pair, new_id))? Stop after num_merges "
         "steps, or when no pair is left",
     )
