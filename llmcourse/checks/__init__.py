@@ -7,7 +7,7 @@
     ...     order = torch.argsort(probs, descending=True, stable=True)
     ...     return [(int(i), float(probs[i])) for i in order[:k]]
     >>> check_top_k_next_tokens(top_k_next_tokens)
-    ✓ top_k_next_tokens — 30 cases
+    ✓ top_k_next_tokens — 35 cases
 
 What every check gets from the shared machinery (order-aware comparison, inputs that must not
 change, black boxes caught however they are reached, nestable time limits, bounded messages) is
