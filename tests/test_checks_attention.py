@@ -23,6 +23,7 @@ from llmcourse.checks.attention import (
     check_softmax,
     check_split_heads,
     check_tiled_attention,
+    large_exact_scores,
     reference_self_attention,
 )
 from llmcourse.engine import tiled_attention as engine_tiled_module
@@ -67,22 +68,27 @@ def self_attention(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_
     return merge_heads(attention(q, k, v, causal_mask(T, T))) @ c_proj_weight + c_proj_bias
 
 
-def tiled_attention(q, k, v, block_size=64, causal=True, *, rescale=True, with_max=True, offset=True):
-    """One loop over key blocks for all queries at once; the keywords make the known mistakes."""
+def tiled_attention(q, k, v, block_size=64, causal=True, *, rescale=True, with_max=True, offset=True, shift=True):
+    """Query blocks outside, key blocks inside (FlashAttention-2's order); the keywords make the known mistakes."""
     Tq, Tk = q.shape[-2], k.shape[-2]
-    query_pos = (Tk - Tq if offset else 0) + torch.arange(Tq)
-    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
-    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
-    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    for k0 in range(0, Tk, block_size):
-        s = q @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
-        if causal:
-            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        scale = torch.exp(m - m_new).nan_to_num(0.0) if rescale else torch.ones_like(m)
-        p = torch.exp(s - m_new).nan_to_num(0.0)  # a block entirely in a row's future
-        l, acc, m = l * scale + p.sum(-1, keepdim=True), acc * scale + p @ v[:, :, k0 : k0 + block_size], m_new
-    return acc / l, ((m if with_max else 0) + torch.log(l)).squeeze(-1)
+    outs, lses = [], []
+    for q0 in range(0, Tq, block_size):
+        qb = q[:, :, q0 : q0 + block_size]
+        query_pos = (Tk - Tq if offset else 0) + q0 + torch.arange(qb.shape[-2])
+        m = torch.full((*qb.shape[:-1], 1), -math.inf if shift else 0.0, dtype=q.dtype)
+        l = torch.zeros(*qb.shape[:-1], 1, dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for k0 in range(0, Tk, block_size):
+            s = qb @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+            if causal:
+                s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True)) if shift else m
+            scale = torch.exp(m - m_new).nan_to_num(0.0) if rescale else torch.ones_like(m)
+            p = torch.exp(s - m_new).nan_to_num(0.0, posinf=math.inf)  # 0 for a block entirely in a row's future
+            l, acc, m = l * scale + p.sum(-1, keepdim=True), acc * scale + p @ v[:, :, k0 : k0 + block_size], m_new
+        outs.append(acc / l)
+        lses.append(((m if with_max else 0) + torch.log(l)).squeeze(-1))
+    return torch.cat(outs, dim=-2), torch.cat(lses, dim=-1)
 
 
 def merge_attention(out1, lse1, out2, lse2):
@@ -322,6 +328,87 @@ def tiled_lse_unscaled(q, k, v, block_size=64, causal=True):
 
 def tiled_returning_out_only(q, k, v, block_size=64, causal=True):
     return tiled_attention(q, k, v, block_size, causal)[0]
+
+
+def tiled_without_running_max(q, k, v, block_size=64, causal=True):
+    """exp of the raw scores: finite while they stay below ~88 (float32), nan in float16 past ~11."""
+    return tiled_attention(q, k, v, block_size, causal, shift=False)
+
+
+def tiled_log_space_in_half_precision(q, k, v, block_size=64, causal=True):
+    """The log-space running sum kept in float16 / bfloat16: an lse near 1e4 rounds to a multiple of 8 (64)."""
+    return tiled_with_a_list_of_blocks(q, k, v, block_size, causal, state_dtype=q.dtype)
+
+
+def tiled_all_queries_per_key_block(q, k, v, block_size=64, causal=True):
+    """One loop over key blocks, every query at once: all the queries' running state rewritten per key block."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    query_pos = Tk - Tq + torch.arange(Tq)
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in range(0, Tk, block_size):
+        s = q @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        scale = torch.exp(m - m_new).nan_to_num(0.0)
+        p = torch.exp(s - m_new).nan_to_num(0.0)
+        l, acc, m = l * scale + p.sum(-1, keepdim=True), acc * scale + p @ v[:, :, k0 : k0 + block_size], m_new
+    return acc / l, (m + torch.log(l)).squeeze(-1)
+
+
+def tiled_key_blocks_outside(q, k, v, block_size=64, causal=True):
+    """FlashAttention-1's order: key blocks outside, query blocks (of half a block) inside, running state per row."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    rows = max(1, block_size // 2)
+    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)  # [B, H, Tq, 1]
+    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
+    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)  # [B, H, Tq, Dv]
+    for k0 in range(0, Tk, block_size):
+        k_blk, v_blk = k[:, :, k0 : k0 + block_size], v[:, :, k0 : k0 + block_size]
+        for q0 in range(0, Tq, rows):
+            r = slice(q0, q0 + rows)
+            s = q[:, :, r] @ k_blk.mT / math.sqrt(q.shape[-1])  # [B, H, rows, Bk]
+            if causal:
+                query_pos = Tk - Tq + q0 + torch.arange(s.shape[-2])
+                s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+            m_new = torch.maximum(m[:, :, r], s.amax(-1, keepdim=True))
+            safe = torch.where(m_new.isinf(), 0.0, m_new)
+            scale, p = torch.exp(m[:, :, r] - safe), torch.exp(s - safe)
+            l[:, :, r] = l[:, :, r] * scale + p.sum(-1, keepdim=True)
+            acc[:, :, r] = acc[:, :, r] * scale + p @ v_blk
+            m[:, :, r] = m_new
+    return acc / l, (m + torch.log(l)).squeeze(-1)
+
+
+def tiled_scaling_q_in_place(q, k, v, block_size=64, causal=True):
+    q *= q.shape[-1] ** -0.5  # the caller's q
+    return tiled_attention(q * q.shape[-1] ** 0.5, k, v, block_size, causal)
+
+
+def attention_scaling_q_in_place(q, k, v, mask=None):
+    q /= math.sqrt(q.shape[-1])  # the caller's q
+    scores = q @ k.transpose(-2, -1)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return softmax(scores) @ v
+
+
+def merge_weighting_in_place(out1, lse1, out2, lse2):
+    lse = torch.logaddexp(lse1, lse2)
+    w1, w2 = (lse1 - lse).exp().unsqueeze(-1), (lse2 - lse).exp().unsqueeze(-1)
+    out1 *= w1  # the caller's out1 and out2
+    out2 *= w2
+    return torch.where(w1 > 0, out1, 0.0) + torch.where(w2 > 0, out2, 0.0), lse
+
+
+def self_attention_without_max_shift(x, c_attn_weight, c_attn_bias, c_proj_weight, c_proj_bias, n_head):
+    """exp of the raw scores: right for the bundled layer and random ones, nan where scores reach 1e4."""
+    T, C = x.shape[1], x.shape[2]
+    q, k, v = (split_heads(t, n_head) for t in (x @ c_attn_weight + c_attn_bias).split(C, dim=-1))
+    e = torch.exp(_scores(q, k).masked_fill(~causal_mask(T, T), -math.inf))
+    return merge_heads(e / e.sum(-1, keepdim=True) @ v) @ c_proj_weight + c_proj_bias
 
 
 # -- mistakes of the kinds issue 22 found: the engine's sizes, dtypes, views, keywords, lifetimes --------
@@ -579,15 +666,15 @@ MISTAKES = [
     (
         check_tiled_attention,
         tiled_ignores_block_size,
-        r"tiling: [\s\S]*block_size=32: your function made a tensor of shape \[(1, )?2, 256, 128\], a piece of the "
-        r"score table more than 32 wide in two dimensions",
+        r"tiling: [\s\S]*block_size=32: your function made a tensor of shape \[(1, )?2, (256|128), 128\], a piece "
+        r"of the score table more than 32 wide in two dimensions",
     ),
     (check_tiled_attention, tiled_all_blocks_at_once, r"tiling: [\s\S]*(score table|\(196,608 numbers\))"),
     (check_tiled_attention, tiled_flat_view, r"raised RuntimeError[\s\S]*non-contiguous view"),
     (check_softmax, softmax_without_max_shift, r"got nan or inf[\s\S]*overflows to inf[\s\S]*subtract each row's max"),
     (check_softmax, softmax_minus_mean, r"got nan or inf[\s\S]*subtract the max, not the mean"),
     (check_softmax, softmax_minus_min, r"got nan or inf[\s\S]*subtract the max, not the min"),
-    (check_softmax, softmax_global_max, r"rows far apart[\s\S]*not the max of the whole tensor"),
+    (check_softmax, softmax_global_max, r"rows far apart[\s\S]*not (the max )?of the whole tensor"),
     (check_softmax, softmax_last_dim_only, r"dim=0[\s\S]*normalise along `dim`"),
     (check_softmax, softmax_in_float32, r"float64[\s\S]*float32 accuracy"),
     (check_softmax, softmax_without_keepdim, r"dim=0[\s\S]*(normalise along `dim`|keepdim)"),
@@ -625,6 +712,31 @@ MISTAKES = [
     ),
     (check_tiled_attention, tiled_lse_unscaled, r"lse: [\s\S]*SCALED scores"),
     (check_tiled_attention, tiled_returning_out_only, r"expected a tuple \(out, lse\), got Tensor"),
+    (
+        check_tiled_attention,
+        tiled_key_blocks_outside,
+        r"loop order: [\s\S]*queries 0–15 with keys 32–63 after it had moved on to queries 16–31[\s\S]*"
+        r"FlashAttention-1's order[\s\S]*got: +queries 0–15 with keys 0–31, then queries 16–31",
+    ),
+    (
+        check_tiled_attention,
+        tiled_all_queries_per_key_block,
+        r"loop order: [\s\S]*256 queries at once \(rows 0–255\) with keys 0–31[\s\S]*FlashAttention-1's order",
+    ),
+    (check_tiled_attention, tiled_without_running_max, r"got nan or inf[\s\S]*keep the running max m"),
+    (
+        check_tiled_attention,
+        tiled_log_space_in_half_precision,
+        r"float16, scores of about ±1e4[\s\S]*running log-sum-exp near 1e4 is rounded",
+    ),
+    (check_tiled_attention, tiled_scaling_q_in_place, r"changed its input `q`[\s\S]*in-place operation"),
+    (check_attention, attention_scaling_q_in_place, r"changed its input `q`[\s\S]*in-place operation"),
+    (check_merge_attention, merge_weighting_in_place, r"changed its input `out1`"),
+    (
+        check_self_attention,
+        self_attention_without_max_shift,
+        r"float16, scores of about ±1e4[\s\S]*got nan or inf[\s\S]*subtract each row's max",
+    ),
     (check_merge_attention, merge_without_max_shift, r"lse1 - lse2 = 200[\s\S]*out: [\s\S]*exp\(lse\) overflows"),
     (check_merge_attention, merge_lse_max, r"lse: [\s\S]*not just the max"),
     (check_merge_attention, merge_lse_sum, r"lse: [\s\S]*PRODUCT of the two sums"),
@@ -651,7 +763,7 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
     with pytest.raises(CheckFailed, match=message) as caught:
         check(wrong)
     text = str(caught.value)
-    if "raised" not in text:  # a wrong answer (not an error) shows input, expected and got
+    if "raised" not in text and "changed its input" not in text:  # a wrong answer shows input, expected and got
         assert "input:" in text and "expected:" in text and "got:" in text
 
 
@@ -726,42 +838,90 @@ def self_attention_with_chunk_and_addmm(x, c_attn_weight, c_attn_bias, c_proj_we
 
 
 def tiled_with_query_blocks(q, k, v, block_size=64, causal=True):
-    """The notebook's shape: query blocks outside, key blocks inside, stopping at the diagonal."""
-    return engine_tiled_copy(q, k, v, block_size, causal)
-
-
-def tiled_with_a_list_of_blocks(q, k, v, block_size=64, causal=True):
-    """Keeps log-space running sums instead of l: lse directly, out rescaled at the end."""
-    Tq, Tk = q.shape[-2], k.shape[-2]
-    query_pos = Tk - Tq + torch.arange(Tq)
-    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
-    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    for k0 in range(0, Tk, block_size):
-        s = q @ k[:, :, k0 : k0 + block_size].mT / math.sqrt(q.shape[-1])
-        if causal:
-            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
-        m = s.amax(-1)
-        m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
-        block_lse = m_safe + torch.log(torch.exp(s - m_safe[..., None]).sum(-1))
-        new_lse = torch.logaddexp(lse, block_lse)
-        out = (
-            out * torch.exp(lse - new_lse)[..., None].nan_to_num(0.0)
-            + torch.exp(s - new_lse[..., None]) @ v[:, :, k0 : k0 + block_size]
-        )
-        lse = new_lse
+    """The notebook's shape: query blocks outside, key blocks inside, stopping at the diagonal, each block's rows
+    written once into preallocated out and lse."""
+    Tq, Tk, D = q.shape[-2], k.shape[-2], q.shape[-1]
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    for q0 in range(0, Tq, block_size):
+        rows = q[:, :, q0 : q0 + block_size]
+        where = Tk - Tq + q0 + torch.arange(rows.shape[-2])
+        m = torch.full((*rows.shape[:-1], 1), -math.inf, dtype=q.dtype)
+        l = torch.zeros(*rows.shape[:-1], 1, dtype=q.dtype)
+        acc = torch.zeros(*rows.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for k0 in range(0, int(where[-1]) + 1 if causal else Tk, block_size):
+            s = rows @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(D)
+            if causal:
+                s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > where[:, None], -math.inf)
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+            scale, p = torch.exp(m - m_new), torch.exp(s - m_new)
+            l, acc, m = l * scale + p.sum(dim=-1, keepdim=True), acc * scale + p @ v[:, :, k0 : k0 + block_size], m_new
+        out[:, :, q0 : q0 + block_size] = acc / l
+        lse[:, :, q0 : q0 + block_size] = (m + torch.log(l)).squeeze(-1)
     return out, lse
 
 
-def _compile_as_learner(source_fn):
-    import inspect
-    import textwrap
+def tiled_with_a_list_of_blocks(q, k, v, block_size=64, causal=True, *, state_dtype=None):
+    """Keeps a log-space running sum instead of m and l: each query block's lse directly, its out rescaled as it
+    goes; the blocks' results in lists, concatenated at the end. The running state in float32 for float16 and
+    bfloat16 inputs (as FlashAttention's kernels keep it), unless `state_dtype` says otherwise."""
+    Tq, Tk, q_dtype = q.shape[-2], k.shape[-2], q.dtype
+    dtype = state_dtype or (torch.float32 if q.dtype in (torch.float16, torch.bfloat16) else q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    outs, lses = [], []
+    for q0 in range(0, Tq, block_size):
+        qb = q[:, :, q0 : q0 + block_size]
+        query_pos = Tk - Tq + q0 + torch.arange(qb.shape[-2])
+        lse = torch.full(qb.shape[:-1], -math.inf, dtype=dtype)
+        out = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=dtype)
+        for k0 in range(0, Tk, block_size):
+            s = qb @ k[:, :, k0 : k0 + block_size].mT / math.sqrt(q.shape[-1])
+            if causal:
+                s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
+            m = s.amax(-1)
+            m_safe = torch.where(m.isinf(), torch.zeros_like(m), m)
+            block_lse = m_safe + torch.log(torch.exp(s - m_safe[..., None]).sum(-1))
+            new_lse = torch.logaddexp(lse, block_lse)
+            out = (
+                out * torch.exp(lse - new_lse)[..., None].nan_to_num(0.0)
+                + torch.exp(s - new_lse[..., None]) @ v[:, :, k0 : k0 + block_size]
+            )
+            lse = new_lse
+        outs.append(out)
+        lses.append(lse)
+    return torch.cat(outs, dim=-2).to(q_dtype), torch.cat(lses, dim=-1).to(q_dtype)
 
-    namespace = {"torch": torch, "math": math, "Tensor": torch.Tensor, "__name__": "__learner__"}
-    exec(compile(textwrap.dedent(inspect.getsource(source_fn)), "<learner's cell>", "exec"), namespace)
-    return namespace[source_fn.__name__]
 
+def tiled_while_loops_half_query_blocks(q, k, v, block_size=64, causal=True):
+    """FlashAttention-2's order with while loops: query blocks of half the block size (q scaled first), key blocks
+    of block_size stopping at the last one a block can see, each block's rows written once into preallocated
+    tensors."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    rows = max(1, block_size // 2)
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    q0 = 0
+    while q0 < Tq:
+        qb = q[:, :, q0 : q0 + rows] * q.shape[-1] ** -0.5
+        query_pos = Tk - Tq + q0 + torch.arange(qb.shape[-2])
+        end = int(query_pos[-1]) + 1 if causal else Tk
+        m = torch.full((*qb.shape[:-1], 1), -math.inf, dtype=q.dtype)
+        l = torch.zeros(*qb.shape[:-1], 1, dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        k0 = 0
+        while k0 < end:
+            s = torch.einsum("bhqd,bhkd->bhqk", qb, k[:, :, k0 : min(k0 + block_size, end)])
+            if causal:
+                s = torch.where(k0 + torch.arange(s.shape[-1]) <= query_pos[:, None], s, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            r, p = torch.exp(m - m_new), torch.exp(s - m_new)
+            l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : min(k0 + block_size, end)], m_new
+            k0 += block_size
+        out[:, :, q0 : q0 + rows] = acc / l
+        lse[:, :, q0 : q0 + rows] = (m + torch.log(l)).squeeze(-1)
+        q0 += rows
+    return out, lse
 
-engine_tiled_copy = _compile_as_learner(engine_tiled_module.tiled_attention)
 
 # other numerics: numpy, float64 accumulation, a log-sum-exp form, torch.where, einsum, reshape/permute, an online
 # softmax over key blocks in another order
@@ -888,45 +1048,28 @@ def self_attention_einsum_where(x, c_attn_weight, c_attn_bias, c_proj_weight, c_
 
 
 def tiled_reversed_blocks(q, k, v, block_size=64, causal=True):
-    """Key blocks from the last to the first, torch.where for the mask, the max kept finite."""
+    """Query blocks from the last to the first and, inside, key blocks from the last to the first; torch.where for
+    the mask, the max kept finite."""
     Tq, Tk = q.shape[-2], k.shape[-2]
-    query_pos = Tk - Tq + torch.arange(Tq)
-    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
-    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
-    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
-    for k0 in reversed(range(0, Tk, block_size)):
-        s = torch.einsum("bhqd,bhkd->bhqk", q, k[:, :, k0 : k0 + block_size]) / math.sqrt(q.shape[-1])
-        if causal:
-            s = torch.where(k0 + torch.arange(s.shape[-1]) <= query_pos[:, None], s, -math.inf)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        safe = torch.where(m_new.isinf(), 0.0, m_new)
-        r, p = torch.exp(m - safe), torch.exp(s - safe)
-        l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : k0 + block_size], m_new
-    return acc / l, (m + torch.log(l)).squeeze(-1)
-
-
-def tiled_key_blocks_outside(q, k, v, block_size=64, causal=True):
-    """FlashAttention-1's order: key blocks outside, query blocks (of half a block) inside, running state per row."""
-    Tq, Tk = q.shape[-2], k.shape[-2]
-    rows = max(1, block_size // 2)
-    m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)  # [B, H, Tq, 1]
-    l = torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)
-    acc = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)  # [B, H, Tq, Dv]
-    for k0 in range(0, Tk, block_size):
-        k_blk, v_blk = k[:, :, k0 : k0 + block_size], v[:, :, k0 : k0 + block_size]
-        for q0 in range(0, Tq, rows):
-            r = slice(q0, q0 + rows)
-            s = q[:, :, r] @ k_blk.mT / math.sqrt(q.shape[-1])  # [B, H, rows, Bk]
+    out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    lse = torch.empty(q.shape[:-1], dtype=q.dtype)
+    for q0 in reversed(range(0, Tq, block_size)):
+        qb = q[:, :, q0 : q0 + block_size]
+        query_pos = Tk - Tq + q0 + torch.arange(qb.shape[-2])
+        m = torch.full((*qb.shape[:-1], 1), -math.inf, dtype=q.dtype)
+        l = torch.zeros(*qb.shape[:-1], 1, dtype=q.dtype)
+        acc = torch.zeros(*qb.shape[:-1], v.shape[-1], dtype=q.dtype)
+        for k0 in reversed(range(0, Tk, block_size)):
+            s = torch.einsum("bhqd,bhkd->bhqk", qb, k[:, :, k0 : k0 + block_size]) / math.sqrt(q.shape[-1])
             if causal:
-                query_pos = Tk - Tq + q0 + torch.arange(s.shape[-2])
-                s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > query_pos[:, None], -math.inf)
-            m_new = torch.maximum(m[:, :, r], s.amax(-1, keepdim=True))
+                s = torch.where(k0 + torch.arange(s.shape[-1]) <= query_pos[:, None], s, -math.inf)
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
             safe = torch.where(m_new.isinf(), 0.0, m_new)
-            scale, p = torch.exp(m[:, :, r] - safe), torch.exp(s - safe)
-            l[:, :, r] = l[:, :, r] * scale + p.sum(-1, keepdim=True)
-            acc[:, :, r] = acc[:, :, r] * scale + p @ v_blk
-            m[:, :, r] = m_new
-    return acc / l, (m + torch.log(l)).squeeze(-1)
+            r, p = torch.exp(m - safe), torch.exp(s - safe)
+            l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : k0 + block_size], m_new
+        out[:, :, q0 : q0 + block_size] = acc / l
+        lse[:, :, q0 : q0 + block_size] = (m + torch.log(l)).squeeze(-1)
+    return out, lse
 
 
 def merge_by_sigmoid(out1, lse1, out2, lse2):
@@ -963,19 +1106,23 @@ def tiled_float64_accumulators(q, k, v, block_size=64, causal=True):
 def tiled_numpy(q, k, v, block_size=64, causal=True):
     Q, K, V = _np(q), _np(k), _np(v)
     Tq, Tk = Q.shape[-2], K.shape[-2]
-    query_pos = Tk - Tq + np.arange(Tq)
-    m = np.full((*Q.shape[:-1], 1), -np.inf)
-    l = np.zeros((*Q.shape[:-1], 1))
-    acc = np.zeros((*Q.shape[:-1], V.shape[-1]))
-    for k0 in range(0, Tk, block_size):
-        s = Q @ np.swapaxes(K[:, :, k0 : k0 + block_size], -1, -2) / math.sqrt(Q.shape[-1])
-        if causal:
-            s = np.where(k0 + np.arange(s.shape[-1]) <= query_pos[:, None], s, -np.inf)
-        m_new = np.maximum(m, s.max(-1, keepdims=True))
-        safe = np.where(np.isinf(m_new), 0.0, m_new)
-        r, p = np.exp(m - safe), np.exp(s - safe)
-        l, acc, m = l * r + p.sum(-1, keepdims=True), acc * r + p @ V[:, :, k0 : k0 + block_size], m_new
-    return _back(acc / l, q), _back((m + np.log(l))[..., 0], q)
+    out, lse = np.empty((*Q.shape[:-1], V.shape[-1])), np.empty(Q.shape[:-1])
+    for q0 in range(0, Tq, block_size):
+        Qb = Q[:, :, q0 : q0 + block_size]
+        query_pos = Tk - Tq + q0 + np.arange(Qb.shape[-2])
+        m = np.full((*Qb.shape[:-1], 1), -np.inf)
+        l = np.zeros((*Qb.shape[:-1], 1))
+        acc = np.zeros((*Qb.shape[:-1], V.shape[-1]))
+        for k0 in range(0, Tk, block_size):
+            s = Qb @ np.swapaxes(K[:, :, k0 : k0 + block_size], -1, -2) / math.sqrt(Q.shape[-1])
+            if causal:
+                s = np.where(k0 + np.arange(s.shape[-1]) <= query_pos[:, None], s, -np.inf)
+            m_new = np.maximum(m, s.max(-1, keepdims=True))
+            safe = np.where(np.isinf(m_new), 0.0, m_new)
+            r, p = np.exp(m - safe), np.exp(s - safe)
+            l, acc, m = l * r + p.sum(-1, keepdims=True), acc * r + p @ V[:, :, k0 : k0 + block_size], m_new
+        out[:, :, q0 : q0 + block_size], lse[:, :, q0 : q0 + block_size] = acc / l, (m + np.log(l))[..., 0]
+    return _back(out, q), _back(lse, q)
 
 
 ALTERNATIVES = [
@@ -1013,7 +1160,7 @@ ALTERNATIVES = [
     (check_tiled_attention, tiled_reversed_blocks),
     (check_tiled_attention, tiled_float64_accumulators),
     (check_tiled_attention, tiled_numpy),
-    (check_tiled_attention, tiled_key_blocks_outside),
+    (check_tiled_attention, tiled_while_loops_half_query_blocks),
     (check_merge_attention, merge_by_sigmoid),
     (check_merge_attention, merge_by_stacked_logsumexp),
     (check_merge_attention, merge_numpy),
@@ -1234,6 +1381,26 @@ def test_endless_loop_is_stopped(monkeypatch):
     monkeypatch.setattr(checks, "run_check", lambda *a, **kw: real(*a, **{**kw, "seconds": 0.5}))
     with pytest.raises(CheckFailed, match=r"did not finish within its 0.5 CPU-s"):
         check_softmax(softmax_that_hangs)
+
+
+# -- float16 and bfloat16 with scores of about 1e4 -------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_large_exact_scores_are_exact_and_overflow_an_unshifted_softmax(dtype):
+    """The half-precision cases' scores q·k / √16 of about ±1e4 are exact in their dtype, however the product is
+    taken; an exp() without the max shift overflows (or underflows to 0 / 0) on every row, and a shifted softmax
+    in the dtype is within a few eps of the float64 reference the checks expect."""
+    q, k = large_exact_scores(torch.Generator().manual_seed(0), (2, 3, 4, 16), (2, 3, 9, 16), dtype)
+    exact = q.double() @ k.double().mT / 4
+    assert (exact.abs() > 9000).all() and (exact.abs() < 10000).all()
+    for scores in (q @ k.mT / 4, (q / 4) @ k.mT, q @ k.mT * 0.25, torch.einsum("bhqd,bhkd->bhqk", q, k) / 4):
+        assert torch.equal(scores.double(), exact)
+    assert softmax_without_max_shift(q @ k.mT / 4).isnan().all()
+    v = torch.randn(2, 3, 9, 16, dtype=torch.float64).to(dtype)
+    expected = (torch.softmax(exact, -1) @ v.double()).to(dtype)
+    eps = torch.finfo(dtype).eps
+    assert ((attention(q, k, v).double() - expected.double()).abs() <= 2 * eps * (1 + expected.double().abs())).all()
 
 
 # -- the references against independent implementations -----------------------------------------

@@ -288,6 +288,16 @@ def pad_always_equal(prompts, pad_id=0):
     return tuple(torch.zeros(shape, dtype=torch.long).as_subclass(AlwaysEqual) for _ in range(3))
 
 
+def pad_in_place(prompts, pad_id=0):
+    """Pads the caller's lists themselves, then makes the tensors from them."""
+    longest = max(map(len, prompts))
+    lengths = [len(p) for p in prompts]
+    for p in prompts:
+        p[:0] = [pad_id] * (longest - len(p))
+    mask = torch.tensor([[0] * (longest - n) + [1] * n for n in lengths])
+    return torch.tensor(prompts), mask, (mask.cumsum(-1) - 1).clamp(min=0)
+
+
 LEFT_PAD_MISTAKES = [
     (pad_always_equal, r"input_ids: expected a plain torch\.Tensor, got a AlwaysEqual"),
     (pad_default_eos, r"without pad_id, the padding holds \[50256\]: the default pad_id must be 0"),
@@ -298,7 +308,7 @@ LEFT_PAD_MISTAKES = [
     ),
     (pad_mask_from_ids, r"the attention mask is 0 on real tokens equal to pad_id = \d+.*not from input_ids != pad_id"),
     (pad_positions_uint8, r"right below 255 and wrong from there on.*int64"),
-    (pad_remembers_first_pad, r"the same prompts, pad_id = 13: the padding holds \[50256\], expected pad_id = 13"),
+    (pad_remembers_first_pad, r"the same prompts, pad_id = 13.*: the padding holds \[50256\], expected pad_id = \d+"),
     (pad_positions_count_padding, r"position ids count the padding.*classic GPT-2 pad-position bug.*count real tokens"),
     (pad_right, r"padded on the right.*pad on the LEFT"),
     (pad_mask_inverted, r"attention mask is inverted"),
@@ -309,6 +319,7 @@ LEFT_PAD_MISTAKES = [
     (pad_lists, r"input_ids should be a tensor"),
     (pad_engine, r"llmcourse\.engine\.padding\.left_pad.*write your own"),
     (pad_sorts_prompts, r"changed its input"),
+    (pad_in_place, r"changed its input `prompts`.*build a new list"),
 ]
 
 
@@ -633,6 +644,23 @@ def hashes_engine(token_ids, block_size):
     return engine_block_hashes(token_ids, block_size)
 
 
+def hashes_consuming_tokens(token_ids, block_size):
+    """Takes the blocks off the front of the caller's list."""
+    hashes = []
+    while len(token_ids) >= block_size:
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[:block_size]))))
+        del token_ids[:block_size]
+    return hashes
+
+
+def hashes_missing_a_last_full_block(token_ids, block_size):
+    """Off by one where the tokens end exactly at a block boundary: the last full block gets no hash."""
+    hashes = []
+    for s in range(0, len(token_ids) - block_size, block_size):
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[s : s + block_size]))))
+    return hashes
+
+
 HASH_MISTAKES = [
     (hashes_not_chained, r"not chained: block \d+ holds .* after different earlier blocks"),
     (hashes_of_partial_blocks, r"a partial last block gets no hash"),
@@ -644,6 +672,8 @@ HASH_MISTAKES = [
     (hashes_small, r"some collide|got the same hash"),
     (hashes_as_text, r"expected integers, got '-?0x"),
     (hashes_engine, r"llmcourse\.serving\.block_manager\.block_hashes"),
+    (hashes_consuming_tokens, r"changed its input `token_ids`"),
+    (hashes_missing_a_last_full_block, r"4 tokens, block_size 4: expected 1 hashes \(one per full block\), got 0"),
 ]
 
 
@@ -667,7 +697,16 @@ def hashes_sha256(token_ids, block_size):
     return out
 
 
-@pytest.mark.parametrize("fn", [hashes_of_whole_prefixes, hashes_sha256])
+def hashes_popping_a_copy(token_ids, block_size):
+    """Correct, written differently: takes the blocks off the front of its own copy of the list."""
+    rest, hashes = list(token_ids), []
+    while len(rest) >= block_size:
+        block, rest = rest[:block_size], rest[block_size:]
+        hashes.append(hash((hashes[-1] if hashes else None, tuple(block))))
+    return hashes
+
+
+@pytest.mark.parametrize("fn", [hashes_of_whole_prefixes, hashes_sha256, hashes_popping_a_copy])
 def test_block_hashes_alternative_passes(fn, capsys):
     check_block_hashes(fn)
     check_block_hashes(fn, seed=101, n_random=40, n_workloads=3)
@@ -677,12 +716,14 @@ def test_block_hashes_alternative_passes(fn, capsys):
 # -- paged_attention --------------------------------------------------------------------------------
 
 
-def paged_steps(q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=True, through_table=True, scale=None):
+def paged_steps(
+    q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=True, through_table=True, scale=None, shift=True
+):
     """The reference's loop with one switch per plausible mistake."""
     G, H, D = q.shape
     bs = k_pool.shape[1]
     scale = 1 / math.sqrt(D) if scale is None else scale
-    m = torch.full((G, H, 1), -math.inf, dtype=q.dtype)
+    m = torch.full((G, H, 1), -math.inf if shift else 0.0, dtype=q.dtype)
     l = torch.zeros(G, H, 1, dtype=q.dtype)
     acc = torch.zeros(G, H, D, dtype=q.dtype)
     columns = -(-int(lengths.max()) // bs) if mask else block_table.shape[1]
@@ -692,7 +733,7 @@ def paged_steps(q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=T
         s = torch.einsum("ghd,gthd->ght", q, k) * scale
         if mask:
             s = s.masked_fill((j * bs + torch.arange(bs) >= lengths[:, None])[:, None, :], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True)) if shift else m
         r = torch.exp(m - m_new) if rescale else torch.ones_like(m)
         p = torch.exp(s - m_new)
         l = l * r + p.sum(-1, keepdim=True)
@@ -715,6 +756,17 @@ def paged_block_index(*args):
 
 def paged_scale_d(q, *args):
     return paged_steps(q, *args, scale=1 / q.shape[-1])
+
+
+def paged_without_running_max(*args):
+    """exp of the raw scores, summed block by block: right while they stay below ~88 (float32), nan in float16 past
+    ~11."""
+    return paged_steps(*args, shift=False)
+
+
+def paged_scaling_q_in_place(q, k_pool, v_pool, block_table, lengths):
+    q *= q.shape[-1] ** -0.5  # the caller's q
+    return paged_steps(q, k_pool, v_pool, block_table, lengths, scale=1.0)
 
 
 def paged_lse_without_max(*args):
@@ -771,6 +823,11 @@ PAGED_MISTAKES = [
     (paged_softmax, r"torch\.softmax|torch\.logsumexp"),
     (paged_out_only, r"expected a tuple \(out, lse\), got Tensor"),
     (paged_engine, r"llmcourse\.serving\.paged_cache"),
+    (
+        paged_without_running_max,
+        r"float16, scores of about ±1e4 .*out: got nan or inf.*keep the running max m and take exp\(s - m_new\)",
+    ),
+    (paged_scaling_q_in_place, r"changed its input `q`.*in-place operation"),
 ]
 
 
@@ -819,7 +876,16 @@ def paged_two_blocks_at_a_time(q, k_pool, v_pool, block_table, lengths):
     return acc / l[..., None], m + torch.log(l)
 
 
-@pytest.mark.parametrize("fn", [paged_per_sequence, paged_two_blocks_at_a_time])
+def paged_float32_state_for_half(q, k_pool, v_pool, block_table, lengths):
+    """Correct, written differently: the running m, l and acc in float32 for float16 and bfloat16 inputs, as
+    FlashAttention's kernels keep them; rounded to the input's dtype at the end."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    wide = [t.float() if half else t for t in (q, k_pool, v_pool)]
+    out, lse = paged_attention(*wide, block_table, lengths)
+    return out.to(q.dtype), lse.to(q.dtype)
+
+
+@pytest.mark.parametrize("fn", [paged_per_sequence, paged_two_blocks_at_a_time, paged_float32_state_for_half])
 def test_paged_attention_alternative_passes(fn, capsys):
     check_paged_attention(fn)
     check_paged_attention(fn, seed=101, n_random=40, n_workloads=3)
@@ -861,14 +927,20 @@ def learner_policy(
     chunk_waiting=True,
     cached_prefix=True,
     frees_shared=False,
+    floor_plus_one=False,
+    strict_fit=False,
+    past_the_budget=False,
 ):
     """The check's `policy` (the engine's, or one of the mistakes its flags name), as a learner would write it: the
-    check refuses a learner's call to its own functions."""
+    check refuses a learner's call to its own functions. (`past_the_budget`: waiting requests admitted while
+    budget >= 0, one of 0 tokens after the budget is used up exactly.)"""
     budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
     queue, i = list(running), 0
 
     def need_of(seq, n):
-        return blocks_for((seq.num_computed if cached_prefix else 0) + n, block_size) - seq.num_blocks
+        tokens = (seq.num_computed if cached_prefix else 0) + n
+        blocks = tokens // block_size + 1 if floor_plus_one else blocks_for(tokens, block_size)
+        return blocks - seq.num_blocks + (1 if strict_fit else 0)
 
     while i < len(queue) and budget > 0:
         seq = queue[i]
@@ -886,7 +958,7 @@ def learner_policy(
     if preempted and not admit_after_preempt:
         return chunks, preempted
     for seq in waiting:
-        if len(chunks) >= max_num_seqs or budget == 0:
+        if len(chunks) >= max_num_seqs or budget < (0 if past_the_budget else 1):
             break
         n = seq.num_tokens - seq.num_computed
         if chunk_waiting:
@@ -1002,6 +1074,9 @@ SCHEDULE_MISTAKES = [
     (schedule_remembers_queues, r"the same queues, one more free block: scheduled"),
     (schedule_masked_round_up, r"block_size 3 \(not a power of two\).*ceil\(n / 3\)"),
     (schedule_id_table, r"IndexError: list assignment index out of range"),
+    (variant(floor_plus_one=True), r"t // block_size \+ 1 is one block too many when t fills its blocks exactly"),
+    (variant(strict_fit=True), r"needs no more blocks than are free \(need <= free\)"),
+    (variant(past_the_budget=True), r"scheduled \{\d+: \d+, \d+: 0\}.*admit no request with 0 tokens"),
 ]
 
 

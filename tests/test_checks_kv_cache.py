@@ -295,6 +295,26 @@ class QueryHeadsCache(KVCache):
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
 
 
+class CpuCache(KVCache):
+    """Made on the default device (the CPU) whatever device the model passes."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, device=None, dtype=dtype)
+
+
+class CpuIndexCache(KVCache):
+    """Writes with index_copy_ through an index made on the CPU: a cache on a GPU refuses it."""
+
+    def update(self, layer, k, v):
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError("full")
+        where = torch.arange(self.length, end)
+        self.k[layer].index_copy_(2, where, k)
+        self.v[layer].index_copy_(2, where, v)
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
 class HalfByDefaultCache(KVCache):
     def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float16):  # a wrong default
         super().__init__(config, batch_size, max_len, device=device, dtype=dtype)
@@ -321,6 +341,8 @@ KV_CACHE_MISTAKES = [
     (Uint8LengthCache, r"past position 255.*uint8"),
     (HalfByDefaultCache, r"without dtype makes float32 tensors"),
     (QueryHeadsCache, r"grouped-query attention.*has shape \(1, 4, 6, 4\).*store config\.n_kv_head heads"),
+    (CpuCache, r"device='meta'.*cache\.k\[0\] was made on cpu, not on the device asked for \(meta\).*device=device"),
+    (CpuIndexCache, r"device='meta'.*raised RuntimeError: index_copy.*same device.*an index \(torch\.arange\) too"),
 ]
 
 
@@ -348,7 +370,7 @@ class OneBlockCache:
         T = k.shape[2]
         if self.length + T > self.max_len:
             raise IndexError("no room left in the cache")
-        where = torch.arange(self.length, self.length + T)
+        where = torch.arange(self.length, self.length + T, device=k.device)
         self.k[layer].index_copy_(2, where, k)
         self.v[layer].index_copy_(2, where, v)
         return self.k[layer].narrow(2, 0, self.length + T), self.v[layer].narrow(2, 0, self.length + T)
@@ -378,7 +400,17 @@ class PositionMajorCache:
         return KeysValues(self.k[layer][:, :, :end], self.v[layer][:, :, :end])
 
 
-@pytest.mark.parametrize("cls", [OneBlockCache, PositionMajorCache])
+class MovedToDeviceCache(KVCache):
+    """Correct, written differently: made in the default dtype on the CPU, then moved with .to(device, dtype)."""
+
+    def __init__(self, config, batch_size, max_len, *, device=None, dtype=torch.float32):
+        shape = (batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape).to(device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape).to(device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.length, self.max_len = 0, max_len
+
+
+@pytest.mark.parametrize("cls", [OneBlockCache, PositionMajorCache, MovedToDeviceCache])
 def test_kv_cache_alternative_passes(cls, capsys):
     check_kv_cache(cls)
     check_kv_cache(cls, seed=101, n_random=12)
@@ -423,6 +455,12 @@ def attention_unstable(q, k_cache, v_cache, length):
     return e / e.sum(-1, keepdim=True) @ v
 
 
+def attention_zeroing_stale_positions(q, k_cache, v_cache, length):
+    k_cache[:, :, length:] = 0  # the caller's cache
+    v_cache[:, :, length:] = 0
+    return cached_attention(q, k_cache, v_cache, length)
+
+
 def attention_in_float32(q, k_cache, v_cache, length):
     return cached_attention(q.float(), k_cache.float(), v_cache.float(), length).to(q.dtype)
 
@@ -444,7 +482,8 @@ CACHED_ATTENTION_MISTAKES = [
     (attention_all_positions, r"attend to the first `length` positions only"),
     (attention_one_short, r"off by one: the new token's own key is already in the cache"),
     (attention_no_scale, r"divide the scores by √D"),
-    (attention_unstable, r"got nan or inf.*stable softmax"),
+    (attention_unstable, r"got nan or inf.*subtract each row's max score"),
+    (attention_zeroing_stale_positions, r"changed its input `k_cache`.*in-place operation"),
     (attention_in_float32, r"float32 accuracy"),
     (attention_first_row, r"the cache is full.*the values differ"),
     (attention_fused, r"scaled_dot_product_attention is the black box"),
@@ -466,9 +505,17 @@ def cached_attention_einsum(q, k_cache, v_cache, length):
     return torch.einsum("bhqk,bhkd->bhqd", weights / weights.sum(-1, keepdim=True), v)
 
 
-def test_cached_attention_alternative_passes(capsys):
-    check_cached_attention(cached_attention_einsum)
-    check_cached_attention(cached_attention_einsum, seed=101, n_random=40)
+def cached_attention_float32_for_half(q, k_cache, v_cache, length):
+    """Correct, written differently: half-precision inputs computed in float32 and rounded back."""
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    wide = [t.float() if half else t for t in (q, k_cache, v_cache)]
+    return cached_attention(*wide, length).to(q.dtype)
+
+
+@pytest.mark.parametrize("fn", [cached_attention_einsum, cached_attention_float32_for_half])
+def test_cached_attention_alternative_passes(fn, capsys):
+    check_cached_attention(fn)
+    check_cached_attention(fn, seed=101, n_random=40)
     assert capsys.readouterr().out.count("✓") == 2
 
 
@@ -536,7 +583,7 @@ def loop_without_cache(model, prompt_ids, max_new_tokens, cache_class=KVCache):
 
 @torch.no_grad()
 def loop_float32_cache(model, prompt_ids, max_new_tokens, cache_class=KVCache):
-    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens)  # default dtype
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device)  # default dtype
     logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
     tokens = [int(logits.argmax())]
     while len(tokens) < max_new_tokens:
@@ -597,11 +644,51 @@ def loop_cache_of_256(model, prompt_ids, max_new_tokens, cache_class=KVCache):
     return tokens
 
 
+@torch.no_grad()
+def loop_feeds_last_token_back(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Feeds every token it chooses back, the last one too: one forward pass too many (its logits unused)."""
+    cache = new_cache(model, cache_class, len(prompt_ids) + max_new_tokens)
+    logits = model(torch.tensor([prompt_ids]), cache=cache)[0, -1]
+    tokens = []
+    for _ in range(max_new_tokens):
+        tokens.append(int(logits.argmax()))
+        logits = model(torch.tensor([[tokens[-1]]]), cache=cache)[0, -1]
+    return tokens
+
+
+@torch.no_grad()
+def loop_cache_without_device(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Right on a CPU; on a GPU the cache (on the default device) could not take the model's keys."""
+    cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, dtype=model.dtype)
+    return generate_greedy(model, prompt_ids, max_new_tokens, lambda *args, **kwargs: cache)
+
+
+@torch.no_grad()
+def loop_appends_to_prompt_ids(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Grows the caller's list of prompt ids as it generates."""
+    ids = prompt_ids
+    cache = new_cache(model, cache_class, len(ids) + max_new_tokens)
+    logits = model(torch.tensor([ids]), cache=cache)[0, -1]
+    start = len(ids)
+    while True:
+        ids.append(int(logits.argmax()))
+        if len(ids) - start == max_new_tokens:
+            return ids[start:]
+        logits = model(torch.tensor([ids[-1:]]), cache=cache)[0, -1]
+
+
 LOOP_MISTAKES = [
     (
+        loop_feeds_last_token_back,
+        r"a one-token prompt, one new token.*2 forward passes with the cache \(the prefill and 1 decode step\) "
+        r"for 1 new token; it takes exactly 1 forward pass, the prefill and 0 decode steps.*never fed back",
+    ),
+    (loop_cache_without_device, r"the cache was made without a device; the model is on cpu.*device=model\.device"),
+    (loop_appends_to_prompt_ids, r"changed its input `prompt_ids`.*build a new list"),
+    (
         loop_checks_with_full_recompute,
-        r"the model computed \d+ positions for a 1-token prompt and 6 new tokens; a "
-        r"cached loop computes 6.*full recompute",
+        r"a one-token prompt, one new token: the model computed 2 positions for a 1-token prompt and 1 new token; "
+        r"a cached loop computes 1.*full recompute",
     ),
     (loop_remembers_answers, r"nothing kept from an earlier call.*made no cache"),
     (loop_cache_of_256, r"cache is full.*max_len is 256"),
@@ -625,7 +712,8 @@ def test_generate_greedy_mistakes_are_named(fn, pattern):
 
 @torch.inference_mode()
 def generate_greedy_feeds_last_token(model, prompt_ids, max_new_tokens, cache_class=KVCache):
-    """Correct, written differently: feeds every token back (the last step is wasted), last_only logits."""
+    """Correct, written differently: each pass's argmax is the next one's input (n passes for n tokens), last_only
+    logits."""
     cache = cache_class(model.config, 1, len(prompt_ids) + max_new_tokens, device=model.device, dtype=model.dtype)
     ids = torch.tensor([prompt_ids])
     tokens = []
@@ -649,7 +737,23 @@ def generate_greedy_numpy(model, prompt_ids, max_new_tokens, cache_class=KVCache
     return tokens
 
 
-@pytest.mark.parametrize("fn", [generate_greedy_feeds_last_token, generate_greedy_numpy])
+@torch.no_grad()
+def generate_greedy_device_of_the_ids(model, prompt_ids, max_new_tokens, cache_class=KVCache):
+    """Correct, written differently: the ids made on the model's device first, the cache on theirs; a for loop
+    that stops before feeding the last token."""
+    ids = torch.tensor([prompt_ids], device=model.device)
+    cache = cache_class(model.config, 1, ids.shape[1] + max_new_tokens, device=ids.device, dtype=model.dtype)
+    logits, tokens = model(ids, cache=cache), []
+    for step in range(max_new_tokens):
+        tokens.append(logits[0, -1].argmax().item())
+        if step < max_new_tokens - 1:
+            logits = model(torch.tensor([[tokens[-1]]], device=ids.device), cache=cache)
+    return tokens
+
+
+@pytest.mark.parametrize(
+    "fn", [generate_greedy_feeds_last_token, generate_greedy_numpy, generate_greedy_device_of_the_ids]
+)
 def test_generate_greedy_alternative_passes(fn, capsys):
     check_generate_greedy(fn)
     check_generate_greedy(fn, seed=101, n_random=4)

@@ -25,6 +25,7 @@ import functools
 import math
 from typing import Any, Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -43,6 +44,7 @@ from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, later, run_check
 from .harness.forbid import Forbidden
+from .harness.show import short
 from .harness.tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
 OWN_SOFTMAX = "Write the softmax yourself: subtract the max, exponentiate, divide by the sum."
@@ -231,6 +233,16 @@ def check_softmax(fn, *, seed: int = 0, n_random: int = 20) -> None:
             hint="float16 in, float16 out: exp() of a float16 above ~11 overflows, so subtract the max",
         ),
         _softmax_case("bfloat16 in, bfloat16 out", (torch.arange(12.0).reshape(2, 6).cos() * 40).bfloat16()),
+        _softmax_case(
+            "float16 logits of ±1e4 (exp overflows, or underflows to 0 / 0, without the max shift)",
+            torch.tensor([[9984.0, 9984.0, 9976.0, -9984.0], [-9984.0, -9992.0, -10000.0, -9984.0]]).half(),
+            hint=max_shift,
+        ),
+        _softmax_case(
+            "bfloat16 logits of ±1e4",
+            torch.tensor([[9984.0, 9984.0, 9920.0, 0.0], [-9984.0, -9920.0, -9984.0, -10048.0]]).bfloat16(),
+            hint=max_shift,
+        ),
         _softmax_case(
             "a transposed (non-contiguous) view, dim=-1",
             (torch.arange(20.0).reshape(4, 5).sin() * 9).T,
@@ -487,6 +499,34 @@ def _qkv(
     return q.to(dtype), k.to(dtype), v.to(dtype)
 
 
+LARGE_SCORE = 9984  # about 1e4: exp overflows float16, bfloat16, float32 and float64 at this score
+
+
+def large_exact_scores(
+    g: torch.Generator, q_shape: Sequence[int], k_shape: Sequence[int], dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    """Queries and keys (last dimension 16) in float16 or bfloat16 whose scaled scores q·k / √16 are ±LARGE_SCORE
+    less a few steps, and exact in the dtype: each query is ±64 along one axis, each key 624 less 0-3 steps of
+    the dtype's grid (0.5 in float16, 4 in bfloat16), so every product, sum and the division by 4 are exact, and
+    a row's top scores tie or lie 8 (float16) or 64 (bfloat16) apart. Without the max shift exp() overflows (+)
+    or underflows to 0 / 0 (-); with it, a float64 reference is the exact answer to within the output's rounding,
+    so the dtype's own accuracy (a few eps) is the tolerance."""
+    D = 16
+    assert q_shape[-1] == k_shape[-1] == D
+    step = 0.5 if dtype == torch.float16 else 4.0
+    axis = torch.randint(0, D, tuple(q_shape[:-1]), generator=g)
+    sign = torch.randint(0, 2, (*q_shape[:-1], 1), generator=g).double() * 2 - 1
+    q = torch.nn.functional.one_hot(axis, D).double() * 64 * sign
+    k = 624 - step * torch.randint(0, 4, tuple(k_shape), generator=g).double()
+    return q.to(dtype), k.to(dtype)
+
+
+def _large_qkv(g: torch.Generator, B: int, H: int, Tq: int, Tk: int, dtype: torch.dtype) -> tuple[Tensor, ...]:
+    """q, k, v [B, H, T, 16] with scores of about ±1e4, exact in `dtype` (`large_exact_scores`)."""
+    q, k = large_exact_scores(g, (B, H, Tq, 16), (B, H, Tk, 16), dtype)
+    return q, k, (torch.randn(B, H, Tk, 16, generator=g, dtype=torch.float64) * 3 + 1).to(dtype)
+
+
 def _engine_qkv(
     g: torch.Generator,
     B: int,
@@ -522,6 +562,7 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
     masks ([Tq, Tk] causal, [B, 1, Tq, Tk] padding), 300 and 1024 keys, float16 / bfloat16; then inside
     the engine (`check_in_engine`)."""
     g = torch.Generator().manual_seed(seed)
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
     pad = torch.tensor(
         [[True, True, True, False, False], [True, True, True, True, True], [False, True, True, True, False]]
     )
@@ -602,6 +643,13 @@ def check_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
             *_engine_qkv(g, 2, 1, 4, 4, 8, torch.bfloat16, cached=False),
             _engine_padding_mask([4, 2], 4, 4),
         ),
+        _attention_case(
+            "float16, scores of about ±1e4 (exact in float16), causal mask [4, 6]",
+            *_large_qkv(large, 2, 2, 4, 6, torch.float16),
+            parts.causal_mask(4, 6),
+            "exp() overflows float16 above ~11 (and float32 above ~88): your softmax must subtract each row's max",
+        ),
+        _attention_case("bfloat16, scores of about ±1e4, no mask", *_large_qkv(large, 1, 3, 3, 5, torch.bfloat16)),
     ]
     for i in range(n_random):
         B, H, D = _randint(g, 1, 3), _randint(g, 1, 4), _choice(g, [1, 3, 8, 16, 64])
@@ -923,6 +971,30 @@ def _sequence_first(g: torch.Generator, B: int, T: int, C: int, dtype: torch.dty
     return (torch.randn(T, B, C, generator=g, dtype=torch.float64) * 2).to(dtype).transpose(0, 1)
 
 
+def _large_score_layer(g: torch.Generator, B: int, T: int, dtype: torch.dtype) -> tuple[Tensor, tuple]:
+    """x [B, T, 32] and a layer of 2 heads of 16 whose scaled scores are about +1e4 (head 0) and -1e4 (head 1),
+    exact in float16 / bfloat16 as `large_exact_scores` makes them: channel 0 of x is 64 and becomes every query's
+    first coordinate (negated in head 1), channel 1 is a key value near 624 and becomes every key's first
+    coordinate, the other channels carry the values; each projection has one weight of ±1 per output channel."""
+    C, D = 32, 16
+    keys = large_exact_scores(g, (1, D), (B, T, D), dtype)[1][..., :1].double()  # [B, T, 1]: 624 less a few steps
+    x = torch.cat(
+        [
+            torch.full((B, T, 1), 64.0, dtype=torch.float64),
+            keys,
+            torch.randn(B, T, C - 2, generator=g, dtype=torch.float64) * 2,
+        ],
+        dim=-1,
+    )
+    w = torch.zeros(C, 3 * C, dtype=torch.float64)
+    w[0, 0], w[0, D], w[1, C], w[1, C + D] = 1.0, -1.0, 1.0, 1.0  # q of head 0 = +64, of head 1 = -64; k = the key
+    w[torch.arange(2, C), 2 * C + torch.arange(C - 2)] = 1.0  # v: the other channels
+    b = torch.cat([torch.zeros(2 * C, dtype=torch.float64), torch.randn(C, generator=g, dtype=torch.float64) * 0.5])
+    proj_w = torch.randn(C, C, generator=g, dtype=torch.float64) * C**-0.5
+    proj_b = torch.randn(C, generator=g, dtype=torch.float64) * 0.5 + 1.0
+    return x.to(dtype), (w.to(dtype), b.to(dtype), proj_w.to(dtype), proj_b.to(dtype), 2)
+
+
 def _self_attention_case(description: str, x: Tensor, layer: tuple, hint: str = "") -> Case:
     return Case(description, (x, *layer), later(reference_self_attention, x, *layer), hint)
 
@@ -935,6 +1007,7 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
     checks end inside it), so this check ends with its own cases: the bundled model's layer in float32, float16
     and bfloat16 and with another n_head, 300 positions, x a non-contiguous view, biases far from 0."""
     g = torch.Generator().manual_seed(seed)
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
     bundled = _bundled_layer()
     C = bundled[0].shape[0]
     x = lambda *shape, dtype=torch.float32: (torch.randn(*shape, generator=g, dtype=torch.float64) * 2).to(dtype)  # noqa: E731
@@ -974,6 +1047,14 @@ def check_self_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
             x(2, 8, C, dtype=torch.float16),
             _layer_as(bundled, torch.float16),
             "float16 in, float16 out",
+        ),
+        _self_attention_case(
+            "float16, scores of about ±1e4 (exact in float16): exp overflows without the max shift",
+            *_large_score_layer(large, 2, 6, torch.float16),
+            "exp() overflows float16 above ~11: the softmax inside your attention must subtract each row's max",
+        ),
+        _self_attention_case(
+            "bfloat16, scores of about ±1e4 (exact in bfloat16)", *_large_score_layer(large, 1, 7, torch.bfloat16)
         ),
         _self_attention_case(
             "bfloat16 in, bfloat16 out, 260 positions",
@@ -1051,8 +1132,9 @@ def reference_tiled(
     return out.to(q.dtype), lse.to(q.dtype)
 
 
-def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=True):
-    """Tiled attention with a known mistake: the accumulator not rescaled, or the causal offset forgotten."""
+def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=True, running_max=True):
+    """Tiled attention with a known mistake: the accumulator not rescaled, the causal offset forgotten, or no running
+    max at all (exp of the raw scores)."""
     Tq, Tk = q.shape[-2], k.shape[-2]
     shift = Tk - Tq if offset else 0
     m = torch.full((*q.shape[:-1], 1), -math.inf, dtype=q.dtype)
@@ -1063,14 +1145,59 @@ def _tiled_mistake(q, k, v, block_size=64, causal=True, *, rescale=True, offset=
         if causal:
             key_pos = k0 + torch.arange(s.shape[-1])
             s = s.masked_fill(key_pos[None, :] > shift + torch.arange(Tq)[:, None], -math.inf)
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        r = torch.exp(m - m_new).nan_to_num(0.0) if rescale else torch.ones_like(m)
-        p = torch.exp(s - m_new).nan_to_num(0.0)
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True)) if running_max else torch.zeros_like(m)
+        r = torch.exp(m - m_new).nan_to_num(0.0, posinf=math.inf) if rescale else torch.ones_like(m)
+        p = torch.exp(s - m_new).nan_to_num(0.0, posinf=math.inf)  # an overflow stays inf: no max shift gives nan
         l, acc, m = l * r + p.sum(-1, keepdim=True), acc * r + p @ v[:, :, k0 : k0 + block_size], m_new
     return acc / l
 
 
+def _tiled_log_space(q, k, v, block_size=64, causal=True):
+    """A running log-sum-exp instead of m and l, in the input's dtype: each block's terms weighed by exp(s - lse).
+    Exact in float32 for moderate scores; in float16 an lse near 1e4 is a multiple of 8, and weights taken from it
+    are off by up to e^4."""
+    Tq, Tk = q.shape[-2], k.shape[-2]
+    lse = torch.full(q.shape[:-1], -math.inf, dtype=q.dtype)
+    out = torch.zeros(*q.shape[:-1], v.shape[-1], dtype=q.dtype)
+    for k0 in range(0, Tk, block_size):
+        s = q @ k[:, :, k0 : k0 + block_size].transpose(-2, -1) / math.sqrt(q.shape[-1])
+        if causal:
+            s = s.masked_fill(k0 + torch.arange(s.shape[-1]) > Tk - Tq + torch.arange(Tq)[:, None], -math.inf)
+        m = s.amax(-1)
+        m = torch.where(m.isinf(), torch.zeros_like(m), m)
+        new = torch.logaddexp(lse, m + torch.log(torch.exp(s - m[..., None]).sum(-1)))
+        rescaled = out * torch.exp(lse - new)[..., None].nan_to_num(0.0)
+        out = rescaled + torch.exp(s - new[..., None]) @ v[:, :, k0 : k0 + block_size]
+        lse = new
+    return out
+
+
+def overflowing(mistake: Callable) -> Callable:
+    """`mistake` (a softmax without the max shift) where its answer overflows, and nothing elsewhere: where exp()
+    stays finite that mistake gives the right answer, and must not name a near miss of another kind."""
+
+    @functools.wraps(mistake)
+    def where_it_overflows(*args):
+        out = mistake(*args)
+        if bool(out.isfinite().all()):
+            raise ValueError("no overflow on this input")  # known_mistake skips a mistake that cannot run
+        return out
+
+    return where_it_overflows
+
+
 TILED_OUT_MISTAKES: list[Mistake] = [
+    (
+        overflowing(functools.partial(_tiled_mistake, running_max=False)),
+        "keep the running max m and take exp(s - m_new): exp of a raw score overflows float16 above ~11 (float32 "
+        "above ~88), and inf / inf is nan",
+    ),
+    (
+        _tiled_log_space,
+        "in float16 (bfloat16) a running log-sum-exp near 1e4 is rounded to a multiple of 8 (64), and weights "
+        "exp(s - lse) taken from it are off by up to e^4: keep the running max m and the sum l apart and divide by "
+        "l at the end (or keep the running state in float32, as FlashAttention's kernels do)",
+    ),
     (
         functools.partial(_tiled_mistake, rescale=False),
         "when a block raises the running max from m to m_new, multiply both the running sum l and the accumulator "
@@ -1123,6 +1250,7 @@ def _judge_tiled(case: Case, got: Any) -> Verdict:
 def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool = False) -> None:
     """tiled_attention(q, k, v, block_size=64, causal=True) -> (out [B, H, Tq, Dv], lse [B, H, Tq])."""
     g = torch.Generator().manual_seed(seed)
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
 
     def case(
         description: str, q: Tensor, k: Tensor, v: Tensor, block_size: int, causal: bool = True, hint: str = ""
@@ -1161,6 +1289,13 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
         case("float64 in, float64 out", *_qkv(g, 2, 1, 9, 9, 8, dtype=torch.float64), 4),
         case("batch 2, 3 heads, scores far from 0", *_qkv(g, 2, 3, 20, 20, 16, scale=6.0), 8),
         case("values with another last dimension (Dv=3)", *_qkv(g, 1, 1, 7, 7, 4, 3), 3),
+        case(
+            "float16, scores of about ±1e4 (exact in float16), 6 queries at the end of 11 keys, blocks of 4",
+            *_large_qkv(large, 1, 2, 6, 11, torch.float16),
+            4,
+            hint="the running max keeps every exponent <= 0: exp(s - m_new), never exp(s)",
+        ),
+        case("bfloat16, scores of about ±1e4, causal=False", *_large_qkv(large, 2, 1, 5, 9, torch.bfloat16), 3, False),
     ]
     for i in range(n_random):
         B, H, D = _randint(g, 1, 2), _randint(g, 1, 3), _choice(g, [4, 8, 16, 64])
@@ -1207,24 +1342,160 @@ def check_tiled_attention(fn, *, seed: int = 0, n_random: int = 10, long: bool =
     _check_tiling(fn, forbid, show)
 
 
+class _ProductWatch:
+    """Which rows of q and which rows of k every operation of the learner's function combines, in order.
+
+    An operation counts as a product of queries and keys when one of its inputs is made of rows of q and another
+    of rows of k (matmul, einsum, a broadcast multiply: each reaches torch's kernels as one such operation). A
+    tensor's vectors (along its last dimension, or the one before: kᵀ's columns) are recognised as rows of q or k
+    by their directions, which survive slicing, copying, scaling by 1/√d and casting to float64; zero vectors
+    (padding of a last block) are left out. The lookup runs in numpy, without matrix products: torch operations
+    here would pass through the watch for black boxes, and BLAS threads would spin on every call."""
+
+    def __init__(self, q: Tensor, k: Tensor):
+        self.D = q.shape[-1]
+        self.axis = np.random.default_rng(5).standard_normal(self.D)  # rows are looked up by their projection on it
+        self.q_rows, self.k_rows = self._table(q.numpy()), self._table(k.numpy())
+        self.products: list[tuple[np.ndarray, np.ndarray]] = []  # (ids of q's rows, ids of k's rows), in call order
+
+    def _directions(self, vectors: np.ndarray) -> np.ndarray:
+        vectors = vectors.reshape(-1, self.D).astype(np.float64)
+        return vectors / np.sqrt((vectors * vectors).sum(-1, keepdims=True))
+
+    def _table(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(directions, their projections sorted, the row ids in that order)."""
+        directions = self._directions(rows)
+        projections = (directions * self.axis).sum(-1)
+        order = np.argsort(projections)
+        return directions, projections[order], order
+
+    def _rows(self, t: np.ndarray, table: tuple) -> Optional[np.ndarray]:
+        """The ids of the rows of `table` that are t's vectors, or None if they are not all among them."""
+        directions, projections, order = table
+        for vectors in (
+            t if t.shape[-1] == self.D else None,
+            t.swapaxes(-1, -2) if t.shape[-2:-1] == (self.D,) else None,
+        ):
+            if vectors is None:
+                continue
+            vectors = vectors.reshape(-1, self.D)
+            if not np.isfinite(vectors).all():
+                continue
+            vectors = self._directions(vectors[np.abs(vectors).max(-1) > 0])
+            if not len(vectors):
+                continue
+            at = (vectors * self.axis).sum(-1)
+            right = np.searchsorted(projections, at).clip(1, len(projections) - 1)
+            nearest = np.where(at - projections[right - 1] < projections[right] - at, right - 1, right)
+            ids = order[nearest]
+            if bool(((vectors * directions[ids]).sum(-1) > 1 - 1e-9).all()):  # cosines: 1 for the same direction
+                return ids
+        return None
+
+    def record(self, args: tuple, kwargs: dict) -> None:
+        """Record an operation's inputs if they are rows of q and rows of k."""
+        inputs = [
+            t.detach().numpy()
+            for a in (*args, *kwargs.values())
+            for t in (a if isinstance(a, (list, tuple)) else (a,))
+            if isinstance(t, Tensor)
+            and t.dtype in (torch.float32, torch.float64)
+            and t.numel() > 0
+            and self.D in t.shape[-2:]
+        ]
+        if len(inputs) < 2:
+            return
+        for i, t in enumerate(inputs):
+            queries = self._rows(t, self.q_rows)
+            if queries is None:
+                continue
+            for other in inputs[:i] + inputs[i + 1 :]:
+                keys = self._rows(other, self.k_rows)
+                if keys is not None:
+                    self.products.append((queries, keys))
+                    return
+
+
+def _rows_text(rows: set) -> str:
+    """'12–15' for consecutive rows, else the list."""
+    low, high = min(rows), max(rows)
+    if len(rows) == high - low + 1:
+        return f"{low}" if low == high else f"{low}–{high}"
+    return short(sorted(rows), 40)
+
+
+def _loop_order_problem(
+    products: list[tuple[np.ndarray, np.ndarray]], Tq: int, Tk: int, block: int
+) -> Optional[tuple[str, str]]:
+    """(what is wrong, what the products were) if the products do not follow FlashAttention-2's order, else None.
+
+    Per head (b, h), products are taken in call order: a product of more than `block` queries has all the
+    queries' running state in play at every key block; and a query that gets keys it has not met yet after the
+    function had moved on to other queries means the key blocks are the outer loop. (Coming back to a query with
+    keys it has already met — a second pass over the same blocks — is not a question of order.)"""
+    per_head: dict[int, list[tuple[set, set]]] = {}
+    for queries, keys in products:
+        for head in sorted(set((queries // Tq).tolist())):
+            rows = set((queries[queries // Tq == head] % Tq).tolist())
+            per_head.setdefault(head, []).append((rows, set((keys[keys // Tk == head] % Tk).tolist())))
+    for steps in per_head.values():
+        trace = [f"queries {_rows_text(rows)} with keys {_rows_text(keys)}" for rows, keys in steps if keys]
+        current: set = set()
+        left_for: dict[int, set] = {}  # a query the loop has moved on from -> the queries it moved on to
+        met: dict[int, set] = {}
+        for n, (rows, keys) in enumerate(steps):
+            if not keys:
+                continue
+            if len(rows) > block:
+                return (
+                    f"your function multiplied {len(rows)} queries at once (rows {_rows_text(rows)}) with keys "
+                    f"{_rows_text(keys)}: with every query in each product, the key blocks are the only loop, and "
+                    "all the queries' running m, l and acc are rewritten at every key block (FlashAttention-1's "
+                    "order, its loop over queries folded into one tensor)",
+                    f"a product of {len(rows)} queries with keys {_rows_text(keys)}",
+                )
+            if not rows & current:
+                left_for.update((i, rows) for i in current)
+                current = set(rows)
+            else:
+                current |= rows
+            back = {i for i in rows if i in left_for and keys - met.get(i, set())}
+            if back:
+                shown = trace[: min(n, 3)] + (["…"] if n > 3 else []) + [trace[n] if n < len(trace) else ""]
+                return (
+                    f"your function multiplied queries {_rows_text(back)} with keys {_rows_text(keys)} after it had "
+                    f"moved on to queries {_rows_text(left_for[min(back)])}: the key blocks are the outer loop and "
+                    "the query blocks inside (FlashAttention-1's order), so every query's running m, l and acc are "
+                    "rewritten once per key block",
+                    ", then ".join(s for s in shown if s),
+                )
+            for i in rows:
+                met.setdefault(i, set()).update(keys)
+    return None
+
+
 def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tuple], str]) -> None:
     """Tiling is the exercise: at sizes past the small ones (B, H and the head dim no larger than the block), no
     floating-point tensor the function makes may be wider than the block in two dimensions — the whole
     [Tq, Tk] score table, or any piece of it more than block_size queries by more than block_size keys — nor
     hold more numbers than one block of keys against all queries ([B, H, Tq, block_size]) or a copy of k or v
     (which refuses one block of queries against all the keys, and the blocks of scores all made at once).
-    Blocks of other shapes within that rule are fine (all queries against one block of keys, or fewer queries
-    than a block against a block of keys). Every tensor torch makes during the call is seen (a dispatch mode);
-    broadcast (stride-0) dimensions take no memory and are not counted; work in numpy is not seen."""
+    Blocks of other shapes within that rule pass that part (fewer queries than a block against a block of
+    keys). Then the loop order, FlashAttention-2's: the products of queries and keys (`_ProductWatch`) must take
+    at most block_size queries at a time and finish each block of queries before the next (`_loop_order_problem`).
+    Every tensor torch makes during the call is seen (a dispatch mode); broadcast (stride-0) dimensions take no
+    memory and are not counted; work in numpy is not seen."""
     B, H, Tq, Tk, D, block = 1, 2, 256, 384, 16, 32
     g = torch.Generator().manual_seed(22)
     q, k, v = _qkv(g, B, H, Tq, Tk, D)
     allowed = max(B * H * Tq * max(block, D), B * H * Tk * D)
     largest: list = [0, None]  # numbers held, shape
     too_wide: list = [None]  # the first tensor wider than the block in two dimensions
+    products = _ProductWatch(q, k)
 
     class Shapes(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            products.record(args, kwargs or {})
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 if not (isinstance(t, Tensor) and t.is_floating_point()):
@@ -1250,9 +1521,10 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
             f"  input:    {show(args)}\n  hint: {verdict[1]}"
         )
     hint = (
-        "  hint: loop over the keys in blocks of block_size (k[:, :, k0 : k0 + block_size]) and keep only the "
-        "running max m, the running sum l and the accumulator: never the whole [Tq, Tk] score matrix, nor one "
-        "block of queries against all the keys"
+        "  hint: loop over the queries in blocks of block_size (q[:, :, q0 : q0 + block_size]) and, inside, over "
+        "the keys in blocks (k[:, :, k0 : k0 + block_size]), keeping only that query block's running max m, "
+        "running sum l and accumulator: never the whole [Tq, Tk] score matrix, nor one block of queries against "
+        "all the keys"
     )
     if too_wide[0] is not None:
         shape = list(too_wide[0])
@@ -1278,6 +1550,19 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
             f"  input:    {show(args)}\n"
             f"  expected: no tensor of more than {allowed:,} numbers (one block of scores, or a copy of k or v)\n"
             f"  got:      a tensor of shape {list(largest[1])}\n" + hint
+        )
+    order = _loop_order_problem(products.products, Tq, Tk, block)
+    if order:
+        raise CheckFailed(
+            f"✗ tiled_attention — loop order: {Tq} queries at the end of {Tk} keys, block_size={block}: {order[0]}\n"
+            f"  input:    {show(args)}\n"
+            f"  expected: each block of at most {block} queries finished — all its key blocks, its m, l and acc "
+            "kept in local variables, its output written once — before the next block of queries starts "
+            "(FlashAttention-2's order)\n"
+            f"  got:      {order[1]}\n"
+            "  hint: for q0 in range(0, Tq, block_size): start m, l and acc for q[:, :, q0 : q0 + block_size]; for "
+            "k0 in range(0, Tk, block_size): update them with that key block; then write out[:, :, q0 : q0 + "
+            "block_size] and lse once"
         )
 
 
@@ -1427,6 +1712,7 @@ def check_merge_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
     """merge_attention(out1, lse1, out2, lse2) -> (out, lse): two attentions of the same queries over disjoint
     keys (out [..., Tq, Dv], lse [..., Tq]) combined into the attention over both; then LLMEngine with it."""
     g = torch.Generator().manual_seed(seed)
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
 
     def case(description: str, args: tuple, hint: str = "") -> Case:
         return Case(description, args, later(reference_merge, *args), hint)
@@ -1461,6 +1747,16 @@ def check_merge_attention(fn, *, seed: int = 0, n_random: int = 20) -> None:
         case(
             "both lse about -1000 (exp underflows to 0 / 0)",
             _given_lse(g, (3,), 5, 4, -1000.0, -1001.5, torch.float64),
+            stable,
+        ),
+        case(
+            "float16, both lse about 1e4 (exp(lse) overflows float16 above ~11)",
+            _given_lse(large, (2,), 3, 4, 9984.0, 9976.0, torch.float16),
+            stable,
+        ),
+        case(
+            "bfloat16, both lse about -1e4 (exp underflows to 0 / 0)",
+            _given_lse(large, (2,), 3, 4, -9984.0, -9920.0, torch.bfloat16),
             stable,
         ),
         case(

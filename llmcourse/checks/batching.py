@@ -52,6 +52,7 @@ from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.scheduler import SeqView
 from llmcourse.serving.scheduler import schedule as engine_schedule
 
+from .attention import large_exact_scores, overflowing
 from .harness.core import Case, Verdict, call_learner, later, run_check
 from .harness.forbid import Forbidden
 from .harness.show import short
@@ -370,11 +371,10 @@ def check_left_pad(fn, *, seed: int = 0, n_random: int = 6, n_models: int = 1) -
             )
         )
 
-    def run(kind, *args):
+    def run(kind, prompts, pad_id=None):  # named as the learner's: "changed its input `prompts`"
         if kind == "pad":
-            prompts, pad_id = args
             return fn(prompts) if pad_id is None else fn(prompts, pad_id)
-        model, prompts = batch_run(args[0])
+        model, prompts = batch_run(prompts)  # "generate": prompts is the seed of the model and its prompts
         with one_thread():
             return generate(model, prompts, max_new_tokens=8, eos_token_id=None, left_pad=guard("left_pad", fn))
 
@@ -789,7 +789,16 @@ def check_block_hashes(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
         cases.append(Case(description, (kind, spec), None, hint))
 
     # count: partial blocks get no hash
-    for bs, n_tokens in [(4, 0), (4, 3), (4, 4), (4, 11), (1, 5), (16, 40)]:
+    for bs, n_tokens in [
+        (4, 0),
+        (4, 3),
+        (4, 4),
+        (4, 11),
+        (1, 5),
+        (16, 40),
+        (3, 9),
+        (16, 32),
+    ]:  # 9, 32: full blocks only
         case(f"{n_tokens} tokens, block_size {bs}", "count", (_hash_lists(rng, 1, n_tokens), bs))
     # equal prefixes: the same call again, and a list that grew
     for bs in (2, 4, 16):
@@ -797,6 +806,11 @@ def check_block_hashes(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
         case(f"the same 5 blocks of {bs}, twice", "same", (tokens, list(tokens), bs))
         case(f"5 blocks of {bs}, then the same tokens grown by 3 blocks", "same", (tokens, tokens + [1] * 3 * bs, bs))
         case(f"5 blocks of {bs} and the first 2 of them plus a partial one", "same", (tokens, tokens[: 2 * bs + 1], bs))
+        case(
+            f"5 blocks of {bs} and exactly their first 2 (the list ends at a block boundary)",
+            "same",
+            (tokens, tokens[: 2 * bs], bs),
+        )
     # differences: an earlier block, one token, two tokens swapped, only the last token kept
     for bs in (3, 4, 16):
         a = _hash_lists(rng, bs, 4)
@@ -828,15 +842,15 @@ def check_block_hashes(fn, *, seed: int = 0, n_random: int = 6, n_workloads: int
     for j in range(n_workloads):
         cases.append(engine_case("block_hashes", seed + j))
 
-    def run(kind, *args):
+    def run(kind, token_ids):  # token_ids: the case's lists (a seed for "engine"), watched for changes by run_check
         if kind == "engine":
-            tokens, stats = run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, block_hashes=watched(fn)))
+            tokens, stats = run_engine(*ENGINE_RUNS[token_ids][:2], guarded(Batching, block_hashes=watched(fn)))
             return tokens, stats["cached_tokens"]
-        spec = args[0]
+        spec = token_ids
         if kind == "count":
             return fn(*spec)
         if kind == "same" or kind == "differ":
-            return fn(list(spec[0]), spec[2]), fn(list(spec[1]), spec[2])
+            return fn(spec[0], spec[2]), fn(spec[1], spec[2])
         r, bs = random.Random(spec[0]), spec[1]  # distinct: prefixes that share blocks, and fresh ones
         base = _hash_lists(r, bs, 8, vocab=50)
         lists = [base[: r.randrange(8) * bs] + _hash_lists(r, bs, r.randint(1, 4), vocab=50) for _ in range(500)]
@@ -998,20 +1012,32 @@ def paged_reference(q, k_pool, v_pool, block_table, lengths):
 
 
 def _paged_variant(
-    q, k_pool, v_pool, block_table, lengths, *, rescale=True, mask=True, through_table=True, scale=None, shift=True
+    q,
+    k_pool,
+    v_pool,
+    block_table,
+    lengths,
+    *,
+    rescale=True,
+    mask=True,
+    through_table=True,
+    scale=None,
+    shift=True,
+    dtype=torch.float64,
 ):
-    """The online softmax over the block columns in float64, with one mistake switched on: -> out."""
+    """The online softmax over the block columns in `dtype` (float64: no rounding of its own), with one mistake
+    switched on: -> out."""
     G, H, D = q.shape
     bs = k_pool.shape[1]
     scale = 1 / math.sqrt(D) if scale is None else scale
-    m = torch.full((G, H), -math.inf, dtype=torch.float64)
-    l = torch.zeros(G, H, dtype=torch.float64)
-    acc = torch.zeros(G, H, D, dtype=torch.float64)
+    m = torch.full((G, H), -math.inf, dtype=dtype)
+    l = torch.zeros(G, H, dtype=dtype)
+    acc = torch.zeros(G, H, D, dtype=dtype)
     n_cols = block_table.shape[1] if not mask else -(-int(lengths.max()) // bs)
     for j in range(n_cols):
         blocks = block_table[:, j] if through_table else torch.full((G,), j % k_pool.shape[0])
-        k, v = k_pool[blocks].double(), v_pool[blocks].double()  # [G, bs, H, D]
-        s = torch.einsum("ghd,gthd->ght", q.double(), k) * scale
+        k, v = k_pool[blocks].to(dtype), v_pool[blocks].to(dtype)  # [G, bs, H, D]
+        s = torch.einsum("ghd,gthd->ght", q.to(dtype), k) * scale
         if mask:
             s = s.masked_fill((j * bs + torch.arange(bs) >= lengths[:, None])[:, None, :], -math.inf)
         m_new = torch.maximum(m, s.amax(-1)) if shift else torch.zeros_like(m)
@@ -1045,6 +1071,11 @@ PAGED_MISTAKES = [
         "scale the scores by 1/√D (D = head_dim), not 1/D",
     ),
     (lambda q, *args: _paged_variant(q, *args, scale=1.0), "scale the scores by 1/√D (D = head_dim)"),
+    (
+        overflowing(lambda q, *args: _paged_variant(q, *args, shift=False, dtype=q.dtype)),
+        "keep the running max m and take exp(s - m_new): exp of a raw score overflows float16 above ~11 (float32 "
+        "above ~88), and inf / inf is nan",
+    ),
 ]
 
 
@@ -1088,6 +1119,13 @@ def check_paged_attention(fn, *, seed: int = 0, n_random: int = 8, n_workloads: 
     k_st[1, 2:] = q_st[0] * 30
     k_st[3, 1:] = q_st[1] * 30
     engine_q = qkv(8, 12, 4, 2, 16)[0].transpose(0, 1).contiguous().transpose(0, 1)  # [G, H, D] not contiguous
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
+
+    def large_scores(G, num_blocks, bs, H, dtype):
+        """q and pools (head dim 16) whose scores q·k / 4 are about ±1e4, exact in `dtype` (`large_exact_scores`)."""
+        q, k_pool = large_exact_scores(large, (G, H, 16), (num_blocks, bs, H, 16), dtype)
+        return q, k_pool, (torch.randn(num_blocks, bs, H, 16, generator=large, dtype=torch.float64) * 3 + 1).to(dtype)
+
     cases = [
         case("one sequence, one full block", *qkv(1, 2, 4, 1, 4), [[1]], [4]),
         case("one sequence, its last block partly filled", *qkv(1, 3, 4, 2, 8), [[2, 0]], [6]),
@@ -1126,6 +1164,14 @@ def check_paged_attention(fn, *, seed: int = 0, n_random: int = 8, n_workloads: 
         case("float16", *qkv(2, 6, 4, 2, 8, torch.float16), [[2, 5], [1, 0]], [7, 3], hint="float16 in, float16 out"),
         case("block_size 16, head_dim 64, as in GPT-2", *qkv(2, 8, 16, 2, 64), [[6, 2, 7], [0, 1, 3]], [40, 17]),
         case(
+            "float16, scores of about ±1e4 (exact in float16): exp overflows without the running max",
+            *large_scores(3, 7, 4, 2, torch.float16),
+            [[6, 1, 3], [0, 2, 5], [4, 4, 4]],
+            [11, 8, 2],
+            hint="the running max keeps every exponent <= 0: exp(s - m_new), and l, acc rescaled by exp(m - m_new)",
+        ),
+        case("bfloat16, scores of about ±1e4", *large_scores(2, 5, 4, 1, torch.bfloat16), [[3, 0], [1, 4]], [7, 5]),
+        case(
             "as the engine calls it: q not contiguous, 8 sequences",
             engine_q,
             *qkv(8, 12, 4, 2, 16)[1:],
@@ -1150,10 +1196,10 @@ def check_paged_attention(fn, *, seed: int = 0, n_random: int = 8, n_workloads: 
         )
     engine_cases = [engine_case("paged_attention", seed + j) for j in range(n_workloads)]
 
-    def run(kind, *args):
+    def run(kind, q, k_pool=None, v_pool=None, block_table=None, lengths=None):  # the learner's names, for messages
         if kind == "paged":
-            return fn(*args)
-        return run_engine(*ENGINE_RUNS[args[0]][:2], guarded(Batching, paged_attention=watched(fn)))[0]
+            return fn(q, k_pool, v_pool, block_table, lengths)
+        return run_engine(*ENGINE_RUNS[q][:2], guarded(Batching, paged_attention=watched(fn)))[0]  # q: the seed
 
     def show(args):
         if args[0] == "paged":
@@ -1227,12 +1273,12 @@ def _check_reads_in_place(fn: Callable, show: Callable[[tuple], str]) -> None:
                     largest[0], largest[1] = held, tuple(t.shape)
             return out
 
-    def sized(*args):
+    def sized(kind, q, k_pool, v_pool, block_table, lengths):  # the learner's names, for messages
         with Sizes():
-            return fn(*args)
+            return fn(q, k_pool, v_pool, block_table, lengths)
 
     args = ("paged", q, k_pool, v_pool, table, lengths)
-    got = call_learner("paged_attention", lambda *a: sized(*a[1:]), args, forbid=NO_ENGINE_PAGED, show=show)
+    got = call_learner("paged_attention", sized, args, forbid=NO_ENGINE_PAGED, show=show)
     expected = paged_reference(*args[1:])
     atol, rtol = _paged_tolerance(torch.float32)
     if not (isinstance(got, tuple) and len(got) == 2) or tensor_problem(got[0], expected[0], atol=atol, rtol=rtol):
@@ -1277,15 +1323,22 @@ def policy(
     chunk_waiting=True,
     cached_prefix=True,
     frees_shared=False,
+    floor_plus_one=False,
+    strict_fit=False,
+    past_the_budget=False,
 ):
     """The engine's policy, or one of the mistakes the flags name (for hints): preempting the oldest, admitting
     waiting requests in a step that preempts, skipping a waiting request that does not fit, no chunked prefill
-    for waiting requests, a block need that forgets num_computed."""
+    for waiting requests, a block need that forgets num_computed, blocks counted as t // block_size + 1 (one too
+    many when t fills its blocks exactly), a request that needs exactly the free blocks taken as not fitting,
+    waiting requests admitted with 0 tokens once the budget is used up exactly."""
     budget, free, chunks, preempted = max_num_batched_tokens, num_free_blocks, {}, []
     queue, i = list(running), 0
 
     def need_of(seq, n):
-        return blocks_for((seq.num_computed if cached_prefix else 0) + n, block_size) - seq.num_blocks
+        tokens = (seq.num_computed if cached_prefix else 0) + n
+        blocks = tokens // block_size + 1 if floor_plus_one else blocks_for(tokens, block_size)
+        return blocks - seq.num_blocks + (1 if strict_fit else 0)  # needing one more than free = needing >= free
 
     while i < len(queue) and budget > 0:
         seq = queue[i]
@@ -1303,7 +1356,7 @@ def policy(
     if preempted and not admit_after_preempt:
         return chunks, preempted
     for seq in waiting:
-        if len(chunks) >= max_num_seqs or budget == 0:
+        if len(chunks) >= max_num_seqs or budget < (0 if past_the_budget else 1):
             break
         n = seq.num_tokens - seq.num_computed
         if chunk_waiting:
@@ -1350,6 +1403,20 @@ SCHEDULE_MISTAKES = [
         dict(cached_prefix=False),
         "a request needs blocks_for(num_computed + n, block_size) - num_blocks more blocks: "
         "num_computed counts the tokens already in its blocks (or in a cached prefix)",
+    ),
+    (
+        dict(floor_plus_one=True),
+        "blocks_for(t, block_size) is ceil(t / block_size): t // block_size + 1 is one block too many when t "
+        "fills its blocks exactly (8 tokens in blocks of 4 need 2)",
+    ),
+    (
+        dict(past_the_budget=True),
+        "stop admitting when the token budget is used up (budget == 0): admit no request with 0 tokens to compute",
+    ),
+    (
+        dict(strict_fit=True),
+        "a request fits when it needs no more blocks than are free (need <= free): needing exactly the free "
+        "blocks is enough",
     ),
 ]
 
@@ -1548,6 +1615,38 @@ def check_schedule(fn, *, seed: int = 0, n_random: int = 60, n_workloads: int = 
             [W(1, 18, 16, 0)],
             4,
             hint="the 4 cached blocks are free ones to take back, plus 1 for the 2 new tokens: 5 > 4 free",
+        ),
+    ]
+    cases += [  # thresholds: a block filled exactly, the free blocks or the budget used exactly
+        case(
+            "decodes whose tokens fill their last block exactly need no new block",
+            [R(0, 8, 7, 2), R(1, 6, 5, 2)],
+            [],
+            0,
+            hint="request 0's 8th token goes in its 2nd block (positions 4-7): blocks_for(8, 4) - 2 = 0 new blocks, "
+            "so nobody is preempted",
+        ),
+        case(
+            "a prompt of exactly 2 blocks, and exactly 2 free",
+            [],
+            [W(1, 8, 0, 0), W(2, 1, 0, 0)],
+            2,
+            hint="8 tokens in blocks of 4 need blocks_for(8, 4) = 2 blocks, and 2 are free: it is admitted",
+        ),
+        case(
+            "a prompt that needs exactly the free blocks",
+            [R(0, 9, 8, 2)],
+            [W(1, 7, 0, 0)],
+            3,
+            hint="the decode takes 1 block (its 9th token), the prompt the 2 left: a request fits when need <= free",
+        ),
+        case(
+            "a prompt that uses the token budget exactly",
+            [R(0, 5, 4, 1)],
+            [W(1, 15, 0, 0), W(2, 3, 0, 0)],
+            8,
+            budget=16,
+            hint="1 token for the decode, all 15 of the prompt: the budget is then used up and request 2 waits",
         ),
     ]
     queues = ([R(0, 10, 9, 3), R(1, 7, 6, 2), R(2, 4, 3, 1)], [W(3, 6, 0, 0), W(4, 3, 0, 0)])

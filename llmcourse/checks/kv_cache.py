@@ -48,6 +48,7 @@ from llmcourse.engine.roofline import model_decode_step
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.tokenizer import get_tokenizer
 
+from .attention import large_exact_scores, overflowing
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, later, run_check
 from .harness.forbid import Forbidden
@@ -305,6 +306,40 @@ def _run_caches(cls, specs: list, steps: list, defaults: bool = False) -> Trace:
         cache.length += T
     trace.contents = [t.clone() for c in caches for t in [*c.k, *c.v]]
     return trace
+
+
+def _device_problem(cls, config, batch_size: int, max_len: int, dtype: torch.dtype) -> str:
+    """What is wrong with a cache made on the `meta` device (a device other than the CPU, which every machine has:
+    tensors there have a shape, a dtype and a device but no values), and with what one `update` of 2 positions
+    returns; '' if nothing. Stands for a model on a GPU: a cache made on the CPU whatever `device` says, or in a
+    fixed dtype, fails here on any machine."""
+    cache = cls(config, batch_size, max_len, device="meta", dtype=dtype)
+    for name in ("k", "v"):
+        tensors = getattr(cache, name, None)
+        if not isinstance(tensors, list) or not all(isinstance(t, Tensor) for t in tensors):
+            return f"cache.{name} should be a list of tensors, got {short(tensors, 80)}"
+        for i, t in enumerate(tensors):
+            if t.device.type != "meta":
+                return f"cache.{name}[{i}] was made on {t.device}, not on the device asked for (meta)"
+            if t.dtype != dtype:
+                return f"cache.{name}[{i}] has dtype {t.dtype}, expected {dtype}"
+    shape = (batch_size, config.n_kv_head, 2, config.head_dim)
+    out = cache.update(
+        0, torch.zeros(shape, device="meta", dtype=dtype), torch.zeros(shape, device="meta", dtype=dtype)
+    )
+    if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
+        return ""  # the other cases say what update must return
+    for what, t in zip(("keys", "values"), out):
+        if t.device.type != "meta":
+            return f"update returned {what} on {t.device}, not on the cache's device (meta)"
+    return ""
+
+
+DEVICE_HINT = (
+    "make every tensor with device=device and dtype=dtype, the arguments: the model passes its own (on a GPU, keys "
+    "on cuda cannot be written into a cache on the CPU, and a bfloat16 model's keys into a float32 cache take twice "
+    "the memory)"
+)
 
 
 def _judge_cache(case: Case, got: Trace) -> Verdict:
@@ -617,6 +652,16 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
                 dtype,
             )
         )
+    device_spec = (GPT2Config(n_layer=2, n_head=2, n_embd=8), 2, 6, bf16)
+    cases.append(
+        Case(
+            "a model on another device: KVCache(..., device='meta', dtype=torch.bfloat16) (meta stands for a GPU: "
+            "tensors with a device and a dtype, no values)",
+            ("device", *device_spec),
+            "",
+            DEVICE_HINT,
+        )
+    )
     cases.append(
         Case(
             "the engine's generation with your KVCache, as my_engine installs it (guarded): greedy, "
@@ -627,6 +672,12 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     )
 
     def show(args: tuple) -> str:
+        if args[0] == "device":
+            config, b, m, d = args[1:]
+            return (
+                f"cache = KVCache({_config_text(config)}, batch_size={b}, max_len={m}, device='meta', dtype={d}); "
+                f"cache.update(0, k, v) with k and v [B, n_kv_head, 2, head_dim] on meta"
+            )
         if args[0] == "engine":
             calls = _cache_engine_calls(args[1])[1]
             return 'llmcourse.generate(tiny random model, ..., kv_cache=guard("KVCache", KVCache)) for: ' + "; ".join(
@@ -648,6 +699,12 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
 
     def judge(case: Case, got: Any) -> Verdict:
         """Says what went wrong where, with the run's input: a trace has no one 'expected' value to show."""
+        if case.args[0] == "device":
+            if got:
+                raise CheckFailed(
+                    f"✗ KVCache — {case.description}: {got}\n  input:    {show(case.args)}\n  hint: {case.hint}"
+                )
+            return None
         if case.args[0] == "engine":
             if got == case.expected:
                 return None
@@ -681,6 +738,8 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
     def run(kind, *args):
         if kind == "engine":
             return _run_in_engine(cls, *args)
+        if kind == "device":
+            return _device_problem(cls, *args)
         return _run_caches(cls, *args)
 
     run_check(
@@ -692,7 +751,11 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
         show_call=show,
         seconds=5,
         total_seconds=30,
-        error_hints={"view size is not compatible": NOT_CONTIGUOUS},
+        error_hints={
+            "view size is not compatible": NOT_CONTIGUOUS,
+            "expected to be in the same device": "make every tensor your cache uses on the cache's device, an index "
+            "(torch.arange) too: device=k.device",
+        },
     )
 
 
@@ -732,6 +795,12 @@ def _softmax_over_queries(q, k_cache, v_cache, length):
     return torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]), dim=-2) @ v
 
 
+def _no_max_shift(q, k_cache, v_cache, length):
+    k, v = k_cache[:, :, :length], v_cache[:, :, :length]
+    e = torch.exp(q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1]))
+    return e / e.sum(-1, keepdim=True) @ v
+
+
 CACHED_ATTENTION_MISTAKES = [
     (
         _all_positions,
@@ -747,8 +816,24 @@ CACHED_ATTENTION_MISTAKES = [
     (_no_scale, "divide the scores by √D (D = head_dim = q.shape[-1]) before the softmax"),
     (_scale_by_d, "divide the scores by √D, not by D"),
     (_softmax_over_queries, "take the softmax over the keys (the last dimension, dim=-1)"),
+    (
+        overflowing(_no_max_shift),
+        "exp() of a score overflows float16 above ~11 (float32 above ~88) and inf / inf is nan: subtract each "
+        "row's max score before exp() (torch.softmax does)",
+    ),
 ]
-CACHED_ATTENTION_TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.float64: (1e-10, 1e-9)}
+
+
+def _cached_attention_tolerance(case: Case) -> tuple[float, float]:
+    """(atol, rtol): float64 float64-accurate, float32 1e-5; float16 / bfloat16 a few roundings of each step
+    (16 eps), the scores of the half-precision cases being exact in their dtype."""
+    dtype = case.expected.dtype
+    if dtype == torch.float64:
+        return 1e-10, 1e-9
+    if dtype in (torch.float16, torch.bfloat16):
+        eps = torch.finfo(dtype).eps
+        return 16 * eps, 16 * eps
+    return 1e-5, 1e-4
 
 
 def _show_cached_attention(args: tuple) -> str:
@@ -770,6 +855,16 @@ def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
             k_cache[:, :, length:] = 0
             v_cache[:, :, length:] = 0
         expected = in_float64(reference_cached_attention, q, k_cache, v_cache, length)
+        return Case(description, (q, k_cache, v_cache, length), expected, hint)
+
+    large = torch.Generator().manual_seed(seed)  # the large-score cases: g's draws stay as they were
+
+    def large_case(description, B, H, max_len, length, dtype):
+        """Head dim 16, scores q·k / 4 of about ±1e4, exact in `dtype` (`large_exact_scores`)."""
+        q, k_cache = large_exact_scores(large, (B, H, 1, 16), (B, H, max_len, 16), dtype)
+        v_cache = (torch.randn(B, H, max_len, 16, generator=large, dtype=torch.float64) * 3 + 5).to(dtype)
+        expected = in_float64(reference_cached_attention, q, k_cache, v_cache, length)
+        hint = "exp() overflows float16 above ~11: subtract each row's max score first (torch.softmax does)"
         return Case(description, (q, k_cache, v_cache, length), expected, hint)
 
     cases = [
@@ -806,6 +901,15 @@ def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
             hint="a stable softmax (subtract the max, or torch.softmax) keeps large scores finite",
         ),
         case("head_dim 64, as in GPT-2", 1, 2, 64, 12, 11, f64),
+        large_case(
+            "float16, scores of about ±1e4 (exact in float16): exp overflows without the max shift",
+            2,
+            2,
+            9,
+            7,
+            torch.float16,
+        ),
+        large_case("bfloat16, scores of about ±1e4, the cache full", 1, 3, 6, 6, torch.bfloat16),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
@@ -828,7 +932,7 @@ def check_cached_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
         "cached_attention",
         fn,
         cases,
-        judge=tensor_judge(CACHED_ATTENTION_TOLERANCES, CACHED_ATTENTION_MISTAKES),
+        judge=tensor_judge(_cached_attention_tolerance, CACHED_ATTENTION_MISTAKES),
         forbid=NO_ATTENTION,
         show_call=_show_cached_attention,
         seconds=5,
@@ -896,6 +1000,7 @@ def recording_cache(base: type = EngineKVCache) -> type:
             self.writes: list[tuple[int, int]] = []  # (length, T) of every layer-0 write
             self.pointers = [t.data_ptr() for t in [*self.k, *self.v]]
             self.args = (batch_size, max_len, kwargs.get("dtype", torch.float32))
+            self.device = kwargs.get("device")  # as given: None when left out
             Recorded.made.append(self)
 
         def update(self, layer, k, v, slot=None):
@@ -930,7 +1035,8 @@ class Run:
 
 def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: int) -> Run:
     """fn's tokens, the caches it made with a recording cache class, and the positions the model computed (counted
-    where every forward pass goes, `model.blocks`: a loop that also recomputes the whole sequence is seen)."""
+    where every forward pass goes, `model.blocks`: a loop that also recomputes the whole sequence is seen). fn gets
+    the case's own list of prompt ids: the check sees whether it changes it."""
     cache_class = recording_cache()
     run = Run(None, cache_class.made)
     blocks = model.blocks
@@ -941,10 +1047,15 @@ def _run_loop(fn: Callable, model: GPT2, prompt_ids: list[int], max_new_tokens: 
 
     model.blocks = counted
     try:
-        run.tokens = fn(model, list(prompt_ids), max_new_tokens, cache_class)
+        run.tokens = fn(model, prompt_ids, max_new_tokens, cache_class)
     finally:
         del model.blocks
     return run
+
+
+def _count(n: int, thing: str) -> str:
+    """'1 decode step', '3 decode steps', '2 forward passes'."""
+    return f"{n} {thing}" + ("" if n == 1 else "es" if thing.endswith("s") else "s")
 
 
 def _loop_problem(case: Case, got: Run) -> Verdict:
@@ -988,6 +1099,13 @@ def _loop_problem(case: Case, got: Run) -> Verdict:
             f"the cache has dtype {cache.args[2]}, the model {model.dtype}",
             "make the cache with dtype=model.dtype (float64 model, float64 cache)",
         )
+    if cache.device is None or torch.device(cache.device) != model.device:
+        made = "without a device" if cache.device is None else f"on {cache.device}"
+        return (
+            f"the cache was made {made}; the model is on {model.device}",
+            "make the cache with device=model.device: on a GPU the model's keys are on cuda, and a cache made on "
+            "the default device (the CPU) cannot take them",
+        )
     if [t.data_ptr() for t in [*cache.k, *cache.v]] != cache.pointers:
         return (
             "the cache's tensors were replaced during the loop",
@@ -1020,15 +1138,19 @@ def _loop_problem(case: Case, got: Run) -> Verdict:
             f"token {wrong} differs from the full recompute's: expected {expected[wrong]}, got {tokens[wrong]}",
             "each step feeds the token just chosen and takes the argmax of the last position's logits",
         )
-    if len(later) > n:
+    if len(later) != n - 1:
         return (
-            f"{len(later)} decode steps for {n} tokens ({seen})",
-            "the prefill gives the first token: n - 1 steps remain",
+            f"{_count(1 + len(later), 'forward pass')} with the cache (the prefill and "
+            f"{_count(len(later), 'decode step')}) for {_count(n, 'new token')}; it takes exactly "
+            f"{_count(n, 'forward pass')}, the prefill and "
+            f"{_count(n - 1, 'decode step')} ({seen})",
+            "the prefill gives the first token and each decode step one more: stop when you have max_new_tokens; "
+            "the last token chosen is returned, never fed back",
         )
-    if got.positions > P + n:
+    if got.positions > P + n - 1:
         return (
-            f"the model computed {got.positions} positions for a {P}-token prompt and {n} new tokens; a cached "
-            f"loop computes {P + n - 1} ({P} in the prefill, then one per step)",
+            f"the model computed {got.positions} positions for a {P}-token prompt and {_count(n, 'new token')}; a "
+            f"cached loop computes {P + n - 1} ({P} in the prefill, then one per decode step)",
             "take every token from the cached calls: running the model on the whole sequence as well (a full "
             "recompute) does all the work the cache is there to save",
         )
@@ -1090,6 +1212,13 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
             20,
             "the cache holds len(prompt_ids) + max_new_tokens positions",
         ),
+        case(
+            "a bfloat16 model",
+            decisive_model(seed + 4, dtype=torch.bfloat16),
+            [random.Random(seed + 4).randrange(V) for _ in range(6)],
+            6,
+            "make the cache with dtype=model.dtype: a float32 cache cannot take a bfloat16 model's keys",
+        ),
     ]
     for i in range(n_random):
         model = decisive_model(seed + 10 + i, n_layer=rng.randint(1, 3), n_head=rng.choice([1, 2, 4]))
@@ -1113,12 +1242,12 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
 
     run_check(
         "generate_greedy",
-        lambda model, prompt, n: _run_loop(fn, model, prompt, n),
+        lambda model, prompt_ids, max_new_tokens: _run_loop(fn, model, prompt_ids, max_new_tokens),
         cases,
         judge=_loop_problem,
         forbid=NO_ENGINE_LOOP,
         show_call=show,
-        may_modify=True,
+        may_modify=["model"],  # the check counts its forward passes (model.blocks, put back after the call)
         seconds=10,
         total_seconds=30,
     )
