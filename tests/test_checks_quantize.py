@@ -1109,3 +1109,159 @@ def test_the_bundled_model_stays_a_float_model_after_a_check(capsys):
     # float layers only: no quantized layer (nor the table of functions it would keep) left in it
     assert quantized_format(bundled_model()) is None
     assert not any(hasattr(m, "quantization") for m in bundled_model().modules())
+
+
+# -- issue 41: inputs changed in place, scale floors, odd counts truncated ------------------------------------
+
+
+def int8_divides_in_place(w):
+    """w.float() is w itself for a float32 input: dividing it in place changes the caller's weights."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    w /= torch.where(scale == 0, 1.0, scale)[:, None]
+    return torch.round(w).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_without_floor(w):
+    """Divides by the scale unguarded: an all-zero row's 0 / 0 = nan happens to become 0 in int8, but a row whose
+    scale underflows to 0 gives ±inf -> ±127."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_eps_floor(w):
+    """Divides by max(scale, 1e-8): the rows of tiny values round toward 0."""
+    w = w.float()
+    scale = w.abs().amax(dim=-1) / 127
+    return torch.round(w / scale.clamp(min=1e-8)[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int8_in_place_on_the_token_table(w):
+    """Right on every case; on the engine's token table (50257 rows) it divides the model's own weights in place."""
+    if w.shape[0] > 50000:
+        return int8_divides_in_place(w)
+    return quantize_int8(w)
+
+
+def pack_offsets_in_place(q):
+    """Makes the negative values' nibbles by adding 16 to the caller's int8 values."""
+    if q.shape[-1] % 2:
+        raise ValueError(f"pack_int4 needs an even number of values, got {q.shape[-1]}")
+    q[q < 0] += 16
+    n = q.to(torch.uint8)
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def pack_truncates_odd(q):
+    """K // 2 bytes whatever K: an odd count loses its last value."""
+    n = (q[..., : q.shape[-1] // 2 * 2].to(torch.int16) & 0xF).to(torch.uint8)
+    return n[..., 0::2] | (n[..., 1::2] << 4)
+
+
+def pack_pads_odd(q):
+    """ceil(K / 2) bytes: an odd count padded with a zero nibble."""
+    if q.shape[-1] % 2:
+        q = torch.cat([q, torch.zeros(*q.shape[:-1], 1, dtype=q.dtype)], dim=-1)
+    return pack_int4(q)
+
+
+def q4_floored(floor):
+    """quantize_int4 with the division guarded by `floor(float32 scale, stored float16 scale)`."""
+
+    def quantize(w, group_size=32):
+        N, K = w.shape
+        if K % group_size:
+            raise ValueError(f"the row length {K} is not a multiple of {group_size}")
+        groups = w.float().reshape(N, K // group_size, group_size)
+        extreme = groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)) / -8
+        scales = extreme.half()
+        q = torch.round(groups / floor(extreme, scales.float())).clamp(-8, 7).to(torch.int8)
+        return pack_int4(q.reshape(N, K)), scales.reshape(N, -1)
+
+    return quantize
+
+
+def q4_drops_partial_group(w, group_size=32):
+    """K // group_size groups: the values past the last whole group are dropped."""
+    N, K = w.shape
+    return quantize_int4(w[:, : K // group_size * group_size].contiguous(), group_size)
+
+
+def linear_eps_floor(x, q, scale, bias):
+    """The activations' scale floored at 1e-8."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    s_x = (rows.abs().amax(dim=-1) / 127).clamp(min=1e-8)
+    x_q = torch.round(rows / s_x[:, None]).clamp(-127, 127).to(torch.int8)
+    y = (x_q.to(torch.int32) @ q.to(torch.int32).T).float() * (s_x[:, None] * scale.float())
+    y = y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+ISSUE41_MISTAKES = [
+    (q8(int8_divides_in_place), r"changed its input `w`.*in-place operation"),
+    (q8(int8_without_floor), r"subnormal values.*expected 0, got 127.*this row's scale is 0 although its values"),
+    (q8(int8_eps_floor), r"rows of tiny values.*only rows of tiny values are wrong: the scale has no floor"),
+    (
+        q8(int8_in_place_on_the_token_table),
+        r"quantize_int8 in the engine — .*the engine's call \d+ of \d+: changed its input `w`.*"
+        r"input:    quantize_int8\(<float32 \[50257, 192\].*in-place operation",
+    ),
+    (p4(pack_offsets_in_place), r"changed its input `q`.*-1 before the call, 15 after it"),
+    (p4(pack_truncates_odd), r"odd size.*your bytes hold 2 of the 3 values: K // 2 = 1 bytes truncate"),
+    (p4(pack_pads_odd), r"odd size.*you padded the odd value with a zero nibble"),
+    (
+        q4(q4_floored(lambda extreme, stored: stored)),
+        r"groups of tiny values.*got -8.*this group's scale is 0 although its values are not",
+    ),
+    (
+        q4(q4_floored(lambda extreme, stored: torch.where(extreme == 0, 1.0, extreme).half().float())),
+        r"groups of tiny values.*this group's scale is 0 although its values are not",
+    ),
+    (
+        q4(q4_floored(lambda extreme, stored: torch.where(stored.abs() < 1e-6, 1.0, stored))),
+        r"groups of tiny values.*only groups of tiny values are wrong",
+    ),
+    (q4(q4_drops_partial_group), r"K = 48.*your scales cover 32 of the 48 values of a row.*drop the last 16"),
+    (lin(linear_eps_floor), r"rows of x of tiny values.*only rows of tiny values are wrong"),
+]
+
+
+@pytest.mark.parametrize("check, pattern", ISSUE41_MISTAKES, ids=range(len(ISSUE41_MISTAKES)))
+def test_issue41_kinds_are_rejected_and_named(check, pattern):
+    fails(check, pattern)
+
+
+def int8_in_place_on_a_copy(w):
+    """Correct, written differently: in place, on its own copy; the zero scales replaced after dividing."""
+    scale = w.float().abs().amax(dim=-1) / 127
+    ratio = w.float().clone()
+    ratio /= scale[:, None]
+    ratio = torch.where(scale[:, None] > 0, ratio, 0.0)
+    return ratio.round_().clamp_(-127, 127).to(torch.int8), scale
+
+
+def q4_masked_fill(w, group_size=32):
+    """Correct, written differently: the stored scale guarded by masked_fill, the division by a reciprocal."""
+    N, K = w.shape
+    if K % group_size:
+        raise ValueError(f"{K} values per row do not split into groups of {group_size}")
+    groups = w.float().reshape(N, K // group_size, group_size)
+    scales = (groups.gather(-1, groups.abs().argmax(dim=-1, keepdim=True)) / -8).half()
+    divisor = scales.float().masked_fill(scales == 0, 1.0)
+    q = torch.round(groups / divisor).clamp(-8, 7).to(torch.int8)
+    return pack_int4(q.reshape(N, K)), scales.reshape(N, -1)
+
+
+def pack_by_divmod(q):
+    """Correct, written differently: the size checked with divmod, the pairs as a reshape of a copy."""
+    half, odd = divmod(q.shape[-1], 2)
+    if odd:
+        raise ValueError(f"{q.shape[-1]} values do not fill whole bytes")
+    nibbles = q.to(torch.int16).remainder(16).reshape(*q.shape[:-1], half, 2)
+    return (nibbles[..., 0] + 16 * nibbles[..., 1]).to(torch.uint8)
+
+
+@pytest.mark.parametrize("check", [q8(int8_in_place_on_a_copy), q4(q4_masked_fill), p4(pack_by_divmod)])
+def test_issue41_alternatives_pass(check, capsys):
+    passes(check, capsys)

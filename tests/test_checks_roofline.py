@@ -244,8 +244,12 @@ def test_matrix_bytes_mistakes_are_named(fn, pattern):
 
 def test_matrix_bytes_message_shows_input_expected_got():
     message = fails(check_matrix_bytes, BYTES_MISTAKES["int8_no_scale"][0], "")
-    assert "input:    matrix_bytes(rows=768, cols=3072, fmt='int8', dtype='float32')" in message, message
-    assert "expected: 2362368" in message and "got:      2359296" in message, message
+    # the first failing case, int8 [768, 3072] in float32, shown as it is or shrunk to a smaller matrix
+    shown = re.search(r"input:    matrix_bytes\(rows=(\d+), cols=(\d+), fmt='int8', dtype='float32'\)", message)
+    assert shown, message
+    rows, cols = int(shown[1]), int(shown[2])
+    assert rows <= 768 and cols <= 3072, message
+    assert f"expected: {rows * cols + 4 * rows}" in message and f"got:      {rows * cols}" in message, message
 
 
 def test_matrix_bytes_is_compared_with_the_engines_quantized_layers():
@@ -587,3 +591,153 @@ def test_utilization_alternatives_pass(capsys):
     check_utilization(achieved_rates)
     check_utilization(against_the_least_times, seed=101, n_random=40)
     assert capsys.readouterr().out.count("✓") == 2
+
+
+# -- issue 41: the datasheet table read instead of written, exact ties on the ridge, a half byte truncated ---------
+
+from llmcourse.engine.roofline import GPUS  # noqa: E402 (what the chapter's setup imports)
+
+GPUS_COPIED = {card: (machine.peak_flops, machine.bandwidth) for card, machine in GPUS.items()}
+
+
+def roof_from_the_table(card):
+    """The engine's datasheet table, read."""
+    return GPUS[card].peak_flops, GPUS[card].bandwidth
+
+
+def roof_from_the_table_for_three(card):
+    """The engine's table, read only for the exercise's three cards: the others raise as asked."""
+    if card not in CARDS:
+        raise ValueError(f"unknown card {card!r}")
+    return tuple(GPUS[card][:2])
+
+
+def roof_from_a_copy(card):
+    """A copy of the engine's table made before the check: the right numbers, and numbers for cards that must raise."""
+    return GPUS_COPIED[card]
+
+
+def bytes_in_whole_bytes_per_weight(rows, cols, fmt, dtype="float32"):
+    """Bytes per weight as whole numbers: int4's 4 bits // 8 is 0."""
+    bits = {"float32": 32, "float16": 16, "bfloat16": 16, "int8": 8, "int4": 4}[fmt]
+    scales = rows * BYTES[dtype] if fmt == "int8" else rows * (cols // 32) * 2 if fmt == "int4" else 0
+    return rows * cols * (bits // 8) + scales
+
+
+def critical_batch_ceil(shape, context, weights, dtype, peak_flops, bandwidth, max_batch=1 << 20):
+    """The balance point of the linear FLOPs and bytes, rounded up: on a tie that batch is still memory-bound."""
+    flops, *one = step_cost(shape, 1, 1, context, weights, dtype)
+    flops2, *two = step_cost(shape, 2, 1, context, weights, dtype)
+    per_flops, per_bytes = flops2 - flops, sum(two) - sum(one)
+    fixed = sum(one) - per_bytes
+    gain = per_flops * bandwidth / peak_flops - per_bytes
+    if gain <= 0:
+        return None
+    batch = max(1, math.ceil(fixed / gain))
+    return batch if batch <= max_batch else None
+
+
+ISSUE41_MISTAKES = {
+    "gpus_read": (
+        check_gpu_roof,
+        roof_from_the_table,
+        r"the H100 SXM: these are the numbers the check put in llmcourse's GPUS table.*"
+        r"your gpu_roof reads llmcourse's GPUS table",
+    ),
+    "gpus_read_for_three": (check_gpu_roof, roof_from_the_table_for_three, r"your gpu_roof reads llmcourse's GPUS"),
+    "gpus_copied": (
+        check_gpu_roof,
+        roof_from_a_copy,
+        r"the H200 SXM.*must raise an error, not return \(989.*those are the H200 SXM's figures in llmcourse's GPUS",
+    ),
+    "half_byte_truncated": (
+        check_matrix_bytes,
+        bytes_in_whole_bytes_per_weight,
+        r"int4.*4 bits is half a byte, and 4 // 8 \(or int\(0\.5\)\) truncates it to 0",
+    ),
+    "ceil_on_the_ridge": (
+        check_critical_batch,
+        critical_batch_ceil,
+        r"batch 64 sits exactly.*expected a batch of 65, got 64.*at batch 64 the two times are exactly equal.*"
+        r"math\.floor\(x\) \+ 1, not math\.ceil\(x\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("check, fn, pattern", ISSUE41_MISTAKES.values(), ids=ISSUE41_MISTAKES)
+def test_issue41_kinds_are_rejected_and_named(check, fn, pattern):
+    fails(check, fn, pattern)
+
+
+def test_gpus_is_the_engines_again_after_the_check():
+    before = dict(GPUS)
+    with pytest.raises(CheckFailed):
+        check_gpu_roof(roof_from_the_table)
+    check_gpu_roof(gpu_roof)
+    assert GPUS == before
+
+
+def roofline_time_by_intensity(flops, nbytes, peak_flops, bandwidth):
+    """Correct, written differently: the bound from the intensity against the ridge (equal: memory)."""
+    intensity, ridge = flops / nbytes, peak_flops / bandwidth
+    return max(nbytes / bandwidth, flops / peak_flops), "compute" if intensity > ridge else "memory", intensity, ridge
+
+
+def roofline_time_cross_multiplied(flops, nbytes, peak_flops, bandwidth):
+    """Correct, written differently: the times compared without dividing."""
+    bound = "compute" if flops * bandwidth > nbytes * peak_flops else "memory"
+    return max(nbytes / bandwidth, flops / peak_flops), bound, flops / nbytes, peak_flops / bandwidth
+
+
+def critical_batch_floor_plus_one(shape, context, weights, dtype, peak_flops, bandwidth, max_batch=1 << 20):
+    """Correct, written differently: the first batch past the balance point, checked with step_cost and
+    roofline_time (float rounding can put the balance point an ulp off)."""
+
+    def compute_bound(b):
+        flops, *nbytes = step_cost(shape, b, 1, context, weights, dtype)
+        return roofline_time(flops, sum(nbytes), peak_flops, bandwidth)[1] == "compute"
+
+    flops, *one = step_cost(shape, 1, 1, context, weights, dtype)
+    flops2, *two = step_cost(shape, 2, 1, context, weights, dtype)
+    gain = (flops2 - flops) * bandwidth / peak_flops - (sum(two) - sum(one))
+    if gain <= 0:
+        return None
+    batch = max(1, math.floor((2 * sum(one) - sum(two)) / gain) + 1)
+    while batch > 1 and compute_bound(batch - 1):
+        batch -= 1
+    while batch <= max_batch and not compute_bound(batch):
+        batch += 1
+    return batch if batch <= max_batch else None
+
+
+def gpu_roof_own_table_key_error(card):
+    """Correct, written differently: the datasheet's units multiplied out; an unknown card's KeyError."""
+    return {"H100 SXM": (989 * 1e12, 3.35 * 1e12), "A100 80GB SXM": (312e12, 2039e9), "RTX 4090": (165.2e12, 1008e9)}[
+        card
+    ]
+
+
+ISSUE41_ALTERNATIVES = {
+    "by_intensity": (check_roofline_time, roofline_time_by_intensity),
+    "cross_multiplied": (check_roofline_time, roofline_time_cross_multiplied),
+    "floor_plus_one": (check_critical_batch, critical_batch_floor_plus_one),
+    "own_table": (check_gpu_roof, gpu_roof_own_table_key_error),
+}
+
+
+@pytest.mark.parametrize("check, fn", ISSUE41_ALTERNATIVES.values(), ids=ISSUE41_ALTERNATIVES)
+def test_issue41_alternatives_pass(check, fn, capsys):
+    check(fn)
+    check(fn, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_the_ridge_case_is_a_tie_in_floats():
+    from llmcourse.checks.roofline import BUNDLED, on_the_ridge
+    from llmcourse.engine.roofline import critical_batch as engine_critical_batch
+    from llmcourse.engine.roofline import step_cost as engine_step_cost
+
+    peak, bandwidth = on_the_ridge(BUNDLED, 64)
+    cost = engine_step_cost(BUNDLED, 64, 1, 0, "float32", "float32")
+    assert cost.flops / peak == cost.bytes / bandwidth and cost.flops / cost.bytes == peak / bandwidth
+    assert engine_critical_batch(BUNDLED, 0, "float32", "float32", peak, bandwidth) == 65

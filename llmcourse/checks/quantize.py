@@ -22,6 +22,7 @@ import copy
 import functools
 import math
 import sys
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -48,6 +49,7 @@ from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import tensor_problem
 from .kv_cache import one_thread
+from .speculative import changed_input, watched
 
 NO_ENGINE = Forbidden(
     "llmcourse.engine.quantize",
@@ -185,21 +187,27 @@ ENGINE_PROMPT = [49, 2662, 46, 25, 198, 1537, 2705, 11, 644, 1657, 832, 331, 432
 ENGINE_NEW_TOKENS = 2  # a prefill of 23 rows, then a one-row decoding step
 
 
-def _engine_run(fmt: str, fns: dict[str, Callable], calibrate: bool = False) -> tuple[Any, list]:
+def _engine_run(fmt: str, fns: dict[str, Callable], calibrate: bool = False) -> tuple[Any, list, Optional[tuple]]:
     """A copy of the bundled GPT-2 quantized to `fmt` with `fns` installed, then ENGINE_NEW_TOKENS greedy tokens.
     -> (the tokens, or the PartError that stopped the engine; each call of a learner's function: (name, args,
-    result)). Run inside call_learner: the engine's own code runs unwatched, the learner's under the watch."""
+    result); the first call that changed an argument: (its index in the calls, its verdict), or None). Run inside
+    call_learner: the engine's own code runs unwatched, the learner's under the watch."""
     watch = sys.getprofile()
     calls: list = []
+    changed: list = []
 
     def recorded(name: str, fn: Callable) -> Callable:
         def call(*args):
+            inputs = watched(fn, args) if not changed else None  # the engine passes the model's own weights
             sys.setprofile(watch)
             try:
                 out = fn(*args)
             finally:
                 sys.setprofile(None)
             calls.append((name, args, out))
+            verdict = changed_input(inputs, args) if inputs is not None else None
+            if verdict:
+                changed.append((len(calls) - 1, verdict))
             return out
 
         call.__name__ = call.__qualname__ = getattr(fn, "__qualname__", name)
@@ -216,7 +224,7 @@ def _engine_run(fmt: str, fns: dict[str, Callable], calibrate: bool = False) -> 
         tokens = err
     finally:
         sys.setprofile(watch)
-    return tokens, calls
+    return tokens, calls, changed[0] if changed else None
 
 
 def _identical(got: Any, expected: Any) -> bool:
@@ -261,9 +269,16 @@ def check_in_engine(
         f"(your {names} installed as my_engine installs them), then generate(model, a {len(ENGINE_PROMPT)}-token "
         f"prompt, max_new_tokens={ENGINE_NEW_TOKENS})"
     )
-    tokens, calls = call_learner(
+    tokens, calls, changed = call_learner(
         names, _engine_run, (fmt, fns, calibrate), forbid=FORBID, seconds=seconds, show=lambda args: what
     )
+    if changed:
+        index, (problem, modify_hint) = changed
+        name, args, _ = calls[index]
+        raise CheckFailed(
+            f"✗ {name} in the engine — {what}; the engine's call {index + 1} of {len(calls)}: {problem}\n"
+            f"  input:    {_describe(name, args)}\n  hint: {modify_hint}"
+        )
     hint = (
         f"your {names} pass{'es' if len(fns) == 1 else ''} the cases above but not the engine's own calls: "
         "quantize_model passes each layer's weight.T (a transposed view: [576, 192], [192, 192], [768, 192], "
@@ -385,6 +400,44 @@ def _same_int8(got: tuple, candidate: Optional[tuple]) -> bool:
     )
 
 
+# Scales below this come only from rows (or groups) of tiny values: where a wrong answer differs only there, the
+# scale was floored (max(scale, eps), scale + eps) or not guarded where it underflows to 0.
+TINY_SCALE = 1e-6
+
+
+def floor_hint(escale: Tensor, bad: Tensor, what: str) -> str:
+    """The hint for answers wrong only where the expected scale `escale` is tiny (`bad`: where they are wrong, same
+    shape), or ''. `what` names a row or a group."""
+    if not bool(bad.any()) or not bool((escale[bad].abs() < TINY_SCALE).all()):
+        return ""
+    if bool((escale[bad] == 0).all()):
+        return (
+            f"this {what}'s scale is 0 although its values are not: they are so small that the scale underflows "
+            "(rounds to 0) — divide by 1 where the scale you divide by is 0, as for an all-zero "
+            f"{what} (w / 0 is ±inf, clamped to the extreme level)"
+        )
+    return (
+        f"only {what}s of tiny values are wrong: the scale has no floor — a floor (max(scale, eps), scale + eps, "
+        f"clamp(min=eps)) gives them another scale or other values; guard only the division where the scale is 0 "
+        "(divide by 1 there)"
+    )
+
+
+def _exact_where_underflowed(w: Tensor, q: Tensor, eq: Tensor, escale: Tensor) -> Tensor:
+    """The expected q, where a row's float32 scale underflowed to 0 (values of about 1e-44) taking the learner's q if
+    it is the exact ratio w · 127 / max|w| (a computation in float64, rounded): either dequantizes to 0 with scale 0.
+    Only q = ±127 everywhere, from w / 0 = ±inf, stays wrong there."""
+    w64 = w.double()
+    top = w64.abs().amax(-1, keepdim=True)
+    underflowed = ((escale == 0)[:, None] & (top > 0)).expand_as(eq)
+    if not bool(underflowed.any()):
+        return eq
+    exact = torch.round(w64 * 127 / torch.where(top > 0, top, 1.0)).clamp(-127, 127)
+    near = (q.long() - exact.long()).abs() <= 1
+    rows_exact = (near | ~underflowed).all(-1, keepdim=True) & underflowed
+    return torch.where(rows_exact, q.to(eq.dtype), eq)
+
+
 def _quantize_int8_verdict(case: Case, got: Any) -> Verdict:
     problem = _pair(got, "q, scale")
     if problem:
@@ -424,14 +477,17 @@ def _quantize_int8_verdict(case: Case, got: Any) -> Verdict:
                 f"scale: {problem}",
                 mistake() or "an all-zero row gets scale 0 (and q 0): do not replace its max by 1 or eps",
             )
-        return f"scale: {problem}", mistake()
+        bad = ~torch.isclose(scale.double(), escale.double(), rtol=1e-5, atol=1e-12)
+        return f"scale: {problem}", mistake() or floor_hint(escale, bad, "row")
     ratio = w.double() / torch.where(escale == 0, 1.0, escale.double())[:, None]
+    eq = _exact_where_underflowed(w, q, eq, escale)
     problem = values_problem(q, eq, ratio, "q's values")
     if problem:
         hint = mistake()
         if not hint and bool((q.long() == -128).any()):
             hint = "values outside [-127, 127] wrapped around in int8: clamp before converting"
-        return problem, hint
+        bad_rows = ((q.long() - eq.long()).abs() > 1).any(-1)
+        return problem, hint or floor_hint(escale, bad_rows, "row")
     return None
 
 
@@ -491,6 +547,16 @@ def int8_cases(seed: int, n_random: int) -> list[Case]:
             hint="compute in float32 (w.float()): the scales are float32",
         ),
         case("an all-zero matrix", torch.zeros(2, 5), hint="an all-zero row gets scale 0 and q 0"),
+        case(
+            "rows of tiny values (max 3e-7, 2e-30): each its own scale, however small",
+            torch.tensor([[3e-7, -1e-7, 2.5e-8, 0.0], [2e-30, -1.3e-30, 4e-31, 1e-30], [0.5, -0.25, 0.1, 0.0]]),
+            hint="the scale is max|row| / 127 however small: no floor (eps) on it",
+        ),
+        case(
+            "a row of subnormal values (1e-44): max|w| / 127 underflows to 0, so scale 0 and q 0",
+            torch.tensor([[1e-44, -5e-45, 3e-45], [0.3, -0.6, 0.2]]),
+            hint="divide by 1 where the scale is 0 (torch.where(scale == 0, 1.0, scale)), as for an all-zero row",
+        ),
         case(
             "the engine's input: a layer's weight.T [96, 32], a transposed view (not contiguous)",
             stored_transposed(_random_weights(rng, 96, 32)),
@@ -761,9 +827,29 @@ def _mistake_hint(mistakes: list, args: tuple, got: Any, expected: Tensor) -> st
     return ""
 
 
+def _odd_count_hint(q: Tensor, got: Any) -> str:
+    """What a pack_int4 that returned bytes for an odd number of values did with the odd one, or ''."""
+    if not isinstance(got, Tensor) or got.dim() != q.dim() or got.shape[:-1] != q.shape[:-1]:
+        return ""
+    K = q.shape[-1]
+    if got.shape[-1] == K // 2:
+        return (
+            f"your bytes hold {K - 1} of the {K} values: K // 2 = {K // 2} bytes truncate the odd one away; the "
+            f"format has no place for it — raise ValueError, naming the size {K}"
+        )
+    if got.shape[-1] == (K + 1) // 2:
+        return (
+            f"you padded the odd value with a zero nibble: {(K + 1) // 2} bytes unpack to {K + 1} values, not {K}; "
+            f"the format refuses an odd count — raise ValueError, naming the size {K}"
+        )
+    return ""
+
+
 def _pack_verdict(case: Case, got: Any) -> Verdict:
     if isinstance(case.expected, Refusal):
-        return refusal_verdict(case.expected, got)
+        verdict = refusal_verdict(case.expected, got)
+        hint = _odd_count_hint(case.args[0], got) if verdict else ""
+        return (verdict[0], hint) if hint else verdict
     wrong = unexpected_error(got)
     if wrong:
         return wrong
@@ -1033,9 +1119,29 @@ def _int4_values(w: Tensor, scales: Tensor) -> Tensor:
     return w.double() / s
 
 
+def _partial_group_hint(w: Tensor, group_size: int, got: Any) -> str:
+    """What a quantize_int4 that returned scales for a row of K not a multiple of group_size did, or ''."""
+    if not (isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], Tensor) and got[1].dim() == 2):
+        return ""
+    K, G = w.shape[1], got[1].shape[1]
+    if G == K // group_size:
+        return (
+            f"your scales cover {G * group_size} of the {K} values of a row: K // group_size = {G} groups drop the "
+            f"last {K % group_size}; a row must split into whole groups — raise ValueError, naming {K}"
+        )
+    if G == -(-K // group_size):
+        return (
+            f"your last group holds only {K % group_size} values: a row must split into whole groups of "
+            f"{group_size} — raise ValueError, naming {K}"
+        )
+    return ""
+
+
 def _quantize_int4_verdict(case: Case, got: Any) -> Verdict:
     if isinstance(case.expected, Refusal):
-        return refusal_verdict(case.expected, got)
+        verdict = refusal_verdict(case.expected, got)
+        hint = _partial_group_hint(case.args[0], case.args[1], got) if verdict else ""
+        return (verdict[0], hint) if hint else verdict
     wrong = unexpected_error(got)
     if wrong:
         return wrong
@@ -1091,17 +1197,22 @@ def _quantize_int4_verdict(case: Case, got: Any) -> Verdict:
         named = mistake()
         if bool((escales < 0).any()) and bool((scales >= 0).all()) and not named:
             named = "the scale keeps the extreme's sign: m / -8, with m the value of largest magnitude in the group"
-        return f"scales: {problem}", named
+        return f"scales: {problem}", named or floor_hint(escales.float(), scales != escales, "group")
     ratio = _int4_values(w, escales)
-    problem = values_problem(engine_unpack_int4(packed), engine_unpack_int4(epacked), ratio, "the 4-bit values")
+    values, evalues = engine_unpack_int4(packed), engine_unpack_int4(epacked)
+    problem = values_problem(values, evalues, ratio, "the 4-bit values")
     if problem:
-        return problem, mistake()
+        bad_groups = ((values.long() - evalues.long()).abs() > 1).reshape(N, G, group_size).any(-1)
+        return problem, mistake() or floor_hint(escales.float(), bad_groups, "group")
     return None
 
 
 def _try(fn, *args):
+    """fn(*args) of a known mistake, or None if it cannot run here (its warnings, e.g. a std of one value, unshown)."""
     try:
-        return fn(*args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return fn(*args)
     except Exception:
         return None
 
@@ -1193,6 +1304,13 @@ def int4_cases(seed: int, n_random: int) -> list[Case]:
             "tiny values: the float16 scale is subnormal",
             _random_weights(rng, 2, 64) * 1e-5,
             hint="round the scale to float16 first (scale = (m / -8).half()), then divide by that rounded scale",
+        ),
+        case(
+            "groups of tiny values: scales far below float16's normal range (~1e-7), and one that rounds to 0 in "
+            "float16 (values ~1e-8), beside a normal group",
+            torch.cat(
+                [torch.linspace(-0.5, 1.0, 32), torch.linspace(-1e-6, 8e-7, 32), torch.linspace(-1e-8, 2e-8, 32)]
+            ).reshape(1, 96),
         ),
         case("groups of 128, [4, 768]", _random_weights(rng, 4, 768), group_size=128),
         case("one group a row: group_size = K = 96", _random_weights(rng, 3, 96), group_size=96),
@@ -1508,9 +1626,11 @@ def _linear_verdict(case: Case, got: Any) -> Verdict:
                 and not bool(_close(candidate, expected, atol, rtol).all())
             ):
                 return problem, hint
+        _, xs = _activation_ties(case.args[0])
         return (
             problem,
-            "each row: s_x = max|row| / 127, x_q = round(row / s_x); then (x_q @ q.T in int32) · s_x · scale",
+            floor_hint(xs, wrong.reshape(len(xs), -1).any(-1), "row")
+            or "each row: s_x = max|row| / 127, x_q = round(row / s_x); then (x_q @ q.T in int32) · s_x · scale",
         )
     if float_products:
         return (
@@ -1592,6 +1712,11 @@ def linear_cases(seed: int, n_random: int) -> list[Case]:
             torch.cat([torch.zeros(1, 16), torch.randn(2, 16, generator=rng)]),
             *layer(6, 16),
             hint="an all-zero row: scale 0 and values 0 (do not divide by 0)",
+        ),
+        case(
+            "rows of x of tiny values (max 3e-7, 2e-30): each its own scale, however small",
+            torch.randn(2, 24, generator=rng) * torch.tensor([[3e-7], [2e-30]]),
+            *layer(5, 24, bias=False),
         ),
         case(
             "float64 x: float64 out",

@@ -26,6 +26,7 @@ import io
 import math
 import numbers
 import random
+from fractions import Fraction
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -36,7 +37,17 @@ from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.quantize import QuantizedAffine, quantize_model
-from llmcourse.engine.roofline import FLOAT_BYTES, SHAPES, ModelShape, Prediction, Roofline, _matrices, predict
+from llmcourse.engine.roofline import (
+    FLOAT_BYTES,
+    GPUS,
+    SHAPES,
+    Machine,
+    ModelShape,
+    Prediction,
+    Roofline,
+    _matrices,
+    predict,
+)
 from llmcourse.engine.roofline import critical_batch as engine_critical_batch
 from llmcourse.engine.roofline import gpu_roof as engine_gpu_roof
 from llmcourse.engine.roofline import matrix_bytes as engine_matrix_bytes
@@ -184,7 +195,58 @@ OTHER_FIGURES = {
     "A100 80GB SXM": (19.5e12, 156e12),
     "RTX 4090": (82.6e12, 82.6e12),
 }
-UNKNOWN_CARDS = ("H100 PCIe", "", "A100 40GB PCIe", "RTX 3090", "TPU v5e")
+# The datasheet table the chapter's setup imports, `GPUS`, holds the three cards' figures and more cards: a table read
+# is no call, so the black-box watch cannot see it. Reading it is made to fail instead. During each call of the
+# learner's gpu_roof every entry of GPUS holds a decoy (its peak × 1.37, its bandwidth × 0.61): a gpu_roof that reads
+# the table then answers with the decoy, and is told so; and the cards GPUS holds beyond the chapter's three (the H200,
+# Apple's chips) must raise like any card the exercise does not ask for, which also catches a copy of the table made
+# before the call. The expected answers are computed after the call, from the table as it is.
+DECOY = (1.37, 0.61)
+TABLE_ONLY_CARDS = tuple(card for card in GPUS if card not in CARDS)
+UNKNOWN_CARDS = ("H100 PCIe", "", "A100 40GB PCIe", "RTX 3090", "TPU v5e", *TABLE_ONLY_CARDS)
+
+
+def _decoy(machine: Machine) -> Machine:
+    peak = None if machine.peak_flops is None else machine.peak_flops * DECOY[0]
+    return machine._replace(peak_flops=peak, bandwidth=machine.bandwidth * DECOY[1])
+
+
+@contextlib.contextmanager
+def decoy_datasheets():
+    """GPUS with every entry a decoy while the block runs (the same dict: a name bound to it sees them too)."""
+    saved = dict(GPUS)
+    GPUS.update({card: _decoy(machine) for card, machine in saved.items()})
+    try:
+        yield
+    finally:
+        GPUS.update(saved)
+
+
+def _is_roof(got: Any, machine: Machine) -> bool:
+    """Whether `got` is the pair (peak, bandwidth) of `machine`, within ROOF_TOL (None where its peak is None)."""
+    if not (isinstance(got, (tuple, list)) and len(got) == 2):
+        return False
+    return all(
+        (b is None and a is None) or (b is not None and _number(a) and _close(float(a), b, ROOF_TOL))
+        for a, b in zip(got, (machine.peak_flops, machine.bandwidth))
+    )
+
+
+def _table_hint(card: str, got: Any) -> str:
+    """The hint for an answer that came from llmcourse's GPUS table (read during the call, or copied before), or ''."""
+    if card not in GPUS:
+        return ""
+    if _is_roof(got, _decoy(GPUS[card])):
+        return (
+            "your gpu_roof reads llmcourse's GPUS table: during the call the check put other numbers in it, and "
+            "yours came back — write the datasheet's figures in a table of your own (the chapter's table above)"
+        )
+    if card not in CARDS and _is_roof(got, GPUS[card]):
+        return (
+            f"those are the {card}'s figures in llmcourse's GPUS table: your table is (a copy of) the engine's; "
+            "the exercise's holds the chapter's three cards, written from their datasheets, and another card raises"
+        )
+    return ""
 
 
 def _roof_hint(card: str, flops: float, bandwidth: float) -> str:
@@ -246,7 +308,8 @@ def _judge_roof(case: Case, got: Any) -> Verdict:
             return f"it {got}", "raise ValueError (or KeyError) for a card that is not in your table"
         return (
             f"an unknown card must raise an error, not return {short(got, 80)}",
-            "raise ValueError (or KeyError) for a card your table does not hold: numbers for the wrong card are "
+            _table_hint(card, got)
+            or "raise ValueError (or KeyError) for a card your table does not hold: numbers for the wrong card are "
             "worse than none",
         )
     if how == "engine":
@@ -260,6 +323,9 @@ def _judge_roof(case: Case, got: Any) -> Verdict:
     peak, bw = case.expected
     if _close(flops, peak, ROOF_TOL) and _close(bandwidth, bw, ROOF_TOL):
         return None
+    read = _table_hint(card, got)
+    if read:
+        return "these are the numbers the check put in llmcourse's GPUS table during the call", read
     which = "the peak FLOP/s is wrong" if not _close(flops, peak, ROOF_TOL) else "the bandwidth is wrong"
     return which, _roof_hint(card, flops, bandwidth)
 
@@ -267,21 +333,26 @@ def _judge_roof(case: Case, got: Any) -> Verdict:
 def _run_roof(fn: Callable, how: str, card: str):
     if how == "unknown":
         try:
-            return fn(card)
+            with decoy_datasheets():
+                return fn(card)
         except NotImplementedError:
             raise
         except Exception as err:  # which error is judged (a forbidden call is reported by the watch all the same)
             return f"{type(err).__name__} raised"
     if how == "engine":  # the chapter's table: Llama-3-8B on the card, decode at batch 1 and a prefill
-        machine = guard("gpu_roof", fn)(card)
+        with decoy_datasheets():
+            machine = guard("gpu_roof", fn)(card)
         return predict(SHAPES["Llama-3-8B"], machine, new_tokens=1 if card == "H100 SXM" else 2048)
-    return fn(card)
+    with decoy_datasheets():
+        return fn(card)
 
 
 def check_gpu_roof(fn, *, seed: int = 0, n_random: int = 10) -> None:
     """gpu_roof(card) -> (dense 16-bit peak FLOP/s, memory bandwidth in bytes/s) of "H100 SXM", "A100 80GB SXM" and
     "RTX 4090", from their datasheets, within 1 % (datasheets round); a card it does not know raises ValueError (or
-    KeyError). Ends with the engine's prediction for Llama-3-8B on the cards it returns."""
+    KeyError), also the cards llmcourse's GPUS table holds beyond these three. The table itself holds decoys while
+    the learner's function runs (see DECOY): its figures are to be written, not read. Ends with the engine's
+    prediction for Llama-3-8B on the cards it returns."""
     if not callable(fn):
         raise CheckFailed(f"✗ gpu_roof: expected a function, got {short(fn)}")
 
@@ -295,6 +366,8 @@ def check_gpu_roof(fn, *, seed: int = 0, n_random: int = 10) -> None:
         case("call", "RTX 4090", "the RTX 4090", "the Ada whitepaper: FP16 tensor with FP32 accumulate, GDDR6X"),
         case("unknown", "H100 PCIe", "a card not in the table (the PCIe H100 has other clocks and memory)"),
         case("unknown", "", "an empty name"),
+        case("unknown", "H200 SXM", "the H200 SXM: not one of the exercise's three cards (llmcourse's GPUS has it)"),
+        case("unknown", "Apple M3 Max", "Apple's M3 Max: not one of the exercise's cards (no FLOP/s published)"),
     ]
     rng = random.Random(seed)
     for i in range(n_random):  # repeated calls in any order: a table, not state
@@ -364,6 +437,11 @@ def _bytes_mistakes(rows: float, cols: float, fmt: str, dtype: str) -> list[tupl
     groups = rows * cols / 32
     return [
         (n / 2, "int4 also stores a float16 scale per group of 32 inputs of each row: + rows × cols/32 × 2 bytes"),
+        (
+            groups * 2,
+            "the weights count for nothing: 4 bits is half a byte, and 4 // 8 (or int(0.5)) truncates it to 0 — keep "
+            "the half (rows × cols / 2), or count bits and divide the total by 8",
+        ),
         (n * 4 + groups * 2, "int4 is 4 bits, half a byte per weight, not 4 bytes"),
         (n * 4, "int4 is 4 bits, half a byte per weight (not 4 bytes), plus a float16 scale per group of 32"),
         (n + groups * 2, "int4 is half a byte per weight: two weights per byte"),
@@ -918,18 +996,24 @@ def check_roofline_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
             'a tie is "memory": compute-bound means the FLOPs take strictly longer',
         ),
         case("a tie at datasheet scale", (989e12 * 3, 3.35e12 * 3, 989e12, 3.35e12), 'a tie is "memory"'),
+        case(
+            "Fractions, the intensity exactly the ridge point (2 FLOPs per byte)",
+            (Fraction(1, 3), Fraction(1, 6), Fraction(2, 3), Fraction(1, 3)),
+            'any Python number type; a tie is "memory"',
+        ),
         case("no FLOPs at all (a copy)", (0, 1e6, *A100)),
         case("integers", (10**15, 10**12, 312 * 10**12, 2039 * 10**9), "any Python number type"),
         case("numpy numbers", (np.float64(3.3e14), np.int64(8 * 10**9), np.float64(165.2e12), np.float64(1.008e12))),
     ]
     rng = random.Random(seed)
-    while len(cases) < 9 + n_random:
+    fixed = len(cases)
+    while len(cases) < fixed + n_random:
         flops, nbytes = 10 ** rng.uniform(3, 16), 10 ** rng.uniform(3, 12)
         peak, bandwidth = rng.choice(
             [H100, A100, RTX4090, M3_MAX, (10 ** rng.uniform(9, 16), 10 ** rng.uniform(8, 13))]
         )
         if not _tie(flops, nbytes, peak, bandwidth):
-            cases.append(case(f"random #{len(cases) - 9}", (flops, nbytes, peak, bandwidth)))
+            cases.append(case(f"random #{len(cases) - fixed}", (flops, nbytes, peak, bandwidth)))
 
     def engine_case(description, shape, machine, **keywords):
         return Case(
@@ -990,9 +1074,24 @@ def _clear_of_ties(args: tuple) -> bool:
     return all(_margin(shape, context, weights, dtype, peak, bandwidth, b) > 1e-6 for b in batches if b >= 1)
 
 
+def on_the_ridge(shape: ModelShape, batch: int, scale: int = 2**10) -> tuple[float, float]:
+    """A machine (peak FLOP/s, bandwidth) on which a float32 decode step of `batch` sequences, nothing cached, sits
+    exactly on the ridge: its two times are equal in floats too (`batch` a power of 2: every quotient is exact)."""
+    cost = engine_step_cost(shape, batch, 1, 0, "float32", "float32")
+    return float(cost.flops * scale), float(cost.bytes * scale)
+
+
 def _batch_hint(args: tuple, got: Any, expected: Optional[int]) -> str:
     shape, context, weights, dtype, peak, bandwidth, max_batch = args
     ridge = peak / bandwidth
+    if expected is not None and got == expected - 1:
+        cost = engine_step_cost(shape, got, 1, context, weights, dtype)
+        if cost.flops / peak == cost.bytes / bandwidth:
+            return (
+                f'at batch {got} the two times are exactly equal: memory-bound by the chapter\'s rule ("memory" on '
+                f"a tie, as roofline_time says), so the answer is the next batch — from a balance point x that is a "
+                "whole number, math.floor(x) + 1, not math.ceil(x)"
+            )
     if expected is None:
         if got == max_batch:
             return "when no batch up to max_batch is compute-bound, return None (not max_batch)"
@@ -1065,8 +1164,9 @@ def _run_batch(fn: Callable, how: str, *args):
 def check_critical_batch(fn, *, seed: int = 0, n_random: int = 10) -> None:
     """critical_batch(shape, context, weights, dtype, peak_flops, bandwidth, max_batch=1 << 20) -> the smallest batch
     at which a decode step (one new token per sequence, `context` cached) is compute-bound by step_cost and
-    roofline_time, or None if none up to max_batch is. An int; no case sits near a tie. Ends with Llama-3-70B on an
-    H100 through the guard the engine's figures use."""
+    roofline_time, or None if none up to max_batch is. An int; one case sits exactly on a tie (exact in floats too:
+    `on_the_ridge`), where the step is memory-bound; no other case sits near one. Ends with Llama-3-70B on an H100
+    through the guard the engine's figures use."""
     if not callable(fn):
         raise CheckFailed(f"✗ critical_batch: expected a function, got {short(fn)}")
 
@@ -1115,10 +1215,17 @@ def check_critical_batch(fn, *, seed: int = 0, n_random: int = 10) -> None:
             "numpy numbers",
             (l8, np.int64(256), "int8", "float16", np.float64(312e12), np.float64(2.039e12), np.int64(4096)),
         ),
+        case(
+            "a machine on whose ridge batch 64 sits exactly (the bundled model in float32, nothing cached): "
+            "memory-bound there, so 65",
+            (BUNDLED, 0, "float32", "float32", *on_the_ridge(BUNDLED, 64)),
+            'a tie is "memory": the smallest compute-bound batch is the one after the balance point',
+        ),
     ]
+    fixed = len(cases)
     rng = random.Random(seed)
     shapes = [*SHAPES.values(), BUNDLED]
-    while len(cases) < 13 + n_random:
+    while len(cases) < fixed + n_random:
         shape = rng.choice(shapes)
         context = rng.choice([0, rng.randint(1, 512), rng.randint(512, 65536)])
         weights = rng.choice(["float32", "float16", "bfloat16", "int8", "int4"])
@@ -1126,7 +1233,7 @@ def check_critical_batch(fn, *, seed: int = 0, n_random: int = 10) -> None:
         max_batch = rng.choice([1 << 20, 1 << 20, rng.randint(1, 4096)])
         args = (shape, context, weights, rng.choice(list(FLOAT_BYTES)), *machine, max_batch)
         if _clear_of_ties(args):
-            cases.append(case(f"random #{len(cases) - 13}", args))
+            cases.append(case(f"random #{len(cases) - fixed}", args))
     engine = (l70, 1024, "float16", "float16", *H100)
     cases.append(
         Case(

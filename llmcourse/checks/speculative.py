@@ -15,13 +15,14 @@ that the draft's own greedy continuation gets right; then the engine runs with i
     ...     tokens = lambda k: k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     ...     return max(range(1, max_k + 1), key=lambda k: tokens(k) / (k * c + 1))
     >>> check_best_k(best_k)
-    ✓ best_k — 29 cases
+    ✓ best_k — 32 cases
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 import math
 import numbers
 import random
@@ -45,6 +46,7 @@ from llmcourse.engine.tokenizer import get_tokenizer
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
+from .harness.inputs import _describe_change, _Inputs, _modify_hint
 from .harness.randomness import generator_contract
 from .harness.show import short
 from .kv_cache import decisive_model, one_thread
@@ -97,6 +99,42 @@ def chi2(counts: Tensor, probs: Tensor) -> tuple[float, float]:
 def fits(counts: Tensor, probs: Tensor) -> bool:
     value, limit = chi2(counts, probs)
     return value <= limit
+
+
+def watched(fn: Callable, args: tuple, may_modify: tuple = ()) -> _Inputs:
+    """Snapshots of `args` before fn(*args), for a call the check makes outside `call_learner` (its draws in a
+    loop, the engine's calls): `changed_input` then says whether the call changed one."""
+    inputs = _Inputs(fn, may_modify)
+    inputs.remember(args)
+    return inputs
+
+
+def named_like(run: Callable, fn: Callable, leading: tuple = ("kind",)) -> Callable:
+    """`run`, a check's runner called as run(*leading, *fn's arguments), given the signature that says so: a
+    changed input is then named as the learner named it (p, draft_token), not "argument #2"."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+        run.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in leading]
+            + [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY, default=inspect.Parameter.empty) for p in params]
+        )
+    except (TypeError, ValueError):  # a builtin, or *args: the harness numbers the arguments
+        pass
+    return run
+
+
+def changed_input(inputs: _Inputs, args: tuple) -> Verdict:
+    """None when the call left its arguments as `watched` saw them; else what changed and the hint."""
+    changed = inputs.changed(args)
+    if not changed:
+        return None
+    index, before = changed
+    name = inputs.name(index)
+    return (
+        f"changed its input `{name}`: your function must not change its arguments (the caller still needs them)\n"
+        f"{_describe_change(name, before, args[index])}",
+        _modify_hint(args[index]),
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,7 +192,20 @@ def _accept_mistakes(p: Tensor, q: Tensor) -> list[tuple[Tensor, str]]:
             "you never accept: the output has the right distribution, but every proposal is wasted; accept with "
             "probability min(1, p(x)/q(x))",
         ),
+        (
+            rule_outcomes(p, q, inverted_ratio(p, q), residual(p, q)),
+            "the ratio is upside down: accept with probability min(1, p(x)/q(x)) — the target's probability over "
+            "the draft's — not min(1, q(x)/p(x)), which keeps every proposal the target finds less likely than the "
+            "draft does",
+        ),
     ]
+
+
+def inverted_ratio(p: Tensor, q: Tensor) -> Tensor:
+    """min(1, q(x)/p(x)) for each x: the acceptance probability of a rule with its ratio upside down (1 where
+    p(x) = 0: q/0 is infinite)."""
+    p64, q64 = p.double(), q.double()
+    return torch.where(p64 > 0, q64 / p64.clamp(min=1e-300), torch.ones((), dtype=torch.float64)).clamp(max=1)
 
 
 @dataclasses.dataclass
@@ -166,6 +217,7 @@ class Draws:
     bad: Any = None  # (the arguments, what came back) of the first result that is not (bool, token id)
     problem: str = ""
     summary: str = ""
+    hint: str = ""
 
     def __repr__(self) -> str:
         if self.bad is not None:
@@ -281,6 +333,11 @@ def _accept_verdict(case: Case, got: Any) -> Verdict:
             f"{float(freq[worst]):.1%} of the time, p({worst}) = {float(p[worst]):.1%}"
             + (f" (chi-square {value:.0f}; a correct rule stays below {limit:.0f})" if math.isfinite(value) else "")
         )
+        if not fits(torch.tensor([accepted, n - accepted]), torch.tensor([alpha, 1 - alpha])):
+            problem += (
+                f"; and {accepted / n:.1%} of the proposals were accepted, where min(1, p(x)/q(x)) accepts "
+                f"Σ min(p, q) = {alpha:.1%} of them"
+            )
     elif not fits(counts, want):
         problem = (
             f"the tokens follow p, but the rule accepted {accepted / n:.1%} of the proposals; accepting with "
@@ -395,13 +452,18 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
     with probability min(1, p(x)/q(x)), else a token drawn from max(0, p - q) normalised; checked by its
     outcomes' frequencies over many calls."""
 
-    # Randomness as a contract: x = 0 kept with probability p(0)/q(0) = 1/4, else one of 3 tokens (4 outcomes of
-    # 1/4 each: 8 calls agree by chance with probability 4 · 4^-8 = 6e-5)
-    p, q = _dist([0.1, 0.3, 0.3, 0.3]), _dist([0.4, 0.2, 0.2, 0.2])
+    # Randomness as a contract, on two proposals whose outcomes are random for the rule and for the rule with its
+    # ratio upside down alike (so that the frequency cases, not this contract, name that mistake): x = 0 kept with
+    # probability p/q = 1/4 (upside down: always), else one of 3 tokens; x = 1 always kept (upside down: kept with
+    # probability q/p = 1/4, else one of those 3 tokens). 4 outcomes of 1/4 each: 8 calls agree by chance with
+    # probability 4 · 4^-8 = 6e-5.
+    p, q = _dist([0.1, 0.2, 0.2, 0.2, 0.3]), _dist([0.4, 0.05, 0.05, 0.05, 0.45])
     generator_contract(
         "accept_token",
-        lambda g: call_learner("accept_token", fn, (p, q, 0, g), forbid=[NO_ENGINE], may_modify=(3,)),
-        what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token=0, generator)",
+        lambda g: tuple(
+            call_learner("accept_token", fn, (p, q, x, g), forbid=[NO_ENGINE], may_modify=(3,)) for x in (0, 1)
+        ),
+        what=f"accept_token(p={_fmt(p)}, q={_fmt(q)}, draft_token, generator) for draft_token 0, then 1",
     )
 
     def run(kind, *args):
@@ -436,7 +498,7 @@ def check_accept_token(fn, *, seed: int = 0, n_random: int = 2, n_draws: int = 1
     cases = accept_cases(seed, n_random, n_draws) + engine_cases("accept_token", ("draft", "lookup-sampled"))
     run_check(
         "accept_token",
-        run,
+        named_like(run, fn),
         cases,
         judge=_accept_verdict,
         forbid=[NO_ENGINE],
@@ -489,6 +551,11 @@ def _greedy_hint(target: list[int], drafted: list[int], got: tuple) -> str:
             f"proposal {n} ({drafted[n]}) is not the target's token ({target[n]}): it is rejected, so {n} are "
             "accepted — do not count the rejected one"
         )
+    if got_n == k > n and token == target[k]:
+        return (
+            f"every proposal was kept, but the target gives proposal {n} ({drafted[n]}) probability p = 0, so "
+            "min(1, p(x)/q(x)) = 0 rejects it: the ratio is upside down — min(1, q(x)/p(x)) is 1 there"
+        )
     if got_n > n:
         return "stop at the first rejection: the proposals after it were drafted after a wrong token and mean nothing"
     if n == k and got_n == k and token != target[k]:
@@ -519,11 +586,11 @@ def _verify_verdict(case: Case, got: Any) -> Verdict:
         return f"expected {case.expected}, got {got}", _greedy_hint(p.argmax(-1).tolist(), drafted, got)
     _, p, q, n, _ = case.args
     if got.bad is not None:
-        return got.problem, "return (how many proposals were accepted, the token that comes next)"
+        return got.problem, got.hint or "return (how many proposals were accepted, the token that comes next)"
     first, second, bonus, counts = got.counts
     alphas = [float(torch.minimum(p[i].double(), q[i].double()).sum()) for i in range(2)]
     want_counts = torch.tensor([1 - alphas[0], alphas[0] * (1 - alphas[1]), alphas[0] * alphas[1]])
-    hint = (
+    hint = case.hint or (  # the case's own hint names what it was built to catch
         "verify calls your accept_token at each position until the first rejection; if all k are accepted, the "
         "bonus token is drawn from p[k]"
     )
@@ -564,7 +631,11 @@ def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Dra
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for x1, x2 in proposals.tolist():
-            out = fn(p, q, [x1, x2], g)
+            drafted = [x1, x2]
+            out = fn(p, q, drafted, g)
+            if drafted != [x1, x2]:
+                changed = changed_input(watched(fn, (p, q, [x1, x2])), (p, q, drafted))
+                return Draws(n, bad=((p, q, [x1, x2]), out), problem=changed[0], hint=changed[1])
             problem = _verify_result_problem(out, 2, V)
             if problem:
                 return Draws(n, bad=((p, q, [x1, x2]), out), problem=f"with the proposals [{x1}, {x2}]: {problem}")
@@ -704,7 +775,7 @@ def check_verify(fn, *, seed: int = 0, n_random: int = 3, n_draws: int = 1000) -
     cases += engine_cases("verify", ("draft", "lookup-sampled"))
     run_check(
         "verify",
-        run,
+        named_like(run, fn),
         cases,
         judge=_verify_verdict,
         forbid=[NO_ENGINE],
@@ -744,6 +815,15 @@ LOOKUP_MISTAKES = [  # the first whose answer is the learner's names the mistake
 ]
 
 
+def _stale_answer(case: Case, got: list) -> bool:
+    """Whether `got` looks like an answer kept from another call: the engine's growing text, or the right answer for
+    other arguments."""
+    tokens, k, max_ngram = case.args if len(case.args) == 3 else (*case.args, 3)
+    return case.description.startswith("the engine's calls") or any(
+        _lookup(tokens, k2, n2) == got for k2 in range(1, 9) for n2 in range(1, 6) if (k2, n2) != (k, max_ngram)
+    )
+
+
 def _lookup_verdict(case: Case, got: Any) -> Verdict:
     if case.args[0] == "engine":
         return engine_verdict("prompt_lookup_draft", case, got) or _lookup_engine_calls(got)
@@ -760,10 +840,7 @@ def _lookup_verdict(case: Case, got: Any) -> Verdict:
             "the engine calls prompt_lookup_draft(tokens, num_draft_tokens) without max_ngram: its default "
             "must be 3 (def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3))"
         )
-    elif not hint and (
-        case.description.startswith("the engine's calls")
-        or any(_lookup(tokens, k2, n2) == got for k2 in range(1, 9) for n2 in range(1, 6) if (k2, n2) != (k, max_ngram))
-    ):
+    elif not hint and not case.hint and _stale_answer(case, got):  # a guess: a case's own hint says more
         hint = (
             "each call must depend on its own arguments only: a cache of earlier answers (or of an index of the "
             "text) keyed on part of them gives a stale answer when the text grows or num_draft_tokens changes"
@@ -788,7 +865,7 @@ def _lookup_engine_calls(got: EngineRun) -> Verdict:
                 f"{k}) — the engine's call, without max_ngram",
                 expected,
                 out,
-                [hint, LOOKUP_ENGINE_HINT],
+                [LOOKUP_ENGINE_HINT, hint],  # it passed every case: what the engine's calls add is the news
             )
     return None
 
@@ -853,6 +930,7 @@ class EngineRun:
 
     tokens: Any
     calls: list
+    changed: Verdict = None  # the first call that changed an input: what changed, and the hint
 
     def __repr__(self) -> str:
         if isinstance(self.tokens, PartError):
@@ -865,14 +943,17 @@ def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
     code runs unwatched (and faster); the learner's calls run under the check's watch."""
     watch = sys.getprofile()
     calls: list = []
+    changed: list = []
 
     def theirs(*args):
+        inputs = watched(fn, args)
         sys.setprofile(watch)
         try:
             out = fn(*args)
         finally:
             sys.setprofile(None)
         calls.append((args, out))
+        changed.append(changed_input(inputs, args))
         return out
 
     theirs.__name__ = theirs.__qualname__ = getattr(fn, "__qualname__", name)
@@ -883,7 +964,7 @@ def _in_engine(name: str, fn: Callable, run: str) -> EngineRun:
         tokens = err
     finally:
         sys.setprofile(watch)
-    return EngineRun(tokens, calls)
+    return EngineRun(tokens, calls, next(filter(None, changed), None))
 
 
 def engine_cases(name: str, runs: tuple[str, ...]) -> list[Case]:
@@ -926,6 +1007,8 @@ def engine_verdict(name: str, case: Case, got: EngineRun) -> Verdict:
     """The verdict on an ("engine", run) case: the engine did not stop the learner's function, and a greedy run
     gave the engine's own tokens."""
     hint = LOOKUP_ENGINE_HINT if name == "prompt_lookup_draft" else ENGINE_HINT.format(name=name)
+    if got.changed:
+        return f"with your {name} in the engine, a call {got.changed[0]}", got.changed[1]
     if isinstance(got.tokens, PartError):
         lines = str(got.tokens).split("\n")
         return (
@@ -1045,7 +1128,7 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
 
     run_check(
         "prompt_lookup_draft",
-        run,
+        named_like(run, fn, leading=()),
         cases,
         judge=_lookup_verdict,
         forbid=[NO_ENGINE],
@@ -1251,6 +1334,28 @@ def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
         case("α close to 1, max_k = 64", 0.999999, 0.02, 64),
         case("α = 0.95, c = 0.01, max_k = 64: an optimum far inside", 0.95, 0.01, 64),
         case("fractions: α = 3/5, c = 1/10", Fraction(3, 5), Fraction(1, 10), 8),
+        # Exact ties inside the range (Fractions: no float is a tie there; floats computed from these round to one)
+        case(
+            "an exact tie between k = 2 and k = 3 (both 3/2×): α = 1/2, c = 1/12 as Fractions",
+            Fraction(1, 2),
+            Fraction(1, 12),
+            8,
+            hint="on a tie take the smallest k",
+        ),
+        case(
+            "an exact tie between k = 3 and k = 4 (both 27/16×): α = 0.5, c = 1/27 (a Fraction)",
+            0.5,
+            Fraction(1, 27),
+            6,
+            hint="on a tie take the smallest k",
+        ),
+        case(
+            "an exact tie between k = 1 and k = 2 (both 31/25×): α = 2/5, c = 4/31",
+            Fraction(2, 5),
+            Fraction(4, 31),
+            5,
+            hint="on a tie take the smallest k",
+        ),
         case("the best k is max_k - 1... or max_k", 0.75, 0.02, 7),
     ]
     count = 0
@@ -1553,16 +1658,28 @@ def _run_rounds(fn: Callable, pair: Pair, watch) -> RoundRun:
         log = RoundLog(len(run.rounds), list(tokens), k)
         run.rounds.append(log)
         log.draft_before = draft_cache.length
+        given = list(tokens)  # the learner's copy: the round must leave it as it is
         with CountCalls(target) as counter, CountCalls(draft) as drafted:
             drafted.written = draft_cache.length
             sys.setprofile(watch)
             try:
-                log.out = fn(target, draft, target_cache, draft_cache, list(tokens), k)
+                log.out = fn(target, draft, target_cache, draft_cache, given, k)
             finally:
                 sys.setprofile(None)
         log.target_calls, log.draft_written = counter.calls, drafted.written
         log.target_length, log.draft_length = target_cache.length, draft_cache.length
-        _round_problem(log, pair)
+        if given != tokens:
+            log.problem = (
+                f"changed its input `tokens` (the text so far): {len(tokens)} tokens ending "
+                f"{short(tokens[-4:], 60)} before the round, {len(given)} ending {short(given[-4:], 60)} after it"
+            )
+            log.hint = (
+                "leave `tokens` as it is (no tokens += …, .append, .extend): the caller adds the tokens your round "
+                "returns, so appending them too would add them twice; build what you feed in a new list, "
+                "[tokens[-1], *proposals]"
+            )
+        else:
+            _round_problem(log, pair)
         if log.problem:
             run.failed = log
             return run
@@ -1759,5 +1876,4 @@ def check_speculative_round(fn, *, seed: int = 0, n_random: int = 1, bundled: bo
         show_call=show,
         seconds=10,
         total_seconds=40,
-        may_modify=True,
     )
