@@ -2049,7 +2049,8 @@ def stream_tokens(
                 generator = torch.Generator().manual_seed(seed)
             token = int(S.next_token(model(torch.tensor([ids]))[:, -1], settings, seen, generator))
             ids.append(token)
-            seen[0, token] |= seen_new
+            if seen_new:
+                seen[0, token] = True
     return ids[len(prompt_ids) :]
 
 
