@@ -12,7 +12,7 @@ outside the root, GELU's erf form, a transposed weight, post-LN, an untied head,
     >>> def gelu(x):
     ...     return 0.5 * x * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (x + 0.044715 * x**3)))
     >>> check_gelu(gelu)
-    ✓ gelu — 20 cases
+    ✓ gelu — 21 cases
 
 The engine's own functions are the black boxes: passing `llmcourse.engine.parts.gelu` itself fails.
 """
