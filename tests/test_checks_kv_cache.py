@@ -838,8 +838,9 @@ def test_decode_step_mistakes_are_named(fn, pattern):
 
 def test_decode_step_messages_show_input_expected_got():
     message = fails(check_decode_step, STEP_MISTAKES["no_kv_cache"][0], "")
-    assert "input:    decode_step(n_params=124439808, kv_bytes_per_token=36864, context=1024" in message, message
-    assert "expected: (248879616, 286628352)" in message and "got:      (248879616, 248879616)" in message, message
+    assert re.search(r"input:    decode_step\(n_params=\d+, kv_bytes_per_token=\d+, context=\d+", message), message
+    shown = re.search(r"expected: \((\d+), (\d+)\)\n  got:      \((\d+), (\d+)\)", message)  # at its smallest
+    assert shown and shown[1] == shown[3] and shown[2] != shown[4], message  # the FLOPs right, the bytes not
 
 
 def test_decode_step_alternatives_pass(capsys):

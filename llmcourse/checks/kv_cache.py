@@ -657,7 +657,7 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
         Case(
             "a model on another device: KVCache(..., device='meta', dtype=torch.bfloat16) (meta stands for a GPU: "
             "tensors with a device and a dtype, no values)",
-            ("device", *device_spec),
+            ("device", device_spec),
             "",
             DEVICE_HINT,
         )
@@ -673,7 +673,7 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
 
     def show(args: tuple) -> str:
         if args[0] == "device":
-            config, b, m, d = args[1:]
+            config, b, m, d = args[1]
             return (
                 f"cache = KVCache({_config_text(config)}, batch_size={b}, max_len={m}, device='meta', dtype={d}); "
                 f"cache.update(0, k, v) with k and v [B, n_kv_head, 2, head_dim] on meta"
@@ -735,12 +735,12 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
             )
         return None
 
-    def run(kind, *args):
+    def run(kind, specs, steps=None, defaults=False):  # named for messages: "changed its input `steps`" (k, v)
         if kind == "engine":
-            return _run_in_engine(cls, *args)
+            return _run_in_engine(cls, specs)  # specs: the seed
         if kind == "device":
-            return _device_problem(cls, *args)
-        return _run_caches(cls, *args)
+            return _device_problem(cls, *specs)
+        return _run_caches(cls, specs, steps, defaults)
 
     run_check(
         "KVCache",
