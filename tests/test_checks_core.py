@@ -276,6 +276,33 @@ def test_a_forbidden_c_extension_is_refused_when_imported():
     assert name not in sys.modules
 
 
+def test_torchscript_and_imports_are_refused_only_for_forbidden_names():
+    """A learner's own TorchScript function and an import of an allowed module pass; a probe of a forbidden module
+    (importlib.util.find_spec, as libraries check what is installed) is answered; both watches end with the call."""
+    own = torch.jit.script(lambda_free_double)
+
+    def fn(x):
+        import quopri  # noqa: F401  (allowed, perhaps imported here for the first time)
+
+        assert importlib.util.find_spec("colorsys") is not None  # forbidden, not imported: only probed
+        return own(x)
+
+    calls = {kind: kind.__call__ for kind in forbid._SCRIPT_TYPES}
+    imported = "colorsys" in sys.modules
+    run_check(
+        "double",
+        fn,
+        [Case("a case", (torch.ones(2),), torch.full((2,), 2.0))],
+        forbid=[Forbidden("colorsys"), Forbidden(f"{__name__}.black_box")],
+    )
+    assert all(kind.__call__ is call for kind, call in calls.items()) and forbid._IMPORTS not in sys.meta_path
+    assert ("colorsys" in sys.modules) == imported
+
+
+def lambda_free_double(x: torch.Tensor) -> torch.Tensor:
+    return 2 * x
+
+
 def test_torch_functions_are_caught_by_name_on_every_route():
     from torch import sort as sort_imported_early
 
@@ -973,6 +1000,16 @@ def test_shrinking_is_bounded_and_can_be_switched_off():
     with pytest.raises(CheckFailed) as caught:
         run_check("softmax", _softmax_wrong_at_5, [Case("fixed", (x,), torch.softmax(x, -1))], judge=CLOSE)
     assert "shrunk" not in str(caught.value)
+
+
+def test_a_case_whose_reference_holds_more_than_its_arguments_is_not_shrunk():
+    x = torch.randn(4, 61)
+    derived = Case("derived", (x,), later(lambda x, wide: torch.softmax(wide, -1).float(), x, x.double()))
+    drawn = Case("drawn", (x,), later(lambda x, g: torch.softmax(x, -1), x, torch.Generator().manual_seed(0)))
+    for case in (derived, drawn):  # a shrunk x would meet the unshrunk x.double(), a generator every try advances
+        with pytest.raises(CheckFailed) as caught:
+            run_check("softmax", _softmax_wrong_at_5, [case], judge=CLOSE)
+        assert "shrunk" not in str(caught.value) and "shape=(4, 61)" in str(caught.value)
 
 
 def test_a_shrunk_tensor_keeps_its_layout_and_the_case_its_own():

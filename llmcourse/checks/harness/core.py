@@ -555,6 +555,8 @@ def _shrunk(
     which anything raises (the learner's function, the reference, the judge) is simply not smaller."""
     reference: Later = case.expected
     pairs = _shared_arguments(case.args, reference.args)
+    if not shrinking.safe(case.args, reference.args, reference.kwargs, pairs):
+        return None
 
     def attempt(args: tuple) -> Optional[tuple]:
         theirs = list(reference.args)

@@ -658,9 +658,13 @@ class forbidding:
         if self.aten is not None:
             self.aten.__enter__()
         if rules.modules or rules.names:
-            _WATCHES.append(self)
-            if len(_WATCHES) == 1:
-                _start_watching_scripts_and_imports()
+            limits._critical += 1  # a time-out falling due here would leave the watches half set up
+            try:
+                _WATCHES.append(self)
+                if len(_WATCHES) == 1:
+                    _start_watching_scripts_and_imports()
+            finally:
+                limits._critical -= 1
         return self
 
     def __exit__(self, kind, err, tb) -> bool:

@@ -77,6 +77,33 @@ def worth_it(got: Any, expected: Any) -> bool:
     return type(got) is type(expected)
 
 
+_ATOMS = (int, float, complex, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def _data(value: Any) -> bool:
+    """An atom, a plain tensor, or a list or tuple of such: what a case can be cut from without hidden state (a
+    torch.Generator would be advanced by every try, a model or a dict of weights is not cut)."""
+    if isinstance(value, _ATOMS) or type(value) is torch.Tensor:
+        return True
+    return type(value) in (list, tuple) and all(map(_data, value))
+
+
+def safe(args: tuple, theirs: tuple, kwargs: dict, pairs: Sequence[tuple[int, int]]) -> bool:
+    """Whether a case (`args`) and its reference's arguments (`theirs`, `kwargs`), paired as `pairs` says (args[i]
+    is theirs[j]), can shrink together: the paired ones are data (`_data`), every other one an atom (or, for the
+    reference, a function: `in_float64`'s). A reference argument that is not the case's own (a tensor derived from
+    one, a generator) would not shrink with it.
+
+    >>> x = torch.zeros(3)
+    >>> safe((x, 2), (torch.softmax, x, 2), {}, [(0, 1), (1, 2)]), safe((x,), (x, x.double()), {}, [(0, 0)])
+    (True, False)
+    """
+    mine, paired = {i for i, _ in pairs}, {j for _, j in pairs}
+    case_ok = all(_data(a) if i in mine else isinstance(a, _ATOMS) for i, a in enumerate(args))
+    others = [b for j, b in enumerate(theirs) if j not in paired] + list(kwargs.values())
+    return bool(pairs) and case_ok and all(isinstance(b, _ATOMS) or callable(b) for b in others)
+
+
 def _kind(problem: str) -> list[str]:
     return re.findall(r"[a-z]+", problem.lower())[:3]
 
