@@ -1198,8 +1198,29 @@ def linear_eps_floor(x, q, scale, bias):
     return y if bias is None else y + bias
 
 
+def linear_scales_x_in_place(x, q, scale, bias):
+    """x.reshape(...).float() is x itself for a contiguous float32 x: dividing it by s_x changes the caller's x."""
+    rows = x.reshape(-1, x.shape[-1]).float()
+    s_x = rows.abs().amax(dim=-1) / 127
+    rows /= torch.where(s_x == 0, 1.0, s_x)[:, None]
+    x_q = torch.round(rows).clamp(-127, 127).to(torch.int8)
+    y = (x_q.to(torch.int32) @ q.to(torch.int32).T).float() * (s_x[:, None] * scale.float())
+    y = y.to(x.dtype).reshape(*x.shape[:-1], q.shape[0])
+    return y if bias is None else y + bias
+
+
+def smooth_powers_in_place(act_absmax, weight, alpha=0.5):
+    """act_absmax.float() is act_absmax itself: raising it to alpha in place changes the caller's statistics."""
+    a = act_absmax.float()
+    a **= alpha
+    w = weight.float().abs().amax(dim=0)
+    return torch.where((a > 0) & (w > 0), a / w ** (1 - alpha), 1.0)
+
+
 ISSUE41_MISTAKES = [
     (q8(int8_divides_in_place), r"changed its input `w`.*in-place operation"),
+    (lin(linear_scales_x_in_place), r"changed its input `x`.*in-place operation"),
+    (smo(smooth_powers_in_place), r"changed its input `act_absmax`.*in-place operation"),
     (q8(int8_without_floor), r"subnormal values.*expected 0, got 127.*this row's scale is 0 although its values"),
     (q8(int8_eps_floor), r"rows of tiny values.*only rows of tiny values are wrong: the scale has no floor"),
     (

@@ -1210,3 +1210,13 @@ def test_best_k_exact_ties_are_ties():
         in_floats = [engine.expected_speedup(float(alpha), k, float(c)) for k in (k1, k2)]
         assert in_floats[0] == in_floats[1]
         assert engine.best_k(alpha, c, 8) == k1
+
+
+def test_verify_draws_watch_the_proposals_list():
+    """The frequency case's own calls (outside run_check) see a verify that changes the list it is given."""
+    p = torch.stack([torch.tensor([0.5, 0.3, 0.2])] * 3)
+    q = torch.stack([torch.tensor([0.2, 0.3, 0.5])] * 2)
+    draws = spec_checks._draw_verifies(verify_appends_the_bonus, p, q, 50, 0)
+    assert draws.bad is not None and "changed its input `draft_tokens`" in draws.problem, draws.problem
+    assert "build a new list" in draws.hint
+    assert spec_checks._draw_verifies(verify, p, q, 50, 0).bad is None

@@ -197,15 +197,18 @@ def _engine_run(fmt: str, fns: dict[str, Callable], calibrate: bool = False) -> 
     changed: list = []
 
     def recorded(name: str, fn: Callable) -> Callable:
+        inputs = watched(fn, ())  # the engine passes the model's own weights: each snapshot once, for every call
+
         def call(*args):
-            inputs = watched(fn, args) if not changed else None  # the engine passes the model's own weights
+            if not changed:
+                inputs.remember(args)
             sys.setprofile(watch)
             try:
                 out = fn(*args)
             finally:
                 sys.setprofile(None)
             calls.append((name, args, out))
-            verdict = changed_input(inputs, args) if inputs is not None else None
+            verdict = None if changed else changed_input(inputs, args)
             if verdict:
                 changed.append((len(calls) - 1, verdict))
             return out

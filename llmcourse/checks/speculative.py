@@ -129,11 +129,15 @@ def changed_input(inputs: _Inputs, args: tuple) -> Verdict:
     if not changed:
         return None
     index, before = changed
-    name = inputs.name(index)
+    return change_verdict(inputs.name(index), before, args[index])
+
+
+def change_verdict(name: str, before: Any, after: Any) -> tuple[str, str]:
+    """What a call changed in its argument `name`, and the hint."""
     return (
         f"changed its input `{name}`: your function must not change its arguments (the caller still needs them)\n"
-        f"{_describe_change(name, before, args[index])}",
-        _modify_hint(args[index]),
+        f"{_describe_change(name, before, after)}",
+        _modify_hint(after),
     )
 
 
@@ -630,12 +634,12 @@ def _draw_verifies(fn: Callable, p: Tensor, q: Tensor, n: int, seed: int) -> Dra
     accepted = torch.zeros(3, dtype=torch.long)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        for x1, x2 in proposals.tolist():
+        for x1, x2 in proposals.tolist():  # p and q are the case's arguments, which run_check watches
             drafted = [x1, x2]
             out = fn(p, q, drafted, g)
             if drafted != [x1, x2]:
-                changed = changed_input(watched(fn, (p, q, [x1, x2])), (p, q, drafted))
-                return Draws(n, bad=((p, q, [x1, x2]), out), problem=changed[0], hint=changed[1])
+                problem, hint = change_verdict(watched(fn, ()).name(2), [x1, x2], drafted)
+                return Draws(n, bad=((p, q, [x1, x2]), out), problem=problem, hint=hint)
             problem = _verify_result_problem(out, 2, V)
             if problem:
                 return Draws(n, bad=((p, q, [x1, x2]), out), problem=f"with the proposals [{x1}, {x2}]: {problem}")
