@@ -5,12 +5,14 @@ attentions by their log-sum-exp.
 Each check compares the learner's function with the engine's (`llmcourse.engine.parts`,
 `llmcourse.engine.tiled_attention`), computed in float64 and returned in the input's dtype, on fixed edge
 cases and seeded random ones: batch > 1, several heads, float64, odd sizes, masks of every shape,
-values far from 0. When an answer is wrong, the message also names the mistake when the wrong
-answer is exactly what a known mistake gives (no max shift, dividing by d instead of √d, the mask
-inverted or applied after the softmax, heads split in the wrong order, the running sum not
-rescaled, a merge that overflows or weighs its parts 50/50, ...). The tiled attention check also watches
-every tensor the learner's function makes (no score tensor wider than the block in both dimensions), and
-the merge's check ends in `LLMEngine`, whose decode steps merge the partitions of a context with it.
+values far from 0, float16 and bfloat16 with scores of about 1e4 (exact in their dtype: `large_exact_scores`).
+When an answer is wrong, the message also names the mistake when the wrong answer is exactly what a known
+mistake gives (no max shift, dividing by d instead of √d, the mask inverted or applied after the softmax, heads
+split in the wrong order, the running sum not rescaled, a merge that overflows or weighs its parts 50/50, ...).
+The tiled attention check also watches every tensor the learner's function makes (no score tensor wider than
+the block in both dimensions) and the order of its products of queries and keys (FlashAttention-2's: the query
+blocks outside, each finished before the next), and the merge's check ends in `LLMEngine`, whose decode steps
+merge the partitions of a context with it.
 
     >>> def causal_mask(n_query, n_key):
     ...     query_pos = torch.arange(n_key - n_query, n_key)
@@ -1439,13 +1441,12 @@ def _loop_order_problem(
             rows = set((queries[queries // Tq == head] % Tq).tolist())
             per_head.setdefault(head, []).append((rows, set((keys[keys // Tk == head] % Tk).tolist())))
     for steps in per_head.values():
-        trace = [f"queries {_rows_text(rows)} with keys {_rows_text(keys)}" for rows, keys in steps if keys]
+        steps = [(rows, keys) for rows, keys in steps if keys]  # this head's queries with this head's keys
+        trace = [f"queries {_rows_text(rows)} with keys {_rows_text(keys)}" for rows, keys in steps]
         current: set = set()
         left_for: dict[int, set] = {}  # a query the loop has moved on from -> the queries it moved on to
         met: dict[int, set] = {}
         for n, (rows, keys) in enumerate(steps):
-            if not keys:
-                continue
             if len(rows) > block:
                 return (
                     f"your function multiplied {len(rows)} queries at once (rows {_rows_text(rows)}) with keys "
@@ -1461,13 +1462,13 @@ def _loop_order_problem(
                 current |= rows
             back = {i for i in rows if i in left_for and keys - met.get(i, set())}
             if back:
-                shown = trace[: min(n, 3)] + (["…"] if n > 3 else []) + [trace[n] if n < len(trace) else ""]
+                shown = trace[: min(n, 3)] + (["…"] if n > 3 else []) + [trace[n]]
                 return (
                     f"your function multiplied queries {_rows_text(back)} with keys {_rows_text(keys)} after it had "
                     f"moved on to queries {_rows_text(left_for[min(back)])}: the key blocks are the outer loop and "
                     "the query blocks inside (FlashAttention-1's order), so every query's running m, l and acc are "
                     "rewritten once per key block",
-                    ", then ".join(s for s in shown if s),
+                    ", then ".join(shown),
                 )
             for i in rows:
                 met.setdefault(i, set()).update(keys)

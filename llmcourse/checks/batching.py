@@ -12,8 +12,9 @@ contexts split into partitions) must give every request exactly the tokens it ge
 stops at EOS id 0, and several do end early). The cases reach what the engine meets: `left_pad` called
 without its pad id (as the engine calls it), real tokens equal to the pad id, 1024-token prompts; pools of
 300 blocks and a block with 300 users, two allocators alive at once; block sizes that are not powers of two
-and a server's scale for `schedule`; stale keys in unused slots, a non-contiguous query and float16 for
-`paged_attention`; the same input with one argument changed; Python ints where the engine takes them.
+and a server's scale for `schedule`, with requests that fill their blocks, the free blocks or the token budget
+exactly; stale keys in unused slots, a non-contiguous query, and float16 and bfloat16 with scores of about 1e4
+for `paged_attention`; the same input with one argument changed; Python ints where the engine takes them.
 Expected answers are computed after the learner's call.
 
     >>> def block_hashes(token_ids, block_size):
@@ -22,7 +23,7 @@ Expected answers are computed after the learner's call.
     ...         hashes.append(hash((hashes[-1] if hashes else None, tuple(token_ids[start : start + block_size]))))
     ...     return hashes
     >>> check_block_hashes(block_hashes)
-    ✓ block_hashes — 38 cases
+    ✓ block_hashes — 43 cases
 """
 
 from __future__ import annotations

@@ -8,10 +8,13 @@ batch > 1, float64, float16 and bfloat16, several layers, writes of several posi
 as the model passes them (views split from the qkv projection: not contiguous), 1024 positions, a
 cache rolled back as speculative decoding does, two caches alive at once, a cache whose unused
 positions hold stale values. A cache is also checked for *how* it works: its tensors are allocated
-once and written in place (their `data_ptr()` never changes, and `update` returns views of them), and
-the engine's generation then runs it as `my_engine` installs it. The loop must make one cache for the
-whole generation, prefill the prompt once and feed one token per step, and the model may compute no
-more positions than that (a loop that also recomputes the whole sequence fails). The formulas are
+once and written in place (their `data_ptr()` never changes, and `update` returns views of them), made on
+the device and in the dtype asked for (a cache made on `device="meta"`, which stands for a GPU on any
+machine), and the engine's generation then runs it as `my_engine` installs it. The loop must make one
+cache for the whole generation, on the model's device and in its dtype, prefill the prompt once and feed
+one token per step: n new tokens take exactly n forward passes, the prefill and n - 1 decode steps, and the
+model may compute no more positions than that (a loop that feeds its last token back, or also recomputes
+the whole sequence, fails). Half-precision attention is checked with scores of about 1e4, exact in its dtype. The formulas are
 exact: answers within a relative 1e-9 (float rounding) pass, in any Python number type, and a wrong one is
 matched against the common mistakes to name it. Expected answers are computed after the learner's call.
 
