@@ -14,9 +14,9 @@ machine), and the engine's generation then runs it as `my_engine` installs it. T
 cache for the whole generation, on the model's device and in its dtype, prefill the prompt once and feed
 one token per step: n new tokens take exactly n forward passes, the prefill and n - 1 decode steps, and the
 model may compute no more positions than that (a loop that feeds its last token back, or also recomputes
-the whole sequence, fails). Half-precision attention is checked with scores of about 1e4, exact in its dtype. The formulas are
-exact: answers within a relative 1e-9 (float rounding) pass, in any Python number type, and a wrong one is
-matched against the common mistakes to name it. Expected answers are computed after the learner's call.
+the whole sequence, fails). Half-precision attention is checked with scores of about 1e4, exact in its dtype.
+The formulas are exact: answers within a relative 1e-9 (float rounding) pass, in any Python number type, and a
+wrong one is matched against the common mistakes to name it. Expected answers are computed after the learner's call.
 
     >>> def decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2):
     ...     return 2 * n_params * batch, n_params * bytes_per_weight + batch * context * kv_bytes_per_token
