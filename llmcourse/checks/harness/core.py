@@ -574,8 +574,8 @@ def _shrunk(
     found = shrinking.shrink(case.args, [i for i, _ in pairs], attempt, verdict, seconds=seconds)
     if found is None:
         return None
-    before = shrinking.summary(case.args, names, found.case.args)
-    return found.case, found.got, found.verdict, f"{case.description} (shrunk from {before})"
+    changes = shrinking.summary(case.args, names, found.case.args)
+    return found.case, found.got, found.verdict, f"{case.description} ({changes})"
 
 
 def unwritten_helper(fn: Callable) -> Callable:

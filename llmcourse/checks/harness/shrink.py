@@ -25,7 +25,9 @@ string naming a mode) stays as it is.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import re
 import warnings
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -125,8 +127,7 @@ def shrink(
     best: Optional[Shrunk] = None
     current, left = args, tries
     try:
-        with time_limit(seconds) as limit, warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # what the tries warn about (a variance of one value) is not the learner's
+        with time_limit(seconds) as limit, _quietly():
             improved = True
             while improved and left > 0:
                 improved = False
@@ -142,6 +143,16 @@ def shrink(
         if not limit.expired:
             raise
     return best
+
+
+@contextlib.contextmanager
+def _quietly() -> Iterator[None]:
+    """The tries print and warn nothing: a learner's debugging print would come 300 times, and a warning about the
+    variance of one value is the try's, not the learner's."""
+    out, err = io.StringIO(), io.StringIO()
+    with warnings.catch_warnings(), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _shrinkable(value: Any) -> bool:
@@ -236,20 +247,29 @@ def _layout_of(value: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
 
 
 def summary(args: tuple, names: Callable[[int], str], shrunk: tuple) -> str:
-    """The arguments that shrinking changed, as they were: 'logits [4, 61], k=5' (values: 'x's values')."""
-    parts = []
+    """What shrinking changed, for the case's description: the arguments' sizes as they were, and whose values
+    were simplified (same size, other values).
+
+    >>> x, y = torch.zeros(4, 61), torch.ones(3)
+    >>> summary((x, 5, y), lambda i: "xky"[i], (x[:1, :6], 2, torch.zeros(3)))
+    'shrunk from x [4, 61], k=5; y simplified'
+    """
+    sizes, simplified = [], []
     for i, (before, after) in enumerate(zip(args, shrunk)):
         if before is after:
             continue
         name = names(i)
-        if isinstance(before, torch.Tensor):
-            same_size = isinstance(after, torch.Tensor) and after.shape == before.shape
-            parts.append(f"{name}'s values" if same_size else f"{name} {list(before.shape)}")
+        if isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and after.shape == before.shape:
+            simplified.append(name)
+        elif isinstance(before, torch.Tensor):
+            sizes.append(f"{name} {list(before.shape)}")
         elif isinstance(before, list):
-            parts.append(f"{name} of {len(before)} items")
+            sizes.append(f"{name} of {len(before)} items")
         else:
-            parts.append(f"{name}={before}")
-    return ", ".join(parts)
+            sizes.append(f"{name}={before}")
+    parts = [f"shrunk from {', '.join(sizes)}"] if sizes else []
+    parts += [f"{', '.join(simplified)} simplified"] if simplified else []
+    return "; ".join(parts)
 
 
 def allowed(left: float) -> float:
