@@ -8,9 +8,10 @@ check's judge still finds the learner's answer wrong in the same way (the same k
 Arguments whose sizes are tied (q, k and v; logits and a k) shrink together or not at all: a candidate on which
 the reference raises is dropped.
 
-Only the arguments the case and its reference share (the same objects, at the end of both argument lists) are
-shrunk, and of those only plain tensors, lists and ints above 1: anything else (a model, a dict of weights, a
-string naming a mode) stays as it is.
+Only the arguments the case and its reference share (the same objects, in the same order) are shrunk, and of
+those only plain tensors, lists and ints above 1: anything else (a string naming a mode, a dtype) stays as it is.
+A case whose reference also gets something else than atoms and functions (a tensor derived from an argument, a
+generator, a model) is not shrunk at all (`safe`).
 
     >>> import torch
     >>> def wrong_at_5(x): return x.masked_fill(torch.arange(x.shape[-1]) == 5, 0.0)
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import io
 import re
 import warnings
@@ -61,6 +63,10 @@ def same_failure(verdict: tuple[str, str], original: tuple[str, str]) -> bool:
     False
     """
     return verdict[1] == original[1] and _kind(verdict[0]) == _kind(original[0])
+
+
+def _kind(problem: str) -> list[str]:
+    return re.findall(r"[a-z]+", problem.lower())[:3]
 
 
 def worth_it(got: Any, expected: Any) -> bool:
@@ -103,11 +109,7 @@ def safe(args: tuple, theirs: tuple, kwargs: dict, pairs: Sequence[tuple[int, in
     mine, paired = {i for i, _ in pairs}, {j for _, j in pairs}
     case_ok = all(_data(a) if i in mine else isinstance(a, _ATOMS) for i, a in enumerate(args))
     others = [b for j, b in enumerate(theirs) if j not in paired] + list(kwargs.values())
-    return bool(pairs) and case_ok and all(isinstance(b, _ATOMS) or callable(b) for b in others)
-
-
-def _kind(problem: str) -> list[str]:
-    return re.findall(r"[a-z]+", problem.lower())[:3]
+    return bool(pairs) and case_ok and all(isinstance(b, _ATOMS) or inspect.isroutine(b) for b in others)
 
 
 def shrink(
