@@ -131,6 +131,17 @@ def copied_kernel_linear(x, weight, bias):
     return kernel(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[-1])
 
 
+def rms_norm_by(norm):
+    """rms_norm from one of torch's norms: ‖x‖ / √C is the root of the mean square."""
+
+    def rms_norm(x, weight, eps):
+        x32 = x.float()
+        rms = norm(x32) / math.sqrt(x.shape[-1])
+        return weight * (x32 / torch.sqrt(rms * rms + eps)).to(x.dtype)
+
+    return rms_norm
+
+
 BLACK_BOXES = {
     "ch03 softmax, copied": (check_softmax, lambda: copied(P.softmax)),
     "ch03 softmax, jit.script": (check_softmax, lambda: scripted(P.softmax)),
@@ -147,6 +158,16 @@ BLACK_BOXES = {
     "ch05 top_k, jit.script": (check_top_k, lambda: scripted(S.top_k)),
     "ch11 rms_norm, copied": (check_rms_norm, lambda: copied(P.rms_norm)),
     "ch11 rms_norm, jit.script": (check_rms_norm, lambda: scripted(P.rms_norm)),
+    "ch11 rms_norm, Tensor.norm": (check_rms_norm, lambda: rms_norm_by(lambda x: x.norm(dim=-1, keepdim=True))),
+    "ch11 rms_norm, torch.linalg.norm": (
+        check_rms_norm,
+        lambda: rms_norm_by(lambda x: torch.linalg.norm(x, dim=-1, keepdim=True)),
+    ),
+    "ch11 rms_norm, torch.linalg.vector_norm": (
+        check_rms_norm,
+        lambda: rms_norm_by(lambda x: torch.linalg.vector_norm(x, dim=-1, keepdim=True)),
+    ),
+    "ch11 swiglu, F.silu in place": (check_swiglu, lambda: lambda g, u: F.silu(g.clone(), inplace=True) * u),
     "ch11 swiglu, copied": (check_swiglu, lambda: copied(P.swiglu)),
     "ch11 swiglu, jit.script": (check_swiglu, lambda: scripted(P.swiglu)),
     "ch11 swiglu, jit.script of F.silu": (check_swiglu, lambda: lambda g, u, silu=scripted(F.silu): silu(g) * u),

@@ -106,6 +106,8 @@ SAME_JOB = [  # the first group that holds a name is that name's
         "_fused_rms_norm",
     },
     {"gelu", "gelu_", "_gelu"},
+    {"silu", "silu_", "_silu"},
+    {"norm", "vector_norm", "linalg_vector_norm", "linalg_norm", "frobenius_norm", "nuclear_norm", "_norm"},
     {"embedding", "embedding_bag", "_embedding_bag", "_embedding_bag_forward_only", "_embedding_bag_backward"},
     {"topk"},
     {"multinomial"},
