@@ -54,7 +54,7 @@ from llmcourse.serving.scheduler import SeqView
 from llmcourse.serving.scheduler import schedule as engine_schedule
 
 from .attention import large_exact_scores, overflowing
-from .harness.core import Case, Verdict, call_learner, later, run_check
+from .harness.core import Case, Verdict, call_learner, later, one_hint, run_check
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import diagnose, plain_tensor_problem, tensor_problem
@@ -714,7 +714,8 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
                 verdict = _allocator_verdict(Case(case.description, ("ops", n, ops), theirs), mine)
                 if verdict:
                     problem, hint = verdict
-                    hints = "".join(f"\n  hint: {h}" for h in (hint, case.hint) if h)
+                    # the case's hint names what two allocators alive at once reveal (state on the class)
+                    hints = f"\n  hint: {h}" if (h := one_hint(case.hint, hint)) else ""
                     raise CheckFailed(
                         f"✗ BlockAllocator — {case.description}: allocator {'ab'[i]}, "
                         f"BlockAllocator({n}): {problem}\n  input:    {show(case.args)}{hints}"
@@ -723,7 +724,7 @@ def check_block_allocator(cls, *, seed: int = 0, n_random: int = 8, n_workloads:
         verdict = _allocator_verdict(case, got)
         if verdict:  # the problem names the operation, what was expected and what came: no traces to show
             problem, hint = verdict
-            hints = "".join(f"\n  hint: {h}" for h in (hint, case.hint) if h)
+            hints = f"\n  hint: {h}" if (h := one_hint(hint, case.hint)) else ""
             raise CheckFailed(f"✗ BlockAllocator — {case.description}: {problem}\n  input:    {show(case.args)}{hints}")
         return None
 

@@ -78,7 +78,8 @@ NO_LIBRARIES = [
         "(json and safetensors.torch.load_file).",
     ),
 ]
-NO_KERNELS = [  # cpu_kernels.linear computes linear (by the engine's C kernel): refused where the learner's code calls it
+# cpu_kernels.linear computes linear (by the engine's C kernel): refused where the learner's code calls it
+NO_KERNELS = [
     Forbidden(
         "llmcourse.engine.cpu_kernels",
         "The engine's C kernels are the black box here: write it with @ and + yourself.",

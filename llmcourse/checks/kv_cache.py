@@ -53,7 +53,7 @@ from llmcourse.engine.tokenizer import get_tokenizer
 
 from .attention import large_exact_scores, overflowing
 from .harness.bundled import bundled_model
-from .harness.core import Case, Verdict, later, run_check
+from .harness.core import Case, Verdict, later, one_hint, run_check
 from .harness.forbid import Forbidden
 from .harness.show import short
 from .harness.tensors import in_float64, tensor_judge, tensor_problem
@@ -731,10 +731,10 @@ def check_kv_cache(cls, *, seed: int = 0, n_random: int = 4) -> None:
         if verdict:
             problem, hint = verdict
             about_answer = "returned" in problem and "copies" not in problem  # the case's hint is about answers
-            hints = [h for h in (case.hint if about_answer else "", hint) if h]
+            chosen = one_hint(hint, case.hint if about_answer else "")
             raise CheckFailed(
                 f"✗ KVCache — {case.description}: {problem}\n  input:    {show(case.args)}"
-                + "".join(f"\n  hint: {h}" for h in hints)
+                + (f"\n  hint: {chosen}" if chosen else "")
             )
         return None
 

@@ -46,10 +46,10 @@ from llmcourse.engine.slots import PartError
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check
 from .harness.forbid import Forbidden
+from .harness.inputs import changed_input, watched
 from .harness.show import short
 from .harness.tensors import tensor_problem
 from .kv_cache import one_thread
-from .speculative import changed_input, watched
 
 NO_ENGINE = Forbidden(
     "llmcourse.engine.quantize",

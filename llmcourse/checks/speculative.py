@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import inspect
 import math
 import numbers
 import random
@@ -46,7 +45,7 @@ from llmcourse.engine.tokenizer import get_tokenizer
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
 from .harness.forbid import Forbidden
-from .harness.inputs import _describe_change, _Inputs, _modify_hint
+from .harness.inputs import change_verdict, changed_input, named_like, watched
 from .harness.randomness import generator_contract
 from .harness.show import short
 from .kv_cache import decisive_model, one_thread
@@ -99,46 +98,6 @@ def chi2(counts: Tensor, probs: Tensor) -> tuple[float, float]:
 def fits(counts: Tensor, probs: Tensor) -> bool:
     value, limit = chi2(counts, probs)
     return value <= limit
-
-
-def watched(fn: Callable, args: tuple, may_modify: tuple = ()) -> _Inputs:
-    """Snapshots of `args` before fn(*args), for a call the check makes outside `call_learner` (its draws in a
-    loop, the engine's calls): `changed_input` then says whether the call changed one."""
-    inputs = _Inputs(fn, may_modify)
-    inputs.remember(args)
-    return inputs
-
-
-def named_like(run: Callable, fn: Callable, leading: tuple = ("kind",)) -> Callable:
-    """`run`, a check's runner called as run(*leading, *fn's arguments), given the signature that says so: a
-    changed input is then named as the learner named it (p, draft_token), not "argument #2"."""
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-        run.__signature__ = inspect.Signature(
-            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in leading]
-            + [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY, default=inspect.Parameter.empty) for p in params]
-        )
-    except (TypeError, ValueError):  # a builtin, or *args: the harness numbers the arguments
-        pass
-    return run
-
-
-def changed_input(inputs: _Inputs, args: tuple) -> Verdict:
-    """None when the call left its arguments as `watched` saw them; else what changed and the hint."""
-    changed = inputs.changed(args)
-    if not changed:
-        return None
-    index, before = changed
-    return change_verdict(inputs.name(index), before, args[index])
-
-
-def change_verdict(name: str, before: Any, after: Any) -> tuple[str, str]:
-    """What a call changed in its argument `name`, and the hint."""
-    return (
-        f"changed its input `{name}`: your function must not change its arguments (the caller still needs them)\n"
-        f"{_describe_change(name, before, after)}",
-        _modify_hint(after),
-    )
 
 
 # ----------------------------------------------------------------------------------------------

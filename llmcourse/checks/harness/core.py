@@ -72,7 +72,7 @@ from llmcourse.course.limits import SCALE, TimeUp, cpu_seconds, time_limit, time
 from . import isolate
 from . import shrink as shrinking
 from .forbid import Forbidden, forbidding
-from .inputs import _describe_change, _Inputs, _modify_hint
+from .inputs import _Inputs, change_verdict
 from .show import distinct, previews, short
 from .tensors import plain_tensor_problem
 
@@ -230,14 +230,8 @@ def call_learner(
     changed = inputs.changed(args)
     if changed:
         index, before = changed
-        value = args[index]
-        name = inputs.name(index)
-        raise CheckFailed(
-            f"✗ {call} changed its input `{name}`: your function must not change "
-            f"its arguments (the caller still needs them).\n"
-            f"{_describe_change(name, before, value)}\n"
-            f"  hint: {_modify_hint(value)}"
-        )
+        problem, hint = change_verdict(inputs.name(index), before, args[index])
+        raise CheckFailed(f"✗ {call} {problem}\n  hint: {hint}")
     return result
 
 

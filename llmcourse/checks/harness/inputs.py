@@ -187,3 +187,43 @@ def _describe_change(name: str, before: Any, after: Any) -> str:
             f"  after the call:  shape {tuple(after.shape)}, {after.dtype}"
         )
     return f"  before the call: {short(before)}\n  after the call:  {short(after)}"
+
+
+def watched(fn: Callable, args: tuple, may_modify: tuple = ()) -> _Inputs:
+    """Snapshots of `args` before fn(*args), for a call the check makes outside `call_learner` (its draws in a
+    loop, the engine's calls): `changed_input` then says whether the call changed one."""
+    inputs = _Inputs(fn, may_modify)
+    inputs.remember(args)
+    return inputs
+
+
+def named_like(run: Callable, fn: Callable, leading: tuple = ("kind",)) -> Callable:
+    """`run`, a check's runner called as run(*leading, *fn's arguments), given the signature that says so: a
+    changed input is then named as the learner named it (p, draft_token), not "argument #2"."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+        run.__signature__ = inspect.Signature(
+            [inspect.Parameter(name, inspect.Parameter.POSITIONAL_ONLY) for name in leading]
+            + [p.replace(kind=inspect.Parameter.POSITIONAL_ONLY, default=inspect.Parameter.empty) for p in params]
+        )
+    except (TypeError, ValueError):  # a builtin, or *args: the harness numbers the arguments
+        pass
+    return run
+
+
+def changed_input(inputs: _Inputs, args: tuple) -> Optional[tuple[str, str]]:
+    """None when the call left its arguments as `watched` saw them; else what changed and the hint."""
+    changed = inputs.changed(args)
+    if not changed:
+        return None
+    index, before = changed
+    return change_verdict(inputs.name(index), before, args[index])
+
+
+def change_verdict(name: str, before: Any, after: Any) -> tuple[str, str]:
+    """What a call changed in its argument `name`, and the hint."""
+    return (
+        f"changed its input `{name}`: your function must not change its arguments (the caller still needs them)\n"
+        f"{_describe_change(name, before, after)}",
+        _modify_hint(after),
+    )
