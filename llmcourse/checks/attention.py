@@ -30,7 +30,6 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guarded
@@ -45,7 +44,7 @@ from llmcourse.serving.llm_engine import LLMEngine
 from .embeddings import HALF_DTYPES, NOT_CONTIGUOUS, check_in_engine
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, later, run_check
-from .harness.forbid import Forbidden
+from .harness.forbid import DispatchWatch, Forbidden
 from .harness.show import short
 from .harness.tensors import Mistake, diagnose, in_float64, same_answer, tensor_judge, tensor_problem
 
@@ -1494,7 +1493,7 @@ def _check_tiling(fn: Callable, forbid: Sequence[Forbidden], show: Callable[[tup
     too_wide: list = [None]  # the first tensor wider than the block in two dimensions
     products = _ProductWatch(q, k)
 
-    class Shapes(TorchDispatchMode):
+    class Shapes(DispatchWatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             products.record(args, kwargs or {})
             out = func(*args, **(kwargs or {}))

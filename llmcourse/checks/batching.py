@@ -40,7 +40,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard, guarded
@@ -55,7 +54,7 @@ from llmcourse.serving.scheduler import schedule as engine_schedule
 
 from .attention import large_exact_scores, overflowing
 from .harness.core import Case, Verdict, call_learner, later, one_hint, run_check
-from .harness.forbid import Forbidden
+from .harness.forbid import DispatchWatch, Forbidden
 from .harness.show import short
 from .harness.tensors import diagnose, plain_tensor_problem, tensor_problem
 from .kv_cache import decisive_model, one_thread
@@ -1264,7 +1263,7 @@ def _check_reads_in_place(fn: Callable, show: Callable[[tuple], str]) -> None:
     pools = {k_pool.untyped_storage().data_ptr(), v_pool.untyped_storage().data_ptr()}
     largest: list = [0, None]
 
-    class Sizes(TorchDispatchMode):
+    class Sizes(DispatchWatch):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):

@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guarded
@@ -45,7 +44,7 @@ from llmcourse.engine.slots import PartError
 
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, call_learner, failure, later, run_check
-from .harness.forbid import Forbidden
+from .harness.forbid import DispatchWatch, Forbidden
 from .harness.inputs import changed_input, watched
 from .harness.show import short
 from .harness.tensors import tensor_problem
@@ -1435,7 +1434,7 @@ def _is_float(x: Any) -> bool:
     return isinstance(x, Tensor) and x.is_floating_point()
 
 
-class FloatProducts(TorchDispatchMode):
+class FloatProducts(DispatchWatch):
     """Records the matrix products on floating-point tensors that run while it is active (aten, however reached),
     and the float elementwise products with at least `outer` numbers: x [M, K] times q [N, K] broadcast to
     [M, N, K] before a sum is the same float route without a matmul."""

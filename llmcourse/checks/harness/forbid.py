@@ -502,12 +502,17 @@ def _applies(rule: Forbidden, caller) -> bool:
     return not rule.direct or (caller is not None and _learners(caller))
 
 
-class _AtenWatch(TorchDispatchMode):
-    """Sees every aten operator that runs, however it was reached, and refuses the forbidden ones by name."""
+class DispatchWatch(TorchDispatchMode):
+    """A TorchDispatchMode for the checks' watches: torch would wrap a subclass's __torch_dispatch__ so that its first
+    call imports torch._dynamo (1.4 s, 800 modules), and every check's child process would pay that again."""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
-        return False  # else torch wraps __torch_dispatch__ to import torch._dynamo on first use (3 s, 800 modules)
+        return False
+
+
+class _AtenWatch(DispatchWatch):
+    """Sees every aten operator that runs, however it was reached, and refuses the forbidden ones by name."""
 
     def __init__(self, watch: "forbidding", names: dict, quantized: Optional[Forbidden]):
         super().__init__()
