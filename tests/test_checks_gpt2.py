@@ -1019,9 +1019,11 @@ def test_reference_block_equals_the_engines_one_layer_model():
         expected = model(ids)
     got = gpt2_forward(sd, ids, 4)
     assert (got - expected).abs().max() < 1e-4
-    x = torch.randn(2, 5, 32)
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
     w = block_weights(32, seed=1)
-    assert torch.allclose(reference_block(x, w, 4), block(x, w, 4), atol=1e-5)
+    # two float32 orders of the same sums (the engine's C kernels, the notebook's torch ops): they differ by float32
+    # rounding (6e-8 relative) grown through ~100-term sums, about 2e-5 on outputs near 3
+    assert torch.allclose(reference_block(x, w, 4), block(x, w, 4), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize(
