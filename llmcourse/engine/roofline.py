@@ -1,23 +1,24 @@
-"""The roofline: what bounds a forward step of a decoder, on any machine, from two numbers of that machine.
+"""The roofline: what bounds a forward step of a decoder, kernel by kernel, from two numbers of a machine.
 
-A step reads bytes (every weight once, the sequences' KV caches, the activations between the matrix products) and
-does FLOPs (a multiply-add, 2 FLOPs, per weight per row, plus attention's). Its time is at least the larger of
+A kernel reads and writes bytes (a weight matrix, the sequences' KV caches, activation rows) and does FLOPs (a
+multiply-add, 2 FLOPs, per weight per row; attention's per cached position). Its time is at least the larger of
 bytes ÷ memory bandwidth and FLOPs ÷ peak FLOP/s: the roofline of Williams, Waterman & Patterson (2009),
 *Roofline: An Insightful Visual Performance Model for Multicore Architectures*. Their ratio, FLOPs per byte, is the
-step's arithmetic intensity; the machine's peak ÷ bandwidth, its ridge point. Decode at small batches sits far
-below the ridge: memory-bound.
+kernel's arithmetic intensity; the machine's peak ÷ bandwidth, its ridge point. The roofline judges one kernel at a
+time: a step runs its kernels one after another, so its least time is the sum of theirs (`step_time`). The weight
+products' intensity grows with the batch (the rows share each weight read); decode attention's does not (each
+sequence reads its own cache), so at large batches the products turn compute-bound while attention stays
+memory-bound — one roofline point for the whole step would average the two away.
 
-Chapter 06's learners write `decode_step` and `max_sequences` (weights and caches only, for one decode step);
-chapter 10's the general count (`step_cost` with `matrix_bytes`), `roofline_time`, `critical_batch`,
-`utilization` and `gpu_roof`, the datasheet figures of the cards in `GPUS`. `Roofline` holds them all; `predict`
-runs a table of them, and `python -m llmcourse bench` reports the engine's speed against them (MBU and MFU beside
+Chapter 06's learners write `decode_step` and `max_sequences` (weights and caches only, one decode step);
+chapter 10's `gpu_roof`, `matrix_bytes`, `gemm_cost`, `attention_cost`, `roofline_time`, `step_time`,
+`critical_batch` and `utilization`. `Roofline` holds them all; `predict` runs a table of them, and
+`python -m llmcourse bench` and the capstone's benchmark report the engine's speed against it (MBU and MFU beside
 tokens/s). No generation runs them.
 
-    >>> cost = step_cost(SHAPES["Llama-3-8B"], batch=1, new_tokens=1, context=8192)   # fp16 weights and cache
-    >>> roofline_time(cost.flops, cost.bytes, *gpu_roof("H100 SXM")).bound       # one token, 8192 positions cached
-    'memory'
-    >>> round(predict(SHAPES["Llama-3-8B"], gpu_roof("H100 SXM")).tokens_per_s)  # batch 1: the weights' read time
-    223
+    >>> p = predict(SHAPES["Llama-3-8B"], gpu_roof("H100 SXM"), context=8192)     # fp16, one token, batch 1
+    >>> p.compute_bound(), round(p.tokens_per_s)          # every kernel waits on memory: the weights' read time
+    ([], 208)
 """
 
 from __future__ import annotations
@@ -139,13 +140,16 @@ class ModelShape:
         return self.multiply_adds() + (0 if self.tied else self.vocab_size * self.n_embd)
 
 
-def _matrices(shape: ModelShape) -> list[tuple[int, int]]:
-    """(rows, cols) = (outputs, inputs) of every matrix a step multiplies by: each layer's q, k, v, o and MLP, then
-    the output head."""
+def _layer_matrices(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    """{name: (rows, cols) = (outputs, inputs)} of each matrix a layer multiplies by: q, k, v, o and the MLP's."""
     C, H, Hkv, D, F = shape.n_embd, shape.n_head, shape.n_kv_head, shape.head_dim, shape.d_ff
-    mlp = [(F, C), (F, C), (C, F)] if shape.mlp == "swiglu" else [(F, C), (C, F)]
-    layer = [(H * D, C), (Hkv * D, C), (Hkv * D, C), (C, H * D), *mlp]
-    return layer * shape.n_layer + [(shape.vocab_size, C)]
+    mlp = {"gate": (F, C), "up": (F, C), "down": (C, F)} if shape.mlp == "swiglu" else {"up": (F, C), "down": (C, F)}
+    return {"q": (H * D, C), "k": (Hkv * D, C), "v": (Hkv * D, C), "o": (C, H * D), **mlp}
+
+
+def _matrices(shape: ModelShape) -> list[tuple[int, int]]:
+    """(outputs, inputs) of every matrix a step multiplies by: each layer's, then the output head."""
+    return list(_layer_matrices(shape).values()) * shape.n_layer + [(shape.vocab_size, shape.n_embd)]
 
 
 # Published shapes (each model's config.json on the Hugging Face Hub).
@@ -161,7 +165,8 @@ SHAPES = {
 class Machine(NamedTuple):
     """A processor's two roofs (dense 16-bit tensor FLOP/s, memory bytes/s), its memory, and where they are from.
     `sparse_flops`: the figure a datasheet also prints, with 2:4 structured sparsity (twice the dense one), which
-    dense matrix products never reach. Apple publishes no matrix FLOP/s: `peak_flops` None."""
+    dense matrix products never reach. Apple publishes its GPUs' memory bandwidth and its Neural Engine's TOPS,
+    but no GPU FLOP/s: `peak_flops` None."""
 
     peak_flops: Optional[float]
     bandwidth: float
@@ -238,64 +243,120 @@ def matrix_bytes(rows: int, cols: int, fmt: str, dtype: str = "float32") -> int:
     raise ValueError(f"unknown weight format {fmt!r}; use one of {', '.join(WEIGHT_FORMATS)}")
 
 
-class StepCost(NamedTuple):
-    """What one forward step costs: FLOPs, and the bytes it moves to and from memory, by kind."""
+class Cost(NamedTuple):
+    """What one kernel costs: its FLOPs and the bytes it moves between memory and the processor."""
 
     flops: float
-    weights: float
-    kv_cache: float
-    activations: float
-
-    @property
-    def bytes(self) -> float:
-        return self.weights + self.kv_cache + self.activations
+    bytes: float
 
 
-def step_cost(
-    shape: ModelShape, batch: int, new_tokens: int, context: int, weights: str = "float16", dtype: str = "float16"
-) -> StepCost:
-    """FLOPs and bytes of one forward step: `batch` sequences each run `new_tokens` new positions (1: a decode step;
-    the prompt: a prefill) after `context` positions already in their caches. Weights in format `weights`; the
-    activations and the KV cache in `dtype`. Elementwise work (norms, GELU, softmax, additions) is left out.
+class Kernel(NamedTuple):
+    """One kind of kernel of a step, over all the layers it runs in: its name ("q", "k", "v", "o", "gate", "up",
+    "down", "attention", "elementwise", "head"), FLOPs and bytes. The layers run one after another, so a kernel's
+    time over the layers is the layers' count times one layer's: the roofline can judge the total."""
 
-    - FLOPs: 2 per weight of every matrix for each of the batch × new_tokens rows; attention 4 per head dimension
-      for each (query, attended position) pair — scores and weighted sum — where new position i (from 0) of a
-      sequence attends to context + i + 1 positions (causal).
-    - weights: every matrix once (the rows share each read): `matrix_bytes`.
-    - KV cache: per sequence, the context + new_tokens positions read by attention and the new_tokens positions
-      written, each a key and a value per layer and KV head.
-    - activations: every matrix product reads its input rows and writes its output rows; attention reads its
-      queries and writes its output.
+    name: str
+    flops: float
+    bytes: float
 
-    >>> step_cost(ModelShape(1, 4, 1, 1, 4, 16, 10), batch=1, new_tokens=1, context=0)
-    StepCost(flops=480, weights=464, kv_cache=32, activations=188)
+
+def gemm_cost(rows: int, outputs: int, inputs: int, weights: str = "float16", dtype: str = "float16") -> Cost:
+    """FLOPs and bytes of one weight product: `rows` activation rows [rows, inputs] (in `dtype`) times a matrix
+    [outputs, inputs] stored in format `weights`. A multiply-add (2 FLOPs) per weight per row; the matrix is read
+    once, whatever the rows (they share the read), its input rows read and its output rows written.
+
+    >>> gemm_cost(1, 4096, 4096, "bfloat16", "bfloat16")      # one row: the matrix's 32 MiB for 33.6 MFLOP
+    Cost(flops=33554432, bytes=33570816)
     """
-    B, T = batch, new_tokens
-    rows, H, D, L = B * T, shape.n_head, shape.head_dim, shape.n_layer
-    value = FLOAT_BYTES[dtype]  # activations and the cache are both in the model's dtype
-    matrices = _matrices(shape)
-    attended = T * context + T * (T + 1) // 2  # per sequence: sum over new positions of what each attends to
-    flops = 2 * rows * sum(r * c for r, c in matrices) + 4 * L * H * D * B * attended
-    weight_bytes = sum(matrix_bytes(r, c, weights, dtype) for r, c in matrices)
-    kv_per_position = 2 * L * shape.n_kv_head * D * value
-    kv_bytes = B * (context + 2 * T) * kv_per_position
-    activation_bytes = value * rows * (sum(r + c for r, c in matrices) + L * 2 * H * D)
-    return StepCost(flops, weight_bytes, kv_bytes, activation_bytes)
+    return Cost(
+        2 * rows * outputs * inputs,
+        matrix_bytes(outputs, inputs, weights, dtype) + rows * (inputs + outputs) * FLOAT_BYTES[dtype],
+    )
+
+
+def attention_cost(shape: "ModelShape", batch: int, new_tokens: int, context: int, dtype: str = "float16") -> Cost:
+    """FLOPs and bytes of attention in all the layers of a step: `batch` sequences each run `new_tokens` new
+    positions after `context` cached ones, the cache in `dtype`.
+
+    - FLOPs: 4 per head dimension for each (query, attended position) pair of each query head — 2 for the score
+      q·k, 2 for adding p·v — where new position i (from 0) attends to context + i + 1 positions (causal).
+    - bytes: each sequence's keys and values of the context + new_tokens positions it attends to, read once per
+      KV head (grouped-query attention: the n_head / n_kv_head query heads of a group share the read), and its
+      new positions' keys and values written; the queries read and the output written.
+
+    Its intensity, at decode (one new position) over a long context: 4·H·D FLOPs per position for 2·H_kv·D
+    values, 2·(H / H_kv) / bytes-per-value FLOPs per byte whatever the batch: about 4 for Llama-3-8B in bf16.
+
+    >>> attention_cost(SHAPES["Llama-3-8B"], batch=1, new_tokens=1, context=1023, dtype="bfloat16")
+    Cost(flops=536870912, bytes=134873088)
+    """
+    L, H, Hkv, D = shape.n_layer, shape.n_head, shape.n_kv_head, shape.head_dim
+    value = FLOAT_BYTES[dtype]
+    attended = new_tokens * context + new_tokens * (new_tokens + 1) // 2  # per sequence and query head
+    flops = 4 * L * H * D * batch * attended
+    kv_values = 2 * L * Hkv * D * batch * (context + 2 * new_tokens)  # read what it attends to, write the new
+    query_values = 2 * L * H * D * batch * new_tokens  # the queries read, the output written
+    return Cost(flops, (kv_values + query_values) * value)
+
+
+def elementwise_cost(shape: "ModelShape", rows: int, dtype: str = "float16") -> Cost:
+    """Bytes of the elementwise kernels of a step's `rows` rows in all layers: each layer's two norms (read and
+    write a row each), its two residual additions (read two rows, write one) and the MLP's activation (GELU reads
+    and writes a hidden row; SwiGLU reads two, writes one), and the final norm. Their few FLOPs per value are not
+    counted (0): these kernels are memory-bound on every machine.
+
+    >>> elementwise_cost(ModelShape(1, 4, 1, 1, 4, 16, 10), rows=1, dtype="float32")   # (4+4+4+4+12+16+16+8) × 4
+    Cost(flops=0, bytes=320)
+    """
+    C, F = shape.n_embd, shape.d_ff
+    activation = 3 * F if shape.mlp == "swiglu" else 2 * F
+    per_row = shape.n_layer * (2 * 2 * C + 2 * 3 * C + activation) + 2 * C
+    return Cost(0, rows * per_row * FLOAT_BYTES[dtype])
+
+
+def step_kernels(
+    shape: "ModelShape",
+    batch: int,
+    new_tokens: int,
+    context: int,
+    weights: str = "float16",
+    dtype: str = "float16",
+    *,
+    gemm_cost: Callable = gemm_cost,
+    attention_cost: Callable = attention_cost,
+) -> list[Kernel]:
+    """The kernels of one forward step, each over all the layers: the weight products (q, k, v, o and the MLP's),
+    attention, the elementwise kernels and the output head. `batch` sequences each run `new_tokens` new positions
+    after `context` cached ones; weights in format `weights`, activations and cache in `dtype`. `gemm_cost` and
+    `attention_cost` may be a learner's.
+
+    >>> [k.name for k in step_kernels(SHAPES["Llama-3-8B"], 1, 1, 0)]
+    ['q', 'k', 'v', 'o', 'gate', 'up', 'down', 'attention', 'elementwise', 'head']
+    """
+    rows, L = batch * new_tokens, shape.n_layer
+    kernels = []
+    for name, (outputs, inputs) in _layer_matrices(shape).items():
+        one = gemm_cost(rows, outputs, inputs, weights, dtype)
+        kernels.append(Kernel(name, L * one[0], L * one[1]))
+    kernels.append(Kernel("attention", *attention_cost(shape, batch, new_tokens, context, dtype)))
+    kernels.append(Kernel("elementwise", *elementwise_cost(shape, rows, dtype)))
+    kernels.append(Kernel("head", *gemm_cost(rows, shape.vocab_size, shape.n_embd, weights, dtype)))
+    return kernels
 
 
 class RooflineTime(NamedTuple):
-    """Where a step sits on a machine's roofline: its least time, the limit that sets it, its FLOPs per byte and
-    the machine's."""
+    """Where a kernel sits on a machine's roofline: its least time, the limit that sets it, its FLOPs per byte
+    and the machine's."""
 
     seconds: float
     bound: str  # "memory" or "compute"
-    intensity: float  # FLOPs per byte of the step
+    intensity: float  # FLOPs per byte of the kernel
     ridge: float  # FLOPs per byte where the machine's two limits meet: peak_flops / bandwidth
 
 
 def roofline_time(flops: float, nbytes: float, peak_flops: float, bandwidth: float) -> RooflineTime:
-    """The least time of a step of `flops` FLOPs and `nbytes` bytes: the larger of bytes ÷ bandwidth and FLOPs ÷
-    peak ("memory" when they are equal), with the step's arithmetic intensity and the machine's ridge point.
+    """The least time of a kernel of `flops` FLOPs and `nbytes` bytes: the larger of bytes ÷ bandwidth and FLOPs ÷
+    peak ("memory" when they are equal), with the kernel's arithmetic intensity and the machine's ridge point.
 
     >>> roofline_time(2e9, 2e9, peak_flops=1e12, bandwidth=1e11)
     RooflineTime(seconds=0.02, bound='memory', intensity=1.0, ridge=10.0)
@@ -306,36 +367,62 @@ def roofline_time(flops: float, nbytes: float, peak_flops: float, bandwidth: flo
     return RooflineTime(seconds, bound, intensity, peak_flops / bandwidth)
 
 
+class StepTime(NamedTuple):
+    """A step's least time, the sum of its kernels' (they run one after another), and each kernel's
+    `RooflineTime`, in the order of the kernels."""
+
+    seconds: float
+    kernels: list[RooflineTime]
+
+
+def step_time(kernels: list, peak_flops: float, bandwidth: float) -> StepTime:
+    """The least time of a step made of `kernels` (each with .flops and .bytes, or a (name, flops, bytes)
+    tuple): each judged on its own roofline, the step's time the sum of theirs. One roofline point for the whole
+    step (its summed FLOPs over its summed bytes) hides a compute-bound kernel behind memory-bound ones.
+
+    >>> t = step_time([Kernel("big product", 2e10, 1e9), Kernel("cache reads", 1e9, 1e9)], 1e12, 1e11)
+    >>> round(t.seconds, 6), [k.bound for k in t.kernels]      # one point (21 GFLOP, 2 GB) would say 0.021 s
+    (0.03, ['compute', 'memory'])
+    """
+    times = [roofline_time(k[1], k[2], peak_flops, bandwidth) for k in kernels]
+    return StepTime(sum(t.seconds for t in times), times)
+
+
 def critical_batch(
-    shape: ModelShape,
-    context: int,
+    shape: "ModelShape",
     weights: str,
     dtype: str,
     peak_flops: float,
     bandwidth: float,
     max_batch: int = 1 << 20,
 ) -> Optional[int]:
-    """The smallest batch at which a decode step (one new token per sequence, `context` positions cached) is
-    compute-bound by `step_cost` and `roofline_time`, or None if no batch up to `max_batch` is: each sequence adds
-    its own cache and activations to the bytes, so at long contexts the intensity levels off below the ridge.
+    """The smallest batch at which every weight product of a decode step (one new position per sequence: the
+    batch is the product's rows) is compute-bound on `roofline_time`, or None if some product is memory-bound at
+    every batch up to `max_batch`. Attention is not a weight product: each sequence reads its own cache, so its
+    intensity does not grow with the batch, and the context does not enter.
 
-    >>> critical_batch(SHAPES["Llama-3-8B"], 0, "float16", "float16", 989e12, 3.35e12)    # no cache yet
-    337
-    >>> critical_batch(SHAPES["Llama-3-8B"], 8192, "float16", "float16", 989e12, 3.35e12) is None
-    True
+    A product [outputs, inputs] does 2·B·outputs·inputs FLOPs for its weights' bytes plus B·(inputs + outputs)
+    activation values: its intensity rises with B towards 2·outputs·inputs / ((inputs + outputs)·bytes per value),
+    lowest for the thinnest matrix — grouped-query attention's k and v.
+
+    >>> critical_batch(SHAPES["Llama-3-8B"], "bfloat16", "bfloat16", 989e12, 3.35e12)
+    462
     """
 
-    def compute_bound(batch: int) -> bool:
-        cost = step_cost(shape, batch, 1, context, weights, dtype)
+    def compute_bound(batch: int, outputs: int, inputs: int) -> bool:
+        cost = gemm_cost(batch, outputs, inputs, weights, dtype)
         return roofline_time(cost.flops, cost.bytes, peak_flops, bandwidth).bound == "compute"
 
-    if not compute_bound(max_batch):  # FLOPs and bytes both grow linearly with the batch: the test is monotone
-        return None
-    low, high = 0, max_batch  # compute_bound(high), and not compute_bound(low) (batch 0 reads the weights for nothing)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (low, middle) if compute_bound(middle) else (middle, high)
-    return high
+    needed = 1
+    for outputs, inputs in set(_matrices(shape)):
+        if not compute_bound(max_batch, outputs, inputs):  # intensity rises with the batch: the test is monotone
+            return None
+        low, high = 0, max_batch  # memory-bound at low (0 rows: the weights read for nothing), compute at high
+        while high - low > 1:
+            middle = (low + high) // 2
+            low, high = (low, middle) if compute_bound(middle, outputs, inputs) else (middle, high)
+        needed = max(needed, high)
+    return needed
 
 
 def utilization(
@@ -352,29 +439,48 @@ def utilization(
 
 @dataclasses.dataclass(frozen=True)
 class Roofline(Slots):
-    """The roofline's formulas: chapter 06's decode step and sequences that fit, chapter 10's general count.
-    `model_decode_step` and the benchmarks take a `decode_step`; `predict` runs the rest."""
+    """The roofline's formulas: chapter 06's decode step and sequences that fit, chapter 10's per-kernel count.
+    `model_decode_step` takes a `decode_step`; `predict` runs the rest."""
 
     decode_step: Callable = decode_step
     max_sequences: Callable = max_sequences
     gpu_roof: Callable = gpu_roof
     matrix_bytes: Callable = matrix_bytes
-    step_cost: Callable = step_cost
+    gemm_cost: Callable = gemm_cost
+    attention_cost: Callable = attention_cost
     roofline_time: Callable = roofline_time
+    step_time: Callable = step_time
     critical_batch: Callable = critical_batch
     utilization: Callable = utilization
 
 
 class Prediction(NamedTuple):
     """What the roofline predicts for a step: tokens per second (the new positions of every sequence), the step's
-    least time and cost, where it sits (`RooflineTime`), and — given a measured time — MBU and MFU."""
+    least time (the sum of its kernels'), its kernels and where each sits (`RooflineTime`), and — given a
+    measured time — MBU and MFU of the whole step."""
 
     tokens_per_s: float
     seconds: float
-    cost: StepCost
-    roof: RooflineTime
+    kernels: list[Kernel]
+    times: list[RooflineTime]
     mbu: Optional[float] = None
     mfu: Optional[float] = None
+
+    @property
+    def flops(self) -> float:
+        return sum(k.flops for k in self.kernels)
+
+    @property
+    def bytes(self) -> float:
+        return sum(k.bytes for k in self.kernels)
+
+    def time_of(self, *names: str) -> float:
+        """Seconds of the kernels named (all the weight products: "q", "k", "v", "o", "gate", "up", "down")."""
+        return sum(t.seconds for k, t in zip(self.kernels, self.times) if k.name in names)
+
+    def compute_bound(self) -> list[str]:
+        """The names of the kernels arithmetic bounds."""
+        return [k.name for k, t in zip(self.kernels, self.times) if t.bound == "compute"]
 
 
 def predict(
@@ -386,19 +492,36 @@ def predict(
     context: int = 0,
     weights: str = "float16",
     dtype: str = "float16",
+    last_only: bool = False,
     measured_seconds: Optional[float] = None,
     table: Roofline = Roofline(),
 ) -> Prediction:
-    """The roofline's prediction for a step on a machine (peak FLOP/s, bandwidth), by the functions of `table` (a
-    learner's, in chapter 10): a decode step by default, a prefill with `new_tokens` = the prompt's length.
+    """The roofline's prediction for a step on a machine (peak FLOP/s, bandwidth) by the functions of `table` (a
+    learner's, in chapter 10): `step_kernels` with its `gemm_cost` and `attention_cost`, then its `step_time` and
+    `utilization`. A decode step by default; a prefill with `new_tokens` = the prompt's length, and `last_only`
+    when only the last position's logits are computed (the engine's generation: the head multiplies one row per
+    sequence).
 
-    >>> p = predict(SHAPES["GPT-2 124M"], (989e12, 3.35e12), context=1024, measured_seconds=1e-3)
-    >>> round(p.tokens_per_s), p.roof.bound, round(p.mbu, 2)
-    (11740, 'memory', 0.09)
+    >>> p = predict(SHAPES["Llama-3-8B"], (989e12, 3.35e12), batch=1024, context=1024, weights="bfloat16",
+    ...             dtype="bfloat16")
+    >>> round(p.seconds * 1e3, 1), p.compute_bound()
+    (58.5, ['q', 'k', 'v', 'o', 'gate', 'up', 'down', 'head'])
     """
-    cost = table.step_cost(shape, batch, new_tokens, context, weights, dtype)
-    roof = table.roofline_time(cost.flops, cost.bytes, *machine)
+    kernels = step_kernels(
+        shape,
+        batch,
+        new_tokens,
+        context,
+        weights,
+        dtype,
+        gemm_cost=table.gemm_cost,
+        attention_cost=table.attention_cost,
+    )
+    if last_only:
+        kernels[-1] = Kernel("head", *table.gemm_cost(batch, shape.vocab_size, shape.n_embd, weights, dtype))
+    step = table.step_time(kernels, *machine)
     mbu = mfu = None
     if measured_seconds is not None:
-        mbu, mfu = table.utilization(cost.flops, cost.bytes, measured_seconds, *machine)
-    return Prediction(batch * new_tokens / roof.seconds, roof.seconds, cost, roof, mbu, mfu)
+        flops, nbytes = sum(k.flops for k in kernels), sum(k.bytes for k in kernels)
+        mbu, mfu = table.utilization(flops, nbytes, measured_seconds, *machine)
+    return Prediction(batch * new_tokens / step.seconds, step.seconds, kernels, step.kernels, mbu, mfu)
