@@ -66,11 +66,13 @@ from .modern import (
 from .pipeline import check_top_k_next_tokens
 from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_smooth_scales
 from .roofline import (
+    check_attention_cost,
     check_critical_batch,
+    check_gemm_cost,
     check_gpu_roof,
     check_matrix_bytes,
     check_roofline_time,
-    check_step_cost,
+    check_step_time,
     check_utilization,
 )
 from .sampling import (
@@ -172,8 +174,10 @@ __all__ = [
     "check_smooth_scales",
     "check_gpu_roof",
     "check_matrix_bytes",
-    "check_step_cost",
+    "check_gemm_cost",
+    "check_attention_cost",
     "check_roofline_time",
+    "check_step_time",
     "check_critical_batch",
     "check_utilization",
     "check_rms_norm",

@@ -1,16 +1,17 @@
-"""Checks for chapter 10, the roofline: a card's two roofs, the bytes of a stored matrix, the FLOPs and bytes of a
-forward step, its least time and bound, the batch at which decode turns compute-bound, and MBU / MFU.
+"""Checks for chapter 10, the roofline kernel by kernel: a card's two roofs, the bytes of a stored matrix, the FLOPs
+and bytes of one weight product and of attention, one kernel's least time and bound, a step's time as the sum of
+its kernels', the batch at which the weight products turn compute-bound, and MBU / MFU.
 
 Each check compares the learner's function with the engine's (`llmcourse.engine.roofline`) on fixed cases and
 seeded random ones drawn from the whole input space: GPT-2 124M, the bundled model's configuration, Llama-2-7B
-(every head its own keys and values), Llama-3-8B and 70B (grouped-query attention, SwiGLU, an untied head), tiny
-shapes; a batch of 1 and of hundreds; one new token (decode) and many (prefill); no context and long ones; every
-weight format (float32, float16, bfloat16, int8, int4) and cache dtype; numpy arguments; and calls exactly as the
-engine makes them (positional, defaults left out). The formulas are exact: answers within a relative 1e-9 (float
-rounding) pass, in any Python number type (datasheet figures within 1 %: datasheets round), and a wrong one is
-matched against the common mistakes to name it. Each check ends in the engine: `predict` (or the engine's quantized
-layers, or its critical batch) running the learner's function through its guard. Expected answers are computed
-after the learner's call.
+(every head its own keys and values), Llama-3-8B and 70B (grouped-query attention, SwiGLU, an untied head),
+multi-query and tiny shapes; one row and a million; one new token (decode) and many (prefill); no context and long
+ones; every weight format (float32, float16, bfloat16, int8, int4) and dtype; numpy arguments; and calls exactly as
+the engine makes them (positional, defaults left out). The formulas are exact: answers within a relative 1e-9
+(float rounding) pass, in any Python number type (datasheet figures within 1 %: datasheets round), and a wrong one
+is matched against the common mistakes to name it. Each check ends in the engine: `predict` (or the engine's
+quantized layers, or its critical batch) running the learner's function through its guard. Expected answers are
+computed after the learner's call.
 
     >>> def utilization(flops, nbytes, seconds, peak_flops, bandwidth):
     ...     return nbytes / seconds / bandwidth, flops / seconds / peak_flops
@@ -41,29 +42,47 @@ from llmcourse.engine.roofline import (
     FLOAT_BYTES,
     GPUS,
     SHAPES,
+    Kernel,
     Machine,
     ModelShape,
     Prediction,
     Roofline,
+    StepTime,
+    _layer_matrices,
     _matrices,
     predict,
+    step_kernels,
 )
+from llmcourse.engine.roofline import attention_cost as engine_attention_cost
 from llmcourse.engine.roofline import critical_batch as engine_critical_batch
+from llmcourse.engine.roofline import gemm_cost as engine_gemm_cost
 from llmcourse.engine.roofline import gpu_roof as engine_gpu_roof
 from llmcourse.engine.roofline import matrix_bytes as engine_matrix_bytes
 from llmcourse.engine.roofline import roofline_time as engine_roofline_time
-from llmcourse.engine.roofline import step_cost as engine_step_cost
+from llmcourse.engine.roofline import step_time as engine_step_time
 from llmcourse.engine.roofline import utilization as engine_utilization
 
 from .harness.bundled import bundled_model
 from .harness.core import Case, Verdict, later, run_check
 from .harness.forbid import Forbidden
+from .harness.inputs import named_like
 from .harness.show import short
 
 # ----------------------------------------------------------------------------------------------
 # Shared: black boxes, numbers, the cases' shapes and machines
 
-_ENGINES = ("gpu_roof", "matrix_bytes", "step_cost", "roofline_time", "critical_batch", "utilization")
+_ENGINES = (
+    "gpu_roof",
+    "matrix_bytes",
+    "gemm_cost",
+    "attention_cost",
+    "roofline_time",
+    "step_time",
+    "critical_batch",
+    "utilization",
+)
+# The chapter gives `matrices` / `layer_matrices` and a `step_kernels` made of the learner's functions (not graded):
+# the engine's `_matrices`, `_layer_matrices` and `step_kernels` (which runs its gemm_cost, forbidden) stay open.
 NO_ENGINE_ROOFLINE = [
     *(
         Forbidden(
@@ -76,14 +95,10 @@ NO_ENGINE_ROOFLINE = [
         "llmcourse.engine.roofline.predict",
         "llmcourse.engine.roofline.predict runs the engine's formulas, what yours are compared with: write your own",
     ),
-    Forbidden(
-        "llmcourse.engine.roofline._matrices",
-        "llmcourse.engine.roofline._matrices lists the engine's matrices: list a layer's matrices yourself",
-    ),
 ]
-# `predict` runs the engine's step_cost, roofline_time and utilization (and they _matrices and matrix_bytes): in
-# the engine, only the learner's own function and the ones predict does not call stay forbidden.
-_PREDICT_RUNS = {"predict", "_matrices", "matrix_bytes", "step_cost", "roofline_time", "utilization"}
+# `predict` runs the engine's gemm_cost (and it matrix_bytes), attention_cost, step_time (and it roofline_time) and
+# utilization: in the engine, only the learner's own function and the ones predict does not call stay forbidden.
+_PREDICT_RUNS = {"predict", "matrix_bytes", "gemm_cost", "attention_cost", "step_time", "roofline_time", "utilization"}
 
 
 def _in_engine_forbid(name: str) -> list[Forbidden]:
@@ -98,11 +113,15 @@ BUNDLED_CONFIG = GPT2Config(n_layer=6, n_head=6, n_embd=192, n_positions=256)
 BUNDLED = ModelShape.of(BUNDLED_CONFIG)
 TINY = ModelShape(1, 4, 1, 1, 4, 16, 10)
 TINY_GQA = ModelShape(2, 64, 4, 2, 16, 128, 100, "swiglu", tied=False)
+MQA = ModelShape(4, 256, 8, 1, 32, 1024, 1000)  # multi-query attention: one KV head for all eight query heads
+SMALL_VOCAB = ModelShape(2, 256, 4, 2, 64, 1024, 64)  # its output head [64, 256] is its thinnest matrix
 CARDS = ("H100 SXM", "A100 80GB SXM", "RTX 4090")
 H100 = (989e12, 3.35e12)  # the roofs the cases use, so that no case depends on the engine's table but gpu_roof's
 A100 = (312e12, 2.039e12)
 RTX4090 = (165.2e12, 1.008e12)
 M3_MAX = (14.2e12, 400e9)  # a made-up peak beside Apple's published bandwidth: a low ridge
+FORMATS = ("float32", "float16", "bfloat16", "int8", "int4")
+VALUE_BYTES = {**FLOAT_BYTES, "int8": 1, "int4": 0.5}  # a weight's bytes in each format, scales left out
 
 
 def _number(x: Any) -> bool:
@@ -139,6 +158,11 @@ def _call_text(name: str, names: tuple, args: tuple) -> str:
     return f"{name}(" + ", ".join(f"{n}={a}" for n, a in zip(names, text)) + ")"
 
 
+def _predict_text(shape: ModelShape, machine: tuple, keywords: dict, slot: str) -> str:
+    settings = "".join(f", {k}={v!r}" for k, v in keywords.items())
+    return f"predict({_shape_text(shape)}, {machine}{settings}, table=Roofline().replace({slot}=yours))"
+
+
 def _run_both(
     name: str, runner: Callable, cases: list, engine_cases: Callable[[], list], in_engine: bool = True, **settings
 ) -> None:
@@ -157,6 +181,17 @@ def _predicted_with(name: str, fn: Callable, shape: ModelShape, machine: tuple, 
     return predict(shape, machine, **keywords, table=Roofline().replace(**{name: guard(name, fn)}))
 
 
+def _engine_case(slot: str, description: str, shape: ModelShape, machine: tuple, call: str, **keywords) -> Case:
+    """A case that runs the engine's `predict` with the learner's function in `slot`: expected, the engine's own."""
+    keywords = {"batch": 1, "new_tokens": 1, "context": 0, "weights": "float16", "dtype": "float16", **keywords}
+    return Case(
+        f"in the engine: {description}",
+        ("engine", shape, machine, keywords),
+        later(predict, shape, machine, **keywords),
+        f"predict calls {call} positionally",
+    )
+
+
 def _engine_verdict(got: Any, expected: Prediction, part: Verdict) -> Verdict:
     """The verdict on the engine's Prediction made with the learner's function: `part`, the slot's own verdict on
     its piece of the prediction, said as the engine's; else whatever else differs from the engine's own."""
@@ -170,19 +205,52 @@ def _judge_prediction(got: Any, expected: Prediction, rel: float = REL_TOL) -> O
     """What differs between the engine's Prediction with the learner's function in it and the engine's own."""
     if not isinstance(got, Prediction):
         return f"expected the engine's Prediction, got {short(got, 80)}"
-    if got.roof.bound != expected.roof.bound:
-        return f"the engine finds the step {got.roof.bound}-bound, expected {expected.roof.bound}-bound"
+    names = [k.name for k in expected.kernels]
+    if [getattr(k, "name", None) for k in got.kernels] != names or len(got.times) != len(names):
+        return f"the engine's prediction has other kernels: {short(got.kernels, 120)}, expected the kernels {names}"
+    for k, e in zip(got.kernels, expected.kernels):
+        for field in ("flops", "bytes"):
+            if not _close(getattr(k, field), getattr(e, field), rel):
+                a, b = getattr(k, field), getattr(e, field)
+                return f"the engine's kernel {e.name!r} differs: {field} {a!r}, expected {b!r}"
+    for name, t, e in zip(names, got.times, expected.times):
+        if t.bound != e.bound:
+            return f"the engine finds kernel {name!r} {t.bound}-bound, expected {e.bound}-bound"
+        for field in ("seconds", "intensity", "ridge"):
+            if not _close(getattr(t, field), getattr(e, field), rel):
+                return (
+                    f"the engine's time of kernel {name!r} differs: {field} {getattr(t, field)!r}, "
+                    f"expected {getattr(e, field)!r}"
+                )
     for field in ("tokens_per_s", "seconds", "mbu", "mfu"):
         a, b = getattr(got, field), getattr(expected, field)
         if (a is None) != (b is None) or (b is not None and not _close(a, b, rel)):
             return f"the engine's prediction differs: {field} {a!r}, expected {b!r}"
-    for a, b, field in [
-        *zip(got.cost, expected.cost, got.cost._fields),
-        *zip(got.roof, expected.roof, got.roof._fields),
-    ]:
-        if (a != b) if isinstance(b, str) else not _close(a, b, rel):
-            return f"the engine's prediction differs: {field} {a!r}, expected {b!r}"
     return None
+
+
+def _step_totals(shape: ModelShape, batch: int, new_tokens: int, context: int, weights: str, dtype: str) -> tuple:
+    """(FLOPs, bytes) of a whole step by the engine's kernels."""
+    kernels = step_kernels(shape, batch, new_tokens, context, weights, dtype)
+    return sum(k.flops for k in kernels), sum(k.bytes for k in kernels)
+
+
+def _random_shape(rng: random.Random) -> ModelShape:
+    """A decoder of any kind whose matrices all have whole int4 groups (inputs in multiples of 32)."""
+    n_kv_head = rng.choice([1, 2, 4])
+    n_head = n_kv_head * rng.choice([1, 1, 2, 4])
+    swiglu = rng.random() < 0.5
+    return ModelShape(
+        rng.randint(1, 8),
+        32 * rng.randint(1, 24),
+        n_head,
+        n_kv_head,
+        rng.choice([32, 64, 128]),
+        32 * rng.randint(1, 64),
+        rng.randint(2, 70_000),
+        "swiglu" if swiglu else "gelu",
+        tied=not swiglu and rng.random() < 0.7,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -578,316 +646,484 @@ def check_matrix_bytes(fn, *, seed: int = 0, n_random: int = 10) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 3: step_cost — FLOPs, weight, KV-cache and activation bytes of one forward step
+# Exercise 3: gemm_cost — the FLOPs and bytes of one weight product
 
-COMPONENTS = ("the FLOPs", "the weight bytes", "the KV-cache bytes", "the activation bytes")
-GQA = "k and v have n_kv_head × head_dim outputs, not n_head × head_dim (grouped-query attention shares them)"
-SWIGLU = 'a "swiglu" MLP has three matrices (gate and up [d_ff, n_embd], down [n_embd, d_ff]), a "gelu" MLP two'
-HEAD = "the output head is a matrix too: [vocab_size, n_embd], multiplied by every row"
-ROWS = "every new position of every sequence (batch × new_tokens rows) goes through every matrix"
+PAIR = ("flops", "bytes")
+ONCE = (
+    "the matrix is read once for all the rows: they share the read (that is what batching buys) — "
+    "matrix_bytes(outputs, inputs, weights, dtype), not × rows"
+)
+ACTIVATIONS = (
+    "the activations move too: the product reads its input rows (rows × inputs values) and writes its output rows "
+    "(rows × outputs values), each value in `dtype`"
+)
+SWAPPED = (
+    "a weight matrix is [outputs, inputs]: matrix_bytes(outputs, inputs, weights, dtype) — int8 has a scale per "
+    "output row, int4 a scale per 32 inputs of each row, so the order matters"
+)
 
 
-def _layer_matrices(shape: ModelShape, gqa: bool = True, mlp3: bool = True, head: bool = True) -> list:
-    """The matrices of `_matrices`, or what a mistake makes of them."""
-    C, H, D, F = shape.n_embd, shape.n_head, shape.head_dim, shape.d_ff
-    kv = shape.n_kv_head if gqa else H
-    mlp = [(F, C), (F, C), (C, F)] if shape.mlp == "swiglu" and mlp3 else [(F, C), (C, F)]
-    layer = [(H * D, C), (kv * D, C), (kv * D, C), (C, H * D), *mlp]
-    return layer * shape.n_layer + ([(shape.vocab_size, C)] if head else [])
-
-
-def _cost_mistakes(shape: ModelShape, B, T, context, weights, dtype) -> list[list[tuple[float, str]]]:
-    """For each component of step_cost(shape, B, T, context, weights, dtype): (what a mistake gives, its hint)."""
-    B, T, context = int(B), int(T), int(context)
-    L, H, Hkv, D, V, C = shape.n_layer, shape.n_head, shape.n_kv_head, shape.head_dim, shape.vocab_size, shape.n_embd
-    rows, size = B * T, FLOAT_BYTES[dtype]
-    right = _layer_matrices(shape)
-    wrong = [(_layer_matrices(shape, gqa=False), GQA), (_layer_matrices(shape, mlp3=False), SWIGLU)]
-    wrong.append((_layer_matrices(shape, head=False), HEAD))
-    attended = T * context + T * (T + 1) // 2
-    attn = 4 * L * H * D * B * attended
-
-    def product(mats):
-        return 2 * rows * sum(r * c for r, c in mats)
-
+def _gemm_mistakes(rows, outputs, inputs, weights, dtype) -> tuple[list, list]:
+    """(what a mistake gives, its hint) for the FLOPs and for the bytes of gemm_cost(rows, outputs, inputs, ...)."""
+    R, o, i = int(rows), int(outputs), int(inputs)
+    size, n = FLOAT_BYTES[dtype], o * i
+    matrix = engine_matrix_bytes(o, i, weights, dtype)
+    moved = R * (i + o) * size
     flops = [
-        (
-            product(right) / 2 + attn / 2,
-            "a multiply-add is 2 FLOPs: 2 per weight per row, 4 per head dimension "
-            "per (query, attended position) pair in attention",
-        ),
-        (product(right) / 2 + attn, "a multiply-add is 2 FLOPs: 2 per weight for each row"),
-        (
-            product(right),
-            "attention's FLOPs too: 4 per head dimension for each (query, attended position) pair — "
-            "2 for the score q·k, 2 for the weighted sum of v",
-        ),
-        (
-            product(right) + 4 * L * H * D * B * T * (context + T),
-            "attention is causal: new position i (from 0) "
-            "attends to context + i + 1 positions, T·context + T(T+1)/2 pairs per sequence, not T·(context + T)",
-        ),
-        (
-            product(right) + 4 * L * H * D * B * T * context,
-            "each new position also attends to itself and the new "
-            "positions before it: T·context + T(T+1)/2 pairs per sequence",
-        ),
-        (
-            product(right) + 4 * L * Hkv * D * B * attended,
-            "every query head computes its own scores and sum: n_head, even when the KV heads are shared",
-        ),
-        (
-            product(right) + attn / 2,
-            "attention: 2 FLOPs per head dimension for the score q·k and 2 for the "
-            "weighted sum of v — 4 per (query, attended position) pair",
-        ),
-        *((product(mats) + attn, hint) for mats, hint in wrong),
-        (product(right) / T + attn, ROWS),
-        (product(right) / B + attn, ROWS),
+        (R * n, "a multiply-add is 2 FLOPs: 2 × rows × outputs × inputs"),
+        (2 * n, "every row is multiplied by the whole matrix: 2 × rows × outputs × inputs"),
+        (4 * R * n, "a multiply-add is 2 FLOPs (not 4): 2 × rows × outputs × inputs"),
     ]
-
-    def stored(mats, fmt):
-        return sum(engine_matrix_bytes(r, c, fmt, dtype) for r, c in mats)
-
-    weight = stored(right, weights)
-    shared = "the weights are read once per step, shared by all its rows: not × batch (or × rows)"
-    weight_bytes = [
-        (B * weight, shared),
-        (rows * weight, shared),
-        *((stored(mats, weights), hint) for mats, hint in wrong),
+    swapped = []
+    if weights == "int8":
+        swapped = [n + i * size]
+    elif weights == "int4":
+        swapped = [n / 2 + i * (o // 32) * 2, n / 2 + i * o / 32 * 2]
+    nbytes = [
+        (matrix, ACTIVATIONS),
+        (matrix + R * i * size, ACTIVATIONS),
+        (matrix + R * o * size, ACTIVATIONS),
+        (R * matrix + moved, ONCE),
+        (R * matrix, ONCE),
         (
-            weight + V * C * FLOAT_BYTES.get(weights, 1),
-            "a step reads the token table only at its rows' ids: count the output head once",
+            matrix + R * (i + o) * VALUE_BYTES[weights],
+            f"the activations are in `dtype` ({dtype}: {size} bytes a value), whatever the weights' format",
         ),
+        *(
+            (matrix + R * (i + o) * each, f"the activations are in `dtype` ({dtype}: {size} bytes a value)")
+            for each in (4, 2)
+            if each != size
+        ),
+        *((wrong + moved, SWAPPED) for wrong in swapped),
         (
-            stored(right, dtype),
-            f"the weights are stored in `weights` ({weights!r}): matrix_bytes(rows, cols, "
-            "weights, dtype); `dtype` is the cache's and the activations'",
+            engine_matrix_bytes(o, i, dtype, dtype) + moved,
+            f"the matrix is stored in `weights` ({weights!r}): matrix_bytes(outputs, inputs, weights, dtype); `dtype` "
+            "is the activations'",
         ),
-        (
-            sum(r * c for r, c in right) * {"int8": 1, "int4": 0.5}.get(weights, 0),
-            "int8 and int4 weights carry their scales: matrix_bytes(rows, cols, weights, dtype) counts them",
-        ),
-        (8 * weight, "bytes, not bits"),
-        (weight / 1e9, "return bytes (not GB)"),
-        (weight / 2**30, "return bytes (not GiB)"),
+        (8 * (matrix + moved), "bytes, not bits"),
+        (matrix + 8 * moved, "bytes, not bits"),
     ]
-    per_position = 2 * L * Hkv * D * size
-    cache = B * (context + 2 * T) * per_position
-    kv = [
-        (
-            0,
-            "the KV cache: attention reads each sequence's cached keys and values and the new positions', and the "
-            "step writes the new ones: context + 2 × new_tokens positions per sequence",
-        ),
-        (
-            B * context * per_position,
-            "attention also reads the new positions' keys and values, and the step writes "
-            "them: context + 2 × new_tokens positions per sequence",
-        ),
-        (
-            B * (context + T) * per_position,
-            "the step reads context + new_tokens positions and also writes the "
-            "new_tokens new ones: context + 2 × new_tokens positions per sequence",
-        ),
-        (cache * H / Hkv, "the cache holds n_kv_head heads per layer, not n_head (grouped-query attention)"),
-        (cache / 2, "a key and a value per position, layer and KV head"),
-        (cache / B, "every sequence reads and writes its own cache: × batch"),
-        (cache / L, "every layer has its own cache: × n_layer"),
-        (
-            cache / size * FLOAT_BYTES.get(weights, {"int8": 1, "int4": 0.5}.get(weights, 0)),
-            "the cache is in `dtype`, not in the weights' format",
-        ),
-        (8 * cache, "bytes, not bits"),
-        (cache / 1e9, "return bytes (not GB)"),
+    if weights == "int8":
+        nbytes.append(
+            (
+                engine_matrix_bytes(o, i, weights) + moved,
+                "pass `dtype` on: matrix_bytes(outputs, inputs, weights, dtype) — int8's scales are in the model's "
+                "dtype (its default, float32, is not this model's)",
+            )
+        )
+    nbytes += [
+        (wrong + moved, f"the matrix's bytes are wrong: {hint}")
+        for wrong, hint in _bytes_mistakes(o, i, weights, dtype)
     ]
-    attention_io = 2 * L * H * D
-
-    def moved(mats, per_row=None):
-        return size * rows * (sum(r + c for r, c in mats) + attention_io) if per_row is None else per_row
-
-    act = moved(right)
-    activations = [
-        (0, "the activations: every matrix product reads its input rows and writes its output rows (in `dtype`)"),
-        (
-            act / size * FLOAT_BYTES.get(weights, {"int8": 1, "int4": 0.5}.get(weights, 0)),
-            "the activations are in `dtype`, whatever the weights' format",
-        ),
-        (
-            act - size * rows * attention_io,
-            "attention also reads its queries and writes its output: 2 × n_head × head_dim values per row and layer",
-        ),
-        (
-            size * rows * (sum(c for _, c in right) + attention_io / 2),
-            "every matrix product reads its input rows "
-            "(cols values each) and writes its output rows (rows values each)",
-        ),
-        (
-            size * rows * (sum(r for r, _ in right) + attention_io / 2),
-            "every matrix product reads its input rows "
-            "(cols values each) and writes its output rows (rows values each)",
-        ),
-        (
-            size * rows * sum(c for _, c in right),
-            "every matrix product reads its input rows and writes its output rows",
-        ),
-        (act / T, ROWS),
-        (act / B, ROWS),
-        *((moved(mats), hint) for mats, hint in wrong),
-        (8 * act, "bytes, not bits"),
-        (act / 1e9, "return bytes (not GB)"),
-    ]
-    return [flops, weight_bytes, kv, activations]
+    return flops, nbytes
 
 
-def _cost_verdict(args: tuple, got: Any, expected) -> Verdict:
-    """The first wrong component of a step_cost answer, and the mistake that gives it."""
+def _pair_verdict(got: Any, expected, name: str, mistakes: Callable[[], tuple[list, list]], show_intensity=False):
+    """The verdict on a (flops, bytes) answer: its kind, then each number, with the mistake that gives it."""
     if _has_tensor(got):
         return _TENSOR
-    if not isinstance(got, (tuple, list)) or len(got) != 4 or not all(_number(x) for x in got):
+    if not isinstance(got, (tuple, list)) or len(got) != 2 or not all(_number(x) for x in got):
         return (
-            f"expected four numbers (flops, weight bytes, KV-cache bytes, activation bytes), got {short(got, 80)}",
-            "return flops, weight_bytes, kv_cache_bytes, activation_bytes (a tuple or StepCost)",
+            f"expected two numbers (flops, bytes), got {short(got, 80)}",
+            f"return flops, nbytes (a tuple, or the engine's Cost): {name} counts both",
         )
     values = [float(x) for x in got]
-    for i, (value, right) in enumerate(zip(values, expected)):
-        if not _close(value, right):
-            mistakes = _cost_mistakes(*args)
-            return f"{COMPONENTS[i]} are wrong", _first(mistakes[i], value)
+    for index, (value, right) in enumerate(zip(values, expected)):
+        if not _close(value, float(right)):
+            wrong = [(v, hint) for v, hint in mistakes()[index] if not _close(v, float(right), HINT_TOL)]  # not right
+            problem = f"the {PAIR[index]} are wrong: expected {right!r}, got {got[index]!r}"
+            if show_intensity and index == 1 and value > 0:
+                problem += (
+                    f" (its intensity: {float(expected[0]) / float(right):.4g} FLOPs per byte expected, yours "
+                    f"{float(expected[0]) / value:.4g})"
+                )
+            return problem, _first(wrong, value)
     return None
 
 
-def _judge_cost(case: Case, got: Any) -> Verdict:
+def _product_part(got: Prediction, expected: Prediction, keywords: dict, shape: ModelShape) -> Verdict:
+    """The verdict on the first weight product of the engine's prediction that differs, as gemm_cost's."""
+    rows = keywords["batch"] * keywords["new_tokens"]
+    products = {name: (shape.n_layer, o, i) for name, (o, i) in _layer_matrices(shape).items()}
+    head_rows = keywords["batch"] if keywords.get("last_only") else rows
+    products["head"] = (1, shape.vocab_size, shape.n_embd)
+    for k, e in zip(got.kernels, expected.kernels):
+        if e.name not in products or (_close(k.flops, e.flops) and _close(k.bytes, e.bytes)):
+            continue
+        layers, o, i = products[e.name]
+        r = head_rows if e.name == "head" else rows
+        args = (r, o, i, keywords["weights"], keywords["dtype"])
+
+        def scaled(args=args, layers=layers):
+            return tuple([(layers * value, hint) for value, hint in part] for part in _gemm_mistakes(*args))
+
+        verdict = _pair_verdict((k.flops, k.bytes), (e.flops, e.bytes), "gemm_cost", scaled)
+        if verdict:
+            times = f"{layers} layers × " if layers > 1 else ""
+            call = _call_text("gemm_cost", ("rows", "outputs", "inputs", "weights", "dtype"), args)
+            return f"kernel {e.name!r} ({times}{call}): {verdict[0]}", verdict[1]
+    return None
+
+
+def _judge_gemm(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
-        part = None
-        if isinstance(got, Prediction):
-            full = (shape, keywords["batch"], keywords["new_tokens"], keywords["context"])
-            part = _cost_verdict((*full, keywords["weights"], keywords["dtype"]), got.cost, case.expected.cost)
+        part = _product_part(got, case.expected, keywords, shape) if isinstance(got, Prediction) else None
         return _engine_verdict(got, case.expected, part)
-    full = (*args, "float16", "float16")[:6]
-    return _cost_verdict(full, got, case.expected)
+    full = (*args, "float16", "float16")[:5]
+    return _pair_verdict(got, case.expected, "gemm_cost", lambda: _gemm_mistakes(*full))
 
 
-def _run_cost(fn: Callable, how: str, *args):
+def _run_predict(fn: Callable, slot: str, how: str, *args):
     if how == "engine":
-        return _predicted_with("step_cost", fn, *args)
+        return _predicted_with(slot, fn, *args)
     return fn(*args)
 
 
-def _random_shape(rng: random.Random) -> ModelShape:
-    """A decoder of any kind whose matrices all have whole int4 groups (inputs in multiples of 32)."""
-    n_kv_head = rng.choice([1, 2, 4])
-    n_head = n_kv_head * rng.choice([1, 1, 2, 4])
-    swiglu = rng.random() < 0.5
-    return ModelShape(
-        rng.randint(1, 8),
-        32 * rng.randint(1, 24),
-        n_head,
-        n_kv_head,
-        rng.choice([32, 64, 128]),
-        32 * rng.randint(1, 64),
-        rng.randint(2, 70_000),
-        "swiglu" if swiglu else "gelu",
-        tied=not swiglu and rng.random() < 0.7,
-    )
-
-
-def check_step_cost(fn, *, seed: int = 0, n_random: int = 10) -> None:
-    """step_cost(shape, batch, new_tokens, context, weights="float16", dtype="float16") -> (flops, weight bytes,
-    KV-cache bytes, activation bytes) of one forward step: 2 FLOPs per weight per row plus attention's 4 per head
-    dimension per causal (query, attended position) pair; every matrix once (`matrix_bytes`); each sequence's
-    cache read (context + new_tokens positions) and written (new_tokens); each matrix product's input and output
-    rows, and attention's queries and output. Exact (relative 1e-9); ends with the engine's `predict` running it."""
+def check_gemm_cost(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """gemm_cost(rows, outputs, inputs, weights="float16", dtype="float16") -> (flops, bytes) of one weight product:
+    `rows` activation rows times a matrix [outputs, inputs] stored in format `weights`. 2 FLOPs (a multiply-add) per
+    weight per row; the matrix's bytes once (`matrix_bytes(outputs, inputs, weights, dtype)`, whatever the rows), plus
+    the rows read (inputs values each) and written (outputs values each) in `dtype`. Exact (relative 1e-9), in any
+    Python number type; ends with the engine's `predict` running it for every weight product of a step."""
     if not callable(fn):
-        raise CheckFailed(f"✗ step_cost: expected a function, got {short(fn)}")
+        raise CheckFailed(f"✗ gemm_cost: expected a function, got {short(fn)}")
 
     def case(description, args, hint=""):
-        return Case(description, ("call", *args), later(engine_step_cost, *args), hint)
+        full = (*args, "float16", "float16")[:5]
+        return Case(description, ("call", *args), later(engine_gemm_cost, *full), hint)
 
-    gpt2, l7, l8, l70 = (SHAPES[n] for n in ("GPT-2 124M", "Llama-2-7B", "Llama-3-8B", "Llama-3-70B"))
     cases = [
-        case("one layer of width 4, one token, nothing cached", (TINY, 1, 1, 0, "float32", "float32")),
-        case("GPT-2 124M, a decode step at 1024 cached positions", (gpt2, 1, 1, 1024, "float16", "float16")),
         case(
-            "GPT-2 124M, a prefill of 512 tokens (causal: position i attends to i + 1)",
-            (gpt2, 1, 512, 0, "float16", "float16"),
-            "T(T+1)/2 (query, position) pairs",
+            "one row through Llama-3-8B's q [4096, 4096] in bfloat16",
+            (1, 4096, 4096, "bfloat16", "bfloat16"),
+            "one row: the matrix's 32 MiB for 33.6 MFLOP",
         ),
         case(
-            "the bundled model's configuration in float32, 8 sequences, 2 new tokens after 100",
-            (BUNDLED, 8, 2, 100, "float32", "float32"),
+            "8 rows through Llama-3-8B's k [1024, 4096] in int8 (float16 scales): a thin matrix",
+            (8, 1024, 4096, "int8", "float16"),
+            "int8: a byte a weight and a scale per output row",
         ),
-        case("Llama-2-7B (a KV head per query head), batch 16, 4096 cached", (l7, 16, 1, 4096, "bfloat16", "bfloat16")),
+        case("64 rows, float16", (64, 4096, 4096, "float16", "float16"), "the rows share the matrix's read"),
         case(
-            "Llama-3-8B (8 KV heads for 32 query heads, SwiGLU, untied head), decode at 8192",
-            (l8, 1, 1, 8192, "float16", "float16"),
-            "grouped-query attention: k, v and the cache have n_kv_head heads",
+            "4096 rows through Llama-3-8B's down [4096, 14336] in int4, activations in bfloat16",
+            (4096, 4096, 14336, "int4", "bfloat16"),
         ),
-        case("Llama-3-8B in int8 (float16 scales), batch 64", (l8, 64, 1, 2048, "int8", "float16")),
-        case("Llama-3-70B in int4, batch 256, 32768 cached", (l70, 256, 1, 32768, "int4", "bfloat16")),
         case(
-            "Llama-3-70B, a prefill of 2048 after 1000 cached, int8 in float32", (l70, 2, 2048, 1000, "int8", "float32")
+            "a million rows through a [1024, 8192] matrix in float16",
+            (1 << 20, 1024, 8192, "float16", "float16"),
+            "at many rows the activations outweigh the matrix",
         ),
-        case("a tiny GQA SwiGLU decoder in int4, the cache in float32", (TINY_GQA, 3, 5, 7, "int4", "float32")),
-        case("GPT-2 124M, float32 weights, a float16 cache", (gpt2, 4, 1, 300, "float32", "float16")),
         case(
-            "step_cost(shape, batch, new_tokens, context): float16 weights and cache",
-            (l8, 2, 3, 50),
-            'weights="float16", dtype="float16" by default',
+            "one row through Llama-3-8B's head [128256, 4096] in float32: a wide matrix",
+            (1, 128256, 4096, "float32", "float32"),
         ),
-        case("numpy sizes", (gpt2, np.int64(8), np.int64(16), np.int64(128), "bfloat16", "float32")),
+        case("float16 weights, float32 activations", (16, 3072, 768, "float16", "float32"), "activations in `dtype`"),
+        case("int8 weights, float32 activations and scales", (3, 768, 2304, "int8", "float32")),
+        case(
+            "int4, 100 outputs (not a multiple of 32): one row of scales per output",
+            (5, 100, 4096, "int4", "float16"),
+            "int4's scales: one per group of 32 inputs of each of the outputs",
+        ),
+        case("a single output", (7, 1, 64, "int4", "float32")),
+        case("the smallest int4 matrix, one row", (1, 1, 32, "int4", "bfloat16")),
+        case("gemm_cost(rows, outputs, inputs): float16 weights and activations", (12, 2048, 512)),
+        case("gemm_cost(rows, outputs, inputs, 'int8'): activations and scales in float16", (12, 2048, 512, "int8")),
+        case("numpy sizes", (np.int64(256), np.int64(14336), np.int64(4096), "bfloat16", "bfloat16")),
     ]
     rng = random.Random(seed)
     for i in range(n_random):
-        shape = rng.choice([*SHAPES.values(), BUNDLED, _random_shape(rng), _random_shape(rng)])
-        batch = rng.choice([1, rng.randint(1, 512)])
-        new_tokens = rng.choice([1, 1, rng.randint(1, 4096)])
-        context = rng.choice([0, rng.randint(1, 131072)])
-        weights, dtype = rng.choice(["float32", "float16", "bfloat16", "int8", "int4"]), rng.choice(list(FLOAT_BYTES))
-        cases.append(case(f"random #{i}", (shape, batch, new_tokens, context, weights, dtype)))
+        weights, dtype = rng.choice(FORMATS), rng.choice(list(FLOAT_BYTES))
+        rows = rng.choice([1, rng.randint(1, 64), rng.randint(64, 1 << 20)])
+        outputs = rng.choice([rng.randint(1, 256), rng.randint(256, 200_000)])
+        inputs = 32 * rng.randint(1, 1024) if weights == "int4" or rng.random() < 0.5 else rng.randint(1, 30_000)
+        cases.append(case(f"random #{i}: {weights}", (rows, outputs, inputs, weights, dtype)))
 
-    def engine_case(description, shape, machine, **keywords):
-        keywords = {"batch": 1, "new_tokens": 1, "context": 0, "weights": "float16", "dtype": "float16", **keywords}
-        keywords["measured_seconds"] = 0.01
-        return Case(
-            f"in the engine: {description}",
-            ("engine", shape, machine, keywords),
-            later(predict, shape, machine, **keywords),
-            "predict calls step_cost(shape, batch, new_tokens, context, weights, dtype) positionally",
-        )
-
+    l8, l70 = SHAPES["Llama-3-8B"], SHAPES["Llama-3-70B"]
+    call = "gemm_cost(rows, outputs, inputs, weights, dtype)"
     engine_cases = [
-        engine_case("Llama-3-8B decoding 32 sequences of 8192 positions on an H100", l8, H100, batch=32, context=8192),
-        engine_case("Llama-3-70B in int4, a prefill of 4096 on an A100", l70, A100, new_tokens=4096, weights="int4"),
-        engine_case(
-            "the bundled model in float32 on an RTX 4090", BUNDLED, RTX4090, weights="float32", dtype="float32"
+        _engine_case(
+            "gemm_cost",
+            "Llama-3-8B in int8 decoding 64 sequences at 1024 cached, on an H100",
+            l8,
+            H100,
+            call,
+            batch=64,
+            context=1024,
+            weights="int8",
+            dtype="bfloat16",
+        ),
+        _engine_case(
+            "gemm_cost",
+            "Llama-3-70B in int4, a prefill of 2048 that computes the last position's logits only, on an A100",
+            l70,
+            A100,
+            call,
+            new_tokens=2048,
+            weights="int4",
+            last_only=True,
+        ),
+        _engine_case(
+            "gemm_cost",
+            "the bundled model in float32, 8 sequences of 4 new tokens, on an RTX 4090",
+            BUNDLED,
+            RTX4090,
+            call,
+            batch=8,
+            new_tokens=4,
+            context=100,
+            weights="float32",
+            dtype="float32",
+            measured_seconds=0.002,
         ),
     ]
 
     def show(args: tuple) -> str:
         how, *rest = args
         if how == "engine":
-            shape, machine, keywords = rest
-            settings = ", ".join(f"{k}={v!r}" for k, v in keywords.items())
-            return f"predict({_shape_text(shape)}, {machine}, {settings}, table=Roofline().replace(step_cost=yours))"
-        return _call_text("step_cost", ("shape", "batch", "new_tokens", "context", "weights", "dtype"), rest)
+            return _predict_text(*rest, "gemm_cost")
+        return _call_text("gemm_cost", ("rows", "outputs", "inputs", "weights", "dtype"), rest)
 
     _run_both(
-        "step_cost",
-        lambda how, *args: _run_cost(fn, how, *args),
+        "gemm_cost",
+        lambda how, *args: _run_predict(fn, "gemm_cost", how, *args),
         cases,
         lambda: engine_cases,
-        judge=_judge_cost,
+        judge=_judge_gemm,
         show_call=show,
         seconds=2,
-        total_seconds=20,
+        total_seconds=10,
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: roofline_time — a step's least time, its bound, its intensity and the machine's ridge
+# Exercise 4: attention_cost — the FLOPs and bytes of attention in all the layers of a step
+
+CAUSAL = (
+    "attention is causal: new position i (from 0) attends to context + i + 1 positions, T·context + T(T+1)/2 "
+    "(query, position) pairs per sequence and query head, not T·(context + T)"
+)
+ITSELF = (
+    "new position i (from 0) attends to context + i + 1 positions: the cached ones, the new ones before it and "
+    "itself — T·context + T(T+1)/2 pairs per sequence and query head"
+)
+FOUR = (
+    "4 FLOPs per head dimension for each (query, attended position) pair: the score q·k and the sum p·v, a "
+    "multiply-add (2 FLOPs) each"
+)
+QUERY_HEADS = "every query head computes its own scores and sum: n_head heads, even when KV heads are shared"
+REPEAT_KV = (
+    "grouped-query attention reads each KV head's keys and values once for its n_head / n_kv_head query heads "
+    "(repeat_kv's copies are not read from memory): 2 × n_kv_head × head_dim values per position and layer"
+)
+WRITES = (
+    "a step reads the cached positions and its new ones, and writes the new positions' keys and values into the "
+    "cache: context + 2 × new_tokens positions per sequence"
+)
+QUERIES = (
+    "attention also reads its queries and writes its output: 2 × n_head × head_dim values per new position, "
+    "layer and sequence"
+)
+QUERIES_OR_WRITES = (
+    "besides the cache's reads a step writes the new positions' keys and values (context + 2 × new_tokens positions "
+    "per sequence in all), reads its queries and writes its output (2 × n_head × head_dim values per new position "
+    "and layer): count both"
+)
+REREAD = (
+    "the new positions run together: the step reads each sequence's cache once (context + new_tokens positions), "
+    "not once per new position"
+)
+LAYERS = "every layer has its own attention and its own cache: × n_layer"
+SEQUENCES = "every sequence attends to its own positions and reads its own cache: × batch"
+
+
+def _attention_mistakes(shape: ModelShape, batch, new_tokens, context, dtype) -> tuple[list, list]:
+    """(what a mistake gives, its hint) for the FLOPs and for the bytes of attention_cost(shape, ...)."""
+    B, T, ctx = int(batch), int(new_tokens), int(context)
+    L, H, Hkv, D, size = shape.n_layer, shape.n_head, shape.n_kv_head, shape.head_dim, FLOAT_BYTES[dtype]
+    pairs = T * ctx + T * (T + 1) // 2
+    flops = 4 * L * H * D * B * pairs
+    per_pair = 4 * L * H * D * B
+    flops_mistakes = [
+        (flops / 2, FOUR),
+        (2 * flops, FOUR),
+        (per_pair * (T * ctx + T * (T - 1) // 2), ITSELF),
+        (per_pair * T * (ctx + T), CAUSAL),
+        (per_pair * T * ctx, ITSELF),
+        (4 * L * Hkv * D * B * pairs, QUERY_HEADS),
+        (flops / L, LAYERS),
+        (flops / B, SEQUENCES),
+        (0, "attention's FLOPs: 4 per head dimension for each (query, attended position) pair of each query head"),
+    ]
+    kv = 2 * L * Hkv * D * B  # values per cached position, over the layers and sequences
+    queries = 2 * L * H * D * B * T
+    right = kv * (ctx + 2 * T) + queries
+
+    def values(n):
+        return n * size
+
+    # every head its own keys and values, one new position: the new keys and values written weigh what the queries
+    # and the output do, and leaving out either gives the same bytes
+    either = QUERIES_OR_WRITES if kv * T == queries else None
+    bytes_mistakes = [
+        (values(2 * L * H * D * B * (ctx + T) + kv * T + queries), REPEAT_KV),
+        (values(2 * L * H * D * B * (ctx + 2 * T) + queries), REPEAT_KV),
+        (values(kv * (ctx + T) + queries), either or WRITES),
+        (values(kv * ctx + queries), WRITES),
+        (values(kv * (ctx + 2 * T)), either or QUERIES),
+        (values(kv * (ctx + 2 * T) + queries / 2), QUERIES),
+        (values(kv * (ctx + 2 * T) * T + queries), REREAD),
+        (values(kv * (pairs + T) + queries), REREAD),
+        (values(kv * (ctx + T) * T + kv * T + queries), REREAD),
+        (values(right) / L, LAYERS),
+        (values(right) / B, SEQUENCES),
+        (values(kv * (ctx + 2 * T) / 2 + queries), "a key and a value per position, KV head and layer"),
+        *(
+            (each * right, f"the cache, the queries and the output are in `dtype` ({dtype}: {size} bytes a value)")
+            for each in (4, 2, 1)
+            if each != size
+        ),
+        (8 * values(right), "bytes, not bits"),
+    ]
+    return flops_mistakes, bytes_mistakes
+
+
+def _attention_part(got: Prediction, expected: Prediction, keywords: dict, shape: ModelShape) -> Verdict:
+    """The verdict on the engine's attention kernel, as attention_cost's."""
+    names = [k.name for k in expected.kernels]
+    if "attention" not in names or [getattr(k, "name", None) for k in got.kernels] != names:
+        return None
+    index = names.index("attention")
+    args = (shape, keywords["batch"], keywords["new_tokens"], keywords["context"], keywords["dtype"])
+    k, e = got.kernels[index], expected.kernels[index]
+    verdict = _pair_verdict(
+        (k.flops, k.bytes), (e.flops, e.bytes), "attention_cost", lambda: _attention_mistakes(*args), True
+    )
+    if verdict:
+        call = _call_text("attention_cost", ("shape", "batch", "new_tokens", "context", "dtype"), args)
+        return f"kernel 'attention' ({call}): {verdict[0]}", verdict[1]
+    return None
+
+
+def _judge_attention(case: Case, got: Any) -> Verdict:
+    how, *args = case.args
+    if how == "engine":
+        shape, machine, keywords = args
+        part = _attention_part(got, case.expected, keywords, shape) if isinstance(got, Prediction) else None
+        return _engine_verdict(got, case.expected, part)
+    full = (*args, "float16")[:5]
+    return _pair_verdict(got, case.expected, "attention_cost", lambda: _attention_mistakes(*full), True)
+
+
+def check_attention_cost(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """attention_cost(shape, batch, new_tokens, context, dtype="float16") -> (flops, bytes) of attention in all the
+    layers of a step: `batch` sequences, each `new_tokens` new positions after `context` cached ones. FLOPs: 4 per
+    head dimension per (query, attended position) pair of each query head, new position i attending to context + i
+    + 1 positions (causal). Bytes, in `dtype`: each sequence's keys and values of context + new_tokens positions read
+    once per KV head (grouped-query attention shares them), its new positions' written, its queries read and its
+    output written. Exact (relative 1e-9); ends with the engine's `predict` running it."""
+    if not callable(fn):
+        raise CheckFailed(f"✗ attention_cost: expected a function, got {short(fn)}")
+
+    def case(description, args, hint=""):
+        full = (*args, "float16")[:5]
+        return Case(description, ("call", *args), later(engine_attention_cost, *full), hint)
+
+    gpt2, l8, l70 = SHAPES["GPT-2 124M"], SHAPES["Llama-3-8B"], SHAPES["Llama-3-70B"]
+    cases = [
+        case(
+            "Llama-3-8B (8 KV heads for 32 query heads), a decode step at 1023 cached, bfloat16",
+            (l8, 1, 1, 1023, "bfloat16"),
+            "grouped-query attention: 4 query heads share each KV head's read — intensity about 4 FLOPs per byte",
+        ),
+        case("one layer of width 4, one new position, nothing cached", (TINY, 1, 1, 0, "float32")),
+        case("GPT-2 124M, a decode step at 1024 cached positions", (gpt2, 1, 1, 1024, "float16")),
+        case(
+            "GPT-2 124M, a prefill of 512 positions, nothing cached",
+            (gpt2, 1, 512, 0, "float16"),
+            "causal: new position i attends to i + 1 positions",
+        ),
+        case(
+            "Llama-3-8B decoding 32 sequences at 8192 cached",
+            (l8, 32, 1, 8192, "bfloat16"),
+            "each sequence reads its own cache: the intensity does not grow with the batch",
+        ),
+        case(
+            "multi-query attention (1 KV head for 8 query heads): 3 sequences, 16 new after 100 cached",
+            (MQA, 3, 16, 100, "float16"),
+        ),
+        case("Llama-3-70B, 2 sequences, a prefill of 2048 after 1000 cached, float32", (l70, 2, 2048, 1000, "float32")),
+        case("a tiny GQA SwiGLU decoder, 4 sequences, 5 new after 7 cached", (TINY_GQA, 4, 5, 7, "bfloat16")),
+        case("Llama-3.2-1B, one new position, nothing cached", (SHAPES["Llama-3.2-1B"], 1, 1, 0, "bfloat16")),
+        case("attention_cost(shape, batch, new_tokens, context): float16", (l8, 2, 3, 50), 'dtype="float16"'),
+        case("numpy sizes", (gpt2, np.int64(8), np.int64(16), np.int64(128), "float32")),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        shape = rng.choice([*SHAPES.values(), BUNDLED, MQA, _random_shape(rng), _random_shape(rng)])
+        batch = rng.choice([1, rng.randint(1, 512)])
+        new_tokens = rng.choice([1, 1, rng.randint(1, 4096)])
+        context = rng.choice([0, rng.randint(1, 131072)])
+        cases.append(case(f"random #{i}", (shape, batch, new_tokens, context, rng.choice(list(FLOAT_BYTES)))))
+
+    call = "attention_cost(shape, batch, new_tokens, context, dtype)"
+    engine_cases = [
+        _engine_case(
+            "attention_cost",
+            "Llama-3-8B decoding 32 sequences at 8192 cached, on an H100",
+            l8,
+            H100,
+            call,
+            batch=32,
+            context=8192,
+            weights="bfloat16",
+            dtype="bfloat16",
+        ),
+        _engine_case(
+            "attention_cost",
+            "Llama-3.2-1B, a prefill of 2048 after 1000 cached, on an A100",
+            SHAPES["Llama-3.2-1B"],
+            A100,
+            call,
+            new_tokens=2048,
+            context=1000,
+        ),
+        _engine_case(
+            "attention_cost",
+            "GPT-2 124M in float32, 4 sequences of 4 new tokens after 100, on an RTX 4090",
+            gpt2,
+            RTX4090,
+            call,
+            batch=4,
+            new_tokens=4,
+            context=100,
+            weights="float32",
+            dtype="float32",
+            measured_seconds=0.003,
+        ),
+    ]
+
+    def show(args: tuple) -> str:
+        how, *rest = args
+        if how == "engine":
+            return _predict_text(*rest, "attention_cost")
+        return _call_text("attention_cost", ("shape", "batch", "new_tokens", "context", "dtype"), rest)
+
+    _run_both(
+        "attention_cost",
+        lambda how, *args: _run_predict(fn, "attention_cost", how, *args),
+        cases,
+        lambda: engine_cases,
+        judge=_judge_attention,
+        show_call=show,
+        seconds=2,
+        total_seconds=10,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 5: roofline_time — a kernel's least time, its bound, its intensity and the machine's ridge
 
 
 def _time_verdict(args: tuple, got: Any, expected) -> Verdict:
@@ -937,7 +1173,7 @@ def _time_verdict(args: tuple, got: Any, expected) -> Verdict:
         return f"the intensity is wrong: expected {expected.intensity!r}, got {intensity!r}", _first(
             [
                 (nbytes / flops if flops else math.inf, "the arithmetic intensity is FLOPs per byte: flops / nbytes"),
-                (peak / bandwidth, "the intensity is the step's own (flops / nbytes); the ridge is the machine's"),
+                (peak / bandwidth, "the intensity is the kernel's own (flops / nbytes); the ridge is the machine's"),
             ],
             intensity,
         )
@@ -945,10 +1181,22 @@ def _time_verdict(args: tuple, got: Any, expected) -> Verdict:
         return f"the ridge is wrong: expected {expected.ridge!r}, got {ridge!r}", _first(
             [
                 (bandwidth / peak, "the ridge point is FLOPs per byte too: peak_flops / bandwidth"),
-                (flops / nbytes, "the ridge is the machine's (peak_flops / bandwidth); the intensity the step's"),
+                (flops / nbytes, "the ridge is the machine's (peak_flops / bandwidth); the intensity the kernel's"),
             ],
             ridge,
         )
+    return None
+
+
+def _kernel_times_part(got: Prediction, expected: Prediction, machine: tuple) -> Verdict:
+    """The verdict on the first kernel of the engine's prediction whose time differs, as roofline_time's."""
+    for k, t, e in zip(expected.kernels, got.times, expected.times):
+        verdict = _time_verdict((k.flops, k.bytes, *machine), t, e)
+        if verdict:
+            call = _call_text(
+                "roofline_time", ("flops", "nbytes", "peak_flops", "bandwidth"), (k.flops, k.bytes, *machine)
+            )
+            return f"kernel {k.name!r} ({call}): {verdict[0]}", verdict[1]
     return None
 
 
@@ -956,16 +1204,28 @@ def _judge_time(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
-        part, cost = None, case.expected.cost
-        if isinstance(got, Prediction):
-            part = _time_verdict((cost.flops, cost.bytes, *machine), got.roof, case.expected.roof)
+        same = isinstance(got, Prediction) and len(got.times) == len(case.expected.times)
+        part = _kernel_times_part(got, case.expected, machine) if same else None
         return _engine_verdict(got, case.expected, part)
     return _time_verdict(args, got, case.expected)
 
 
+def step_time_with(roofline_time: Callable) -> Callable:
+    """The engine's `step_time` with another `roofline_time` for its kernels (the chapter's step_time calls the
+    learner's): each kernel's time, in their order, and their sum."""
+
+    def step_time(kernels: list, peak_flops: float, bandwidth: float) -> StepTime:
+        times = [roofline_time(k[1], k[2], peak_flops, bandwidth) for k in kernels]
+        return StepTime(sum(t.seconds for t in times), times)
+
+    return step_time
+
+
 def _run_time(fn: Callable, how: str, *args):
-    if how == "engine":
-        return _predicted_with("roofline_time", fn, *args)
+    if how == "engine":  # predict's step_time judges every kernel with the learner's roofline_time
+        shape, machine, keywords = args
+        table = Roofline().replace(step_time=step_time_with(guard("roofline_time", fn)))
+        return predict(shape, machine, **keywords, table=table)
     return fn(*args)
 
 
@@ -976,20 +1236,21 @@ def _tie(flops: float, nbytes: float, peak: float, bandwidth: float) -> bool:
 def check_roofline_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
     """roofline_time(flops, nbytes, peak_flops, bandwidth) -> (seconds, bound, intensity, ridge): the larger of bytes
     ÷ bandwidth and FLOPs ÷ peak, "memory" or "compute" for the one that sets it ("memory" when they are equal),
-    FLOPs per byte of the step, and peak ÷ bandwidth. Exact (relative 1e-9); ends with the engine's `predict`."""
+    FLOPs per byte of the kernel, and peak ÷ bandwidth. Exact (relative 1e-9); ends with the engine's `predict`, its
+    step_time judging every kernel with it."""
     if not callable(fn):
         raise CheckFailed(f"✗ roofline_time: expected a function, got {short(fn)}")
 
     def case(description, args, hint=""):
         return Case(description, ("call", *args), later(engine_roofline_time, *args), hint)
 
-    decode = engine_step_cost(SHAPES["Llama-3-8B"], 1, 1, 8192)
-    prefill = engine_step_cost(SHAPES["Llama-3-8B"], 1, 4096, 0)
+    decode = engine_attention_cost(SHAPES["Llama-3-8B"], 1, 1, 8192, "bfloat16")
+    prefill = engine_gemm_cost(4096, 14336, 4096, "bfloat16", "bfloat16")
     cases = [
-        case("a memory-bound step", (2e9, 2e9, 1e12, 1e11), "bytes ÷ bandwidth is the larger: 0.02 s"),
-        case("a compute-bound step", (8e12, 1e9, 1e12, 1e11), "FLOPs ÷ peak is the larger: 8 s"),
-        case("Llama-3-8B decoding one token at 8192 positions on an H100", (decode.flops, decode.bytes, *H100)),
-        case("Llama-3-8B's prefill of 4096 tokens on an H100", (prefill.flops, prefill.bytes, *H100)),
+        case("a memory-bound kernel", (2e9, 2e9, 1e12, 1e11), "bytes ÷ bandwidth is the larger: 0.02 s"),
+        case("a compute-bound kernel", (8e12, 1e9, 1e12, 1e11), "FLOPs ÷ peak is the larger: 8 s"),
+        case("Llama-3-8B's attention decoding one token at 8192 positions on an H100", (*decode, *H100)),
+        case("Llama-3-8B's MLP up in a prefill of 4096 tokens on an H100", (*prefill, *H100)),
         case(
             "the two times exactly equal",
             (1024.0, 512.0, 2048.0, 1024.0),
@@ -1015,20 +1276,32 @@ def check_roofline_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
         if not _tie(flops, nbytes, peak, bandwidth):
             cases.append(case(f"random #{len(cases) - fixed}", (flops, nbytes, peak, bandwidth)))
 
-    def engine_case(description, shape, machine, **keywords):
-        return Case(
-            f"in the engine: {description}",
-            ("engine", shape, machine, keywords),
-            later(predict, shape, machine, **keywords),
-            "predict calls roofline_time(flops, nbytes, peak_flops, bandwidth) positionally",
-        )
-
+    call = "roofline_time(flops, nbytes, peak_flops, bandwidth) for each kernel"
     engine_cases = [
-        engine_case("Llama-3-8B decoding at batch 1 on an H100 (memory-bound)", SHAPES["Llama-3-8B"], H100),
-        engine_case(
-            "Llama-3-70B in int8, a prefill of 2048 on an A100 (compute-bound)",
+        _engine_case(
+            "roofline_time",
+            "Llama-3-8B decoding at batch 1 on an H100 (every kernel memory-bound)",
+            SHAPES["Llama-3-8B"],
+            H100,
+            call,
+        ),
+        _engine_case(
+            "roofline_time",
+            "Llama-3-8B decoding 1024 sequences at 1024 cached on an H100 (the products compute-bound, attention not)",
+            SHAPES["Llama-3-8B"],
+            H100,
+            call,
+            batch=1024,
+            context=1024,
+            weights="bfloat16",
+            dtype="bfloat16",
+        ),
+        _engine_case(
+            "roofline_time",
+            "Llama-3-70B in int8, a prefill of 2048 on an A100",
             SHAPES["Llama-3-70B"],
             A100,
+            call,
             new_tokens=2048,
             weights="int8",
         ),
@@ -1039,7 +1312,10 @@ def check_roofline_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
         if how == "engine":
             shape, machine, keywords = rest
             settings = "".join(f", {k}={v!r}" for k, v in keywords.items())
-            return f"predict({_shape_text(shape)}, {machine}{settings}, table=Roofline().replace(roofline_time=yours))"
+            return (
+                f"predict({_shape_text(shape)}, {machine}{settings}, table=Roofline().replace(step_time=the engine's "
+                "step_time calling your roofline_time))"
+            )
         return _call_text("roofline_time", ("flops", "nbytes", "peak_flops", "bandwidth"), rest)
 
     _run_both(
@@ -1055,80 +1331,418 @@ def check_roofline_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 5: critical_batch — the smallest batch at which a decode step is compute-bound
+# Exercise 6: step_time — a step's least time, the sum of its kernels' on their own rooflines
+
+ONE_POINT = (
+    "judge each kernel on its own roofline and add their times: one roofline point for the whole step (its summed "
+    "FLOPs against its summed bytes) lets a compute-bound kernel's FLOPs hide behind the other kernels' bytes, as if "
+    "they ran at once"
+)
+SUMMED_ROOFS = (
+    "a kernel's time is the larger of its two times (its bytes and its FLOPs overlap), and the step's the sum of its "
+    "kernels': not Σ bytes ÷ bandwidth + Σ FLOPs ÷ peak"
+)
+LARGEST = "the kernels run one after another: the step's time is the sum of theirs, not the largest"
+STEP_BOUND = (
+    "each kernel has its own bound, from its own FLOPs and bytes (roofline_time of the kernel): not the bound of "
+    "the whole step's sums"
+)
+STEP_INTENSITY = "each kernel has its own intensity, its FLOPs ÷ its bytes: not the whole step's"
+ORDER = (
+    "one time per kernel, in the order of the kernels given (the caller pairs them by position): don't sort or "
+    "reorder them"
+)
+KERNEL_FIELDS = (
+    "a kernel is (name, flops, bytes) — a Kernel, or a plain tuple: its FLOPs are k[1], its bytes k[2] "
+    "(or unpack name, flops, nbytes = k)"
+)
+STEP_ERRORS = {
+    "'str' and": KERNEL_FIELDS,
+    "and 'str'": KERNEL_FIELDS,
+    "not str": KERNEL_FIELDS,
+    "too many values to unpack": KERNEL_FIELDS,
+    "object has no attribute 'flops'": KERNEL_FIELDS,
+    "object has no attribute 'bytes'": KERNEL_FIELDS,
+    "object has no attribute 'nbytes'": KERNEL_FIELDS,
+}
 
 
-def _margin(shape, context, weights, dtype, peak, bandwidth, batch) -> float:
-    """How far a decode step of `batch` sequences is from the ridge: relative difference of its two times."""
-    cost = engine_step_cost(shape, batch, 1, context, weights, dtype)
-    compute, memory = cost.flops / peak, cost.bytes / bandwidth
-    return abs(compute - memory) / max(compute, memory)
+def _step_mistakes(kernels, peak: float, bandwidth: float) -> list[tuple[float, str]]:
+    """(what a mistake gives, its hint) for the seconds of step_time(kernels, peak, bandwidth)."""
+    flops, nbytes = [float(k[1]) for k in kernels], [float(k[2]) for k in kernels]
+    memory, compute = [b / float(bandwidth) for b in nbytes], [f / float(peak) for f in flops]
+    step_memory, step_compute = sum(nbytes) / float(bandwidth), sum(flops) / float(peak)
+    return [
+        (max(step_memory, step_compute), ONE_POINT),
+        (step_memory + step_compute, SUMMED_ROOFS),
+        (max(map(max, memory, compute), default=0.0), LARGEST),
+        (sum(map(min, memory, compute)), "a kernel's time is the larger of bytes ÷ bandwidth and FLOPs ÷ peak"),
+        (sum(memory) + sum(compute), "a kernel's time is the larger of its two times, not their sum"),
+        (step_memory, "the compute-bound kernels take FLOPs ÷ peak: each kernel's time is the larger of its two"),
+    ]
 
 
-def _clear_of_ties(args: tuple) -> bool:
-    """No batch that decides the answer sits within a relative 1e-6 of the ridge (float rounding could go either
-    way there, and a closed form and a search would then both be right)."""
-    shape, context, weights, dtype, peak, bandwidth, max_batch = args
-    answer = engine_critical_batch(*args)
-    batches = [max_batch] if answer is None else [answer, answer - 1] if answer > 1 else [answer]
-    return all(_margin(shape, context, weights, dtype, peak, bandwidth, b) > 1e-6 for b in batches if b >= 1)
+def _time_shaped(t: Any) -> bool:
+    return (
+        isinstance(t, (tuple, list)) and len(t) == 4 and isinstance(t[1], str) and all(_number(t[i]) for i in (0, 2, 3))
+    )
 
 
-def on_the_ridge(shape: ModelShape, batch: int, scale: int = 2**10) -> tuple[float, float]:
-    """A machine (peak FLOP/s, bandwidth) on which a float32 decode step of `batch` sequences, nothing cached, sits
-    exactly on the ridge: its two times are equal in floats too (`batch` a power of 2: every quotient is exact)."""
-    cost = engine_step_cost(shape, batch, 1, 0, "float32", "float32")
-    return float(cost.flops * scale), float(cost.bytes * scale)
+def _permuted(times: list, expected: list) -> bool:
+    """Whether `times` are the expected ones in another order."""
+    left = list(range(len(expected)))
+    for t in times:
+        match = next(
+            (
+                j
+                for j in left
+                if t[1] == expected[j].bound and all(_close(float(t[n]), expected[j][n]) for n in (0, 2, 3))
+            ),
+            None,
+        )
+        if match is None:
+            return False
+        left.remove(match)
+    return True
+
+
+def _step_verdict(args: tuple, got: Any, expected: StepTime) -> Verdict:
+    kernels, peak, bandwidth = args
+    if _has_tensor(got) or (isinstance(got, (tuple, list)) and len(got) == 2 and _has_tensor(got[1])):
+        return _TENSOR
+    shaped = isinstance(got, (tuple, list)) and len(got) == 2 and _number(got[0]) and isinstance(got[1], (tuple, list))
+    if not shaped:
+        return (
+            f"expected (seconds, [one (seconds, bound, intensity, ridge) per kernel]), got {short(got, 100)}",
+            "return the step's seconds and the list of each kernel's roofline_time (a tuple, or the engine's StepTime)",
+        )
+    seconds, times = float(got[0]), list(got[1])
+    if not _close(seconds, expected.seconds):
+        return (
+            f"the step's seconds are wrong: expected {expected.seconds!r}, got {got[0]!r}",
+            _first(_step_mistakes(kernels, peak, bandwidth), seconds),
+        )
+    if len(times) != len(expected.kernels):
+        return f"expected one time per kernel ({len(expected.kernels)}), got {len(times)}", ORDER
+    for i, t in enumerate(times):
+        if not _time_shaped(t):
+            return (
+                f'kernel {i}: expected (seconds, "memory" or "compute", intensity, ridge), got {short(t, 100)}',
+                "each kernel's time is what roofline_time returns for it",
+            )
+    right = [
+        all(_close(float(t[n]), e[n]) for n in (0, 2, 3)) and t[1] == e.bound for t, e in zip(times, expected.kernels)
+    ]
+    if not all(right) and _permuted(times, expected.kernels):
+        return "the kernels' times are the right ones in another order", ORDER
+    flops, nbytes = sum(float(k[1]) for k in kernels), sum(float(k[2]) for k in kernels)
+    step_bound = "compute" if flops / peak > nbytes / bandwidth else "memory"
+    step_intensity = flops / nbytes if nbytes else math.inf
+    for i, (t, e, k) in enumerate(zip(times, expected.kernels, kernels)):
+        verdict = _time_verdict((k[1], k[2], peak, bandwidth), t, e)
+        if verdict:
+            problem, hint = verdict
+            tie = float(k[1]) / peak == float(k[2]) / bandwidth  # roofline_time's own hint says "memory" on a tie
+            if t[1] != e.bound and not tie and all(x[1] == step_bound for x in times):
+                hint = STEP_BOUND
+            if not _close(float(t[2]), e.intensity) and all(_close(float(x[2]), step_intensity) for x in times):
+                hint = STEP_INTENSITY
+            return f"kernel {i} ({k[0]!r}): {problem}", hint
+    return None
+
+
+def _judge_step(case: Case, got: Any) -> Verdict:
+    how, *args = case.args
+    if how == "engine":
+        shape, machine, keywords = args
+        expected = case.expected
+        part = None
+        if isinstance(got, Prediction):
+            part = _step_verdict(
+                (expected.kernels, *machine), (got.seconds, got.times), StepTime(expected.seconds, expected.times)
+            )
+        return _engine_verdict(got, expected, part)
+    return _step_verdict(args, got, case.expected)
+
+
+def _random_kernels(rng: random.Random) -> tuple[list, float, float]:
+    """Kernels and a machine: a step of a random model, or made-up kernels; no kernel near its ridge."""
+    machine = rng.choice([H100, A100, RTX4090, M3_MAX])
+    if rng.random() < 0.5:
+        shape = rng.choice([*SHAPES.values(), BUNDLED, MQA, _random_shape(rng)])
+        batch = rng.choice([1, rng.randint(1, 2048)])
+        new_tokens = rng.choice([1, 1, rng.randint(1, 4096)])
+        context = rng.choice([0, rng.randint(1, 65536)])
+        weights, dtype = rng.choice(FORMATS), rng.choice(list(FLOAT_BYTES))
+        kernels = step_kernels(shape, batch, new_tokens, context, weights, dtype)
+    else:
+        names = ("q", "k", "v", "o", "up", "down", "attention", "elementwise", "head", "gate")
+        kernels = [
+            Kernel(rng.choice(names), 10 ** rng.uniform(3, 16) if rng.random() < 0.9 else 0.0, 10 ** rng.uniform(3, 12))
+            for _ in range(rng.randint(1, 12))
+        ]
+    if any(_tie(k.flops, k.bytes, *machine) for k in kernels):
+        return _random_kernels(rng)
+    return kernels, *machine
+
+
+def check_step_time(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """step_time(kernels, peak_flops, bandwidth) -> (seconds, [per-kernel (seconds, bound, intensity, ridge)]): each
+    kernel (name, flops, bytes) — a `Kernel` or a plain tuple — judged on its own roofline (roofline_time), in the
+    order given, and the step's least time the sum of theirs (they run one after another). The answer may be a
+    tuple, a list or the engine's `StepTime`, each kernel's time a tuple, a list or a `RooflineTime`. The kernels
+    must not change. Exact (relative 1e-9); ends with the engine's `predict` running it."""
+    if not callable(fn):
+        raise CheckFailed(f"✗ step_time: expected a function, got {short(fn)}")
+
+    def case(description, args, hint=""):
+        return Case(description, ("call", *args), later(engine_step_time, *args), hint)
+
+    l8, l70 = SHAPES["Llama-3-8B"], SHAPES["Llama-3-70B"]
+    cases = [
+        case(
+            "a compute-bound product beside memory-bound cache reads",
+            ([Kernel("big product", 2e10, 1e9), Kernel("cache reads", 1e9, 1e9)], 1e12, 1e11),
+            "0.02 s of arithmetic, then 0.01 s of reads: 0.03 s (one point, 21 GFLOP for 2 GB, would say 0.021 s)",
+        ),
+        case(
+            "Llama-3-8B decoding 1024 sequences at 1024 cached, in bfloat16, on an H100: the products compute-bound, "
+            "attention memory-bound",
+            (step_kernels(l8, 1024, 1, 1024, "bfloat16", "bfloat16"), *H100),
+        ),
+        case(
+            "Llama-3-8B decoding one sequence at 8192 cached on an H100: every kernel memory-bound",
+            (step_kernels(l8, 1, 1, 8192), *H100),
+        ),
+        case(
+            "plain (name, flops, bytes) tuples",
+            ([("q", 3e12, 2e9), ("attention", 4e9, 1e9), ("norms", 0.0, 5e8)], *A100),
+            "a kernel is (name, flops, bytes): k[1] and k[2]",
+        ),
+        case(
+            "one kernel exactly on the ridge (its two times equal), one above it",
+            ([Kernel("on the ridge", 1024.0, 512.0), Kernel("above it", 4096.0, 512.0)], 2048.0, 1024.0),
+            'a tie is "memory", as roofline_time says',
+        ),
+        case("a single kernel", ([Kernel("head", 1e12, 1e9)], *RTX4090)),
+        case(
+            "Llama-3-70B in int4, a prefill of 2048, on an A100",
+            (step_kernels(l70, 1, 2048, 0, "int4", "bfloat16"), *A100),
+        ),
+        case(
+            "a tuple of kernels, numpy numbers",
+            (
+                (
+                    Kernel("up", np.float64(5e13), np.int64(3 * 10**9)),
+                    Kernel("attention", np.float64(2e9), np.int64(10**9)),
+                ),
+                np.float64(989e12),
+                np.float64(3.35e12),
+            ),
+        ),
+        case("integers", ([Kernel("a", 10**15, 10**12), Kernel("b", 10**9, 10**10)], 312 * 10**12, 2039 * 10**9)),
+        case(
+            "Fractions",
+            (
+                [Kernel("x", Fraction(1, 3), Fraction(1, 6)), Kernel("y", Fraction(5), Fraction(1, 2))],
+                Fraction(2, 3),
+                1,
+            ),
+            "any Python number type",
+        ),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        cases.append(case(f"random #{i}", _random_kernels(rng)))
+
+    call = "step_time(kernels, peak_flops, bandwidth)"
+    engine_cases = [
+        _engine_case(
+            "step_time",
+            "Llama-3-8B decoding 1024 sequences at 1024 cached on an H100",
+            l8,
+            H100,
+            call,
+            batch=1024,
+            context=1024,
+            weights="bfloat16",
+            dtype="bfloat16",
+        ),
+        _engine_case(
+            "step_time",
+            "Llama-3-70B in int4, a prefill of 2048 that computes the last position's logits only, on an A100",
+            l70,
+            A100,
+            call,
+            new_tokens=2048,
+            weights="int4",
+            last_only=True,
+        ),
+        _engine_case(
+            "step_time",
+            "GPT-2 124M in float32 decoding 64 sequences at 512 cached, measured 50 ms",
+            SHAPES["GPT-2 124M"],
+            M3_MAX,
+            call,
+            batch=64,
+            context=512,
+            weights="float32",
+            dtype="float32",
+            measured_seconds=0.05,
+        ),
+    ]
+
+    def show(args: tuple) -> str:
+        how, *rest = args
+        if how == "engine":
+            return _predict_text(*rest, "step_time")
+        return _call_text("step_time", ("kernels", "peak_flops", "bandwidth"), rest)
+
+    _run_both(
+        "step_time",
+        named_like(lambda how, *args: _run_predict(fn, "step_time", how, *args), fn, leading=("how",)),
+        cases,
+        lambda: engine_cases,
+        judge=_judge_step,
+        show_call=show,
+        error_hints=STEP_ERRORS,
+        seconds=2,
+        total_seconds=10,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 7: critical_batch — the smallest batch at which every weight product of a decode step is compute-bound
+
+SUMMED = (
+    "judge each weight product on its own roofline: summed into one point, the wide matrices' high intensity hides "
+    "the thin ones (grouped-query attention's k and v), which stay memory-bound longest — the answer is the batch "
+    "at which the last of them turns"
+)
+WHOLE_STEP = (
+    "attention and the elementwise kernels are no weight products: their intensity does not grow with the batch. "
+    "Judge each weight product (gemm_cost at `batch` rows) on its own roofline"
+)
+FIRST_TO_TURN = (
+    "that batch turns the first product compute-bound; every product must be: the largest of the products' batches"
+)
+HEAD_TOO = "the output head [vocab_size, n_embd] is a weight product too: here it is the thinnest, the last to turn"
+EVERY_MATRIX = "every weight product must be compute-bound, not only q: k and v, o, the MLP's and the head too"
+WEIGHTS_ONLY = (
+    "each sequence's activation rows add bytes too (inputs read, outputs written, in dtype): use gemm_cost's bytes, "
+    "not the weights' alone (with them alone, every float product would turn just past the ridge point × bytes per "
+    "weight ÷ 2)"
+)
+RIDGE = (
+    "that is the ridge point (FLOPs per byte of the machine), not a batch size: find the smallest batch at which "
+    "every weight product's gemm_cost is compute-bound by roofline_time"
+)
+LAST_MEMORY = "that batch is the last memory-bound one: return the smallest batch that is compute-bound"
+NEVER = (
+    "some weight product stays memory-bound at every batch up to max_batch (its intensity levels off at "
+    "2·outputs·inputs / ((outputs + inputs) × bytes per value), below this ridge): return None"
+)
+
+
+def _smallest_batch(compute_bound: Callable[[int], bool], max_batch: int) -> Optional[int]:
+    """The smallest batch from 1 to max_batch at which `compute_bound` (monotone) holds, or None."""
+    if max_batch < 1 or not compute_bound(max_batch):
+        return None
+    low, high = 0, max_batch
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if compute_bound(middle) else (middle, high)
+    return high
+
+
+def _product_batches(args: tuple, weights_only: bool = False) -> dict[tuple[int, int], Optional[int]]:
+    """{(outputs, inputs): the smallest batch at which that product is compute-bound, or None} for every matrix."""
+    shape, weights, dtype, peak, bandwidth, max_batch = args
+
+    def bound(o, i):
+        def compute(batch):
+            if weights_only:
+                return 2 * batch * o * i / peak > engine_matrix_bytes(o, i, weights, dtype) / bandwidth
+            cost = engine_gemm_cost(batch, o, i, weights, dtype)
+            return cost.flops / peak > cost.bytes / bandwidth
+
+        return compute
+
+    return {m: _smallest_batch(bound(*m), max_batch) for m in set(_matrices(shape))}
+
+
+def _last(batches) -> Optional[int]:
+    values = list(batches)
+    return None if any(b is None for b in values) else max(values, default=1)
+
+
+def _batch_mistakes(args: tuple) -> list[tuple[Optional[float], str]]:
+    """(what a mistake gives, its hint) for critical_batch(*args); None values never match."""
+    shape, weights, dtype, peak, bandwidth, max_batch = args
+    mats = _matrices(shape)
+    each = _product_batches(args)
+    layer = set(_layer_matrices(shape).values())
+
+    def summed(batch):
+        costs = [engine_gemm_cost(batch, o, i, weights, dtype) for o, i in mats]
+        return sum(c.flops for c in costs) / peak > sum(c.bytes for c in costs) / bandwidth
+
+    def whole(elementwise: bool):
+        def bound(batch):
+            kernels = step_kernels(shape, batch, 1, 0, weights, dtype)
+            kept = [k for k in kernels if elementwise or k.name != "elementwise"]
+            return sum(k.flops for k in kept) / peak > sum(k.bytes for k in kept) / bandwidth
+
+        return bound
+
+    ridge = peak / bandwidth
+    found = [b for b in each.values() if b is not None]
+    q = (shape.n_head * shape.head_dim, shape.n_embd)
+    return [
+        (_smallest_batch(summed, max_batch), SUMMED),
+        (_smallest_batch(whole(True), max_batch), WHOLE_STEP),
+        (_smallest_batch(whole(False), max_batch), WHOLE_STEP),
+        (min(found) if found else None, FIRST_TO_TURN),
+        (_last(b for m, b in each.items() if m in layer), HEAD_TOO),
+        (each[q], EVERY_MATRIX),
+        (_last(_product_batches(args, weights_only=True).values()), WEIGHTS_ONLY),
+        (math.floor(ridge * VALUE_BYTES[weights] / 2) + 1, WEIGHTS_ONLY),
+        (math.floor(ridge), RIDGE),
+        (math.ceil(ridge), RIDGE),
+    ]
+
+
+def _on_a_tie(args: tuple, batch: int) -> bool:
+    """Whether some weight product's two times are exactly equal at `batch`."""
+    shape, weights, dtype, peak, bandwidth, _ = args
+    for o, i in set(_matrices(shape)):
+        cost = engine_gemm_cost(batch, o, i, weights, dtype)
+        if cost.flops / peak == cost.bytes / bandwidth:
+            return True
+    return False
 
 
 def _batch_hint(args: tuple, got: Any, expected: Optional[int]) -> str:
-    shape, context, weights, dtype, peak, bandwidth, max_batch = args
-    ridge = peak / bandwidth
-    if expected is not None and got == expected - 1:
-        cost = engine_step_cost(shape, got, 1, context, weights, dtype)
-        if cost.flops / peak == cost.bytes / bandwidth:
-            return (
-                f'at batch {got} the two times are exactly equal: memory-bound by the chapter\'s rule ("memory" on '
-                f"a tie, as roofline_time says), so the answer is the next batch — from a balance point x that is a "
-                "whole number, math.floor(x) + 1, not math.ceil(x)"
-            )
+    max_batch = args[5]
     if expected is None:
         if got == max_batch:
             return "when no batch up to max_batch is compute-bound, return None (not max_batch)"
         if got > max_batch:
             return "no batch above max_batch: return None when none up to it is compute-bound"
+        return _first([(v, h) for v, h in _batch_mistakes(args) if v is not None], float(got), 0) or NEVER
+    if got == expected - 1 and got >= 1 and _on_a_tie(args, got):
         return (
-            "each sequence adds its own KV cache and activations to the bytes: at long contexts the intensity "
-            "levels off below the ridge, and no batch is compute-bound — return None"
+            f"at batch {got} a product's two times are exactly equal: memory-bound by the chapter's rule (\"memory\" "
+            "on a tie, as roofline_time says), so the answer is the next batch — from a balance point x that is a "
+            "whole number, math.floor(x) + 1, not math.ceil(x)"
         )
-    one = engine_step_cost(shape, 1, 1, context, weights, dtype)
-    matrix_flops = 2 * sum(r * c for r, c in _matrices(shape))
-    ridge_hint = (
-        "that is the ridge point (FLOPs per byte of the machine), not a batch size; it is also about where the "
-        "weights alone would balance the FLOPs, but each sequence adds its own KV cache and activations to the "
-        "bytes: find the smallest batch whose decode step (step_cost) is compute-bound"
-    )
-    weights_hint = (
-        "each sequence adds its own KV cache and activations to the bytes, not only FLOPs: use step_cost's bytes "
-        "at each batch, not the weights' alone"
-    )
-    return _first(
-        [
-            (math.floor(ridge), ridge_hint),
-            (math.ceil(ridge), ridge_hint),
-            (expected - 1, "that batch is the last memory-bound one: return the smallest batch that is compute-bound"),
-            (math.floor(ridge * one.weights / one.flops) + 1, weights_hint),
-            (math.ceil(ridge * one.weights / one.flops), weights_hint),
-            (math.floor(ridge * one.weights / matrix_flops) + 1, weights_hint),
-        ],
-        float(got),
-        0,
-    )
+    mistakes = [(v, h) for v, h in _batch_mistakes(args) if v is not None and v != expected]
+    return _first([*mistakes, (expected - 1, LAST_MEMORY)], float(got), 0)
 
 
 def _judge_batch(case: Case, got: Any) -> Verdict:
     how, *args = case.args
-    full = (*args, 1 << 20)[:7]
+    full = (*args, 1 << 20)[:6]
     expected = case.expected
     if isinstance(got, Tensor):
         return "expected a Python int or None, got a tensor", "use Python numbers (or .item())"
@@ -1136,7 +1750,8 @@ def _judge_batch(case: Case, got: Any) -> Verdict:
         if expected is None:
             return None
         return f"a batch of {expected} is compute-bound, got None", (
-            "return None only when no batch up to max_batch is compute-bound"
+            "return None only when some weight product is memory-bound at every batch up to max_batch (attention is "
+            "no weight product: its intensity does not grow with the batch, leave it out)"
         )
     if not _number(got):
         return f"expected a batch size (an int) or None, got {short(got, 80)}", ""
@@ -1147,7 +1762,7 @@ def _judge_batch(case: Case, got: Any) -> Verdict:
     if expected is not None and got == expected:
         return None
     if expected is None:
-        return f"no batch up to max_batch={full[6]} is compute-bound (expected None), got {got}", _batch_hint(
+        return f"no batch up to max_batch={full[5]} is compute-bound (expected None), got {got}", _batch_hint(
             full, got, expected
         )
     return f"expected a batch of {expected}, got {got}", _batch_hint(full, got, expected)
@@ -1156,97 +1771,122 @@ def _judge_batch(case: Case, got: Any) -> Verdict:
 def _run_batch(fn: Callable, how: str, *args):
     if how == "engine":  # as the chapter's figures call it, through its guard
         return guard("critical_batch", fn)(*args)
-    if how == "defaults":
-        return fn(*args[:6])
     return fn(*args)
 
 
+def _margin(args: tuple, batch: int) -> float:
+    """How far the weight product closest to its ridge at `batch` is from it: the relative difference of its times."""
+    shape, weights, dtype, peak, bandwidth, _ = args
+    margins = []
+    for o, i in set(_matrices(shape)):
+        cost = engine_gemm_cost(batch, o, i, weights, dtype)
+        compute, memory = cost.flops / peak, cost.bytes / bandwidth
+        margins.append(abs(compute - memory) / max(compute, memory))
+    return min(margins)
+
+
+def _clear_of_ties(args: tuple) -> bool:
+    """No batch that decides the answer sits within a relative 1e-6 of some product's ridge (float rounding could go
+    either way there, and a closed form and a search would then both be right)."""
+    answer = engine_critical_batch(*args)
+    batches = [args[5]] if answer is None else [answer, answer - 1] if answer > 1 else [answer]
+    return all(_margin(args, b) > 1e-6 for b in batches if b >= 1)
+
+
+def on_the_ridge(shape: ModelShape, batch: int, scale: int = 2**10) -> tuple[float, float]:
+    """A machine (peak FLOP/s, bandwidth) on whose ridge the thinnest weight product of `shape` in float32 sits
+    exactly at `batch` rows: its two times are equal in floats too (every quotient exact: a power-of-2 scale). In
+    float32 the thinnest product (the largest 1/outputs + 1/inputs) has the lowest intensity at every batch, so the
+    critical batch is `batch` + 1."""
+    o, i = max(set(_matrices(shape)), key=lambda m: Fraction(1, m[0]) + Fraction(1, m[1]))
+    cost = engine_gemm_cost(batch, o, i, "float32", "float32")
+    return float(cost.flops * scale), float(cost.bytes * scale)
+
+
 def check_critical_batch(fn, *, seed: int = 0, n_random: int = 10) -> None:
-    """critical_batch(shape, context, weights, dtype, peak_flops, bandwidth, max_batch=1 << 20) -> the smallest batch
-    at which a decode step (one new token per sequence, `context` cached) is compute-bound by step_cost and
-    roofline_time, or None if none up to max_batch is. An int; one case sits exactly on a tie (exact in floats too:
-    `on_the_ridge`), where the step is memory-bound; no other case sits near one. Ends with Llama-3-70B on an H100
-    through the guard the engine's figures use."""
+    """critical_batch(shape, weights, dtype, peak_flops, bandwidth, max_batch=1 << 20) -> the smallest batch at which
+    every weight product of a decode step (each layer's matrices and the output head, `batch` rows each: gemm_cost)
+    is compute-bound by roofline_time, or None if some product is memory-bound at every batch up to max_batch. An
+    int; one case sits exactly on a tie (exact in floats too: `on_the_ridge`), where the product is memory-bound; no
+    other case sits near one. Ends with Llama-3-70B on an H100 through the guard the engine's figures use."""
     if not callable(fn):
         raise CheckFailed(f"✗ critical_batch: expected a function, got {short(fn)}")
 
-    def case(description, args, hint="", how="call"):
-        full = (*args, 1 << 20)[:7]
-        return Case(description, (how, *args), later(engine_critical_batch, *full), hint)
+    def case(description, args, hint=""):
+        full = (*args, 1 << 20)[:6]
+        return Case(description, ("call", *args), later(engine_critical_batch, *full), hint)
 
     l8, l70 = SHAPES["Llama-3-8B"], SHAPES["Llama-3-70B"]
+    l8_answer = engine_critical_batch(l8, "bfloat16", "bfloat16", *H100)
     cases = [
-        case("Llama-3-8B on an H100, nothing cached", (l8, 0, "float16", "float16", *H100, 1 << 20)),
         case(
-            "Llama-3-8B on an H100 at 8192 positions: the caches grow the bytes with the batch",
-            (l8, 8192, "float16", "float16", *H100, 1 << 20),
-            "each sequence reads its own cache: the intensity levels off below the ridge",
+            "Llama-3-8B in bfloat16 on an H100",
+            (l8, "bfloat16", "bfloat16", *H100, 1 << 20),
+            "k and v (grouped-query attention's thin matrices) turn last",
         ),
         case(
-            "GPT-2 124M in float32 on an A100, 1024 cached", (SHAPES["GPT-2 124M"], 1024, "float32", "float32", *A100)
+            "GPT-2 124M in float32 on an H100: no batch",
+            (SHAPES["GPT-2 124M"], "float32", "float32", *H100, 1 << 20),
+            "a [768, 768] product in float32 levels off at 192 FLOPs per byte, below the H100's ridge (295)",
         ),
+        case("Llama-2-7B (MHA) on an RTX 4090", (SHAPES["Llama-2-7B"], "float16", "float16", *RTX4090, 1 << 20)),
+        case("Llama-3-70B in int4 on an H100", (l70, "int4", "bfloat16", *H100, 1 << 20)),
+        case("Llama-3-70B in int8 on an A100", (l70, "int8", "float16", *A100, 1 << 20)),
         case(
-            "Llama-2-7B (MHA) on an RTX 4090, 128 cached", (SHAPES["Llama-2-7B"], 128, "float16", "float16", *RTX4090)
+            "a model whose output head [64, 256] is its thinnest product, on a low ridge",
+            (SMALL_VOCAB, "float16", "float16", *M3_MAX, 1 << 20),
+            "the head is a weight product too",
         ),
-        case("Llama-3-70B in int4 on an H100, 512 cached", (l70, 512, "int4", "bfloat16", *H100, 1 << 20)),
-        case("Llama-3-70B in int8 on an A100, 2048 cached", (l70, 2048, "int8", "float16", *A100, 1 << 20)),
-        case("the bundled model in float32, a low ridge", (BUNDLED, 64, "float32", "float32", *M3_MAX, 1 << 20)),
-        case("a tiny model with a low ridge", (TINY, 0, "float32", "float32", 2e9, 1e9, 1 << 20)),
+        case("the bundled model in float32, a low ridge", (BUNDLED, "float32", "float32", *M3_MAX, 1 << 20)),
+        case("a tiny model with a low ridge", (TINY, "float32", "float32", 2e9, 1e9, 1 << 20)),
         case(
             "max_batch below the answer",
-            (l8, 0, "float16", "float16", *H100, 100),
+            (l8, "bfloat16", "bfloat16", *H100, 100),
             "no batch up to max_batch is compute-bound: None",
         ),
         case(
             "max_batch just below the answer",
-            (l8, 0, "float16", "float16", *H100, engine_critical_batch(l8, 0, "float16", "float16", *H100) - 1),
+            (l8, "bfloat16", "bfloat16", *H100, l8_answer - 1),
             "no batch up to max_batch is compute-bound: None",
         ),
+        case("max_batch exactly the answer", (l8, "bfloat16", "bfloat16", *H100, l8_answer)),
         case(
-            "max_batch exactly the answer",
-            (l8, 0, "float16", "float16", *H100, engine_critical_batch(l8, 0, "float16", "float16", *H100)),
-        ),
-        case(
-            "critical_batch(shape, context, weights, dtype, peak_flops, bandwidth): max_batch 1 << 20",
-            (l70, 4096, "float16", "float16", *H100),
-            how="defaults",
+            "critical_batch(shape, weights, dtype, peak_flops, bandwidth): max_batch 1 << 20",
+            (l70, "float16", "float16", *H100),
         ),
         case(
             "numpy numbers",
-            (l8, np.int64(256), "int8", "float16", np.float64(312e12), np.float64(2.039e12), np.int64(4096)),
+            (SHAPES["Llama-3.2-1B"], "int8", "float16", np.float64(312e12), np.float64(2.039e12), np.int64(4096)),
         ),
         case(
-            "a machine on whose ridge batch 64 sits exactly (the bundled model in float32, nothing cached): "
+            "a machine on whose ridge the bundled model's thinnest product in float32 sits exactly at batch 64: "
             "memory-bound there, so 65",
-            (BUNDLED, 0, "float32", "float32", *on_the_ridge(BUNDLED, 64)),
+            (BUNDLED, "float32", "float32", *on_the_ridge(BUNDLED, 64)),
             'a tie is "memory": the smallest compute-bound batch is the one after the balance point',
         ),
     ]
     fixed = len(cases)
     rng = random.Random(seed)
-    shapes = [*SHAPES.values(), BUNDLED]
     while len(cases) < fixed + n_random:
-        shape = rng.choice(shapes)
-        context = rng.choice([0, rng.randint(1, 512), rng.randint(512, 65536)])
-        weights = rng.choice(["float32", "float16", "bfloat16", "int8", "int4"])
+        shape = rng.choice([*SHAPES.values(), BUNDLED, SMALL_VOCAB, MQA, _random_shape(rng)])
         machine = rng.choice([H100, A100, RTX4090, M3_MAX])
         max_batch = rng.choice([1 << 20, 1 << 20, rng.randint(1, 4096)])
-        args = (shape, context, weights, rng.choice(list(FLOAT_BYTES)), *machine, max_batch)
+        args = (shape, rng.choice(FORMATS), rng.choice(list(FLOAT_BYTES)), *machine, max_batch)
         if _clear_of_ties(args):
             cases.append(case(f"random #{len(cases) - fixed}", args))
-    engine = (l70, 1024, "float16", "float16", *H100)
+    engine = (l70, "bfloat16", "bfloat16", *H100)
     cases.append(
         Case(
-            "in the engine: Llama-3-70B decoding on an H100 at 1024 positions (the guard the chapter's figures use)",
+            "in the engine: Llama-3-70B on an H100 (the guard the chapter's figures use)",
             ("engine", *engine),
             later(engine_critical_batch, *engine),
-            "the engine calls critical_batch(shape, context, weights, dtype, peak_flops, bandwidth) positionally",
+            "the engine calls critical_batch(shape, weights, dtype, peak_flops, bandwidth) positionally",
         )
     )
 
     def show(args: tuple) -> str:
         how, *rest = args
-        names = ("shape", "context", "weights", "dtype", "peak_flops", "bandwidth", "max_batch")
+        names = ("shape", "weights", "dtype", "peak_flops", "bandwidth", "max_batch")
         return _call_text("critical_batch", names, rest)
 
     run_check(
@@ -1259,14 +1899,14 @@ def check_critical_batch(fn, *, seed: int = 0, n_random: int = 10) -> None:
         seconds=2,
         total_seconds=20,
         timeout_hint=(
-            "a batch-by-batch search up to max_batch (2^20) takes too long: FLOPs and bytes both grow linearly "
-            "with the batch, so halve the interval (binary search) or solve for the batch"
+            "a batch-by-batch search up to max_batch (2^20) takes too long: a product's FLOPs and bytes both grow "
+            "linearly with the batch, so halve the interval (binary search) or solve for the batch"
         ),
     )
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 6: utilization — MBU and MFU of a step from its measured time
+# Exercise 8: utilization — MBU and MFU of a step from its measured time
 
 
 def _use_verdict(args: tuple, got: Any, expected) -> Verdict:
@@ -1301,21 +1941,15 @@ def _judge_use(case: Case, got: Any) -> Verdict:
     how, *args = case.args
     if how == "engine":
         shape, machine, keywords = args
-        part, cost = None, case.expected.cost
+        part, expected = None, case.expected
         if isinstance(got, Prediction) and got.mbu is not None:
             part = _use_verdict(
-                (cost.flops, cost.bytes, keywords["measured_seconds"], *machine),
+                (expected.flops, expected.bytes, keywords["measured_seconds"], *machine),
                 (got.mbu, got.mfu),
                 (case.expected.mbu, case.expected.mfu),
             )
         return _engine_verdict(got, case.expected, part)
     return _use_verdict(args, got, case.expected)
-
-
-def _run_use(fn: Callable, how: str, *args):
-    if how == "engine":
-        return _predicted_with("utilization", fn, *args)
-    return fn(*args)
 
 
 def check_utilization(fn, *, seed: int = 0, n_random: int = 10) -> None:
@@ -1328,12 +1962,12 @@ def check_utilization(fn, *, seed: int = 0, n_random: int = 10) -> None:
     def case(description, args, hint=""):
         return Case(description, ("call", *args), later(engine_utilization, *args), hint)
 
-    decode = engine_step_cost(SHAPES["Llama-2-7B"], 1, 1, 0, "bfloat16", "bfloat16")
+    decode = _step_totals(SHAPES["Llama-2-7B"], 1, 1, 0, "bfloat16", "bfloat16")
     cases = [
         case("half the bandwidth, a fifth of the peak", (2e9, 1e9, 0.01, 1e12, 2e11)),
         case(
             "gpt-fast's Llama-2-7B in bfloat16 on an A100: 13.5 GB at ~105 tokens/s",
-            (decode.flops, decode.bytes, 1 / 105, *A100),
+            (*decode, 1 / 105, *A100),
             "MBU is about 0.69",
         ),
         case("a prefill near the peak", (1.5e16, 2e10, 20.0, *H100)),
@@ -1352,12 +1986,8 @@ def check_utilization(fn, *, seed: int = 0, n_random: int = 10) -> None:
         )
 
     def engine_case(description, shape, machine, **keywords):
-        return Case(
-            f"in the engine: {description}",
-            ("engine", shape, machine, keywords),
-            later(predict, shape, machine, **keywords),
-            "predict calls utilization(flops, nbytes, seconds, peak_flops, bandwidth) positionally",
-        )
+        call = "utilization(flops, nbytes, seconds, peak_flops, bandwidth)"
+        return _engine_case("utilization", description, shape, machine, call, **keywords)
 
     engine_cases = [
         engine_case(
@@ -1384,14 +2014,12 @@ def check_utilization(fn, *, seed: int = 0, n_random: int = 10) -> None:
     def show(args: tuple) -> str:
         how, *rest = args
         if how == "engine":
-            shape, machine, keywords = rest
-            settings = "".join(f", {k}={v!r}" for k, v in keywords.items())
-            return f"predict({_shape_text(shape)}, {machine}{settings}, table=Roofline().replace(utilization=yours))"
+            return _predict_text(*rest, "utilization")
         return _call_text("utilization", ("flops", "nbytes", "seconds", "peak_flops", "bandwidth"), rest)
 
     _run_both(
         "utilization",
-        lambda how, *args: _run_use(fn, how, *args),
+        lambda how, *args: _run_predict(fn, "utilization", how, *args),
         cases,
         lambda: engine_cases,
         judge=_judge_use,
