@@ -1,6 +1,7 @@
 """`python -m llmcourse bench`: every documented command and option, run end to end as a user types
 it, on the tiny configuration (no timing assertions: only that the figures exist and are sane)."""
 
+import dataclasses
 import json
 import math
 import re
@@ -14,11 +15,11 @@ import pytest
 
 from llmcourse.bench import common
 from llmcourse.bench import speed as bench
-from llmcourse.bench.common import decode_step_cost, roofline
+from llmcourse.bench.common import bound_of
 from llmcourse.bench.speed import FIGURES
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import resolve_device
-from llmcourse.engine.roofline import FLOAT_BYTES, ModelShape, gpu_roof, step_cost
+from llmcourse.engine.roofline import SHAPES, ModelShape, gpu_roof, predict
 
 ROOT = Path(__file__).resolve().parent.parent
 # Appended to every command: small enough that a run takes seconds (a compiled run, about a minute).
@@ -142,7 +143,8 @@ def check_run(
 
 def check_utilization(r: dict, u: dict) -> None:
     """MBU and MFU of every decode and prefill row are its bytes and FLOPs over the time a step took, over the
-    bandwidth and peak they are of (`u`): recomputed here from the stored figures, to float rounding."""
+    bandwidth and peak they are of (`u`): recomputed here from the stored figures, to float rounding; the stored
+    bytes, FLOPs and bounds are the engine's `predict` for the model's shape in the run's dtype."""
     bandwidth, peak = u["bandwidth_GBps"] * 1e9, u["peak_GFLOPs"] * 1e9
     if u is r["utilization"]["measured"]:
         assert (u["bandwidth_GBps"], u["peak_GFLOPs"]) == (
@@ -150,6 +152,13 @@ def check_utilization(r: dict, u: dict) -> None:
             r["roofline"]["matmul_GFLOPs"],
         )
     rf = r["roofline"]
+    shape, dtype = ModelShape.of(GPT2Config(**r["config"])), r["dtype"]
+    machine = (rf["matmul_GFLOPs"] * 1e9, rf["bandwidth_GBps"] * 1e9)
+    # TINY's decode: a 16-token prompt and 8 new tokens, the step in the middle (24 - 4 = 20 cached)
+    step = predict(shape, machine, context=16 + 8 // 2, weights=dtype, dtype=dtype)
+    assert (rf["decode_step_MB"] * 1e6, rf["decode_step_GFLOP"] * 1e9) == pytest.approx((step.bytes, step.flops))
+    assert rf["bound_tokens_per_s"] == pytest.approx(step.tokens_per_s, rel=1e-12)
+    assert rf["bound_is"] == bound_of(step) and rf["compute_bound"] == step.compute_bound()
     assert set(u["decode"]) == set(r["decode"])
     for name, speed in r["decode"].items():  # batch 1: a step per token
         seconds = 1 / speed
@@ -158,10 +167,9 @@ def check_utilization(r: dict, u: dict) -> None:
         # memory-bound at batch 1: MBU is the fraction of the roofline
         if rf["bound_is"] == "memory" and name != "transformers":
             assert u["decode"][name]["MBU"] == pytest.approx(rf[f"{name}_fraction"], rel=1e-9)
-    shape, dtype = ModelShape.of(GPT2Config(**r["config"])), r["dtype"]
     assert set(u["prefill"]) == set(r["prefill"])
-    for n, row in r["prefill"].items():
-        flops = step_cost(shape, 1, int(n), 0, weights=dtype, dtype=dtype).flops
+    for n, row in r["prefill"].items():  # the head on the last position, as the engine and transformers run it
+        flops = predict(shape, machine, new_tokens=int(n), weights=dtype, dtype=dtype, last_only=True).flops
         assert r["prefill_GFLOP"][n] * 1e9 == pytest.approx(flops, rel=1e-12)
         for name, speed in row.items():
             assert set(u["prefill"][n][name]) == {"MFU"}
@@ -169,8 +177,9 @@ def check_utilization(r: dict, u: dict) -> None:
     assert set(u["batching"]) == set(r["batching"])
     for b, row in r["batching"].items():
         # TINY's decode steps: a 16-token prompt, then 8 and 16 steps (the middle of the second half, 28 cached)
-        nbytes, flops = decode_step_cost(GPT2Config(**r["config"]), 16 + 3 * 8 // 2, FLOAT_BYTES[dtype], int(b))
-        assert (row["step_MB"] * 1e6, row["step_GFLOP"] * 1e9) == pytest.approx((nbytes, flops), rel=1e-12)
+        p = predict(shape, machine, batch=int(b), context=16 + 3 * 8 // 2, weights=dtype, dtype=dtype)
+        assert (row["step_MB"] * 1e6, row["step_GFLOP"] * 1e9) == pytest.approx((p.bytes, p.flops), rel=1e-12)
+        assert row["bound_tokens_per_s"] == pytest.approx(p.tokens_per_s, rel=1e-12) and row["context"] == 28
         for name, figures in u["batching"][b].items():
             seconds = int(b) / row[name]  # a step makes a token for each of the b rows
             assert figures["MBU"] == pytest.approx(row["step_MB"] * 1e6 / seconds / bandwidth, rel=1e-12)
@@ -180,23 +189,31 @@ def check_utilization(r: dict, u: dict) -> None:
 
 def test_utilization_against_a_datasheet():
     """On a card of `GPUS`, `bench` also reports MBU and MFU against its datasheet: the same formula, other
-    roofs (no GPU needed to check the arithmetic and the table)."""
+    roofs (no GPU needed to check the arithmetic and the table). GPT-2 124M in float16, as `bench --device cuda
+    --dtype float16` measures it; rows keyed by strings, as read back from bench.json."""
     r = {
+        "shape": dataclasses.asdict(SHAPES["GPT-2 124M"]),
+        "dtype": "float16",
         "decode": {"engine": 2000.0, "transformers": 1000.0},
-        "roofline": {"decode_step_MB": 250.0, "decode_step_GFLOP": 0.25, "bound_is": "memory"},
+        "roofline": {"context": 192, "bound_is": "memory"},
         "prefill": {"128": {"engine": 50_000.0}},
-        "prefill_GFLOP": {"128": 32.0},
-        "batching": {"1": {"engine": 1800.0, "step_MB": 250.0, "step_GFLOP": 0.25}},
+        "batching": {"1": {"engine": 1800.0, "context": 176}},
     }
     peak, bandwidth = gpu_roof("H100 SXM")
     u = {"card": "H100 SXM", "peak_GFLOPs": peak / 1e9, "bandwidth_GBps": bandwidth / 1e9}
     u.update(bench.utilizations(r, peak, bandwidth))
-    assert u["decode"]["engine"]["MBU"] == pytest.approx(2000 * 250e6 / 3.35e12)  # 15 %
-    assert u["prefill"][128]["engine"]["MFU"] == pytest.approx(32e9 * 50_000 / 128 / 989e12)  # 1.3 %
+    step = predict(SHAPES["GPT-2 124M"], (peak, bandwidth), context=192)  # float16 weights and activations
+    assert 250e6 < step.bytes < 260e6 and 0.24e9 < step.flops < 0.26e9
+    assert u["decode"]["engine"]["MBU"] == pytest.approx(2000 * step.bytes / 3.35e12, rel=1e-12)  # 15 %
+    prefill = predict(SHAPES["GPT-2 124M"], (peak, bandwidth), new_tokens=128, last_only=True)
+    assert u["prefill"][128]["engine"]["MFU"] == pytest.approx(prefill.flops * 50_000 / 128 / 989e12, rel=1e-12)
     measured = {"peak_GFLOPs": 400e3, "bandwidth_GBps": 2500.0, **bench.utilizations(r, 400e12, 2500e9)}
-    lines = bench.utilization_table({"measured": measured, "datasheet": u})
-    assert "of H100 SXM (datasheet): 3350 GB/s, 989 TFLOP/s" in "\n".join(lines)
-    assert re.search(r"decode, batch 1, engine +20% +0\.12% +15% +0\.051%$", "\n".join(lines), re.M), lines
+    lines = "\n".join(bench.utilization_table({"measured": measured, "datasheet": u}))
+    assert "of H100 SXM (datasheet): 3350 GB/s, 989 TFLOP/s" in lines
+    shown = [measured["decode"]["engine"]["MBU"], measured["decode"]["engine"]["MFU"]]
+    shown += [u["decode"]["engine"]["MBU"], u["decode"]["engine"]["MFU"]]
+    assert [bench.percent(x) for x in shown] == ["20%", "0.13%", "15%", "0.051%"]
+    assert re.search(r"decode, batch 1, engine +20% +0\.13% +15% +0\.051%$", lines, re.M), lines
 
 
 def test_the_documentation_shows_the_commands_tested_here():
@@ -338,23 +355,37 @@ def test_matmul_throughput_is_measured_quickly_in_every_dtype(dtype):
     assert time.perf_counter() - start < 20
 
 
-def test_decode_step_cost_of_gpt2_small():
-    """124M parameters (of which 38.6M the tied head) read once per token, in float32."""
-    bytes_read, flops = decode_step_cost(GPT2Config(), context=0, bytes_per_value=4)
-    params = 124_439_808 - 1024 * 768  # GPT-2 small without its position table, of which decode reads one row
-    assert bytes_read / 4 == params + 768
-    assert abs(flops - 2 * params) / flops < 0.01
-    more_bytes, more_flops = decode_step_cost(GPT2Config(), context=1000, bytes_per_value=4)
-    assert more_bytes - bytes_read == 4 * 2 * 12 * 1000 * 768  # the KV cache: K and V, 12 layers, 1000 positions
-    batch_bytes, batch_flops = decode_step_cost(GPT2Config(), context=1000, bytes_per_value=4, batch=16)
-    assert batch_bytes - more_bytes == 15 * 4 * (2 * 12 * 1000 * 768 + 768)  # weights once, a cache per row
-    assert batch_flops == 16 * more_flops
+def test_a_gpt2_small_decode_step_in_the_bench():
+    """The bench's step of GPT-2 124M in float32 (`predict_step`): its 123.5M matrix weights read once per step
+    (the tied head once; biases, norms and the position table left out), each row's KV cache beside them, and the
+    rows' activations; a batch shares the weights."""
+    r = {"shape": dataclasses.asdict(ModelShape.of(GPT2Config())), "dtype": "float32"}
+    machine = (188e9, 20.5e9)
+    empty = bench.predict_step(r, machine, context=0)
+    assert 4 * 123_532_032 < empty.bytes < 4 * 123_532_032 * 1.005
+    assert empty.flops == pytest.approx(2 * 123_532_032, rel=0.01)  # a multiply-add per weight
+    cached = bench.predict_step(r, machine, context=1000)
+    cache = 4 * 2 * 12 * 1000 * 768  # K and V, 12 layers, 1000 positions
+    assert cached.bytes - empty.bytes == cache
+    sixteen = bench.predict_step(r, machine, batch=16, context=1000)
+    weights = bench.predict_step(r, machine, batch=0, context=1000).bytes  # no rows: the weights alone
+    assert sixteen.bytes - weights == 16 * (cached.bytes - weights)  # the weights once, a cache per row
+    assert sixteen.flops == pytest.approx(16 * cached.flops, rel=1e-12)
 
 
-def test_roofline_picks_the_binding_limit():
-    # 10 GB/s and 100 GFLOP/s; a step reading 1 GB and doing 1 GFLOP is memory-bound at 10 steps/s
-    assert roofline(10e9, 100e9, 1e9, 1e9) == (10.0, "memory")
-    assert roofline(10e9, 100e9, 1e9, 50e9, batch=8) == (16.0, "compute")  # 2 steps/s x 8 rows
+def test_bound_of_names_the_limit_of_a_step_judged_kernel_by_kernel():
+    """memory at batch 1; mixed when the weight products turn compute-bound and attention (each row reading its own
+    cache) does not; compute when every kernel that does arithmetic is (the elementwise ones, no FLOPs counted,
+    always wait on memory)."""
+    shape = SHAPES["GPT-2 124M"]
+    assert bound_of(predict(shape, (188e9, 20.5e9), context=192)) == "memory"
+    mixed = predict(shape, (188e9, 20.5e9), batch=256, context=192)
+    assert bound_of(mixed) == "mixed" and mixed.compute_bound() == ["q", "k", "v", "o", "up", "down", "head"]
+    assert bench.bound_text({"bound_is": "mixed", "compute_bound": mixed.compute_bound()}) == (
+        "mixed: q, k, v, o, up, down, head compute-bound"
+    )
+    prefill = predict(shape, (188e9, 1e15), new_tokens=1024)  # all but the elementwise kernels compute-bound
+    assert bound_of(prefill) == "compute" and "elementwise" not in prefill.compute_bound()
 
 
 def test_bad_bench_option_is_one_line():

@@ -23,6 +23,7 @@ from llmcourse.engine.decoder import KVCache
 from llmcourse.engine.loading import load_model
 from llmcourse.engine.padding import left_pad
 from llmcourse.engine.parts import Parts, softmax
+from llmcourse.engine.roofline import ModelShape, predict
 from llmcourse.engine.sampling import Sampler
 
 pytest.importorskip("transformers")
@@ -98,6 +99,27 @@ def test_the_fractions_are_the_figures_over_the_roofline(results):
                 assert f[name][row] == pytest.approx(roof[row] / s[row])
     # the decode step of a 49 MB model on any machine: memory-bound
     assert roof["decode_bound"] == "memory"
+
+
+def test_the_roofline_is_the_engines_predict_on_this_runs_machine(results):
+    """Every predicted time is `predict` for the model's shape in its dtype, on the bandwidth and FLOP/s this run
+    measured: the prefill (the head on the last position), the decode step in the middle of the decode, the server's
+    first token and its step in the middle of its tokens."""
+    roof, sz = results["roofline"], results["sizes"]
+    config = load_model(MODEL).config
+    machine = (roof["peak_GFLOPs"] * 1e9, roof["bandwidth_GBps"] * 1e9)
+    prompt, dtype = results["prompt_tokens"], results["dtype"]
+
+    def p(new_tokens, context):
+        shape = ModelShape.of(config)
+        return predict(
+            shape, machine, new_tokens=new_tokens, context=context, weights=dtype, dtype=dtype, last_only=True
+        )
+
+    assert roof["prefill_tok_s"] == pytest.approx(p(results["prefill_tokens"], 0).tokens_per_s, rel=1e-12)
+    assert roof["decode_tok_s"] == pytest.approx(p(1, prompt + sz["new_tokens"] // 2).tokens_per_s, rel=1e-12)
+    assert roof["ttft_ms"] == pytest.approx(1e3 * p(prompt, 0).seconds, rel=1e-12)
+    assert roof["itl_ms"] == pytest.approx(1e3 * p(1, prompt + sz["server_tokens"] // 2).seconds, rel=1e-12)
 
 
 def test_the_table_has_every_row_and_column(results):

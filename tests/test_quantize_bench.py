@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from llmcourse.bench import quantize as qb
-from llmcourse.bench.common import decode_step_cost
 from llmcourse.engine import threads
 from llmcourse.engine.config import GPT2Config
-from llmcourse.engine.quantize import BYTES_PER_WEIGHT
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ROWS = ["engine float32", "engine int8", "engine int4", "transformers float32"]
@@ -33,20 +33,50 @@ def png_size(path: Path) -> tuple[int, int]:
 # ---------------------------------------------------------------------------------------------- metrics
 
 
-def test_step_bytes_count_the_blocks_and_the_head_in_the_format():
-    cfg = GPT2Config()  # 124M: 12 x 12 x 768² in the blocks' matrices, 50257 x 768 in the tied head
-    quantized = 12 * 12 * 768**2 + 50257 * 768
-    float32, _ = decode_step_cost(cfg, 192, 4)
-    assert qb.step_bytes(cfg, 192, "float32") == float32
-    for fmt, per_weight in [("int8", 1), ("int4", 0.5625), ("float16", 2)]:
-        assert qb.step_bytes(cfg, 192, fmt) == pytest.approx(float32 - quantized * (4 - per_weight))
-        assert BYTES_PER_WEIGHT[fmt] == per_weight
-    # int8: the 123.6M weights a step reads (all but the position table) in a byte each, + the float32 biases,
-    # layer norms and position row
-    assert 123.6e6 < qb.step_bytes(cfg, 0, "int8") < 124.1e6
-    # a batch reads the weights once and a KV cache per row
-    one, sixteen = qb.step_bytes(cfg, 192, "int4"), qb.step_bytes(cfg, 192, "int4", batch=16)
-    assert sixteen - one == 15 * 4 * (2 * 12 * 192 * 768 + 768)
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_a_rows_bound_reads_the_weights_the_engine_stores_in_its_format(fmt):
+    """`decode_bound` (the engine's predict, weights in `fmt`): what a step reads beyond the float32 step's is what
+    the engine's quantized model stores (each quantized matrix's weights and scales, the tied table once) beyond
+    its float32 matrices; the rest (activations, the float32 KV cache) is the same."""
+    cfg = GPT2Config(n_layer=2, n_head=2, n_embd=64, vocab_size=500, n_positions=256)
+    base = GPT2(cfg).init_weights(0)
+    matrices = [
+        m.weight for block in base.h for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+    ] + [base.wte.weight]
+    stored = [
+        t
+        for m in quantize_model(GPT2(cfg).init_weights(0), fmt).modules()
+        if hasattr(m, "qweight")
+        for t in (m.qweight, m.scales)
+    ]
+    machine = (100e9, 20e9)
+    float32, quantized = (qb.decode_bound(cfg, 40, f, 3, machine) for f in ("float32", fmt))
+    assert quantized.bytes - float32.bytes == sum(t.nbytes for t in stored) - sum(t.nbytes for t in matrices)
+    assert quantized.flops == float32.flops
+
+
+def test_integer_rows_are_bounded_by_bandwidth_alone_and_batches_share_the_weights():
+    cfg, machine = GPT2Config(), (188e9, 20.5e9)
+    for fmt in ("int8", "int4"):
+        p = qb.decode_bound(cfg, 192, fmt, 64, machine)
+        assert p.compute_bound() == [] and p.seconds == pytest.approx(p.bytes / machine[1], rel=1e-12)
+    # float32 at a large batch: its products compute-bound at the measured matmul rate
+    assert qb.decode_bound(cfg, 192, "float32", 64, machine).compute_bound() == [
+        "q",
+        "k",
+        "v",
+        "o",
+        "up",
+        "down",
+        "head",
+    ]
+    # fewer bytes per weight, a higher bound; a batch reads the weights once and a cache per row
+    bounds = [qb.decode_bound(cfg, 192, fmt, 1, machine).tokens_per_s for fmt in qb.ENGINE_FORMATS]
+    assert bounds == sorted(bounds) and bounds[-1] > 5 * bounds[0]
+    one, sixteen = (qb.decode_bound(cfg, 192, "int4", b, machine).bytes for b in (1, 16))
+    weights = qb.decode_bound(cfg, 192, "int4", 0, machine).bytes
+    assert sixteen - weights == 16 * (one - weights) and one - weights > 4 * 2 * 12 * 192 * 768  # the cache and more
+    assert BYTES_PER_WEIGHT["int4"] == 0.5625  # the table's column: half a byte and a float16 scale per 32
 
 
 def test_first_divergence():

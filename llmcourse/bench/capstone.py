@@ -23,9 +23,10 @@ functions) and **transformers** (GPT2LMHeadModel / the Llama family's class load
   a forward pass over that many positions).
 - **roofline**: this machine's memory bandwidth (the median of sums of an array several times the last-level cache)
   and matrix-product throughput (FLOP/s of a square product in the model's dtype), measured in the same run, and the
-  engine's `step_cost` and `roofline_time` (the larger of bytes / bandwidth and FLOPs / peak; chapter 10) for the
-  prefill (the head on the last position only, as all three compute it), a decode step (at the middle of the
-  decode's context), the server's prompt and step; memory: the shape's count of weights
+  engine's `predict` (chapter 10: each kernel of a step on its own roofline, the larger of bytes / bandwidth and
+  FLOPs / peak, the step the sum of its kernels') for the prefill (`last_only`: the head on the last position only,
+  as all three compute it), a decode step (at the middle of the decode's context), the server's prompt and step;
+  memory: the shape's count of weights
   (`ModelShape.resident_params`: biases, norms and GPT-2's position table left out) and of the cache.
 - **fractions**: tokens/s measured / predicted; times predicted / measured; memory measured / predicted.
 
@@ -67,6 +68,7 @@ from typing import Callable, Optional
 import torch
 
 from llmcourse.course.learner import CHAPTER_OF, Engine
+from llmcourse.engine import roofline as engine_roofline
 from llmcourse.engine.decoder import Decoder
 from llmcourse.engine.generate import as_model, generate
 from llmcourse.engine.hf_tokenizer import load_tokenizer
@@ -74,12 +76,21 @@ from llmcourse.engine.loading import load_model, save_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.parts import Parts
 from llmcourse.engine.quantize import resident_bytes
-from llmcourse.engine.roofline import ModelShape, StepCost, roofline_time, step_cost
+from llmcourse.engine.roofline import ModelShape
 from llmcourse.engine.sampling import Sampler
 from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
 
-from .common import describe_machine, machine, measure_bandwidth, measure_matmul, run_seconds, sync, transformers_twin
+from .common import (
+    bound_of,
+    describe_machine,
+    machine,
+    measure_bandwidth,
+    measure_matmul,
+    run_seconds,
+    sync,
+    transformers_twin,
+)
 from .http import DONE, Stream, summary, take_event
 from .speed import percent
 
@@ -419,44 +430,33 @@ def measured(engine, model: str, sizes: Sizes, with_transformers: bool, progress
     return results
 
 
-def last_only(cost: StepCost, shape: ModelShape, new_tokens: int, value: int) -> StepCost:
-    """`cost` of a prefill whose head runs on the last position alone, as the engines' (`last_only=True`) and
-    transformers' (`logits_to_keep=1`) do: `step_cost` counts the head's product, its input and its output for
-    every new position."""
-    skipped = new_tokens - 1
-    head = shape.vocab_size * shape.n_embd
-    return cost._replace(
-        flops=cost.flops - 2 * skipped * head,
-        activations=cost.activations - value * skipped * (shape.vocab_size + shape.n_embd),
-    )
-
-
 def roofline(model: Decoder, machine_figures: tuple[float, float], prefill: int, prompt: int, n: int, m: int) -> dict:
     """The roofline's prediction for each row, from this machine's (peak FLOP/s, bandwidth) and the model's shape:
     a prefill of `prefill` tokens, a decode step in the middle of `prompt` + `n` positions, the server's prefill of
-    `prompt` tokens and its step in the middle of `prompt` + `m`, the weights and the decode's cache."""
+    `prompt` tokens and its step in the middle of `prompt` + `m`, the weights and the decode's cache. Every time is
+    the engine's `predict` (weights and activations in the model's dtype; the head on the last position only)."""
     shape, name = ModelShape.of(model.config), str(model.dtype).removeprefix("torch.")
     peak, bandwidth = machine_figures
     value = model.dtype.itemsize
 
-    def step(new_tokens: int, context: int) -> tuple[float, str]:
-        cost = last_only(step_cost(shape, 1, new_tokens, context, name, name), shape, new_tokens, value)
-        roof = roofline_time(cost.flops, cost.bytes, peak, bandwidth)
-        return roof.seconds, roof.bound
+    def step(new_tokens: int, context: int) -> engine_roofline.Prediction:
+        return engine_roofline.predict(
+            shape, machine_figures, new_tokens=new_tokens, context=context, weights=name, dtype=name, last_only=True
+        )
 
-    (pre, pre_bound), (dec, dec_bound) = step(prefill, 0), step(1, prompt + n // 2)
-    first, server_step = step(prompt, 0)[0], step(1, prompt + m // 2)[0]
+    pre, dec = step(prefill, 0), step(1, prompt + n // 2)
+    first, server_step = step(prompt, 0), step(1, prompt + m // 2)
     kv = 2 * shape.n_layer * shape.n_kv_head * shape.head_dim * (prompt + n) * value
     weights = shape.resident_params() * value
     return {
         "bandwidth_GBps": bandwidth / 1e9,
         "peak_GFLOPs": peak / 1e9,
-        "prefill_tok_s": prefill / pre,
-        "prefill_bound": pre_bound,
-        "decode_tok_s": 1 / dec,
-        "decode_bound": dec_bound,
-        "ttft_ms": 1e3 * first,
-        "itl_ms": 1e3 * server_step,
+        "prefill_tok_s": pre.tokens_per_s,
+        "prefill_bound": bound_of(pre),
+        "decode_tok_s": dec.tokens_per_s,
+        "decode_bound": bound_of(dec),
+        "ttft_ms": 1e3 * first.seconds,
+        "itl_ms": 1e3 * server_step.seconds,
         "weights_MB": weights / 1e6,
         "kv_MB": kv / 1e6,
         "memory_MB": (weights + kv) / 1e6,

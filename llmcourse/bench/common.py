@@ -1,6 +1,7 @@
 """What the benchmarks share: the model configurations they run with random weights, the timing helpers, the
-machine they ran on, its roofline (memory bandwidth, matmul throughput, the cost of a decode step), the
-transformers twin of an engine model, writing a section of bench.json, and the figures' style.
+machine they ran on, its two roofs (memory bandwidth and matmul throughput, the machine on which the engine's
+`predict` judges a step, each kernel on its own roofline), the transformers twin of an engine model, writing a
+section of bench.json, and the figures' style.
 
 `speed` (the default `bench`), `serving`, `speculative` and `quantize` each import from here; nothing here
 imports them.
@@ -27,7 +28,7 @@ from llmcourse.engine import threads
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.loading import load_model, save_model
 from llmcourse.engine.model import GPT2
-from llmcourse.engine.roofline import model_decode_step, roofline_time
+from llmcourse.engine.roofline import Prediction
 
 CONFIGS = {
     "gpt2": GPT2Config(),
@@ -207,25 +208,20 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, size: int = 2048, r
     return statistics.median(matmul_runs(device, dtype, size, repeats))
 
 
-def decode_step_cost(config: GPT2Config, context: int, bytes_per_value: int, batch: int = 1) -> tuple[float, float]:
-    """(bytes read, FLOPs) of one decode step for `batch` rows: the engine's `model_decode_step` (chapter 06's
-    `decode_step`: every weight once, plus each row's KV cache; the weights are shared by the rows, the cache and
-    the arithmetic are not).
+def bound_of(prediction: Prediction) -> str:
+    """Which limit bounds a step the engine's `predict` judged kernel by kernel: "memory" when every kernel waits on
+    memory, "compute" when every kernel that does arithmetic waits on it, "mixed" otherwise (at a large decode
+    batch: the weight products compute-bound, attention memory-bound; `Prediction.compute_bound` names them).
 
-        >>> decode_step_cost(GPT2Config(n_layer=1, n_head=1, n_embd=4, vocab_size=10), context=2, bytes_per_value=4)
-        (1248, 616)
+        >>> from llmcourse.engine.roofline import SHAPES, predict
+        >>> [bound_of(predict(SHAPES["Llama-3-8B"], (989e12, 3.35e12), batch=b, context=1024)) for b in (1, 1024)]
+        ['memory', 'mixed']
     """
-    flops, nbytes = model_decode_step(config, context, bytes_per_value, batch)
-    return nbytes, flops
-
-
-def roofline(
-    bandwidth: float, matmul: float, step_bytes: float, step_flops: float, batch: int = 1
-) -> tuple[float, str]:
-    """(the most tokens/s a decode step allows, "memory" or "compute": which limit binds), from the engine's
-    `roofline_time`."""
-    seconds, bound_is, _, _ = roofline_time(step_flops, step_bytes, matmul, bandwidth)
-    return batch / seconds, bound_is
+    compute = set(prediction.compute_bound())
+    if not compute:
+        return "memory"
+    arithmetic = {k.name for k in prediction.kernels if k.flops}
+    return "compute" if arithmetic <= compute else "mixed"
 
 
 # ------------------------------------------------------------------------------------------------- models

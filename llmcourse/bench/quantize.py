@@ -13,16 +13,18 @@ threads"), and the engine is measured against both.
   prefill would otherwise dominate). Each step's time is taken when its tokens reach Python (`decode_steps` for the
   engine, a logits processor for transformers, CTranslate2's per-token callback).
 
-Each row is set against its own roofline: the bytes one decode step reads (every weight once, in its format:
-`llmcourse.engine.quantize.BYTES_PER_WEIGHT`; the tied head counted quantized, as the engine quantizes the token
-table; plus each row's KV cache) over the memory bandwidth measured in the same run (`common.measure_bandwidth`), and
-for float32 rows the FLOPs over the float32 matmul rate (integer products run at other rates: the quantized rows are
-bounded by bandwidth alone). The greedy tokens of every row are compared with the engine's float32 ones (tokens until
-the first divergence). To say where the time goes, the engine's linear layers alone are timed per format (all 48 of
-the blocks, and the head), and its attention over a decode step's cache.
+Each row is set against its own roofline (`decode_bound`: the engine's `predict`, chapter 10's count kernel by
+kernel, with the weights in the row's format, scales included, as `matrix_bytes` counts them; the tied head counted
+quantized, as the engine quantizes the token table; activations and each row's KV cache in float32) on the memory
+bandwidth measured in the same run (`common.measure_bandwidth`) and, for float32 rows, the float32 matmul rate
+(integer products run at other rates: the quantized rows are bounded by bandwidth alone). The greedy tokens of
+every row are compared with the engine's float32 ones (tokens until the first divergence). To say where the time
+goes, the engine's linear layers alone are timed per format (all 48 of the blocks, and the head), and its attention
+over a decode step's cache.
 
-    >>> step_bytes(GPT2Config(n_layer=1, n_head=1, n_embd=32, vocab_size=10), context=0, fmt="int4")
-    9140.0
+    >>> steps = [decode_bound(GPT2Config(), 192, fmt, 1, (188e9, 20.5e9)) for fmt in ENGINE_FORMATS]   # GPT-2 124M
+    >>> [round(p.bytes / 1e6) for p in steps], [round(p.tokens_per_s) for p in steps]   # MB a step moves, tok/s
+    ([510, 140, 85], [40, 146, 240])
     >>> first_divergence([1, 2, 3, 4], [1, 2, 5, 4]), first_divergence([1, 2], [1, 2])
     (2, 2)
 """
@@ -32,6 +34,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 import os
 import shutil
 import statistics
@@ -43,12 +46,14 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from llmcourse.engine import roofline as engine_roofline
 from llmcourse.engine import threads as engine_threads
 from llmcourse.engine.config import GPT2Config
 from llmcourse.engine.generate import decode_steps
 from llmcourse.engine.loading import resolve_device, save_model
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model, resident_bytes
+from llmcourse.engine.roofline import ModelShape, Prediction
 from llmcourse.engine.sampling import SamplingParams
 from llmcourse.engine.tokenizer import vocab_files
 
@@ -56,12 +61,11 @@ from .common import (
     CONFIGS,
     ROOF,
     STYLE,
-    decode_step_cost,
+    bound_of,
     describe_machine,
     machine,
     measure_bandwidth,
     measure_matmul,
-    roofline,
     save,
     save_section,
     transformers_twin,
@@ -118,13 +122,23 @@ QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_toke
 # ------------------------------------------------------------------------------------------------ metrics
 
 
-def step_bytes(config: GPT2Config, context: int, fmt: str, batch: int = 1) -> float:
-    """Bytes one decode step reads when the blocks' linear layers and the tied token table are in `fmt` (layer
-    norms, biases, the position rows and the KV cache stay float32): `common.decode_step_cost` with the quantized
-    weights at `BYTES_PER_WEIGHT[fmt]`."""
-    C, L, V = config.n_embd, config.n_layer, config.vocab_size
-    total, _ = decode_step_cost(config, context, 4, batch)
-    return total - (L * 12 * C * C + V * C) * (4 - BYTES_PER_WEIGHT[fmt])
+def decode_bound(
+    config: GPT2Config, context: int, fmt: str, batch: int, machine_figures: tuple[float, float]
+) -> Prediction:
+    """The roofline of a decode step of `batch` rows after `context` cached positions with the blocks' linear
+    layers and the tied token table in `fmt` (activations and the KV cache in float32), on a machine (float32
+    matmul FLOP/s, bandwidth): the engine's `predict` with weights=`fmt`. A quantized format's products run at no
+    FLOP/s limit here (bandwidth alone): integer products run at other rates than the float32 one measured."""
+    peak, bandwidth = machine_figures
+    return engine_roofline.predict(
+        ModelShape.of(config),
+        (peak if fmt == "float32" else math.inf, bandwidth),
+        batch=batch,
+        context=context,
+        weights=fmt,
+        dtype="float32",
+        last_only=True,
+    )
 
 
 def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
@@ -473,18 +487,16 @@ def run(
             for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens)):
                 m, ref = measured[b][row.name], measured[b][REFERENCE]
                 context = prompt_len + n // 2  # the middle of the run
-                nbytes = step_bytes(cfg, context, row.format, b)
-                _, step_flops = decode_step_cost(cfg, context, 4, b)
-                rate = flops if row.format == "float32" else float("inf")  # integer products: bandwidth alone
-                bound, bound_is = roofline(bandwidth, rate, nbytes, step_flops, b)
+                p = decode_bound(cfg, context, row.format, b, (flops, bandwidth))
+                bound = p.tokens_per_s
                 decode = b * (n - 1) / m["steps_s"]
                 entry[f"batch_{b}"] = {
                     "tokens_per_s": n / m["call_s"] if b == 1 else decode,  # batch 1: the whole call, as the issue's
                     "decode_tokens_per_s": decode,
                     "call_s": m["call_s"],
-                    "step_MB": nbytes / 1e6,
+                    "step_MB": p.bytes / 1e6,
                     "bound_tokens_per_s": bound,
-                    "bound_is": bound_is,
+                    "bound_is": bound_of(p),
                     "fraction": decode / bound,
                     "agreement": statistics.mean(first_divergence(t, u) for t, u in zip(m["tokens"], ref["tokens"])),
                     "agreement_of": n,

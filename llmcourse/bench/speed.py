@@ -7,13 +7,17 @@ weights, and against this machine's limits.
   the engine both eager and with `compile=True` (torch.compile; on a GPU also CUDA graphs);
 - prefill tokens/s at several prompt lengths, engine vs transformers;
 - the roofline: memory bandwidth and matmul throughput measured now, the bytes and FLOPs of one
-  decode step, the bound they put on decode tokens/s, and the engine's fraction of it;
+  decode step, the bound they put on decode tokens/s (the engine's `predict`, chapter 10: each kernel of the
+  step on its own roofline, the step's least time the sum of theirs), and the engine's fraction of it;
 - the KV cache: time per token at several context lengths, with the cache and with full recompute;
 - batching: decode tokens/s at several batch sizes (prefill excluded), eager and compiled, against
   each one's roofline;
-- MBU and MFU (the engine's `roofline.utilization`) of every decode and prefill row: the bytes a step moves per
-  second over the measured bandwidth, its FLOP/s over the measured matmul throughput; on a card of the engine's
-  `GPUS`, also over its datasheet figures.
+- MBU and MFU (the engine's `predict` given the measured time, which runs `utilization`) of every decode and
+  prefill row: the bytes a step moves per second over the measured bandwidth, its FLOP/s over the measured matmul
+  throughput; on a card of the engine's `GPUS`, also over its datasheet figures.
+
+Every predicted figure is the engine's `predict` for the model's `ModelShape`, weights and activations in the run's
+dtype (`predict_step`): one count of a step's kernels, the one chapter 10's learners write.
 
 On a GPU (`--device cuda`, the default when there is one) every row runs there.
 
@@ -29,20 +33,22 @@ a forward pass do not depend on the values of the weights, so no download is nee
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import statistics
 import sys
 import traceback
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
+from llmcourse.engine import roofline as engine_roofline
 from llmcourse.engine.generate import CompileError, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
-from llmcourse.engine.roofline import ModelShape, card_of, gpu_roof, step_cost, utilization
+from llmcourse.engine.roofline import ModelShape, Prediction, card_of, gpu_roof
 
 from .common import (
     COMPILED,
@@ -51,14 +57,13 @@ from .common import (
     ROOF,
     STYLE,
     TRANSFORMERS,
-    decode_step_cost,
+    bound_of,
     describe_machine,
     load,
     machine,
     measure_bandwidth,
     measure_matmul,
     median_seconds,
-    roofline,
     save,
     transformers_twin,
 )
@@ -105,6 +110,7 @@ def run(
     results: dict = {
         "model": model_name,
         "config": cfg.__dict__,
+        "shape": dataclasses.asdict(ModelShape.of(cfg)),  # what `predict_step` predicts from
         "device": str(dev),
         "dtype": str(dt).removeprefix("torch."),
         "threads": torch.get_num_threads(),
@@ -159,16 +165,18 @@ def run(
     progress("roofline: bandwidth and matmul throughput")
     cache_MB = results["machine"]["llc_MB"] or 0
     bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, dt)
-    step_bytes, step_flops = decode_step_cost(cfg, prompt_len + new_tokens // 2, dt.itemsize)
-    bound, bound_is = roofline(bandwidth, flops, step_bytes, step_flops)
+    context = prompt_len + new_tokens // 2  # the middle of the decode
+    p = predict_step(results, (flops, bandwidth), context=context)
     results["roofline"] = {
         "bandwidth_GBps": bandwidth / 1e9,
         "matmul_GFLOPs": flops / 1e9,
-        "decode_step_MB": step_bytes / 1e6,
-        "decode_step_GFLOP": step_flops / 1e9,
-        "bound_tokens_per_s": bound,
-        "bound_is": bound_is,
-        **{f"{name}_fraction": results["decode"][name] / bound for name in modes},
+        "context": context,
+        "decode_step_MB": p.bytes / 1e6,
+        "decode_step_GFLOP": p.flops / 1e9,
+        "bound_tokens_per_s": p.tokens_per_s,
+        "bound_is": bound_of(p),
+        "compute_bound": p.compute_bound(),
+        **{f"{name}_fraction": results["decode"][name] / p.tokens_per_s for name in modes},
     }
 
     # KV cache vs recompute
@@ -200,13 +208,16 @@ def run(
     for b in batch_sizes:
         progress(f"batched decode, batch {b}")
         rows = torch.randint(0, cfg.vocab_size, (b, prompt_len), generator=g).tolist()
-        b_bytes, b_flops = decode_step_cost(cfg, prompt_len + 3 * steps // 2, dt.itemsize, b)
-        bound, bound_is = roofline(bandwidth, flops, b_bytes, b_flops, b)
+        context = prompt_len + 3 * steps // 2  # the middle of the second half, the steps measured
+        p = predict_step(results, (flops, bandwidth), batch=b, context=context)
+        bound = p.tokens_per_s
         results["batching"][b] = {
+            "context": context,
             "bound_tokens_per_s": bound,
-            "bound_is": bound_is,
-            "step_MB": b_bytes / 1e6,
-            "step_GFLOP": b_flops / 1e9,
+            "bound_is": bound_of(p),
+            "compute_bound": p.compute_bound(),
+            "step_MB": p.bytes / 1e6,
+            "step_GFLOP": p.flops / 1e9,
         }
         for name, compiled in modes.items():  # one after the other: their weights compete for the cache
             seconds = interleaved({n: decode(rows, n, compiled) for n in (steps, 2 * steps)}, repeats, dev)
@@ -218,9 +229,8 @@ def run(
             results["batching"][b][f"{name}_fraction"] = speed / bound
 
     # MBU and MFU: against what this run measured, and on a known card against its datasheet
-    name = str(dt).removeprefix("torch.")
     results["prefill_GFLOP"] = {
-        n: step_cost(ModelShape.of(cfg), 1, n, 0, weights=name, dtype=name).flops / 1e9 for n in prefill_lens
+        n: predict_step(results, (flops, bandwidth), new_tokens=n).flops / 1e9 for n in prefill_lens
     }
     results["utilization"] = {"measured": {"peak_GFLOPs": flops / 1e9, "bandwidth_GBps": bandwidth / 1e9}}
     card = card_of(torch.cuda.get_device_name(dev)) if dev.type == "cuda" else None
@@ -232,41 +242,80 @@ def run(
     return results
 
 
+def predict_step(
+    r: dict,
+    machine_figures: tuple[float, float],
+    *,
+    batch: int = 1,
+    new_tokens: int = 1,
+    context: int = 0,
+    measured_seconds: Optional[float] = None,
+) -> Prediction:
+    """The engine's `predict` for a step of the results' model (`r["shape"]`, weights and activations in
+    `r["dtype"]`) on a machine (peak FLOP/s, bandwidth): a decode step of `batch` sequences after `context` cached
+    positions, or a prefill of `new_tokens`, the head on the last position only (as the engine's generation and
+    transformers' `logits_to_keep=1` run it). Given `measured_seconds`, also MBU and MFU.
+
+        >>> from llmcourse.engine.roofline import SHAPES
+        >>> r = {"shape": dataclasses.asdict(SHAPES["GPT-2 124M"]), "dtype": "float32"}
+        >>> p = predict_step(r, (188e9, 20.5e9), context=192)   # GPT-2 124M, float32, images/bench.json's machine
+        >>> round(p.tokens_per_s, 1), bound_of(p), round(p.bytes / 1e6)
+        (40.2, 'memory', 510)
+    """
+    return engine_roofline.predict(
+        ModelShape(**r["shape"]),
+        machine_figures,
+        batch=batch,
+        new_tokens=new_tokens,
+        context=context,
+        weights=r["dtype"],
+        dtype=r["dtype"],
+        last_only=True,
+        measured_seconds=measured_seconds,
+    )
+
+
 def utilizations(r: dict, peak_flops: float, bandwidth: float) -> dict:
     """MBU and MFU of every decode row (batch 1, and each batch size) and MFU of every prefill row of the results
-    `r`, against a machine's peak FLOP/s and bandwidth: each step's bytes and FLOPs (`decode_step_cost` for decode,
-    the engine's `step_cost` for prefill) over the time a step took, from the measured tokens/s.
+    `r`, against a machine's peak FLOP/s and bandwidth: `predict_step` (the engine's `predict`) given the time a step
+    took, from the measured tokens/s. Prefill is judged by its FLOPs alone (MFU).
 
-        >>> r = {"decode": {"engine": 40.0}, "roofline": {"decode_step_MB": 500.0, "decode_step_GFLOP": 0.25},
-        ...      "prefill": {}, "prefill_GFLOP": {}, "batching": {}}
-        >>> utilizations(r, peak_flops=200e9, bandwidth=25e9)["decode"]    # 40 steps/s x 500 MB, x 0.25 GFLOP
-        {'engine': {'MBU': 0.8, 'MFU': 0.05}}
+        >>> from llmcourse.engine.roofline import SHAPES
+        >>> r = {"shape": dataclasses.asdict(SHAPES["GPT-2 124M"]), "dtype": "float32",
+        ...      "decode": {"engine": 40.0}, "roofline": {"context": 192}, "prefill": {}, "batching": {}}
+        >>> u = utilizations(r, peak_flops=200e9, bandwidth=25e9)["decode"]["engine"]   # 40 steps/s x 510 MB
+        >>> round(u["MBU"], 3), round(u["MFU"], 3)
+        (0.816, 0.051)
     """
+    machine_figures = (peak_flops, bandwidth)
 
-    def of(nbytes: float, flops: float, seconds: float) -> dict:
-        mbu, mfu = utilization(flops, nbytes, seconds, peak_flops, bandwidth)
-        return {"MBU": mbu, "MFU": mfu}
+    def of(seconds: float, **settings) -> dict:
+        p = predict_step(r, machine_figures, measured_seconds=seconds, **settings)
+        return {"MBU": p.mbu, "MFU": p.mfu}
 
-    rf = r["roofline"]
-    step = rf["decode_step_MB"] * 1e6, rf["decode_step_GFLOP"] * 1e9
-    out: dict = {"decode": {name: of(*step, 1 / speed) for name, speed in r["decode"].items()}}
-    prefill_flops = {n: gflop * 1e9 for n, gflop in by_size(r["prefill_GFLOP"])}
-    out["prefill"] = {  # compute-bound: judged by its FLOPs alone (MFU)
-        n: {
-            name: {"MFU": utilization(prefill_flops[n], 0, n / speed, peak_flops, bandwidth)[1]}
-            for name, speed in v.items()
-        }
+    context = r["roofline"]["context"]
+    out: dict = {"decode": {name: of(1 / speed, context=context) for name, speed in r["decode"].items()}}
+    out["prefill"] = {
+        n: {name: {"MFU": of(n / speed, new_tokens=n)["MFU"]} for name, speed in v.items()}
         for n, v in by_size(r["prefill"])
     }
     out["batching"] = {
-        b: {
-            name: of(v["step_MB"] * 1e6, v["step_GFLOP"] * 1e9, b / v[name])
-            for name in ("engine", "engine_compiled")
-            if name in v
-        }
+        b: {name: of(b / v[name], batch=b, context=v["context"]) for name in ("engine", "engine_compiled") if name in v}
         for b, v in by_size(r["batching"])
     }
     return out
+
+
+def bound_text(v: dict) -> str:
+    """Which limit bounds a predicted step (`common.bound_of`), in words; where some kernels are compute-bound and
+    others memory-bound, which are.
+
+    >>> bound_text({"bound_is": "mixed", "compute_bound": ["q", "k", "v"]}), bound_text({"bound_is": "memory"})
+    ('mixed: q, k, v compute-bound', 'memory-bound')
+    """
+    if v["bound_is"] == "mixed":
+        return f"mixed: {', '.join(v['compute_bound'])} compute-bound"
+    return f"{v['bound_is']}-bound"
 
 
 def by_size(d: dict) -> list[tuple[int, dict]]:
@@ -325,7 +374,7 @@ def table(r: dict) -> str:
     )
     compiled = f", compiled {rf['engine_compiled_fraction']:.0%}" if "engine_compiled_fraction" in rf else ""
     lines.append(
-        f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({rf['bound_is']}-bound); "
+        f"            bound {rf['bound_tokens_per_s']:.1f} tok/s ({bound_text(rf)}); "
         f"the engine reaches {rf['engine_fraction']:.0%} of it{compiled}"
     )
     for n, v in by_size(r["kv_cache"]):
@@ -344,7 +393,7 @@ def table(r: dict) -> str:
         lines.append(
             f"  batch {b:>3}: "
             + ", ".join(f"{label} {s:7.1f} tok/s ({s / s1:4.1f}x batch {first})" for label, s, s1 in speeds)
-            + f"; {v['bound_is']}-bound at {v['bound_tokens_per_s']:.0f} tok/s"
+            + f"; {bound_text(v)} at {v['bound_tokens_per_s']:.0f} tok/s"
         )
     if "utilization" in r:
         lines += utilization_table(r["utilization"])

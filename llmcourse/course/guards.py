@@ -28,7 +28,7 @@ from torch import Tensor
 
 from llmcourse.engine.parts import Parts, attention_causal_by_default, attention_with_softmax
 from llmcourse.engine.quantize import GROUP_SIZE, Quantization, dequantize_int4, quantize_int4
-from llmcourse.engine.roofline import Roofline, RooflineTime, StepCost
+from llmcourse.engine.roofline import Cost, Roofline, RooflineTime, StepTime
 from llmcourse.engine.sampling import PROCESSORS, Sampler
 from llmcourse.engine.slots import PartError, Slots
 from llmcourse.engine.speculative import Speculation, verify
@@ -307,47 +307,60 @@ class GuardedCache:
         self._remember_addresses()
 
 
-def _roofline_output(name: str, out) -> tuple[object, str]:
-    """(the output as the engine's own returns it, or None; what was expected) for a roofline slot."""
+def _real(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
 
-    def real(x) -> bool:
-        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+
+def _roofline_time(out) -> Optional[RooflineTime]:
+    """A kernel's (seconds, "memory" or "compute", intensity, ridge) as the engine's `RooflineTime`, or None. The
+    intensity of a kernel of no bytes is infinite."""
+    ok = isinstance(out, (tuple, list)) and len(out) == 4 and out[1] in ("memory", "compute")
+    ok = ok and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (out[0], out[2], out[3]))
+    return RooflineTime(float(out[0]), out[1], float(out[2]), float(out[3])) if ok else None
+
+
+def _roofline_output(name: str, out, args: tuple = ()) -> tuple[object, str]:
+    """(the output as the engine's own returns it, or None; what was expected) for a roofline slot called with
+    `args`."""
 
     def numbers_of(n: int) -> Optional[tuple]:
-        ok = isinstance(out, (tuple, list)) and len(out) == n and all(real(x) for x in out)
+        ok = isinstance(out, (tuple, list)) and len(out) == n and all(_real(x) for x in out)
         return tuple(float(x) for x in out) if ok else None
 
     if name == "decode_step":
         return numbers_of(2), "(flops, bytes), two numbers >= 0"
     if name == "utilization":
         return numbers_of(2), "(mbu, mfu), two numbers >= 0"
-    if name == "step_cost":
-        got = numbers_of(4)
-        return (
-            StepCost(*got) if got else None
-        ), "(flops, weight bytes, KV-cache bytes, activation bytes), numbers >= 0"
+    if name in ("gemm_cost", "attention_cost"):
+        got = numbers_of(2)
+        return (Cost(*got) if got else None), "(flops, bytes), two numbers >= 0"
     if name == "roofline_time":
-        ok = isinstance(out, (tuple, list)) and len(out) == 4 and out[1] in ("memory", "compute")
-        ok = ok and all(isinstance(x, numbers.Real) and not isinstance(x, bool) for x in (out[0], out[2], out[3]))
-        expected = '(seconds, "memory" or "compute", intensity, ridge)'
-        return (RooflineTime(float(out[0]), out[1], float(out[2]), float(out[3])) if ok else None), expected
+        return _roofline_time(out), '(seconds, "memory" or "compute", intensity, ridge)'
+    if name == "step_time":
+        count = len(args[0]) if args and isinstance(args[0], (tuple, list)) else None
+        each = f"one for each of the {count} kernels" if count is not None else "one for each kernel"
+        expected = f'(seconds, [(seconds, "memory" or "compute", intensity, ridge), ...]): a number >= 0 and {each}'
+        ok = isinstance(out, (tuple, list)) and len(out) == 2 and _real(out[0])
+        ok = ok and isinstance(out[1], (tuple, list)) and (count is None or len(out[1]) == count)
+        times = [_roofline_time(t) for t in out[1]] if ok else [None]
+        return (StepTime(float(out[0]), times) if None not in times else None), expected
     if name == "gpu_roof":
-        ok = isinstance(out, (tuple, list)) and len(out) == 2 and real(out[1]) and (out[0] is None or real(out[0]))
+        ok = isinstance(out, (tuple, list)) and len(out) == 2 and _real(out[1]) and (out[0] is None or _real(out[0]))
         return ((None if out[0] is None else float(out[0]), float(out[1])) if ok else None), (
             "(peak FLOP/s, bandwidth in bytes/s), numbers > 0"
         )
     if name == "critical_batch":
         if out is None:
             return None, ""  # no batch is compute-bound: None is the answer itself
-        ok = real(out) and out >= 1 and out == int(out)
+        ok = _real(out) and out >= 1 and out == int(out)
         return (int(out) if ok else None), "a whole batch size >= 1, or None"
-    ok = real(out) and out == int(out)  # max_sequences, matrix_bytes
+    ok = _real(out) and out == int(out)  # max_sequences, matrix_bytes
     return (int(out) if ok else None), "a whole number >= 0"
 
 
 def guarded_roofline(name: str, fn: Callable) -> Callable:
     """A learner's roofline formula (chapter 06's `decode_step`, `max_sequences`; chapter 10's others): its output
-    checked and returned as the engine's own returns it (`StepCost`, `RooflineTime`, plain numbers)."""
+    checked and returned as the engine's own returns it (`Cost`, `RooflineTime`, `StepTime`, plain numbers)."""
     chapter = "06" if name in ("decode_step", "max_sequences") else "10"
     call = raising_part(fn, name, chapter)
 
@@ -356,7 +369,7 @@ def guarded_roofline(name: str, fn: Callable) -> Callable:
         out = call(*args, **kwargs)
         if name == "critical_batch" and out is None:
             return None
-        got, expected = _roofline_output(name, out)
+        got, expected = _roofline_output(name, out, args)
         if got is None:
             part_failed(name, fn, f"returned {out!r:.80}; expected {expected}", chapter)
         return got
