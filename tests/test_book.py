@@ -463,9 +463,11 @@ PLOTLY_PROBE = """
         const svg = () => [...gd.querySelectorAll('.main-svg')].map(s => s.innerHTML).join('');
         const controls = [...(gd.layout.updatemenus || []).flatMap(m => m.buttons || []),
                           ...(gd.layout.sliders || []).flatMap(s => s.steps || [])];
+        const box = gd.getBoundingClientRect(), title = gd.querySelector('.gtitle');
+        const t = title ? title.getBoundingClientRect() : null;
         const r = {id: gd.id, drawn: svg().length > 0, traces: gd.data.length, controls: controls.length,
-                   width: gd.getBoundingClientRect().width, page: document.documentElement.clientWidth,
-                   window: window.innerWidth};
+                   width: box.width, page: document.documentElement.clientWidth, window: window.innerWidth,
+                   title: t === null || (t.top >= box.top - 1 && t.left >= box.left - 1 && t.right <= box.right + 1)};
         if (controls.length > 1) {  // what a click on the last menu entry or slider step runs, in the page
             const before = svg();
             const steps = (gd.layout.sliders || []).flatMap(s => s.steps || []);
@@ -482,7 +484,8 @@ PLOTLY_PROBE = """
         }
         found.push(r);
     }
-    return {plotly: typeof Plotly, figures: found};
+    const d = document.documentElement;
+    return {plotly: typeof Plotly, figures: found, scroll: d.scrollWidth, client: d.clientWidth};
 """
 
 
@@ -491,15 +494,18 @@ PLOTLY_PROBE = """
 @pytest.mark.parametrize("name", INTERACTIVE)
 def test_interactive_figures_work_offline_without_a_kernel(book, name, width):
     """The chapter's Plotly figures draw from the bundled plotly.js with no network, fit the page, and
-    their menus and sliders change what is drawn (client-side: a static page has no kernel)."""
+    their menus and sliders change what is drawn (client-side: a static page has no kernel). Their titles are
+    not clipped, and the page is no wider than the window: what is wider scrolls inside its own box."""
     found = browse(book, f"solutions/{name}/{name}.html", width=width, probe=PLOTLY_PROBE)
     assert found.get("plotly") == "object", found
+    assert found["scroll"] <= found["client"] + 1, f"the page is {found['scroll']} px wide at {width} px"
     figures = found["figures"]
     assert figures, "no interactive figure on the page"
     for figure in figures:
         assert figure["window"] == width, figure
         assert figure["drawn"] and figure["traces"] > 0, figure
         assert figure["width"] <= figure["page"], figure
+        assert figure["title"], f"the title of {figure['id']} is clipped at {width} px"
         if figure["controls"] > 1:
             assert figure["changed"], figure
     assert any(figure["controls"] > 1 for figure in figures), "no figure has a menu or a slider"
@@ -572,3 +578,17 @@ def test_wide_tables_show_that_they_scroll_on_a_phone(book):
     for table in wide:
         assert table["overflowX"] in ("auto", "scroll")
         assert table["background"].count("radial-gradient") == 2, table  # the scroll shadows
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_no_show_code_toggle_is_empty(book, name):
+    """A cell whose code is behind a "show" toggle shows an output beside it: a toggle over a cell whose output is
+    removed too (a live widget's) would open onto code with nothing it made (tag such a cell remove-cell)."""
+    html_ = page(book, f"solutions/{name}/{name}.html")
+    cells = re.split(r'(?=<div class="cell docutils container)|(?=<div class="cell tag_)', html_)
+    empty = [
+        re.search(r"<pre><span></span>(.{0,80})", cell, re.S).group(1) if "<pre>" in cell else cell[:120]
+        for cell in cells
+        if "tag_hide-input" in cell[:300] and "cell_output" not in cell
+    ]
+    assert not empty, f"toggles with no output: {empty}"

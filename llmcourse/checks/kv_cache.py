@@ -1257,8 +1257,8 @@ def _check_generate_greedy(fn, seed: int, n_random: int, bundled: bool) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: decode_step — the bytes and FLOPs of one decode step (the engine's `decode_step`, which the
-# benchmarks' roofline runs through `model_decode_step`)
+# Exercise 4: decode_step — the bytes and FLOPs of one decode step (the engine's `decode_step`, which chapter
+# 06's decode bound runs through `model_decode_step`)
 
 NO_ENGINE_ROOFLINE = [
     Forbidden(
@@ -1343,8 +1343,8 @@ def _run_step(fn: Callable, how: str, *args):
 def check_decode_step(fn, *, seed: int = 0, n_random: int = 10) -> None:
     """decode_step(n_params, kv_bytes_per_token, context, batch=1, bytes_per_weight=2) -> (flops, bytes): every
     weight read once for the batch, each sequence's KV cache read for it; 2 FLOPs per weight per sequence. Exact
-    up to float rounding (relative 1e-9). Ends with the engine's GPT-2 step (`model_decode_step`, what the
-    benchmarks' roofline uses) running the learner's function."""
+    up to float rounding (relative 1e-9). Ends with the engine's GPT-2 step (`model_decode_step`, chapter 06's
+    decode bound) running the learner's function."""
     if not callable(fn):
         raise CheckFailed(f"✗ decode_step: expected a function, got {short(fn)}")
 
@@ -1390,7 +1390,7 @@ def check_decode_step(fn, *, seed: int = 0, n_random: int = 10) -> None:
         cases.append(case(f"random #{i}", args))
     cases.append(
         Case(
-            "in the engine: GPT-2 124M's step in float32, 8 sequences of 1000 positions (the benchmarks' roofline)",
+            "in the engine: GPT-2 124M's step in float32, 8 sequences of 1000 positions (chapter 06's decode bound)",
             ("engine", GPT2Config(), 1000, 4, 8),
             later(model_decode_step, GPT2Config(), 1000, 4, 8),
             "the engine calls decode_step(n_params, kv_bytes_per_token, context, batch, bytes_per_weight) positionally",

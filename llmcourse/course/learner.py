@@ -357,7 +357,7 @@ WHERE_USED = (
     ("speculative decoding", SPECULATION_SLOTS),
     ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "smooth_scales")),
     ("quantizing with a calibration (quantize_model(..., calibration=ids))", ("smooth_scales",)),
-    ("the roofline's formulas: `predict` and the benchmarks run them, no generation does", ROOFLINE_SLOTS),
+    ("the roofline's formulas: `predict` and chapter 06's decode bound run them, no generation does", ROOFLINE_SLOTS),
 )
 
 
