@@ -13,17 +13,19 @@ from safetensors.torch import load_file
 
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.modern import (
+    check_grouped_attention,
     check_llama_block,
     check_load_llama_checkpoint,
     check_qk_norm,
     check_repeat_kv,
     check_rms_norm,
+    check_rope_frequencies,
     check_swiglu,
     tiny_config,
     tiny_llama,
 )
 from llmcourse.course.guards import guarded
-from llmcourse.engine.parts import Parts
+from llmcourse.engine.parts import Parts, causal_mask
 from llmcourse.engine.slots import PartError
 
 ROOT = Path(__file__).parents[1]
@@ -49,8 +51,40 @@ def repeat_kv(x, n_rep):
     return x[:, :, None].expand(B, H_kv, n_rep, T, D).reshape(B, H_kv * n_rep, T, D)
 
 
+def grouped_attention(q, k, v, mask, attention):
+    B, H, T, D = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    n_rep = H // H_kv
+    if n_rep == 1:
+        return attention(q, k, v, mask)
+    rows = q.reshape(B, H_kv, n_rep * T, D)  # row r*T + t: the group's r-th head at position t
+    if mask is None:
+        mask = causal_mask(T, Tk).repeat(n_rep, 1)
+    else:
+        mask = mask.expand(B, H, T, Tk).reshape(B, H_kv, n_rep * T, Tk)
+    out = attention(rows, k, v, mask)  # k and v as given: each KV head read once
+    return out.reshape(B, H, T, out.shape[-1])
+
+
 def qk_norm(q, k, q_weight, k_weight, eps):
     return rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+
+
+def rope_frequencies(head_dim, rope_theta, rope_scaling):
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    scaling = rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        slow, fast = wavelength > original / low, wavelength < original / high
+        return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+    return inv_freq
 
 
 def llama_block(x, layer, config, rope, attend, parts):
@@ -93,7 +127,9 @@ REFERENCES = [
     (check_rms_norm, rms_norm, dict(n_random=40, transformers=True)),
     (check_swiglu, swiglu, dict(n_random=40)),
     (check_repeat_kv, repeat_kv, dict(n_random=40, transformers=True)),
+    (check_grouped_attention, grouped_attention, dict(n_random=40)),
     (check_qk_norm, qk_norm, dict(n_random=40)),
+    (check_rope_frequencies, rope_frequencies, dict(n_random=40, transformers=True)),
     (check_llama_block, llama_block, dict(n_random=10, transformers=True)),
     (check_load_llama_checkpoint, load_llama_checkpoint, dict(transformers=True)),
 ]
@@ -123,7 +159,9 @@ def test_stub_is_not_written_yet(check):
         (check_rms_norm, "rms_norm"),
         (check_swiglu, "swiglu"),
         (check_repeat_kv, "repeat_kv"),
+        (check_grouped_attention, "grouped_attention"),
         (check_qk_norm, "qk_norm"),
+        (check_rope_frequencies, "rope_frequencies"),
         (check_llama_block, "llama_block"),
     ],
 )
@@ -339,8 +377,8 @@ def block_repeats_kv_itself(x, layer, config, rope, attend, parts):
     p, attn, eps = parts, layer.self_attn, config.rms_norm_eps
     h = p.rms_norm(x, layer.input_layernorm.weight, eps)
     q = p.split_heads(attn.q_proj(h, p.linear), config.n_head)
-    k = p.repeat_kv(p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head), config.n_rep)
-    v = p.repeat_kv(p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head), config.n_rep)
+    k = repeat_kv(p.split_heads(attn.k_proj(h, p.linear), config.n_kv_head), config.n_rep)  # chapter 11's warm-up
+    v = repeat_kv(p.split_heads(attn.v_proj(h, p.linear), config.n_kv_head), config.n_rep)
     x = x + attn.o_proj(p.merge_heads(attend(rope(q), rope(k), v)), p.linear)
     return x + _mlp(p.rms_norm(x, layer.post_attention_layernorm.weight, eps), layer, p)
 
@@ -506,7 +544,322 @@ def load_every_shard_by_name(folder):
     return _load_files(folder, sorted(folder.glob("model-*.safetensors")))  # an old shard too, not in the index
 
 
+def _group(q, k):
+    B, H, T, D = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    return B, H, T, D, H_kv, H // H_kv, Tk
+
+
+def _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep):
+    if mask is None:
+        return causal_mask(T, Tk).repeat(n_rep, 1)
+    return mask.expand(B, H, T, Tk).reshape(B, H_kv, n_rep * T, Tk)
+
+
+def grouped_repeats_kv(q, k, v, mask, attention):
+    n_rep = q.shape[1] // k.shape[1]
+    return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask)  # chapter 11's first version: copies
+
+
+def grouped_heads_tiled(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    rows = q.reshape(B, n_rep, H_kv, T, D).transpose(1, 2).reshape(B, H_kv, n_rep * T, D)  # head h -> KV h % H_kv
+    if mask is None:
+        m = causal_mask(T, Tk).repeat(n_rep, 1)
+    else:
+        m = mask.expand(B, H, T, Tk).reshape(B, n_rep, H_kv, T, Tk).transpose(1, 2).reshape(B, H_kv, n_rep * T, Tk)
+    out = attention(rows, k, v, m).view(B, H_kv, n_rep, T, D)
+    return out.transpose(1, 2).reshape(B, H, T, D)
+
+
+def grouped_passes_none(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = None if mask is None else _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep)
+    return attention(q.reshape(B, H_kv, n_rep * T, D), k, v, m).reshape(B, H, T, D)
+
+
+def grouped_unshifted_tril(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    if mask is None:
+        m = torch.ones(T, Tk, dtype=torch.bool).tril().repeat(n_rep, 1)  # queries taken as the first T positions
+    else:
+        m = _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep)
+    return attention(q.reshape(B, H_kv, n_rep * T, D), k, v, m).reshape(B, H, T, D)
+
+
+def grouped_mask_interleaved(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    if mask is None:
+        m = causal_mask(T, Tk).repeat_interleave(n_rep, dim=0)  # row t*n_rep + r, but q's rows are r*T + t
+    else:
+        m = mask.expand(B, H, T, Tk).reshape(B, H_kv, n_rep, T, Tk).transpose(2, 3).reshape(B, H_kv, n_rep * T, Tk)
+    return attention(q.reshape(B, H_kv, n_rep * T, D), k, v, m).reshape(B, H, T, D)
+
+
+def grouped_rows_by_position(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    rows = q.reshape(B, H_kv, n_rep, T, D).transpose(2, 3).reshape(B, H_kv, T * n_rep, D)  # row t*n_rep + r
+    out = attention(rows, k, v, _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep))  # ... and the mask r-major
+    return out.view(B, H_kv, T, n_rep, D).transpose(2, 3).reshape(B, H, T, D)
+
+
+def grouped_heads_back_swapped(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    out = attention(q.reshape(B, H_kv, n_rep * T, D), k, v, _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep))
+    return out.view(B, H_kv, n_rep, T, D).transpose(1, 2).reshape(B, H, T, D)  # head r*H_kv + g
+
+
+def grouped_not_grouped(q, k, v, mask, attention):
+    return attention(q, k, v, mask)  # H query heads against H_kv key heads
+
+
+def grouped_with_sdpa(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = causal_mask(T, Tk) if mask is None else mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+
+
+def grouped_with_engine_attention(q, k, v, mask, attention):
+    from llmcourse.engine import parts
+
+    return grouped_attention(q, k, v, mask, parts.attention)  # not the attention it was given
+
+
+def grouped_own_attention(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    rows = q.reshape(B, H_kv, n_rep * T, D)
+    m = _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep)
+    scores = (rows @ k.transpose(-1, -2) / math.sqrt(D)).masked_fill(~m, float("-inf"))
+    return (torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v).reshape(B, H, T, D)
+
+
+def grouped_one_call_per_head(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = causal_mask(T, Tk) if mask is None else mask.expand(B, H, T, Tk)
+    outs = []
+    for h in range(H):  # views, no copies, but each KV head read n_rep times
+        g = h // n_rep
+        mh = m if mask is None else m[:, h : h + 1]
+        outs.append(attention(q[:, h : h + 1], k[:, g : g + 1], v[:, g : g + 1], mh))
+    return torch.cat(outs, dim=1)
+
+
+def grouped_contiguous_kv(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep)
+    out = attention(q.reshape(B, H_kv, n_rep * T, D), k.contiguous(), v.contiguous(), m)  # copies a cache's slice
+    return out.reshape(B, H, T, D)
+
+
+def grouped_q_in_place(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    q.mul_(1.0 / math.sqrt(D))  # pre-scaled in place: the caller's q
+    return grouped_attention(q * math.sqrt(D), k, v, mask, attention)
+
+
+def grouped_q_view(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    out = attention(q.view(B, H_kv, n_rep * T, D), k, v, _tiled_mask(mask, B, H, T, Tk, H_kv, n_rep))
+    return out.view(B, H, T, D)
+
+
+def grouped_mask_untiled(q, k, v, mask, attention):
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = causal_mask(T, Tk).repeat(n_rep, 1) if mask is None else mask  # a given mask passed as it is
+    return attention(q.reshape(B, H_kv, n_rep * T, D), k, v, m).reshape(B, H, T, D)
+
+
+def grouped_decode_kernel(q, k, v, mask, attention):
+    from llmcourse.engine.cpu_kernels import decode_attention
+
+    if q.shape[2] == 1:
+        return decode_attention(q, k, v, mask)  # groups the heads itself
+    return grouped_attention(q, k, v, mask, attention)
+
+
+def _rope_speeds(head_dim, theta, dtype=torch.float64):
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim)
+
+
+def _llama3_parts(scaling):
+    s = scaling
+    return s["factor"], s["original_max_position_embeddings"], s["low_freq_factor"], s["high_freq_factor"]
+
+
+def rope_linear_multiplies(head_dim, rope_theta, rope_scaling):
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") == "linear":
+        return _rope_speeds(head_dim, rope_theta) * scaling["factor"]
+    return rope_frequencies(head_dim, rope_theta, rope_scaling)
+
+
+def rope_llama3_as_linear(head_dim, rope_theta, rope_scaling):
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") in ("linear", "llama3"):
+        return _rope_speeds(head_dim, rope_theta) / scaling["factor"]
+    return _rope_speeds(head_dim, rope_theta)
+
+
+def _llama3_written(head_dim, rope_theta, rope_scaling, *, swap=False, ratio=False, weights=False, everywhere=False):
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") != "llama3":
+        return rope_frequencies(head_dim, rope_theta, rope_scaling)
+    inv_freq = _rope_speeds(head_dim, rope_theta)
+    factor, original, low, high = _llama3_parts(scaling)
+    wavelength = 2 * math.pi / inv_freq
+    smooth = ((wavelength / original if ratio else original / wavelength) - low) / (high - low)
+    if weights:
+        smooth = 1 - smooth
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if everywhere:
+        return blended
+    slow, fast = wavelength > original / low, wavelength < original / high
+    if swap:
+        slow, fast = fast, slow
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+
+
+def rope_bands_swapped(head_dim, rope_theta, rope_scaling):
+    return _llama3_written(head_dim, rope_theta, rope_scaling, swap=True)
+
+
+def rope_smooth_wavelength_over_original(head_dim, rope_theta, rope_scaling):
+    return _llama3_written(head_dim, rope_theta, rope_scaling, ratio=True)
+
+
+def rope_blend_weights_swapped(head_dim, rope_theta, rope_scaling):
+    return _llama3_written(head_dim, rope_theta, rope_scaling, weights=True)
+
+
+def rope_blend_everywhere(head_dim, rope_theta, rope_scaling):
+    return _llama3_written(head_dim, rope_theta, rope_scaling, everywhere=True)
+
+
+def rope_wavelength_without_two_pi(head_dim, rope_theta, rope_scaling):
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") != "llama3":
+        return rope_frequencies(head_dim, rope_theta, rope_scaling)
+    inv_freq = _rope_speeds(head_dim, rope_theta)
+    factor, original, low, high = _llama3_parts(scaling)
+    wavelength = 1 / inv_freq
+    smooth = (original / wavelength - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    slow, fast = wavelength > original / low, wavelength < original / high
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+
+
+def rope_llama31_constants(head_dim, rope_theta, rope_scaling):
+    scaling = rope_scaling or {}
+    if scaling.get("rope_type") == "llama3":
+        scaling = {**scaling, "original_max_position_embeddings": 8192, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    return rope_frequencies(head_dim, rope_theta, scaling)
+
+
+def rope_theta_ignored(head_dim, rope_theta, rope_scaling):
+    return rope_frequencies(head_dim, 10000.0, rope_scaling)
+
+
+def rope_exponent_i_over_d(head_dim, rope_theta, rope_scaling):
+    inv_freq = 1.0 / rope_theta ** (torch.arange(head_dim // 2, dtype=torch.float64) / head_dim)
+    return inv_freq * (rope_frequencies(head_dim, rope_theta, rope_scaling) / _rope_speeds(head_dim, rope_theta))
+
+
+def rope_in_float32(head_dim, rope_theta, rope_scaling):
+    scaling = rope_scaling or {}
+    inv_freq = 1.0 / rope_theta ** (torch.arange(0, head_dim, 2).float() / head_dim)  # float32 on the way
+    if scaling.get("rope_type") == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    if scaling.get("rope_type") == "llama3":
+        factor, original, low, high = _llama3_parts(scaling)
+        wavelength = 2 * math.pi / inv_freq
+        smooth = (original / wavelength - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        slow, fast = wavelength > original / low, wavelength < original / high
+        inv_freq = torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+    return inv_freq.double()
+
+
+def rope_returns_float32(head_dim, rope_theta, rope_scaling):
+    return rope_frequencies(head_dim, rope_theta, rope_scaling).float()
+
+
+def rope_none_crashes(head_dim, rope_theta, rope_scaling):
+    if rope_scaling["rope_type"] == "default":
+        return _rope_speeds(head_dim, rope_theta)
+    return rope_frequencies(head_dim, rope_theta, rope_scaling)
+
+
+def rope_default_needs_factor(head_dim, rope_theta, rope_scaling):
+    if rope_scaling is None:
+        return _rope_speeds(head_dim, rope_theta)
+    if rope_scaling.get("rope_type") == "llama3":
+        return rope_frequencies(head_dim, rope_theta, rope_scaling)
+    return _rope_speeds(head_dim, rope_theta) / rope_scaling["factor"]  # "default" has none
+
+
+def rope_pops_the_kind(head_dim, rope_theta, rope_scaling):
+    kind = rope_scaling.pop("rope_type") if rope_scaling else "default"  # changes the caller's dict
+    return rope_frequencies(head_dim, rope_theta, None if kind == "default" else {**rope_scaling, "rope_type": kind})
+
+
+def rope_one_per_dimension(head_dim, rope_theta, rope_scaling):
+    return 1.0 / rope_theta ** (torch.arange(head_dim, dtype=torch.float64) / head_dim)
+
+
+def rope_engine_speeds(head_dim, rope_theta, rope_scaling):
+    from llmcourse.engine.positions import rope_inv_freq
+
+    return rope_inv_freq(head_dim, rope_theta)  # the engine's unscaled speeds
+
+
 MISTAKES = [
+    (check_grouped_attention, grouped_repeats_kv, r"reads each KV head n_rep = \d times[\s\S]*repeat_kv's copies"),
+    (check_grouped_attention, grouped_heads_tiled, r"query head h reads KV head h // n_rep[\s\S]*h % H_kv"),
+    (check_grouped_attention, grouped_passes_none, r"attention's own None would take the n_rep · T grouped rows"),
+    (check_grouped_attention, grouped_unshifted_tril, r"torch\.ones\(T, Tk\)\.tril\(\) lets it see only 0 \.\. t"),
+    (check_grouped_attention, grouped_mask_interleaved, r"the mask's rows must follow the queries' rows"),
+    (check_grouped_attention, grouped_rows_by_position, r"the mask's rows must follow the queries' rows"),
+    (check_grouped_attention, grouped_heads_back_swapped, r"put the heads back in their order"),
+    (
+        check_grouped_attention,
+        grouped_not_grouped,
+        r"raised ValueError: attention\(q, k, v, mask\) is chapter 03's multi-head attention[\s\S]*"
+        r"hint: attention is multi-head: group the n_rep query heads",
+    ),
+    (check_grouped_attention, grouped_with_sdpa, r"ran torch's fused attention[\s\S]*enable_gqa=True included"),
+    (check_grouped_attention, grouped_with_engine_attention, r"ran torch's fused attention[\s\S]*parts\.attention"),
+    (check_grouped_attention, grouped_own_attention, r"did not call `attention`, the function it was given"),
+    (check_grouped_attention, grouped_one_call_per_head, r"read \d+ key heads where there are \d+"),
+    (check_grouped_attention, grouped_contiguous_kv, r"received a copy of k or v[\s\S]*no \.contiguous\(\)"),
+    (check_grouped_attention, grouped_q_in_place, r"changed its input `q`[\s\S]*in-place operation"),
+    (
+        check_grouped_attention,
+        grouped_q_view,
+        r"view size is not compatible[\s\S]*q\.reshape\(B, H_kv, n_rep \* T, D\)",
+    ),
+    (
+        check_grouped_attention,
+        grouped_mask_untiled,
+        r"mask=tensor bool \[2, 1, 6, 6\][\s\S]*one row per grouped query row",
+    ),
+    (check_grouped_attention, grouped_decode_kernel, r"cpu_kernels[\s\S]*black box[\s\S]*groups the query heads"),
+    (check_rope_frequencies, rope_linear_multiplies, r'"linear" scaling \(Position Interpolation\) divides'),
+    (check_rope_frequencies, rope_llama3_as_linear, r'"llama3" divides only the slow pairs'),
+    (check_rope_frequencies, rope_bands_swapped, r"the bands are swapped"),
+    (check_rope_frequencies, rope_smooth_wavelength_over_original, r"original divided by the wavelength"),
+    (check_rope_frequencies, rope_blend_weights_swapped, r"the blend's weights"),
+    (check_rope_frequencies, rope_blend_everywhere, r"the blend is for the pairs in between only"),
+    (check_rope_frequencies, rope_wavelength_without_two_pi, r"wavelength is 2π / speed"),
+    (check_rope_frequencies, rope_llama31_constants, r"original 4096[\s\S]*Llama 3\.1's 8192, 1 and 4"),
+    (check_rope_frequencies, rope_theta_ignored, r"rope_theta 500 000[\s\S]*not 10 000"),
+    (check_rope_frequencies, rope_exponent_i_over_d, r"2i / head_dim[\s\S]*not i / head_dim"),
+    (check_rope_frequencies, rope_in_float32, r"computed in float32[\s\S]*compute in float64"),
+    (check_rope_frequencies, rope_returns_float32, r"expected dtype torch\.float64, got torch\.float32[\s\S]*float64"),
+    (check_rope_frequencies, rope_none_crashes, r"TypeError[\s\S]*treat None like"),
+    (check_rope_frequencies, rope_default_needs_factor, r"KeyError: 'factor'[\s\S]*has no factor"),
+    (check_rope_frequencies, rope_pops_the_kind, r"changed its input `rope_scaling`"),
+    (check_rope_frequencies, rope_one_per_dimension, r"expected shape \(4,\), got \(8,\)[\s\S]*one speed per rotated"),
+    (check_rope_frequencies, rope_engine_speeds, r"rope_inv_freq[\s\S]*black box"),
     (check_rms_norm, rms_layer_norm, r"that is LayerNorm"),
     (check_rms_norm, rms_eps_outside, r"eps goes inside the square root"),
     (
@@ -596,8 +949,22 @@ def test_mistake_is_rejected_with_a_specific_message(check, wrong, message):
 
 @pytest.mark.parametrize(
     "check, wrong",
-    [(check_repeat_kv, repeat_tiled), (check_repeat_kv, repeat_expand_wrong_axis), (check_rms_norm, rms_in_float16)],
-    ids=["repeat_tiled", "repeat_expand_wrong_axis", "rms_in_float16"],
+    [
+        (check_repeat_kv, repeat_tiled),
+        (check_repeat_kv, repeat_expand_wrong_axis),
+        (check_rms_norm, rms_in_float16),
+        (check_grouped_attention, grouped_heads_tiled),
+        (check_grouped_attention, grouped_repeats_kv),
+        (check_rope_frequencies, rope_bands_swapped),
+    ],
+    ids=[
+        "repeat_tiled",
+        "repeat_expand_wrong_axis",
+        "rms_in_float16",
+        "grouped_heads_tiled",
+        "grouped_repeats_kv",
+        "rope_bands_swapped",
+    ],
 )
 def test_a_named_mistake_gets_one_hint(check, wrong):
     """The diagnosis alone: no case hint beside it that says the same (or, for rms_norm, the opposite)."""
@@ -699,12 +1066,88 @@ def load_with_safe_open(folder):
     return state, config
 
 
+def grouped_loop_over_groups(q, k, v, mask, attention):
+    """One attention call per KV head, on views of k and v: each KV head still read once."""
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    m = causal_mask(T, Tk) if mask is None else mask.expand(B, H, T, Tk)
+    outs = []
+    for g in range(H_kv):
+        rows = q[:, g * n_rep : (g + 1) * n_rep].reshape(B, 1, n_rep * T, D)
+        mg = m.repeat(n_rep, 1) if mask is None else m[:, g * n_rep : (g + 1) * n_rep].reshape(B, 1, n_rep * T, Tk)
+        outs.append(attention(rows, k[:, g : g + 1], v[:, g : g + 1], mg).view(B, n_rep, T, D))
+    return torch.cat(outs, dim=1)
+
+
+def grouped_rows_by_position_throughout(q, k, v, mask, attention):
+    """The group's rows ordered by position (row t·n_rep + r), the mask and the output alike."""
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    rows = q.reshape(B, H_kv, n_rep, T, D).transpose(2, 3).reshape(B, H_kv, T * n_rep, D)
+    if mask is None:
+        m = causal_mask(T, Tk).repeat_interleave(n_rep, dim=0)
+    else:
+        m = mask.expand(B, H, T, Tk).reshape(B, H_kv, n_rep, T, Tk).transpose(2, 3).reshape(B, H_kv, T * n_rep, Tk)
+    out = attention(rows, k, v, m)
+    return out.view(B, H_kv, T, n_rep, D).transpose(2, 3).reshape(B, H, T, D)
+
+
+def grouped_tril_and_contiguous_copy(q, k, v, mask, attention):
+    """A contiguous copy of q viewed (q may be copied: only k and v must not be), the causal mask from tril."""
+    B, H, T, D, H_kv, n_rep, Tk = _group(q, k)
+    rows = q.contiguous().view(B, H_kv, n_rep * T, D)
+    if mask is None:
+        m = torch.ones(T, Tk, dtype=torch.bool).tril(diagonal=Tk - T).repeat(n_rep, 1)
+    else:
+        m = mask.expand(B, H, T, Tk).reshape(B, H_kv, n_rep * T, Tk)
+    return attention(rows, k, v, m).view(B, H, T, D)
+
+
+def rope_clamped_blend(head_dim, rope_theta, rope_scaling):
+    """exp and log for the powers; llama3 as one blend with smooth clamped to [0, 1] (the bands' ends)."""
+    i = torch.arange(head_dim // 2, dtype=torch.float64)
+    inv_freq = torch.exp(-math.log(rope_theta) * 2 * i / head_dim)
+    scaling = dict(rope_scaling or {})
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, original, low, high = _llama3_parts(scaling)
+        turns = original * inv_freq / (2 * math.pi)  # original / wavelength
+        smooth = ((turns - low) / (high - low)).clamp(0.0, 1.0)
+        return inv_freq * ((1 - smooth) / factor + smooth)
+    return inv_freq
+
+
+def rope_python_floats(head_dim, rope_theta, rope_scaling):
+    """A loop over the pairs in Python floats, the bands with <= and >= (equal at their edges: the blend meets them)."""
+    scaling = rope_scaling if rope_scaling is not None else {"rope_type": "default"}
+    speeds = []
+    for i in range(head_dim // 2):
+        speed = rope_theta ** (-2 * i / head_dim)
+        if scaling["rope_type"] == "linear":
+            speed = speed / scaling["factor"]
+        elif scaling["rope_type"] == "llama3":
+            factor, original, low, high = _llama3_parts(scaling)
+            wavelength = 2 * math.pi / speed
+            if wavelength >= original / low:
+                speed = speed / factor
+            elif wavelength > original / high:
+                smooth = (original / wavelength - low) / (high - low)
+                speed = (1 - smooth) * speed / factor + smooth * speed
+        speeds.append(speed)
+    return torch.tensor(speeds, dtype=torch.float64)
+
+
 CORRECT = [
     (check_rms_norm, rms_norm_sum_and_sqrt),
     (check_rms_norm, rms_norm_numpy),
     (check_swiglu, swiglu_one_over),
     (check_repeat_kv, repeat_kv_interleave),
     (check_repeat_kv, repeat_kv_index),
+    (check_grouped_attention, grouped_loop_over_groups),
+    (check_grouped_attention, grouped_rows_by_position_throughout),
+    (check_grouped_attention, grouped_tril_and_contiguous_copy),
+    (check_rope_frequencies, rope_clamped_blend),
+    (check_rope_frequencies, rope_python_floats),
     (check_qk_norm, qk_norm_written_out),
     (check_qk_norm, qk_norm_returns_list),
     (check_llama_block, llama_block_own_attention),
@@ -727,8 +1170,11 @@ def test_correct_but_different_passes(check, fn, capsys):
 def test_guards_name_a_part_that_returns_the_wrong_shape_or_pair():
     model = tiny_llama(tiny_config(model_type="qwen3", qk_norm=True, head_dim=16))
     ids = torch.tensor([[1, 2, 3]])
-    model.parts = guarded(Parts, repeat_kv=lambda x, n_rep: x)  # forgot to repeat
-    with pytest.raises(PartError, match=r"part 'repeat_kv'[\s\S]*expected shape \(1, 4, 3, 16\)"):
+    model.parts = guarded(Parts, grouped_attention=lambda q, k, v, mask, attention: attention(q[:, ::2], k, v, mask))
+    with pytest.raises(PartError, match=r"part 'grouped_attention'[\s\S]*expected shape \(1, 4, 3, 16\)"):
+        model(ids)  # one output per KV head, not per query head
+    model.parts = guarded(Parts, rope_frequencies=lambda d, theta, s: rope_frequencies(d, theta, s).float())
+    with pytest.raises(PartError, match=r"part 'rope_frequencies'[\s\S]*dtype torch\.float64"):
         model(ids)
     model.parts = guarded(Parts, qk_norm=lambda q, k, qw, kw, eps: rms_norm(q, qw, eps))  # one tensor, not a pair
     with pytest.raises(PartError, match=r"part 'qk_norm'[\s\S]*expected a pair \(q, k\)"):
@@ -736,7 +1182,14 @@ def test_guards_name_a_part_that_returns_the_wrong_shape_or_pair():
     model.parts = guarded(Parts, rms_norm=lambda x, w, eps: rms_norm(x.float(), w.float(), eps)[..., :-1])
     with pytest.raises(PartError, match=r"part 'rms_norm'[\s\S]*expected shape"):
         model(ids)
-    model.parts = guarded(Parts, rms_norm=rms_norm, swiglu=swiglu, repeat_kv=repeat_kv, qk_norm=qk_norm)
+    model.parts = guarded(
+        Parts,
+        rms_norm=rms_norm,
+        swiglu=swiglu,
+        grouped_attention=grouped_attention,
+        qk_norm=qk_norm,
+        rope_frequencies=rope_frequencies,
+    )
     with torch.no_grad():
         mine = model(ids)
         model.parts = Parts()

@@ -56,11 +56,13 @@ from .kv_cache import (
     check_max_sequences,
 )
 from .modern import (
+    check_grouped_attention,
     check_llama_block,
     check_load_llama_checkpoint,
     check_qk_norm,
     check_repeat_kv,
     check_rms_norm,
+    check_rope_frequencies,
     check_swiglu,
 )
 from .pipeline import check_top_k_next_tokens
@@ -183,7 +185,9 @@ __all__ = [
     "check_rms_norm",
     "check_swiglu",
     "check_repeat_kv",
+    "check_grouped_attention",
     "check_qk_norm",
+    "check_rope_frequencies",
     "check_llama_block",
     "check_load_llama_checkpoint",
 ]

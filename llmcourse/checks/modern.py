@@ -1,16 +1,19 @@
-"""Checks for chapter 11, a modern model: RMSNorm, SwiGLU, grouped-query attention's `repeat_kv`, Qwen3's QK-norm,
-the Llama decoder block, and loading a Llama-family checkpoint.
+"""Checks for chapter 11, a modern model: RMSNorm, SwiGLU, `repeat_kv` (the warm-up: grouped-query attention by
+copying), `grouped_attention` (each KV head read once), Qwen3's QK-norm, `rope_frequencies` (RoPE's speeds with
+rope_theta and "linear" / "llama3" scaling), the Llama decoder block, and loading a Llama-family checkpoint.
 
 Each check compares the learner's function with the engine's (`llmcourse.engine.parts`, `llmcourse.engine.llama`)
-and, where it can, with transformers' (LlamaRMSNorm, repeat_kv, LlamaDecoderLayer / Qwen3DecoderLayer,
-save_pretrained folders of LlamaForCausalLM, Qwen2 and Qwen3 models, built at check time in a temporary folder:
-nothing is downloaded), on fixed edge cases and seeded random inputs drawn from what the engine passes: float32,
-float16, bfloat16 and float64; non-contiguous views (split_heads' transposed heads, a cache's filled part); one
-position; values near float16's limits; non-default eps; one KV head and as many KV heads as query heads. When an
-answer is wrong the message says what was probably done wrong, found by comparing it with known mistakes computed on
-the same input (LayerNorm's mean, eps outside the root, a tiled repeat, post-norm, RoPE before the norm, a kept
-`model.` prefix, ...). Each check ends in the engine: a tiny Llama (or Qwen3) whose slot holds the learner's function
-must give the engine's tokens.
+and, where it can, with transformers' (LlamaRMSNorm, repeat_kv, ROPE_INIT_FUNCTIONS, LlamaDecoderLayer /
+Qwen3DecoderLayer, save_pretrained folders of LlamaForCausalLM, Qwen2 and Qwen3 models, built at check time in a
+temporary folder: nothing is downloaded), on fixed edge cases and seeded random inputs drawn from what the engine
+passes: float32, float16, bfloat16 and float64; non-contiguous views (split_heads' transposed heads, a cache's filled
+part); one position; values near float16's limits; non-default eps; one KV head and as many KV heads as query heads;
+masks None, padding and per head. When an answer is wrong the message says what was probably done wrong, found by
+comparing it with known mistakes computed on the same input (LayerNorm's mean, eps outside the root, a tiled repeat,
+query heads grouped h % H_kv, an untiled causal mask, llama3's bands swapped, post-norm, a kept `model.` prefix,
+...); grouped_attention's `attention` argument records what it receives, so that k and v copied (repeat_kv's way)
+are named too. Each check ends in the engine: a tiny Llama (or Qwen3) whose slot holds the learner's function must
+give the engine's logits or tokens.
 
     >>> import torch
     >>> def swiglu(gate, up):
@@ -41,6 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 
+from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guarded
 from llmcourse.engine import parts as P
 from llmcourse.engine.checkpoints import load_llama_checkpoint
@@ -63,9 +67,10 @@ from .gpt2 import (
     tensors_and_config_problem,
 )
 from .harness.core import Case, Verdict, also_reference, later, run_check, unwritten_helper
-from .harness.forbid import Forbidden
+from .harness.forbid import _ATTENTION as FUSED_ATTENTION
+from .harness.forbid import DispatchWatch, Forbidden
 from .harness.show import short
-from .harness.tensors import known_mistake, same_answer, tensor_problem
+from .harness.tensors import known_mistake, plain_tensor_problem, same_answer, tensor_problem
 
 f64, f16, bf16, f32 = torch.float64, torch.float16, torch.bfloat16, torch.float32
 U32 = 2.0**-24  # float32's unit of rounding: RMSNorm is computed in float32 at least
@@ -667,20 +672,102 @@ def repeat_kv_cases(seed: int, n_random: int) -> list[Case]:
     return cases
 
 
+class RepeatedAttention:
+    """Attention over the KV heads your repeat_kv copies — attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep),
+    mask), chapter 03's attention — which must equal the engine's grouped_attention(q, k, v, mask, attention), which
+    reads each KV head once. q, k, v and mask as the engine's Llama passes them (split_heads' q, a cache's filled
+    part)."""
+
+    def __init__(self, label: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]):
+        self.label, self.args = label, (q, k, v, mask)
+
+    def run(self, fn: Callable) -> Any:
+        q, k, v, mask = self.args
+        n_rep = q.shape[1] // k.shape[1]
+        keys, values = fn(k, n_rep), fn(v, n_rep)
+        if not (isinstance(keys, Tensor) and isinstance(values, Tensor) and keys.shape == values.shape):
+            return keys  # the judge says what is wrong with it
+        return P.attention(q, keys, values, mask)
+
+    def grouped(self) -> Tensor:
+        return P.grouped_attention(*self.args, P.attention)
+
+    def show(self) -> str:
+        q, k, v, mask = self.args
+        n_rep = q.shape[1] // k.shape[1]
+        shown = "None" if mask is None else _desc(mask)
+        return (
+            f"attention(q, repeat_kv(k, {n_rep}), repeat_kv(v, {n_rep}), mask) with q={_desc(q)}, k={_desc(k)}, "
+            f"v={_desc(v)}, mask={shown}: the engine's grouped_attention(q, k, v, mask, attention) is expected"
+        )
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return self.label
+
+
+def repeated_attention_cases(seed: int) -> list[Case]:
+    """Your repeat_kv where the engine used to call it: before attention, as a tiny Llama's layer does."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    runs = [
+        RepeatedAttention(
+            "a decode step: 8 query heads over 2 KV heads, 1 query against 9 cached keys",
+            *_gqa_qkv(g, 2, 2, 4, 1, 9, 16),
+            None,
+        ),
+        RepeatedAttention(
+            "a prefill of a left-padded batch in bfloat16: 4 query heads over 1 KV head, 6 positions",
+            *_gqa_qkv(g, 2, 1, 4, 6, 6, 16, bf16, cached=False),
+            _left_padding_mask([6, 4], 6, 6),
+        ),
+        RepeatedAttention(
+            "a chunk of 3 queries of Tk 7, 6 query heads over 3 KV heads",
+            *_gqa_qkv(g, 1, 3, 2, 3, 7, 8),
+            None,
+        ),
+    ]
+    return [
+        Case(
+            f"your repeat_kv before attention equals grouped attention: {run.label}",
+            (run,),
+            later(RepeatedAttention.grouped, run),
+            "attention over your copies must equal the engine's grouped_attention, which reads each KV head "
+            "once for its n_rep query heads: query head h reads KV head h // n_rep",
+        )
+        for run in runs
+    ]
+
+
+def _judge_repeated(case: Case, got: Any) -> Verdict:
+    run = case.args[0]
+    return accuracy_judge(lambda args: grouped_accuracy(run.args), GROUPED_CONTRACT)(case, got)
+
+
 def check_repeat_kv(fn, *, seed: int = 0, n_random: int = 10, transformers: bool = False) -> None:
     """repeat_kv(x, n_rep): x [B, H_kv, T, D] -> [B, H_kv · n_rep, T, D], query head h reading KV head h // n_rep
     (each KV head repeated n_rep times in place, as transformers' repeat_kv); exact, in x's dtype. The last cases
-    run it inside the engine's attention over a KV cache: a tiny Llama with fewer KV heads than query heads
-    generating token by token."""
-    cases = repeat_kv_cases(seed, n_random)
-    judge = _repeat_judge
+    put it where the engine used to: attention over its copies must equal the engine's grouped_attention (which
+    reads each KV head once, without them)."""
+    cases = repeat_kv_cases(seed, n_random) + repeated_attention_cases(seed)
+    base = _repeat_judge
     if transformers:
-        judge = _also_hf_repeat_kv(judge)
-    cases += engine_cases("repeat_kv", seed)
-    run, judge = with_llama_runs(fn, judge)
+        base = _also_hf_repeat_kv(base)
+
+    def run(*args):
+        return args[0].run(fn) if isinstance(args[0], RepeatedAttention) else fn(*args)
+
+    try:
+        run = functools.wraps(fn)(run)
+    except (AttributeError, TypeError):
+        pass
+
+    def judge(case: Case, got: Any) -> Verdict:
+        return (_judge_repeated if isinstance(case.args[0], RepeatedAttention) else base)(case, got)
 
     def show(args):
-        if isinstance(args[0], LlamaRun):
+        if isinstance(args[0], RepeatedAttention):
             return args[0].show()
         return f"repeat_kv(x={_desc(args[0])}, n_rep={args[1]})"
 
@@ -715,6 +802,478 @@ def _also_hf_repeat_kv(judge: Callable) -> Callable:
         return "differs from transformers' repeat_kv", "query head h reads KV head h // n_rep"
 
     return both
+
+
+# ----------------------------------------------------------------------------------------------
+# grouped_attention: grouped-query attention that reads each KV head once
+
+
+def reference_grouped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
+    """What grouped_attention must equal: chapter 03's attention over the KV heads repeated for the query heads."""
+    n_rep = q.shape[1] // k.shape[1]
+    return P.attention(q, P.repeat_kv(k, n_rep), P.repeat_kv(v, n_rep), mask)
+
+
+def _grouped(q, k, v, mask, *, tiled_heads=False, q_rows="r", mask_rows="r", none="causal", swap_out=False):
+    """grouped_attention written out with the engine's attention; the keyword arguments make the known mistakes:
+    query heads grouped h % H_kv (`tiled_heads`), the group's rows t-major (`q_rows`, `mask_rows` "t": row t·n_rep
+    + r) rather than r-major (row r·T + t), mask None passed through (`none` "pass") or built with an unshifted
+    tril ("tril"), the output's heads put back r-major (`swap_out`)."""
+    B, H, T, D = q.shape
+    H_kv, Tk = k.shape[1], k.shape[2]
+    n = H // H_kv
+    heads = q.reshape(B, n, H_kv, T, D).transpose(1, 2) if tiled_heads else q.reshape(B, H_kv, n, T, D)
+    rows = heads.reshape(B, H_kv, n * T, D) if q_rows == "r" else heads.transpose(2, 3).reshape(B, H_kv, T * n, D)
+    if mask is None:
+        if none == "pass":
+            m = None
+        else:
+            base = P.causal_mask(T, Tk) if none == "causal" else torch.ones(T, Tk, dtype=torch.bool).tril()
+            m = base.repeat(n, 1) if mask_rows == "r" else base.repeat_interleave(n, dim=0)
+    else:
+        full = mask.expand(B, H, T, Tk)
+        full = full.reshape(B, n, H_kv, T, Tk).transpose(1, 2) if tiled_heads else full.reshape(B, H_kv, n, T, Tk)
+        m = full.reshape(B, H_kv, n * T, Tk) if mask_rows == "r" else full.transpose(2, 3).reshape(B, H_kv, T * n, Tk)
+    out = P.attention(rows, k, v, m)
+    Dv = out.shape[-1]
+    out = out.view(B, H_kv, n, T, Dv) if q_rows == "r" else out.view(B, H_kv, T, n, Dv).transpose(2, 3)
+    if tiled_heads or swap_out:
+        out = out.transpose(1, 2)  # [B, n, H_kv, T, Dv]: head r·H_kv + g
+    return out.reshape(B, H, T, Dv)
+
+
+_GROUP_ORDER = (
+    "the mask's rows must follow the queries' rows: with q grouped as q.reshape(B, H_kv, n_rep * T, D), row r·T + t "
+    "of a group is its r-th head at position t, so tile the mask whole, n_rep times along the rows — "
+    "causal_mask(T, Tk).repeat(n_rep, 1), or a given mask expanded to [B, H, T, Tk] and reshaped to [B, H_kv, "
+    "n_rep * T, Tk] — not each row n_rep times in a row (repeat_interleave: row t·n_rep + r)"
+)
+GROUPED_MISTAKES = [
+    (
+        lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, tiled_heads=True),
+        "query head h reads KV head h // n_rep (heads 0 .. n_rep-1 share KV head 0, as repeat_kv's copies did): "
+        "group them as q.reshape(B, H_kv, n_rep * T, D); q.reshape(B, n_rep, H_kv, T, D) pairs head h with KV head "
+        "h % H_kv",
+    ),
+    (
+        lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, none="pass"),
+        "mask None means causal for the T queries, which are the last T of the Tk positions — but attention's own "
+        "None would take the n_rep · T grouped rows for the last n_rep · T positions, and they are n_rep heads at "
+        "the same T positions. Tile the causal mask yourself: causal_mask(T, Tk).repeat(n_rep, 1) ([n_rep · T, Tk], "
+        "row r·T + t is position t)",
+    ),
+    (
+        lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, none="tril"),
+        "the T queries are the last T of the Tk positions: query t sits at position Tk - T + t and sees keys 0 .. "
+        "Tk - T + t; torch.ones(T, Tk).tril() lets it see only 0 .. t. Use causal_mask(T, Tk) or "
+        ".tril(diagonal=Tk - T), then tile it for the n_rep heads",
+    ),
+    (lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, mask_rows="t"), _GROUP_ORDER),
+    (lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, q_rows="t"), _GROUP_ORDER),
+    (
+        lambda q, k, v, mask, attention=None: _grouped(q, k, v, mask, swap_out=True),
+        "put the heads back in their order: attention's output [B, H_kv, n_rep · T, D] is reshaped to [B, H, T, D] "
+        "as it is (row r·T + t of group g is head g·n_rep + r at position t), without swapping H_kv and n_rep",
+    ),
+]
+
+# Contract: attention's answer (chapter 03's, given) from the same rounded q, k, v: within 8 units of rounding of
+# the dtype times (1 + S) times V, where S bounds the row's scores (max over keys of Σ|q_i||k_i| / √D: a score's
+# rounding grows with it) and V is the largest |v| of its KV head (the output is an average of the values).
+GROUPED_K = 8
+GROUPED_CONTRACT = (
+    "grouped_attention may be off by 8 units of rounding of the dtype times (1 + the row's largest Σ|q_i·k_i| / √D) "
+    "times the largest |v| of its KV head: what attention itself rounds"
+)
+
+
+def grouped_accuracy(args: tuple) -> tuple[Tensor, Tensor]:
+    q, k, v, mask = args[:4]
+    n_rep = q.shape[1] // k.shape[1]
+    Q, K, V = _wide(q), P.repeat_kv(_wide(k), n_rep), P.repeat_kv(_wide(v), n_rep)
+    exact = P.attention(Q, K, V, mask)
+    scores = (Q.abs() @ K.abs().transpose(-1, -2)).amax(-1, keepdim=True) / math.sqrt(q.shape[-1])  # [B, H, T, 1]
+    values = V.abs().amax((-2, -1), keepdim=True)  # [B, H, 1, 1]
+    allowed = GROUPED_K * _u(q) * (1 + scores) * values + _floor(q)
+    return exact, allowed.expand_as(exact)
+
+
+class _Seen:
+    """What `attention` was given in one call: shapes, and the memory k and v live in."""
+
+    def __init__(self, q: Tensor, k: Tensor, v: Tensor, mask: Any):
+        self.q, self.k, self.v = tuple(q.shape), tuple(k.shape), tuple(v.shape)
+        self.k_memory, self.v_memory = k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()
+        self.mask = None if mask is None else tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+
+    def show(self) -> str:
+        mask = "None" if self.mask is None else f"[{', '.join(map(str, self.mask))}]"
+        return f"attention(q {list(self.q)}, k {list(self.k)}, v {list(self.v)}, mask {mask})"
+
+
+class GivenAttention:
+    """`attention` as the check gives it to grouped_attention: chapter 03's (the engine's `parts.attention`),
+    multi-head — q, k and v with the same number of heads — which records what each call receives, so that the
+    check can tell that k and v reached it as given (not copied: the same memory, [B, H_kv, Tk, D] in all) and that
+    the work went through it (torch's fused attention run elsewhere is seen too: `outside`)."""
+
+    def __init__(self):
+        self.calls: list[_Seen] = []
+        self.depth = 0
+        self.outside: Optional[str] = None
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = None) -> Tensor:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, Tensor) or t.dim() != 4:
+                raise TypeError(
+                    f"attention(q, k, v, mask) takes q, k and v as tensors [B, heads, T, D]; got {name} = "
+                    f"{short(t, 80)}"
+                )
+        if q.shape[1] != k.shape[1] or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0]:
+            raise ValueError(
+                f"attention(q, k, v, mask) is chapter 03's multi-head attention: q, k and v need the same batch "
+                f"and number of heads; got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}"
+            )
+        self.calls.append(_Seen(q, k, v, mask))
+        self.depth += 1
+        try:
+            return P.attention(q, k, v, mask)
+        finally:
+            self.depth -= 1
+
+    def run(self, fn: Callable, args: tuple) -> Any:
+        """fn(*args) with this attention as its last argument, watching for torch's attention run outside it."""
+        self.calls, self.depth, self.outside = [], 0, None
+        with _AttentionOutside(self):
+            return fn(*args)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __repr__(self) -> str:
+        return "<chapter 03's attention(q, k, v, mask): multi-head, None = causal>"
+
+
+class _AttentionOutside(DispatchWatch):
+    """Notes torch's fused attention (F.scaled_dot_product_attention and its kernels, enable_gqa included) run while
+    the given attention is not on the stack: the learner's function calling it itself."""
+
+    def __init__(self, given: GivenAttention):
+        super().__init__()
+        self.given = given
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if self.given.depth == 0 and self.given.outside is None and name in FUSED_ATTENTION:
+            self.given.outside = f"torch.ops.{func.namespace}.{name}"
+        return func(*args, **(kwargs or {}))
+
+
+OWN_ATTENTION_HINT = (
+    "call `attention(q, k, v, mask)`, the function you are given (chapter 03's: multi-head, the engine passes the "
+    "model's attention part), with the queries grouped per KV head: once on [B, H_kv, n_rep · T, D] rows, or once "
+    "per KV group. F.scaled_dot_product_attention (enable_gqa=True included), an attention of your own or the "
+    "engine's parts.attention called directly are not the part you were given"
+)
+
+
+def _grouped_calls_problem(case: Case, got: Any) -> Optional[tuple[str, str, str]]:
+    """(what is wrong, what attention should have received, the hint) when the calls to the given attention read k
+    and v otherwise than once each, as given; None if they did."""
+    q, k, v, mask, given = case.args
+    H, H_kv = q.shape[1], k.shape[1]
+    n_rep = H // H_kv
+    B, T, D = q.shape[0], q.shape[2], q.shape[3]
+    wanted = f"attention(q {[B, H_kv, n_rep * T, D]}, k {list(k.shape)}, v {list(v.shape)}, mask) — k and v as given"
+    if n_rep == 1:
+        wanted = f"attention(q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, mask) — n_rep 1: as given"
+    if not given.calls:
+        return "your function did not call `attention`, the function it was given", wanted, OWN_ATTENTION_HINT
+    memory = (k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr())
+    for seen in given.calls:
+        if (seen.k_memory, seen.v_memory) != memory:
+            if seen.k[1] > H_kv or len(given.calls) * seen.k[1] > H_kv:
+                return (
+                    f"attention received k and v with {seen.k[1]} heads, copies of the {H_kv} KV heads (not the "
+                    f"tensors you were given): your function reads each KV head n_rep = {n_rep} times",
+                    wanted,
+                    "that is repeat_kv's copies, which grouped attention exists to avoid: a decode step's cost is "
+                    "reading the KV cache, and the copies read (and write) every KV head n_rep times. Group the "
+                    "queries instead — q.reshape(B, H_kv, n_rep * T, D), the mask tiled to match — and pass k and v "
+                    "to attention as they are",
+                )
+            return (
+                "attention received a copy of k or v (other memory than the tensors you were given)",
+                wanted,
+                "pass k and v to attention as they are (views of them are fine: k[:, g:g+1] for one group): no "
+                ".contiguous(), .clone(), .to() or reshape that copies — the engine gives them as the filled part "
+                "of its KV cache, and copying them reads and writes every byte of it",
+            )
+    read = sum(seen.k[1] for seen in given.calls)
+    if read > H_kv:
+        return (
+            f"your function's {len(given.calls)} calls to attention read {read} key heads where there are {H_kv}: "
+            f"each KV head is read {read // H_kv} times",
+            wanted,
+            "one call per query head (or k expanded to the H query heads) reads each KV head n_rep times: put the "
+            "n_rep query heads of a KV head together as rows of one call, q.reshape(B, H_kv, n_rep * T, D)",
+        )
+    return None
+
+
+def _judge_grouped(accuracy: Callable) -> Callable:
+    def judge(case: Case, got: Any) -> Verdict:
+        given = case.args[4]
+        if given.outside:
+            raise CheckFailed(
+                f"✗ grouped_attention — {case.description}: your function ran torch's fused attention "
+                f"({given.outside}) itself, not through the `attention` it was given\n"
+                f"  input:    {_show_grouped(case.args)}\n"
+                f"  expected: torch's attention run only inside the `attention` you were given\n"
+                f"  got:      {given.outside} run by your function itself ({len(given.calls)} calls to `attention`)\n"
+                f"  hint: {OWN_ATTENTION_HINT}"
+            )
+        verdict = accuracy(case, got)
+        if verdict is not None:
+            return verdict
+        problem = _grouped_calls_problem(case, got)
+        if problem is None:
+            return None
+        what, wanted, hint = problem
+        calls = "; ".join(seen.show() for seen in given.calls[:4]) + " ..." * (len(given.calls) > 4)
+        raise CheckFailed(
+            f"✗ grouped_attention — {case.description}: {what}\n"
+            f"  input:    {_show_grouped(case.args)}\n"
+            f"  expected: {wanted}\n"
+            f"  got:      {calls or 'no call to attention'}\n"
+            f"  hint: {hint}"
+        )
+
+    return judge
+
+
+def _show_grouped(args: tuple) -> str:
+    q, k, v, mask, attention = args
+    shown = "None" if mask is None else _desc(mask)
+    return f"grouped_attention(q={_desc(q)}, k={_desc(k)}, v={_desc(v)}, mask={shown}, attention={attention!r})"
+
+
+def _gqa_case(description: str, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], hint: str = "") -> Case:
+    return Case(description, (q, k, v, mask, GivenAttention()), later(reference_grouped_attention, q, k, v, mask), hint)
+
+
+def _gqa_qkv(g, B, H_kv, n_rep, T, Tk, D, dtype=f32, *, split=True, cached=True, scale=1.0, marked=False):
+    """q [B, H, T, D] (split_heads' transposed view of a projection, or contiguous), k and v [B, H_kv, Tk, D] (the
+    filled part of a longer cache, or contiguous). `marked`: v is 10·(KV head + 1) plus noise, so that an output
+    head says which KV head it read."""
+    H = H_kv * n_rep
+    q = (_randn(g, B, T, H * D, dtype=f64) * scale).to(dtype).view(B, T, H, D).transpose(1, 2)
+    if not split:
+        q = q.contiguous()
+    extra = 3 if cached else 0
+    k = (_randn(g, B, H_kv, Tk + extra, D, dtype=f64) * scale).to(dtype)[:, :, :Tk]
+    v = _randn(g, B, H_kv, Tk + extra, D, dtype=f64)
+    if marked:
+        v = 0.5 * v + 10 * (1 + torch.arange(H_kv, dtype=f64)).view(1, H_kv, 1, 1)
+    else:
+        v = 2 * v + 1
+    v = v.to(dtype)[:, :, :Tk]
+    if not cached:
+        k, v = k.contiguous(), v.contiguous()
+    return q, k, v
+
+
+def _left_padding_mask(lengths: Sequence[int], T: int, Tk: int) -> Tensor:
+    """The engine's mask for a left-padded batch: [B, 1, T, Tk], causal over the real tokens; a padding query sees
+    only itself."""
+    real = torch.stack([torch.arange(Tk) >= Tk - n for n in lengths])  # [B, Tk]
+    key_pos, query_pos = torch.arange(Tk), Tk - T + torch.arange(T)
+    return ((key_pos <= query_pos[:, None]) & real[:, None, None, :]) | (key_pos == query_pos[:, None])
+
+
+def _random_mask(g: torch.Generator, shape: Sequence[int]) -> Tensor:
+    """A random bool mask with no row all False."""
+    mask = torch.rand(tuple(shape), generator=g) < 0.6
+    mask[..., -1] |= ~mask.any(-1)
+    return mask
+
+
+def grouped_attention_cases(seed: int, n_random: int) -> list[Case]:
+    g = torch.Generator().manual_seed(seed)
+    shared = _gqa_qkv(g, 2, 2, 2, 3, 5, 8)
+    per_head = _random_mask(g, (2, 4, 3, 5))
+    cases = [
+        _gqa_case(
+            "4 query heads over 2 KV heads (n_rep 2), 3 positions, mask None (causal); v is 10·(KV head + 1) plus "
+            "noise, so each output head shows which KV head it read",
+            *_gqa_qkv(g, 1, 2, 2, 3, 3, 8, split=False, cached=False, marked=True),
+            None,
+            "query head h reads KV head h // n_rep: heads 0 and 1 read KV head 0 (values near 10), heads 2 and 3 "
+            "KV head 1 (near 20)",
+        ),
+        _gqa_case(
+            "a decode step: one query (T 1) against 7 cached keys, n_rep 4, mask None",
+            *_gqa_qkv(g, 2, 2, 4, 1, 7, 8),
+            None,
+            "mask None: the T queries are the last T of the Tk positions, so one query sees every key",
+        ),
+        _gqa_case(
+            "a chunk of a prefill: 3 queries, the last 3 of Tk 8 positions, n_rep 2, mask None",
+            *_gqa_qkv(g, 1, 2, 2, 3, 8, 8),
+            None,
+            "query t is at position Tk - T + t: causal_mask(T, Tk) says which keys it sees",
+        ),
+        _gqa_case(
+            "n_rep 1 (multi-head attention: as many KV heads as query heads)",
+            *_gqa_qkv(g, 2, 3, 1, 4, 4, 8),
+            None,
+            "n_rep 1: attention(q, k, v, mask) as it is",
+        ),
+        _gqa_case(
+            "one KV head for 8 query heads (multi-query attention), 5 positions",
+            *_gqa_qkv(g, 1, 1, 8, 5, 5, 8, marked=True),
+            None,
+        ),
+        _gqa_case(
+            "n_rep 8: 16 query heads over 2 KV heads (Llama-3-70B's grouping: 64 over 8), a decode step over 12 keys",
+            *_gqa_qkv(g, 1, 2, 8, 1, 12, 16),
+            None,
+        ),
+        _gqa_case(
+            "as the engine calls it: q from split_heads (a non-contiguous view), k and v the filled part of a cache, "
+            "4 queries of Tk 9, n_rep 3",
+            *_gqa_qkv(g, 2, 2, 3, 4, 9, 8),
+            None,
+            "q may be a non-contiguous view: reshape it (a copy of q is fine; only k and v must not be copied)",
+        ),
+        _gqa_case(
+            "the engine's padding mask [B, 1, T, Tk] for a left-padded batch (6 and 3 real tokens), n_rep 2",
+            *_gqa_qkv(g, 2, 2, 2, 6, 6, 8, cached=False),
+            _left_padding_mask([6, 3], 6, 6),
+            "a given mask is expanded to [B, H, T, Tk] and laid out like the grouped queries: [B, H_kv, n_rep·T, Tk]",
+        ),
+        _gqa_case(
+            "a decode step of a padded batch: mask [B, 1, 1, Tk], n_rep 4",
+            *_gqa_qkv(g, 3, 1, 4, 1, 6, 8),
+            _left_padding_mask([6, 2, 4], 1, 6),
+        ),
+        _gqa_case("a mask per query head [B, H, T, Tk] (random), n_rep 2", *shared, per_head),
+        _gqa_case(
+            "the same q, k, v, mask None (one argument changed)",
+            *shared,
+            None,
+            "mask None: build the causal mask for this call's T and Tk",
+        ),
+        _gqa_case(
+            "the causal mask given as [T, Tk] (broadcast over batch and heads), 3 queries of Tk 5, n_rep 3",
+            *_gqa_qkv(g, 1, 2, 3, 3, 5, 8),
+            P.causal_mask(3, 5),
+        ),
+        _gqa_case("float64, n_rep 2", *_gqa_qkv(g, 2, 2, 2, 4, 4, 8, f64), None, "float64 in, float64 out"),
+        _gqa_case(
+            "float16: split_heads' q, a cache's k and v, 5 queries of Tk 7, n_rep 2",
+            *_gqa_qkv(g, 1, 2, 2, 5, 7, 16, f16),
+            None,
+            "float16 in, float16 out",
+        ),
+        _gqa_case(
+            "bfloat16 decode, n_rep 4, padding mask [B, 1, 1, Tk]",
+            *_gqa_qkv(g, 2, 2, 4, 1, 9, 16, bf16),
+            _left_padding_mask([9, 5], 1, 9),
+            "bfloat16 in, bfloat16 out",
+        ),
+        _gqa_case(
+            "a prefill of 40 positions, head_dim 64, scores far from 0 (q and k ×3), n_rep 4",
+            *_gqa_qkv(g, 1, 2, 4, 40, 40, 64, scale=3.0),
+            None,
+        ),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        B, H_kv, n_rep = rng.randint(1, 2), rng.choice([1, 2, 4]), rng.choice([1, 2, 3, 4, 8])
+        D, Tk = rng.choice([4, 8, 16, 64]), rng.randint(1, 12)
+        T = rng.choice([Tk, 1, rng.randint(1, Tk)])
+        dtype = (f32, f64, f16, bf16, f32)[i % 5]
+        q, k, v = _gqa_qkv(
+            g, B, H_kv, n_rep, T, Tk, D, dtype, split=rng.random() < 0.6, cached=rng.random() < 0.5, scale=1.0
+        )
+        kind = i % 4
+        if kind == 0:
+            what, mask = "mask None", None
+        elif kind == 1:
+            lengths = [rng.randint(1, Tk) for _ in range(B)]
+            what, mask = f"padding mask [B, 1, T, Tk] ({lengths} real tokens)", _left_padding_mask(lengths, T, Tk)
+        elif kind == 2:
+            what, mask = "key mask [B, 1, 1, Tk]", _random_mask(g, (B, 1, 1, Tk))
+        else:
+            what, mask = "a mask per head [B, H, T, Tk]", _random_mask(g, (B, H_kv * n_rep, T, Tk))
+        cases.append(
+            _gqa_case(
+                f"random #{i}: {str(dtype)[6:]}, B {B}, {H_kv * n_rep} query heads over {H_kv} KV heads, T {T} of "
+                f"Tk {Tk}, D {D}, {what}",
+                q,
+                k,
+                v,
+                mask,
+            )
+        )
+    return cases
+
+
+GROUPED_ERROR_HINTS = {
+    "view size is not compatible": "q may be a non-contiguous view (split_heads' transpose, as the engine passes "
+    "it): q.reshape(B, H_kv, n_rep * T, D) (a copy of q is fine; k and v go to attention as they are)",
+    "chapter 03's multi-head attention": "attention is multi-head: group the n_rep query heads of each KV head as "
+    "rows of one head, q.reshape(B, H_kv, n_rep * T, D), tile the mask to match, call attention(rows, k, v, mask) "
+    "and reshape its output back to [B, H, T, D]",
+    "must match the size": "the mask needs one row per grouped query row: [n_rep · T, Tk] "
+    "(causal_mask(T, Tk).repeat(n_rep, 1)), or a given mask expanded to [B, H, T, Tk] and reshaped to "
+    "[B, H_kv, n_rep · T, Tk]",
+}
+
+
+def check_grouped_attention(fn, *, seed: int = 0, n_random: int = 10) -> None:
+    """grouped_attention(q, k, v, mask, attention) -> [B, H, T, D]: q [B, H, T, D], k and v [B, H_kv, Tk, D], query
+    head h reading KV head h // n_rep, each KV head read once — the check's `attention` (chapter 03's, multi-head)
+    records what it receives, so k and v must reach it as given (no copies, no repeat_kv) — equal to
+    attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), mask) within the accuracy of attention itself. mask None
+    (causal: the T queries are the last T of the Tk positions) or a bool mask broadcastable to [B, H, T, Tk]; float32,
+    float64, float16, bfloat16; q a non-contiguous view. The last cases run it in a tiny Llama's every layer."""
+    cases = grouped_attention_cases(seed, n_random) + engine_cases("grouped_attention", seed)
+    judge = _judge_grouped(accuracy_judge(grouped_accuracy, GROUPED_CONTRACT, GROUPED_MISTAKES))
+
+    def run(*args):
+        if isinstance(args[0], LlamaRun):
+            return args[0].run(fn)
+        return args[4].run(fn, args)
+
+    try:
+        run = functools.wraps(fn)(run)
+    except (AttributeError, TypeError):
+        pass
+
+    def both(case: Case, got: Any) -> Verdict:
+        return (_judge_engine if isinstance(case.args[0], LlamaRun) else judge)(case, got)
+
+    run_check(
+        "grouped_attention",
+        run,
+        cases,
+        judge=both,
+        forbid=[
+            _engine("grouped_attention"),
+            Forbidden(
+                "llmcourse.engine.cpu_kernels",
+                "The engine's C decode kernel groups the query heads itself: call the `attention` you are given.",
+                direct=True,
+            ),
+            *NO_TRANSFORMERS,
+        ],
+        error_hints=GROUPED_ERROR_HINTS,
+        show_call=lambda args: args[0].show() if isinstance(args[0], LlamaRun) else _show_grouped(args),
+        seconds=10,
+        total_seconds=60,
+    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -905,6 +1464,399 @@ def check_qk_norm(fn, *, seed: int = 0, n_random: int = 8) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
+# rope_frequencies: RoPE's speeds as checkpoints ship them (rope_theta, "linear" and "llama3" scaling)
+
+
+def _speeds(head_dim: int, theta: float, dtype=f64) -> Tensor:
+    return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype) / head_dim))
+
+
+def _llama3(inv_freq, scaling, *, swap=False, ratio="original/wavelength", blend_all=False, no_two_pi=False, **fixed):
+    """The llama3 rule with the keyword arguments making the known mistakes."""
+    s = {**scaling, **fixed}
+    factor, old, low, high = (
+        s["factor"],
+        s["original_max_position_embeddings"],
+        s["low_freq_factor"],
+        s["high_freq_factor"],
+    )
+    wavelen = (1 if no_two_pi else 2 * math.pi) / inv_freq
+    if ratio == "original/wavelength":
+        smooth = (old / wavelen - low) / (high - low)
+    elif ratio == "wavelength/original":
+        smooth = (wavelen / old - low) / (high - low)
+    else:  # the blend's weights swapped
+        smooth = 1 - (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    if blend_all:
+        return blended
+    slow, fast = wavelen > old / low, wavelen < old / high
+    if swap:
+        slow, fast = fast, slow
+    return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
+
+
+def _rope_mistake(head_dim, theta, scaling, *, dtype=f64, exponent=2, theta_fixed=None, linear_times=False, **llama3):
+    inv_freq = 1.0 / ((theta_fixed or theta) ** (torch.arange(0, head_dim // 2, dtype=dtype) * exponent / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "linear" or (kind == "llama3" and llama3.get("as_linear")):
+        out = inv_freq * scaling["factor"] if linear_times else inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        out = _llama3(inv_freq, scaling, **{k: v for k, v in llama3.items() if k != "as_linear"})
+    else:
+        out = inv_freq
+    return out.double()
+
+
+def _mistake(**how) -> Callable:
+    return lambda head_dim, rope_theta, rope_scaling: _rope_mistake(head_dim, rope_theta, rope_scaling, **how)
+
+
+LLAMA31 = dict(original_max_position_embeddings=8192, low_freq_factor=1.0, high_freq_factor=4.0)
+ROPE_MISTAKES = [
+    (
+        _mistake(linear_times=True),
+        '"linear" scaling (Position Interpolation) divides every speed by factor: positions turn factor times more '
+        "slowly, so factor times more of them fit in the angles the model was trained on — not faster",
+    ),
+    (
+        _mistake(as_linear=True),
+        '"llama3" divides only the slow pairs by factor (wavelength 2π / speed longer than original / '
+        "low_freq_factor), keeps the fast ones (shorter than original / high_freq_factor) and blends those in "
+        'between: not every speed, as "linear" does',
+    ),
+    (
+        _mistake(swap=True),
+        "the bands are swapped: the *slow* pairs, whose wavelength 2π / speed is longer than original / "
+        "low_freq_factor, are divided by factor; the fast ones (wavelength shorter than original / "
+        "high_freq_factor) are kept as they are",
+    ),
+    (
+        _mistake(ratio="wavelength/original"),
+        "smooth = (original / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor): original "
+        "divided by the wavelength (how many turns the pair makes over the original context), not the wavelength "
+        "divided by original",
+    ),
+    (
+        _mistake(ratio="inverted"),
+        "the blend's weights: (1 - smooth) · speed / factor + smooth · speed — smooth is 0 at the slow edge (all "
+        "divided) and 1 at the fast edge (all kept)",
+    ),
+    (
+        _mistake(blend_all=True),
+        "the blend is for the pairs in between only: wavelengths longer than original / low_freq_factor are divided "
+        "by factor, shorter than original / high_freq_factor kept; blending them too extrapolates the line past "
+        "its ends",
+    ),
+    (
+        _mistake(no_two_pi=True),
+        "a pair's wavelength is 2π / speed (the positions it takes to turn once), not 1 / speed",
+    ),
+    (
+        _mistake(**LLAMA31),
+        "read original_max_position_embeddings, low_freq_factor and high_freq_factor from rope_scaling: Llama 3.1's "
+        "8192, 1 and 4 are one checkpoint's values",
+    ),
+    (
+        _mistake(theta_fixed=10000.0),
+        "use the rope_theta you are given (Llama 3's is 500 000, Qwen3's 1 000 000), not 10 000",
+    ),
+    (
+        _mistake(exponent=1),
+        "the exponent is 2i / head_dim for pair i = 0 .. head_dim/2 - 1 (torch.arange(0, head_dim, 2) / head_dim), "
+        "not i / head_dim",
+    ),
+    (
+        _mistake(dtype=f32),  # last: a float32 answer is named by its dtype (`_judge_rope_frequencies`)
+        "computed in float32 (torch.arange(...).float(), or a float32 tensor on the way), then converted: compute in "
+        "float64 — the engine multiplies the speeds by positions up to 131 072 (Llama 3.1's context), where "
+        "float32's 7 digits turn into angles off by hundredths of a radian",
+    ),
+]
+ROPE_RTOL = 1e-10  # float64 routes (1 / θ^x, θ^-x, exp(-x·ln θ), blends written otherwise) agree to ~1e-15
+ROPE_CONTRACT = "a float64 tensor [head_dim / 2] within 1e-10 relative of the exact speeds"
+
+
+def _rope_problem(got: Any, expected: Tensor) -> Optional[tuple[str, bool]]:
+    """(what is wrong, whether the values can be compared with a known mistake's), or None."""
+    if isinstance(got, (list, tuple)):
+        return f"expected a torch.Tensor (float64, [{expected.shape[0]}]), got a {type(got).__name__}", False
+    problem = plain_tensor_problem(got, expected)
+    if problem:
+        return problem, False
+    if got.shape != expected.shape:
+        return f"expected shape {tuple(expected.shape)}, got {tuple(got.shape)}", True
+    if got.dtype != expected.dtype:
+        return f"expected dtype {expected.dtype}, got {got.dtype}", got.is_floating_point()
+    problem = tensor_problem(got, expected, atol=0.0, rtol=ROPE_RTOL)
+    return (problem, True) if problem else None
+
+
+def _judge_rope_frequencies(case: Case, got: Any) -> Verdict:
+    expected = case.expected
+    found = _rope_problem(got, expected)
+    if found is None:
+        return None
+    problem, comparable = found
+    hint = ""
+    if comparable:
+        float64 = isinstance(got, Tensor) and got.dtype == f64  # a float32 answer: its dtype is the mistake to name
+        hint = known_mistake(
+            got,
+            case.args,
+            ROPE_MISTAKES if float64 else ROPE_MISTAKES[:-1],
+            lambda candidate: tensor_problem(candidate, expected, atol=0.0, rtol=ROPE_RTOL),
+        )
+    if hint:
+        return problem, hint
+    if isinstance(got, (list, tuple)):
+        return problem, "return a tensor: torch.tensor(speeds, dtype=torch.float64), or compute with tensors"
+    if isinstance(got, Tensor) and got.dim() == 1 and got.shape[0] == 2 * expected.shape[0]:
+        return problem, "one speed per rotated pair: head_dim / 2 of them, pair i = 0 .. head_dim/2 - 1"
+    if isinstance(got, Tensor) and got.shape == expected.shape and got.dtype != f64:
+        return problem, (
+            "compute and return the speeds in float64 (torch.arange(0, head_dim, 2, dtype=torch.float64)): the "
+            "engine multiplies them by positions up to 131 072 (Llama 3.1's context), where float32's 7 digits "
+            "turn into angles off by hundredths of a radian"
+        )
+    return problem, ""
+
+
+def _show_rope_frequencies(args: tuple) -> str:
+    head_dim, theta, scaling = args
+    return f"rope_frequencies(head_dim={head_dim!r}, rope_theta={theta!r}, rope_scaling={scaling!r})"
+
+
+def _scaling(kind: str, **values) -> dict:
+    return {"rope_type": kind, **values}
+
+
+def _llama3_scaling(factor, low, high, original) -> dict:
+    return _scaling(
+        "llama3",
+        factor=factor,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        original_max_position_embeddings=original,
+    )
+
+
+def _rope_case(description: str, head_dim: int, theta: float, scaling: Optional[dict], hint: str = "") -> Case:
+    return Case(
+        description,
+        (head_dim, theta, scaling),
+        later(lambda d, t, s: P.rope_frequencies(d, t, copy.deepcopy(s)), head_dim, theta, scaling),
+        hint,
+    )
+
+
+def _random_llama3(rng: random.Random, head_dim: int, theta: float) -> dict:
+    """llama3 parameters whose three bands each hold at least one pair of this head_dim and theta: the thresholds
+    original / low and original / high placed between the pairs' wavelengths."""
+    wavelengths = sorted((2 * math.pi * theta ** (2 * i / head_dim) for i in range(head_dim // 2)))
+    n = len(wavelengths)
+    a = rng.randint(0, n - 3)  # fast: wavelengths[: a + 1]
+    b = rng.randint(a + 1, n - 2)  # in between: wavelengths[a + 1 : b + 1]; slow: the rest
+    high_edge = math.sqrt(wavelengths[a] * wavelengths[a + 1])
+    low_edge = math.sqrt(wavelengths[b] * wavelengths[b + 1])
+    original = rng.choice([2048, 4096, 8192, 16384, 32768])
+    factor = rng.choice([2.0, 4, 8.0, 16.0, 32])
+    return _llama3_scaling(factor, original / low_edge, original / high_edge, original)
+
+
+def rope_frequencies_cases(seed: int, n_random: int) -> list[Case]:
+    shared = _llama3_scaling(8.0, 1.0, 4.0, 8192)
+    cases = [
+        _rope_case(
+            "head_dim 8, rope_theta 10 000, no scaling",
+            8,
+            10000.0,
+            None,
+            "pair i turns at 1 / rope_theta ** (2i / head_dim): [1, 0.1, 0.01, 0.001] here",
+        ),
+        _rope_case("head_dim 64, rope_theta 10 000, rope_scaling None", 64, 10000.0, None),
+        _rope_case(
+            'head_dim 128, rope_theta 500 000 (Llama 3), {"rope_type": "default"}',
+            128,
+            500000.0,
+            _scaling("default"),
+            '"default" is unscaled RoPE, like None',
+        ),
+        _rope_case("head_dim 128, rope_theta 1 000 000 (Qwen3), no scaling", 128, 1000000.0, None),
+        _rope_case("head_dim 2 (one pair): its speed is 1", 2, 10000.0, None),
+        _rope_case(
+            '"linear" scaling, factor 2 (Position Interpolation)',
+            64,
+            10000.0,
+            _scaling("linear", factor=2.0),
+            "linear: every speed divided by factor",
+        ),
+        _rope_case('"linear", factor 4, rope_theta 500 000, head_dim 128', 128, 500000.0, _scaling("linear", factor=4)),
+        _rope_case('"linear", factor 8.0, head_dim 2', 2, 10000.0, _scaling("linear", factor=8.0)),
+        _rope_case(
+            "Llama-3.1-8B's: head_dim 128, rope_theta 500 000, llama3 factor 8, low_freq_factor 1, high_freq_factor "
+            "4, original_max_position_embeddings 8192",
+            128,
+            500000.0,
+            shared,
+            "llama3: wavelength = 2π / speed; longer than original / low_freq_factor: divided by factor; shorter "
+            "than original / high_freq_factor: kept; in between: (1 - smooth) · speed / factor + smooth · speed",
+        ),
+        _rope_case(
+            "Llama-3.2-1B's: head_dim 64, rope_theta 500 000, llama3 factor 32 (low 1, high 4, original 8192)",
+            64,
+            500000.0,
+            _llama3_scaling(32.0, 1.0, 4.0, 8192),
+        ),
+        _rope_case(
+            "the same rope_scaling as two cases before, head_dim 64 (one argument changed)",
+            64,
+            500000.0,
+            shared,
+            "head_dim comes from the call",
+        ),
+        _rope_case(
+            "llama3 with other bands: original 4096, low_freq_factor 2, high_freq_factor 16, factor 16",
+            64,
+            10000.0,
+            _llama3_scaling(16.0, 2.0, 16.0, 4096),
+            "read every value from rope_scaling",
+        ),
+        _rope_case(
+            "two pairs exactly on the bands' edges: pair 0's wavelength 2π is original / high_freq_factor, pair 2's "
+            "is original / low_freq_factor (< or <= there: the blend meets the bands at both edges)",
+            16,
+            10000.0,
+            _llama3_scaling(8.0, 8192 / (2 * math.pi / 10000.0 ** (-4 / 16)), 8192 / (2 * math.pi), 8192),
+        ),
+        _rope_case(
+            "integers where floats are usual: rope_theta 500000, factor 8, low 1, high 4 (config.json may say so)",
+            32,
+            500000,
+            _llama3_scaling(8, 1, 4, 8192),
+        ),
+    ]
+    rng = random.Random(seed)
+    for i in range(n_random):
+        head_dim = rng.choice([8, 16, 64, 128, 2 * rng.randint(3, 80)])
+        theta = rng.choice([10000.0, 500000.0, 1000000.0, float(round(10 ** rng.uniform(3, 7)))])
+        kind = ("llama3", "linear", None, "llama3", "default")[i % 5]
+        if kind == "llama3":
+            scaling = _random_llama3(rng, head_dim, theta)
+        elif kind == "linear":
+            scaling = _scaling("linear", factor=rng.choice([2.0, 4, 8.0, 1.5, 32.0]))
+        else:
+            scaling = None if kind is None else _scaling("default")
+        cases.append(
+            _rope_case(
+                f"random #{i}: head_dim {head_dim}, rope_theta {theta:g}, {kind or 'None'}", head_dim, theta, scaling
+            )
+        )
+    return cases
+
+
+def _hf_rope_frequencies(head_dim: int, theta: float, scaling: Optional[dict]) -> Tensor:
+    """transformers' speeds for this configuration (`ROPE_INIT_FUNCTIONS`, or its default RoPE), computed in
+    float32, as a LlamaConfig of one head of head_dim gives them."""
+    # transformers is heavy (seconds to import): only for the hidden comparison
+    from transformers import LlamaConfig as HFLlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    kind = (scaling or {}).get("rope_type", "default")
+    original = (scaling or {}).get("original_max_position_embeddings", 2048)
+    config = HFLlamaConfig(
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        max_position_embeddings=4 * original,
+        rope_parameters={"rope_theta": float(theta), **(scaling or {}), "rope_type": kind},
+    )
+    if kind == "default":
+        return LlamaRotaryEmbedding.compute_default_rope_parameters(config)[0]
+    return ROPE_INIT_FUNCTIONS[kind](config, "cpu")[0]
+
+
+def hf_rope_accuracy(args: tuple) -> tuple[Tensor, Tensor]:
+    """The exact speeds and how far transformers' float32 ones may be from them: 16 units of float32 rounding times
+    (1 + ln θ) (θ ** x with x rounded to float32), times 1 + the blend's amplification in llama3's middle band
+    (an error δ in smooth changes the speed by δ · (1 - 1/factor) · speed)."""
+    head_dim, theta, scaling = args
+    exact = P.rope_frequencies(head_dim, theta, copy.deepcopy(scaling))
+    base = _speeds(head_dim, theta)
+    amplification = torch.zeros_like(base)
+    if (scaling or {}).get("rope_type") == "llama3":
+        s = scaling
+        old, low, high, factor = (
+            s["original_max_position_embeddings"],
+            s["low_freq_factor"],
+            s["high_freq_factor"],
+            s["factor"],
+        )
+        turns = old * base / (2 * math.pi)  # original / wavelength
+        smooth = ((turns - low) / (high - low)).clamp(0, 1)
+        amplification = turns / (high - low) * (1 - 1 / factor) / ((1 - smooth) / factor + smooth)
+    return exact, 16 * 2.0**-24 * (1 + math.log(theta)) * (1 + amplification) * exact.abs()
+
+
+def _hf_rope_of(case: Case) -> Optional[tuple[str, Tensor]]:
+    if isinstance(case.args[0], LlamaRun):
+        return None
+    return "transformers' ROPE_INIT_FUNCTIONS (float32)", _hf_rope_frequencies(*copy.deepcopy(case.args))
+
+
+ROPE_ERROR_HINTS = {
+    "'NoneType' object": "rope_scaling is None for plain RoPE (most checkpoints): treat None like "
+    '{"rope_type": "default"} (scaling = rope_scaling or {})',
+    "KeyError: 'factor'": 'rope_type "default" (or None) has no factor: those speeds are unscaled',
+    "KeyError: 'type'": 'the kind of scaling is under "rope_type"',
+    "KeyError: 'original_max_position_embeddings'": 'read the llama3 keys only when rope_type is "llama3"',
+}
+
+
+def check_rope_frequencies(fn, *, seed: int = 0, n_random: int = 10, transformers: bool = False) -> None:
+    """rope_frequencies(head_dim, rope_theta, rope_scaling) -> float64 [head_dim / 2]: pair i's speed
+    1 / rope_theta ** (2i / head_dim), scaled as rope_scaling says — None or "default": as it is; "linear": divided
+    by "factor"; "llama3": the slow pairs divided by factor, the fast ones kept, those in between blended — equal to
+    the engine's (and to transformers' ROPE_INIT_FUNCTIONS, which compute in float32) within 1e-10 relative.
+    The last cases run it in tiny Llamas whose configs carry rope_scaling (or not)."""
+    cases = rope_frequencies_cases(seed, n_random) + engine_cases("rope_frequencies", seed)
+    judge = _judge_rope_frequencies
+    if transformers:
+        judge = also_reference(
+            judge,
+            _hf_rope_of,
+            hf_rope_accuracy,
+            hint="rope_frequencies must equal transformers' for these configurations (llama3's bands: wavelength "
+            "2π / speed against original / low_freq_factor and original / high_freq_factor)",
+        )
+    run, judge = with_llama_runs(fn, judge)
+
+    run_check(
+        "rope_frequencies",
+        run,
+        cases,
+        judge=judge,
+        forbid=[
+            _engine("rope_frequencies"),
+            Forbidden(
+                "llmcourse.engine.positions.rope_inv_freq",
+                "The engine's RoPE speeds are what yours are compared with: 1 / rope_theta ** (2i / head_dim), in "
+                "float64.",
+            ),
+            *NO_TRANSFORMERS,
+        ],
+        error_hints=ROPE_ERROR_HINTS,
+        show_call=lambda args: args[0].show() if isinstance(args[0], LlamaRun) else _show_rope_frequencies(args),
+        seconds=10,
+        total_seconds=60,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
 # The learner's part inside the engine: a tiny Llama (or Qwen2, Qwen3) with it in its slot
 
 ENGINE_K = 16  # a whole model's logits: within 16·√C units of rounding of the largest |logit|
@@ -970,9 +1922,11 @@ class LlamaRun:
         c = self.config
         family = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[c.model_type]
         tied = "tied" if c.tie_word_embeddings else "untied"
+        rope = f", head_dim {c.head_dim}, rope_theta {c.rope_theta:g}" if c.rope_theta != 10000.0 else ""
+        rope += f", rope_scaling {c.rope_scaling}" if c.rope_scaling else ""
         return (
             f"<tiny {family}: {c.n_layer} layers, C {c.n_embd}, {c.n_head} query heads over {c.n_kv_head} KV heads, "
-            f"{tied} head, rms_norm_eps {c.rms_norm_eps:g}, {str(self.dtype)[6:]}>"
+            f"{tied} head, rms_norm_eps {c.rms_norm_eps:g}{rope}, {str(self.dtype)[6:]}>"
         )
 
     def show(self) -> str:
@@ -1099,12 +2053,24 @@ def engine_cases(part: str, seed: int) -> list[Case]:
             llama_case(part, f16, seed + 1),
             llama_case(part, f32, seed + 2, generate=True),
         ]
-    if part == "repeat_kv":
+    if part == "grouped_attention":
         return [
-            llama_case(part, f32, seed, n_head=6, n_kv_head=2, head_dim=8),
+            llama_case(part, f32, seed, n_head=8, n_kv_head=2),
             llama_case(part, bf16, seed + 1, n_head=4, n_kv_head=1, tie_word_embeddings=False),
             llama_case(part, f32, seed + 2, n_head=4, n_kv_head=4),
-            llama_case(part, f32, seed + 3, generate=True, n_head=8, n_kv_head=2),
+            llama_case(part, f16, seed + 3, model_type="qwen3", qk_norm=True, head_dim=16, n_kv_head=2),
+            llama_case(part, f32, seed + 4, generate=True, n_embd=48, n_head=6, n_kv_head=2),
+        ]
+    if part == "rope_frequencies":
+        # head_dim 16, rope_theta 500 000: wavelengths 6.3, 32, 167, 860, 4440, ...: fast 2 pairs (< 1024 / 16),
+        # 2 in between, 4 slow (> 1024): every band turns at the 9 positions the run reaches
+        llama3 = dict(head_dim=16, rope_theta=500000.0, rope_scaling=_llama3_scaling(8.0, 1.0, 16.0, 1024))
+        return [
+            llama_case(part, f32, seed, **llama3),
+            llama_case(part, f32, seed + 1, rope_scaling=_scaling("linear", factor=4.0)),
+            llama_case(part, f32, seed + 2, head_dim=16, rope_theta=1000000.0),
+            llama_case(part, bf16, seed + 3, n_kv_head=1, **llama3),
+            llama_case(part, f32, seed + 4, generate=True, **llama3),
         ]
     if part == "qk_norm":
         qwen3 = dict(model_type="qwen3", qk_norm=True, head_dim=16, rms_norm_eps=1e-6)
@@ -1169,8 +2135,8 @@ class Rotation:
 
 class Attend:
     """`attend` as the engine passes it to a block: q [B, H, T, D], k and v [B, H_kv, T, D] -> [B, H, T, D], causal,
-    the KV heads repeated for the query heads (the engine also stores k and v in its cache here). Records what it
-    was given, so that a judge can say what went in."""
+    each KV head read once for its query heads (`grouped_attention`; the engine also stores k and v in its cache
+    here)."""
 
     def __init__(self, n_rep: int):
         self.n_rep = n_rep
@@ -1181,7 +2147,7 @@ class Attend:
                 f"attend(q, k, v) got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: q has n_head heads, "
                 f"k and v n_kv_head heads each (n_head = {self.n_rep} · n_kv_head here), all [B, heads, T, head_dim]"
             )
-        return P.attention(q, P.repeat_kv(k, self.n_rep), P.repeat_kv(v, self.n_rep), None)
+        return P.grouped_attention(q, k, v, None, P.attention)
 
     def __deepcopy__(self, memo):
         return self
@@ -1513,7 +2479,7 @@ BLOCK_ERROR_HINTS = {
     **VIEW_HINTS,
     "attend(q, k, v) got": "attend takes the keys and values as split_heads gives them, config.n_kv_head heads each "
     "(split_heads(k_proj(h), config.n_kv_head)), and the queries with config.n_head: it stores k and v in the cache "
-    "and repeats them for the query heads itself (no repeat_kv in the block)",
+    "and groups the query heads per KV head itself (no repeat_kv in the block)",
 }
 
 
