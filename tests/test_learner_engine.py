@@ -306,8 +306,9 @@ def test_the_notice_lists_only_what_the_run_uses():
     )
     llama = your_engine_notice(everything, slots_used(dict(temperature=0), "llama"))
     assert llama == (
-        "your engine: your embedding, linear, softmax, attention, split_heads, merge_heads, rope, rms_norm, swiglu, "
-        "repeat_kv, llama_block, load_llama_checkpoint, greedy, KVCache, left_pad, the engine's own for the rest"
+        "your engine: your embedding, linear, softmax, attention, split_heads, merge_heads, rope, rope_frequencies, "
+        "rms_norm, swiglu, grouped_attention, llama_block, load_llama_checkpoint, greedy, KVCache, left_pad, the "
+        "engine's own for the rest"
     )  # a Llama-family model: its own tokenizer, no layer_norm or gelu, QK-norm only for Qwen3
     assert "qk_norm" in slots_used({}, "qwen3")
     for unused in ["BlockAllocator", "quantize_int8", "verify", "greedy", "top_k", "best_k"]:

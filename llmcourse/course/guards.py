@@ -53,9 +53,6 @@ def _expected_shape(name: str, args: tuple) -> tuple:
     if name == "attention":
         q, v = args[0], args[2]
         return (*q.shape[:-1], v.shape[-1])
-    if name == "repeat_kv":
-        B, H_kv, T, D = args[0].shape
-        return (B, H_kv * args[1], T, D)
     return tuple(args[0].shape)  # layer_norm, gelu, softmax, rms_norm, swiglu, rope, llama_block keep x's shape
 
 
@@ -205,6 +202,88 @@ def guarded_qk_norm(fn: Callable) -> Callable:
                     "11",
                 )
         return out[0], out[1]
+
+    return checked
+
+
+FLOAT_POSITIONS = (
+    "chapter 11 calls rope with angles as float positions: with scaled RoPE (a config's rope_scaling) or your "
+    "rope_frequencies, each pair (i, i + D/2) of the queries and keys is a 2-dimensional vector whose position is "
+    "its angle, position × frequency[i], a float64 (a 2-dimensional RoPE turns by exactly its position). Your rope "
+    "must accept float position_ids: compute the angles as position_ids[..., None].double() * inv_freq, without "
+    "casting the positions to integers or indexing a table with them"
+)
+
+
+def guarded_rope(fn: Callable) -> Callable:
+    """A learner's `rope` (chapter 02): x's shape and dtype, as every part's; a failure on float positions (how
+    chapter 11's `Llama.rotation` composes it with `rope_frequencies`) says why it was called so."""
+    call = guard_result("rope", fn)
+
+    @functools.wraps(fn)
+    def checked(x, position_ids, *args, **kwargs):
+        try:
+            return call(x, position_ids, *args, **kwargs)
+        except PartError as err:
+            if not (isinstance(position_ids, Tensor) and position_ids.is_floating_point()):
+                raise
+            raise PartError(f"{err}\n  note: {FLOAT_POSITIONS}") from err.__cause__
+
+    return checked
+
+
+def guarded_grouped_attention(fn: Callable) -> Callable:
+    """A learner's `grouped_attention` (chapter 11): one output per query head and position, [B, H, T, Dv] in q's
+    dtype."""
+    call = raising_part(fn, "grouped_attention", "11")
+
+    @functools.wraps(fn)
+    def checked(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], attention: Callable, *args, **kwargs):
+        out = call(q, k, v, mask, attention, *args, **kwargs)
+        shape = (*q.shape[:-1], v.shape[-1])
+        if not isinstance(out, Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+            shown = f"shape {tuple(out.shape)} dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            part_failed(
+                "grouped_attention",
+                fn,
+                f"returned {shown}, expected shape {shape} dtype {q.dtype}: one output per query head (H = "
+                f"{q.shape[1]}, not the {k.shape[1]} KV heads) and position, back in q's layout [B, H, T, D]\n"
+                f"  called with: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, mask "
+                f"{None if mask is None else tuple(mask.shape)}",
+                "11",
+            )
+        return out
+
+    return checked
+
+
+def guarded_rope_frequencies(fn: Callable) -> Callable:
+    """A learner's `rope_frequencies` (chapter 11): float64 [head_dim / 2], finite and positive. It is given a copy
+    of the config's scaling (a function that changes it changes no config)."""
+    call = raising_part(fn, "rope_frequencies", "11")
+
+    @functools.wraps(fn)
+    def checked(head_dim: int, rope_theta: float, rope_scaling: Optional[dict], *args, **kwargs):
+        scaling = None if rope_scaling is None else dict(rope_scaling)
+        out = call(head_dim, rope_theta, scaling, *args, **kwargs)
+        shape, called = (head_dim // 2,), f"head_dim={head_dim}, rope_theta={rope_theta!r}, rope_scaling={rope_scaling}"
+        if not isinstance(out, Tensor) or tuple(out.shape) != shape or out.dtype != torch.float64:
+            shown = f"shape {tuple(out.shape)} dtype {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            part_failed(
+                "rope_frequencies",
+                fn,
+                f"returned {shown}, expected shape {shape} dtype torch.float64: one angular speed per rotated pair, "
+                f"in float64 (a long context's angles, position × speed, need it)\n  called with: {called}",
+                "11",
+            )
+        if not bool((torch.isfinite(out) & (out > 0)).all()):
+            part_failed(
+                "rope_frequencies",
+                fn,
+                f"returned speeds that are not all finite and positive: {out.tolist()!s:.120}\n  called with: {called}",
+                "11",
+            )
+        return out
 
     return checked
 
@@ -781,6 +860,9 @@ def _result(
 GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     **{name: _result() for name in Parts.slot_names()},
     "qk_norm": lambda name, fn: guarded_qk_norm(fn),
+    "rope": lambda name, fn: guarded_rope(fn),
+    "grouped_attention": lambda name, fn: guarded_grouped_attention(fn),
+    "rope_frequencies": lambda name, fn: guarded_rope_frequencies(fn),
     "load_llama_checkpoint": lambda name, fn: guarded_loader(fn),
     **{name: _result(_sampler_output, _processor_contract) for name in Sampler.slot_names()},
     "KVCache": lambda name, cls: GuardedCache.of(cls),

@@ -78,7 +78,16 @@ CHAPTER_OF = {  # which chapter's exercise each slot the engine runs is (the roo
     ),
     "int8_linear": "09_quantization",
     **dict.fromkeys(
-        ("rms_norm", "swiglu", "repeat_kv", "qk_norm", "llama_block", "load_llama_checkpoint"), "11_modern"
+        (
+            "rope_frequencies",
+            "rms_norm",
+            "swiglu",
+            "grouped_attention",
+            "qk_norm",
+            "llama_block",
+            "load_llama_checkpoint",
+        ),
+        "11_modern",
     ),
 }
 Notify = Callable[[str], None]
@@ -344,7 +353,16 @@ def pieces_of(
 
 # The parts only one family's forward pass runs (chapter 04's GPT-2, chapter 11's Llama family); the rest both.
 GPT2_PARTS = ("layer_norm", "gelu")
-LLAMA_PARTS = ("rope", "rms_norm", "swiglu", "repeat_kv", "qk_norm", "llama_block", "load_llama_checkpoint")
+LLAMA_PARTS = (
+    "rope",
+    "rope_frequencies",
+    "rms_norm",
+    "swiglu",
+    "grouped_attention",
+    "qk_norm",
+    "llama_block",
+    "load_llama_checkpoint",
+)
 SHARED_PARTS = tuple(n for n in PART_SLOTS if n not in GPT2_PARTS + LLAMA_PARTS)
 
 # Where each of the learner's slots runs, in the order the notice lists them.

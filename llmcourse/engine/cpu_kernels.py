@@ -226,7 +226,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
         and (mask is None or mask.dtype == torch.bool)
         and plain_cpu_floats(q, k, v)
     ):
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        if Tq != 1 or H == H_kv:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        n_rep = H // H_kv  # grouped: KV head g's n_rep queries as rows of its own, k and v not copied
+        rows = None if mask is None else mask.expand(B, H, 1, T).reshape(B, H_kv, n_rep, T)
+        return F.scaled_dot_product_attention(q.reshape(B, H_kv, n_rep, D), k, v, attn_mask=rows).reshape(B, H, 1, D)
     lib, threads = library(), torch.get_num_threads()
     scores = torch.empty(B, H, T)
     q = q * D**-0.5  # scaled before the products, as torch's fused kernel does: prefill and decode round alike

@@ -15,7 +15,6 @@ is a plain copy.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Optional
 
 import torch
@@ -156,26 +155,6 @@ class LlamaConfig:
         }
 
 
-def rope_inv_freq(config: LlamaConfig) -> Tensor:
-    """Each rotated pair's angular speed [head_dim / 2] (float64), with the config's scaling: "linear" divides
-    every speed by `factor`; "llama3" (Llama 3.1+) divides only the slow ones (wavelengths longer than the
-    original context / low_freq_factor), keeps the fast ones and blends those in between."""
-    inv_freq = positions.rope_inv_freq(config.head_dim, config.rope_theta)
-    scaling = config.rope_scaling or {}
-    kind, factor = scaling.get("rope_type", "default"), scaling.get("factor", 1.0)
-    if kind == "linear":
-        return inv_freq / factor
-    if kind == "llama3":
-        old_context = scaling["original_max_position_embeddings"]
-        low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_context / wavelen - low) / (high - low)  # 0 at the slow edge, 1 at the fast edge
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        slow, fast = wavelen > old_context / low, wavelen < old_context / high
-        return torch.where(slow, inv_freq / factor, torch.where(fast, inv_freq, blended))
-    return inv_freq
-
-
 class Linear(nn.Module):
     """Weights of one projection in `nn.Linear`'s layout: y = x @ weight.T + bias, with the `linear` part.
     A projection without bias adds zeros (a buffer, not saved): the `linear` part always takes one."""
@@ -243,7 +222,8 @@ class Llama(Decoder):
         self.norm = RMSNorm(config.n_embd)
         if not config.tie_word_embeddings:
             self.lm_head = Linear(config.n_embd, config.vocab_size)
-        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)  # [D/2] float64
+        # [D/2] float64: the engine's own rope_frequencies for this config (a learner's is called at every forward)
+        self.register_buffer("inv_freq", Parts.rope_frequencies(*self.rope_arguments()), persistent=False)
 
     @property
     def device(self) -> torch.device:
@@ -277,17 +257,43 @@ class Llama(Decoder):
         """Token embeddings only: positions enter each attention layer as a rotation."""
         return self.embed_tokens(input_ids, self.parts.embedding, self.dtype)
 
+    def rope_arguments(self) -> tuple:
+        """(head_dim, rope_theta, rope_scaling) as the `rope_frequencies` part takes them (the scaling a copy)."""
+        cfg = self.config
+        return cfg.head_dim, cfg.rope_theta, None if cfg.rope_scaling is None else dict(cfg.rope_scaling)
+
     def rotation(self, position_ids: Tensor) -> Callable[[Tensor], Tensor]:
-        """RoPE for these positions [B, T], as a function of queries or keys [B, heads, T, D]: the `rope` part, or,
-        for the engine's own (and for scaled RoPE, which chapter 02's `rope(x, position_ids, base)` cannot
-        express), cos and sin computed once for all layers."""
+        """RoPE for these positions [B, T], as a function of queries or keys [B, heads, T, D], built from the parts
+        `rope_frequencies` (each pair's speed, with the config's scaling) and `rope`; neither is ever bypassed.
+
+        The engine's own `rope`: cos and sin of position × speed, computed once for all layers. A learner's `rope`
+        with the engine's frequencies and no scaling: `rope(t, position_ids, rope_theta)`, chapter 02's call.
+        Otherwise (scaled RoPE, or a learner's `rope_frequencies`) the learner's `rope` turns each pair by its angle:
+        pair (i, i + D/2) of t is a 2-dimensional vector in a batch row of its own whose position is its angle,
+        position × speed[i] (a 2-dimensional RoPE has the single speed 1 / base**0 = 1, so it turns by exactly
+        its position): t [B, H, T, D] -> pairs [D/2 · B, H, T, 2] with float64 positions [D/2 · B, T], one call
+        `rope(pairs, angles, rope_theta)`, back to [B, H, T, D]. That `rope` must take float positions.
+        """
         p, cfg = self.parts, self.config
-        if p.rope is not Parts.rope and cfg.rope_scaling is None:
+        own = p.rope_frequencies is Parts.rope_frequencies
+        inv_freq = self.inv_freq if own else p.rope_frequencies(*self.rope_arguments()).to(self.inv_freq.device)
+        if p.rope is not Parts.rope and own and (cfg.rope_scaling or {}).get("rope_type", "default") == "default":
             return lambda t: p.rope(t, position_ids, cfg.rope_theta)
-        angle = position_ids[..., None].double() * self.inv_freq  # [B, T, D/2]
-        angle = torch.cat([angle, angle], dim=-1)[:, None]  # [B, 1, T, D]: pair i is (i, i + D/2)
-        cos, sin = angle.cos().to(self.dtype), angle.sin().to(self.dtype)
-        return lambda t: t * cos + positions.rotate_half(t) * sin
+        angle = position_ids[..., None].double() * inv_freq  # [B, T, D/2]
+        if p.rope is Parts.rope:
+            angle = torch.cat([angle, angle], dim=-1)[:, None]  # [B, 1, T, D]: pair i is (i, i + D/2)
+            cos, sin = angle.cos().to(self.dtype), angle.sin().to(self.dtype)
+            return lambda t: t * cos + positions.rotate_half(t) * sin
+        half, (B, T) = angle.shape[-1], position_ids.shape
+        angles = angle.permute(2, 0, 1).reshape(half * B, T)  # [D/2 · B, T]: pair i of row b is row i · B + b
+
+        def rotate(t: Tensor) -> Tensor:
+            H = t.shape[1]
+            pairs = t.reshape(B, H, T, 2, half).permute(4, 0, 1, 2, 3).reshape(half * B, H, T, 2)  # (t_i, t_{i+D/2})
+            turned = p.rope(pairs, angles, cfg.rope_theta)  # [D/2 · B, H, T, 2]
+            return turned.reshape(half, B, H, T, 2).permute(1, 2, 3, 4, 0).reshape(B, H, T, 2 * half)
+
+        return rotate
 
     def blocks(self, x: Tensor, position_ids: Tensor, attend: Callable) -> Tensor:
         rope = self.rotation(position_ids)
@@ -303,6 +309,7 @@ class Llama(Decoder):
         return self.lm_head(x, self.parts.linear)
 
     def attention(self, q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor]) -> Tensor:
-        """Grouped-query attention: the cached H_kv heads repeated for the H query heads, then `attention`."""
-        p, n_rep = self.parts, self.config.n_rep
-        return p.attention(q, p.repeat_kv(k, n_rep), p.repeat_kv(v, n_rep), mask)
+        """Grouped-query attention: each of the H_kv cached heads read once for its n_rep query heads
+        (`grouped_attention`, with the `attention` part)."""
+        p = self.parts
+        return p.grouped_attention(q, k, v, mask, p.attention)

@@ -59,26 +59,28 @@ def paged_attention(
     -> (out [G, H, D], lse [G, H]): softmax(q·k / √D) v over those positions, and each row's log-sum-exp of the
     scaled scores. The online softmax of chapter 03 walks the table one column of blocks at a time (block j of
     every sequence at once), keeping a running max `m`, sum `l` and accumulator `acc`: no tensor holds more than
-    one block of a sequence's keys or values.
+    one block of a sequence's keys or values. Grouped-query attention: pools of H_kv heads (H a multiple of H_kv),
+    query head h reading KV head h // (H / H_kv), each block read once for the query heads it serves.
     """
     G, H, D = q.shape
-    block_size = k_pool.shape[1]
+    block_size, H_kv = k_pool.shape[1], k_pool.shape[2]
+    n_rep = H // H_kv
     m = torch.full((G, 1, H), -math.inf, dtype=q.dtype, device=q.device)  # running max of the scores
     l = torch.zeros(G, 1, H, dtype=q.dtype, device=q.device)  # running sum of exp(s - m)
     acc = torch.zeros(G, H, D, dtype=q.dtype, device=q.device)  # running sum of exp(s - m) v
-    q = q[:, None] / math.sqrt(D)  # [G, 1, H, D]
+    q = q.view(G, 1, H_kv, n_rep, D) / math.sqrt(D)  # [G, 1, H_kv, n_rep, D]: the queries of each KV head
     offsets = torch.arange(block_size, device=q.device)
     for j in range(-(-int(lengths.max()) // block_size)):
-        k = k_pool[block_table[:, j]]  # [G, block_size, H, D]: block j of every sequence
+        k = k_pool[block_table[:, j]]  # [G, block_size, H_kv, D]: block j of every sequence
         v = v_pool[block_table[:, j]]
-        s = (k * q).sum(dim=-1)  # [G, block_size, H]
+        s = (k[:, :, :, None] * q).sum(dim=-1).view(G, block_size, H)  # [G, block_size, H]
         unused = j * block_size + offsets >= lengths[:, None]  # [G, block_size]: past the sequence's length
         s = s.masked_fill(unused[..., None], -math.inf)
         m_new = torch.maximum(m, s.amax(dim=1, keepdim=True))  # finite: every sequence has a key in block 0
         rescale = torch.exp(m - m_new)  # [G, 1, H]
-        p = torch.exp(s - m_new)  # [G, block_size, H]
-        l = l * rescale + p.sum(dim=1, keepdim=True)
-        acc = acc * rescale.transpose(1, 2) + (p[..., None] * v).sum(dim=1)  # [G, H, D]
+        p = torch.exp(s - m_new).view(G, block_size, H_kv, n_rep, 1)  # [G, block_size, H_kv, n_rep, 1]
+        l = l * rescale + p.sum(dim=1).view(G, 1, H)
+        acc = acc * rescale.transpose(1, 2) + (p * v[:, :, :, None]).sum(dim=1).view(G, H, D)  # [G, H, D]
         m = m_new
     return acc / l.transpose(1, 2), (m + torch.log(l))[:, 0]
 
@@ -91,26 +93,28 @@ def paged_attention_fused(
     PyTorch cannot read blocks where they lie without a copy, and a dozen small operations per block cost more
     than one copy of a partition; a GPU kernel (vLLM's) reads them in place. On a CPU the kernel returns the
     log-sum-exp too; elsewhere it is computed from the scores beside torch's public kernel, which gives the
-    output exactly as `generate`'s decode does."""
+    output exactly as `generate`'s decode does. Grouped-query attention (pools of H_kv heads): each KV head's
+    n_rep = H / H_kv query heads are its rows, q viewed [G, H_kv, n_rep, D], so every block is read once."""
     G, H, D = q.shape
-    block_size = k_pool.shape[1]
+    block_size, H_kv = k_pool.shape[1], k_pool.shape[2]
     longest = int(lengths.max())
     n = -(-longest // block_size)  # block columns read
     blocks = block_table[:, :n].flatten()  # [G * n]
-    k = k_pool.index_select(0, blocks).view(G, n * block_size, H, D)[:, :longest].transpose(1, 2)  # [G, H, L, D]
-    v = v_pool.index_select(0, blocks).view(G, n * block_size, H, D)[:, :longest].transpose(1, 2)
+    k = k_pool.index_select(0, blocks).view(G, n * block_size, H_kv, D)[:, :longest].transpose(1, 2)  # [G, H_kv, L, D]
+    v = v_pool.index_select(0, blocks).view(G, n * block_size, H_kv, D)[:, :longest].transpose(1, 2)
+    rows = q.view(G, H_kv, H // H_kv, D)  # [G, H_kv, n_rep, D]: query head h is row h % n_rep of KV head h // n_rep
     bias = None  # every row as long as the longest: no mask, the kernel's call as in generate's decode
     if int(lengths.min()) < longest:
         unused = torch.arange(longest, device=q.device) >= lengths[:, None]  # [G, L]
         bias = q.new_zeros(G, 1, 1, longest).masked_fill_(unused[:, None, None], -math.inf)
     if q.device.type == "cpu":
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q[:, :, None], k, v, attn_mask=bias)
-        return out[:, :, 0], lse[:, :, 0].to(q.dtype)  # [G, H, D], [G, H]
-    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=bias)  # [G, H, 1, D]
-    scores = (q[:, :, None] @ k.transpose(-2, -1))[:, :, 0].float() / math.sqrt(D)  # [G, H, L]
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(rows, k, v, attn_mask=bias)
+        return out.reshape(G, H, D), lse.reshape(G, H).to(q.dtype)  # [G, H, D], [G, H]
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=bias)  # [G, H_kv, n_rep, D]
+    scores = (rows @ k.transpose(-2, -1)).float() / math.sqrt(D)  # [G, H_kv, n_rep, L]
     if bias is not None:
-        scores = scores + bias[:, 0]
-    return out[:, :, 0], torch.logsumexp(scores, dim=-1).to(q.dtype)
+        scores = scores + bias
+    return out.reshape(G, H, D), torch.logsumexp(scores, dim=-1).reshape(G, H).to(q.dtype)
 
 
 class Partitions(NamedTuple):
@@ -205,7 +209,9 @@ def forward(
     single-token (decode) chunks attend all at once with `attend` (`paged_attention`'s contract), reading the
     pool through their block tables, their contexts cut into partitions of `partition_size` positions (rounded
     down to whole blocks) combined by `merge`; each prefill chunk attends with the model's attention to its
-    keys, gathered from the pool.
+    keys, gathered from the pool. Grouped-query attention: the engine's kernels take the H query heads of each
+    sequence over pools of H_kv heads and read each KV head's blocks once for its n_rep query heads; a learner's
+    `attend` (chapter 07's contract, as many KV heads as query heads) gets G · n_rep rows of H_kv heads instead.
     """
     device, bs = model.device, cache.block_size
     lengths = [len(c.tokens) for c in chunks]
@@ -219,6 +225,9 @@ def forward(
     prefills = [j for j, n in enumerate(lengths) if n > 1]
     H, H_kv, D = model.config.n_head, model.config.n_kv_head, model.config.head_dim
     n_rep = H // H_kv  # grouped-query attention: query heads per KV head
+    # The engine's kernels read each KV head once for its n_rep query heads. A learner's paged_attention (chapter
+    # 07's contract: as many KV heads as query heads) sees each group of n_rep query heads as a sequence of its own.
+    grouped = n_rep == 1 or attend in (paged_attention, paged_attention_fused)
     if decodes:
         decode_rows = torch.tensor([starts[j] for j in decodes], device=device)  # [G]
         width = max(len(chunks[j].block_table) for j in decodes)
@@ -226,7 +235,7 @@ def forward(
             [chunks[j].block_table + [0] * (width - len(chunks[j].block_table)) for j in decodes], device=device
         )  # [G, width], padded with block 0 (never read: past each request's length)
         decode_lengths = torch.tensor([ends[j] for j in decodes], device=device)  # [G]
-        if n_rep > 1:  # each group of n_rep query heads reads the KV heads as a sequence of its own: G * n_rep rows
+        if not grouped:  # a learner's kernel: G * n_rep rows, each reading the KV heads (n_rep reads of each)
             decode_tables, decode_lengths = (
                 decode_tables.repeat_interleave(n_rep, 0),
                 decode_lengths.repeat_interleave(n_rep),
@@ -241,9 +250,12 @@ def forward(
         if decodes:
             G = len(decodes)
             q_rows = q[0, :, decode_rows].transpose(0, 1)  # [G, H, D]; head h reads KV head h // n_rep
-            q_rows = q_rows.reshape(G, H_kv, n_rep, D).transpose(1, 2).reshape(G * n_rep, H_kv, D)
-            read = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge)  # [G * n_rep, H_kv, D]
-            out[0, :, decode_rows] = read.view(G, n_rep, H_kv, D).transpose(1, 2).reshape(G, H, D).transpose(0, 1)
+            if grouped:
+                out[0, :, decode_rows] = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge).transpose(0, 1)
+            else:
+                q_rows = q_rows.reshape(G, H_kv, n_rep, D).transpose(1, 2).reshape(G * n_rep, H_kv, D)
+                read = paged_decode(q_rows, k_pool, v_pool, parts, attend, merge)  # [G * n_rep, H_kv, D]
+                out[0, :, decode_rows] = read.view(G, n_rep, H_kv, D).transpose(1, 2).reshape(G, H, D).transpose(0, 1)
         for j in prefills:
             o, n = starts[j], lengths[j]
             keys, values = (
