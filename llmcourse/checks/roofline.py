@@ -915,7 +915,8 @@ FOUR = (
 QUERY_HEADS = "every query head computes its own scores and sum: n_head heads, even when KV heads are shared"
 REPEAT_KV = (
     "grouped-query attention reads each KV head's keys and values once for its n_head / n_kv_head query heads "
-    "(repeat_kv's copies are not read from memory): 2 × n_kv_head × head_dim values per position and layer"
+    "(as chapter 11's grouped_attention does, without repeat_kv's copies): 2 × n_kv_head × head_dim values per "
+    "position and layer"
 )
 WRITES = (
     "a step reads the cached positions and its new ones, and writes the new positions' keys and values into the "
