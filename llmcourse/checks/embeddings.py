@@ -869,6 +869,17 @@ def check_rope(fn, *, seed: int = 0, n_random: int = 10) -> None:
         ),
         _rope_case("values far from 0", 1000 * rand(1, 2, 3, 8) + 500, torch.tensor([[5, 6, 7]])),
         _rope_case(
+            "float positions, D = 2 (chapter 11 hands rope each pair of a scaled model as a 2-dimensional vector "
+            "whose position is its angle)",
+            rand(4, 2, 3, 2),
+            torch.tensor(
+                [[0.0, 0.5, 1.25], [3.0, 7.75, 100.5], [0.001, 2.0, 3.14159], [1e4, 1e4 + 0.5, 2e4]],
+                dtype=torch.float64,
+            ),
+            hint="positions may be floats (a scaled model's angles): compute the angles from position_ids as "
+            "numbers, not as indices into a table, and keep their fractions (no .long())",
+        ),
+        _rope_case(
             "as an engine calls it: k from split_heads (a transposed, non-contiguous view), positions "
             "arange(300).expand(2, 300)",
             _as_engine_qk(fixed, 2, 3, 300, 16),
