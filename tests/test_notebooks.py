@@ -8,6 +8,7 @@ are now nbgrader's, which grades the same executions.
 """
 
 import json
+import re
 
 import nbformat
 import pytest
@@ -91,6 +92,24 @@ def test_the_release_runs_and_every_check_fails_on_its_stub(course_run, name):
             assert not errors, f"{where}\nfails on the stubs: {errors[0]['ename']}: {errors[0]['evalue']}"
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+EMPTY_MESSAGE = re.compile(r"\b\w*(Error|Exception|Warning): *$", re.MULTILINE)  # "raised NotImplementedError: "
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
+def test_no_notice_ends_in_an_empty_message(course_run, name):
+    """What a learner reads, on the stubs (bob) and on the solution (ada) — printed notices, check messages and
+    errors — never names an exception and then says nothing: a stub's bare NotImplementedError is told as "not
+    written yet", an exception without a message as its name alone."""
+    for student in ("bob", "ada"):
+        ran = course_run.autograded(student, name)
+        for cell in code_cells(ran):
+            shown = "\n".join(line for e in errors_in(cell, ran) for line in e.get("traceback", []))  # as shown
+            said = printed(cell) + "\n" + ANSI.sub("", shown)
+            empty = [line for line in said.splitlines() if EMPTY_MESSAGE.search(line)]
+            assert not empty, f"{name} ({student}), cell {cell['id']}:\n{source(cell)[:300]}\nsays: {empty[0]!r}"
+
+
 @pytest.mark.parametrize("name", CHAPTERS)
 def test_release_is_in_sync_with_nbgrader(course_run, name):
     edited = learner_work(ROOT / "chapters" / name / f"{name}.ipynb")
@@ -121,3 +140,24 @@ def test_a_stale_stored_output_is_caught(course_run):
     assert output_difference(edited, again + [{"output_type": "stream", "name": "stderr", "text": "!"}])
     split = [{"output_type": "stream", "name": "stdout", "text": t} for t in ["at 0x7f3a2b1c9d40", " in 1.0 ms\n"]]
     assert output_difference(edited, split) is None  # a stream's pieces count as one text, as Jupyter shows them
+
+
+def test_a_stub_in_the_engine_is_told_as_not_written_yet():
+    """The notice chapter 11's demo printed on the stubs ("raised NotImplementedError: " and nothing after it)."""
+    from llmcourse.course.guards import guarded_loader, guarded_qk_norm
+    from llmcourse.engine.slots import PartError
+
+    def load_llama_checkpoint(folder):
+        raise NotImplementedError()
+
+    def qk_norm(q, k, q_weight, k_weight, eps):
+        raise ValueError()
+
+    with pytest.raises(PartError) as stub:
+        guarded_loader(load_llama_checkpoint)("folder")
+    assert ".load_llama_checkpoint) is not written yet (it raises NotImplementedError)\n" in str(stub.value)
+    with pytest.raises(PartError) as bare:
+        guarded_qk_norm(qk_norm)(None, None, None, None, 1e-6)
+    assert ".qk_norm) raised ValueError\n" in str(bare.value)
+    for message in (str(stub.value), str(bare.value)):
+        assert not EMPTY_MESSAGE.search(message), message

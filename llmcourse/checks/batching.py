@@ -45,6 +45,7 @@ from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guard, guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.padding import left_pad as engine_left_pad
+from llmcourse.engine.slots import raised
 from llmcourse.serving.batching import Batching
 from llmcourse.serving.block_manager import BlockAllocator as EngineAllocator
 from llmcourse.serving.block_manager import blocks_for
@@ -552,7 +553,7 @@ def _allocator_verdict(case: Case, got: list) -> Verdict:
             )
             return f"{at}: expected {type(e.error).__name__}, your allocator {g.outcome()}", hint
         if g.error is not None and e.error is None:
-            return f"{at}: your allocator raised {type(g.error).__name__}: {short(str(g.error), 100)}", ""
+            return f"{at}: your allocator {raised(g.error, 100)}", ""
         if (
             op == "allocate"
             and g.error is None

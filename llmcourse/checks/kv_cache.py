@@ -48,7 +48,7 @@ from llmcourse.engine.model import KVCache as EngineKVCache
 from llmcourse.engine.roofline import decode_step as engine_decode_step
 from llmcourse.engine.roofline import max_sequences as engine_max_sequences
 from llmcourse.engine.roofline import model_decode_step
-from llmcourse.engine.slots import PartError
+from llmcourse.engine.slots import PartError, raised
 from llmcourse.engine.tokenizer import get_tokenizer
 
 from .attention import large_exact_scores, overflowing
@@ -277,7 +277,7 @@ def _run_caches(cls, specs: list, steps: list, defaults: bool = False) -> Trace:
                 try:
                     cache.update(layer, k, v)
                 except Exception as err:  # noqa: BLE001 - any clear error will do
-                    trace.refused = f"{type(err).__name__}: {err}"
+                    trace.refused = raised(err).removeprefix("raised ")
                 return trace
             try:
                 out = cache.update(layer, k, v)
@@ -285,10 +285,7 @@ def _run_caches(cls, specs: list, steps: list, defaults: bool = False) -> Trace:
                 raise
             except Exception as err:  # noqa: BLE001 - said with the case and where it went wrong
                 frame = traceback.extract_tb(err.__traceback__)[-1]
-                message = str(err) if len(str(err)) <= 300 else str(err)[:300] + "…"
-                write.raised = (
-                    f"raised {type(err).__name__}: {message}\n  at line {frame.lineno} in {frame.name}: {frame.line}"
-                )
+                write.raised = f"{raised(err)}\n  at line {frame.lineno} in {frame.name}: {frame.line}"
                 return trace
             if not (isinstance(out, tuple) and len(out) == 2 and all(isinstance(t, Tensor) for t in out)):
                 write.returned = (

@@ -51,6 +51,7 @@ from llmcourse.engine.checkpoints import load_llama_checkpoint
 from llmcourse.engine.generate import generate
 from llmcourse.engine.llama import Llama, LlamaConfig
 from llmcourse.engine.parts import Parts
+from llmcourse.engine.slots import raised
 
 from .gpt2 import (
     HALF,
@@ -2748,7 +2749,7 @@ class LoaderRun:
         try:
             return self.generate(*out)
         except Exception as err:
-            return _LoadFailed(f"{type(err).__name__}: {str(err)[:300]}")
+            return _LoadFailed(raised(err).removeprefix("raised "))
 
 
 class _LoadFailed(str):

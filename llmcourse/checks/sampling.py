@@ -37,7 +37,7 @@ from llmcourse.engine.generate import beam_search as engine_beam_search
 from llmcourse.engine.generate import decoded, generate, generate_text, stop_at
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.sampling import Sampler
-from llmcourse.engine.slots import PartError
+from llmcourse.engine.slots import PartError, raised
 from llmcourse.engine.tokenizer import EOT_ID, get_tokenizer
 
 from .harness.bundled import bundled_model
@@ -280,7 +280,7 @@ def in_engine(
             raise CheckFailed(
                 time_out_message(f"{name} in the engine: generating 4 tokens with your {name}", limit)
             ) from None
-        text = str(err) if isinstance(err, PartError) else f"{type(err).__name__}: {short(str(err), 300)}"
+        text = str(err) if isinstance(err, PartError) else raised(err).removeprefix("raised ")
         lines = text.split("\n")
         raise CheckFailed(
             f"✗ {name} in the engine (the bundled GPT-2 generating with your {name}, as my_engine() "

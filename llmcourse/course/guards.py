@@ -30,7 +30,7 @@ from llmcourse.engine.parts import Parts, attention_causal_by_default, attention
 from llmcourse.engine.quantize import GROUP_SIZE, Quantization, dequantize_int4, quantize_int4
 from llmcourse.engine.roofline import Cost, Roofline, RooflineTime, StepTime
 from llmcourse.engine.sampling import PROCESSORS, Sampler
-from llmcourse.engine.slots import PartError, Slots
+from llmcourse.engine.slots import PartError, Slots, raised
 from llmcourse.engine.speculative import Speculation, verify
 
 # -- shared: reporting a failure, checking a result's shape ------------------------------------------------
@@ -88,7 +88,7 @@ def guard_result(
             out = fn(*args, **kwargs)
         except Exception as err:
             raise PartError(
-                f"part '{name}' ({where}) raised {type(err).__name__}: {err}\n"
+                f"part '{name}' ({where}) {raised(err)}\n"
                 f"  called with: {_describe(args)}\n  hint: run the check for '{name}' in its chapter to debug it"
             ) from err
         shape, dtype = expect(name, args)
@@ -136,7 +136,7 @@ def raising_part(fn: Callable, name: str, chapter: str) -> Callable:
         except PartError:
             raise
         except Exception as err:
-            part_failed(name, fn, f"raised {type(err).__name__}: {err}", chapter, err)
+            part_failed(name, fn, raised(err), chapter, err)
 
     return call
 
@@ -325,7 +325,7 @@ class GuardedCache:
         try:
             return fn(*args, **kwargs)
         except Exception as err:
-            self._fail(method, f"raised {type(err).__name__}: {err}", err)
+            self._fail(method, raised(err), err)
 
     def _fail(self, method: str, problem: str, cause: Optional[Exception] = None):
         raise PartError(

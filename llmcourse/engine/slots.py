@@ -19,6 +19,26 @@ import dataclasses
 from typing import Callable
 
 
+def raised(err: BaseException, limit: int = 300) -> str:
+    """What a replaced function did, for a `PartError`'s message: 'raised ValueError: bad', 'raised KeyError', and
+    for a bare `NotImplementedError` (an exercise still its stub) that it is not written yet; a message past `limit`
+    characters is cut there.
+
+        >>> raised(ValueError("bad")), raised(KeyError())
+        ('raised ValueError: bad', 'raised KeyError')
+        >>> raised(NotImplementedError())
+        'is not written yet (it raises NotImplementedError)'
+    """
+    if type(err) is NotImplementedError and not err.args:
+        return "is not written yet (it raises NotImplementedError)"
+    try:
+        text = str(err)
+    except Exception:  # an exception whose str() fails
+        text = "(its message cannot be shown)"
+    text = text if len(text) <= limit else text[:limit] + "…"
+    return f"raised {type(err).__name__}: {text}" if text.strip() else f"raised {type(err).__name__}"
+
+
 class PartError(RuntimeError):
     """A replaced function raised, or returned something the engine cannot use.
 

@@ -222,7 +222,8 @@ def call_learner(
         except BaseException:  # an exception whose str() fails
             message = "(its message cannot be shown)"
         message = short(message, 300) if len(message) > 300 else message
-        raise CheckFailed(f"✗ {call} raised {type(err).__name__}: {message}{_where(err)}") from None
+        said = f": {message}" if message.strip() else ""
+        raise CheckFailed(f"✗ {call} raised {type(err).__name__}{said}{_where(err)}") from None
     finally:
         isolate.call_ended()
     if watch.violation:
