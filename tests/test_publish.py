@@ -232,3 +232,19 @@ def test_binder_builds_the_cpu_torch_the_course_pins_and_the_notebooks_extras():
     ]
     floor = re.search(r'requires-python = ">=(\d+\.\d+)"', (ROOT / "pyproject.toml").read_text()).group(1)
     assert (ROOT / "binder" / "runtime.txt").read_text().strip() == f"python-{floor}"
+
+
+def test_every_torch_install_the_docs_give_pins_the_required_torch():
+    """The landing page told readers `pip install torch --index-url …/cpu` (whatever torch is newest) while README
+    pinned it: every torch install in the book's pages, README and the instructor guide pins requirements.txt's."""
+    pinned = re.search(r"^(torch==\S+)", (ROOT / "requirements.txt").read_text(encoding="utf-8"), re.M).group(1)
+    pages = [ROOT / "README.md", ROOT / "intro.md", ROOT / "instructor.md", *ROOT.glob("*.md")]
+    installs = [
+        (page.name, line.strip())
+        for page in dict.fromkeys(pages)
+        for line in page.read_text(encoding="utf-8").splitlines()
+        if re.search(r"pip install\b[^#]*\btorch\b(?!-)", line)
+    ]
+    assert len(installs) >= 2, installs  # README's and the landing page's
+    for page, line in installs:
+        assert f" {pinned} " in f" {line} ", f"{page}: {line!r} does not pin {pinned}"
