@@ -161,3 +161,59 @@ def test_the_figure_draws_each_speed_beside_its_roofline(results, slow):
     roofs = [shape.y0 for shape in fig.layout.shapes]
     assert roofs == [results["roofline"][row] for row, _ in capstone.PANELS]
     assert [list(b.x) for b in capstone.figure(slow).data][:2] == [["yours", "course engine"]] * 2  # no transformers
+
+
+def test_the_breakdown_splits_the_profiled_step_beside_the_roofline_of_the_same_kernels(results):
+    """Chapter 12's "where the step's time goes": its rows add up to the profile (every profiled ms in one row, the
+    tied head's product timed on its own), and its roofline column is `predict`'s time of the same kernels."""
+    prof = results["profile_ms_per_token"]["course"]
+    assert prof["head"] > 0  # GPT-2's head is tied: the token table's logits, timed by the profile
+    b = capstone.breakdown(results)
+    rows = {what: (ms, roof) for what, ms, roof in b["rows"]}
+    assert sum(ms for ms, _ in rows.values()) == pytest.approx(sum(prof.values()), rel=1e-12)
+    assert rows["the head's product (tied)"][0] == prof["head"]
+    assert rows["the code around them (loop, cache)"] == (prof["rest"], None)
+    kernels = results["roofline"]["decode_kernels_ms"]
+    assert rows["the head's product (tied)"][1] == kernels["head"]
+    assert rows["weight products of the layers"][1] == pytest.approx(sum(kernels[k] for k in "qkvo") + kernels["up"]
+                                                                     + kernels["down"])  # fmt: skip
+    roof = results["roofline"]
+    step = predict(
+        ModelShape.of(load_model(MODEL).config),
+        (roof["peak_GFLOPs"] * 1e9, roof["bandwidth_GBps"] * 1e9),
+        new_tokens=1,
+        context=results["prompt_tokens"] + results["sizes"]["new_tokens"] // 2,
+        weights="float32",
+        dtype="float32",
+        last_only=True,
+    )
+    assert sum(kernels.values()) == pytest.approx(1e3 * step.seconds, rel=1e-12)
+    text = capstone.breakdown_table(results)
+    share = (prof["linear"] + prof["head"]) / sum(prof.values())
+    assert f"The weight products take {share:.0%} of the step" in text
+    head_rate = roof["bandwidth_GBps"] * kernels["head"] / prof["head"]
+    assert f"the head's at {head_rate:.1f} GB/s" in text
+
+
+def test_the_profile_leaves_the_head_as_it_was(results):
+    model = load_model(MODEL)
+    capstone.profile(capstone.System("course", model, model), [1, 2, 3], 2)
+    assert "logits" not in vars(model.wte)  # the timing wrapper over the method is gone
+
+
+def challenge_run(yours: float, course: float, functions=("softmax",)) -> dict:
+    return {
+        "fractions": {"yours": {"decode_tok_s": yours}, "course": {"decode_tok_s": course}},
+        "roofline": {"decode_tok_s": 500.0},
+        "systems": {"yours": {"decode_tok_s": 500.0 * yours}},
+        "yours_functions": list(functions),
+    }
+
+
+def test_the_open_task_is_reported_against_the_course_engines_share_on_the_same_run():
+    assert capstone.challenge(challenge_run(0.55, 0.5)).endswith(" Reached.")
+    assert "Yours: 55% (275 tok/s); the course engine on this run: 50%" in capstone.challenge(challenge_run(0.55, 0.5))
+    assert "the advice above names" in capstone.challenge(challenge_run(0.3, 0.52))
+    assert "does not reach it on this machine either" in capstone.challenge(challenge_run(0.3, 0.4))
+    assert "No function of yours" in capstone.challenge(challenge_run(0.5, 0.5, functions=()))
+    assert capstone.challenge(challenge_run(0.5, 0.6), target=0.5).endswith(" Reached.")  # the target itself counts

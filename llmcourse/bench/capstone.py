@@ -277,13 +277,24 @@ class Profile:
 SLOT_NAMES = set(Parts.slot_names()) | set(Sampler.slot_names())
 
 
+def tied_table(model: Decoder):
+    """The token table whose `logits` are the model's head when it is tied to the embedding (GPT-2's, a tied Llama's);
+    None for an untied head (that goes through the `linear` part)."""
+    table = getattr(model, "wte", None) or getattr(model, "embed_tokens", None)
+    tied = isinstance(model, GPT2) or getattr(model.config, "tie_word_embeddings", False)
+    return table if tied and hasattr(table, "logits") else None
+
+
 def profile(system: System, ids: list[int], n: int) -> dict:
-    """ms per decoded token inside each of the forward pass's and the sampler's functions, and in the rest, over
-    one untimed greedy generation of `n` tokens after `ids` (the prefill included: one step among n)."""
+    """ms per decoded token inside each of the forward pass's and the sampler's functions, in a tied head's product
+    ("head"), and in the rest, over one untimed greedy generation of `n` tokens after `ids` (the prefill included:
+    one step among n)."""
     p = Profile()
     model, functions = as_model(system.target)
-    parts = model.parts
+    parts, table = model.parts, tied_table(model)
     model.parts = p.table(parts)
+    if table is not None:
+        table.logits = p.timed("head", table.logits)  # an instance attribute over the method, deleted below
     sampler = p.table(functions.get("sampler") or Sampler())
     try:
         start = time.perf_counter()
@@ -292,6 +303,8 @@ def profile(system: System, ids: list[int], n: int) -> dict:
         total = time.perf_counter() - start
     finally:
         model.parts = parts
+        if table is not None:
+            del table.logits
     out = {name: 1e3 * s / n for name, s in p.seconds.items()}
     out["rest"] = 1e3 * (total - sum(p.seconds.values())) / n
     return out
@@ -449,6 +462,7 @@ def roofline(model: Decoder, machine_figures: tuple[float, float], prefill: int,
     kv = 2 * shape.n_layer * shape.n_kv_head * shape.head_dim * (prompt + n) * value
     weights = shape.resident_params() * value
     return {
+        "decode_kernels_ms": {k.name: 1e3 * t.seconds for k, t in zip(dec.kernels, dec.times)},
         "bandwidth_GBps": bandwidth / 1e9,
         "peak_GFLOPs": peak / 1e9,
         "prefill_tok_s": pre.tokens_per_s,
@@ -706,6 +720,8 @@ def culprits(profiles: dict) -> list[str]:
     lines = []
     for name, more in sorted(((n, ms - course.get(n, 0.0)) for n, ms in yours.items()), key=lambda kv: -kv[1]):
         base = course.get(name, 0.0)
+        if name not in SLOT_NAMES and name != "rest":  # the tied head's product: the same code in both engines
+            continue
         if gap <= 0 or more < 0.1 * gap or (base > 0 and yours[name] / base < 1.5):
             continue
         times = f", {yours[name] / base:.1f}x" if base > 0 else ""
@@ -724,6 +740,107 @@ def culprits(profiles: dict) -> list[str]:
     if not lines:
         return [f"  no one function of yours holds the difference ({said})"]
     return lines + [f"  ({said})"]
+
+
+# ------------------------------------------------------------------------------------------------ where it goes
+
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")  # the roofline's weight products of the layers
+ATTENTION_SLOTS = ("attention", "grouped_attention")
+
+
+def breakdown(r: dict, name: str = "course") -> dict:
+    """Where a decode step of `name`'s engine goes, from this run's profile (ms per token, profiled) beside the
+    roofline's time of the same kernels (ms): the layers' weight products (the `linear` part), the tied head's
+    product, attention, the other functions (norms, activation, embedding, sampling, head splits) and the code around
+    them (the loop, the cache, Python); and the GB/s the weight products read at, against the bandwidth measured.
+
+    -> {"rows": [(what, measured ms, roofline ms or None)], "step_ms", "bandwidth_GBps", "products_share",
+        "around_share"}
+    """
+    prof, roof = r["profile_ms_per_token"][name], r["roofline"]
+    kernels = roof["decode_kernels_ms"]
+    layers = prof.get("linear", 0.0)
+    head = prof.get("head")  # None: an untied head, inside `linear`
+    attention = sum(prof.get(n, 0.0) for n in ATTENTION_SLOTS)
+    around = prof.get("rest", 0.0)
+    others = sum(v for n, v in prof.items() if n not in ("linear", "head", "rest", *ATTENTION_SLOTS))
+    if head is None:
+        rows = [("weight products (layers and head)", layers, sum(kernels.get(k, 0.0) for k in (*PRODUCTS, "head")))]
+    else:
+        rows = [
+            ("weight products of the layers", layers, sum(kernels.get(k, 0.0) for k in PRODUCTS)),
+            ("the head's product (tied)", head, kernels.get("head", 0.0)),
+        ]
+    rows += [
+        ("attention", attention, kernels.get("attention", 0.0)),
+        ("norms, activation, other functions", others, kernels.get("elementwise", 0.0)),
+        ("the code around them (loop, cache)", around, None),
+    ]
+    step = sum(ms for _, ms, _ in rows)
+    products = layers + (head or 0.0)
+    return {
+        "rows": rows,
+        "step_ms": step,
+        "bandwidth_GBps": roof["bandwidth_GBps"],
+        "products_share": products / step if step > 0 else 0.0,
+        "around_share": around / step if step > 0 else 0.0,
+    }
+
+
+def breakdown_table(r: dict, name: str = "course") -> str:
+    """`breakdown` as the chapter prints it: a row per part of the step, and what the figures say."""
+    b = breakdown(r, name)
+    who = "the course engine" if name == "course" else "your engine"
+    lines = [f"one decode step of {who}, profiled (ms per token; the profile's timing adds to every call):",
+             f"{'':38s}{'measured':>10s}{'roofline':>10s}{'share':>8s}"]  # fmt: skip
+    for what, ms, roof in b["rows"]:
+        shown = f"{roof:10.3f}" if roof is not None else f"{'—':>10s}"
+        lines.append(f"{what:38s}{ms:10.3f}{shown}{ms / b['step_ms']:8.0%}")
+    lines.append(f"{'step':38s}{b['step_ms']:10.3f}{sum(x or 0.0 for _, _, x in b['rows']):10.3f}")
+    lines.append("")
+    bw = b["bandwidth_GBps"]
+    reads = [  # each product row's GB/s: its roofline time is its bytes over the bandwidth (memory-bound at batch 1)
+        f"{READS[what]} at {bw * roof / ms:.1f} GB/s ({roof / ms:.0%})" for what, ms, roof in b["rows"][:-3] if ms > 0
+    ]
+    lines.append(
+        f"The weight products take {b['products_share']:.0%} of the step. They read their weights: "
+        + ", ".join(reads)
+        + f", of the {bw:.1f} GB/s a plain sum read in this run. The code around the functions takes "
+        f"{b['around_share']:.0%} of the step."
+    )
+    return "\n".join(lines)
+
+
+READS = {
+    "weight products of the layers": "the layers'",
+    "the head's product (tied)": "the head's",
+    "weight products (layers and head)": "the layers' and the head's",
+}
+
+
+CHALLENGE = 0.5  # the open task: your engine's batch-1 decode at half the roofline's tokens per second or more
+
+
+def challenge(r: dict, target: float = CHALLENGE) -> str:
+    """The capstone's open task, reported from this run's table: does your engine decode at `target` of the
+    roofline's tok/s or more (the model's dtype unchanged)? Said with the course engine's share on the same run,
+    so a machine where even it falls short shows that, rather than a verdict on your code."""
+    yours, course = r["fractions"]["yours"]["decode_tok_s"], r["fractions"]["course"]["decode_tok_s"]
+    roof = r["roofline"]["decode_tok_s"]
+    said = (
+        f"the task: decode at {target:.0%} of the roofline's {number(roof)} tok/s or more. Yours: {yours:.0%} "
+        f"({number(r['systems']['yours']['decode_tok_s'])} tok/s); the course engine on this run: {course:.0%}."
+    )
+    if yours_is_course(r):
+        return said + " No function of yours is in your engine yet: these are the course engine's figures."
+    if yours >= target:
+        return said + " Reached."
+    if course < target:
+        return said + (
+            " Not reached, and the course engine does not reach it on this machine either (a busy machine lowers "
+            "both; the load average is in the table): compare your share with the course engine's."
+        )
+    return said + " Not yet: the advice above names the functions of yours that hold the difference."
 
 
 def main() -> None:  # pragma: no cover  (a run by hand: python -m llmcourse.bench.capstone [MODEL] [--quick])
