@@ -172,3 +172,21 @@ def test_an_environment_setting_is_kept():
     program = "from llmcourse.engine import threads; import torch; print(threads.choose(), torch.get_num_threads())"
     out = subprocess.run([sys.executable, "-c", program], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["2", "2"]
+
+
+def test_shapes_that_do_not_fit_raise_instead_of_reading_past_the_memory():
+    """A weight in the other layout once crashed the process (a segmentation fault: the C kernel read K rows of a
+    matrix that had fewer); now torch's error, or the kernel's own, says what does not fit."""
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        cpu_kernels.linear(torch.randn(1, 768), torch.randn(192, 768), torch.randn(768))  # [N, K] given for [K, N]
+    with pytest.raises(RuntimeError):
+        cpu_kernels.linear(torch.randn(1, 192), torch.randn(192, 576), torch.randn(192))  # a bias of the wrong size
+    with pytest.raises(ValueError, match="do not fit the weight"):
+        cpu_kernels.int8_linear(torch.randn(1, 64), torch.zeros(16, 32, dtype=torch.int8), torch.ones(16), None)
+    with pytest.raises(ValueError, match="do not fit the weight"):
+        cpu_kernels.int4_linear(torch.randn(1, 64), torch.zeros(16, 16, dtype=torch.uint8),
+                                torch.ones(16, 1, dtype=torch.float16), None)  # fmt: skip
+    with pytest.raises(ValueError, match="differ in batch, heads or positions"):
+        cpu_kernels.decode_attention(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 4, 8))
+    with pytest.raises(RuntimeError):
+        cpu_kernels.decode_attention(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16))

@@ -131,7 +131,9 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
     (M, K), N = rows.shape, weight.shape[1]
     kn, nk = weight.stride(1) == 1, weight.stride(0) == 1 and K % 8 == 0
     if not (
-        (kn or nk)
+        weight.shape[0] == K  # else torch says what does not match (the C kernel would read past the memory)
+        and (bias is None or tuple(bias.shape) == (N,))
+        and (kn or nk)
         and 0 < M <= FLOAT_ROWS
         and rows.stride(1) == 1
         and (bias is None or bias.is_contiguous())
@@ -178,6 +180,13 @@ def int8_linear(rows: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]) 
 
 def _linear(kernel, rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional[Tensor]) -> Tensor:
     (M, K), N = rows.shape, weight.shape[0]
+    packed = 2 if weight.dtype == torch.uint8 else 1  # int4: two weights a byte
+    if weight.shape[1] * packed != K or scales.shape[0] != N or (bias is not None and tuple(bias.shape) != (N,)):
+        raise ValueError(  # the C kernel would read past the tensors' memory
+            f"rows {tuple(rows.shape)} do not fit the weight {tuple(weight.shape)} {weight.dtype} with scales "
+            f"{tuple(scales.shape)} and bias {None if bias is None else tuple(bias.shape)}: the weight's rows are the "
+            "outputs, its columns the inputs"
+        )
     y = torch.empty(M, N)
     kernel(
         rows.data_ptr(),
@@ -218,8 +227,13 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
         tensor([1., 1.])
     """
     (B, H, Tq, D), (H_kv, T) = q.shape, k.shape[1:3]
+    if k.shape[:-1] != v.shape[:-1]:  # torch's CPU kernel does not check this one
+        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} differ in batch, heads or positions")
     if not (
         Tq == 1
+        and k.shape == v.shape  # else torch says what does not match (the C kernel would read past the memory)
+        and k.shape[0] == B
+        and k.shape[-1] == D
         and H % H_kv == 0
         and D % 8 == 0
         and q.stride(-1) == k.stride(-1) == v.stride(-1) == 1
