@@ -8,7 +8,7 @@ a whole character and cannot be the start of a stop string; `data: [DONE]` ends 
 goes away aborts its request, and its KV blocks return to the pool at once.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET /v1/models` (and
-`/v1/models/NAME`), `GET /health`, `GET /` (the chat page). Errors are OpenAI's:
+`/v1/models/NAME`), `GET /health`, `GET /` (the chat page) and `GET /favicon.ico` (its icon). Errors are OpenAI's:
 `{"error": {"message", "type", "param", "code"}}`.
 
     >>> app = build_app(LLMEngine(model), tokenizer, "llama-shakespeare")         # doctest: +SKIP
@@ -58,6 +58,7 @@ def build_app(
     server = Server(engine, tokenizer, model_name, api_key, max_pending)
     routes = [
         Route("/", server.chat_page),
+        Route("/favicon.ico", server.favicon),
         Route("/health", server.health),
         Route("/v1/models", server.models),
         Route("/v1/models/{model:path}", server.model),
@@ -88,6 +89,10 @@ class Server:
     async def chat_page(self, request: Request) -> Response:
         page = resources.files("llmcourse.serving").joinpath("static/chat.html").read_text(encoding="utf-8")
         return HTMLResponse(page)
+
+    async def favicon(self, request: Request) -> Response:  # the browser asks for it with any page: not a 404
+        icon = resources.files("llmcourse.serving").joinpath("static/favicon.svg").read_bytes()
+        return Response(icon, media_type="image/svg+xml", headers={"cache-control": "max-age=86400"})
 
     async def health(self, request: Request) -> Response:
         scheduler = self.engine.scheduler
