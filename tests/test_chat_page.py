@@ -58,6 +58,7 @@ def browser(tmp_path_factory):
         f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
     ):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, for test_favicon_is_served
     driver = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
     yield driver
     driver.quit()
@@ -263,3 +264,123 @@ def test_api_key_is_asked_for_and_sent(browser):
         browser.find_element("id", "api-key").send_keys("open-sesame")
         reply = ask(browser, "Who goes there?")
         assert reply["text"] and not reply["errors"], reply
+
+
+def close_settings(driver) -> None:
+    driver.execute_script("document.getElementById('settings').open = false")
+
+
+def in_view(driver, element) -> bool:
+    """Whether `element` is wholly inside the conversation's visible area (#messages scrolls, the page does not)."""
+    return driver.execute_script(
+        """const r = arguments[0].getBoundingClientRect(),
+                 m = document.getElementById('messages').getBoundingClientRect();
+           return r.height > 0 && r.top >= m.top - 1 && r.bottom <= m.bottom + 1;""",
+        element,
+    )
+
+
+def test_long_conversation_forgets_the_oldest_turns(browser, llama):
+    """The bundled model's context is 256 tokens: four short turns fill it. Every later turn is still answered: the
+    page forgets the oldest turns, as `python -m llmcourse chat` does, and says so in a note."""
+    url, _ = llama
+    open_page(browser, url, 400)  # a phone's width: the notes fit it too
+    assert browser.find_element("id", "max-tokens").get_attribute("value") == "64"  # a quarter of the context
+    settings = {"temperature": 0.8, "top_p": 0.95, "max_tokens": 64, "seed": 11}
+    set_field(browser, "seed", settings["seed"])
+    close_settings(browser)
+    lines = [
+        "Good morrow, sir. How fares thy master?",
+        "Where is the duke this night?",
+        "What news from Verona, good friend?",
+        "Wherefore dost thou weep, sweet lady?",
+        "Speak, what tidings bring'st thou from the court?",
+        "Is the king well? I pray thee, tell me true.",
+        "Then let us go, and quickly, to the gate.",
+        "Hark! Who knocks so late upon the door?",
+        "I will not stay; the night is cold and dark.",
+        "Farewell, and may the heavens keep thee safe.",
+    ]
+    for i, line in enumerate(lines):
+        reply = ask(browser, line)
+        assert not reply["errors"], (i, reply)  # before: from the fifth turn, "Error 400: ... do not fit"
+        used = re.search(r"context (\d+) of 256 tokens", reply["stats"])
+        assert used and int(used[1]) <= 256, (i, reply)
+    notes = browser.find_elements("css selector", "#messages .note")
+    assert len(notes) >= 3, "a note for each turn that forgot older ones"
+    assert re.fullmatch(
+        r"The conversation no longer fits the model's context \(256 tokens\) with 64 tokens for the reply "
+        r"\(max tokens\): its (oldest turn is|\d+ oldest turns are) forgotten, faded above; the model no longer "
+        r"sees (it|them)\.",
+        notes[-1].text,
+    ), notes[-1].text
+    assert in_view(browser, notes[-1]) or in_view(browser, browser.find_elements("css selector", ".msg")[-1])
+    forgotten = browser.find_elements("css selector", ".msg.forgotten")
+    assert forgotten and len(forgotten) % 2 == 0  # whole turns: a question and its reply
+    assert float(forgotten[0].value_of_css_property("opacity")) < 1
+    assert fits(browser), "horizontal scroll at 400 px after the notes"
+    screenshot(browser, "chat_forgotten_400.png")
+
+    # What the page sent last is what it still remembers: the newest reply is the server's to that conversation.
+    remembered = browser.execute_script("return history.map(({role, content}) => ({role, content}))")
+    asked = [m["content"] for m in remembered[::2]]
+    assert asked == [line for line in lines if line in asked] and asked[0] != lines[0], asked  # the newest kept
+    assert remembered[-1]["content"] == reply["text"] and asked[-1] == lines[-1]
+    faded = [m.text for m in browser.find_elements("css selector", ".msg.user.forgotten")]
+    assert faded == lines[: len(faded)] and not set(faded) & set(asked)
+    messages = remembered[:-1]
+    assert reply["text"] == whole(url, "/v1/chat/completions", model="llama-shakespeare", messages=messages, **settings)
+
+
+def test_a_message_too_long_alone_forgets_nothing(browser, llama):
+    """When even the new message alone does not fit, forgetting cannot help: the turns are kept, the error shown."""
+    url, _ = llama
+    open_page(browser, url, 1400)
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max-tokens", 16)
+    first = ask(browser, "Who art thou?")
+    assert not first["errors"], first
+    refused = ask(browser, "Speak on. " * 60)
+    assert len(refused["errors"]) == 1 and "the model's context is 256 tokens" in refused["errors"][0], refused
+    assert not browser.find_elements("css selector", ".note, .msg.forgotten")
+    assert browser.execute_script("return history.length") == 2
+
+
+def test_new_bubbles_and_errors_scroll_into_view(browser, llama):
+    """Before: the view followed only when the new content was under 120 px, so at a phone's size a new turn and an
+    error bubble stayed below the visible area (Enter seemed to do nothing)."""
+    url, _ = llama
+    open_page(browser, url, 400)
+    browser.set_window_size(400, 640)
+    set_field(browser, "temperature", 0)
+    set_field(browser, "max-tokens", 40)
+    close_settings(browser)
+    for line in ("Good morrow, sir. How fares thy master?", "What news from Verona, good friend?", "Speak on."):
+        ask(browser, line)
+        newest = browser.find_elements("css selector", ".msg.assistant .stats")[-1]
+        assert in_view(browser, newest), f"the reply to {line!r} is out of view"
+    overflows = "const m = document.getElementById('messages'); return m.scrollHeight > m.clientHeight"
+    assert browser.execute_script(overflows), "too little to scroll: the test would prove nothing"
+    set_field(browser, "max-tokens", 0)  # refused by the server: 400
+    close_settings(browser)
+    refused = ask(browser, "Hello?")
+    assert refused["errors"], refused
+    error = browser.find_elements("css selector", ".msg.assistant .error")[-1]
+    assert in_view(browser, error), "the error bubble is out of view"
+    screenshot(browser, "chat_error_400.png")
+
+
+def test_favicon_is_served(browser, llama):
+    url, _ = llama
+    with urllib.request.urlopen(url + "/favicon.ico", timeout=TIMEOUT) as response:
+        assert response.status == 200 and response.headers["content-type"].startswith("image/")
+        assert response.read().lstrip().startswith(b"<svg")
+    browser.get_log("browser")  # empties the console's log
+    open_page(browser, url, 1400)
+    icon = browser.execute_script(
+        "return fetch('/favicon.ico').then(r => [r.status, r.headers.get('content-type')])"
+    )  # the page's <link rel="icon">: the same URL
+    assert icon[0] == 200 and icon[1].startswith("image/"), icon
+    time.sleep(0.5)  # the browser asks for the icon after the page has loaded
+    failed = [e["message"] for e in browser.get_log("browser") if "404" in e["message"] or "favicon" in e["message"]]
+    assert not failed, failed
