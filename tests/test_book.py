@@ -491,7 +491,7 @@ PLOTLY_PROBE = """
 
 # Titles still too long for a phone even at the book's 12 px: chapter 08's comes from a machine-dependent cell, whose
 # stored measurements a refresh would replace (issue 44 revisits chapter 08).
-TITLES_LEFT_LONG = {"fig-speedup-vs-k"}
+TITLES_LEFT_LONG: set[str] = set()
 
 
 @needs_chromium

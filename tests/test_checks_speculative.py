@@ -4,7 +4,9 @@ check-side machinery (the chi-square tally, the rule's outcome distribution, the
 checks rely on."""
 
 import functools
+import math
 import re
+from fractions import Fraction
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +22,8 @@ from llmcourse.checks.speculative import (
     accept_cases,
     check_accept_token,
     check_best_k,
+    check_expected_speedup,
+    check_expected_tokens,
     check_prompt_lookup_draft,
     check_speculative_round,
     check_verify,
@@ -65,12 +69,16 @@ def prompt_lookup_draft(tokens, num_draft_tokens, max_ngram=3):
     return []
 
 
-def best_k(alpha, c, max_k):
-    def speedup(k):
-        tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-        return tokens / (k * c + 1)
+def expected_tokens(alpha, k):
+    return k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
-    return max(range(1, max_k + 1), key=speedup)
+
+def expected_speedup(alpha, k, c):
+    return expected_tokens(alpha, k) / (k * c + 1)
+
+
+def best_k(alpha, c, max_k):
+    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, c))
 
 
 def speculative_round(target, draft, target_cache, draft_cache, tokens, num_draft_tokens):
@@ -95,6 +103,8 @@ REFERENCES = [
     (check_accept_token, accept_token, dict(n_random=4)),
     (check_verify, verify, dict(n_random=10)),
     (check_prompt_lookup_draft, prompt_lookup_draft, dict(n_random=200)),
+    (check_expected_tokens, expected_tokens, dict(n_random=40)),
+    (check_expected_speedup, expected_speedup, dict(n_random=40)),
     (check_best_k, best_k, dict(n_random=40)),
     (check_speculative_round, speculative_round, dict(n_random=2)),
 ]
@@ -506,28 +516,260 @@ def test_prompt_lookup_draft_alternative_passes(capsys):
     assert capsys.readouterr().out.count("✓") == 2
 
 
+# -- expected_tokens -------------------------------------------------------------------------------
+
+
+def tokens_one_short(alpha, k):
+    """α^k for α^(k+1): 1 + α + … + α^(k−1), the k-th proposal left out."""
+    return k if alpha == 1 else (1 - alpha**k) / (1 - alpha)
+
+
+def tokens_accepted_only(alpha, k):
+    """The accepted count α + … + α^k, without the target's own token."""
+    return k if alpha == 1 else alpha * (1 - alpha**k) / (1 - alpha)
+
+
+def tokens_untruncated(alpha, k):
+    """The infinite series 1/(1 − α)."""
+    return k + 1 if alpha == 1 else 1 / (1 - alpha)
+
+
+def tokens_divide_by_zero(alpha, k):
+    """The closed form with no α = 1 case: ZeroDivisionError there."""
+    return (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def tokens_nan_numpy(alpha, k):
+    """The closed form in numpy's floats with no α = 1 case: nan there (and a RuntimeWarning)."""
+    a = np.float64(alpha)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (1 - a ** (k + 1)) / (1 - a)
+
+
+def tokens_one_too_many(alpha, k):
+    return sum(alpha**i for i in range(k + 2))
+
+
+def tokens_linear(alpha, k):
+    """Each proposal kept with probability α on its own: 1 + k·α."""
+    return 1 + k * alpha
+
+
+def tokens_truncated(alpha, k):
+    return int(expected_tokens(alpha, k))
+
+
+def tokens_k_at_one(alpha, k):
+    """The α = 1 case without the bonus token."""
+    return k if alpha == 1 else expected_tokens(alpha, k)
+
+
+def tokens_as_tensor(alpha, k):
+    return torch.tensor(float(expected_tokens(alpha, k)), dtype=torch.float64)
+
+
+def tokens_engine(alpha, k):
+    return engine.expected_tokens_per_round(alpha, k)
+
+
+TOKENS_MISTAKES = [
+    (tokens_one_short, r"α = 0\.6, k = 4: expected 2\.3056.*got 2\.176.*one term short.*1 − α\^\(k\+1\)"),
+    (tokens_accepted_only, r"expected 2\.3056.*got 1\.305.*the expected number of accepted proposals.*add 1"),
+    (tokens_untruncated, r"expected 2\.3056.*got 2\.5.*1/\(1 − α\).*unlimited proposals"),
+    (tokens_divide_by_zero, r"alpha=1, k=4\) raised ZeroDivisionError.*α = 1 division by zero.*k \+ 1"),
+    (tokens_nan_numpy, r"α = 1 \(an int\).*got np\.float64\(nan\).*nan at α = 1.*k \+ 1"),
+    (tokens_one_too_many, r"expected 2\.3056.*got 2\.38.*one term too many"),
+    (tokens_linear, r"expected 2\.3056.*got 3\.4.*probability α\^i, not α"),
+    (tokens_truncated, r"expected 2\.3056.*got 2\b.*not truncated or rounded"),
+    (tokens_k_at_one, r"every proposal is kept.*expected 5, got 4.*k proposals plus the bonus token"),
+    (tokens_as_tensor, r"got a tensor.*float\(\.\.\.\)"),
+    (tokens_engine, r"llmcourse\.engine\.speculative\.expected_tokens_per_round.*sum the chances yourself"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", TOKENS_MISTAKES, ids=[f.__name__ for f, _ in TOKENS_MISTAKES])
+def test_expected_tokens_mistakes_are_named(fn, pattern):
+    fails(check_expected_tokens, fn, pattern)
+
+
+def tokens_by_loop(alpha, k):
+    """Correct, written differently: the sum itself, no α = 1 case (α^0 = 1 for any α)."""
+    total = 0
+    for i in range(k + 1):
+        total += alpha**i
+    return total
+
+
+def tokens_by_horner(alpha, k):
+    """Correct: 1 + α(1 + α(1 + …)), from the inside out."""
+    t = 1
+    for _ in range(k):
+        t = 1 + alpha * t
+    return t
+
+
+def tokens_fsum(alpha, k):
+    return math.fsum(float(alpha) ** i for i in range(k + 1))
+
+
+def tokens_numpy(alpha, k):
+    """Correct: numpy's float64 (a numpy float returned), the limit taken when α is within 1e-12 of 1."""
+    a = np.float64(alpha)
+    if np.isclose(a, 1.0, rtol=0, atol=1e-12):
+        return np.float64(k + 1)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+def tokens_isclose(alpha, k):
+    """Correct: the limit taken when α is close to 1 (math.isclose's default, 1e-9 relative)."""
+    return float(k + 1) if math.isclose(alpha, 1) else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def tokens_exact(alpha, k):
+    """Correct: in exact Fractions, whatever the input."""
+    a = Fraction(alpha)
+    return sum(a**i for i in range(k + 1))
+
+
+@pytest.mark.parametrize(
+    "fn", [tokens_by_loop, tokens_by_horner, tokens_fsum, tokens_numpy, tokens_isclose, tokens_exact]
+)
+def test_expected_tokens_alternatives_pass(fn, capsys):
+    check_expected_tokens(fn)
+    check_expected_tokens(fn, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_expected_tokens_equals_the_engine():
+    from llmcourse.checks.speculative import exact_tokens
+
+    for alpha in [0, 0.3, 0.57, 0.999999, 1, 1.0, Fraction(3, 5)]:
+        for k in [0, 1, 4, 8, 64]:
+            assert expected_tokens(alpha, k) == pytest.approx(float(exact_tokens(alpha, k)), rel=1e-9)
+            assert engine.expected_tokens_per_round(alpha, k) == pytest.approx(float(exact_tokens(alpha, k)), rel=1e-9)
+
+
+# -- expected_speedup ------------------------------------------------------------------------------
+
+
+def speedup_without_the_target(alpha, k, c):
+    """The cost k·c: the target's pass left out (ZeroDivisionError at c = 0)."""
+    return expected_tokens(alpha, k) / (k * c)
+
+
+def speedup_without_the_target_guarded(alpha, k, c):
+    """The cost k·c, with c = 0 handled as a speed-up of the tokens alone."""
+    return expected_tokens(alpha, k) / (k * c) if c else expected_tokens(alpha, k)
+
+
+def speedup_k1_draft_steps(alpha, k, c):
+    return expected_tokens(alpha, k) / ((k + 1) * c + 1)
+
+
+def speedup_verify_k1_steps(alpha, k, c):
+    """The verify pass counted as k + 1 target steps."""
+    return expected_tokens(alpha, k) / (k * c + k + 1)
+
+
+def speedup_not_divided(alpha, k, c):
+    return expected_tokens(alpha, k)
+
+
+def speedup_multiplied(alpha, k, c):
+    return expected_tokens(alpha, k) * (k * c + 1)
+
+
+def speedup_c_inverted(alpha, k, c):
+    return expected_tokens(alpha, k) / (k / c + 1) if c else expected_tokens(alpha, k)
+
+
+def speedup_on_wrong_tokens(alpha, k, c):
+    """Right in itself, on an expected_tokens one term short."""
+    return tokens_one_short(alpha, k) / (k * c + 1)
+
+
+def speedup_divides_by_zero(alpha, k, c):
+    """The closed form written out, no α = 1 case."""
+    return (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+
+
+def speedup_engine(alpha, k, c):
+    return engine.expected_speedup(alpha, k, c)
+
+
+def speedup_on_the_engines_tokens(alpha, k, c):
+    return engine.expected_tokens_per_round(alpha, k) / (k * c + 1)
+
+
+SPEEDUP_MISTAKES = [
+    (speedup_without_the_target, r"expected 1\.6468.*got 5\.76.*leaves out the target's pass"),
+    (speedup_without_the_target_guarded, r"expected 1\.6468.*got 5\.76.*leaves out the target's pass"),
+    (speedup_k1_draft_steps, r"expected 1\.6468.*got 1\.53706.*counts k \+ 1 draft steps"),
+    (speedup_verify_k1_steps, r"expected 1\.6468.*got 0\.42696.*verify pass is counted as k \+ 1.*memory-bound"),
+    (speedup_not_divided, r"expected 1\.6468.*got 2\.3056.*not yet the speed-up: divide"),
+    (speedup_multiplied, r"expected 1\.6468.*got 3\.2278.*multiplied by the cost"),
+    (speedup_c_inverted, r"expected 1\.6468.*got 0\.0562.*not k/c"),
+    (speedup_on_wrong_tokens, r"expected 1\.6468.*got 1\.5542.*fix expected_tokens first.*one term short"),
+    (speedup_divides_by_zero, r"alpha=1, k=4, c=0\.5\) raised ZeroDivisionError.*α = 1 division by zero"),
+    (speedup_engine, r"llmcourse\.engine\.speculative\.expected_speedup.*use your own"),
+    (speedup_on_the_engines_tokens, r"llmcourse\.engine\.speculative\.expected_tokens_per_round"),
+]
+
+
+@pytest.mark.parametrize("fn, pattern", SPEEDUP_MISTAKES, ids=[f.__name__ for f, _ in SPEEDUP_MISTAKES])
+def test_expected_speedup_mistakes_are_named(fn, pattern):
+    fails(check_expected_speedup, fn, pattern)
+
+
+def speedup_inline_loop(alpha, k, c):
+    """Correct, written differently: the sum in a loop, the cost written c·k + 1."""
+    return sum(alpha**i for i in range(k + 1)) / (c * k + 1)
+
+
+def speedup_numpy(alpha, k, c):
+    return tokens_numpy(alpha, k) / (np.float64(k) * np.float64(c) + 1)
+
+
+def speedup_exact(alpha, k, c):
+    return tokens_exact(alpha, k) / (k * Fraction(c) + 1)
+
+
+@pytest.mark.parametrize("fn", [speedup_inline_loop, speedup_numpy, speedup_exact])
+def test_expected_speedup_alternatives_pass(fn, capsys):
+    check_expected_speedup(fn)
+    check_expected_speedup(fn, seed=101, n_random=40)
+    assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_expected_speedup_that_calls_an_unwritten_expected_tokens_says_so():
+    def speedup_on_a_stub(alpha, k, c):
+        return stub(alpha, k) / (k * c + 1)
+
+    fails(check_expected_speedup, speedup_on_a_stub, r"it calls stub, which is not written yet: write that exercise")
+
+
 # -- best_k ----------------------------------------------------------------------------------------
 
 
 def best_k_returns_the_speedup(alpha, c, max_k):
-    return max(engine.expected_speedup(alpha, k, c) for k in range(1, max_k + 1))
+    return max(expected_speedup(alpha, k, c) for k in range(1, max_k + 1))
 
 
 def best_k_index(alpha, c, max_k):
-    speedups = [engine.expected_speedup(alpha, k, c) for k in range(1, max_k + 1)]
+    speedups = [expected_speedup(alpha, k, c) for k in range(1, max_k + 1)]
     return speedups.index(max(speedups))  # the position, not k
 
 
 def best_k_largest_on_ties(alpha, c, max_k):
     best = 1
     for k in range(1, max_k + 1):
-        if engine.expected_speedup(alpha, k, c) >= engine.expected_speedup(alpha, best, c):
+        if expected_speedup(alpha, k, c) >= expected_speedup(alpha, best, c):
             best = k
     return best
 
 
 def best_k_ignores_cost(alpha, c, max_k):
-    return max(range(1, max_k + 1), key=lambda k: engine.expected_speedup(alpha, k, 0))
+    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, 0))
 
 
 def best_k_divides_by_zero(alpha, c, max_k):
@@ -535,11 +777,15 @@ def best_k_divides_by_zero(alpha, c, max_k):
 
 
 def best_k_range_max_k(alpha, c, max_k):
-    return max(range(max_k), key=lambda k: engine.expected_speedup(alpha, k, c))  # k = 0 included, max_k not
+    return max(range(max_k), key=lambda k: expected_speedup(alpha, k, c))  # k = 0 included, max_k not
 
 
 def best_k_stops_before_max_k(alpha, c, max_k):
-    return max(range(1, max(max_k, 2)), key=lambda k: engine.expected_speedup(alpha, k, c))
+    return max(range(1, max(max_k, 2)), key=lambda k: expected_speedup(alpha, k, c))
+
+
+def best_k_range_empty_at_one(alpha, c, max_k):
+    return max(range(1, max_k), key=lambda k: expected_speedup(alpha, k, c))
 
 
 def best_k_calculus(alpha, c, max_k):
@@ -556,21 +802,63 @@ def best_k_engine(alpha, c, max_k):
     return engine.best_k(alpha, c, max_k)
 
 
+def over(tokens):
+    """expected_speedup written right, on the given expected_tokens."""
+
+    def speedup(alpha, k, c):
+        return tokens(alpha, k) / (k * c + 1)
+
+    speedup.__name__ = f"speedup_over_{tokens.__name__}"
+    return speedup
+
+
+def on(speedup):
+    """best_k written right, on the given (wrong) expected_speedup."""
+
+    def best_k(alpha, c, max_k):
+        return max(range(1, max_k + 1), key=lambda k: speedup(alpha, k, c))
+
+    best_k.__name__ = f"best_k_on_{speedup.__name__}"
+    return best_k
+
+
+def best_k_engines_speedup(alpha, c, max_k):
+    """The learner's own expected_speedup is wrong; best_k reaches for the engine's instead."""
+    from llmcourse.engine.speculative import expected_speedup as the_engines
+
+    return max(range(1, max_k + 1), key=lambda k: the_engines(alpha, k, c))
+
+
 BEST_K_MISTAKES = [
     (best_k_returns_the_speedup, r"got 1\.67\d+, the best speed-up itself.*returns the speed-up, not k"),
-    (best_k_index, r"expected k = 3 \(1\.6738×\), got k = 2.*argmax off by one"),
+    (best_k_index, r"expected k = 3 \(1\.6738×\), got k = 2.*argmax off by one: the position"),
     (best_k_largest_on_ties, r"every k gives a speed-up of exactly 1.*got k = 8.*ties broken to the largest k"),
     (best_k_ignores_cost, r"expected k = 3.*got k = 8.*ignoring the cost c"),
-    (best_k_divides_by_zero, r"raised ZeroDivisionError.*α = 1 division by zero"),
+    (best_k_divides_by_zero, r"every proposal is kept: .*raised ZeroDivisionError.*α = 1 division by zero"),
     (best_k_range_max_k, r"searching 0\.\.max_k-1"),
     (best_k_stops_before_max_k, r"k = max_k is never tried"),
+    (best_k_range_empty_at_one, r"expected k = 4.*got k = 3.*k = max_k is never tried"),
     (best_k_calculus, r"not an integer.*floating-point k \(from calculus"),
     (best_k_float, r"a float; expected the int"),
     (best_k_engine, r"llmcourse\.engine\.speculative\.best_k.*write your own"),
+    (best_k_engines_speedup, r"llmcourse\.engine\.speculative\.expected_speedup.*use your own"),
+    # best_k written right, on a wrong expected_speedup (its own check fails): the k's it gives are named
+    (on(over(tokens_one_short)), r"expected k = 3.*got k = 4.*expected_tokens is one short"),
+    (on(over(tokens_accepted_only)), r"got k = 4.*expected_tokens is one short"),
+    (on(over(tokens_one_too_many)), r"got k = 2.*counts one proposal too many"),
+    (on(over(tokens_linear)), r"got k = 8.*1 \+ k·α tokens per round"),
+    (on(speedup_k1_draft_steps), r"bundled pair.*expected k = 1.*got k = 2.*cost of \(k \+ 1\)·c \+ 1"),
+    (on(speedup_verify_k1_steps), r"got k = 1.*k = 1 everywhere: your speed-up falls"),
+    (on(speedup_without_the_target_guarded), r"got k = 1.*best for a cost of k·c: the target's pass is left out"),
+    (on(speedup_not_divided), r"got k = 8.*ignoring the cost c"),
+    (on(speedup_without_the_target), r"got k = 1.*division by zero at c = 0.*leaves it out \(k·c\)"),
+    (on(over(tokens_untruncated)), r"got k = 1.*best for 1/\(1 − α\) tokens per round"),
 ]
 
 
-@pytest.mark.parametrize("fn, pattern", BEST_K_MISTAKES, ids=[f.__name__ for f, _ in BEST_K_MISTAKES])
+@pytest.mark.parametrize(
+    "fn, pattern", BEST_K_MISTAKES, ids=[f"{i}-{f.__name__}" for i, (f, _) in enumerate(BEST_K_MISTAKES)]
+)
 def test_best_k_mistakes_are_named(fn, pattern):
     fails(check_best_k, fn, pattern)
 
@@ -588,10 +876,17 @@ def test_best_k_is_checked_inside_the_engine():
     fails(check_best_k, engine_only_wrong, r"num_draft_tokens='auto'.*your best_k chose k = 8; expected k = 1")
 
 
+def test_best_k_that_calls_an_unwritten_expected_speedup_says_so():
+    def best_k_on_a_stub(alpha, c, max_k):
+        return max(range(1, max_k + 1), key=lambda k: stub(alpha, k, c))
+
+    fails(check_best_k, best_k_on_a_stub, r"it calls stub, which is not written yet: write that exercise")
+
+
 def best_k_early_stop(alpha, c, max_k):
     """Correct, written differently: climb while the next k pays (the speed-up has a single peak in k)."""
     k = 1
-    while k < max_k and engine.expected_speedup(alpha, k + 1, c) > engine.expected_speedup(alpha, k, c):
+    while k < max_k and expected_speedup(alpha, k + 1, c) > expected_speedup(alpha, k, c):
         k += 1
     return k
 
@@ -606,11 +901,46 @@ def best_k_by_sum(alpha, c, max_k):
     return np.int64(best)  # numpy's integers are integers too
 
 
-@pytest.mark.parametrize("fn", [best_k_early_stop, best_k_by_sum])
+@pytest.mark.parametrize(
+    "fn",
+    [
+        best_k_early_stop,
+        best_k_by_sum,
+        on(speedup_inline_loop),
+        on(speedup_numpy),
+        on(speedup_exact),
+        on(over(tokens_by_horner)),
+        on(over(tokens_fsum)),
+        on(over(tokens_isclose)),
+    ],
+    ids=lambda f: f.__name__,
+)
 def test_best_k_alternatives_pass(fn, capsys):
     check_best_k(fn)
     check_best_k(fn, seed=101, n_random=40)
     assert capsys.readouterr().out.count("✓") == 2
+
+
+def test_best_k_sweep_points_are_clear_or_exact_ties_every_float_way():
+    """Every point of the sweep has one best k beyond rounding, or an exact tie that each way of computing the
+    speed-up in floats (closed form, loop, Horner, math.fsum, numpy, the arguments made floats first) keeps a tie:
+    a correct best_k in floats gives the smallest k of the tie on every point."""
+    from llmcourse.checks.speculative import _sweep_points, clear_best, exact_best_k, exact_speedup
+
+    ways = [
+        expected_speedup,
+        speedup_inline_loop,
+        speedup_numpy,
+        over(tokens_by_horner),
+        over(tokens_fsum),
+    ]
+    ways += [lambda a, k, c, f=f: f(float(a), k, float(c)) for f in ways]
+    for description, alpha, c, max_k, _ in _sweep_points():
+        want = exact_best_k(alpha, c, max_k)
+        if not clear_best(alpha, c, max_k):
+            assert any(exact_speedup(alpha, k, c) == exact_speedup(alpha, want, c) for k in range(want + 1, max_k + 1))
+        for way in ways:
+            assert max(range(1, max_k + 1), key=lambda k: way(alpha, k, c)) == want, description
 
 
 def test_best_k_matches_the_engine_and_the_limits():
@@ -1107,7 +1437,7 @@ def best_k_climbs_through_ties(alpha, c, max_k):
     if alpha == 1:
         return max_k if c < 1 else 1
     k = 1
-    while k < max_k and engine.expected_speedup(alpha, k + 1, c) >= engine.expected_speedup(alpha, k, c):
+    while k < max_k and expected_speedup(alpha, k + 1, c) >= expected_speedup(alpha, k, c):
         k += 1
     return k
 
@@ -1174,7 +1504,7 @@ def round_on_a_copy_of_the_text(target, draft, target_cache, draft_cache, tokens
 def best_k_in_floats(alpha, c, max_k):
     """Correct, written differently: the arguments converted to floats (an exact tie given in Fractions stays one)."""
     alpha, c = float(alpha), float(c)
-    return max(range(1, max_k + 1), key=lambda k: engine.expected_speedup(alpha, k, c))
+    return max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, k, c))
 
 
 def best_k_numpy(alpha, c, max_k):
@@ -1201,11 +1531,10 @@ def test_issue41_alternatives_pass(check, fn, capsys):
 
 def test_best_k_exact_ties_are_ties():
     """The tie cases are exact in Fractions, and the floats they become round to the same tie."""
-    from fractions import Fraction
-
     from llmcourse.checks.speculative import exact_speedup
 
-    for alpha, c, (k1, k2) in [(Fraction(1, 2), Fraction(1, 12), (2, 3)), (0.5, Fraction(1, 27), (3, 4))]:
+    ties = [(Fraction(1, 2), Fraction(1, 12), (2, 3)), (0.5, Fraction(1, 27), (3, 4)), (0.75, Fraction(9, 19), (1, 2))]
+    for alpha, c, (k1, k2) in ties:
         assert exact_speedup(alpha, k1, c) == exact_speedup(alpha, k2, c)
         in_floats = [engine.expected_speedup(float(alpha), k, float(c)) for k in (k1, k2)]
         assert in_floats[0] == in_floats[1]

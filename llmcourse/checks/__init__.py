@@ -92,6 +92,8 @@ from .sampling import (
 from .speculative import (
     check_accept_token,
     check_best_k,
+    check_expected_speedup,
+    check_expected_tokens,
     check_prompt_lookup_draft,
     check_speculative_round,
     check_verify,
@@ -167,6 +169,8 @@ __all__ = [
     "check_accept_token",
     "check_verify",
     "check_speculative_round",
+    "check_expected_tokens",
+    "check_expected_speedup",
     "check_best_k",
     "check_prompt_lookup_draft",
     "check_quantize_int8",

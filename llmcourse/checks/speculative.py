@@ -1,5 +1,6 @@
 """Checks for chapter 08, speculative decoding: the acceptance rule, the verify step, the prompt-lookup
-draft, the best number of proposals (`best_k`), and one greedy draft-verify round with cache rollback.
+draft, the expected tokens per round and speed-up (`expected_tokens`, `expected_speedup`), the best number of
+proposals (`best_k`, on the learner's own speed-up), and one greedy draft-verify round with cache rollback.
 
 The two samplers (`accept_token`, `verify`) are checked as samplers: on toy vocabularies with known
 p and q, many seeded calls, and a chi-square test of what comes back — the accepted / rejected
@@ -11,11 +12,21 @@ tiny random models and on the bundled pair: every round must return a prefix of 
 continuation, leave both caches at the right length, run the target once, and keep exactly the proposals
 that the draft's own greedy continuation gets right; then the engine runs with it installed.
 
+The three formulas are compared with exact values (Fractions of the very numbers given: a float is a fraction
+too), floats to a relative 1e-9; a value that matches a plausible wrong formula's (one term short, the accepted
+count without the target's token, the untruncated series, a cost without the target's pass or with k + 1 draft
+steps...) is named. `best_k` rests on the learner's own `expected_speedup` (the engine's formulas are refused):
+its first case is a sweep over the corners, exact ties and the points where the wrong formulas part, and the
+mistake that gives every answer of the sweep is named.
+
+    >>> def expected_tokens(alpha, k):
+    ...     return k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
     >>> def best_k(alpha, c, max_k):
-    ...     tokens = lambda k: k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    ...     return max(range(1, max_k + 1), key=lambda k: tokens(k) / (k * c + 1))
+    ...     return max(range(1, max_k + 1), key=lambda k: expected_tokens(alpha, k) / (k * c + 1))
+    >>> check_expected_tokens(expected_tokens)
+    ✓ expected_tokens — 24 cases
     >>> check_best_k(best_k)
-    ✓ best_k — 32 cases
+    ✓ best_k — 39 cases
 """
 
 from __future__ import annotations
@@ -29,9 +40,11 @@ import sys
 from fractions import Fraction
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from llmcourse.course.failed import CheckFailed
 from llmcourse.course.guards import guarded
 from llmcourse.engine.generate import generate
 from llmcourse.engine.model import GPT2
@@ -43,8 +56,8 @@ from llmcourse.engine.speculative import verify as engine_verify
 from llmcourse.engine.tokenizer import get_tokenizer
 
 from .harness.bundled import bundled_model
-from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
-from .harness.forbid import Forbidden
+from .harness.core import Case, Verdict, _where, call_learner, failure, later, one_hint, run_check, unwritten_helper
+from .harness.forbid import Forbidden, ForbiddenCall
 from .harness.inputs import change_verdict, changed_input, named_like, watched
 from .harness.randomness import generator_contract
 from .harness.show import short
@@ -54,11 +67,6 @@ from .sampling import _chi2_limit
 NO_ENGINE = Forbidden(
     "llmcourse.engine.speculative",
     "llmcourse.engine.speculative is the engine's speculative decoding, what yours is compared with: write your own",
-)
-
-
-NO_ENGINE_BEST_K = Forbidden(  # expected_speedup, the engine's formula, is given: best_k may call it
-    "llmcourse.engine.speculative.best_k", "the engine's best_k is what yours is compared with: write your own"
 )
 
 
@@ -1102,15 +1110,45 @@ def check_prompt_lookup_draft(fn, *, seed: int = 0, n_random: int = 30) -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Exercise 4: best_k
+# Exercises 4 to 6: expected_tokens, expected_speedup, best_k
+#
+# Every answer is compared with the exact value on the very numbers given (a float is a fraction too), so that no
+# rounding of the check's own can make or break a tie. Floats are allowed a relative error of FORMULA_RTOL: a loop
+# and the closed form differ by a few units in the last place, and the closed form loses digits as α → 1 (at
+# α = 1 − 10⁻⁶, k = 64, about 10⁻¹¹), far inside it.
+
+FORMULA_RTOL = 1e-9
+NEAR = 1e-6  # how close a value must be to a known mistake's to name it
+
+NO_FORMULA = [
+    Forbidden(
+        "llmcourse.engine.speculative.expected_tokens_per_round",
+        "the engine's expected_tokens_per_round is what your expected_tokens is compared with: sum the chances "
+        "yourself",
+    ),
+    Forbidden(
+        "llmcourse.engine.speculative.expected_speedup",
+        "the engine's expected_speedup is what yours is compared with: use your own (from your expected_tokens)",
+    ),
+    Forbidden(
+        "llmcourse.engine.speculative.best_k",
+        "the engine's best_k is what yours is compared with: write your own (from your expected_speedup)",
+    ),
+    Forbidden("llmcourse.bench.speculative", "the benchmark's formulas are the engine's: write your own"),
+    NO_ENGINE,
+]
+
+
+def exact_tokens(alpha, k: int) -> Fraction:
+    """1 + α + … + α^k in exact arithmetic on the very number given."""
+    alpha = Fraction(alpha)
+    return Fraction(k + 1) if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
 
 
 def exact_speedup(alpha, k: int, c) -> Fraction:
     """`expected_speedup` in exact arithmetic on the very numbers given (a float is a fraction too): no rounding
     can make or break a tie."""
-    alpha, c = Fraction(alpha), Fraction(c)
-    tokens = k + 1 if alpha == 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens / (k * c + 1)
+    return exact_tokens(alpha, k) / (k * Fraction(c) + 1)
 
 
 def exact_best_k(alpha, c, max_k: int) -> int:
@@ -1124,59 +1162,295 @@ def clear_best(alpha, c, max_k: int) -> bool:
     return len(values) == 1 or values[0] - values[1] > Fraction(1, 10**9) * values[0]
 
 
-def _best_k_verdict(case: Case, got: Any) -> Verdict:
-    if case.args[0] == "engine":
-        return _auto_verdict(case, got)
-    alpha, c, max_k = case.args
-    want = case.expected
-    speedup = exact_speedup(alpha, want, c)
-
-    def at(k):
-        return f"k = {k} ({float(exact_speedup(alpha, k, c)):.4f}×)"
-
-    if isinstance(got, bool) or not isinstance(got, numbers.Real):
-        return f"expected an integer k, got {short(got, 60)}", "return k, an int in 1..max_k"
-    if not isinstance(got, numbers.Integral):
-        if math.isclose(float(got), float(speedup), rel_tol=1e-6):
-            return (
-                f"got {got!r}, the best speed-up itself; expected {at(want)}",
-                "returns the speed-up, not k: return the k that gives it",
-            )
-        if float(got).is_integer():
-            return f"got {got!r}, a float; expected the int {want}", "return an int k (int(...) of a whole float)"
-        return (
-            f"got k = {got!r}, not an integer; expected {at(want)}",
-            "a floating-point k (from calculus, setting a derivative to zero) is not a number of proposals: "
-            "try every whole k in 1..max_k and keep the best",
-        )
-    got = int(got)
-    if got == want:
+def _as_fraction(x: Any) -> Optional[Fraction]:
+    """A real number as an exact fraction; None for nan and infinities."""
+    try:
+        return Fraction(x) if isinstance(x, (numbers.Rational, float)) else Fraction(float(x))
+    except (OverflowError, ValueError, TypeError):
         return None
-    if got == 0:
+
+
+def _close(got: Fraction, want: Fraction, rtol: float = FORMULA_RTOL) -> bool:
+    return abs(got - want) <= Fraction(rtol) * abs(want)
+
+
+def _number_problem(got: Any, what: str) -> Verdict:
+    """Why `got` is not a usable number (a Python number of any type: int, float, Fraction, numpy's), or None."""
+    if isinstance(got, Tensor):
+        return f"expected a number, got a tensor {short(got, 60)}", f"return a Python number: float(...) of the {what}"
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        return f"expected a number, got {short(got, 80)}", f"return the {what}, a float (or any real number)"
+    if math.isnan(float(got)):
         return (
-            f"got k = 0; expected {at(want)}",
-            "searching 0..max_k-1 (range(max_k)): k counts proposals, 1..max_k; search range(1, max_k + 1)",
+            f"got {got!r}",
+            "nan at α = 1: the closed form is 0/0 there (numpy's floats give nan where Python's raise "
+            "ZeroDivisionError); at α = 1 every proposal is kept: k + 1 tokens — handle α == 1 separately, or sum "
+            "the series in a loop",
         )
-    if not 1 <= got <= max_k:
-        return f"got k = {got}, outside 1..{max_k}; expected {at(want)}", "k is a number of proposals in 1..max_k"
-    hints = []
-    if got == want - 1:
-        hints.append(
-            "argmax off by one: the position of the best speed-up in a list that starts at k = 1 is k - 1"
-            if got != max_k - 1 or want != max_k
-            else "searching 0..max_k-1 or 1..max_k-1 (range(max_k) stops before max_k): k = max_k is never tried; "
-            "search range(1, max_k + 1)"
-        )
-    if got > want and exact_speedup(alpha, got, c) == speedup:
-        hints.append("ties broken to the largest k: on a tie take the smallest k (fewer draft steps, same speed-up)")
-    elif got == max_k and c != 0:
-        hints.append(
-            "ignoring the cost c: more proposals always yield more tokens per round, but each costs c; the "
-            "speed-up divides by k·c + 1"
-        )
-    if got == want + 1 and not hints:
-        hints.append("argmax off by one: the best k is the best speed-up's position + 1 only if positions start at 0")
-    return f"expected {at(want)}, got {at(got)}", "; ".join(hints)
+    if math.isinf(float(got)):
+        return f"got {got!r}", f"the {what} is finite: look for a division by zero"
+    return None
+
+
+def _shown(x: Fraction) -> str:
+    return f"{float(x):.10g}" + (f" (= {x})" if x.denominator != 1 and x.denominator < 10**4 else "")
+
+
+class Value:
+    """An exact expected value, shown as a float (and the fraction, if short)."""
+
+    def __init__(self, value: Fraction):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return _shown(self.value)
+
+
+def _token_mistakes(alpha: Fraction, k: int) -> list[tuple[Optional[Fraction], str]]:
+    """(value, hint) of plausible wrong tokens per round at (α, k), for naming the one a learner wrote (None where
+    the mistake is undefined, as 1/(1 − α) at α = 1)."""
+    one = alpha == 1
+    return [
+        (
+            Fraction(k) if one else (1 - alpha**k) / (1 - alpha),
+            "one term short: (1 − α^k)/(1 − α) = 1 + α + … + α^(k−1) leaves out the k-th proposal (kept with "
+            "probability α^k, when all k are kept): the numerator is 1 − α^(k+1)",
+        ),
+        (
+            Fraction(k) if one else alpha * (1 - alpha**k) / (1 - alpha),
+            "that is the expected number of accepted proposals, α + α² + … + α^k: every round also yields one token "
+            "of the target's own — the correction at the first rejection, or the bonus token after k acceptances: "
+            "add 1",
+        ),
+        (
+            None if one else 1 / (1 - alpha),
+            "1/(1 − α) = 1 + α + α² + … is the sum for unlimited proposals: a round has k, so the series stops at "
+            "α^k: (1 − α^(k+1))/(1 − α)",
+        ),
+        (
+            Fraction(k + 2) if one else (1 - alpha ** (k + 2)) / (1 - alpha),
+            "one term too many: 1 + α + … + α^(k+1) counts a (k+1)-th proposal; a round has k proposals plus the "
+            "target's one token: 1 + α + … + α^k",
+        ),
+        (
+            1 + k * alpha,
+            "proposal i counts only if it and every one before it are kept — probability α^i, not α: the target "
+            "stops at the first rejection",
+        ),
+    ]
+
+
+def _tokens_hint(alpha: Fraction, k: int, got: Fraction) -> str:
+    want = exact_tokens(alpha, k)
+    if alpha == 1 and got == k:
+        return "at α = 1 every proposal is kept: k proposals plus the bonus token, k + 1"
+    for value, hint in _token_mistakes(alpha, k):
+        if value is not None and value != want and _close(got, value, NEAR):
+            return hint
+    if want.denominator != 1 and got in (math.floor(want), round(want)):
+        return "the expectation is a fraction: return it whole (a float), not truncated or rounded to an int"
+    return ""
+
+
+def _tokens_verdict(case: Case, got: Any) -> Verdict:
+    alpha, k = case.args
+    problem = _number_problem(got, "expected number of tokens")
+    if problem:
+        return problem
+    want, value = exact_tokens(alpha, k), _as_fraction(got)
+    if _close(value, want):
+        return None
+    return f"expected {_shown(want)}, got {got!r}", _tokens_hint(Fraction(alpha), k, value)
+
+
+def _random_alpha(rng: random.Random):
+    return rng.choice(
+        [rng.random(), rng.random(), 0.5 + rng.random() / 2, 0.9 + rng.random() / 10, rng.randint(1, 19) / 20]
+    )
+
+
+def check_expected_tokens(fn, *, seed: int = 0, n_random: int = 12) -> None:
+    """expected_tokens(alpha, k) -> the tokens a round yields on average when each of its k proposals is kept with
+    probability alpha, independently, until the first rejection: 1 + α + … + α^k = (1 − α^(k+1))/(1 − α), k + 1 at
+    α = 1. Compared with the exact value on the numbers given, to FORMULA_RTOL."""
+    rng = random.Random(seed)
+
+    def case(description, alpha, k, hint=""):
+        return Case(description, (alpha, k), later(lambda: Value(exact_tokens(alpha, k))), hint)
+
+    cases = [
+        case("α = 0.6, k = 4", 0.6, 4),
+        case("k = 1: the first proposal, then the target's token", 0.5, 1, "1 + α: the proposal kept, or not"),
+        case("a long round: α = 0.9, k = 16", 0.9, 16),
+        case(
+            "α = 0 (an int): every proposal is rejected",
+            0,
+            4,
+            "at α = 0 a round yields exactly one token: the target's correction of the first proposal",
+        ),
+        case(
+            "α = 1 (an int): every proposal is kept",
+            1,
+            4,
+            "at α = 1 the closed form is 0/0: all k proposals are kept, then the bonus token: k + 1",
+        ),
+        case("α = 1.0 (a float), k = 8", 1.0, 8, "at α = 1 the tokens per round are k + 1"),
+        case(
+            "α = numpy.float64(1.0), k = 3",
+            np.float64(1.0),
+            3,
+            "at α = 1 the tokens per round are k + 1 (numpy's 0/0 is nan)",
+        ),
+        case(
+            "k = 0: a round with no proposal (prompt lookup found nothing) still yields the target's token",
+            0.7,
+            0,
+            "the target's own token is always there: 1 + (nothing proposed)",
+        ),
+        case("the bundled pair: α ≈ 0.57, k = 8", 0.57, 8),
+        case("α close to 1: α = 0.999999, k = 64", 0.999999, 64),
+        case("fractions: α = 3/5, k = 5", Fraction(3, 5), 5),
+        case("α = numpy.float64(0.7), k = 3", np.float64(0.7), 3),
+    ]
+    for i in range(n_random):
+        cases.append(case(f"random #{i}", _random_alpha(rng), rng.choice([rng.randint(1, 8), rng.randint(1, 64)])))
+
+    run_check(
+        "expected_tokens",
+        fn,
+        cases,
+        judge=_tokens_verdict,
+        forbid=NO_FORMULA,
+        show_call=lambda args: f"expected_tokens(alpha={args[0]!r}, k={args[1]})",
+        seconds=5,
+        total_seconds=20,
+        shrink=False,
+        error_hints={
+            "ZeroDivisionError": "the α = 1 division by zero: the closed form is 0/0 there; all k proposals are kept, "
+            "then the bonus token: k + 1 (handle α == 1 separately, or sum 1 + α + … + α^k in a loop)",
+        },
+    )
+
+
+def _speedup_mistakes(alpha: Fraction, k: int, c: Fraction) -> list[tuple[Optional[Fraction], str]]:
+    """(value, hint) of plausible wrong speed-ups at (α, k, c) (None where undefined)."""
+    tokens = exact_tokens(alpha, k)
+    found = [
+        (
+            tokens / (k * c) if c else None,
+            "the cost k·c leaves out the target's pass: a round runs the draft k times (c each) and the target once, "
+            "over k + 1 positions, which costs about one decode step: k·c + 1",
+        ),
+        (
+            tokens / ((k + 1) * c + 1),
+            "(k + 1)·c + 1 counts k + 1 draft steps: the draft makes k proposals, k steps of c each: k·c + 1",
+        ),
+        (
+            tokens / (k * c + k + 1),
+            "the verify pass is counted as k + 1 target steps: it reads the same weights once for all k + 1 positions, "
+            "and while decode is memory-bound that costs about one step: k·c + 1",
+        ),
+        (
+            tokens,
+            "that is the tokens per round, not yet the speed-up: divide by the round's cost in target steps, k·c + 1",
+        ),
+        (tokens * (k * c + 1), "multiplied by the cost: the speed-up divides the tokens by the cost, k·c + 1"),
+        (
+            tokens / (k / c + 1) if c else None,
+            "c is the draft's step time over the target's (small for a small draft): k draft steps cost k·c target "
+            "steps, not k/c",
+        ),
+    ]
+    for value, hint in _token_mistakes(alpha, k):
+        if value is not None:
+            found.append((value / (k * c + 1), f"the tokens per round are wrong (fix expected_tokens first): {hint}"))
+    return found
+
+
+def _speedup_verdict(case: Case, got: Any) -> Verdict:
+    alpha, k, c = case.args
+    problem = _number_problem(got, "speed-up")
+    if problem:
+        return problem
+    want, value = exact_speedup(alpha, k, c), _as_fraction(got)
+    if _close(value, want):
+        return None
+    hint = ""
+    if Fraction(alpha) == 1 and _close(value, k / (k * Fraction(c) + 1)):
+        hint = "at α = 1 every proposal is kept: k + 1 tokens per round (your expected_tokens gives k?)"
+    for mistake, text in _speedup_mistakes(Fraction(alpha), k, Fraction(c)):
+        if not hint and mistake is not None and mistake != want and _close(value, mistake, NEAR):
+            hint = text
+    return f"expected {_shown(want)}, got {got!r}", hint
+
+
+def _random_cost(rng: random.Random):
+    return rng.choice([0.0, rng.random() / 10, rng.random() / 3, rng.random(), 1 + rng.random()])
+
+
+def check_expected_speedup(fn, *, seed: int = 0, n_random: int = 12) -> None:
+    """expected_speedup(alpha, k, c) -> expected_tokens(alpha, k) / (k·c + 1): a round's tokens over its cost in
+    target decode steps (k draft steps of c each, one target pass over k + 1 positions counted as one step).
+    Compared with the exact value on the numbers given, to FORMULA_RTOL."""
+    rng = random.Random(seed)
+
+    def case(description, alpha, k, c, hint=""):
+        return Case(description, (alpha, k, c), later(lambda: Value(exact_speedup(alpha, k, c))), hint)
+
+    cases = [
+        case("α = 0.6, k = 4, c = 0.1", 0.6, 4, 0.1),
+        case("the bundled pair: α ≈ 0.57, k = 3, c ≈ 0.27", 0.57, 3, 0.27),
+        case("a costly draft: α = 0.9, k = 2, c = 0.5", 0.9, 2, 0.5),
+        case(
+            "k = 1: (1 + α)/(1 + c), more than 1 exactly when α > c (Leviathan et al.'s Corollary 3.9)",
+            0.7,
+            1,
+            0.2,
+        ),
+        case(
+            "prompt lookup: c = 0 (an int), α = 0.5, k = 4",
+            0.5,
+            4,
+            0,
+            "with a free draft (c = 0) a round costs the target's one pass: the speed-up is the tokens per round",
+        ),
+        case(
+            "α = 1 (an int), k = 4, c = 0.5",
+            1,
+            4,
+            0.5,
+            "at α = 1 the tokens per round are k + 1 (the closed form's 0/0)",
+        ),
+        case("α = 1, c = 1: exactly 1, whatever k", 1.0, 8, 1.0),
+        case("α = 0: one token per round, k draft steps wasted", 0, 3, 0.1),
+        case("a draft dearer than the target: α = 0.8, k = 3, c = 2", 0.8, 3, 2.0),
+        case("a long round: α = 0.95, k = 40, c = 0.01", 0.95, 40, 0.01),
+        case("fractions: α = 3/5, k = 3, c = 1/10", Fraction(3, 5), 3, Fraction(1, 10)),
+        case("numpy floats: α = 0.7, k = 3, c = 0.05", np.float64(0.7), 3, np.float64(0.05)),
+    ]
+    for i in range(n_random):
+        cases.append(case(f"random #{i}", _random_alpha(rng), rng.randint(1, 16), _random_cost(rng)))
+
+    def show(args):
+        return f"expected_speedup(alpha={args[0]!r}, k={args[1]}, c={args[2]!r})"
+
+    run_check(
+        "expected_speedup",
+        unwritten_helper(fn),
+        cases,
+        judge=_speedup_verdict,
+        forbid=NO_FORMULA,
+        show_call=show,
+        seconds=5,
+        total_seconds=20,
+        shrink=False,
+        error_hints={
+            ", c=0) raised ZeroDivisionError": "the cost of a round is k·c + 1 — k draft steps and the target's one "
+            "pass — never 0, even with a free draft (c = 0): do you leave out the target's pass, or divide by c?",
+            "ZeroDivisionError": "the α = 1 division by zero: the tokens per round are then k + 1 (call your "
+            "expected_tokens, which handles α = 1)",
+        },
+    )
 
 
 @dataclasses.dataclass
@@ -1253,81 +1527,338 @@ def _auto_verdict(case: Case, got: AutoRun) -> Verdict:
     return None
 
 
-def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
-    """best_k(alpha, c, max_k) -> the k in 1..max_k with the largest expected speed-up
-    (1 − α^(k+1)) / ((1 − α)(k·c + 1)) ((k + 1)/(k·c + 1) at α = 1), the smallest on a tie; then the engine
-    runs it: generate(..., num_draft_tokens="auto") must give plain greedy decoding's tokens."""
-    rng = random.Random(seed)
+# -- best_k ------------------------------------------------------------------------------------------------------
 
-    def case(description, alpha, c, max_k, hint=""):
-        return Case(description, (alpha, c, max_k), exact_best_k(alpha, c, max_k), hint)
 
-    cases = [
-        case("α = 0.6, c = 0.1, max_k = 8: an optimum inside the range", 0.6, 0.1, 8),
-        case("the bundled pair: α ≈ 0.57, c ≈ 0.27", 0.57, 0.27, 8),
-        case("a good draft: α = 0.8, c = 0.05, max_k = 4 (the best is max_k)", 0.8, 0.05, 4),
-        case("a free draft: c = 0, α = 0.5 (the best is max_k)", 0.5, 0.0, 6),
-        case(
+@dataclasses.dataclass
+class Hypothesis:
+    """A plausible wrong best_k, as what it answers: `explains(α, c, max_k, k)` says whether k is its answer there."""
+
+    hint: str
+    explains: Callable[[Fraction, Fraction, int, int], bool]
+
+
+def _near_best(values: list, k: int) -> bool:
+    """Whether k (1-based) is an argmax of `values` to within rounding."""
+    if any(v is None for v in values) or not 1 <= k <= len(values):
+        return False
+    best = max(values)
+    return values[k - 1] >= best - abs(best) * Fraction(NEAR)
+
+
+def _formula(speedup: Callable[[Fraction, int, Fraction], Optional[Fraction]]):
+    return lambda a, c, m, k: _near_best([speedup(a, j, c) for j in range(1, m + 1)], k)
+
+
+def _tokens_only(a: Fraction, k: int, c: Fraction) -> Fraction:
+    return exact_tokens(a, k)
+
+
+def _largest_on_tie(a, c, m, k):
+    values = [exact_speedup(a, j, c) for j in range(1, m + 1)]
+    return k == max(j for j in range(1, m + 1) if values[j - 1] == max(values))
+
+
+def _zero_based(a, c, m, k):
+    return k == max(range(m), key=lambda j: exact_speedup(a, j, c))  # k = 0 tried, max_k not
+
+
+BEST_K_HYPOTHESES = [  # the first that explains every answer of the sweep names the mistake
+    Hypothesis(
+        "ties broken to the largest k: on a tie take the smallest k (fewer draft steps, same speed-up)", _largest_on_tie
+    ),
+    Hypothesis(
+        "argmax off by one: the position of the best speed-up in a list that starts at k = 1 is k - 1",
+        lambda a, c, m, k: k == exact_best_k(a, c, m) - 1,
+    ),
+    Hypothesis(
+        "searching 0..max_k-1 (range(max_k)): k counts proposals, 1..max_k; search range(1, max_k + 1)", _zero_based
+    ),
+    Hypothesis(
+        "searching 1..max_k-1 (range(1, max_k) stops before max_k): k = max_k is never tried; search "
+        "range(1, max_k + 1)",
+        lambda a, c, m, k: k == exact_best_k(a, c, max(m - 1, 1)),
+    ),
+    Hypothesis(
+        "ignoring the cost c: more proposals always yield more tokens per round, but each costs c; the speed-up "
+        "divides by k·c + 1",
+        _formula(_tokens_only),
+    ),
+    Hypothesis(
+        "your k is the best for (1 − α^k)/(1 − α) (or the accepted count α(1 − α^k)/(1 − α)) over k·c + 1: your "
+        "expected_tokens is one short — a round yields 1 + α + … + α^k (the accepted proposals and the target's "
+        "own token)",
+        _formula(lambda a, k, c: (k if a == 1 else (1 - a**k) / (1 - a)) / (k * c + 1)),
+    ),
+    Hypothesis(
+        "your k is the best for (1 − α^(k+2))/(1 − α) over k·c + 1: your expected_tokens counts one proposal too "
+        "many — 1 + α + … + α^k",
+        _formula(lambda a, k, c: (k + 2 if a == 1 else (1 - a ** (k + 2)) / (1 - a)) / (k * c + 1)),
+    ),
+    Hypothesis(
+        "your k is the best for a cost of (k + 1)·c + 1: the draft makes k proposals in k steps — the cost is k·c + 1",
+        _formula(lambda a, k, c: exact_tokens(a, k) / ((k + 1) * c + 1)),
+    ),
+    Hypothesis(
+        "your k is the best for 1/(1 − α) tokens per round, the series for unlimited proposals: a round has k, "
+        "so the tokens are 1 + α + … + α^k = (1 − α^(k+1))/(1 − α) — fix expected_tokens",
+        _formula(lambda a, k, c: (k + 1 if a == 1 else 1 / (1 - a)) / (k * c + 1)),
+    ),
+    Hypothesis(
+        "your k is the best for a cost of k·c: the target's pass is left out — a round runs the draft k times (c "
+        "each) and the target once (about one decode step): k·c + 1",
+        _formula(lambda a, k, c: exact_tokens(a, k) / (k * c) if c else exact_tokens(a, k)),
+    ),
+    Hypothesis(
+        "your k is the best for 1 + k·α tokens per round: proposal i counts only if all before it are kept, "
+        "probability α^i — the tokens are 1 + α + … + α^k",
+        _formula(lambda a, k, c: (1 + k * a) / (k * c + 1)),
+    ),
+    Hypothesis(
+        "k = 1 everywhere: your speed-up falls as k grows — check your expected_speedup: the tokens grow with k, "
+        "(1 − α^(k+1))/(1 − α) (not 1/(1 − α)), and the cost is k·c + 1 (the target's pass once, not k + 1 times; "
+        "c per draft step, not 1/c)",
+        lambda a, c, m, k: k == 1,
+    ),
+    Hypothesis(
+        "argmax off by one: the best k is the best speed-up's position + 1 only if positions start at 0",
+        lambda a, c, m, k: k == exact_best_k(a, c, m) + 1,
+    ),
+]
+
+
+def _diagnosis(points: list, answers: list) -> str:
+    """The hint of the first hypothesis that gives every answer of the sweep (answers that are not ints: none)."""
+    if not all(_is_id(k) for k in answers):
+        return ""
+    pairs = [((Fraction(a), Fraction(c), m), int(k)) for (_, a, c, m, _), k in zip(points, answers)]
+    for hypothesis in BEST_K_HYPOTHESES:
+        if all(hypothesis.explains(*point, k) for point, k in pairs):
+            return hypothesis.hint
+    return ""
+
+
+def _best_k_point(alpha, c, max_k: int, got: Any) -> Verdict:
+    """What is wrong with `got` as best_k(alpha, c, max_k), with the hint this answer alone suggests."""
+    want = exact_best_k(alpha, c, max_k)
+    speedup = exact_speedup(alpha, want, c)
+
+    def at(k):
+        return f"k = {k} ({float(exact_speedup(alpha, k, c)):.4f}×)"
+
+    if isinstance(got, bool) or not isinstance(got, numbers.Real):
+        return f"expected an integer k, got {short(got, 60)}", "return k, an int in 1..max_k"
+    if not isinstance(got, numbers.Integral):
+        if math.isclose(float(got), float(speedup), rel_tol=1e-6):
+            return (
+                f"got {got!r}, the best speed-up itself; expected {at(want)}",
+                "returns the speed-up, not k: return the k that gives it",
+            )
+        if float(got).is_integer():
+            return f"got {got!r}, a float; expected the int {want}", "return an int k (int(...) of a whole float)"
+        return (
+            f"got k = {got!r}, not an integer; expected {at(want)}",
+            "a floating-point k (from calculus, setting a derivative to zero) is not a number of proposals: "
+            "try every whole k in 1..max_k and keep the best",
+        )
+    got = int(got)
+    if got == want:
+        return None
+    if got == 0:
+        return (
+            f"got k = 0; expected {at(want)}",
+            "searching 0..max_k-1 (range(max_k)): k counts proposals, 1..max_k; search range(1, max_k + 1)",
+        )
+    if not 1 <= got <= max_k:
+        return f"got k = {got}, outside 1..{max_k}; expected {at(want)}", "k is a number of proposals in 1..max_k"
+    hints = []
+    if got == want - 1:
+        hints.append(
+            "argmax off by one: the position of the best speed-up in a list that starts at k = 1 is k - 1"
+            if got != max_k - 1 or want != max_k
+            else "searching 0..max_k-1 or 1..max_k-1 (range(max_k) stops before max_k): k = max_k is never tried; "
+            "search range(1, max_k + 1)"
+        )
+    if got > want and exact_speedup(alpha, got, c) == speedup:
+        hints.append("ties broken to the largest k: on a tie take the smallest k (fewer draft steps, same speed-up)")
+    elif got == max_k and c != 0:
+        hints.append(
+            "ignoring the cost c: more proposals always yield more tokens per round, but each costs c; the "
+            "speed-up divides by k·c + 1"
+        )
+    if got == want + 1 and not hints:
+        hints.append("argmax off by one: the best k is the best speed-up's position + 1 only if positions start at 0")
+    return f"expected {at(want)}, got {at(got)}", "; ".join(hints)
+
+
+def _best_k_verdict(case: Case, got: Any) -> Verdict:
+    if case.args[0] == "engine":
+        return _auto_verdict(case, got)
+    if case.args[0] == "sweep":
+        return _sweep_verdict(case, got)
+    return _best_k_point(*case.args, got)
+
+
+def _call(alpha, c, max_k) -> str:
+    return f"best_k(alpha={alpha!r}, c={c!r}, max_k={max_k})"
+
+
+@dataclasses.dataclass
+class Sweep:
+    """best_k's answers over the sweep's points, in order, up to the first that raised (`raised`: the error)."""
+
+    answers: list
+    raised: Optional[BaseException] = None
+    where: str = ""
+
+    def __repr__(self) -> str:
+        return short(self.answers, 200)
+
+
+def _raised_hint(err: BaseException, alpha, c, max_k: int) -> str:
+    if isinstance(err, ZeroDivisionError) and Fraction(alpha) == 1:
+        return (
+            "the α = 1 division by zero: the closed form is 0/0 there; the tokens per round are k + 1 "
+            "(1 + α + … + α^k with α = 1): handle α == 1 separately in your expected_tokens"
+        )
+    if isinstance(err, ZeroDivisionError) and Fraction(c) == 0:
+        return (
+            "a division by zero at c = 0 (prompt lookup's free draft): the cost of a round is k·c + 1, the target's "
+            "pass included — your expected_speedup leaves it out (k·c), or divides by c"
+        )
+    if isinstance(err, ValueError) and max_k == 1:
+        return "range(1, max_k) is empty at max_k = 1: k = max_k must be tried too: range(1, max_k + 1)"
+    return ""
+
+
+def _sweep_verdict(case: Case, got: Sweep) -> Verdict:
+    points = case.args[1]
+    for (description, alpha, c, max_k, hint), answer in zip(points, got.answers):
+        verdict = _best_k_point(alpha, c, max_k, answer)
+        if verdict:
+            problem, own = verdict
+            diagnosed = _diagnosis(points, got.answers) if _is_id(answer) else ""
+            if isinstance(got.raised, ZeroDivisionError):  # a later point's division by c = 0 says more
+                _, alpha_raised, c_raised, max_k_raised, _ = points[len(got.answers)]
+                if Fraction(alpha_raised) != 1 and Fraction(c_raised) == 0:
+                    diagnosed = _raised_hint(got.raised, alpha_raised, c_raised, max_k_raised)
+            raise failure(
+                "best_k",
+                description,
+                problem,
+                _call(alpha, c, max_k),
+                exact_best_k(alpha, c, max_k),
+                answer,
+                [diagnosed, own, hint],
+            )
+    if got.raised is not None:
+        description, alpha, c, max_k, hint = points[len(got.answers)]
+        err = got.raised
+        try:
+            message = str(err)
+        except Exception:  # an exception whose str() fails
+            message = "(its message cannot be shown)"
+        message = short(message, 300) if len(message) > 300 else message
+        hint = one_hint(_raised_hint(err, alpha, c, max_k), hint)
+        raise CheckFailed(
+            f"✗ best_k — {description}: {_call(alpha, c, max_k)} raised {type(err).__name__}: {message}{got.where}"
+            + (f"\n  hint: {hint}" if hint else "")
+        )
+    return None
+
+
+def _sweep_points() -> list[tuple]:
+    """(description, α, c, max_k, hint) of the sweep: the corners first, then where the plausible mistakes part."""
+
+    def point(description, alpha, c, max_k, hint=""):
+        return (description, alpha, c, max_k, hint)
+
+    return [
+        point("α = 0.6, c = 0.1, max_k = 8: an optimum inside the range", 0.6, 0.1, 8),
+        point("the bundled pair: α ≈ 0.57, c ≈ 0.27", 0.57, 0.27, 8),
+        point("a good draft: α = 0.8, c = 0.05, max_k = 4 (the best is max_k)", 0.8, 0.05, 4),
+        point("a free draft: c = 0, α = 0.5 (the best is max_k)", 0.5, 0.0, 6),
+        point(
             "α = 0: every proposal is rejected",
             0.0,
             0.1,
             8,
-            hint="at α = 0 a round yields one token whatever k, and each proposal costs c: k = 1",
+            "at α = 0 a round yields one token whatever k, and each proposal costs c: k = 1",
         ),
-        case(
+        point(
             "α = 1 (an int): every proposal is kept",
             1,
             0.5,
             8,
-            hint="at α = 1 the closed form is 0/0: the tokens per round are k + 1",
+            "at α = 1 the closed form is 0/0: the tokens per round are k + 1",
         ),
-        case(
-            "α = 1, c = 1: every k gives a speed-up of exactly 1",
-            1.0,
-            1.0,
-            8,
-            hint="on a tie take the smallest k",
-        ),
-        case(
-            "α = 0, c = 0: every k gives exactly 1", 0, 0, 5, hint="on a tie take the smallest k (1 + 0 + … = 1 token)"
-        ),
-        case("α = 1, c = 2: a draft dearer than the target", 1.0, 2.0, 8),
-        case("max_k = 1", 0.9, 0.01, 1),
-        case("a costly draft: α = 0.9, c = 0.5", 0.9, 0.5, 8),
-        case("α close to 1, max_k = 64", 0.999999, 0.02, 64),
-        case("α = 0.95, c = 0.01, max_k = 64: an optimum far inside", 0.95, 0.01, 64),
-        case("fractions: α = 3/5, c = 1/10", Fraction(3, 5), Fraction(1, 10), 8),
-        # Exact ties inside the range (Fractions: no float is a tie there; floats computed from these round to one)
-        case(
+        point("α = 1, c = 1: every k gives a speed-up of exactly 1", 1.0, 1.0, 8, "on a tie take the smallest k"),
+        point("α = 0, c = 0: every k gives exactly 1", 0, 0, 5, "on a tie take the smallest k (1 + 0 + … = 1 token)"),
+        point("α = 1, c = 2: a draft dearer than the target", 1.0, 2.0, 8),
+        point("max_k = 1", 0.9, 0.01, 1),
+        point("a costly draft: α = 0.9, c = 0.5", 0.9, 0.5, 8),
+        point("α close to 1, max_k = 64", 0.999999, 0.02, 64),
+        point("α = 0.95, c = 0.01, max_k = 64: an optimum far inside", 0.95, 0.01, 64),
+        point("fractions: α = 3/5, c = 1/10", Fraction(3, 5), Fraction(1, 10), 8),
+        point("numpy floats: α = 0.7, c = 0.05", np.float64(0.7), np.float64(0.05), 8),
+        # Exact ties inside the range (Fractions: no float is a tie there; the floats these become — in the closed
+        # form, a loop or numpy — round to one too)
+        point(
             "an exact tie between k = 2 and k = 3 (both 3/2×): α = 1/2, c = 1/12 as Fractions",
             Fraction(1, 2),
             Fraction(1, 12),
             8,
-            hint="on a tie take the smallest k",
+            "on a tie take the smallest k",
         ),
-        case(
+        point(
             "an exact tie between k = 3 and k = 4 (both 27/16×): α = 0.5, c = 1/27 (a Fraction)",
             0.5,
             Fraction(1, 27),
             6,
-            hint="on a tie take the smallest k",
+            "on a tie take the smallest k",
         ),
-        case(
-            "an exact tie between k = 1 and k = 2 (both 31/25×): α = 2/5, c = 4/31",
-            Fraction(2, 5),
-            Fraction(4, 31),
+        point(
+            "an exact tie between k = 1 and k = 2 (both 19/16×): α = 0.75, c = 9/19 (a Fraction)",
+            0.75,
+            Fraction(9, 19),
             5,
-            hint="on a tie take the smallest k",
+            "on a tie take the smallest k",
         ),
-        case("the best k is max_k - 1... or max_k", 0.75, 0.02, 7),
+        point("the best k is max_k - 1... or max_k", 0.75, 0.02, 7),
+        point("a draft that keeps less than it costs: α = 0.2, c = 0.3", 0.2, 0.3, 8),
+        point("α = 0.8, c = 0.15", 0.8, 0.15, 12),
+        point("α = 0.99, c = 0.2", 0.99, 0.2, 16),
+        point("α = 0.9, c = 0.05, max_k = 16", 0.9, 0.05, 16),
+        point("α = 0.7, c = 0.6", 0.7, 0.6, 8),
+        point("α = 0.4, c = 0.02", 0.4, 0.02, 16),
+    ]
+
+
+def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
+    """best_k(alpha, c, max_k) -> the k in 1..max_k with the largest expected speed-up
+    (1 − α^(k+1)) / ((1 − α)(k·c + 1)) ((k + 1)/(k·c + 1) at α = 1), the smallest on a tie; then the engine
+    runs it: generate(..., num_draft_tokens="auto") must give plain greedy decoding's tokens.
+
+    The first case is a sweep: best_k on every corner and on the points where plausible mistakes part (each wrong
+    formula of expected_tokens or expected_speedup gives another k at some of them), one call each; the mistake that
+    gives all of its answers is named. The engine's formulas are refused: best_k must rest on your own."""
+    rng = random.Random(seed)
+    fn = unwritten_helper(fn)
+    points = _sweep_points()
+    cases = [
+        Case(
+            f"best_k on {len(points)} points in turn",
+            ("sweep", points),
+            [exact_best_k(alpha, c, max_k) for _, alpha, c, max_k, _ in points],
+        )
     ]
     count = 0
     while count < n_random:
         alpha = rng.choice([rng.random(), rng.random(), 0.5 + rng.random() / 2, 0.9 + rng.random() / 10])
-        c = rng.choice([0.0, rng.random() / 10, rng.random() / 3, rng.random()])
+        c = rng.choice([0.0, rng.random() / 10, rng.random() / 3, rng.random(), 1 + rng.random()])
         max_k = rng.randint(1, 16)
         if clear_best(alpha, c, max_k):
-            cases.append(case(f"random #{count}", alpha, c, max_k))
+            cases.append(Case(f"random #{count}", (alpha, c, max_k), exact_best_k(alpha, c, max_k)))
             count += 1
     for how, which in [("draft", "a draft model (a noisy copy of the target: c = 1)"), (PROMPT_LOOKUP, PROMPT_LOOKUP)]:
         cases.append(
@@ -1340,7 +1871,20 @@ def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
             )
         )
 
+    def sweep(points):
+        answers = []
+        for _, alpha, c, max_k, _ in points:
+            try:
+                answers.append(fn(alpha, c, max_k))
+            except (NotImplementedError, ForbiddenCall):
+                raise
+            except Exception as err:  # said with the point it failed at (the judge's message)
+                return Sweep(answers, err, _where(err))
+        return Sweep(answers)
+
     def run(*args):
+        if args[0] == "sweep":
+            return sweep(args[1])
         if args[0] != "engine":
             return fn(*args)
         watch = sys.getprofile()
@@ -1360,17 +1904,21 @@ def check_best_k(fn, *, seed: int = 0, n_random: int = 12) -> None:
                 f"generate(target, prompt, draft={draft}, num_draft_tokens='auto', eos_token_id=None, "
                 "speculation=guarded(Speculation, best_k=best_k)) (a tiny target, vocabulary 97)"
             )
-        return f"best_k(alpha={args[0]!r}, c={args[1]!r}, max_k={args[2]})"
+        if args[0] == "sweep":
+            return f"best_k on {len(args[1])} (α, c, max_k) in turn: α from 0 to 1, c from 0 to 2, max_k from 1 to 64"
+        return _call(*args)
 
     run_check(
         "best_k",
         run,
         cases,
         judge=_best_k_verdict,
-        forbid=[NO_ENGINE_BEST_K],
+        forbid=NO_FORMULA,
         show_call=show,
         seconds=10,
         total_seconds=30,
+        shrink=False,
+        success=f"✓ best_k — {len(points) + len(cases) - 1} cases",
         error_hints={
             "ZeroDivisionError": "the α = 1 division by zero: the closed form is 0/0 there; the tokens per round "
             "are k + 1 (1 + α + … + α^k with α = 1): handle α == 1 separately",
