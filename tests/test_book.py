@@ -489,11 +489,6 @@ PLOTLY_PROBE = """
 """
 
 
-# Titles still too long for a phone even at the book's 12 px: chapter 08's comes from a machine-dependent cell, whose
-# stored measurements a refresh would replace (issue 44 revisits chapter 08).
-TITLES_LEFT_LONG: set[str] = set()
-
-
 @needs_chromium
 @pytest.mark.parametrize("width", [1400, 400])
 @pytest.mark.parametrize("name", INTERACTIVE)
@@ -510,9 +505,7 @@ def test_interactive_figures_work_offline_without_a_kernel(book, name, width):
         assert figure["window"] == width, figure
         assert figure["drawn"] and figure["traces"] > 0, figure
         assert figure["width"] <= figure["page"], figure
-        assert figure["title"] or figure["id"] in TITLES_LEFT_LONG, (
-            f"the title of {figure['id']} is clipped at {width} px"
-        )
+        assert figure["title"], f"the title of {figure['id']} is clipped at {width} px"
         if figure["controls"] > 1:
             assert figure["changed"], figure
     assert any(figure["controls"] > 1 for figure in figures), "no figure has a menu or a slider"
