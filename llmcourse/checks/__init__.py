@@ -66,7 +66,14 @@ from .modern import (
     check_swiglu,
 )
 from .pipeline import check_top_k_next_tokens
-from .quantize import check_int8_linear, check_pack_int4, check_quantize_int4, check_quantize_int8, check_smooth_scales
+from .quantize import (
+    check_int8_linear,
+    check_pack_int4,
+    check_quantize_int4,
+    check_quantize_int8,
+    check_smooth_scales,
+    check_smoothing_error,
+)
 from .roofline import (
     check_attention_cost,
     check_critical_batch,
@@ -178,6 +185,7 @@ __all__ = [
     "check_quantize_int4",
     "check_int8_linear",
     "check_smooth_scales",
+    "check_smoothing_error",
     "check_gpu_roof",
     "check_matrix_bytes",
     "check_gemm_cost",

@@ -1,5 +1,6 @@
 """Checks for chapter 09, quantization: absmax int8 per row, 4-bit values packed two per byte, 4-bit
-groups of 32 (Q4_0), a linear layer with int8 weights by the integer route, and SmoothQuant's factors.
+groups of 32 (Q4_0), a linear layer with int8 weights by the integer route, SmoothQuant's factors, and the
+output error they trade with the α that makes it smallest (`smoothing_error`, `best_alpha`).
 
 Quantized values are integers, so they are compared exactly — except where w / scale lies within
 1e-4 of a half-integer (a tie, or a float's last bit away from one): there either neighbour is right,
@@ -21,6 +22,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import numbers
 import sys
 import warnings
 from typing import Any, Callable, Optional
@@ -43,7 +45,7 @@ from llmcourse.engine.quantize import unpack_int4 as engine_unpack_int4
 from llmcourse.engine.slots import PartError
 
 from .harness.bundled import bundled_model
-from .harness.core import Case, Verdict, call_learner, failure, later, run_check
+from .harness.core import Case, Verdict, call_learner, failure, later, run_check, unwritten_helper
 from .harness.forbid import DispatchWatch, Forbidden
 from .harness.inputs import changed_input, watched
 from .harness.show import short
@@ -1832,6 +1834,17 @@ def _smooth_with(combine: Callable, axis: int = 0, absolute: bool = True) -> Cal
     return smooth
 
 
+def _smooth_reduced(reduce: Callable) -> Callable:
+    """smooth_scales with the weights' term reduce(|W|) [K] instead of each column's max (a known mistake)."""
+
+    def smooth(act_absmax, weight, alpha=0.5):
+        a, w = act_absmax.double(), reduce(weight.double().abs())
+        s = a.pow(float(alpha)) / w.pow(1 - float(alpha))
+        return torch.where((a > 0) & (w > 0), s, torch.ones_like(s))
+
+    return smooth
+
+
 def _smooth_unguarded(act_absmax, weight, alpha=0.5):
     a, w = act_absmax.double(), weight.double().abs().amax(dim=0)
     return a.pow(alpha) / w.pow(1 - alpha)
@@ -1864,6 +1877,18 @@ SMOOTH_MISTAKES = [
     (
         _smooth_with(lambda a, w, al: a / w),
         "alpha was ignored: s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)",
+    ),
+    (
+        _smooth_with(lambda a, w, al: a.sqrt() / w.sqrt()),
+        "alpha was fixed at 0.5 (square roots): use the alpha given, s_j = max|X_j|^alpha / max|W_j|^(1 - alpha)",
+    ),
+    (
+        _smooth_reduced(lambda w: w.mean(dim=0)),
+        "the weights' term is each column's MAXIMUM |w|, weight.abs().amax(dim=0), not its mean",
+    ),
+    (
+        _smooth_reduced(lambda w: w.max().expand(w.shape[1])),
+        "one maximum for the whole matrix: take each input channel's own, over the rows (weight.abs().amax(dim=0))",
     ),
 ]
 
@@ -2086,4 +2111,570 @@ def check_smooth_scales(smooth_scales: Callable, *, seed: int = 0, n_random: int
         {"smooth_scales": smooth_scales},
         {"smooth_scales": (_smooth_verdict, engine_smooth_scales)},
         calibrate=True,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Exercise 6: smoothing_error, best_alpha (choosing SmoothQuant's alpha)
+
+# A correct error computed another way (in float64, with dequantized floats, token by token) rounds a near-tie of
+# x / s or W s the other way now and then: up to 2.6e-4 of the error on these layers. Every named mistake is off by
+# far more (a factor, mostly).
+ERROR_RTOL = 2e-3
+NAMED_RTOL = 5e-3  # a learner's mistake matches the check's version of it this closely (float32 against float64)
+
+
+def _fake_int8(t: Tensor, dim: Optional[int]) -> Tensor:
+    """dequant(quant(t)) in float64, absmax int8 with one scale per slice along `dim` (1: per row, 0: per column,
+    None: one for the whole tensor)."""
+    scale = (t.abs().amax(dim=dim, keepdim=True) if dim is not None else t.abs().max()) / 127
+    return torch.round(t / torch.where(scale == 0, 1.0, scale)).clamp(-127, 127) * scale
+
+
+ROUNDING_DIM = {"token": 1, "row": 1, "channel": 0, "column": 0, "tensor": None}
+
+
+def smoothed_error(
+    x: Tensor,
+    weight: Tensor,
+    alpha: float,
+    *,
+    dead: str = "one",
+    divide: bool = True,
+    columns: bool = True,
+    scale_weight: bool = True,
+    swap: bool = False,
+    pass_alpha: bool = True,
+    smooth: bool = True,
+    act_dim: int = 0,
+    act_abs: bool = True,
+    x_rounding: Optional[str] = "token",
+    w_rounding: Optional[str] = "row",
+    measure: str = "output",
+    norm: str = "frobenius",
+) -> Optional[float]:
+    """`smoothing_error` in float64, right with the defaults; each keyword set otherwise is a known mistake (None
+    where that mistake cannot run on these shapes). x [M, K], weight [N, K]: s from x's own channels
+    (s_j = max_m |x_mj|^alpha / max_n |w_nj|^(1 - alpha), 1 where either is 0), x / s rounded per token, W diag(s)
+    per output row, and ||int8 route - x W^T|| / ||x W^T||."""
+    x, w = x.double(), weight.double()
+    alpha = float(alpha)
+    if smooth:
+        a = (x.abs() if act_abs else x).amax(dim=1 if act_dim else 0)
+        m = w.abs().amax(dim=0)
+        if a.shape != m.shape:
+            return None
+        power = (1 - alpha if swap else alpha) if pass_alpha else 0.5
+        s = a.pow(power) / m.pow(1 - power)
+        if dead == "one":
+            s = torch.where((a > 0) & (m > 0), s, torch.ones_like(s))
+        else:  # SmoothQuant's own code: both maxima and the factor clamped at 1e-5
+            s = (a.clamp(min=1e-5).pow(power) / m.clamp(min=1e-5).pow(1 - power)).clamp(min=1e-5)
+    else:
+        s = torch.ones(x.shape[1], dtype=torch.float64)
+    xs = x / s if divide else x * s
+    if not scale_weight:
+        ws = w
+    elif columns:
+        ws = w * s
+    elif w.shape[0] == w.shape[1]:
+        ws = w * s[:, None]
+    else:
+        return None
+    exact = x @ w.T
+    rx = _fake_int8(xs, ROUNDING_DIM[x_rounding]) if x_rounding else xs
+    rw = _fake_int8(ws, ROUNDING_DIM[w_rounding]) if w_rounding else ws
+    if measure == "activations":
+        difference, size = rx - xs, xs
+    elif measure == "weights":
+        difference, size = rw - ws, ws
+    else:
+        difference, size = rx @ rw.T - exact, exact
+    if norm == "mean":
+        return float(difference.abs().mean() / size.abs().mean())
+    if norm == "max":
+        return float(difference.abs().max() / size.abs().max())
+    if norm == "absolute":
+        return float(difference.norm())
+    if norm == "elementwise":
+        return float((difference.abs() / size.abs()).mean())
+    return float(difference.norm() / size.norm())
+
+
+def reference_smoothing_error(x: Tensor, weight: Tensor, alpha: float) -> float:
+    """The engine's route, in float32 as the engine computes: `smooth_scales` from x's channels, `quantize_int8` of
+    W diag(s), `int8_linear` of x / s; the error against x W^T in float64."""
+    x, w = x.float(), weight.float()
+    s = engine_smooth_scales(x.abs().amax(dim=0), w, float(alpha))
+    q, scale = engine_quantize_int8(w * s)
+    y = engine_int8_linear(x / s, q, scale, None)
+    exact = x.double() @ w.double().T
+    return float((y.double() - exact).norm() / exact.norm())
+
+
+class ErrorExpected:
+    """The expected error of a case: the engine's route (float32) and the same in float64; either is right. Where a
+    channel's maximum is 0, the factor smooth_scales gives it changes the error (x / s keeps a channel of zero weights
+    in the tokens' scales when s_j = 1, and a column of W scaled by s_j sets its rows' scales): the error with
+    SmoothQuant's own rule there (maxima clamped at 1e-5), which smooth_scales' check accepts too, is right as well."""
+
+    def __init__(self, x: Tensor, weight: Tensor, alpha: float):
+        self.f32 = reference_smoothing_error(x, weight, alpha)
+        self.f64 = smoothed_error(x, weight, alpha)
+        dead = bool((x.abs().amax(dim=0) == 0).any() or (weight.abs().amax(dim=0) == 0).any())
+        self.clamped = smoothed_error(x, weight, alpha, dead="clamp") if dead else None
+
+    def __repr__(self) -> str:
+        return f"{self.f32:.6g}"
+
+    def accepts(self, got: float) -> bool:
+        return any(abs(got - e) <= ERROR_RTOL * abs(e) for e in (self.f32, self.f64, self.clamped) if e is not None)
+
+
+SMOOTHING_ERROR_MISTAKES = [
+    (
+        dict(divide=False),
+        "x was multiplied by s: DIVIDE it (x / s) and multiply W's columns (W * s), so that "
+        "(x / s) (W diag(s))^T = x W^T",
+    ),
+    (
+        dict(columns=False),
+        "W's rows were multiplied by s: s has one factor per INPUT channel j, which is column j of W: weight * s "
+        "(broadcast over the rows), not weight * s[:, None]",
+    ),
+    (
+        dict(scale_weight=False),
+        "x was divided by s but W not multiplied by it: the smoothed layer must compute the same product, "
+        "(x / s) (W * s)^T",
+    ),
+    (dict(swap=True), "alpha and 1 - alpha swapped: pass alpha to smooth_scales as it is"),
+    (
+        dict(pass_alpha=False),
+        "smooth_scales was called without alpha, so with its default 0.5: pass alpha on",
+    ),
+    (
+        dict(smooth=False),
+        "that is the error of plain int8, with no smoothing (s = 1): smooth first, s = smooth_scales(act_absmax, "
+        "weight, alpha)",
+    ),
+    (
+        dict(act_dim=1),
+        "act_absmax was taken per token: it is each INPUT channel's largest |x| over the tokens, "
+        "x.abs().amax(dim=0), [K]",
+    ),
+    (
+        dict(act_abs=False),
+        "act_absmax is the largest |x| of each channel: x.abs().amax(dim=0), not x.amax(dim=0) (a channel whose "
+        "largest values are negative)",
+    ),
+    (
+        dict(x_rounding="tensor"),
+        "the activations were rounded with one scale for the whole of x: the integer route gives each token (row "
+        "of x / s) its own scale, as int8_linear does",
+    ),
+    (
+        dict(x_rounding="channel"),
+        "the activations were rounded with one scale per channel: the integer route gives each token (row of "
+        "x / s) its own scale, as int8_linear does",
+    ),
+    (
+        dict(w_rounding="tensor"),
+        "the weights were rounded with one scale for the whole matrix: quantize_int8(W * s) gives each output "
+        "row its own",
+    ),
+    (
+        dict(w_rounding="column"),
+        "the weights were rounded with one scale per column: quantize_int8 takes W * s as it is, [N, K], one "
+        "scale per output row",
+    ),
+    (
+        dict(x_rounding=None),
+        "only the weights were rounded: the integer route rounds the activations too, "
+        "int8_linear(x / s, q, scale, None)",
+    ),
+    (
+        dict(w_rounding=None),
+        "only the activations were rounded: the weights W * s are rounded too, quantize_int8(weight * s)",
+    ),
+    (
+        dict(measure="activations"),
+        "that is the rounding error of the activations x / s alone: measure it on the layer's output, "
+        "int8_linear(...) against x @ weight.T",
+    ),
+    (
+        dict(measure="weights"),
+        "that is the rounding error of the weights W * s alone: measure it on the layer's output, "
+        "int8_linear(...) against x @ weight.T",
+    ),
+    (
+        dict(norm="mean"),
+        "mean |difference| / mean |y|: the error is a ratio of norms, ||y_int8 - y|| / ||y|| ((...).norm(), the "
+        "square root of the sum of squares)",
+    ),
+    (
+        dict(norm="max"),
+        "max |difference| / max |y|: the error is a ratio of norms, ||y_int8 - y|| / ||y|| ((...).norm())",
+    ),
+    (dict(norm="absolute"), "||y_int8 - y|| alone: divide it by ||y|| = ||x @ weight.T||"),
+    (
+        dict(norm="elementwise"),
+        "the mean of |difference| / |y| element by element: the error is ||y_int8 - y|| / ||y||, the norms of "
+        "the whole outputs",
+    ),
+]
+
+
+def _number(got: Any) -> Optional[float]:
+    """A Python number, numpy number or 0-d tensor as a float; None otherwise."""
+    if isinstance(got, bool):
+        return None
+    if isinstance(got, Tensor):
+        return float(got) if got.numel() == 1 and got.dim() == 0 and not got.is_complex() else None
+    try:
+        return float(got) if isinstance(got, numbers.Real) else None
+    except (TypeError, ValueError, OverflowError):
+        return None
+
+
+def _smoothing_error_verdict(case: Case, got: Any) -> Verdict:
+    expected: ErrorExpected = case.expected
+    value = _number(got)
+    if value is None:
+        return (
+            f"expected a number, got {short(got, 80)}",
+            "return the error as a Python float: ((y - exact).norm() / exact.norm()).item()",
+        )
+    if expected.accepts(value):
+        return None
+    problem = f"expected {expected.f32:.6g}, got {value:.6g}"
+    if not math.isfinite(value):
+        return problem, (
+            "a factor s_j of 0, inf or nan: use your smooth_scales (a channel whose maximum is 0 gets s_j = 1), "
+            "and divide x by s"
+        )
+    named = []  # (how far, hint) of each known mistake that gives the learner's answer; the nearest is named
+    for options, hint in SMOOTHING_ERROR_MISTAKES:
+        candidate = _try(functools.partial(smoothed_error, **options), *case.args)
+        if candidate is not None and math.isfinite(candidate) and candidate != 0:
+            off = abs(value - candidate) / abs(candidate)
+            if off <= NAMED_RTOL:
+                named.append((off, hint))
+    return problem, min(named)[1] if named else ""
+
+
+def _layer(
+    rng: torch.Generator,
+    M: int,
+    K: int,
+    N: int,
+    *,
+    outliers: int = 0,
+    grow: float = 1.0,
+    token_spread: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """A layer's inputs x [M, K] and weight [N, K]: tokens of sizes spread over `token_spread` (a factor), `outliers`
+    channels `grow` times the others (LLM.int8()'s outlier features), weights whose rows differ in size."""
+    x = torch.randn(M, K, generator=rng)
+    if token_spread != 1:
+        sizes = torch.logspace(0, math.log10(token_spread), M)[torch.randperm(M, generator=rng)]
+        x = x * sizes[:, None]
+    if outliers:
+        x[:, torch.randperm(K, generator=rng)[:outliers]] *= grow
+    rows = torch.logspace(-0.3, 0.3, N)[torch.randperm(N, generator=rng)]
+    weight = torch.randn(N, K, generator=rng) * 0.05 * rows[:, None]
+    return x, weight
+
+
+def smoothing_error_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed)
+
+    def case(description, x, weight, alpha, hint=""):
+        return Case(description, (x, weight, alpha), later(ErrorExpected, x, weight, alpha), hint)
+
+    x, w = _layer(rng, 64, 96, 80, outliers=2, grow=50, token_spread=4)
+    square_x, square_w = _layer(rng, 64, 64, 64, outliers=1, grow=30, token_spread=3)
+    spread_x, spread_w = _layer(rng, 48, 64, 40, outliers=1, grow=20, token_spread=100)
+    flat_x, flat_w = _layer(rng, 48, 64, 40)
+    dead_x, dead_w = _layer(rng, 32, 48, 24, outliers=1, grow=40, token_spread=2)
+    dead_x[:, 5] = 0  # a channel the calibration never saw
+    dead_w[:, 9] = 0  # an input channel no output reads
+    negative_x, negative_w = _layer(rng, 40, 48, 32, token_spread=2)
+    negative_x[:, 3] = -negative_x[:, 3].abs() * 60  # an outlier channel of negative values
+    negative_x[0, 3] = 1.0  # its signed max is small and positive
+    view_x, view_w = _layer(rng, 48, 64, 56, outliers=2, grow=25, token_spread=3)
+    half_x, half_w = _layer(rng, 32, 64, 48, outliers=1, grow=60, token_spread=3)
+    double_x, double_w = _layer(rng, 40, 48, 36, outliers=3, grow=15, token_spread=5)
+    one_x, one_w = _layer(rng, 1, 32, 24, outliers=1, grow=50)
+    fc_x, fc_w = _layer(rng, 48, 192, 768, outliers=3, grow=40, token_spread=3)
+    cases = [
+        case(
+            "two outlier channels (50x the others): x [64, 96], weight [80, 96], alpha 0.5",
+            x,
+            w,
+            0.5,
+            hint="s = smooth_scales(x.abs().amax(dim=0), weight, alpha); q, scale = quantize_int8(weight * s); "
+            "y = int8_linear(x / s, q, scale, None); ||y - x W^T|| / ||x W^T||",
+        ),
+        case("the same layer, alpha 0.8 (most of the range moved into the weights)", x, w, 0.8),
+        case("the same layer, alpha 0.2", x, w, 0.2),
+        case("the same layer, alpha 0 (an int): s = 1 / max|W_j|", x, w, 0),
+        case("the same layer, alpha 1 (an int): s = max|X_j|", x, w, 1),
+        case(
+            "a square layer (rows and columns of W could be confused; tokens and channels too): x [64, 64], "
+            "weight [64, 64], alpha 0.6",
+            square_x,
+            square_w,
+            0.6,
+        ),
+        case(
+            "tokens of very different sizes (100x apart) and an outlier channel: x [48, 64], weight [40, 64], "
+            "alpha 0.5",
+            spread_x,
+            spread_w,
+            0.5,
+        ),
+        case("no outlier channel: x [48, 64], weight [40, 64], alpha 0.5", flat_x, flat_w, 0.5),
+        case(
+            "a channel the calibration never saw (x[:, 5] = 0) and a weight column of zeros (W[:, 9] = 0), alpha 0.7",
+            dead_x,
+            dead_w,
+            0.7,
+            hint="a channel whose maximum is 0 gets s_j = 1 (your smooth_scales does it): no 0 / 0",
+        ),
+        case(
+            "an outlier channel of negative values (x[:, 3], down to -60x): x [40, 48], weight [32, 48], alpha 0.5",
+            negative_x,
+            negative_w,
+            0.5,
+        ),
+        case(
+            "x and weight as transposed views (quantize_model holds a layer's weight as weight.T), alpha 0.4",
+            view_x.T.contiguous().T,
+            view_w.T.contiguous().T,
+            0.4,
+        ),
+        case(
+            "float16 activations and a bfloat16 weight (a half-precision model): compute in float32, alpha 0.5",
+            half_x.half(),
+            half_w.bfloat16(),
+            0.5,
+        ),
+        case("float64 inputs, three outlier channels, alpha 0.3", double_x.double(), double_w.double(), 0.3),
+        case("one token: x [1, 32], weight [24, 32], alpha 0.5", one_x, one_w, 0.5),
+        case(
+            "GPT-2 small's c_fc with three outlier channels: x [48, 192], weight [768, 192], alpha 0.5",
+            fc_x,
+            fc_w,
+            0.5,
+        ),
+    ]
+    for i in range(n_random):
+        M, K, N = (int(torch.randint(lo, hi, (), generator=rng)) for lo, hi in ((2, 48), (8, 96), (4, 64)))
+        outliers = int(torch.randint(0, 4, (), generator=rng))
+        grow = [5.0, 20.0, 100.0, 300.0][i % 4]
+        alpha = round(float(torch.rand((), generator=rng)), 2)
+        rx, rw = _layer(rng, M, K, N, outliers=outliers, grow=grow, token_spread=10)
+        cases.append(
+            case(
+                f"random #{i}: x [{M}, {K}], weight [{N}, {K}], {outliers} outlier channels {grow:g}x, alpha {alpha}",
+                rx,
+                rw,
+                alpha,
+            )
+        )
+    return cases
+
+
+# best_alpha
+
+
+class AlphaExpected:
+    """The expected choice of a case: each alpha's error by the engine's route (float32) and in float64. An alpha is
+    right if its error is the smallest, within ERROR_RTOL of it by either route; among alphas whose errors are
+    exactly equal (a tie), the smallest."""
+
+    def __init__(self, x: Tensor, weight: Tensor, alphas):
+        self.alphas = [float(a) for a in alphas]
+        self.f32 = [reference_smoothing_error(x, weight, a) for a in self.alphas]
+        self.f64 = [smoothed_error(x, weight, a) for a in self.alphas]
+
+    def best(self) -> float:
+        i = min(range(len(self.alphas)), key=lambda i: (self.f32[i], self.alphas[i]))
+        return self.alphas[i]
+
+    def __repr__(self) -> str:
+        return f"{self.best():g}"
+
+    def right(self, i: int) -> bool:
+        near = any(errors[i] <= min(errors) * (1 + ERROR_RTOL) + 1e-12 for errors in (self.f32, self.f64))
+        tied_below = any(
+            self.f32[j] == self.f32[i] and self.alphas[j] < self.alphas[i] for j in range(len(self.alphas))
+        )
+        return near and not tied_below
+
+
+def _index_of(alpha: float, alphas: list[float]) -> Optional[int]:
+    found = [i for i, a in enumerate(alphas) if abs(a - alpha) <= 1e-6 * max(1.0, abs(a))]
+    return found[0] if found else None
+
+
+BEST_ALPHA_MISTAKES = [
+    (
+        lambda errors, alphas: alphas[max(range(len(errors)), key=lambda i: (errors[i], -i))],
+        "that alpha gives the LARGEST error: the best alpha gives the smallest (min / argmin, not max)",
+    ),
+    (
+        lambda errors, alphas: alphas[max(i for i, e in enumerate(errors) if e == min(errors))],
+        "on a tie (equal errors) return the smallest alpha: keep the first minimum (compare with <, not <=)",
+    ),
+    (
+        lambda errors, alphas: min(range(len(errors)), key=lambda i: errors[i]),
+        "that is the index of the best alpha in alphas: return the alpha itself, alphas[i]",
+    ),
+    (lambda errors, alphas: min(errors), "that is the smallest error: return the alpha that gives it"),
+    (
+        lambda errors, alphas: (
+            alphas[min(range(len(errors) - 1), key=lambda i: errors[i])] if len(errors) > 1 else None
+        ),
+        "the last alpha of the list was never tried: try every one (range(len(alphas)))",
+    ),
+    (
+        lambda errors, alphas: (
+            alphas[1 + min(range(len(errors) - 1), key=lambda i: errors[1 + i])] if len(errors) > 1 else None
+        ),
+        "the first alpha of the list was never tried: try every one",
+    ),
+    (lambda errors, alphas: 0.5, "alpha 0.5 is SmoothQuant's default, not the best here: try each of alphas"),
+]
+
+
+def _best_alpha_verdict(case: Case, got: Any) -> Verdict:
+    expected: AlphaExpected = case.expected
+    value = _number(got)
+    if value is None:
+        return (
+            f"expected one of alphas (a number), got {short(got, 80)}",
+            "return the alpha whose smoothing_error is the smallest: one item of alphas",
+        )
+    i = _index_of(value, expected.alphas)
+    if i is not None and expected.right(i):
+        return None
+    best = expected.best()
+    j = _index_of(best, expected.alphas)
+    if i is None:
+        problem = f"expected {best:g} (error {expected.f32[j]:.4%}), got {value:g}, which is not one of alphas"
+    else:
+        problem = f"expected {best:g} (error {expected.f32[j]:.4%}), got {value:g} (error {expected.f32[i]:.4%})"
+    for fn, hint in BEST_ALPHA_MISTAKES:
+        candidate = _try(fn, expected.f32, expected.alphas)
+        if candidate is not None and abs(float(candidate) - value) <= 1e-9 * max(1.0, abs(value)):
+            return problem, hint
+    return (
+        problem,
+        "call smoothing_error(x, weight, alpha) for each alpha of alphas and return the one with the smallest",
+    )
+
+
+def _tied_layer(rng: torch.Generator, M: int, K: int, N: int) -> tuple[Tensor, Tensor]:
+    """A layer whose every channel's largest |x| and column's largest |w| are 1: s = 1 for every alpha, so every
+    alpha gives the same error exactly (a tie)."""
+    x, weight = _layer(rng, M, K, N, token_spread=3)
+    return x / x.abs().amax(dim=0), weight / weight.abs().amax(dim=0)
+
+
+ALPHAS = [i / 10 for i in range(11)]
+
+
+def best_alpha_cases(seed: int, n_random: int) -> list[Case]:
+    rng = torch.Generator().manual_seed(seed + 1)
+
+    def case(description, x, weight, alphas, hint=""):
+        return Case(description, (x, weight, alphas), later(AlphaExpected, x, weight, alphas), hint)
+
+    x, w = _layer(rng, 64, 96, 80, outliers=2, grow=50, token_spread=4)
+    big_x, big_w = _layer(rng, 48, 64, 48, outliers=1, grow=300, token_spread=3)
+    tie_x, tie_w = _tied_layer(rng, 32, 48, 40)
+    cases = [
+        case(
+            "two outlier channels (50x): x [64, 96], weight [80, 96], alphas [0, 0.1, ..., 1] (a list)",
+            x,
+            w,
+            list(ALPHAS),
+            hint="errors = [smoothing_error(x, weight, a) for a in alphas]; the alpha of the smallest",
+        ),
+        case("the same layer, alphas (0.5, 0.6, 0.7, 0.8, 0.9, 1.0) (a tuple)", x, w, (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)),
+        case("the same layer, alphas (0.0, 0.1, 0.2, 0.3)", x, w, (0.0, 0.1, 0.2, 0.3)),
+        case(
+            "one outlier channel 300x: x [48, 64], weight [48, 64], alphas torch.linspace(0, 1, 11) (a tensor)",
+            big_x,
+            big_w,
+            torch.linspace(0, 1, 11, dtype=torch.float64),
+        ),
+        case(
+            "every channel's max |x| and every column's max |w| are 1: s = 1 for every alpha, all errors equal; "
+            "alphas [0.2, 0.4, 0.6, 0.8]",
+            tie_x,
+            tie_w,
+            [0.2, 0.4, 0.6, 0.8],
+            hint="on a tie, the smallest alpha",
+        ),
+        case("alphas in no order: [0.9, 0.3, 0.6, 0.0]", x, w, [0.9, 0.3, 0.6, 0.0]),
+        case("one alpha: [0.7]", big_x, big_w, [0.7]),
+    ]
+    for i in range(n_random):
+        M, K, N = (int(torch.randint(lo, hi, (), generator=rng)) for lo, hi in ((8, 48), (16, 96), (8, 64)))
+        grow = [10.0, 40.0, 150.0][i % 3]
+        rx, rw = _layer(rng, M, K, N, outliers=1 + i % 3, grow=grow, token_spread=5)
+        cases.append(
+            case(
+                f"random #{i}: x [{M}, {K}], weight [{N}, {K}], {1 + i % 3} outlier channels {grow:g}x, "
+                "alphas [0, 0.1, ..., 1]",
+                rx,
+                rw,
+                list(ALPHAS),
+            )
+        )
+    return cases
+
+
+def check_smoothing_error(smoothing_error: Callable, best_alpha: Callable, *, seed: int = 0, n_random: int = 4) -> None:
+    """smoothing_error(x [M, K], weight [N, K], alpha) -> the relative error ||y_int8 - x W^T|| / ||x W^T|| of the
+    integer route on the layer smoothed with s = smooth_scales(x.abs().amax(dim=0), weight, alpha) (x / s rounded
+    per token, W * s per output row); best_alpha(x, weight, alphas) -> the alpha of alphas with the smallest error
+    (the smallest alpha on a tie)."""
+
+    def show_error(args):
+        x, weight, alpha = args
+        return f"smoothing_error(x={short(x, 70)}, weight={short(weight, 70)}, alpha={alpha!r})"
+
+    def show_best(args):
+        x, weight, alphas = args
+        return f"best_alpha(x={short(x, 70)}, weight={short(weight, 70)}, alphas={short(alphas, 90)})"
+
+    run_check(
+        "smoothing_error",
+        unwritten_helper(smoothing_error),
+        smoothing_error_cases(seed, n_random),
+        judge=_smoothing_error_verdict,
+        forbid=FORBID,
+        show_call=show_error,
+        seconds=5,
+        total_seconds=40,
+        shrink=False,
+        error_hints={
+            "The size of tensor": "act_absmax and s have one value per INPUT channel j (x.abs().amax(dim=0), [K]): "
+            "x / s divides x's columns, weight * s multiplies W's columns (both broadcast over the rows)",
+            "view size is not compatible": "x and weight may be transposed views: use reshape, not view",
+        },
+    )
+    run_check(
+        "best_alpha",
+        unwritten_helper(best_alpha),
+        best_alpha_cases(seed, max(1, n_random // 2)),
+        judge=_best_alpha_verdict,
+        forbid=FORBID,
+        show_call=show_best,
+        seconds=15,
+        total_seconds=60,
+        shrink=False,
     )
