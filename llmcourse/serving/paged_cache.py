@@ -4,13 +4,15 @@ A request's block table lists its blocks in order: position p lives in block `ta
 at offset `p % block_size` (its slot in the pool is `table[p // block_size] * block_size + p % block_size`).
 Nothing is reserved for tokens not generated yet, and requests of any length share the pool without
 padding. `forward` runs one step of the engine over a flat batch: chunks of several requests side by
-side, each attending to its own keys through its table. The decode tokens attend with `paged_attention`,
-which walks the block table and reads each block of the pool where it lies (as vLLM's PagedAttention
-kernel does) instead of first copying a request's keys into one tensor; a long context is split into
-partitions of `partition_size` positions, attended to side by side and combined with `merge_attention`
-(vLLM's PagedAttention V2, the split-K of FlashDecoding). On a CPU the engine's own,
-`paged_attention_fused`, copies each partition's blocks into one tile for torch's fused kernel instead:
-eager PyTorch cannot read blocks in place, and small operations per block cost more than that copy.
+side, each attending to its own keys through its table. The decode tokens attend with `paged_attention`'s
+contract: `paged_attention` walks the block table one column of blocks at a time (each `k_pool[table[:, j]]`
+a copy of one block per sequence, never a whole context; a GPU kernel such as vLLM's reads the blocks through
+the table inside itself, with no copy); a long context is split into partitions of `partition_size`
+positions, attended to side by side and combined with `merge_attention` (vLLM's PagedAttention V2, the
+split-K of FlashDecoding). The engine's own, `paged_attention_fused`, the default on every device, copies
+each partition's blocks into one tile for torch's fused kernel instead: eager PyTorch cannot read blocks in
+place, and small operations per block cost more than that copy. On a CPU that kernel returns the
+log-sum-exp; elsewhere a second pass computes it (chapter 07 says what each costs).
 
     >>> pool = torch.arange(3 * 2 * 1 * 1.0).view(3, 2, 1, 1)   # 3 blocks of 2 positions, 1 head, dim 1
     >>> gather_kv(pool, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0-1 in block 2, 2 in block 0
