@@ -111,6 +111,21 @@ def test_no_notice_ends_in_an_empty_message(course_run, name):
 
 
 @pytest.mark.parametrize("name", CHAPTERS)
+def test_on_the_stubs_every_failing_demo_names_the_exercise_to_write(course_run, name):
+    """Run All on the release: a demo or figure that needs an exercise says which one is not written yet (the stub's
+    one line, or the engine's notice for a part), never a KeyError or NameError over results that an earlier demo,
+    stopped by the same stub, never made (chapter 11's GQA figure and chapter 09's SmoothQuant figures did)."""
+    ran = course_run.autograded("bob", name)
+    for cell in code_cells(ran):
+        if graded(cell):
+            continue
+        for error in errors_in(cell, ran):
+            shown = ANSI.sub("", "\n".join(error.get("traceback", [])))
+            where = f"{name}, cell {cell['id']}:\n{source(cell)[:300]}"
+            assert "is not written yet" in shown, f"{where}\nshows: {shown[-600:]}"
+
+
+@pytest.mark.parametrize("name", CHAPTERS)
 def test_release_is_in_sync_with_nbgrader(course_run, name):
     edited = learner_work(ROOT / "chapters" / name / f"{name}.ipynb")
     if edited:  # a learner working in this checkout: their copy is not the release, and releasing would erase it

@@ -2,6 +2,7 @@
 NotImplementedError traceback). `import llmcourse` inside IPython installs it (llmcourse.course.stubs)."""
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 STUB = "def embedding(weight, ids):\n    # YOUR CODE HERE\n    raise NotImplementedError()"
@@ -55,3 +56,21 @@ def test_only_a_bare_stub_of_the_notebook_is_named():
     lines = shown.stdout.splitlines()
     assert lines[0] == ONE_LINE.replace("`embedding`", "`KVCache.update`") and lines[1] == ONE_LINE
     assert len(lines) > 3, "a raise outside any function keeps its traceback"
+
+
+def test_written_names_the_first_stub_in_one_line():
+    """A figure drawn from a demo's results calls `written` first (chapter 09): on the release it names the stub."""
+    from llmcourse.course.stubs import NotWritten, message, written
+
+    def smooth_scales(act_absmax, weight, alpha=0.5):
+        # YOUR CODE HERE
+        raise NotImplementedError()
+
+    def quantize_int8(w):
+        return w
+
+    written(quantize_int8, len)  # nothing is a stub: nothing said
+    with pytest.raises(NotWritten) as said:
+        written(quantize_int8, smooth_scales)
+    assert isinstance(said.value, NotImplementedError)
+    assert said.value._render_traceback_() == [message("smooth_scales")]

@@ -15,6 +15,7 @@ IPython's own traceback. The cell still fails (nbgrader and `progress` see an er
 
 from __future__ import annotations
 
+import dis
 import sys
 from typing import Optional
 
@@ -39,6 +40,42 @@ def message(name: str) -> str:
         f"NotImplementedError: `{name}` is not written yet: write it in its exercise cell above first (its check "
         "must pass), then run this cell again"
     )
+
+
+def is_stub(fn) -> bool:
+    """Whether `fn` is still the release's stub: its body only raises a bare NotImplementedError (comments aside).
+
+    >>> def f(x):
+    ...     # YOUR CODE HERE
+    ...     raise NotImplementedError()
+    >>> is_stub(f), is_stub(len), is_stub(lambda x: x)
+    (True, False, False)
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return False
+    ops = {i.opname for i in dis.get_instructions(code)} - {"RESUME", "NOP", "PUSH_NULL", "PRECALL", "CACHE"}
+    return code.co_names == ("NotImplementedError",) and ops <= {"LOAD_GLOBAL", "CALL", "RAISE_VARARGS"}
+
+
+class NotWritten(NotImplementedError):
+    """Raised by `written` for an exercise still a stub: IPython shows its one line, as for a stub's own error."""
+
+    def __init__(self, name: str):
+        super().__init__(message(name).removeprefix("NotImplementedError: "))
+        self.name = name
+
+    def _render_traceback_(self) -> list[str]:
+        return [message(self.name)]
+
+
+def written(*functions) -> None:
+    """Raise `NotWritten` naming the first of `functions` still a stub. A figure drawn from a demo's results calls it
+    first: on the release, Run All then says which exercise to write there too, not a KeyError over results the
+    failed demo never made."""
+    for fn in functions:
+        if is_stub(fn):
+            raise NotWritten(getattr(fn, "__name__", repr(fn)))
 
 
 def install(shell=None) -> bool:
