@@ -160,6 +160,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="requests held at once (running or waiting); more get 429 Too Many Requests",
     )
     serve.add_argument(
+        "--allowed-origins",
+        default="",
+        metavar="ORIGINS",
+        help="comma-separated web origins (https://example.org, or *) whose pages may call the server from a "
+        "browser (CORS); by default none: a request from another site's page gets 403 (the chat page is same-origin)",
+    )
+    serve.add_argument(
+        "--receive-timeout",
+        type=float,
+        default=20.0,
+        metavar="S",
+        help="seconds in which a request's headers and body must arrive; a slower one gets 408 and is closed",
+    )
+    serve.add_argument(
+        "--keep-alive", type=float, default=5.0, metavar="S", help="seconds an idle connection stays open"
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, seconds requests in flight get to finish; then each stream gets an error event "
+        "and [DONE], each other request a 503",
+    )
+    serve.add_argument(
         "--parts",
         metavar="FOLDER",
         default=argparse.SUPPRESS,
@@ -589,7 +614,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .serving.api_server import build_app, serve  # the web stack loads only for this command
+    from .serving.api_server import build_app, check_origins, serve  # the web stack loads only for this command
 
     def fail(message: str, code: int) -> int:
         print(f"python -m llmcourse serve: error: {message}", file=sys.stderr)
@@ -600,6 +625,14 @@ def run_serve(args: argparse.Namespace) -> int:
             return fail(f"{flag} must be at least 1, got {value}", 2)
     if not 0 <= args.port < 65536:
         return fail(f"--port must be in 0 ... 65535, got {args.port}", 2)
+    for flag, value, least in (("--receive-timeout", args.receive_timeout, 0.1), ("--keep-alive", args.keep_alive, 0.1),
+                               ("--shutdown-grace", args.shutdown_grace, 0)):  # fmt: skip
+        if not least <= value < float("inf"):
+            return fail(f"{flag} must be a number of seconds >= {least}, got {value}", 2)
+    try:
+        origins = check_origins(o for o in args.allowed_origins.split(",") if o.strip())
+    except ValueError as err:
+        return fail(f"--allowed-origins: {err}", 2)
     try:
         if hasattr(args, "parts"):  # an Engine: LLMEngine runs the learner's parts, sampler and batching functions
             model = my_engine(
@@ -622,11 +655,20 @@ def run_serve(args: argparse.Namespace) -> int:
     except (TokenizerFileError, PartError) as err:  # PartError: the learner's loader failed on this checkpoint
         return fail(str(err), 1)
     name = str(args.model)
-    app = build_app(engine, tokenizer, name, api_key=args.api_key, max_pending=args.max_pending)
+    app = build_app(
+        engine, tokenizer, name, api_key=args.api_key, max_pending=args.max_pending, allowed_origins=origins
+    )
     url = f"http://{args.host}:{args.port}"
     print(f"serving {name} at {url}/v1 (OpenAI API); chat page: {url}/ ; Ctrl+C stops", file=sys.stderr, flush=True)
     try:
-        serve(app, args.host, args.port)
+        serve(
+            app,
+            args.host,
+            args.port,
+            keep_alive=args.keep_alive,
+            receive_timeout=args.receive_timeout,
+            shutdown_grace=args.shutdown_grace,
+        )
     except OSError as err:  # the port is taken, say
         return fail(f"cannot listen on {args.host}:{args.port} ({err}): choose another --port", 1)
     return 0

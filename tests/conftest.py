@@ -81,3 +81,11 @@ def course_run(tmp_path_factory):
     from .course_run import run_course
 
     return run_course(tmp_path_factory.mktemp("course_run"))
+
+
+@pytest.fixture
+def server_log():
+    """What the server logs during the test; it fails if that holds a traceback or an error (tests/server_log.py)."""
+    from .server_log import collect_server_log
+
+    yield from collect_server_log()

@@ -32,8 +32,9 @@ from llmcourse.serving.llm_engine import LLMEngine
 
 from .conftest import SMALL
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # no traceback in the log
 MODEL = "llama-shakespeare"
+JSON = "application/json"
 LINES = ["ROMEO:", "Good morrow, cousin.", "What light through yonder window breaks?", "JULIET:\nO Romeo,",
          "Now is the winter of our discontent", "To be, or not to be", "My lord,"]  # fmt: skip
 
@@ -364,7 +365,7 @@ def test_a_bad_request_gets_an_openai_error_naming_the_field_and_the_server_goes
 
 def test_oversized_bodies_unknown_routes_and_the_openai_client_get_errors(llama):
     server, model, tok = llama
-    huge = httpx.post(server.url + "/v1/completions", content=b"x" * (MAX_BODY + 1))
+    huge = httpx.post(server.url + "/v1/completions", content=b"x" * (MAX_BODY + 1), headers={"content-type": JSON})
     assert huge.status_code == 413 and "limit" in huge.json()["error"]["message"]
     assert httpx.get(server.url + "/v1/nothing").json()["error"]["message"].startswith("no route /v1/nothing")
     assert httpx.get(server.url + "/v1/completions").status_code == 405

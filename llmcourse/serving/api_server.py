@@ -23,17 +23,25 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
+import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
-from typing import AsyncIterator, Callable, Optional
+from typing import AsyncIterator, Callable, Iterable, Optional
+from urllib.parse import urlsplit
 
+import h11
 import uvicorn
 from starlette.applications import Starlette
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmcourse.engine.generate import StopStrings
 from llmcourse.engine.sampling import eos_ids
@@ -44,15 +52,28 @@ from .async_engine import AsyncEngine, Busy, Stream
 from .llm_engine import LLMEngine
 
 MAX_BODY = 1 << 20  # bytes: a request body larger than this is refused (413) before it is read
-SHUTDOWN_GRACE = 5  # seconds that requests in flight get to finish after SIGINT/SIGTERM; then they are cancelled
+MAX_DEPTH = 32  # levels of JSON nesting a body may have (a request needs 4)
+SHUTDOWN_GRACE = 5  # seconds requests in flight get to finish after SIGINT/SIGTERM; then they end (503, error event)
+RECEIVE_TIMEOUT = 20  # seconds in which a request's headers and body must arrive (else 408, the connection closes)
+KEEP_ALIVE = 5  # seconds an idle connection stays open between requests (uvicorn's default)
 RETRY_AFTER = "1"  # seconds, for a client told the server is full (429)
+SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: what a JSON "\\ud800" decodes to, not Unicode text
+logger = logging.getLogger("llmcourse.server")
 
 
 def build_app(
-    engine: LLMEngine, tokenizer, model_name: str, *, api_key: Optional[str] = None, max_pending: int = 256
+    engine: LLMEngine,
+    tokenizer,
+    model_name: str,
+    *,
+    api_key: Optional[str] = None,
+    max_pending: int = 256,
+    allowed_origins: Iterable[str] = (),
 ) -> Starlette:
     """The ASGI app serving `engine`'s model as `model_name`. api_key: required as `Authorization: Bearer KEY` on
-    the /v1 routes (None: open). max_pending: requests held at once before new ones get 429."""
+    the /v1 routes (None: open). max_pending: requests held at once before new ones get 429. allowed_origins: the
+    web origins (`https://example.org`, or `*`) whose pages may call the server from a browser; any other
+    cross-origin request gets 403 (the chat page is same-origin)."""
     if engine.tokenizer is None:  # stop strings are matched in the text
         engine.tokenizer = tokenizer
     server = Server(engine, tokenizer, model_name, api_key, max_pending)
@@ -65,8 +86,11 @@ def build_app(
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
     ]
-    handlers = {api.APIError: error_response, HTTPException: http_error, Exception: internal_error}
-    return Starlette(routes=routes, lifespan=server.lifespan, exception_handlers=handlers)
+    handlers = {api.APIError: error_response, HTTPException: http_error}
+    guard = Middleware(Guard, allowed_origins=check_origins(allowed_origins))
+    app = Starlette(routes=routes, lifespan=server.lifespan, exception_handlers=handlers, middleware=[guard])
+    app.state.server = server  # for the shutdown (LLMServer) and tests
+    return app
 
 
 class Server:
@@ -77,12 +101,20 @@ class Server:
         self.max_pending = max_pending
         self.n_positions = engine.model.config.n_positions
         self.runner: Optional[AsyncEngine] = None
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        # a request's CPU work (JSON checks, chat template, tokenizer) runs here, off the event loop
+        self.cpu: Optional[ThreadPoolExecutor] = None
 
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
-        async with AsyncEngine(self.engine, self.max_pending) as runner:
-            self.runner = runner
-            yield
+        self.loop = asyncio.get_running_loop()
+        self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmcourse-prepare")
+        try:
+            async with AsyncEngine(self.engine, self.max_pending) as runner:
+                self.runner = runner
+                yield
+        finally:
+            self.cpu.shutdown(wait=False, cancel_futures=True)
 
     # -- plain routes --------------------------------------------------------------------------------------
 
@@ -145,10 +177,15 @@ class Server:
 
     async def generate(self, request: Request, make_job: Callable) -> Response:
         self.authorize(request)
-        body = await read_json(request)
-        if isinstance(body, dict):
-            self.check_model(body.get("model"))
-        job = make_job(body, self.tokenizer, self.n_positions)
+        raw = await read_body(request)
+
+        def prepare() -> api.Job:  # in a worker thread: a 1 MB prompt's tokens take a second or more
+            body = parse_json(raw)
+            if isinstance(body, dict):
+                self.check_model(body.get("model"))
+            return make_job(body, self.tokenizer, self.n_positions)
+
+        job = await asyncio.get_running_loop().run_in_executor(self.cpu, prepare)
         try:
             engine_request = self.engine.new_request(job.prompt, logprobs=job.logprobs, **job.settings)
         except ValueError as err:
@@ -293,20 +330,77 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def read_json(request: Request):
-    """The body as JSON, refused when over MAX_BODY bytes (413) or not JSON (400)."""
+async def read_body(request: Request) -> bytes:
+    """The body's bytes, refused when it is not sent as JSON (415) or over MAX_BODY bytes (413)."""
+    check_content_type(request.headers.get("content-type"))
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY:
         raise api.APIError(f"the request body is {length} bytes; the limit is {MAX_BODY}", status=413)
-    body = b""
+    parts, size = [], 0
     async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY:
+        parts.append(part)
+        size += len(part)
+        if size > MAX_BODY:
             raise api.APIError(f"the request body is over the limit of {MAX_BODY} bytes", status=413)
+    return b"".join(parts)
+
+
+def check_content_type(value: Optional[str]) -> None:
+    """JSON bodies only: `Content-Type: application/json` (a charset, if given, utf-8). Anything else gets 415, so
+    that a web page cannot send the server a "simple" cross-origin request (a form or text/plain POST, which
+    browsers send without asking the server first)."""
+    media, _, params = (value or "").partition(";")
+    charset = dict(p.strip().lower().partition("=")[::2] for p in params.split(";") if "=" in p).get("charset", "utf-8")
+    if media.strip().lower() != "application/json" or charset.strip('"') not in ("utf-8", "utf8"):
+        shown = f"Content-Type {value!r}" if value else "no Content-Type"
+        raise api.APIError(
+            f"the request body must be JSON sent with 'Content-Type: application/json' (UTF-8); got {shown}",
+            status=415,
+            code="unsupported_media_type",
+        )
+
+
+def parse_json(body: bytes):
+    """The body as JSON: UTF-8, at most MAX_DEPTH levels deep, every string and field name Unicode text (no lone
+    surrogates, which no tokenizer takes and no response can show); else 400 saying which."""
     try:
-        return json.loads(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise api.APIError(f"the request body is not UTF-8 (byte {err.start} is not): send JSON in UTF-8") from None
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise api.APIError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
     except ValueError as err:
         raise api.APIError(f"the request body is not valid JSON ({err})") from None
+    check_text(value)
+    return value
+
+
+def check_text(value) -> None:
+    """Refuse JSON nested over MAX_DEPTH levels, or holding a lone surrogate in a string or a field name
+    (iteratively: a deep body must not exhaust the stack here)."""
+    todo = [(value, "the body", 1)]
+    while todo:
+        item, where, depth = todo.pop()
+        if depth > MAX_DEPTH:
+            raise api.APIError(f"the request body nests deeper than {MAX_DEPTH} levels")
+        if isinstance(item, str):
+            if SURROGATE.search(item):
+                raise api.APIError(
+                    f"{where} holds a lone surrogate (a \\ud800-\\udfff escape that is not half of a pair): strings "
+                    "must be Unicode text",
+                    None if where == "the body" else where,
+                )
+        elif isinstance(item, dict):
+            for key, v in item.items():
+                if SURROGATE.search(key):
+                    raise api.APIError(
+                        f"a field name in {where} holds a lone surrogate: field names must be Unicode text"
+                    )
+                todo.append((v, key if where == "the body" else f"{where}.{key}", depth + 1))
+        elif isinstance(item, list):
+            todo.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(item))
 
 
 async def error_response(request: Request, err: api.APIError) -> Response:
@@ -321,25 +415,218 @@ async def http_error(request: Request, err: HTTPException) -> Response:
     return JSONResponse(api.APIError(message, status=err.status_code).body(), status_code=err.status_code)
 
 
-async def internal_error(request: Request, err: Exception) -> Response:
-    body = {"error": {"message": f"internal error: {type(err).__name__}: {err}", "type": "server_error",
-                      "param": None, "code": None}}  # fmt: skip
-    return JSONResponse(body, status_code=500)
+INTERNAL_ERROR = {"error": {"message": "internal server error (the server's log says more)", "type": "server_error",
+                             "param": None, "code": None}}  # fmt: skip
 
 
-class StopOnSignal(uvicorn.Server):
-    """uvicorn's server, except that a graceful stop is the whole answer to SIGINT/SIGTERM: the process then
-    exits normally (status 0) instead of raising the signal again once the server is down."""
+def check_origins(origins: Iterable[str]) -> frozenset:
+    """--allowed-origins' values, each `*` or an origin as browsers send it (`scheme://host[:port]`, no path)."""
+    out = set()
+    for origin in origins:
+        origin = origin.strip().rstrip("/")
+        parts = urlsplit(origin)
+        if origin != "*" and not (parts.scheme in ("http", "https") and parts.netloc and not parts.path
+                                  and not parts.query and not parts.fragment):  # fmt: skip
+            raise ValueError(f"an allowed origin is * or scheme://host[:port] (https://example.org), got {origin!r}")
+        out.add(origin.lower())
+    return frozenset(out)
+
+
+class Guard:
+    """The app's outer layer (pure ASGI): the cross-origin policy, and what no route should let out.
+
+    CORS: a request whose `Origin` is another site's gets 403 unless that origin is allowed (`--allowed-origins`);
+    an allowed one gets `Access-Control-Allow-Origin` and its preflight (OPTIONS) is answered. Same-origin
+    requests (the chat page) and clients that send no Origin (curl, the openai client) pass.
+    A client that disconnected while its request was read is one info line; any other exception a generic 500
+    (its text only in the log, never in the body)."""
+
+    ALLOW_HEADERS = "authorization, content-type"
+
+    def __init__(self, app, allowed_origins: frozenset = frozenset()):
+        self.app, self.allowed = app, allowed_origins
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = Headers(scope=scope)
+        origin, extra = headers.get("origin"), []
+        if origin is not None and urlsplit(origin).netloc.lower() != headers.get("host", "").lower():
+            if "*" not in self.allowed and origin.lower().rstrip("/") not in self.allowed:
+                error = api.APIError(
+                    f"cross-origin requests from {origin} are not allowed: start the server with --allowed-origins "
+                    f"{origin} to let that site's pages call it",
+                    status=403,
+                    kind="permission_error",
+                    code="origin_not_allowed",
+                )
+                return await JSONResponse(error.body(), status_code=403)(scope, receive, send)
+            extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
+            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
+                preflight = {"access-control-allow-methods": "GET, POST", "access-control-max-age": "600",
+                             "access-control-allow-headers": self.ALLOW_HEADERS}  # fmt: skip
+                response = Response(status_code=204, headers=preflight)
+                response.raw_headers += extra
+                return await response(scope, receive, send)
+        started = False
+
+        async def send_with_cors(message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                if extra:
+                    message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_cors)
+        except ClientDisconnect:
+            client = scope.get("client") or ("?", 0)
+            logger.info("%s:%s went away while sending its request to %s", *client[:2], scope["path"])
+        except Exception as err:
+            logger.error(
+                "internal error on %s %s: %s", scope["method"], scope["path"], type(err).__name__, exc_info=err
+            )
+            if not started:
+                await JSONResponse(INTERNAL_ERROR, status_code=500)(scope, receive, send)
+
+
+class LLMServer(uvicorn.Server):
+    """uvicorn's server with the shutdown a client can understand.
+
+    On SIGINT/SIGTERM it stops accepting connections and closes the idle ones; requests in flight get `grace`
+    seconds to finish; then the engine stops, and what is left ends in words: each stream gets an error event and
+    `data: [DONE]`, each plain request a JSON 503, before its connection closes (nothing is cancelled mid-write).
+    The process then exits normally (status 0) instead of raising the signal again."""
+
+    def __init__(self, config: uvicorn.Config, grace: float = SHUTDOWN_GRACE):
+        super().__init__(config)
+        self.grace = grace
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
 
+    async def shutdown(self, sockets=None) -> None:
+        for server in self.servers:
+            server.close()
+        for sock in sockets or []:
+            sock.close()
+        for connection in list(self.server_state.connections):
+            connection.shutdown()  # idle: closed now; busy: closed after its response
+        state = getattr(self.config.app, "state", None)
+        runner = getattr(getattr(state, "server", None), "runner", None)
+        if runner is not None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.grace
+            while runner.num_pending and loop.time() < deadline and not self.force_exit:
+                await asyncio.sleep(0.02)
+            await runner.stop()  # what is left gets its error (503 / error event) now
+        try:
+            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout=self.config.timeout_graceful_shutdown)
+        except asyncio.TimeoutError:  # a client that does not read its answer, say
+            logger.warning(
+                "%d connection(s) did not finish within the shutdown's time: closed", len(self.server_state.tasks)
+            )
+            for task in self.server_state.tasks:
+                task.cancel()
+        if not self.force_exit:
+            await self.lifespan.shutdown()
 
-def serve(app: Starlette, host: str = "127.0.0.1", port: int = 8000) -> None:
-    """Run `app` until SIGINT/SIGTERM; requests in flight get SHUTDOWN_GRACE seconds to finish, then are cancelled."""
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=SHUTDOWN_GRACE)
-    StopOnSignal(config).run()
+
+class H11WithDeadline(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with a deadline for receiving a request: its headers and whole body must arrive
+    within `config.receive_timeout` seconds of the connection's opening or of the previous response (else 408 and
+    the connection closes). uvicorn's own keep-alive timer restarts with every byte, so a client sending one byte a
+    second (slowloris) would hold a connection for ever; ASGI middleware cannot help, it runs only once the headers
+    are in."""
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self.receipt: Optional[asyncio.TimerHandle] = None
+        self.arm()
+
+    def arm(self) -> None:
+        if self.receipt is None:
+            self.receipt = self.loop.call_later(getattr(self.config, "receive_timeout", RECEIVE_TIMEOUT), self.too_slow)
+
+    def disarm(self) -> None:
+        if self.receipt is not None:
+            self.receipt.cancel()
+            self.receipt = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete:
+            self.disarm()  # the request is in: the deadline is over
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self.arm()  # the next request's deadline (an idle connection closes at the keep-alive timeout first)
+
+    def connection_lost(self, exc) -> None:
+        self.disarm()
+        super().connection_lost(exc)
+
+    def too_slow(self) -> None:
+        self.receipt = None
+        if self.transport.is_closing():
+            return
+        between = self.cycle is None or self.cycle.response_complete
+        if not (between and not self.conn.trailing_data[0] and self.conn.their_state is h11.IDLE):  # bytes came
+            timeout = getattr(self.config, "receive_timeout", RECEIVE_TIMEOUT)
+            client = "%s:%s" % tuple(self.client[:2]) if self.client else "a client"
+            logger.info("%s did not send its request within %s s: 408, connection closed", client, timeout)
+            if between or not self.cycle.response_started:
+                error = api.APIError(
+                    f"the request did not arrive within {timeout} s (headers and body): send it whole, faster",
+                    status=408,
+                    code="request_timeout",
+                )
+                body = json.dumps(error.body()).encode()
+                head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
+                self.transport.write(head.encode() + body)
+        self.transport.close()
+
+
+def server_config(
+    app, host: str, port: int, keep_alive: float, receive_timeout: float, graceful: float
+) -> uvicorn.Config:
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        log_config=None,  # uvicorn's lines go to the "uvicorn" loggers, as configured by `serve` (or a test)
+        http=H11WithDeadline,
+        timeout_keep_alive=keep_alive,
+        timeout_graceful_shutdown=graceful,
+    )
+    config.receive_timeout = receive_timeout
+    return config
+
+
+def serve(
+    app: Starlette,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    *,
+    keep_alive: float = KEEP_ALIVE,
+    receive_timeout: float = RECEIVE_TIMEOUT,
+    shutdown_grace: float = SHUTDOWN_GRACE,
+) -> None:
+    """Run `app` until SIGINT/SIGTERM (`LLMServer`: requests in flight get `shutdown_grace` seconds to finish).
+    keep_alive: seconds an idle connection stays open; receive_timeout: seconds a request may take to arrive."""
+    handler = logging.StreamHandler()  # uvicorn's warnings and the server's own lines (info: a client went away)
+    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
+    for name, level in (("uvicorn", logging.WARNING), ("llmcourse.server", logging.INFO)):
+        logging.getLogger(name).handlers = [handler]
+        logging.getLogger(name).setLevel(level)
+        logging.getLogger(name).propagate = False
+    config = server_config(app, host, port, keep_alive, receive_timeout, graceful=5)
+    LLMServer(config, grace=shutdown_grace).run()
 
 
 class ServerThread:
@@ -350,9 +637,18 @@ class ServerThread:
     'ok'
     """
 
-    def __init__(self, app: Starlette, host: str = "127.0.0.1", port: int = 0):
-        config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=1)
-        self.server = uvicorn.Server(config)
+    def __init__(
+        self,
+        app: Starlette,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        keep_alive: float = KEEP_ALIVE,
+        receive_timeout: float = RECEIVE_TIMEOUT,
+        shutdown_grace: float = 1,
+    ):
+        config = server_config(app, host, port, keep_alive, receive_timeout, graceful=1)
+        self.server = LLMServer(config, grace=shutdown_grace)
         self.thread = threading.Thread(target=self.server.run, daemon=True, name="llmcourse-server")
         self.url = ""
 

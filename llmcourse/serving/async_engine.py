@@ -15,11 +15,14 @@ at once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, NamedTuple, Optional
 
 from .llm_engine import LLMEngine, TokenLogprobs
 from .scheduler import Request
+
+STOP_WAIT = 10  # seconds `stop` waits for the running step before cancelling it
 
 
 class Busy(RuntimeError):
@@ -100,15 +103,18 @@ class AsyncEngine:
     async def __aexit__(self, *exc) -> None:
         await self.stop()
 
-    async def stop(self) -> None:
-        """Cancel what is in flight (each consumer gets an error) and stop the loop."""
+    async def stop(self, wait: float = STOP_WAIT) -> None:
+        """End what is in flight (each consumer gets `Busy`) and stop the loop: at the next step boundary (the
+        step running finishes and its tokens are delivered), or after `wait` seconds by cancelling."""
         self.stopping = True
-        if self.task is not None:
-            self.task.cancel()
+        if self.task is not None and not self.task.done():
+            self.wake.set()
             try:
+                await asyncio.wait_for(asyncio.shield(self.task), wait)
+            except asyncio.TimeoutError:
+                self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self.task
-            except asyncio.CancelledError:
-                pass
         for stream in self.incoming + list(self.streams.values()):
             self.engine.release(stream.request.id)
             stream.queue.put_nowait(Busy("the server shut down before this request finished"))
@@ -117,11 +123,12 @@ class AsyncEngine:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self.stopping:
             self.apply_changes()
             if not self.engine.has_unfinished():
                 self.wake.clear()
-                await self.wake.wait()
+                if not self.stopping:
+                    await self.wake.wait()
                 continue
             try:
                 outputs = await loop.run_in_executor(self.worker, self.engine.step)

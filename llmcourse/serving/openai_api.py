@@ -16,7 +16,10 @@ A request becomes a `Job`: the prompt's token ids, `LLMEngine`'s settings and wh
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import re
+import reprlib
 import secrets
 import time
 from typing import Optional
@@ -25,6 +28,9 @@ COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256  # a chat reply's default length, at most the room left in the context
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+# a message's `name`: a word, maybe several (OpenAI allows [A-Za-z0-9_-]{1,64}; a play has LADY CAPULET). No newline,
+# colon or bracket: in a template that writes the speaker as text (llama-shakespeare's "NAME:\n") it cannot end a turn.
+NAME = re.compile(r"\w[\w .'-]{0,63}")
 
 NUMBER, INTEGER, BOOLEAN, STRING, OBJECT = "a number", "an integer", "true or false", "a string", "an object"
 # The fields both routes take, with the JSON type each must have (null is always allowed: the default).
@@ -63,6 +69,15 @@ CHAT = {
     "logprobs": BOOLEAN,
     "top_logprobs": INTEGER,
 }
+SHOWN = reprlib.Repr()  # a value in an error message: short, however long or deep
+SHOWN.maxstring, SHOWN.maxother, SHOWN.maxlist, SHOWN.maxdict, SHOWN.maxlevel = 80, 80, 6, 4, 3
+
+
+def shown(value) -> str:
+    """A value as an error message quotes it: short, however long or deep the value is."""
+    return SHOWN.repr(value)
+
+
 CHECKS = {
     NUMBER: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
     INTEGER: lambda v: isinstance(v, int) and not isinstance(v, bool),
@@ -108,10 +123,10 @@ def checked_fields(body, fields: dict) -> dict:
         raise APIError("the request body must be a JSON object")
     for name, value in body.items():
         if name not in fields:
-            raise APIError(f"unknown field {name!r}; this route takes {', '.join(sorted(fields))}", name)
+            raise APIError(f"unknown field {shown(name)}; this route takes {', '.join(sorted(fields))}", name[:100])
         kind = fields[name]
         if value is not None and kind in CHECKS and not CHECKS[kind](value):
-            raise APIError(f"{name} must be {kind}, got {value!r}", name)
+            raise APIError(f"{name} must be {kind}, got {shown(value)}", name)
     return {k: v for k, v in body.items() if v is not None}
 
 
@@ -132,11 +147,13 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
     if fields.get("logit_bias"):
         raise APIError("logit_bias is not supported", "logit_bias")
     if not 0 <= fields.get("temperature", 1.0) <= 2:
-        raise APIError(f"temperature must be between 0 and 2, got {fields['temperature']!r}", "temperature")
+        raise APIError(f"temperature must be between 0 and 2, got {shown(fields['temperature'])}", "temperature")
     stop = fields.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or len(stop) > MAX_STOP or any(not isinstance(s, str) or not s for s in stop):
-        raise APIError(f"stop must be a string or a list of at most {MAX_STOP} non-empty strings, got {stop!r}", "stop")
+        raise APIError(
+            f"stop must be a string or a list of at most {MAX_STOP} non-empty strings, got {shown(stop)}", "stop"
+        )
     room = n_positions - prompt_len
     if room < 1:
         raise APIError(
@@ -180,7 +197,7 @@ def completion_job(body, tokenizer, n_positions: int) -> Job:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, allowed_special="all")
+        ids = encode_prompt(tokenizer, prompt, n_positions)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         ids = prompt
     else:
@@ -209,10 +226,7 @@ def chat_job(body, tokenizer, n_positions: int) -> Job:
     messages = chat_messages(fields.get("messages"))
     if "max_completion_tokens" in fields:  # OpenAI's newer name for max_tokens
         fields["max_tokens"] = fields.pop("max_completion_tokens")
-    try:
-        ids = tokenizer.encode_chat(messages)
-    except ValueError as err:  # ChatTemplateError: the template refused the conversation
-        raise APIError(str(err), "messages") from None
+    ids = encode_messages(tokenizer, messages, n_positions)
     logprobs = None
     if fields.get("logprobs", False):
         logprobs = fields.get("top_logprobs", 0)
@@ -235,17 +249,93 @@ def chat_messages(messages) -> list[dict]:
         if not isinstance(m, dict) or set(m) - {"role", "content", "name"}:
             raise APIError(f"{where} must be {{role, content}} (and an optional name)", where)
         if m.get("role") not in ROLES:
-            raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {m.get('role')!r}", f"{where}.role")
+            raise APIError(
+                f"{where}.role must be one of {', '.join(ROLES)}, got {shown(m.get('role'))}", f"{where}.role"
+            )
         content = m.get("content")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-            content = "".join(str(p.get("text", "")) for p in content)
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str) for p in content
+        ):
+            content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
-            raise APIError(f"{where}.content must be a string (or a list of text parts)", f"{where}.content")
+            raise APIError(
+                f'{where}.content must be a string (or a list of {{"type": "text", "text": "..."}} parts)',
+                f"{where}.content",
+            )
         message = {"role": ROLES[m["role"]], "content": content}
-        if isinstance(m.get("name"), str):
-            message["name"] = m["name"]
+        name = m.get("name")
+        if name is not None:
+            if not isinstance(name, str) or not NAME.fullmatch(name) or name != name.strip():
+                raise APIError(
+                    f"{where}.name must be a name of letters, digits, spaces, _ . ' or - (at most 64, no newline or "
+                    f"colon), got {shown(name)}",
+                    f"{where}.name",
+                )
+            message["name"] = name
         out.append(message)
     return out
+
+
+def too_long(count: int, n_positions: int, param: str, at_least: bool = False) -> APIError:
+    """The prompt does not fit the context (sampling_settings' message)."""
+    return APIError(
+        f"the prompt takes {'at least ' if at_least else ''}{count} tokens, but the model's context is "
+        f"{n_positions} tokens: shorten it",
+        param,
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def longest_token(tokenizer) -> Optional[int]:
+    """The most UTF-8 bytes one token stands for (None: unknown): a text of B bytes has at least B / that many
+    tokens, so a text far too long for the context is refused without tokenizing it."""
+    try:
+        if hasattr(tokenizer, "token_byte_values"):  # tiktoken
+            specials = [t.encode() for t in tokenizer.special_tokens_set]
+            return max(map(len, [*tokenizer.token_byte_values(), *specials]))
+        if hasattr(tokenizer, "token_bytes") and hasattr(tokenizer, "n_vocab"):  # HFTokenizer
+            return max(len(tokenizer.token_bytes(i)) for i in range(tokenizer.n_vocab))
+    except Exception:  # a learner's tokenizer (serve --parts) may not have what this needs: no bound then
+        pass
+    return None
+
+
+def surely_too_long(tokenizer, texts: list[str], n_positions: int, param: str) -> None:
+    """Refuse texts whose bytes alone prove that they do not fit: a 1 MB prompt for a context of 256 tokens
+    is answered at once instead of tokenized for a second."""
+    try:
+        longest = longest_token(tokenizer)
+    except TypeError:  # a tokenizer that cannot be hashed (cached)
+        return
+    size = sum(len(t.encode("utf-8", "replace")) for t in texts)
+    if longest and size > n_positions * longest:
+        raise too_long(size // longest, n_positions, param, at_least=True)
+
+
+def encode_prompt(tokenizer, text: str, n_positions: int) -> list[int]:
+    """A completion prompt's ids (special tokens written in it are special: the client writes the whole prompt)."""
+    surely_too_long(tokenizer, [text], n_positions, "prompt")
+    try:
+        if hasattr(tokenizer, "plain_tokenizer"):  # HFTokenizer: no list of ids for a prompt that cannot fit
+            return tokenizer.encode(text, allowed_special="all", max_tokens=n_positions)
+        return tokenizer.encode(text, allowed_special="all")
+    except ValueError as err:  # TooManyTokens
+        raise too_long(getattr(err, "count", 0), n_positions, "prompt") from None
+
+
+def encode_messages(tokenizer, messages: list[dict], n_positions: int) -> list[int]:
+    """The conversation's ids through the model's chat template; the messages' text never becomes a special
+    token (`HFTokenizer.encode_chat_plain`). Unlike transformers' apply_chat_template, which parses a typed
+    `<|eot_id|>` as the real one, on purpose."""
+    surely_too_long(tokenizer, [v for m in messages for v in m.values()], n_positions, "messages")
+    try:
+        if hasattr(tokenizer, "encode_chat_plain"):
+            return tokenizer.encode_chat_plain(messages, max_tokens=n_positions)
+        return tokenizer.encode_chat(messages)
+    except ValueError as err:  # ChatTemplateError: the template refused the conversation; TooManyTokens
+        if hasattr(err, "count"):
+            raise too_long(err.count, n_positions, "messages") from None
+        raise APIError(str(err), "messages") from None
 
 
 def engine_error(err: ValueError) -> APIError:

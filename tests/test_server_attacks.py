@@ -1,0 +1,226 @@
+"""The server against hostile or broken clients (issue 45): each attack of the adversarial run, reproduced.
+
+Malformed bodies (10,000 levels of nesting, lone surrogates in text and in field names, bad UTF-8, wrong types)
+get a 400 naming the problem; a 5xx body never carries an exception's text; bodies must be sent as JSON (415) and
+another site's page gets 403 unless `--allowed-origins` lets it in (CORS); a 1 MB prompt does not stall the event
+loop; a client that goes away mid-body is one info line; a request that dribbles in gets 408 (slowloris) and an
+idle connection is closed; on shutdown each open stream gets an error event and [DONE], each plain request a
+JSON 503. Every test also checks that the server's log holds no traceback (`server_log`).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from llmcourse import load_model
+from llmcourse.engine.hf_tokenizer import load_tokenizer
+from llmcourse.serving import openai_api
+from llmcourse.serving.api_server import MAX_DEPTH, ServerThread, build_app
+from llmcourse.serving.llm_engine import LLMEngine
+
+pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # no traceback in the log
+MODEL = "llama-shakespeare"
+ROOT = Path(__file__).resolve().parents[1]
+JSON = {"content-type": "application/json"}
+OK = {"prompt": "ROMEO:", "max_tokens": 2, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def parts():
+    return load_model(MODEL), load_tokenizer(MODEL)
+
+
+@pytest.fixture(scope="module")
+def llama(parts):
+    model, tokenizer = parts
+    app = build_app(LLMEngine(model, tokenizer=tokenizer, max_num_seqs=8), tokenizer, MODEL,
+                    allowed_origins=["https://friend.example"])  # fmt: skip
+    with ServerThread(app) as server:
+        server.app = app
+        yield server
+
+
+def post(server, route: str, content: bytes, headers=JSON, **kw) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/{route}", content=content, headers=headers, timeout=30, **kw)
+
+
+def assert_openai_error(response: httpx.Response, status: int, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/json"
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert all(w in error["message"] for w in words), error["message"]
+    assert len(response.content) < 2_000, "an error message quotes at most a short part of the request"
+    return error
+
+
+def assert_still_serving(server) -> None:
+    ok = httpx.post(server.url + "/v1/completions", json=OK, timeout=30)
+    assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
+
+
+# -- 1. malformed bodies: a 400 naming the problem, never a 500 --------------------------------------------------
+
+DEEP = b"[" * 10_000 + b"]" * 10_000
+MALFORMED = [
+    ("completions", DEEP, "nests deeper", None),
+    ("chat/completions", b'{"messages": ' + b'{"a": ' * 10_000 + b"1" + b"}" * 10_000 + b"}", "nests deeper", None),
+    ("completions", b'{"prompt": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", "nests deeper", None),
+    ("completions", b'{"prompt": "Hi \\ud800 there"}', "lone surrogate", "prompt"),
+    ("completions", b'{"prompt": "\\udfff"}', "lone surrogate", "prompt"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "a\\ud800"}]}', "lone surrogate",
+     "messages[0].content"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+     "lone surrogate", "messages[0].content[0].text"),
+    ("completions", b'{"\\ud800": 1, "prompt": "Hi"}', "field name", None),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "Hi", "\\udc00x": 1}]}', "field name", None),
+    ("completions", b'{"prompt": "caf\xe9"}', "not UTF-8", None),
+    ("completions", '{"prompt": "Hi"}'.encode("utf-16"), "not UTF-8", None),
+    ("completions", b'\xef\xbb\xbf{"prompt": "Hi"}', "not valid JSON", None),
+    ("completions", b'{"prompt": "Hi"', "not valid JSON", None),
+    ("completions", b"null", "JSON object", None),
+    ("completions", b"[1, 2]", "JSON object", None),
+    ("completions", b'{"prompt": "Hi", "temperature": NaN}', "temperature must be a number", "temperature"),
+    ("completions", b'{"prompt": "Hi", "seed": 1e400}', "seed must be an integer", "seed"),
+    ("completions", b'{"prompt": "Hi", "max_tokens": "5"}', "max_tokens must be an integer", "max_tokens"),
+    ("completions", b'{"prompt": [1, -5]}', "token id", "prompt"),
+    ("completions", b'{"prompt": [1, 100000000000000000000000000000]}', "token id", "prompt"),
+    ("completions", b'{"prompt": {"text": "Hi"}}', "prompt must be", "prompt"),
+    ("completions", b'{"prompt": "Hi", "stop": [1]}', "stop must be", "stop"),
+    ("completions", b'{"' + b"x" * 100_000 + b'": 1}', "unknown field", None),
+    ("chat/completions", b'{"messages": "Hi"}', "messages must be", "messages"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+     "content must be", "messages[0].content"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "Hi", "name": 5}]}', "name must be",
+     "messages[0].name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("route, body, words, param", MALFORMED, ids=[f"{i}-{m[2]}" for i, m in enumerate(MALFORMED)])
+def test_a_malformed_body_gets_a_400_naming_the_problem_and_the_server_goes_on(llama, route, body, words, param):
+    error = assert_openai_error(post(llama, route, body), 400, words)
+    if param is not None:
+        assert error["param"] == param
+    assert_still_serving(llama)
+
+
+def test_a_5xx_body_never_carries_the_exception_text(llama, server_log, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("secret detail from /home/someone/.cache")
+
+    server_log.expect_errors()
+    monkeypatch.setattr(openai_api, "completion_job", broken)
+    got = post(llama, "completions", json.dumps(OK).encode())
+    error = assert_openai_error(got, 500, "internal server error")
+    assert "secret" not in got.text and "RuntimeError" not in got.text and error["type"] == "server_error"
+    assert any("RuntimeError" in line for line in server_log.bad()), "the log says what happened"
+    monkeypatch.undo()
+    assert_still_serving(llama)
+
+
+# -- 2. JSON bodies only (415), and no cross-origin access unless allowed (CORS) ---------------------------------
+
+
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+     "application/json; charset=utf-16", "application/jsonx", "text/json"],
+)  # fmt: skip
+def test_a_body_not_sent_as_json_gets_415(llama, content_type):
+    """A web page can POST text/plain or a form to any address without asking it first (a "simple" request):
+    a server that took such a body could be driven by any site its user visits."""
+    headers = {} if content_type is None else {"content-type": content_type}
+    got = httpx.post(llama.url + "/v1/completions", content=json.dumps(OK).encode(), headers=headers)
+    error = assert_openai_error(got, 415, "Content-Type: application/json")
+    assert error["code"] == "unsupported_media_type"
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "Application/JSON", "application/json; charset=UTF-8",
+                                          'application/json;charset="utf-8"'])  # fmt: skip
+def test_json_with_or_without_a_utf8_charset_is_served(llama, content_type):
+    got = post(llama, "completions", json.dumps(OK).encode(), headers={"content-type": content_type})
+    assert got.status_code == 200, got.text
+
+
+def test_another_sites_page_gets_403_unless_its_origin_is_allowed(llama):
+    body = json.dumps(OK).encode()
+    evil = {**JSON, "origin": "https://evil.example"}
+    error = assert_openai_error(post(llama, "completions", body, headers=evil), 403, "--allowed-origins")
+    assert error["code"] == "origin_not_allowed"
+    assert httpx.get(llama.url + "/v1/models", headers=evil).status_code == 403
+    preflight = {"origin": "https://evil.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "content-type"}  # fmt: skip
+    refused = httpx.options(llama.url + "/v1/completions", headers=preflight)
+    assert refused.status_code == 403 and "access-control-allow-origin" not in refused.headers
+
+    friend = {"origin": "https://friend.example", "access-control-request-method": "POST",
+              "access-control-request-headers": "content-type, authorization"}  # fmt: skip
+    answered = httpx.options(llama.url + "/v1/chat/completions", headers=friend)
+    assert answered.status_code == 204 and answered.headers["access-control-allow-origin"] == "https://friend.example"
+    assert {"content-type", "authorization"} <= set(answered.headers["access-control-allow-headers"].split(", "))
+    got = post(llama, "completions", body, headers={**JSON, "origin": "https://friend.example"})
+    assert got.status_code == 200 and got.headers["access-control-allow-origin"] == "https://friend.example"
+
+    same = post(llama, "completions", body, headers={**JSON, "origin": llama.url})  # the chat page
+    assert same.status_code == 200 and "access-control-allow-origin" not in same.headers
+    plain = post(llama, "completions", body)  # curl, the openai client: no Origin
+    assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+
+
+def test_allowed_origins_are_checked_and_star_allows_every_site(parts):
+    model, tokenizer = parts
+    with pytest.raises(ValueError, match="scheme://host"):
+        build_app(LLMEngine(model, tokenizer=tokenizer), tokenizer, MODEL, allowed_origins=["example.org/path"])
+    app = build_app(LLMEngine(model, tokenizer=tokenizer), tokenizer, MODEL, allowed_origins=["*"])
+    with ServerThread(app) as server:
+        got = post(server, "completions", json.dumps(OK).encode(), headers={**JSON, "origin": "http://any.example"})
+        assert got.status_code == 200 and got.headers["access-control-allow-origin"] == "http://any.example"
+
+
+def test_serve_documents_and_checks_its_new_flags():
+    done = subprocess.run([sys.executable, "-m", "llmcourse", "serve", "--help"], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    for flag in ("--allowed-origins", "--receive-timeout", "--keep-alive", "--shutdown-grace"):
+        assert flag in done.stdout, flag
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for words in ("--allowed-origins", "--receive-timeout", "--keep-alive", "--shutdown-grace",
+                  "Content-Type: application/json", "apply_chat_template"):  # fmt: skip
+        assert words in readme, words
+    for argv, message in ((["--allowed-origins", "ftp://x"], "--allowed-origins"),
+                          (["--receive-timeout", "0"], "--receive-timeout"),
+                          (["--shutdown-grace", "-1"], "--shutdown-grace")):  # fmt: skip
+        bad = subprocess.run([sys.executable, "-m", "llmcourse", "serve", *argv], capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+        assert bad.returncode == 2 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+
+
+# -- 5. a client that goes away mid-body ---------------------------------------------------------------------------
+
+
+def raw_connection(server) -> socket.socket:
+    host, port = server.url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def test_a_client_that_disconnects_mid_body_is_one_info_line(llama, server_log):
+    with raw_connection(llama) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 1000\r\n\r\n" + b'{"prompt": "')  # fmt: skip
+        time.sleep(0.2)
+    deadline = time.monotonic() + 5
+    while not any("went away" in line for line in server_log.lines()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [line for line in server_log.lines() if "went away" in line] == [
+        line
+        for line in server_log.lines(20)
+        if "went away" in line  # logging.INFO
+    ] and len([line for line in server_log.lines() if "went away" in line]) == 1
+    assert_still_serving(llama)
