@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Optional, Sequence, Union
@@ -44,6 +45,14 @@ Message = dict  # {"role": "system" | "user" | "assistant" | ..., "content": str
 
 class ChatTemplateError(ValueError):
     """The tokenizer has no chat template, or the template refused the conversation."""
+
+
+class TooManyTokens(ValueError):
+    """A text of more tokens than `max_tokens` allowed (`count`: how many it has, or at least)."""
+
+    def __init__(self, count: int, max_tokens: int):
+        super().__init__(f"the text is {count} tokens, over the limit of {max_tokens}")
+        self.count, self.max_tokens = count, max_tokens
 
 
 class HFTokenizer:
@@ -118,18 +127,38 @@ class HFTokenizer:
 
     # -- text <-> ids --------------------------------------------------------------------------------------
 
-    def encode(self, text: str, allowed_special="all", add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, allowed_special="all", add_special_tokens: bool = True, max_tokens: Optional[int] = None
+    ) -> list[int]:
         """Token ids of `text`, as transformers' `tokenizer.encode(text)` gives them (its BOS included).
 
         Special tokens written in the text (`<|eot_id|>`) become their ids with `allowed_special="all"`;
-        with `allowed_special=()` they are encoded as ordinary text."""
+        with `allowed_special=()` they are encoded as ordinary text. max_tokens: a text of more tokens raises
+        `TooManyTokens` before its ids become Python ints (the tokenizer runs without the GIL, but the list
+        of a 1 MB text's 300,000 ids takes it for 10-90 ms: a server's event loop would stall)."""
         if allowed_special not in ("all", (), set(), frozenset(), None):
             raise ValueError(f"allowed_special must be 'all' or empty, got {allowed_special!r}")
-        self.tokenizer.encode_special_tokens = allowed_special != "all"
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        finally:
-            self.tokenizer.encode_special_tokens = False
+        tokenizer = self.tokenizer if allowed_special == "all" else self.plain_tokenizer
+        encoding = tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        if max_tokens is not None and len(encoding) > max_tokens:
+            raise TooManyTokens(len(encoding), max_tokens)
+        return encoding.ids
+
+    @functools.cached_property
+    def plain_tokenizer(self):
+        """A copy of the tokenizer that encodes special tokens' text as ordinary text (a copy rather than a
+        switch on the one tokenizer: two threads may encode at once)."""
+        from tokenizers import Tokenizer
+
+        plain = Tokenizer.from_str(self.tokenizer.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @functools.cached_property
+    def special_texts(self) -> tuple[str, ...]:
+        """The special tokens' texts (`<|eot_id|>`, ...), longest first."""
+        added = self.tokenizer.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True))
 
     def decode(self, ids: Sequence[int]) -> str:
         """The text of `ids`, special tokens shown, as transformers' `tokenizer.decode(ids)`."""
@@ -190,6 +219,47 @@ class HFTokenizer:
         """Token ids of the rendered conversation, as `apply_chat_template(tokenize=True)` gives them:
         the template's text encoded without adding special tokens (its own BOS is the only one)."""
         return self.apply_chat_template(messages, add_generation_prompt, tokenize=True, **kwargs)
+
+    def encode_chat_plain(
+        self, messages: list[Message], add_generation_prompt: bool = True, max_tokens: Optional[int] = None, **kwargs
+    ) -> list[int]:
+        """`encode_chat`, except that the messages' own text (content, name) never becomes a special token: a
+        `<|eot_id|>` typed in a message is encoded as the text it is, so that it cannot end a turn or open one.
+        Only the template's own special tokens are special. (transformers' `apply_chat_template` renders the
+        text and then parses every special token in it, the user's too: this deliberately differs.)
+
+        The special tokens' texts in the messages are swapped for private-use characters no message holds, the
+        template rendered, and the text split at those characters: the template's pieces are encoded with special
+        tokens, the user's special-token texts without. max_tokens: as `encode`'s."""
+        texts = [v for m in messages for v in m.values() if isinstance(v, str)]
+        found = [t for t in self.special_texts if any(t in x for x in texts)]
+        if not found:
+            text = self.apply_chat_template(messages, add_generation_prompt, **kwargs)
+            return self.encode(text, add_special_tokens=False, max_tokens=max_tokens)
+        used, code, stand_in = set("".join(texts)), 0xF0000, {}
+        for token in found:
+            while chr(code) in used:
+                code += 1
+            stand_in[token] = chr(code)
+            code += 1
+        typed = re.compile("|".join(map(re.escape, found)))  # longest first
+        safe = [{k: typed.sub(lambda m: stand_in[m.group()], v) if isinstance(v, str) else v for k, v in m.items()}
+                for m in messages]  # fmt: skip
+        text = self.apply_chat_template(safe, add_generation_prompt, **kwargs)
+        token_of = {c: t for t, c in stand_in.items()}
+        ids: list[int] = []
+        for piece in re.split(f"([{''.join(token_of)}])", text):
+            if piece in token_of:
+                ids += self.encode(token_of[piece], allowed_special=(), add_special_tokens=False)
+            elif piece:
+                left = None if max_tokens is None else max(0, max_tokens - len(ids))
+                try:
+                    ids += self.encode(piece, add_special_tokens=False, max_tokens=left)
+                except TooManyTokens as err:
+                    raise TooManyTokens(len(ids) + err.count, max_tokens) from None
+            if max_tokens is not None and len(ids) > max_tokens:
+                raise TooManyTokens(len(ids), max_tokens)
+        return ids
 
     def __repr__(self) -> str:
         return f"HFTokenizer(n_vocab={self.n_vocab}, bos={self.bos_token!r}, eos_token_ids={self.eos_token_ids})"

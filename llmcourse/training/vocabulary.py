@@ -29,17 +29,29 @@ from llmcourse.engine.tokenizer import EOT
 BLANK_LINE = "\n\n"
 USER_NAME, ASSISTANT_NAME = "ROMEO", "JULIET"
 
+# A speech ends at a blank line, so no message may hold one: the template writes a message's lines without the
+# blank ones (any run of newlines becomes one), a name on one line, and leaves out a speech with no text (its
+# speaker's name would stand right before a blank line), so that nothing a message says can end its speech and
+# open another (a "\n\n\nJULIET:" in a user's message would forge the model's turn).
 CHAT_TEMPLATE = (
+    "{%- macro lines(text) -%}"
+    "{%- for line in (text | trim).split('\n') if line | trim -%}"
+    "{{- '\n' if not loop.first -}}{{- line -}}"
+    "{%- endfor -%}"
+    "{%- endmacro -%}"
     "{{- bos_token -}}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}"
-    "{{- '[' + message['content'] | trim + ']\n\n' -}}"
+    "{{- '[' + lines(message['content']) + ']\n\n' -}}"
     "{%- else -%}"
-    "{%- if message['name'] is defined -%}{%- set speaker = message['name'] -%}"
+    "{%- set text = lines(message['content']) -%}"
+    "{%- if text -%}"
+    "{%- if message['name'] is defined -%}{%- set speaker = message['name'].split() | join(' ') -%}"
     "{%- elif message['role'] == 'user' -%}{%- set speaker = user_name | default('" + USER_NAME + "') -%}"
     "{%- else -%}{%- set speaker = assistant_name | default('" + ASSISTANT_NAME + "') -%}"
     "{%- endif -%}"
-    "{{- speaker | upper + ':\n' + message['content'] | trim | replace('\n\n', '\n') + '\n\n' -}}"
+    "{{- speaker | upper + ':\n' + text + '\n\n' -}}"
+    "{%- endif -%}"
     "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}"
