@@ -10,10 +10,12 @@ JSON 503. Every test also checks that the server's log holds no traceback (`serv
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -224,3 +226,68 @@ def test_a_client_that_disconnects_mid_body_is_one_info_line(llama, server_log):
         if "went away" in line  # logging.INFO
     ] and len([line for line in server_log.lines() if "went away" in line]) == 1
     assert_still_serving(llama)
+
+
+# -- 4. a 1 MB prompt does not stall the event loop ------------------------------------------------------------------
+
+
+def one_megabyte() -> str:
+    text = (ROOT / "llmcourse" / "data" / "shakespeare_val.txt").read_text(encoding="utf-8")
+    return (text * (1 + 1_000_000 // len(text)))[:1_000_000]
+
+
+def loop_lag_and_health_while(server, send) -> tuple[float, float, httpx.Response]:
+    """Run `send()` (a request) while a probe on the server's event loop sleeps 5 ms at a time and another client
+    asks /health every 20 ms: -> the probe's worst lateness, /health's worst time, send's response."""
+    state = server.app.state.server
+    stop = threading.Event()
+
+    async def probe() -> float:
+        loop, worst = asyncio.get_running_loop(), 0.0
+        while not stop.is_set():
+            start = loop.time()
+            await asyncio.sleep(0.005)
+            worst = max(worst, loop.time() - start - 0.005)
+        return worst
+
+    lag = asyncio.run_coroutine_threadsafe(probe(), state.loop)
+    answer = {}
+    sender = threading.Thread(target=lambda: answer.setdefault("response", send()))
+    sender.start()
+    worst_health = 0.0
+    with httpx.Client(base_url=server.url, timeout=10) as other:
+        while sender.is_alive():
+            start = time.perf_counter()
+            assert other.get("/health").status_code == 200
+            worst_health = max(worst_health, time.perf_counter() - start)
+            time.sleep(0.02)
+    sender.join()
+    stop.set()
+    return lag.result(timeout=10), worst_health, answer["response"]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat/completions"])
+def test_a_1mb_prompt_does_not_stall_the_event_loop(llama, route):
+    """Tokenizing runs in a worker thread (and a prompt whose bytes prove it cannot fit is refused untokenized):
+    the loop is never late by over 50 ms, /health answers within 500 ms (before: both stalled for the
+    tokenizer's 1-2 s per prompt). With the context raised to 100,000 tokens the whole megabyte is tokenized."""
+    text = one_megabyte()
+    body = {"prompt": text} if route == "completions" else {"messages": [{"role": "user", "content": text}]}
+    content = json.dumps(body).encode()
+    state = llama.app.state.server
+    figures = []
+    for n_positions in (state.n_positions, 100_000):
+        state.n_positions, saved = n_positions, state.n_positions
+        try:
+            start = time.perf_counter()
+            lag, health, got = loop_lag_and_health_while(llama, lambda: post(llama, route, content))
+            took = time.perf_counter() - start
+        finally:
+            state.n_positions = saved
+        error = assert_openai_error(got, 400, "the prompt takes", "shorten it")
+        tokenized = "at least" not in error["message"]
+        figures.append(f"context {n_positions}: {took:.2f} s, tokenized: {tokenized}, loop late by at most "
+                       f"{lag * 1000:.0f} ms, /health at most {health * 1000:.0f} ms")  # fmt: skip
+        assert tokenized == (n_positions == 100_000), error["message"]
+        assert lag < 0.05 and health < 0.5, figures[-1]
+    print(f"\n{route}: " + "; ".join(figures))
