@@ -291,3 +291,125 @@ def test_a_1mb_prompt_does_not_stall_the_event_loop(llama, route):
         assert tokenized == (n_positions == 100_000), error["message"]
         assert lag < 0.05 and health < 0.5, figures[-1]
     print(f"\n{route}: " + "; ".join(figures))
+
+
+# -- 6. a request must arrive in time; idle connections close; shutdown answers what is in flight -----------------
+
+
+@pytest.fixture(scope="module")
+def strict(parts):
+    """A server with a 1 s deadline for receiving a request and a 0.5 s keep-alive."""
+    model, tokenizer = parts
+    app = build_app(LLMEngine(model, tokenizer=tokenizer), tokenizer, MODEL)
+    with ServerThread(app, receive_timeout=1, keep_alive=0.5) as server:
+        yield server
+
+
+def read_until_closed(s: socket.socket, seconds: float = 5) -> tuple[bytes, float]:
+    """What the server sends until it closes the connection, and when it closed it (seconds from now)."""
+    start, data = time.monotonic(), b""
+    s.settimeout(seconds)
+    while chunk := s.recv(65536):
+        data += chunk
+    return data, time.monotonic() - start
+
+
+def assert_408(data: bytes) -> None:
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), data
+    assert json.loads(body)["error"]["code"] == "request_timeout"
+
+
+def test_a_request_sent_a_byte_at_a_time_gets_408_within_the_deadline(strict):
+    """Slowloris: uvicorn's keep-alive timer restarts with every byte, so a request that never ends held its
+    connection for ever; now its headers and body must arrive within --receive-timeout."""
+    with raw_connection(strict) as s:
+        start = time.monotonic()
+        try:
+            for byte in b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 40:
+                s.sendall(bytes([byte]))
+                time.sleep(0.1)
+        except OSError:  # closed under us: what we want
+            pass
+        data, _ = read_until_closed(s)
+        assert time.monotonic() - start < 2.5
+    assert_408(data)
+
+
+def test_a_body_that_does_not_arrive_in_time_gets_408(strict, server_log):
+    with raw_connection(strict) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: 100\r\n\r\n{")  # fmt: skip
+        data, took = read_until_closed(s)
+    assert_408(data)
+    assert 0.8 < took < 2.5
+    assert any("did not send its request within 1 s" in line for line in server_log.lines())
+
+
+def test_a_slow_request_that_arrives_in_time_is_served_and_idle_connections_close(strict):
+    body = json.dumps(OK).encode()
+    head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
+    with raw_connection(strict) as s:
+        s.sendall(head)
+        time.sleep(0.5)
+        s.sendall(body)
+        s.settimeout(10)
+        answer = s.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer
+        rest, idle = read_until_closed(s)  # kept alive, then closed after 0.5 s of nothing
+        assert rest == b"" and 0.3 < idle < 1.5
+    with raw_connection(strict) as s:  # a connection that never sends a byte
+        data, idle = read_until_closed(s)
+        assert data == b"" and 0.8 < idle < 2.5
+
+
+def test_shutdown_ends_each_stream_with_an_error_event_and_done_and_each_request_with_a_503(parts, monkeypatch):
+    model, tokenizer = parts
+    engine = LLMEngine(model, tokenizer=tokenizer, max_num_seqs=8)
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.02), step())[1])  # 240 tokens take over 5 s
+    long = {"prompt": "ROMEO:", "max_tokens": 240, "ignore_eos": True}
+    running = ServerThread(build_app(engine, tokenizer, MODEL), shutdown_grace=0.2)
+    streams, plains, started = {}, {}, threading.Barrier(5, timeout=20)
+
+    def stream(i):
+        with httpx.stream("POST", running.url + "/v1/completions", json={**long, "stream": True}, timeout=20) as r:
+            lines = r.iter_lines()
+            streams[i] = [next(line for line in lines if line.startswith("data:"))]
+            started.wait()
+            streams[i] += [line for line in lines if line.startswith("data:")]
+
+    def plain(i):
+        plains[i] = httpx.post(running.url + "/v1/completions", json=long, timeout=20)
+
+    with running:
+        clients = [threading.Thread(target=stream, args=(i,)) for i in range(4)]
+        clients += [threading.Thread(target=plain, args=(i,)) for i in range(4)]
+        for c in clients:
+            c.start()
+        started.wait()
+        assert wait_for(lambda: engine.scheduler.running and len(engine.scheduler.running) == 8)
+        start = time.monotonic()
+    took = time.monotonic() - start  # ServerThread's exit: the shutdown, as on SIGTERM
+    for c in clients:
+        c.join(timeout=10)
+        assert not c.is_alive(), "a client hangs"
+    assert took < 3, f"shutdown took {took:.1f} s"
+    for events in streams.values():
+        assert events[-1] == "data: [DONE]", events[-3:]
+        error = json.loads(events[-2][5:])["error"]
+        assert "shut down" in error["message"] and error["type"] == "server_error"
+    for got in plains.values():
+        assert_openai_error(got, 503, "shut")
+        assert got.json()["error"]["type"] == "server_busy"
+    assert engine.blocks.num_free == engine.blocks.num_blocks
+
+
+def wait_for(condition, seconds: float = 10) -> bool:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
