@@ -302,6 +302,7 @@ def strict(parts):
     model, tokenizer = parts
     app = build_app(LLMEngine(model, tokenizer=tokenizer), tokenizer, MODEL)
     with ServerThread(app, receive_timeout=1, keep_alive=0.5) as server:
+        server.app = app
         yield server
 
 
@@ -346,7 +347,7 @@ def test_a_body_that_does_not_arrive_in_time_gets_408(strict, server_log):
     assert any("did not send its request within 1 s" in line for line in server_log.lines())
 
 
-def test_a_slow_request_that_arrives_in_time_is_served_and_idle_connections_close(strict):
+def test_a_slow_request_that_arrives_in_time_is_served_and_idle_connections_close(strict, monkeypatch):
     body = json.dumps(OK).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             f"content-length: {len(body)}\r\n\r\n").encode()  # fmt: skip
@@ -359,6 +360,15 @@ def test_a_slow_request_that_arrives_in_time_is_served_and_idle_connections_clos
         assert answer.startswith(b"HTTP/1.1 200"), answer
         rest, idle = read_until_closed(s)  # kept alive, then closed after 0.5 s of nothing
         assert rest == b"" and 0.3 < idle < 1.5
+    engine = strict.app.state.server.engine
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])
+    with raw_connection(strict) as s:  # two requests in one write (pipelined): both answered, then closed
+        slow = json.dumps({**OK, "max_tokens": 150}).encode()  # 1.5 s: longer than the deadline for receiving
+        second = head.replace(f"content-length: {len(body)}".encode(), f"content-length: {len(slow)}".encode())
+        s.sendall(head + body + second + slow)
+        data, _ = read_until_closed(s)
+        assert data.count(b"HTTP/1.1 200") == 2, data
     with raw_connection(strict) as s:  # a connection that never sends a byte
         data, idle = read_until_closed(s)
         assert data == b"" and 0.8 < idle < 2.5

@@ -561,8 +561,8 @@ class H11WithDeadline(H11Protocol):
             self.disarm()  # the request is in: the deadline is over
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
-        if not self.transport.is_closing():
+        super().on_response_complete()  # (a pipelined request waiting in the buffer starts here)
+        if not self.transport.is_closing() and (self.cycle.response_complete or self.cycle.more_body):
             self.arm()  # the next request's deadline (an idle connection closes at the keep-alive timeout first)
 
     def connection_lost(self, exc) -> None:
