@@ -11,6 +11,13 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), 
 `/v1/models/NAME`), `GET /health`, `GET /` (the chat page) and `GET /favicon.ico` (its icon). Errors are OpenAI's:
 `{"error": {"message", "type", "param", "code"}}`.
 
+A client is not trusted: a body must be JSON sent as such (415 otherwise), UTF-8 and Unicode text (400 naming
+the problem), and a page of another site gets 403 unless its origin is allowed (`Guard`); a request must arrive
+within a deadline (`H11WithDeadline`); parsing and tokenizing run in worker threads, so that the event loop
+always answers; a message's text never becomes a special token of the chat template
+(`HFTokenizer.encode_chat_plain`); on SIGTERM each request in flight is answered (`LLMServer`). An unexpected
+exception is a generic 500 and a line in the log, never its text in a response.
+
     >>> app = build_app(LLMEngine(model), tokenizer, "llama-shakespeare")         # doctest: +SKIP
     >>> with ServerThread(app) as server:                                          # doctest: +SKIP
     ...     client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
@@ -350,8 +357,9 @@ def check_content_type(value: Optional[str]) -> None:
     that a web page cannot send the server a "simple" cross-origin request (a form or text/plain POST, which
     browsers send without asking the server first)."""
     media, _, params = (value or "").partition(";")
-    charset = dict(p.strip().lower().partition("=")[::2] for p in params.split(";") if "=" in p).get("charset", "utf-8")
-    if media.strip().lower() != "application/json" or charset.strip('"') not in ("utf-8", "utf8"):
+    pairs = (p.partition("=")[::2] for p in params.split(";") if "=" in p)
+    charset = {k.strip().lower(): v.strip().strip('"').lower() for k, v in pairs}.get("charset", "utf-8")
+    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
         shown = f"Content-Type {value!r}" if value else "no Content-Type"
         raise api.APIError(
             f"the request body must be JSON sent with 'Content-Type: application/json' (UTF-8); got {shown}",
