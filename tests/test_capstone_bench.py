@@ -214,6 +214,6 @@ def test_the_open_task_is_reported_against_the_course_engines_share_on_the_same_
     assert capstone.challenge(challenge_run(0.55, 0.5)).endswith(" Reached.")
     assert "Yours: 55% (275 tok/s); the course engine on this run: 50%" in capstone.challenge(challenge_run(0.55, 0.5))
     assert "the advice above names" in capstone.challenge(challenge_run(0.3, 0.52))
-    assert "does not reach it on this machine either" in capstone.challenge(challenge_run(0.3, 0.4))
+    assert "does not reach it on this machine either" in capstone.challenge(challenge_run(0.3, 0.35))
     assert "No function of yours" in capstone.challenge(challenge_run(0.5, 0.5, functions=()))
-    assert capstone.challenge(challenge_run(0.5, 0.6), target=0.5).endswith(" Reached.")  # the target itself counts
+    assert capstone.challenge(challenge_run(0.4, 0.6)).endswith(" Reached.")  # the target itself counts
