@@ -115,7 +115,8 @@ class Server:
     @contextlib.asynccontextmanager
     async def lifespan(self, app):
         self.loop = asyncio.get_running_loop()
-        self.cpu = ThreadPoolExecutor(max_workers=2, thread_name_prefix="llmcourse-prepare")
+        # one thread: a tokenizer (a learner's, under `serve --parts`) need not be safe to run in two at once
+        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="llmcourse-prepare")
         try:
             async with AsyncEngine(self.engine, self.max_pending) as runner:
                 self.runner = runner
