@@ -28,6 +28,7 @@ try:  # requirements.txt installs selenium; without it the browser fixture skips
 except ImportError:
     webdriver = None
 
+pytestmark = pytest.mark.usefixtures("server_log")  # no traceback or error in the server's log (tests/server_log.py)
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SHOTS = Path("/tmp/w")
 TIMEOUT = 30  # seconds for a reply of a few dozen tokens on a busy 2-core machine

@@ -91,7 +91,7 @@ def install(shell=None) -> bool:
         return False
 
     def handler(self, etype, value, tb, tb_offset=None):
-        name = unwritten(value, tb, self.user_ns)
+        name = value.name if isinstance(value, NotWritten) else unwritten(value, tb, self.user_ns)
         if name is None:
             stb = self.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
         else:
