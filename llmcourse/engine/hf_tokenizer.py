@@ -152,7 +152,7 @@ class HFTokenizer:
     def plain_tokenizer(self):
         """A copy of the tokenizer that encodes special tokens' text as ordinary text (a copy rather than a
         switch on the one tokenizer: two threads may encode at once)."""
-        from tokenizers import Tokenizer
+        from tokenizers import Tokenizer  # as in load: only tokenizer.json models need the library
 
         plain = Tokenizer.from_str(self.tokenizer.to_str())
         plain.encode_special_tokens = True
