@@ -57,6 +57,9 @@ FLAGS = {
     "top_p": "--top-p",
     "min_p": "--min-p",
     "repetition_penalty": "--repetition-penalty",
+    "presence_penalty": "--presence-penalty",
+    "frequency_penalty": "--frequency-penalty",
+    "logit_bias": "--logit-bias",
     "num_beams": "--num-beams",
     "length_penalty": "--length-penalty",
     "num_draft_tokens": "--num-draft-tokens",
@@ -353,6 +356,28 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
     )
     parser.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        metavar="P",
+        help="OpenAI's: subtract P from the logit of every token generated so far, in [-2, 2]; 0 = off",
+    )
+    parser.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        metavar="F",
+        help="OpenAI's: subtract F times its count from the logit of every token generated so far, in [-2, 2]; 0 = off",
+    )
+    parser.add_argument(
+        "--logit-bias",
+        type=logit_bias_entry,
+        action="append",
+        default=[],
+        metavar="ID=BIAS",
+        help="add BIAS, in [-100, 100], to token ID's logit (repeat the option for several; -100 bans the token)",
+    )
+    parser.add_argument(
         "--length-penalty",
         type=float,
         default=1.0,
@@ -386,6 +411,15 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         help="run each decode step as one torch.compile'd graph (a CUDA graph on a GPU); "
         "compiling takes a while before the first token",
     )
+
+
+def logit_bias_entry(text: str) -> tuple[int, float]:
+    """--logit-bias ID=BIAS: a token id and a number (the library checks their ranges)."""
+    token, _, bias = text.partition("=")
+    try:
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected TOKEN_ID=BIAS such as 50256=-100, got {text!r}") from None
 
 
 def draft_tokens(text: str):
@@ -452,6 +486,9 @@ def run_generate(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
         stop=args.stop,
@@ -563,6 +600,9 @@ def run_chat(args: argparse.Namespace) -> int:
         top_p=args.top_p,
         min_p=args.min_p,
         repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        logit_bias=dict(args.logit_bias),
         num_beams=args.num_beams,
         length_penalty=args.length_penalty,
         stop=tuple(args.stop),

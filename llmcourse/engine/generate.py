@@ -9,6 +9,7 @@ Three entry points share one loop:
 
 Decoding settings: a `SamplingParams` (`llmcourse.engine.sampling`: `max_new_tokens`, `temperature` (0 = greedy,
 the default), `top_k`, `top_p`, `min_p`, `repetition_penalty` (same meaning and order as transformers),
+`presence_penalty`, `frequency_penalty` and `logit_bias` (OpenAI's, in vLLM's order), `stop_token_ids`,
 `num_beams` and `length_penalty` (beam search, greedy only), `eos_token_id` (stops a row; None never
 stops), `seed` (sampling is reproducible: the same seed gives the same text), `stop` (strings that end
 the text of `stream` and `generate_text`, not included)), or its fields as keywords. A `generator`
@@ -410,6 +411,10 @@ def decode_steps(
     if settings.repetition_penalty != 1.0:
         seen = torch.zeros(B, model.config.vocab_size, dtype=torch.bool, device=device)
         seen.scatter_(1, input_ids, mask[:, :longest].bool())  # only real tokens count, not padding
+    counts = None  # [B, V]: how often each row generated each token (presence and frequency penalties)
+    if settings.counts_generated:
+        counts = torch.zeros(B, model.config.vocab_size, device=device)
+        ones = torch.ones(B, 1, device=device)
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(eos_ids(eos_token_id), dtype=torch.long, device=device)  # [n_eos]
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
@@ -426,7 +431,7 @@ def decode_steps(
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
-        token = sampler.next_token(logits, settings, seen, generator)  # [B]
+        token = sampler.next_token(logits, settings, seen, generator, counts)  # [B]
         if len(stops):
             token = torch.where(finished, stops[0], token)  # a finished row repeats its first EOS id
             finished |= torch.isin(token, stops)
@@ -437,6 +442,8 @@ def decode_steps(
             return
         if seen is not None:
             seen.scatter_(1, token[:, None], True)  # an indexed "= True" copies the scalar to the GPU: a sync
+        if counts is not None:
+            counts.scatter_add_(1, token[:, None], ones)
         if compiled_step is not None:  # static shapes: the whole mask, the slot as a tensor
             logits = compiled_step(model, token[:, None], next_pos, mask, cache, slot)
             slot += 1

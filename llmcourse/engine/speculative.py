@@ -48,7 +48,7 @@ from torch import Tensor
 from .decoder import Decoder
 from .loading import load_model
 from .roofline import ModelShape
-from .sampling import Sampler, SamplingParams, eos_ids
+from .sampling import Sampler, SamplingParams, eos_ids, token_counts
 from .slots import Slots
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -245,6 +245,7 @@ class Distributions:
     def __init__(self, settings: SamplingParams, seen: Optional[Tensor] = None, sampler: Optional[Sampler] = None):
         self.settings, self.sampler = settings, sampler or Sampler()
         self.seen = seen  # [V] bool, the tokens of the text so far (repetition penalty), or None
+        self.generated: list[int] = []  # the tokens generated so far (presence and frequency penalties)
 
     def __call__(self, logits: Tensor, new_tokens: list[int], first: int = 0) -> Tensor:
         """logits [n, V], row i after the text and new_tokens[:first + i]."""
@@ -260,7 +261,12 @@ class Distributions:
             seen = self.seen.expand(len(logits), -1).clone()  # [n, V]
             for i, token in enumerate(new_tokens):
                 seen[max(i + 1 - first, 0) :, token] = True
-        return self.sampler.process(logits.float(), self.settings, seen)
+        counts = None
+        if self.settings.counts_generated:  # [n, V], row i counting new_tokens[:first + i] too
+            counts = token_counts([self.generated], logits.shape[-1], logits.device).expand(len(logits), -1).clone()
+            for i, token in enumerate(new_tokens):
+                counts[max(i + 1 - first, 0) :, token] += 1
+        return self.sampler.process(logits.float(), self.settings, seen, counts)
 
     def pick(self, probs: Tensor, generator: Optional[torch.Generator]) -> int:
         """A token drawn from probs [V] (the argmax of a one-hot)."""
@@ -269,6 +275,7 @@ class Distributions:
     def add(self, tokens: list[int]) -> None:
         if self.seen is not None:
             self.seen[tokens] = True
+        self.generated += tokens
 
 
 class DraftModel:
@@ -452,6 +459,8 @@ def speculative_steps(
         and isinstance(proposer, DraftModel)
         and settings.greedy
         and seen is None
+        and not settings.counts_generated
+        and not settings.logit_bias
     )
 
     auto = num_draft_tokens == AUTO

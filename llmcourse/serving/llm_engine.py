@@ -26,7 +26,7 @@ from llmcourse.engine.decoder import Decoder
 from llmcourse.engine.generate import as_model, check_request, new_generator
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.roofline import max_sequences
-from llmcourse.engine.sampling import Sampler, SamplingParams, eos_ids
+from llmcourse.engine.sampling import Sampler, SamplingParams, eos_ids, token_counts
 from llmcourse.engine.slots import PartError
 from llmcourse.engine.tokenizer import get_tokenizer
 
@@ -46,6 +46,10 @@ SETTINGS = (
     "top_p",
     "min_p",
     "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "stop_token_ids",
 )
 MAX_NUM_SEQS = 32  # requests running at once, by default (`serve --max-num-seqs` too)
 DEFAULT_CONTEXT = 4096  # the default pool holds one request this long (a 128k-context model would need GBs)
@@ -294,13 +298,15 @@ class LLMEngine:
         for i, r in enumerate(requests):
             groups.setdefault(r.settings.processors if r.settings.greedy else i, []).append(i)
         for rows in groups.values():
-            settings, seen = requests[rows[0]].settings, None
+            settings, seen, counts = requests[rows[0]].settings, None, None
             if settings.repetition_penalty != 1.0:
                 seen = torch.zeros(len(rows), logits.shape[-1], dtype=torch.bool, device=logits.device)
                 for k, i in enumerate(rows):
                     seen[k, torch.tensor(requests[i].tokens, device=logits.device)] = True
+            if settings.counts_generated:  # [len(rows), V]
+                counts = token_counts([requests[i].generated for i in rows], logits.shape[-1], logits.device)
             scores = logits if len(rows) == len(requests) else logits[rows]  # [len(rows), V]
-            chosen = self.sampler.next_token(scores, settings, seen, requests[rows[0]].generator)
+            chosen = self.sampler.next_token(scores, settings, seen, requests[rows[0]].generator, counts)
             tokens.update(zip(rows, chosen.tolist()))
         return [tokens[i] for i in range(len(requests))]
 
