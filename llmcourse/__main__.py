@@ -140,7 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="an OpenAI-compatible HTTP server and a chat page",
         description="Serve MODEL over HTTP with the OpenAI API (POST /v1/completions, /v1/chat/completions, "
-        "streaming or not; GET /v1/models, /health) and a chat page at /. All requests share one LLMEngine "
+        "streaming or not; GET /v1/models, /health; vLLM's POST /tokenize, /detokenize and GET /metrics for "
+        "Prometheus) and a chat page at /. All requests share one LLMEngine "
         "(continuous batching over a paged KV cache). Ctrl+C stops it.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -152,7 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every network)")
     serve.add_argument("--port", type=int, default=8000, help="the port to listen on")
     serve.add_argument(
-        "--api-key", default=None, metavar="KEY", help="require 'Authorization: Bearer KEY' on the /v1 routes"
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize, /detokenize and /metrics",
     )
     serve.add_argument("--max-num-seqs", type=int, default=MAX_NUM_SEQS, metavar="N", help="requests decoded at once")
     serve.add_argument(

@@ -184,7 +184,8 @@ def test_the_readme_says_what_my_engine_returns():
 
 
 def test_readme_serve_section_runs_as_written(capsys):
-    """The server started as the README starts it; its curl commands and its openai example against it."""
+    """The server started as the README starts it; its curl commands and its openai example against it: chat, a
+    streamed completion, /tokenize, /detokenize and /metrics (which has counted the two requests before it)."""
     import signal
     import time
 
@@ -207,15 +208,48 @@ def test_readme_serve_section_runs_as_written(capsys):
             assert server.poll() is None and time.monotonic() < deadline, "the server did not start (port 8000 taken?)"
             time.sleep(0.1)
         assert httpx.get("http://127.0.0.1:8000/").text.lstrip().lower().startswith("<!doctype html")
-        assert len(curls) == 2
-        chat = subprocess.run(["bash", "-c", curls[0]], capture_output=True, text=True, timeout=60)
+        generation = [c for c in curls if "/v1/" in c]
+        assert len(generation) == 2
+        chat = subprocess.run(["bash", "-c", generation[0]], capture_output=True, text=True, timeout=60)
         reply = __import__("json").loads(chat.stdout)
         assert reply["object"] == "chat.completion" and reply["choices"][0]["message"]["content"].strip()
-        streamed = subprocess.run(["bash", "-c", curls[1]], capture_output=True, text=True, timeout=60)
+        streamed = subprocess.run(["bash", "-c", generation[1]], capture_output=True, text=True, timeout=60)
         events = [line for line in streamed.stdout.splitlines() if line.startswith("data: ")]
         assert len(events) > 5 and events[-1] == "data: [DONE]"
+        check_tokens_and_metrics_curls([c for c in curls if "/v1/" not in c], generation_requests=2)
         exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
         assert len(capsys.readouterr().out.strip()) > 20
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 0
+
+
+def check_tokens_and_metrics_curls(curls: list[str], generation_requests: int) -> None:
+    """The README's /tokenize, /detokenize and /metrics commands, run as written against its server: the bundled
+    llama-shakespeare's ids and text, and metrics that prometheus_client's parser reads, having counted the
+    generation requests run before."""
+    import json
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    def run(command: str) -> str:
+        done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    tokenizer = load_tokenizer("llama-shakespeare")
+    prompt, chat, detokenize, metrics = curls
+    text = json.loads(re.search(r"-d '(.*)'", prompt).group(1))["prompt"]
+    answer = json.loads(run(prompt))
+    assert answer["tokens"] == tokenizer.encode(text) and answer["count"] == len(answer["tokens"])
+    assert answer["max_model_len"] == 256 and len(answer["token_strs"]) == answer["count"]
+    assert "<|endoftext|>" in answer["token_strs"]  # written in a prompt, the special token is one
+    messages = json.loads(re.search(r"-d '(.*)'", chat).group(1))["messages"]
+    assert json.loads(run(chat))["tokens"] == tokenizer.encode_chat_plain(messages)
+    assert json.loads(run(detokenize)) == {"prompt": messages[0]["content"]}
+    families = {f.name: f for f in text_string_to_metric_families(run(metrics))}
+    finished = sum(s.value for s in families["llmcourse:request_success"].samples if s.name.endswith("_total"))
+    assert finished == generation_requests
+    assert families["llmcourse:time_to_first_token_seconds"].type == "histogram"

@@ -8,7 +8,8 @@ a whole character and cannot be the start of a stop string; `data: [DONE]` ends 
 goes away aborts its request, and its KV blocks return to the pool at once.
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), `GET /v1/models` (and
-`/v1/models/NAME`), `GET /health`, `GET /` (the chat page) and `GET /favicon.ico` (its icon). Errors are OpenAI's:
+`/v1/models/NAME`), vLLM's `POST /tokenize` and `POST /detokenize` (`tokenize_api`), `GET /metrics` (Prometheus:
+`metrics`), `GET /health`, `GET /` (the chat page) and `GET /favicon.ico` (its icon). Errors are OpenAI's:
 `{"error": {"message", "type", "param", "code"}}`.
 
 A client is not trusted: a body must be JSON sent as such (415 otherwise), UTF-8 and Unicode text (400 naming
@@ -55,8 +56,10 @@ from llmcourse.engine.sampling import eos_ids
 from llmcourse.engine.tokenizer import stream_decoder
 
 from . import openai_api as api
+from . import tokenize_api
 from .async_engine import AsyncEngine, Busy, Stream
 from .llm_engine import LLMEngine
+from .metrics import MEDIA_TYPE, Metrics
 
 MAX_BODY = 1 << 20  # bytes: a request body larger than this is refused (413) before it is read
 MAX_DEPTH = 32  # levels of JSON nesting a body may have (a request needs 4)
@@ -78,9 +81,9 @@ def build_app(
     allowed_origins: Iterable[str] = (),
 ) -> Starlette:
     """The ASGI app serving `engine`'s model as `model_name`. api_key: required as `Authorization: Bearer KEY` on
-    the /v1 routes (None: open). max_pending: requests held at once before new ones get 429. allowed_origins: the
-    web origins (`https://example.org`, or `*`) whose pages may call the server from a browser; any other
-    cross-origin request gets 403 (the chat page is same-origin)."""
+    the /v1 routes, /tokenize, /detokenize and /metrics (None: open). max_pending: requests held at once before
+    new ones get 429. allowed_origins: the web origins (`https://example.org`, or `*`) whose pages may call the
+    server from a browser; any other cross-origin request gets 403 (the chat page is same-origin)."""
     if engine.tokenizer is None:  # stop strings are matched in the text
         engine.tokenizer = tokenizer
     server = Server(engine, tokenizer, model_name, api_key, max_pending)
@@ -92,6 +95,9 @@ def build_app(
         Route("/v1/models/{model:path}", server.model),
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat_completions, methods=["POST"]),
+        Route("/tokenize", server.tokenize, methods=["POST"]),
+        Route("/detokenize", server.detokenize, methods=["POST"]),
+        Route("/metrics", server.metrics_page),
     ]
     handlers = {api.APIError: error_response, HTTPException: http_error}
     guard = Middleware(Guard, allowed_origins=check_origins(allowed_origins))
@@ -101,13 +107,16 @@ def build_app(
 
 
 class Server:
-    """The routes' state: the model's name and tokenizer, and the `AsyncEngine` (made when the app starts)."""
+    """The routes' state: the model's name and tokenizer, the `AsyncEngine` (made when the app starts) and the
+    metrics."""
 
     def __init__(self, engine: LLMEngine, tokenizer, name: str, api_key: Optional[str], max_pending: int):
         self.engine, self.tokenizer, self.name, self.api_key = engine, tokenizer, name, api_key
         self.max_pending = max_pending
         self.n_positions = engine.model.config.n_positions
+        self.vocab_size = getattr(tokenizer, "n_vocab", None) or engine.model.config.vocab_size
         self.runner: Optional[AsyncEngine] = None
+        self.metrics = Metrics(name, engine, pending=lambda: len(self.runner.incoming) if self.runner else 0)
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         # a request's CPU work (JSON checks, chat template, tokenizer) runs here, off the event loop
         self.cpu: Optional[ThreadPoolExecutor] = None
@@ -166,6 +175,34 @@ class Server:
         self.check_model(request.path_params["model"])
         return JSONResponse(self.card())
 
+    async def metrics_page(self, request: Request) -> Response:
+        self.authorize(request)
+        return Response(self.metrics.exposition(), media_type=MEDIA_TYPE)
+
+    async def tokenize(self, request: Request) -> Response:
+        return await self.tokens_route(
+            request, lambda body: tokenize_api.tokenize(body, self.tokenizer, self.n_positions)
+        )
+
+    async def detokenize(self, request: Request) -> Response:
+        return await self.tokens_route(
+            request, lambda body: tokenize_api.detokenize(body, self.tokenizer, self.n_positions, self.vocab_size)
+        )
+
+    async def tokens_route(self, request: Request, answer: Callable[[object], dict]) -> Response:
+        """/tokenize and /detokenize: checked and answered in the worker thread, as a generation request is
+        prepared (a long text's tokens take a while)."""
+        self.authorize(request)
+        raw = await read_body(request)
+
+        def prepare() -> dict:
+            body = parse_json(raw)
+            if isinstance(body, dict):
+                self.check_model(body.get("model"))
+            return answer(body)
+
+        return JSONResponse(await asyncio.get_running_loop().run_in_executor(self.cpu, prepare))
+
     def check_model(self, name) -> None:
         if name not in (None, self.name):
             raise api.APIError(
@@ -203,13 +240,19 @@ class Server:
         except Busy as err:
             status = 503 if self.runner.stopping else 429
             raise api.APIError(f"{err}; retry shortly", status=status, kind="server_busy") from None
+        stream.counted = self.metrics.request(stream.submitted, len(job.prompt))
+
+        def abort() -> None:  # the client went away: free its blocks now
+            stream.abort()
+            stream.counted.finish("abort")  # (nothing if it finished)
+
         rid = api.new_id("chatcmpl" if job.chat else "cmpl")
         if job.stream:
-            return EventStream(self.events(job, stream, rid), on_close=stream.abort)
+            return EventStream(self.events(job, stream, rid), on_close=abort)
         answer = asyncio.ensure_future(self.answer(job, stream, rid))
         try:
             if not await finished_before_disconnect(answer, request.receive):
-                stream.abort()  # the client went away: free its blocks now
+                abort()
                 return Response(status_code=499)
         except Busy as err:  # the server stopped before the answer was complete
             raise api.APIError(str(err), status=503, kind="server_busy") from None
@@ -253,19 +296,26 @@ class Server:
         request = stream.request
         decoder, stops, eos = stream_decoder(self.tokenizer), StopStrings(request.stop), eos_ids(request.eos_token_id)
         tokens, logprobs = [], []
-        async for out in stream:
-            piece = ""
-            if out.token not in eos:
-                tokens.append(out.token)
-                logprobs += [out.logprobs] if out.logprobs is not None else []
-                piece = stops.push(decoder.push(out.token))
-            finish = None
-            if out.finished:
-                piece += stops.push(decoder.flush()) + stops.flush()
-                finish = "stop" if out.token in eos or stops.stopped else "length"
-            if piece or finish:
-                yield piece, tokens, logprobs, finish
-                tokens, logprobs = [], []
+        counted = stream.counted
+        try:
+            async for out in stream:
+                counted.token(out.time)
+                piece = ""
+                if out.token not in eos:
+                    tokens.append(out.token)
+                    logprobs += [out.logprobs] if out.logprobs is not None else []
+                    piece = stops.push(decoder.push(out.token))
+                finish = None
+                if out.finished:
+                    piece += stops.push(decoder.flush()) + stops.flush()
+                    finish = "stop" if out.token in eos or stops.stopped else "length"
+                    counted.finish(finish)
+                if piece or finish:
+                    yield piece, tokens, logprobs, finish
+                    tokens, logprobs = [], []
+        except Exception as err:  # the step failed (a learner's part), or the server stopped (Busy); a client
+            counted.finish("abort" if isinstance(err, Busy) else "error")  # that went away: generate's abort()
+            raise
 
     def logprobs(self, job: api.Job, tokens: list[int], logprobs: list, offset: int) -> Optional[dict]:
         if job.logprobs is None:
@@ -418,9 +468,10 @@ async def error_response(request: Request, err: api.APIError) -> Response:
 
 
 async def http_error(request: Request, err: HTTPException) -> Response:
-    message = {404: f"no route {request.url.path}: the routes are /v1/completions, /v1/chat/completions, "
-               "/v1/models, /health and / (the chat page)", 405: f"{request.method} is not allowed on "
-               f"{request.url.path}"}.get(err.status_code, err.detail)  # fmt: skip
+    messages = {404: f"no route {request.url.path}: the routes are /v1/completions, /v1/chat/completions, "
+               "/v1/models, /tokenize, /detokenize, /metrics, /health and / (the chat page)",
+               405: f"{request.method} is not allowed on {request.url.path}"}  # fmt: skip
+    message = messages.get(err.status_code, err.detail)
     return JSONResponse(api.APIError(message, status=err.status_code).body(), status_code=err.status_code)
 
 

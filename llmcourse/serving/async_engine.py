@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import AsyncIterator, NamedTuple, Optional
 
@@ -30,18 +31,23 @@ class Busy(RuntimeError):
 
 
 class Output(NamedTuple):
-    """One new token of a request: the token, whether the request ended with it, its log-probabilities (if asked)."""
+    """One new token of a request: the token, whether the request ended with it, its log-probabilities (if asked),
+    and when the engine gave it (time.monotonic(), read once per step: the server's latency metrics)."""
 
     token: int
     finished: bool
     logprobs: Optional[TokenLogprobs]
+    time: float = 0.0
 
 
 class Stream:
-    """A submitted request's outputs, as an async iterator; `abort()` ends it and frees its blocks."""
+    """A submitted request's outputs, as an async iterator; `abort()` ends it and frees its blocks. `submitted`:
+    when it was submitted (time.monotonic()); `counted`: the server's `RequestMetrics` for it, if it counts."""
 
     def __init__(self, engine: "AsyncEngine", request: Request):
         self.engine, self.request = engine, request
+        self.submitted = time.monotonic()
+        self.counted = None
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
 
@@ -150,13 +156,14 @@ class AsyncEngine:
         self.incoming = []
 
     def deliver(self, outputs: list[tuple[int, int, bool]]) -> None:
+        now = time.monotonic()  # the step's tokens' time (the one clock read the metrics need)
         for rid, token, finished in outputs:
             stream = self.streams.get(rid)
             if stream is None:
                 continue
             request = stream.request
             logprobs = request.logprobs[-1] if request.num_logprobs is not None else None
-            stream.queue.put_nowait(Output(token, finished, logprobs))
+            stream.queue.put_nowait(Output(token, finished, logprobs, now))
             if finished:
                 del self.streams[rid]
                 self.engine.release(rid)

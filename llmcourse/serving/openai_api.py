@@ -312,26 +312,29 @@ def surely_too_long(tokenizer, texts: list[str], n_positions: int, param: str) -
         raise too_long(size // longest, n_positions, param, at_least=True)
 
 
-def encode_prompt(tokenizer, text: str, n_positions: int) -> list[int]:
-    """A completion prompt's ids (special tokens written in it are special: the client writes the whole prompt)."""
+def encode_prompt(tokenizer, text: str, n_positions: int, add_special_tokens: bool = True) -> list[int]:
+    """A completion prompt's ids (special tokens written in it are special: the client writes the whole prompt).
+    add_special_tokens: those a tokenizer.json's post-processor adds (Llama 3's BOS; GPT-2's tokenizer adds none)."""
     surely_too_long(tokenizer, [text], n_positions, "prompt")
     try:
         if hasattr(tokenizer, "plain_tokenizer"):  # HFTokenizer: no list of ids for a prompt that cannot fit
-            return tokenizer.encode(text, allowed_special="all", max_tokens=n_positions)
+            return tokenizer.encode(
+                text, allowed_special="all", add_special_tokens=add_special_tokens, max_tokens=n_positions
+            )
         return tokenizer.encode(text, allowed_special="all")
     except ValueError as err:  # TooManyTokens
         raise too_long(getattr(err, "count", 0), n_positions, "prompt") from None
 
 
-def encode_messages(tokenizer, messages: list[dict], n_positions: int) -> list[int]:
+def encode_messages(tokenizer, messages: list[dict], n_positions: int, add_generation_prompt: bool = True) -> list[int]:
     """The conversation's ids through the model's chat template; the messages' text never becomes a special
     token (`HFTokenizer.encode_chat_plain`). Unlike transformers' apply_chat_template, which parses a typed
     `<|eot_id|>` as the real one, on purpose."""
     surely_too_long(tokenizer, [v for m in messages for v in m.values()], n_positions, "messages")
     try:
         if hasattr(tokenizer, "encode_chat_plain"):
-            return tokenizer.encode_chat_plain(messages, max_tokens=n_positions)
-        return tokenizer.encode_chat(messages)
+            return tokenizer.encode_chat_plain(messages, add_generation_prompt, max_tokens=n_positions)
+        return tokenizer.encode_chat(messages, add_generation_prompt)
     except ValueError as err:  # ChatTemplateError: the template refused the conversation; TooManyTokens
         if hasattr(err, "count"):
             raise too_long(err.count, n_positions, "messages") from None
