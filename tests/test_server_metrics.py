@@ -17,7 +17,7 @@ from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
 
-pytestmark = pytest.mark.usefixtures("server_log")  # no traceback in the log
+pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # tiny models; no traceback in the log
 MODEL = "llama-shakespeare"
 COUNTERS = ("request_success", "prompt_tokens", "generation_tokens", "num_preemptions")
 HISTOGRAMS = ("time_to_first_token_seconds", "inter_token_latency_seconds")

@@ -18,7 +18,7 @@ from llmcourse.serving.api_server import MAX_BODY, ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.tokenize_api import tokenize
 
-pytestmark = pytest.mark.usefixtures("server_log")  # no traceback in the log
+pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # tiny models; no traceback in the log
 TEXTS = [
     "ROMEO:",
     "",
