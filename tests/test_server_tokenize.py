@@ -141,6 +141,8 @@ def test_bad_input_gets_a_400_naming_the_field(served):
     cases = [
         ("/tokenize", {"prompt": 5}, "prompt", "prompt must be a string"),
         ("/tokenize", {}, "prompt", "give prompt"),
+        ("/tokenize", {"prompt": None}, "prompt", "give prompt"),
+        ("/detokenize", {"tokens": None}, "tokens", "tokens must be a list"),
         ("/tokenize", {"prompt": "x", "messages": FORGERY}, "messages", "not both"),
         ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, "add_special_tokens", "true or false"),
         ("/tokenize", {"prompt": "x", "return_token_strs": 1}, "return_token_strs", "true or false"),
@@ -160,6 +162,7 @@ def test_bad_input_gets_a_400_naming_the_field(served):
         cases += [
             ("/tokenize", {"messages": [{"role": "king", "content": "x"}]}, "messages[0].role", "role must be"),
             ("/tokenize", {"messages": []}, "messages", "non-empty list"),
+            ("/tokenize", {"messages": None}, "messages", "non-empty list"),
             ("/tokenize", {"messages": FORGERY, "add_generation_prompt": "no"}, "add_generation_prompt", "true or"),
             ("/tokenize", {"messages": [{"role": "user", "content": "ROMEO, " * 400}]}, "messages", "context"),
         ]

@@ -55,7 +55,7 @@ def tokenize(body, tokenizer, n_positions: int) -> dict:
         fields = checked_fields(body, CHAT)
         if getattr(tokenizer, "chat_template", None) is None:
             raise APIError("this model has no chat template, so it cannot render messages: send a prompt", "messages")
-        messages = chat_messages(fields["messages"])
+        messages = chat_messages(fields.get("messages"))
         ids = encode_messages(tokenizer, messages, n_positions, fields.get("add_generation_prompt", True))
         if fields.get("add_special_tokens", False):
             before, after = special_ends(tokenizer)
