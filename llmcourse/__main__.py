@@ -353,13 +353,6 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         help="> 1 makes tokens already in the text less likely; 1 = off",
     )
     parser.add_argument(
-        "--num-beams",
-        type=int,
-        default=1,
-        metavar="B",
-        help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
-    )
-    parser.add_argument(
         "--presence-penalty",
         type=float,
         default=0.0,
@@ -380,6 +373,13 @@ def add_settings(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="ID=BIAS",
         help="add BIAS, in [-100, 100], to token ID's logit (repeat the option for several; -100 bans the token)",
+    )
+    parser.add_argument(
+        "--num-beams",
+        type=int,
+        default=1,
+        metavar="B",
+        help="beam search with B beams (greedy: --temperature 0, the default with beams); 1 = off",
     )
     parser.add_argument(
         "--length-penalty",

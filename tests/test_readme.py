@@ -166,8 +166,9 @@ def test_the_readme_names_every_default_where_the_command_line_differs():
     cli = {a.dest: a.default for a in gen._actions if a.default != "==SUPPRESS=="}
     cli["temperature"] = TEMPERATURE
     python = {n: p.default for n, p in inspect.signature(generate).parameters.items() if p.default is not p.empty}
-    # the settings' defaults (stop: () here, [] on the command line, both none)
-    python |= {f.name: list(f.default) if f.name == "stop" else f.default for f in dataclasses.fields(SamplingParams)}
+    # the settings' defaults (stop, logit_bias: () here, [] on the command line, both none)
+    python |= {f.name: list(f.default) if f.name in ("stop", "logit_bias") else f.default
+               for f in dataclasses.fields(SamplingParams)}  # fmt: skip
     differ = {n for n in python if n in cli and cli[n] != python[n] and cli[n] is not None}
     assert differ == {"max_new_tokens", "temperature"}, differ
     sentence = " ".join(
@@ -184,7 +185,7 @@ def test_the_readme_says_what_my_engine_returns():
 
 
 def test_readme_serve_section_runs_as_written(capsys):
-    """The server started as the README starts it; its curl commands and its openai example against it: chat, a
+    """The server started as the README starts it; its curl commands and its openai examples against it: chat, a
     streamed completion, /tokenize, /detokenize and /metrics (which has counted the two requests before it)."""
     import signal
     import time
@@ -195,7 +196,7 @@ def test_readme_serve_section_runs_as_written(capsys):
     start = next(line.split("  #")[0].strip() for line in section.splitlines() if "python -m llmcourse serve" in line)
     curls = [c.strip() for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S)
              for c in block.replace("\\\n", " ").splitlines() if c.startswith("curl")]  # fmt: skip
-    example = next(block for block in re.findall(r"```python\n(.*?)```", section, flags=re.S))
+    examples = re.findall(r"```python\n(.*?)```", section, flags=re.S)  # the client's, then n and the penalties
     server = subprocess.Popen(["bash", "-c", f"exec {start}"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -217,8 +218,9 @@ def test_readme_serve_section_runs_as_written(capsys):
         events = [line for line in streamed.stdout.splitlines() if line.startswith("data: ")]
         assert len(events) > 5 and events[-1] == "data: [DONE]"
         check_tokens_and_metrics_curls([c for c in curls if "/v1/" not in c], generation_requests=2)
-        exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
-        assert len(capsys.readouterr().out.strip()) > 20
+        for example in examples:
+            exec(compile(example, "README.md", "exec"), {"__name__": "readme"})
+            assert len(capsys.readouterr().out.strip()) > 20
     finally:
         server.send_signal(signal.SIGINT)
         assert server.wait(timeout=30) == 0

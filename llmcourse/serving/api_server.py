@@ -231,59 +231,70 @@ class Server:
             return make_job(body, self.tokenizer, self.n_positions)
 
         job = await asyncio.get_running_loop().run_in_executor(self.cpu, prepare)
-        try:
-            engine_request = self.engine.new_request(job.prompt, logprobs=job.logprobs, **job.settings)
+        try:  # n choices: n requests, choice i seeded seed + i (`LLMEngine.new_choices`)
+            engine_requests = self.engine.new_choices(job.prompt, job.n, logprobs=job.logprobs, **job.settings)
         except ValueError as err:
             raise api.engine_error(err) from None
         try:
-            stream = self.runner.submit(engine_request)
+            streams = self.runner.submit_all(engine_requests)
         except Busy as err:
             status = 503 if self.runner.stopping else 429
             raise api.APIError(f"{err}; retry shortly", status=status, kind="server_busy") from None
-        stream.counted = self.metrics.request(stream.submitted, len(job.prompt))
+        for stream in streams:  # each choice counts as a request in the metrics, as vLLM's n child requests do
+            stream.counted = self.metrics.request(stream.submitted, len(job.prompt))
 
-        def abort() -> None:  # the client went away: free its blocks now
-            stream.abort()
-            stream.counted.finish("abort")  # (nothing if it finished)
+        def abort() -> None:  # the client went away: free the blocks of every choice now
+            for stream in streams:
+                stream.abort()
+                stream.counted.finish("abort")  # (nothing if it finished)
 
         rid = api.new_id("chatcmpl" if job.chat else "cmpl")
         if job.stream:
-            return EventStream(self.events(job, stream, rid), on_close=abort)
-        answer = asyncio.ensure_future(self.answer(job, stream, rid))
+            return EventStream(self.events(job, streams, rid), on_close=abort)
+        answer = asyncio.ensure_future(self.answer(job, streams, rid))
         try:
-            if not await finished_before_disconnect(answer, request.receive):
-                abort()
-                return Response(status_code=499)
+            if await finished_before_disconnect(answer, request.receive):
+                return JSONResponse(answer.result())
+            return Response(status_code=499)  # the client went away
         except Busy as err:  # the server stopped before the answer was complete
             raise api.APIError(str(err), status=503, kind="server_busy") from None
-        return JSONResponse(answer.result())
+        finally:
+            abort()  # what still runs (the client went away, a choice failed) ends now; finished streams are done
 
-    async def answer(self, job: api.Job, stream: Stream, rid: str) -> dict:
-        """The whole completion, as one response."""
-        text, tokens, logprobs, finish = "", [], [], None
-        async for piece, new_tokens, new_logprobs, finish in self.pieces(stream):
-            text, tokens, logprobs = text + piece, tokens + new_tokens, logprobs + new_logprobs
-        use = api.usage(len(job.prompt), len(stream.request.generated))
-        lp = self.logprobs(job, tokens, logprobs, 0)
+    async def answer(self, job: api.Job, streams: list[Stream], rid: str) -> dict:
+        """The whole completion, as one response: every choice, in order; the usage counts the prompt once and
+        every choice's tokens."""
+
+        async def whole(stream: Stream) -> api.Choice:
+            text, tokens, logprobs, finish = "", [], [], None
+            async for piece, new_tokens, new_logprobs, finish in self.pieces(stream):
+                text, tokens, logprobs = text + piece, tokens + new_tokens, logprobs + new_logprobs
+            return api.Choice(text, finish, self.logprobs(job, tokens, logprobs, 0))
+
+        choices = await asyncio.gather(*(whole(stream) for stream in streams))
+        use = api.usage(len(job.prompt), sum(len(stream.request.generated) for stream in streams))
         respond = api.chat_response if job.chat else api.completion_response
-        return respond(rid, self.name, text, finish, lp, use)
+        return respond(rid, self.name, choices, use)
 
-    async def events(self, job: api.Job, stream: Stream, rid: str) -> AsyncIterator[str]:
+    async def events(self, job: api.Job, streams: list[Stream], rid: str) -> AsyncIterator[str]:
         """The server-sent events of a streamed completion: the role (chat), a chunk per piece of text, the
-        finish reason, the usage (when asked), [DONE]. A failure mid-way is sent as an error event."""
+        finish reason, the usage (when asked), [DONE]. With n > 1 each choice has its role chunk, then the
+        choices' chunks interleave as their tokens come, each with its choice's `index`. A failure mid-way is sent
+        as an error event."""
         try:
             if job.chat:
-                yield sse(api.chunk(job, rid, self.name, None, first=True))
-            offset = 0
-            async for piece, tokens, logprobs, finish in self.pieces(stream):
-                lp = self.logprobs(job, tokens, logprobs, offset)
+                for i in range(len(streams)):
+                    yield sse(api.chunk(job, rid, self.name, None, first=True, index=i))
+            offsets = [0] * len(streams)
+            async for i, (piece, tokens, logprobs, finish) in merged([self.pieces(s) for s in streams]):
+                lp = self.logprobs(job, tokens, logprobs, offsets[i])
                 if piece:
-                    yield sse(api.chunk(job, rid, self.name, piece, lp))
-                    offset += len(piece)
+                    yield sse(api.chunk(job, rid, self.name, piece, lp, index=i))
+                    offsets[i] += len(piece)
                 if finish:
-                    yield sse(api.chunk(job, rid, self.name, None, None if piece else lp, finish=finish))
+                    yield sse(api.chunk(job, rid, self.name, None, None if piece else lp, finish=finish, index=i))
             if job.include_usage:
-                use = api.usage(len(job.prompt), len(stream.request.generated))
+                use = api.usage(len(job.prompt), sum(len(stream.request.generated) for stream in streams))
                 yield sse(api.usage_chunk(job, rid, self.name, use))
         except Exception as err:  # the engine stopped, or a step failed: say so in the stream
             yield sse({"error": {"message": str(err), "type": "server_error", "param": None, "code": None}})
@@ -382,6 +393,49 @@ async def finished_before_disconnect(task: asyncio.Future, receive) -> bool:
         return False
     task.result()  # raise what it raised
     return True
+
+
+async def merged(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, object]]:
+    """(index of the iterator, item) for the items of several async iterators, as each comes (the choices of one
+    request, n > 1). The first exception any of them raises is raised here; closing this closes them all.
+
+        >>> async def count(n):
+        ...     for i in range(n):
+        ...         yield i
+        >>> async def collect():
+        ...     return sorted([pair async for pair in merged([count(2), count(1)])])
+        >>> asyncio.run(collect())
+        [(0, 0), (0, 1), (1, 0)]
+    """
+    if len(iterators) == 1:  # one choice: no task, no queue
+        async for item in iterators[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def drain(i: int, iterator: AsyncIterator) -> None:
+        try:
+            async for item in iterator:
+                await queue.put((i, item))
+            await queue.put((i, end))
+        except Exception as err:
+            await queue.put((i, err))
+
+    tasks = [asyncio.ensure_future(drain(i, it)) for i, it in enumerate(iterators)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is end:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def sse(event: dict) -> str:

@@ -10,6 +10,7 @@ at once.
     ...     stream = engine.submit(engine.engine.new_request(ids, max_new_tokens=20))
     ...     async for out in stream:
     ...         print(out.token, out.finished)
+    ...     streams = engine.submit_all(engine.engine.new_choices(ids, 4, temperature=0.8))  # n = 4 choices
 """
 
 from __future__ import annotations
@@ -44,8 +45,9 @@ class Stream:
     """A submitted request's outputs, as an async iterator; `abort()` ends it and frees its blocks. `submitted`:
     when it was submitted (time.monotonic()); `counted`: the server's `RequestMetrics` for it, if it counts."""
 
-    def __init__(self, engine: "AsyncEngine", request: Request):
+    def __init__(self, engine: "AsyncEngine", request: Request, after: Optional[Request] = None):
         self.engine, self.request = engine, request
+        self.after = after  # the first choice of the same prompt (`LLMEngine.add`), or None
         self.submitted = time.monotonic()
         self.counted = None
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -93,14 +95,19 @@ class AsyncEngine:
 
     def submit(self, request: Request) -> Stream:
         """Queue a request made by `LLMEngine.new_request`; it joins the batch at the next step."""
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[Request]) -> list[Stream]:
+        """Queue the choices of one prompt made by `LLMEngine.new_choices` (all or none: each counts towards
+        `max_pending`); the first joins the batch at the next step, the others share its prompt's blocks."""
         if self.stopping or (self.task is not None and self.task.done()):  # done: the loop itself failed
             raise Busy("the server is shutting down")
-        if self.num_pending >= self.max_pending:
+        if self.num_pending + len(requests) > self.max_pending:
             raise Busy(f"the server holds {self.num_pending} requests, its limit (max_pending={self.max_pending})")
-        stream = Stream(self, request)
-        self.incoming.append(stream)
+        streams = [Stream(self, r, after=requests[0] if i else None) for i, r in enumerate(requests)]
+        self.incoming += streams
         self.wake.set()
-        return stream
+        return streams
 
     async def __aenter__(self) -> "AsyncEngine":
         self.task = asyncio.create_task(self.run())
@@ -152,7 +159,7 @@ class AsyncEngine:
                 self.engine.release(stream.request.id)
         self.aborted = []
         for stream in self.incoming:
-            self.streams[self.engine.add(stream.request)] = stream
+            self.streams[self.engine.add(stream.request, after=stream.after)] = stream
         self.incoming = []
 
     def deliver(self, outputs: list[tuple[int, int, bool]]) -> None:

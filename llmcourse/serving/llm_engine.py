@@ -13,6 +13,20 @@ it alone, with the same settings and seed.
     >>> rid = engine.add_request(tok.encode("HAMLET:"), temperature=0.8, seed=3)  # doctest: +SKIP
     >>> while engine.has_unfinished(): engine.step()  # -> [(request id, new token, finished), ...]  # doctest: +SKIP
     >>> engine.abort(rid)   # a client went away: its blocks return to the pool at once     # doctest: +SKIP
+    >>> choices = engine.new_choices(tok.encode("ROMEO:"), 4, temperature=0.8, seed=3)  # seeds 3-6  # doctest: +SKIP
+    >>> ids = [engine.add(c, after=choices[0] if i else None) for i, c in enumerate(choices)]  # doctest: +SKIP
+
+n choices of one prompt (OpenAI's `n`) are n requests that share the prompt's KV blocks through the prefix cache:
+`new_choices` makes them, choice i seeded `seed + i` as vLLM seeds a request's n samples (its V1 engine's
+`ParentRequest._get_child_sampling_params`, vllm/v1/engine/parallel_sampling.py: each child a copy of the
+parameters with `seed + index`), so choice i equals a request of its own with seed `seed + i`, token for token.
+`add(choice, after=first)` holds choices 1 … n-1 until the first has computed its prompt, whose full blocks are
+then in the prefix cache: each of the others shares them (a reference more on each block, no copy, no
+recomputation) and computes only the prompt's last, partial block itself (at least its last token: its logits are
+needed). That block is recomputed, not copied: a block holds whole positions, the partial one gets different
+tokens in each choice once they generate, and recomputing at most `block_size` tokens per choice is one small
+prefill chunk in a step that decodes anyway; copying would need a copy-on-write block kind the cache has no other
+use for, and this keeps every block either full and immutable (shared) or private. `max_choices` bounds n.
 """
 
 from __future__ import annotations
@@ -52,6 +66,7 @@ SETTINGS = (
     "stop_token_ids",
 )
 MAX_NUM_SEQS = 32  # requests running at once, by default (`serve --max-num-seqs` too)
+MAX_CHOICES = 128  # choices (OpenAI's n) per prompt at most, as OpenAI allows; also at most max_num_seqs
 DEFAULT_CONTEXT = 4096  # the default pool holds one request this long (a 128k-context model would need GBs)
 
 
@@ -160,6 +175,7 @@ class LLMEngine:
             policy=self.batching.schedule,
         )
         self.requests: dict[int, Request] = {}  # by id, until `release`d
+        self.held: dict[int, list[Request]] = {}  # first choice's id -> the other choices, until its prompt is in
         self.next_id = 0
         self.num_steps = 0
         self.steps_without_token = 0
@@ -176,12 +192,62 @@ class LLMEngine:
         (`Request.logprobs`; of the model's own distribution, before temperature and the other settings)."""
         return self.add(self.new_request(prompt_ids, params, logprobs=logprobs, **settings))
 
-    def add(self, request: Request) -> int:
-        """Queue a request made by `new_request`. -> its id."""
+    def add(self, request: Request, after: Optional[Request] = None) -> int:
+        """Queue a request made by `new_request` or `new_choices`. -> its id. after: the first choice of the same
+        prompt, already added: with prefix caching this request waits until that one has computed its prompt, then
+        shares its full blocks (the module's docstring)."""
         request.id, self.next_id = self.next_id, self.next_id + 1
         self.requests[request.id] = request
-        self.scheduler.add(request)
+        first = after is not None and self.requests.get(after.id) is after and not after.finished
+        if first and self.blocks.prefix_caching and self.shared_blocks(request.prompt):
+            self.held.setdefault(after.id, []).append(request)
+        else:
+            self.scheduler.add(request)
         return request.id
+
+    def shared_blocks(self, prompt: Sequence[int]) -> int:
+        """How many blocks of a prompt the choices after the first take from the prefix cache: its full blocks but
+        the one holding its last token (which each choice computes)."""
+        return (len(prompt) - 1) // self.blocks.block_size
+
+    def release_held(self) -> None:
+        """Queue the choices held for a first choice that has computed its prompt (or has ended)."""
+        for first_id in list(self.held):
+            first = self.requests.get(first_id)
+            if first is None or first.finished or first.num_computed >= len(first.prompt):
+                for request in self.held.pop(first_id):
+                    self.scheduler.add(request)
+
+    def max_choices(self, prompt_len: int, max_new_tokens: int) -> int:
+        """The most choices of one prompt this engine takes (OpenAI's n): MAX_CHOICES, at most `max_num_seqs` (the
+        choices decode in one batch), and as many as fit in the pool at once (the prompt's shared blocks once,
+        each choice's own blocks for its last prompt block and its tokens)."""
+        bs = self.blocks.block_size
+        shared = (prompt_len - 1) // bs if self.blocks.prefix_caching else 0
+        own = blocks_for(prompt_len + max_new_tokens, bs) - shared
+        return max(1, min(MAX_CHOICES, self.scheduler.max_num_seqs, (self.blocks.num_blocks - shared) // own))
+
+    def new_choices(
+        self, prompt_ids: Sequence[int], n: int, params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+    ) -> list[Request]:
+        """n checked requests for one prompt (OpenAI's n), not queued yet: choice i has seed `seed + i` (vLLM's
+        rule), the other settings alike. Add the first, then the others with `after=` the first (`add`). Refuses
+        n beyond `max_choices` with a ValueError."""
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n must be an integer >= 1 (the number of choices), got {n!r}")
+        first = self.new_request(prompt_ids, params, logprobs=logprobs, **settings)
+        most = self.max_choices(len(first.prompt), first.max_new_tokens)
+        if n > most:
+            raise ValueError(
+                f"n must be at most {most} here (got {n}): at most {MAX_CHOICES}, at most max_num_seqs="
+                f"{self.scheduler.max_num_seqs} (the choices decode together), and as many as the KV pool holds at "
+                f"once ({self.blocks.num_blocks} blocks of {self.blocks.block_size} positions) with this prompt and "
+                "max_tokens; ask for fewer choices or fewer tokens"
+            )
+        seed = first.settings.seed
+        return [first] + [
+            self.new_request(first.prompt, first.settings, logprobs=logprobs, seed=seed + i) for i in range(1, n)
+        ]
 
     def new_request(
         self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, logprobs=None, **settings
@@ -215,8 +281,14 @@ class LLMEngine:
         (blocks a finished prefix shares with others stay cached). Ending an unknown or finished request does
         nothing."""
         request = self.requests.get(request_id)
-        if request is not None and not request.finished:
-            self.scheduler.abort(request)
+        if request is None or request.finished:
+            return
+        for held in self.held.values():
+            if request in held:  # a choice still waiting for its first: it holds no block
+                held.remove(request)
+                request.finished = True
+                return
+        self.scheduler.abort(request)
 
     def release(self, request_id: int) -> Optional[Request]:
         """Forget a request (a server serving for days must not keep every request it served): abort it if it
@@ -225,11 +297,12 @@ class LLMEngine:
         return self.requests.pop(request_id, None)
 
     def has_unfinished(self) -> bool:
-        return bool(self.scheduler.waiting or self.scheduler.running)
+        return bool(self.scheduler.waiting or self.scheduler.running or any(self.held.values()))
 
     @torch.inference_mode()
     def step(self) -> list[tuple[int, int, bool]]:
         """Run one step. -> (request id, new token, finished) for each request that got a token."""
+        self.release_held()
         if not self.has_unfinished():
             return []
         try:

@@ -7,10 +7,12 @@ A request becomes a `Job`: the prompt's token ids, `LLMEngine`'s settings and wh
     ...                      n_positions=64)
     >>> job.prompt, job.settings["max_new_tokens"], job.settings["temperature"]
     ([1, 2, 3], 5, 0)
-    >>> completion_job({"prompt": [1], "n": 2}, tokenizer=None, n_positions=64)  # doctest: +ELLIPSIS
+    >>> completion_job({"prompt": [1], "n": 2, "logit_bias": {"13": -100}}, tokenizer=None, n_positions=64).n
+    2
+    >>> completion_job({"prompt": [1], "logit_bias": {"x": 1}}, tokenizer=None, n_positions=64)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    llmcourse.serving.openai_api.APIError: this server returns one choice per request: n must be 1 ...
+    llmcourse.serving.openai_api.APIError: logit_bias maps token ids, written as strings ("50256"), to ...
 """
 
 from __future__ import annotations
@@ -22,11 +24,14 @@ import re
 import reprlib
 import secrets
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 CHAT_MAX_TOKENS = 256  # a chat reply's default length, at most the room left in the context
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
+MAX_N = 128  # choices per request (n), as OpenAI allows (the engine may allow fewer: `LLMEngine.max_choices`)
+MAX_STOP_TOKEN_IDS = 64  # stop_token_ids per request
+INT64 = 2**63  # a seed is a 64-bit signed integer (vLLM's bound too)
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 # a message's `name`: a word, maybe several (OpenAI allows [A-Za-z0-9_-]{1,64}; a play has LADY CAPULET). No newline,
 # colon or bracket: in a template that writes the speaker as text (llama-shakespeare's "NAME:\n") it cannot end a turn.
@@ -43,6 +48,7 @@ COMMON = {
     "stream": BOOLEAN,
     "stream_options": OBJECT,
     "stop": "a string or a list of strings",
+    "stop_token_ids": "a list of token ids",
     "seed": INTEGER,
     "presence_penalty": NUMBER,
     "frequency_penalty": NUMBER,
@@ -115,6 +121,7 @@ class Job:
     include_usage: bool = False
     logprobs: Optional[int] = None  # alternatives per token to show (None: no logprobs)
     chat: bool = False
+    n: int = 1  # choices: the engine's `new_choices`
 
 
 def checked_fields(body, fields: dict) -> dict:
@@ -132,20 +139,12 @@ def checked_fields(body, fields: dict) -> dict:
 
 def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_max_tokens: int) -> dict:
     """`LLMEngine.add_request`'s settings from the fields common to both routes; what the engine does not do is
-    refused here with the field's name (the engine checks the values it takes)."""
-    if fields.get("n", 1) != 1:
-        raise APIError(
-            "this server returns one choice per request: n must be 1 (send n requests with different seeds)", "n"
-        )
-    for name in ("presence_penalty", "frequency_penalty"):
-        if fields.get(name, 0) != 0:
-            raise APIError(
-                f"{name} is not supported (only 0); the engine's repetition_penalty (an extra field, "
-                "> 1 discourages repeats) does a similar job",
-                name,
-            )
-    if fields.get("logit_bias"):
-        raise APIError("logit_bias is not supported", "logit_bias")
+    refused here with the field's name (the engine checks the values it takes: the penalties' range, logit_bias'
+    biases and size, token ids against the vocabulary)."""
+    if not 1 <= fields.get("n", 1) <= MAX_N:
+        raise APIError(f"n must be between 1 and {MAX_N} (the number of choices), got {fields['n']}", "n")
+    if "seed" in fields and not -INT64 <= fields["seed"] < INT64:
+        raise APIError(f"seed must be a 64-bit integer, in [-2**63, 2**63), got {shown(fields['seed'])}", "seed")
     if not 0 <= fields.get("temperature", 1.0) <= 2:
         raise APIError(f"temperature must be between 0 and 2, got {shown(fields['temperature'])}", "temperature")
     stop = fields.get("stop", [])
@@ -181,10 +180,44 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
         "seed": fields.get("seed", secrets.randbits(62)),  # no seed: a fresh draw, as OpenAI's API does
         "stop": tuple(stop),
     }
-    settings.update({k: fields[k] for k in ("top_k", "min_p", "repetition_penalty") if k in fields})
+    engine_fields = ("top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    settings.update({k: fields[k] for k in engine_fields if k in fields})
+    if "logit_bias" in fields:
+        settings["logit_bias"] = logit_bias(fields["logit_bias"])
+    if "stop_token_ids" in fields:
+        settings["stop_token_ids"] = stop_token_ids(fields["stop_token_ids"])
     if fields.get("ignore_eos", False):
         settings["eos_token_id"] = None
     return settings
+
+
+def logit_bias(bias: dict) -> dict:
+    """OpenAI's logit_bias, {"token id": bias}, as the engine takes it: {token id: bias} (the engine checks the
+    biases, at most 300 entries, and the ids against the vocabulary)."""
+    out = {}
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.isascii() and key.isdigit() and len(key) <= 12):
+            raise APIError(
+                f'logit_bias maps token ids, written as strings ("50256"), to biases in [-100, 100]; got the key '
+                f"{shown(key)}",
+                "logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+def stop_token_ids(ids) -> tuple[int, ...]:
+    """vLLM's stop_token_ids: a list of token ids (the engine checks them against the vocabulary)."""
+    if (
+        not isinstance(ids, list)
+        or len(ids) > MAX_STOP_TOKEN_IDS
+        or any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in ids)
+    ):
+        raise APIError(
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, got {shown(ids)}",
+            "stop_token_ids",
+        )
+    return tuple(ids)
 
 
 def completion_job(body, tokenizer, n_positions: int) -> Job:
@@ -211,7 +244,8 @@ def completion_job(body, tokenizer, n_positions: int) -> Job:
         raise APIError(f"logprobs must be between 0 and 5, got {logprobs}", "logprobs")
     settings = sampling_settings(fields, n_positions, len(ids), COMPLETION_MAX_TOKENS)
     options = fields.get("stream_options", {})
-    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs)
+    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs,
+               n=fields.get("n", 1))  # fmt: skip
 
 
 def chat_job(body, tokenizer, n_positions: int) -> Job:
@@ -236,7 +270,8 @@ def chat_job(body, tokenizer, n_positions: int) -> Job:
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     settings = sampling_settings(fields, n_positions, len(ids), CHAT_MAX_TOKENS)
     options = fields.get("stream_options", {})
-    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs, chat=True)
+    return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs, chat=True,
+               n=fields.get("n", 1))  # fmt: skip
 
 
 def chat_messages(messages) -> list[dict]:
@@ -406,24 +441,46 @@ def envelope(rid: str, kind: str, model: str, **fields) -> dict:
     return {"id": rid, "object": kind, "created": int(time.time()), "model": model, **fields}
 
 
-def completion_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
-    choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
-    return envelope(rid, "text_completion", model, choices=[choice], usage=use)
+class Choice(NamedTuple):
+    """One choice of a whole response: its text, why it ended, its logprobs (None: not asked)."""
+
+    text: str
+    finish: str
+    logprobs: Optional[dict]
 
 
-def chat_response(rid: str, model: str, text: str, finish: str, logprobs, use: dict) -> dict:
-    message = {"role": "assistant", "content": text}
-    choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
-    return envelope(rid, "chat.completion", model, choices=[choice], usage=use)
+def completion_response(rid: str, model: str, choices: list[Choice], use: dict) -> dict:
+    """A completion's response: one entry per choice (n), in order, each with its index."""
+    entries = [
+        {"index": i, "text": c.text, "logprobs": c.logprobs, "finish_reason": c.finish} for i, c in enumerate(choices)
+    ]
+    return envelope(rid, "text_completion", model, choices=entries, usage=use)
 
 
-def chunk(job: Job, rid: str, model: str, text: Optional[str], logprobs=None, finish=None, first=False) -> dict:
-    """One server-sent event of a stream: a piece of text (None: the closing chunk), or the opening role chunk."""
+def chat_response(rid: str, model: str, choices: list[Choice], use: dict) -> dict:
+    """A chat completion's response: one message per choice (n), in order, each with its index."""
+    entries = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": c.text},
+            "logprobs": c.logprobs,
+            "finish_reason": c.finish,
+        }
+        for i, c in enumerate(choices)
+    ]
+    return envelope(rid, "chat.completion", model, choices=entries, usage=use)
+
+
+def chunk(
+    job: Job, rid: str, model: str, text: Optional[str], logprobs=None, finish=None, first=False, index: int = 0
+) -> dict:
+    """One server-sent event of a stream: a piece of choice `index`'s text (None: its closing chunk), or its opening
+    role chunk. With n > 1 the choices' chunks interleave as their tokens come; `index` tells them apart."""
     if job.chat:
         delta = {"role": "assistant", "content": ""} if first else {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish}
     return envelope(rid, chunk_kind(job), model, choices=[choice])
 
 
