@@ -151,8 +151,10 @@ class SamplingParams:
     def for_model(self, model) -> "SamplingParams":
         """These settings as `model` runs them: eos_token_id='model' replaced by the model's own end-of-text ids
         (GPT-2's <|endoftext|>; several for Llama 3, from its config), `stop_token_ids` added to the EOS ids (every
-        driver then stops at them as at EOS, and the server shows neither in the text), and the token ids of
-        `stop_token_ids` and `logit_bias` checked against the vocabulary."""
+        driver then stops at them as at EOS, and the server shows neither in the text, as vLLM's detokenizer leaves
+        the token that stopped a request out of it: `update` in vllm/v1/engine/detokenizer.py, unless
+        include_stop_str_in_output), and the token ids of `stop_token_ids` and `logit_bias` checked against the
+        vocabulary."""
         vocab = model.config.vocab_size
         for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias])):
             bad = [t for t in ids if t >= vocab]
