@@ -48,9 +48,9 @@ class FailingEngine(LLMEngine):
         return super().step()
 
 
-def server_of(model, tokenizer, name: str = MODEL, engine=LLMEngine, **app) -> ServerThread:
-    """One request runs at a time (max_num_seqs=1): a second one waits, for the gauges. `.engine`: its engine."""
-    llm_engine = engine(model, tokenizer=tokenizer, max_num_seqs=1)
+def server_of(model, tokenizer, name: str = MODEL, engine=LLMEngine, max_num_seqs: int = 1, **app) -> ServerThread:
+    """One request runs at a time by default: a second one waits, for the gauges. `.engine`: its engine."""
+    llm_engine = engine(model, tokenizer=tokenizer, max_num_seqs=max_num_seqs)
     server = ServerThread(build_app(llm_engine, tokenizer, name, **app))
     server.engine = llm_engine
     return server
@@ -162,6 +162,27 @@ def test_gauges_show_a_running_and_a_waiting_request_and_an_abort_counts(llama):
         assert value(samples, "num_requests_running") == 0 == value(samples, "num_requests_waiting")
         assert value(samples, "kv_cache_blocks_used") == 0 == value(samples, "kv_cache_usage_perc")
         assert value(samples, "request_success_total", finished_reason="length") == 0
+
+
+def test_each_of_n_choices_counts_as_a_request(llama):
+    """n = 3 choices (streamed or not) count as three requests, as vLLM's n child requests do: three finishes, the
+    prompt's tokens three times, a first token each."""
+    model, tokenizer = llama
+    with server_of(model, tokenizer, max_num_seqs=4) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        before = scrape(server)
+        done = client.completions.create(model=MODEL, prompt=[2002, 58, 10], max_tokens=4, n=3, seed=1,
+                                         extra_body={"ignore_eos": True})  # fmt: skip
+        assert [c.finish_reason for c in done.choices] == ["length"] * 3 and done.usage.completion_tokens == 12
+        chunks = list(client.completions.create(model=MODEL, prompt=[2002, 58, 10], max_tokens=4, n=3, seed=1,
+                                                stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+        assert sorted(c.choices[0].index for c in chunks if c.choices[0].finish_reason) == [0, 1, 2]
+        after = scrape(server)
+    assert moved(after, before, "request_success_total", finished_reason="length") == 6
+    assert moved(after, before, "prompt_tokens_total") == 6 * 3
+    assert moved(after, before, "generation_tokens_total") == 6 * 4
+    assert moved(after, before, "time_to_first_token_seconds_count") == 6
+    assert moved(after, before, "inter_token_latency_seconds_count") == 6 * 3
 
 
 def test_a_failed_step_counts_as_error(llama):
