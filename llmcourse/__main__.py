@@ -658,7 +658,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    from .serving.api_server import build_app, check_origins, serve  # the web stack loads only for this command
+    from .serving.api_server import build_app, serve  # the web stack loads only for this command
+    from .serving.untrusted import check_origins
 
     def fail(message: str, code: int) -> int:
         print(f"python -m llmcourse serve: error: {message}", file=sys.stderr)

@@ -27,8 +27,9 @@ import torch
 from llmcourse import GPT2, get_tokenizer, load_model
 from llmcourse.engine.generate import generate, generate_text, until_eos
 from llmcourse.engine.hf_tokenizer import load_tokenizer
-from llmcourse.serving.api_server import MAX_BODY, ServerThread, build_app
+from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.serving.untrusted import MAX_BODY
 
 from .conftest import SMALL
 

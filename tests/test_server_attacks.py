@@ -25,8 +25,9 @@ import pytest
 from llmcourse import load_model
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.serving import openai_api
-from llmcourse.serving.api_server import MAX_DEPTH, ServerThread, build_app
+from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
+from llmcourse.serving.untrusted import MAX_DEPTH
 
 pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # no traceback in the log
 MODEL = "llama-shakespeare"

@@ -14,9 +14,10 @@ from tokenizers import processors
 from llmcourse import load_model
 from llmcourse.engine.hf_tokenizer import BYTE_OF, HFTokenizer, load_tokenizer
 from llmcourse.engine.loading import resolve_source
-from llmcourse.serving.api_server import MAX_BODY, ServerThread, build_app
+from llmcourse.serving.api_server import ServerThread, build_app
 from llmcourse.serving.llm_engine import LLMEngine
 from llmcourse.serving.tokenize_api import tokenize
+from llmcourse.serving.untrusted import MAX_BODY
 
 pytestmark = pytest.mark.usefixtures("one_thread", "server_log")  # tiny models; no traceback in the log
 TEXTS = [

@@ -13,10 +13,10 @@ Routes: `POST /v1/completions`, `POST /v1/chat/completions` (streaming or not), 
 `{"error": {"message", "type", "param", "code"}}`.
 
 A client is not trusted: a body must be JSON sent as such (415 otherwise), UTF-8 and Unicode text (400 naming
-the problem), and a page of another site gets 403 unless its origin is allowed (`Guard`); a request must arrive
-within a deadline (`H11WithDeadline`); parsing and tokenizing run in worker threads, so that the event loop
-always answers; a message's text never becomes a special token of the chat template
-(`HFTokenizer.encode_chat_plain`); on SIGTERM each request in flight is answered (`LLMServer`). An unexpected
+the problem), and a page of another site gets 403 unless its origin is allowed (`untrusted`); a request must
+arrive within a deadline, and on SIGTERM each request in flight is answered (`uvicorn_server`); parsing and
+tokenizing run in worker threads, so that the event loop always answers; a message's text never becomes a
+special token of the chat template (`HFTokenizer.encode_chat_plain`). An unexpected
 exception is a generic 500 and a line in the log, never its text in a response.
 
     >>> app = build_app(LLMEngine(model), tokenizer, "llama-shakespeare")         # doctest: +SKIP
@@ -32,24 +32,16 @@ import contextlib
 import hmac
 import json
 import logging
-import re
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import resources
 from typing import AsyncIterator, Callable, Iterable, Optional
-from urllib.parse import urlsplit
 
-import h11
-import uvicorn
 from starlette.applications import Starlette
-from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from llmcourse.engine.generate import StopStrings
 from llmcourse.engine.sampling import eos_ids
@@ -60,14 +52,10 @@ from . import tokenize_api
 from .async_engine import AsyncEngine, Busy, Stream
 from .llm_engine import LLMEngine
 from .metrics import MEDIA_TYPE, Metrics
+from .untrusted import Guard, check_origins, parse_json, read_body
+from .uvicorn_server import ServerThread, serve  # noqa: F401 - the server's entry points, as `serve` and tests use them
 
-MAX_BODY = 1 << 20  # bytes: a request body larger than this is refused (413) before it is read
-MAX_DEPTH = 32  # levels of JSON nesting a body may have (a request needs 4)
-SHUTDOWN_GRACE = 5  # seconds requests in flight get to finish after SIGINT/SIGTERM; then they end (503, error event)
-RECEIVE_TIMEOUT = 20  # seconds in which a request's headers and body must arrive (else 408, the connection closes)
-KEEP_ALIVE = 5  # seconds an idle connection stays open between requests (uvicorn's default)
 RETRY_AFTER = "1"  # seconds, for a client told the server is full (429)
-SURROGATE = re.compile("[\ud800-\udfff]")  # a lone surrogate: what a JSON "\\ud800" decodes to, not Unicode text
 logger = logging.getLogger("llmcourse.server")
 
 
@@ -442,80 +430,6 @@ def sse(event: dict) -> str:
     return f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
 
 
-async def read_body(request: Request) -> bytes:
-    """The body's bytes, refused when it is not sent as JSON (415) or over MAX_BODY bytes (413)."""
-    check_content_type(request.headers.get("content-type"))
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > MAX_BODY:
-        raise api.APIError(f"the request body is {length} bytes; the limit is {MAX_BODY}", status=413)
-    parts, size = [], 0
-    async for part in request.stream():
-        parts.append(part)
-        size += len(part)
-        if size > MAX_BODY:
-            raise api.APIError(f"the request body is over the limit of {MAX_BODY} bytes", status=413)
-    return b"".join(parts)
-
-
-def check_content_type(value: Optional[str]) -> None:
-    """JSON bodies only: `Content-Type: application/json` (a charset, if given, utf-8). Anything else gets 415, so
-    that a web page cannot send the server a "simple" cross-origin request (a form or text/plain POST, which
-    browsers send without asking the server first)."""
-    media, _, params = (value or "").partition(";")
-    pairs = (p.partition("=")[::2] for p in params.split(";") if "=" in p)
-    charset = {k.strip().lower(): v.strip().strip('"').lower() for k, v in pairs}.get("charset", "utf-8")
-    if media.strip().lower() != "application/json" or charset not in ("utf-8", "utf8"):
-        shown = f"Content-Type {value!r}" if value else "no Content-Type"
-        raise api.APIError(
-            f"the request body must be JSON sent with 'Content-Type: application/json' (UTF-8); got {shown}",
-            status=415,
-            code="unsupported_media_type",
-        )
-
-
-def parse_json(body: bytes):
-    """The body as JSON: UTF-8, at most MAX_DEPTH levels deep, every string and field name Unicode text (no lone
-    surrogates, which no tokenizer takes and no response can show); else 400 saying which."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise api.APIError(f"the request body is not UTF-8 (byte {err.start} is not): send JSON in UTF-8") from None
-    try:
-        value = json.loads(text)
-    except RecursionError:
-        raise api.APIError(f"the request body nests deeper than {MAX_DEPTH} levels") from None
-    except ValueError as err:
-        raise api.APIError(f"the request body is not valid JSON ({err})") from None
-    check_text(value)
-    return value
-
-
-def check_text(value) -> None:
-    """Refuse JSON nested over MAX_DEPTH levels, or holding a lone surrogate in a string or a field name
-    (iteratively: a deep body must not exhaust the stack here)."""
-    todo = [(value, "the body", 1)]
-    while todo:
-        item, where, depth = todo.pop()
-        if depth > MAX_DEPTH:
-            raise api.APIError(f"the request body nests deeper than {MAX_DEPTH} levels")
-        if isinstance(item, str):
-            if SURROGATE.search(item):
-                raise api.APIError(
-                    f"{where} holds a lone surrogate (a \\ud800-\\udfff escape that is not half of a pair): strings "
-                    "must be Unicode text",
-                    None if where == "the body" else where,
-                )
-        elif isinstance(item, dict):
-            for key, v in item.items():
-                if SURROGATE.search(key):
-                    raise api.APIError(
-                        f"a field name in {where} holds a lone surrogate: field names must be Unicode text"
-                    )
-                todo.append((v, key if where == "the body" else f"{where}.{key}", depth + 1))
-        elif isinstance(item, list):
-            todo.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(item))
-
-
 async def error_response(request: Request, err: api.APIError) -> Response:
     headers = {"retry-after": RETRY_AFTER} if err.status in (429, 503) else None
     return JSONResponse(err.body(), status_code=err.status, headers=headers)
@@ -527,256 +441,3 @@ async def http_error(request: Request, err: HTTPException) -> Response:
                405: f"{request.method} is not allowed on {request.url.path}"}  # fmt: skip
     message = messages.get(err.status_code, err.detail)
     return JSONResponse(api.APIError(message, status=err.status_code).body(), status_code=err.status_code)
-
-
-INTERNAL_ERROR = {"error": {"message": "internal server error (the server's log says more)", "type": "server_error",
-                             "param": None, "code": None}}  # fmt: skip
-
-
-def check_origins(origins: Iterable[str]) -> frozenset:
-    """--allowed-origins' values, each `*` or an origin as browsers send it (`scheme://host[:port]`, no path)."""
-    out = set()
-    for origin in origins:
-        origin = origin.strip().rstrip("/")
-        parts = urlsplit(origin)
-        if origin != "*" and not (parts.scheme in ("http", "https") and parts.netloc and not parts.path
-                                  and not parts.query and not parts.fragment):  # fmt: skip
-            raise ValueError(f"an allowed origin is * or scheme://host[:port] (https://example.org), got {origin!r}")
-        out.add(origin.lower())
-    return frozenset(out)
-
-
-class Guard:
-    """The app's outer layer (pure ASGI): the cross-origin policy, and what no route should let out.
-
-    CORS: a request whose `Origin` is another site's gets 403 unless that origin is allowed (`--allowed-origins`);
-    an allowed one gets `Access-Control-Allow-Origin` and its preflight (OPTIONS) is answered. Same-origin
-    requests (the chat page) and clients that send no Origin (curl, the openai client) pass.
-    A client that disconnected while its request was read is one info line; any other exception a generic 500
-    (its text only in the log, never in the body)."""
-
-    ALLOW_HEADERS = "authorization, content-type"
-
-    def __init__(self, app, allowed_origins: frozenset = frozenset()):
-        self.app, self.allowed = app, allowed_origins
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        headers = Headers(scope=scope)
-        origin, extra = headers.get("origin"), []
-        if origin is not None and urlsplit(origin).netloc.lower() != headers.get("host", "").lower():
-            if "*" not in self.allowed and origin.lower().rstrip("/") not in self.allowed:
-                error = api.APIError(
-                    f"cross-origin requests from {origin} are not allowed: start the server with --allowed-origins "
-                    f"{origin} to let that site's pages call it",
-                    status=403,
-                    kind="permission_error",
-                    code="origin_not_allowed",
-                )
-                return await JSONResponse(error.body(), status_code=403)(scope, receive, send)
-            extra = [(b"access-control-allow-origin", origin.encode("latin-1")), (b"vary", b"Origin")]
-            if scope["method"] == "OPTIONS" and "access-control-request-method" in headers:
-                preflight = {"access-control-allow-methods": "GET, POST", "access-control-max-age": "600",
-                             "access-control-allow-headers": self.ALLOW_HEADERS}  # fmt: skip
-                response = Response(status_code=204, headers=preflight)
-                response.raw_headers += extra
-                return await response(scope, receive, send)
-        started = False
-
-        async def send_with_cors(message) -> None:
-            nonlocal started
-            if message["type"] == "http.response.start":
-                started = True
-                if extra:
-                    message = {**message, "headers": [*message.get("headers", []), *extra]}
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_with_cors)
-        except ClientDisconnect:
-            client = scope.get("client") or ("?", 0)
-            logger.info("%s:%s went away while sending its request to %s", *client[:2], scope["path"])
-        except Exception as err:
-            logger.error(
-                "internal error on %s %s: %s", scope["method"], scope["path"], type(err).__name__, exc_info=err
-            )
-            if not started:
-                await JSONResponse(INTERNAL_ERROR, status_code=500)(scope, receive, send)
-
-
-class LLMServer(uvicorn.Server):
-    """uvicorn's server with the shutdown a client can understand.
-
-    On SIGINT/SIGTERM it stops accepting connections and closes the idle ones; requests in flight get `grace`
-    seconds to finish; then the engine stops, and what is left ends in words: each stream gets an error event and
-    `data: [DONE]`, each plain request a JSON 503, before its connection closes (nothing is cancelled mid-write).
-    The process then exits normally (status 0) instead of raising the signal again."""
-
-    def __init__(self, config: uvicorn.Config, grace: float = SHUTDOWN_GRACE):
-        super().__init__(config)
-        self.grace = grace
-
-    def handle_exit(self, sig, frame) -> None:
-        super().handle_exit(sig, frame)
-        self._captured_signals.clear()
-
-    async def shutdown(self, sockets=None) -> None:
-        for server in self.servers:
-            server.close()
-        for sock in sockets or []:
-            sock.close()
-        for connection in list(self.server_state.connections):
-            connection.shutdown()  # idle: closed now; busy: closed after its response
-        state = getattr(self.config.app, "state", None)
-        runner = getattr(getattr(state, "server", None), "runner", None)
-        if runner is not None:
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self.grace
-            while runner.num_pending and loop.time() < deadline and not self.force_exit:
-                await asyncio.sleep(0.02)
-            await runner.stop()  # what is left gets its error (503 / error event) now
-        try:
-            await asyncio.wait_for(self._wait_tasks_to_complete(), timeout=self.config.timeout_graceful_shutdown)
-        except asyncio.TimeoutError:  # a client that does not read its answer, say
-            logger.warning(
-                "%d connection(s) did not finish within the shutdown's time: closed", len(self.server_state.tasks)
-            )
-            for task in self.server_state.tasks:
-                task.cancel()
-        if not self.force_exit:
-            await self.lifespan.shutdown()
-
-
-class H11WithDeadline(H11Protocol):
-    """uvicorn's HTTP/1.1 protocol with a deadline for receiving a request: its headers and whole body must arrive
-    within `config.receive_timeout` seconds of the connection's opening or of the previous response (else 408 and
-    the connection closes). uvicorn's own keep-alive timer restarts with every byte, so a client sending one byte a
-    second (slowloris) would hold a connection for ever; ASGI middleware cannot help, it runs only once the headers
-    are in."""
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self.receipt: Optional[asyncio.TimerHandle] = None
-        self.arm()
-
-    def arm(self) -> None:
-        if self.receipt is None:
-            self.receipt = self.loop.call_later(getattr(self.config, "receive_timeout", RECEIVE_TIMEOUT), self.too_slow)
-
-    def disarm(self) -> None:
-        if self.receipt is not None:
-            self.receipt.cancel()
-            self.receipt = None
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.cycle is not None and not self.cycle.more_body and not self.cycle.response_complete:
-            self.disarm()  # the request is in: the deadline is over
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()  # (a pipelined request waiting in the buffer starts here)
-        if not self.transport.is_closing() and (self.cycle.response_complete or self.cycle.more_body):
-            self.arm()  # the next request's deadline (an idle connection closes at the keep-alive timeout first)
-
-    def connection_lost(self, exc) -> None:
-        self.disarm()
-        super().connection_lost(exc)
-
-    def too_slow(self) -> None:
-        self.receipt = None
-        if self.transport.is_closing():
-            return
-        between = self.cycle is None or self.cycle.response_complete
-        if not (between and not self.conn.trailing_data[0] and self.conn.their_state is h11.IDLE):  # bytes came
-            timeout = getattr(self.config, "receive_timeout", RECEIVE_TIMEOUT)
-            client = "%s:%s" % tuple(self.client[:2]) if self.client else "a client"
-            logger.info("%s did not send its request within %s s: 408, connection closed", client, timeout)
-            if between or not self.cycle.response_started:
-                error = api.APIError(
-                    f"the request did not arrive within {timeout} s (headers and body): send it whole, faster",
-                    status=408,
-                    code="request_timeout",
-                )
-                body = json.dumps(error.body()).encode()
-                head = ("HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n")  # fmt: skip
-                self.transport.write(head.encode() + body)
-        self.transport.close()
-
-
-def server_config(
-    app, host: str, port: int, keep_alive: float, receive_timeout: float, graceful: float
-) -> uvicorn.Config:
-    config = uvicorn.Config(
-        app,
-        host=host,
-        port=port,
-        log_level="warning",
-        log_config=None,  # uvicorn's lines go to the "uvicorn" loggers, as configured by `serve` (or a test)
-        http=H11WithDeadline,
-        timeout_keep_alive=keep_alive,
-        timeout_graceful_shutdown=graceful,
-    )
-    config.receive_timeout = receive_timeout
-    return config
-
-
-def serve(
-    app: Starlette,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    *,
-    keep_alive: float = KEEP_ALIVE,
-    receive_timeout: float = RECEIVE_TIMEOUT,
-    shutdown_grace: float = SHUTDOWN_GRACE,
-) -> None:
-    """Run `app` until SIGINT/SIGTERM (`LLMServer`: requests in flight get `shutdown_grace` seconds to finish).
-    keep_alive: seconds an idle connection stays open; receive_timeout: seconds a request may take to arrive."""
-    handler = logging.StreamHandler()  # uvicorn's warnings and the server's own lines (info: a client went away)
-    handler.setFormatter(logging.Formatter("%(levelname)s: %(message)s"))
-    for name, level in (("uvicorn", logging.WARNING), ("llmcourse.server", logging.INFO)):
-        logging.getLogger(name).handlers = [handler]
-        logging.getLogger(name).setLevel(level)
-        logging.getLogger(name).propagate = False
-    config = server_config(app, host, port, keep_alive, receive_timeout, graceful=5)
-    LLMServer(config, grace=shutdown_grace).run()
-
-
-class ServerThread:
-    """`app` served by uvicorn in a background thread (tests, benchmarks, notebooks); `url` once started.
-
-    >>> with ServerThread(app) as server:                                           # doctest: +SKIP
-    ...     httpx.get(server.url + "/health").json()["status"]
-    'ok'
-    """
-
-    def __init__(
-        self,
-        app: Starlette,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        *,
-        keep_alive: float = KEEP_ALIVE,
-        receive_timeout: float = RECEIVE_TIMEOUT,
-        shutdown_grace: float = 1,
-    ):
-        config = server_config(app, host, port, keep_alive, receive_timeout, graceful=1)
-        self.server = LLMServer(config, grace=shutdown_grace)
-        self.thread = threading.Thread(target=self.server.run, daemon=True, name="llmcourse-server")
-        self.url = ""
-
-    def __enter__(self) -> "ServerThread":
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the server did not start (is the port taken?)")
-            time.sleep(0.02)
-        host, port = self.server.servers[0].sockets[0].getsockname()[:2]
-        self.url = f"http://{host}:{port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
