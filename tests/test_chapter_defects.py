@@ -21,13 +21,9 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import re
 from pathlib import Path
-
-import nbformat
-from nbclient import NotebookClient
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -81,28 +77,6 @@ def test_no_raw_rounding_difference_in_an_output_meant_to_stay_the_same():
 
 
 # ------------------------------------------------------------------------------------------------ 2: chapter 05's table
-
-
-def test_chapter_05_side_by_side_on_the_stubs_names_the_exercise_to_write_not_a_name_error():
-    """The release run on its stubs, up to the side-by-side demo and its table: one line naming `stream_text` (the
-    first exercise the demo calls), and no NameError in any cell."""
-    from llmcourse.course.stubs import message
-
-    release = nbformat.reads(json.dumps(notebook("05_sampling", "chapters")), as_version=4)
-    ids = [c.id for c in release.cells]
-    last = max(ids.index("side-by-side"), ids.index("side-by-side-table"))
-    nb = copy.deepcopy(release)
-    nb.cells = [c for c in release.cells[: last + 1] if "remove-cell" not in c.metadata.get("tags", [])]
-    folder = ROOT / "chapters" / "05_sampling"
-    NotebookClient(
-        nb, timeout=300, allow_errors=True, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
-    ).execute()
-    errors = {c.id: o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"}
-    named = {i: f"{e.ename}: {e.evalue}" for i, e in errors.items() if e.ename == "NameError"}
-    assert not named, named
-    demo = errors["side-by-side"]
-    assert demo.ename == "NotImplementedError" and demo.traceback == [message("stream_text")], demo
-    assert "side-by-side-table" not in errors  # the helper's definition runs on the stubs too
 
 
 # ------------------------------------------------------------------------------------------------ 3: BPE's ties
@@ -205,46 +179,3 @@ def test_run_all_goes_on_past_a_failing_check_in_the_release_only():
 
 
 # ------------------------------------------------------------------------------------------------ 5: chapter 01's demos
-
-
-def test_chapter_01_on_the_stubs_every_demo_names_the_exercise_to_write_not_a_name_error():
-    """The whole release run on its stubs, as Run All does (it goes on past the failing checks): every error is a
-    check's failure or the one line that names an exercise above the cell, never a NameError (or any other raw
-    traceback) from a result an earlier demo never made."""
-    from llmcourse.course.stubs import message
-
-    release = nbformat.reads(json.dumps(notebook("01_tokenization", "chapters")), as_version=4)
-    nb = copy.deepcopy(release)
-    nb.cells = [c for c in release.cells if "remove-cell" not in c.metadata.get("tags", [])]
-    folder = ROOT / "chapters" / "01_tokenization"
-    NotebookClient(
-        nb, timeout=300, allow_errors=True, kernel_name="python3", resources={"metadata": {"path": str(folder)}}
-    ).execute()
-    code = [c for c in nb.cells if c.cell_type == "code"]
-    defined = {  # each exercise's function or class -> the index of its cell
-        name: n
-        for n, c in enumerate(code)
-        if c.metadata.get("nbgrader", {}).get("solution")
-        for name in re.findall(r"^(?:def|class) (\w+)", c.source, re.M)
-    }
-    named, raw = {}, {}
-    for n, c in enumerate(code):
-        for e in (o for o in c.outputs if o.output_type == "error"):
-            grading = c.metadata.get("nbgrader", {})
-            if grading.get("grade") and not grading.get("solution"):
-                assert e.ename == "CheckFailed", (c.id, e.ename, e.evalue)  # a check cell's own failure
-                continue
-            line = re.fullmatch(r"NotImplementedError: `([\w.]+)` is not written yet: .*", "".join(e.traceback))
-            name = line and line.group(1)
-            if not (name and e.traceback == [message(name)] and defined.get(name.split(".")[0], n) < n):
-                raw[c.id] = f"{e.ename}: {e.evalue}"
-            else:
-                named[c.id] = name
-    assert not raw, raw
-    # the three that raised a NameError before, now each naming the first exercise it needs
-    assert named["merge-demo"] == "get_pair_counts", named
-    assert named["compression"] == "train_bpe", named
-    assert "compression-plot" not in named  # the plot's helper is a definition: it runs on the stubs too
-    # every demo after the first exercise that calls one says which (none passes on a stub)
-    demos = [c.id for c in code if "needs-exercise" in c.metadata.get("tags", [])]
-    assert set(named) == set(demos), (sorted(named), sorted(demos))

@@ -176,3 +176,57 @@ def test_a_stub_in_the_engine_is_told_as_not_written_yet():
     assert ".qk_norm) raised ValueError\n" in str(bare.value)
     for message in (str(stub.value), str(bare.value)):
         assert not EMPTY_MESSAGE.search(message), message
+
+
+# Chapter defects seen on the stubs (tests/test_chapter_defects.py's story), read from bob's run
+
+
+def test_chapter_05_side_by_side_on_the_stubs_names_the_exercise_to_write_not_a_name_error(course_run):
+    """The release run on its stubs (bob's run): the side-by-side demo's one line names `stream_text` (the first
+    exercise it calls), its table's cell runs, and no cell raises a NameError."""
+    from llmcourse.course.stubs import message
+
+    nb = nbformat.reads(json.dumps(course_run.autograded("bob", "05_sampling")), as_version=4)
+    errors = {c.id: o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"}
+    named = {i: f"{e.ename}: {e.evalue}" for i, e in errors.items() if e.ename == "NameError"}
+    assert not named, named
+    demo = errors["side-by-side"]
+    assert demo.ename == "NotImplementedError" and demo.traceback == [message("stream_text")], demo
+    assert "side-by-side-table" not in errors  # the helper's definition runs on the stubs too
+
+
+def test_chapter_01_on_the_stubs_every_demo_names_the_exercise_to_write_not_a_name_error(course_run):
+    """The whole release run on its stubs (bob's run), as Run All does (it goes on past the failing checks): every
+    error is a check's failure or the one line that names an exercise above the cell, never a NameError (or any
+    other raw traceback) from a result an earlier demo never made."""
+    from llmcourse.course.stubs import message
+
+    nb = nbformat.reads(json.dumps(course_run.autograded("bob", "01_tokenization")), as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    defined = {  # each exercise's function or class -> the index of its cell
+        name: n
+        for n, c in enumerate(code)
+        if c.metadata.get("nbgrader", {}).get("solution")
+        for name in re.findall(r"^(?:def|class) (\w+)", c.source, re.M)
+    }
+    named, raw = {}, {}
+    for n, c in enumerate(code):
+        for e in (o for o in c.outputs if o.output_type == "error"):
+            grading = c.metadata.get("nbgrader", {})
+            if grading.get("grade") and not grading.get("solution"):
+                assert e.ename == "CheckFailed", (c.id, e.ename, e.evalue)  # a check cell's own failure
+                continue
+            line = re.fullmatch(r"NotImplementedError: `([\w.]+)` is not written yet: .*", "".join(e.traceback))
+            name = line and line.group(1)
+            if not (name and e.traceback == [message(name)] and defined.get(name.split(".")[0], n) < n):
+                raw[c.id] = f"{e.ename}: {e.evalue}"
+            else:
+                named[c.id] = name
+    assert not raw, raw
+    # the three that raised a NameError before, now each naming the first exercise it needs
+    assert named["merge-demo"] == "get_pair_counts", named
+    assert named["compression"] == "train_bpe", named
+    assert "compression-plot" not in named  # the plot's helper is a definition: it runs on the stubs too
+    # every demo after the first exercise that calls one says which (none passes on a stub)
+    demos = [c.id for c in code if "needs-exercise" in c.metadata.get("tags", [])]
+    assert set(named) == set(demos), (sorted(named), sorted(demos))
