@@ -1,19 +1,23 @@
 """The engine's float32 CPU kernels (`llmcourse.engine.cpu_kernels`: `linear`, `decode_attention`) and the thread
 count it computes with (`llmcourse.engine.threads`).
 
-- `linear` gives torch.addmm's product (float64 reference, relative error ~1e-6) for both weight layouts, with
-  and without bias, for column counts that are not multiples of 8 and for strided rows; a row's numbers are the
-  same bit for bit alone, in any batch up to FLOAT_ROWS rows and with any number of threads (what makes batched
-  decoding equal decoding alone); where it does not apply (more rows, gradients, float64, torch.compile) it is
-  torch's product exactly.
+- `linear` gives torch.addmm's product (float64 reference, relative error ~1e-6) for weights stored as the engine
+  stores them (the transpose of an [N, K] matrix), with and without bias, for column counts that are not
+  multiples of 8 and for strided rows; a row's numbers are the same bit for bit alone, in any batch up to
+  FLOAT_ROWS rows and with any number of threads (what makes batched decoding equal decoding alone); where it does
+  not apply (the checkpoint's [K, N] layout, more rows, gradients, float64, torch.compile) it is torch's product
+  exactly.
+- The kernels' threads (kernels/pool.c): every kernel gives the same numbers on 1, 2 and 3 threads, and when every
+  helper thread is held (as if the system had parked them all) the caller computes the whole job itself.
 - `decode_attention` gives torch's fused attention's output (1e-6) with padding masks, grouped-query heads and
   cache views, the same numbers for a sequence alone or in a batch, and torch's kernel where it does not apply.
 - The engine decodes the same greedy tokens with the kernels as with torch's products, and its logits agree.
-- Threads: OMP_NUM_THREADS or a torch.set_num_threads call is kept; otherwise the engine takes cores - 1.
+- Threads: OMP_NUM_THREADS or a torch.set_num_threads call is kept; otherwise the engine takes every core.
 """
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 
@@ -41,38 +45,64 @@ def relative_error(got, want):
 @pytest.mark.parametrize("K, N", [(768, 2304), (64, 50257), (40, 13), (3072, 768), (8, 1)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_linear_is_addmm(layout, K, N, with_bias):
-    if layout == "nk" and K % 8:
-        pytest.skip("the nk kernel takes K a multiple of 8 (others go to torch)")
     g = torch.Generator().manual_seed(K + N)
     weight = torch.randn(K, N, generator=g) if layout == "kn" else torch.randn(N, K, generator=g).T
     bias = torch.randn(N, generator=g) if with_bias else None
     rows = torch.randn(cpu_kernels.FLOAT_ROWS, K, generator=g)
     batch = cpu_kernels.linear(rows, weight, bias)
     assert relative_error(batch, reference(rows, weight, bias)) < 1e-5
+    if weight.stride(0) != 1 or K % 8:  # torch's product (a [K, 1] weight is both layouts at once)
+        assert torch.equal(batch, torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight))
+        return
     for m in (1, 2, 3, 7, 16):  # a row's numbers do not depend on the batch it is in
         assert torch.equal(cpu_kernels.linear(rows[:m], weight, bias), batch[:m])
 
 
-def test_linear_does_not_depend_on_threads_or_row_strides():
+@contextlib.contextmanager
+def threads_held(count: int, held: bool):
+    """torch's (and so the kernels') thread count set to `count`; `held`: the pool's helpers take no work."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    cpu_kernels.library().pool_hold_helpers(int(held))
+    try:
+        yield
+    finally:
+        cpu_kernels.library().pool_hold_helpers(0)
+        torch.set_num_threads(before)
+
+
+def test_every_kernel_gives_the_same_numbers_on_any_threads_and_with_its_helpers_parked():
     g = torch.Generator().manual_seed(1)
-    weight, bias = torch.randn(256, 1000, generator=g), torch.randn(1000, generator=g)
+    weight, bias = torch.randn(1000, 256, generator=g).T, torch.randn(1000, generator=g)
     wide = torch.randn(5, 300, generator=g)
     rows = wide[:, 20:276]  # rows 300 floats apart
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_kernels.linear(rows, weight, bias)
-        torch.set_num_threads(2)
-        two = cpu_kernels.linear(rows, weight, bias)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(one, two) and torch.equal(one, cpu_kernels.linear(rows.contiguous(), weight, bias))
-    assert relative_error(one, reference(rows, weight, bias)) < 1e-5
+    q8, s8 = torch.randint(-127, 128, (1000, 256), dtype=torch.int8, generator=g), torch.rand(1000, generator=g)
+    packed = torch.randint(0, 256, (1000, 128), dtype=torch.uint8, generator=g)
+    scales = torch.rand(1000, 8, generator=g).half()
+    q, k, v = torch.randn(3, 12, 1, 64, generator=g), torch.randn(3, 4, 300, 64, generator=g), torch.randn(3, 4, 300, 64, generator=g)
+
+    def run():
+        return [
+            cpu_kernels.linear(rows, weight, bias),
+            cpu_kernels.int8_linear(rows.contiguous(), q8, s8, bias),
+            cpu_kernels.int4_linear(rows.contiguous(), packed, scales, bias),
+            cpu_kernels.int4_dequantized(packed, scales),
+            cpu_kernels.decode_attention(q, k, v),
+        ]
+
+    with threads_held(1, held=False):
+        one = run()
+    for count, held in [(2, False), (3, False), (2, True)]:
+        with threads_held(count, held):
+            for name, a, b in zip(["linear", "int8", "int4", "int4 dequantized", "attention"], one, run()):
+                assert torch.equal(a, b), f"{name} on {count} threads{' (helpers held)' * held}"
+    assert torch.equal(one[0], cpu_kernels.linear(rows.contiguous(), weight, bias))
+    assert relative_error(one[0], reference(rows, weight, bias)) < 1e-5
 
 
 def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     g = torch.Generator().manual_seed(2)
-    weight, bias = torch.randn(64, 48, generator=g), torch.randn(48, generator=g)
+    weight, bias = torch.randn(48, 64, generator=g).T, torch.randn(48, generator=g)
     many = torch.randn(cpu_kernels.FLOAT_ROWS + 1, 64, generator=g)
     assert torch.equal(cpu_kernels.linear(many, weight, bias), torch.addmm(bias, many, weight))
     rows = many[:2].double()
@@ -138,8 +168,8 @@ def test_the_engine_decodes_the_same_with_and_without_the_kernels(monkeypatch):
 
 
 def test_threads_are_the_engines_choice_unless_someone_chose(monkeypatch):
-    assert threads.engine_threads(cores=1) == 1 and threads.engine_threads(cores=2) == 1
-    assert threads.engine_threads(cores=64) == 63
+    assert threads.engine_threads(cores=1) == 1 and threads.engine_threads(cores=2) == 2
+    assert threads.engine_threads(cores=64) == 64
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert threads.someone_chose()
 
@@ -147,7 +177,7 @@ def test_threads_are_the_engines_choice_unless_someone_chose(monkeypatch):
 @pytest.mark.parametrize(
     "program, expected",
     [
-        # nobody chose: cores - 1 (at least 1)
+        # nobody chose: every core
         ("from llmcourse.engine import threads; print(threads.choose() == threads.engine_threads())", "True"),
         # torch.set_num_threads before: kept
         ("import torch; torch.set_num_threads(3); from llmcourse.engine import threads; print(threads.choose())", "3"),

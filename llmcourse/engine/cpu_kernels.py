@@ -47,11 +47,13 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 SOURCES = [
-    Path(__file__).parent / "kernels" / name for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c")
+    Path(__file__).parent / "kernels" / name
+    for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c", "pool.c")
 ]
+HEADERS = [SOURCES[0].parent / name for name in ("simd.h", "pool.h")]
 FLOAT_ROWS = 32  # up to this many rows `linear` takes the C kernel; from about 32 rows on torch's GEMM is as fast
 # -ffp-contract=off: `a * b + c` in C rounds as written, as torch rounds it (GCC would otherwise fuse it into one FMA)
-FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC"]
+FLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-pthread", "-shared", "-fPIC"]
 
 
 def cache_dir() -> Path:
@@ -66,7 +68,7 @@ def library() -> Optional[ctypes.CDLL]:
         "AVX512",
     ):
         return None  # the dequantize-then-multiply route serves other CPUs; nothing to warn about
-    source = b"".join(path.read_bytes() for path in [*SOURCES, SOURCES[0].parent / "simd.h"])
+    source = b"".join(path.read_bytes() for path in [*SOURCES, *HEADERS])
     path = cache_dir() / f"kernels-{hashlib.sha256(source + ' '.join(FLAGS).encode()).hexdigest()[:16]}.so"
     try:
         if not path.exists():
@@ -99,10 +101,11 @@ def library() -> Optional[ctypes.CDLL]:
     lib.int8_linear.argtypes = lib.int4_linear.argtypes = [pointer] * 5 + [ctypes.c_int] * 4
     lib.int4_dequantize.argtypes = [pointer] * 3 + [ctypes.c_int] * 3
     float_args = [pointer, ctypes.c_ssize_t, pointer, ctypes.c_ssize_t, pointer, pointer] + [ctypes.c_int] * 4
-    lib.float_linear_kn.argtypes = lib.float_linear_nk.argtypes = float_args
+    lib.float_linear.argtypes = float_args
     lib.attention_scores.argtypes = [pointer, *[ctypes.c_ssize_t] * 2, pointer, *[ctypes.c_ssize_t] * 3, pointer]
     lib.attention_scores.argtypes += [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.attention_values.argtypes = [pointer, pointer, *[ctypes.c_ssize_t] * 3, pointer] + [ctypes.c_int] * 6
+    lib.pool_hold_helpers.argtypes = [ctypes.c_int]
     return lib
 
 
@@ -122,18 +125,18 @@ def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
 
 def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """rows [M, K] @ weight [K, N] + bias [N] -> [M, N]: `torch.addmm`'s product, by the C kernel where it applies
-    (at most FLOAT_ROWS rows, `plain_cpu_floats`), else by torch. `weight` may be stored either way: [K, N] row by
-    row (GPT-2's layers) or the transpose of an [N, K] matrix (`nn.Linear`'s, the Llama family's; K a multiple of 8).
+    (at most FLOAT_ROWS rows, `plain_cpu_floats`, and weight the transpose of an [N, K] matrix, as the engine
+    stores every layer: `nn.Linear`'s layout; K a multiple of 8), else by torch.
 
-        >>> linear(torch.ones(1, 8), torch.eye(8)[:, :3], torch.tensor([1.0, 2.0, 3.0]))
+        >>> linear(torch.ones(1, 8), torch.eye(8)[:3].T, torch.tensor([1.0, 2.0, 3.0]))
         tensor([[2., 3., 4.]])
     """
     (M, K), N = rows.shape, weight.shape[1]
-    kn, nk = weight.stride(1) == 1, weight.stride(0) == 1 and K % 8 == 0
     if not (
         weight.shape[0] == K  # else torch says what does not match (the C kernel would read past the memory)
         and (bias is None or tuple(bias.shape) == (N,))
-        and (kn or nk)
+        and weight.stride(0) == 1
+        and K % 8 == 0
         and 0 < M <= FLOAT_ROWS
         and rows.stride(1) == 1
         and (bias is None or bias.is_contiguous())
@@ -141,12 +144,11 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
     ):
         return torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
     y = torch.empty(M, N)
-    kernel = library().float_linear_kn if kn else library().float_linear_nk
-    kernel(
+    library().float_linear(
         rows.data_ptr(),
         rows.stride(0),
         weight.data_ptr(),
-        weight.stride(0) if kn else weight.stride(1),
+        weight.stride(1),
         None if bias is None else bias.data_ptr(),
         y.data_ptr(),
         M,

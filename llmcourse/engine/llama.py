@@ -217,7 +217,7 @@ class Llama(Decoder):
         super().__init__()
         self.config = config
         self.parts = parts or Parts()
-        self.embed_tokens = Table(config.vocab_size, config.n_embd, column_major=config.tie_word_embeddings)
+        self.embed_tokens = Table(config.vocab_size, config.n_embd)
         self.layers = nn.ModuleList(Layer(config) for _ in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd)
         if not config.tie_word_embeddings:

@@ -1,7 +1,8 @@
 """GPT-2, written as a composition of swappable parts, with a static KV cache.
 
 Parameter names are GPT-2's checkpoint keys (`wte`, `h.0.attn.c_attn`, `ln_f`, ...), and linear
-weights keep the checkpoint's [C_in, C_out] layout, so loading is a plain copy. The forward pass calls
+weights keep the checkpoint's [C_in, C_out] shape, so loading is a plain copy (in memory they lie transposed,
+`Affine`). The forward pass calls
 the functions of `model.parts` (`Parts`); each layer computes with them, or, once quantized
 (`quantize.quantize_model`), with its own kernel: the model never asks which.
 
@@ -26,11 +27,16 @@ __all__ = ["GPT2", "GPT2Config", "KVCache"]  # KVCache: where chapter 06 and old
 
 
 class Affine(nn.Module):
-    """Weights of one GPT-2 linear layer (HF's `Conv1D`): y = x @ weight + bias, with the `linear` part."""
+    """Weights of one GPT-2 linear layer (HF's `Conv1D`): y = x @ weight + bias, with the `linear` part.
+
+    `weight` is [C_in, C_out] as in the checkpoint, stored as its transpose ([C_out, C_in] in memory, as
+    `nn.Linear` stores it; `weight` is a transposed view): a decode step's product then reads each output's
+    weights side by side, in memory order, and splits between threads into pieces that each read one stretch
+    of memory (`cpu_kernels.linear`: 1.9x faster on two threads than the checkpoint's layout, benchmarks.md)."""
 
     def __init__(self, n_in: int, n_out: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.weight = nn.Parameter(torch.empty(n_out, n_in).T)
         self.bias = nn.Parameter(torch.zeros(n_out))
 
     def forward(self, x: Tensor, linear: Callable) -> Tensor:
@@ -48,14 +54,12 @@ class Norm(nn.Module):
 
 
 class Table(nn.Module):
-    """An embedding table [N, C]. `column_major` stores it as [C, N] in memory (`weight` is then a transposed
-    view): the token table doubles as the tied head, `x @ weight.T`, and on a CPU that product is up to
-    2× faster for 4–8 rows (a speculative verify pass) when weight.T is contiguous; a lookup of a few
-    columns costs as little as one of a few rows."""
+    """An embedding table [N, C]; the token table doubles as the tied head, `x @ weight.T`, which reads each
+    token's row side by side (`cpu_kernels.linear`)."""
 
-    def __init__(self, n: int, dim: int, column_major: bool = False):
+    def __init__(self, n: int, dim: int):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(dim, n).T if column_major else torch.empty(n, dim))
+        self.weight = nn.Parameter(torch.empty(n, dim))
 
     def forward(self, ids: Tensor, embedding: Callable, dtype: Optional[torch.dtype] = None) -> Tensor:
         """Rows of the table, with the `embedding` part: ids [B, T] -> [B, T, C]."""
@@ -98,7 +102,7 @@ class GPT2(Decoder):
         super().__init__()
         self.config = config
         self.parts = parts or Parts()  # the functions the forward pass calls
-        self.wte = Table(config.vocab_size, config.n_embd, column_major=True)
+        self.wte = Table(config.vocab_size, config.n_embd)
         self.wpe = Table(config.n_positions, config.n_embd)
         self.h = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.ln_f = Norm(config.n_embd)

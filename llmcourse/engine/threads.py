@@ -54,8 +54,8 @@ TORCH_START = physical_cores(list(range(os.cpu_count() or 1)))
 
 
 def engine_threads(cores: Optional[int] = None) -> int:
-    """The engine's choice: one core left for the rest of the machine, at least one thread."""
-    return max(1, (physical_cores() if cores is None else cores) - 1)
+    """The engine's choice: every physical core it may run on."""
+    return physical_cores() if cores is None else cores
 
 
 def someone_chose() -> bool:

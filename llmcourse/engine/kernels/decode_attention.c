@@ -12,19 +12,36 @@
 #include <immintrin.h>
 #include <stddef.h>
 
+#include "pool.h"
 #include "simd.h"
 
-/* scores [B, H, T] = scale * q . k_t */
-void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k, ptrdiff_t kb, ptrdiff_t kh,
-                      ptrdiff_t kt, float* scores, int B, int H, int Hkv, int T, int D, float scale, int threads)
+struct attention_job {
+  const float *q, *kv, *p;
+  float* out;
+  ptrdiff_t qb, qh, kb, kh, kt;
+  int B, H, rep, T, D, heads_per_chunk;
+  float scale;
+};
+
+/* How many (sequence, head) pairs a chunk takes: about 64 KB of keys or values each, so that a short cache is not
+   cut into chunks that cost more to hand out than to compute. */
+static int heads_per_chunk(int BH, int T, int D)
 {
-  const int rep = H / Hkv;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int bh = 0; bh < B * H; bh++) {
-    const int b = bh / H, h = bh % H;
-    const float* qv = q + b * qb + h * qh;
-    const float* kv = k + b * kb + (h / rep) * kh;
-    float* s = scores + (size_t)bh * T;
+  const int per = (int)(65536 / ((size_t)T * D * sizeof(float) + 1)) + 1;
+  return per < BH ? per : BH;
+}
+
+static void scores_chunk(const void* args, int chunk)
+{
+  const struct attention_job* j = args;
+  const int D = j->D, T = j->T, first = chunk * j->heads_per_chunk;
+  const int last = first + j->heads_per_chunk < j->B * j->H ? first + j->heads_per_chunk : j->B * j->H;
+  for (int bh = first; bh < last; bh++) {
+    const int b = bh / j->H, h = bh % j->H;
+    const float* qv = j->q + b * j->qb + h * j->qh;
+    const float* kv = j->kv + b * j->kb + (h / j->rep) * j->kh;
+    const ptrdiff_t kt = j->kt;
+    float* s = j->out + (size_t)bh * T;
     int t = 0;
     for (; t + 4 <= T; t += 4) { /* four keys at a time: four sums in flight */
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
@@ -36,12 +53,45 @@ void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k
         a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + (t + 2) * kt + d), a2);
         a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(kv + (t + 3) * kt + d), a3);
       }
+      const float scale = j->scale;
       s[t] = scale * sum8(a0), s[t + 1] = scale * sum8(a1), s[t + 2] = scale * sum8(a2), s[t + 3] = scale * sum8(a3);
     }
     for (; t < T; t++) { /* the same sum, one key at a time */
       __m256 acc = _mm256_setzero_ps();
       for (int d = 0; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(qv + d), _mm256_loadu_ps(kv + t * kt + d), acc);
-      s[t] = scale * sum8(acc);
+      s[t] = j->scale * sum8(acc);
+    }
+  }
+}
+
+/* scores [B, H, T] = scale * q . k_t */
+void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k, ptrdiff_t kb, ptrdiff_t kh,
+                      ptrdiff_t kt, float* scores, int B, int H, int Hkv, int T, int D, float scale, int threads)
+{
+  struct attention_job job = {q, k, NULL, scores, qb, qh, kb, kh, kt, B, H, H / Hkv, T, D, heads_per_chunk(B * H, T, D), scale};
+  pool_run(threads, (B * H + job.heads_per_chunk - 1) / job.heads_per_chunk, scores_chunk, &job);
+}
+
+static void values_chunk(const void* args, int chunk)
+{
+  const struct attention_job* j = args;
+  const int D = j->D, T = j->T, first = chunk * j->heads_per_chunk;
+  const int last = first + j->heads_per_chunk < j->B * j->H ? first + j->heads_per_chunk : j->B * j->H;
+  for (int bh = first; bh < last; bh++) {
+    const int b = bh / j->H, h = bh % j->H;
+    const float* vv = j->kv + b * j->kb + (h / j->rep) * j->kh;
+    const float* pr = j->p + (size_t)bh * T;
+    const ptrdiff_t vt = j->kt;
+    float* o = j->out + (size_t)bh * D;
+    for (int d0 = 0; d0 < D; d0 += 64) { /* 64 outputs in registers at a time */
+      const int n = D - d0 < 64 ? D - d0 : 64;
+      __m256 acc[8];
+      for (int i = 0; i < n / 8; i++) acc[i] = _mm256_setzero_ps();
+      for (int t = 0; t < T; t++) {
+        __m256 w = _mm256_broadcast_ss(pr + t);
+        for (int i = 0; i < n / 8; i++) acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + t * vt + d0 + 8 * i), acc[i]);
+      }
+      for (int i = 0; i < n / 8; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
     }
   }
 }
@@ -50,22 +100,6 @@ void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k
 void attention_values(const float* p, const float* v, ptrdiff_t vb, ptrdiff_t vh, ptrdiff_t vt, float* out, int B,
                       int H, int Hkv, int T, int D, int threads)
 {
-  const int rep = H / Hkv;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int bh = 0; bh < B * H; bh++) {
-    const int b = bh / H, h = bh % H;
-    const float* vv = v + b * vb + (h / rep) * vh;
-    const float* pr = p + (size_t)bh * T;
-    float* o = out + (size_t)bh * D;
-    for (int d0 = 0; d0 < D; d0 += 64) { /* 64 outputs in registers at a time */
-      const int n = D - d0 < 64 ? D - d0 : 64;
-      __m256 acc[8];
-      for (int j = 0; j < n / 8; j++) acc[j] = _mm256_setzero_ps();
-      for (int t = 0; t < T; t++) {
-        __m256 w = _mm256_broadcast_ss(pr + t);
-        for (int j = 0; j < n / 8; j++) acc[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vv + t * vt + d0 + 8 * j), acc[j]);
-      }
-      for (int j = 0; j < n / 8; j++) _mm256_storeu_ps(o + d0 + 8 * j, acc[j]);
-    }
-  }
+  struct attention_job job = {NULL, v, p, out, 0, 0, vb, vh, vt, B, H, H / Hkv, T, D, heads_per_chunk(B * H, T, D), 1.f};
+  pool_run(threads, (B * H + job.heads_per_chunk - 1) / job.heads_per_chunk, values_chunk, &job);
 }

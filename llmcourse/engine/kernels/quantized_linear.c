@@ -18,7 +18,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "pool.h"
 #include "simd.h"
+
+#ifndef QUANTIZED_CHUNKS
+#define QUANTIZED_CHUNKS 8
+#endif
 
 /* xq[m] = round(x[m] / s[m]) with s[m] = max|x[m]| / 127 (the division, not a multiplication by 1 / s, to round
    exactly as torch does). With `group_sums` (the int4 kernel's input): each group in the order described above,
@@ -142,49 +147,70 @@ static inline float int4_dot(const uint8_t* row, const uint8_t* w, const uint16_
   return sum8(acc) + tail;
 }
 
+/* What the products of a job read: the weights, the activations and the output. */
+struct quantized_job {
+  const void* weight;
+  const void* scales;
+  const int8_t* xq;
+  const uint8_t* xu;
+  const int32_t* group_sums;
+  const float *xs, *bias;
+  float* y;
+  int M, N, K, rows_per_chunk;
+};
+
+/* Chunks of about 32 KB of weights each, at least QUANTIZED_CHUNKS per thread. */
+static int rows_per_chunk(int N, size_t row_bytes, int threads, int multiple)
+{
+  int rows = (int)(32768 / row_bytes), fair = N / (threads * QUANTIZED_CHUNKS);
+  rows = rows > fair ? fair : rows;
+  rows = (rows + multiple - 1) / multiple * multiple;
+  return rows < multiple ? multiple : rows;
+}
+
 /* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n]. With several input rows,
    each row of weights is unpacked once into `w` (K bytes) and used for all of them. */
-static void int4_product(const uint8_t* packed, const uint16_t* scales, const int8_t* xq, const int32_t* group_sums,
-                         const float* xs, const float* bias, float* y, int M, int N, int K, int threads)
+static void int4_chunk(const void* args, int chunk)
 {
-  const int G = K / 32;
-  #pragma omp parallel num_threads(threads)
-  {
-    uint8_t* w = M > 1 ? malloc(K) : NULL;
-    #pragma omp for schedule(static)
-    for (int n = 0; n < N; n++) {
-      const uint8_t* row = packed + (size_t)n * (K / 2);
-      if (w) {
-        int g = 0;
-        for (; g + 2 <= G; g += 2) {
-          __m256i even, odd;
-          unpack_pair(row, g, &even, &odd);
-          _mm256_storeu_si256((__m256i*)(w + 32 * g), even);
-          _mm256_storeu_si256((__m256i*)(w + 32 * g + 32), odd);
-        }
-        if (g < G) _mm256_storeu_si256((__m256i*)(w + 32 * g), unpack_group(row, g));
+  const struct quantized_job* j = args;
+  const int M = j->M, N = j->N, K = j->K, G = K / 32, first = chunk * j->rows_per_chunk;
+  const int last = first + j->rows_per_chunk < N ? first + j->rows_per_chunk : N;
+  uint8_t* w = M > 1 ? malloc(K) : NULL;
+  for (int n = first; n < last; n++) {
+    const uint8_t* row = (const uint8_t*)j->weight + (size_t)n * (K / 2);
+    if (w) {
+      int g = 0;
+      for (; g + 2 <= G; g += 2) {
+        __m256i even, odd;
+        unpack_pair(row, g, &even, &odd);
+        _mm256_storeu_si256((__m256i*)(w + 32 * g), even);
+        _mm256_storeu_si256((__m256i*)(w + 32 * g + 32), odd);
       }
-      for (int m = 0; m < M; m++) {
-        float dot = int4_dot(row, w, scales + (size_t)n * G, xq + (size_t)m * K, group_sums + (size_t)m * G, G);
-        y[(size_t)m * N + n] = dot * xs[m] + (bias ? bias[n] : 0.f);
-      }
+      if (g < G) _mm256_storeu_si256((__m256i*)(w + 32 * g), unpack_group(row, g));
     }
-    free(w);
+    for (int m = 0; m < M; m++) {
+      float dot = int4_dot(row, w, (const uint16_t*)j->scales + (size_t)n * G, j->xq + (size_t)m * K,
+                           j->group_sums + (size_t)m * G, G);
+      j->y[(size_t)m * N + n] = dot * j->xs[m] + (j->bias ? j->bias[n] : 0.f);
+    }
   }
+  free(w);
 }
 
 /* int8 weights w [N, K] with a scale per row, activations in natural order (quantize_rows with grouped = 0):
    y[m, n] = float(sum_k xq[m, k] w[n, k]) * (xs[m] * scale[n]), the integer sum exact (|sum| < 127 * 127 * K),
    so the result equals torch._int_mm's scaled the same way. */
-static void int8_product(const int8_t* weight, const float* scales, const int8_t* xq, const float* xs,
-                         const float* bias, float* y, int M, int N, int K, int threads)
+static void int8_chunk(const void* args, int chunk)
 {
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int n = 0; n < N; n++) {
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t* row = weight + (size_t)n * K;
+  const struct quantized_job* j = args;
+  const int M = j->M, N = j->N, K = j->K, first = chunk * j->rows_per_chunk;
+  const int last = first + j->rows_per_chunk < N ? first + j->rows_per_chunk : N;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const float* scales = j->scales;
+  for (int n = first; n < last; n++) {
+    const int8_t* row = (const int8_t*)j->weight + (size_t)n * K;
     for (int m = 0; m < M; m++) {
-      const int8_t* x = xq + (size_t)m * K;
+      const int8_t* x = j->xq + (size_t)m * K;
       __m256i acc = _mm256_setzero_si256();
       for (int k = 0; k < K; k += 32) {
         __m256i w = _mm256_loadu_si256((const __m256i*)(row + k)), v = _mm256_loadu_si256((const __m256i*)(x + k));
@@ -194,7 +220,7 @@ static void int8_product(const int8_t* weight, const float* scales, const int8_t
       __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
       s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-      y[(size_t)m * N + n] = (float)_mm_cvtsi128_si32(s4) * (xs[m] * scales[n]) + (bias ? bias[n] : 0.f);
+      j->y[(size_t)m * N + n] = (float)_mm_cvtsi128_si32(s4) * (j->xs[m] * scales[n]) + (j->bias ? j->bias[n] : 0.f);
     }
   }
 }
@@ -230,15 +256,15 @@ VNNI static inline __attribute__((always_inline)) void int8_tile_vnni(const int8
     for (int c = 0; c < cols; c++) sums[m * 4 + c] = sum8_epi32(acc[m][c]);
 }
 
-VNNI static void int8_product_vnni(const int8_t* weight, const float* scales, const int8_t* xq, const float* xs,
-                                   const float* bias, float* y, int M, int N, int K, int threads)
+VNNI static void int8_chunk_vnni(const void* args, int chunk)
 {
-  uint8_t* xu = malloc((size_t)M * K);
-  for (size_t i = 0; i < (size_t)M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int n0 = 0; n0 < N; n0 += 4) {
-    const int cols = N - n0 < 4 ? N - n0 : 4;
-    const int8_t* w = weight + (size_t)n0 * K;
+  const struct quantized_job* j = args;
+  const int M = j->M, N = j->N, K = j->K, first = chunk * j->rows_per_chunk;
+  const int last = first + j->rows_per_chunk < N ? first + j->rows_per_chunk : N;
+  const float* scales = j->scales;
+  for (int n0 = first; n0 < last; n0 += 4) {
+    const int cols = last - n0 < 4 ? last - n0 : 4;
+    const int8_t* w = (const int8_t*)j->weight + (size_t)n0 * K;
     int32_t wsum[4], sums[12];
     const __m256i ones = _mm256_set1_epi8(1);
     for (int c = 0; c < cols; c++) { /* 128 * sum_k w[n, k], what the unsigned activations add */
@@ -248,7 +274,7 @@ VNNI static void int8_product_vnni(const int8_t* weight, const float* scales, co
     }
     for (int m0 = 0; m0 < M; m0 += 3) {
       const int rows = M - m0 < 3 ? M - m0 : 3;
-      const uint8_t* x = xu + (size_t)m0 * K;
+      const uint8_t* x = j->xu + (size_t)m0 * K;
       if (rows == 3 && cols == 4) int8_tile_vnni(w, x, K, 3, 4, sums);
       else if (rows == 1 && cols == 4) int8_tile_vnni(w, x, K, 1, 4, sums);
       else if (rows == 2 && cols == 4) int8_tile_vnni(w, x, K, 2, 4, sums);
@@ -261,11 +287,10 @@ VNNI static void int8_product_vnni(const int8_t* weight, const float* scales, co
           }
       for (int m = 0; m < rows; m++)
         for (int c = 0; c < cols; c++)
-          y[(size_t)(m0 + m) * N + n0 + c] =
-              (float)(sums[m * 4 + c] - wsum[c]) * (xs[m0 + m] * scales[n0 + c]) + (bias ? bias[n0 + c] : 0.f);
+          j->y[(size_t)(m0 + m) * N + n0 + c] =
+              (float)(sums[m * 4 + c] - wsum[c]) * (j->xs[m0 + m] * scales[n0 + c]) + (j->bias ? j->bias[n0 + c] : 0.f);
     }
   }
-  free(xu);
 }
 
 /* y [M, N] = x [M, K] (float32) times int4 weights [N, K], plus bias [N] (or NULL). */
@@ -276,7 +301,8 @@ void int4_linear(const float* x, const uint8_t* packed, const uint16_t* scales, 
   float* xs = malloc(sizeof(float) * M);
   int32_t* sums = malloc(sizeof(int32_t) * M * (K / 32));
   quantize_rows(x, M, K, xq, xs, sums);
-  int4_product(packed, scales, xq, sums, xs, bias, y, M, N, K, threads);
+  struct quantized_job job = {packed, scales, xq, NULL, sums, xs, bias, y, M, N, K, rows_per_chunk(N, K / 2, threads, 1)};
+  pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int4_chunk, &job);
   free(xq), free(xs), free(sums);
 }
 
@@ -287,26 +313,34 @@ void int8_linear(const float* x, const int8_t* weight, const float* scales, cons
   int8_t* xq = malloc((size_t)M * K);
   float* xs = malloc(sizeof(float) * M);
   quantize_rows(x, M, K, xq, xs, NULL);
-  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl"))
-    int8_product_vnni(weight, scales, xq, xs, bias, y, M, N, K, threads);
-  else
-    int8_product(weight, scales, xq, xs, bias, y, M, N, K, threads);
+  struct quantized_job job = {weight, scales, xq, NULL, NULL, xs, bias, y, M, N, K, 0};
+  if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
+    uint8_t* xu = malloc((size_t)M * K); /* the activations made unsigned for vpdpbusd */
+    for (size_t i = 0; i < (size_t)M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
+    job.xu = xu, job.rows_per_chunk = rows_per_chunk(N, K, threads, 4);
+    pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int8_chunk_vnni, &job);
+    free(xu);
+  } else {
+    job.rows_per_chunk = rows_per_chunk(N, K, threads, 1);
+    pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int8_chunk, &job);
+  }
   free(xq), free(xs);
 }
 
 /* The int4 weights [N, K] as float32, each group of 32 in the kernel's order (its even-indexed values, then its
    odd-indexed ones): out[n, 32g + j] = scale[n, g] * w[n, 32g + 2j], out[n, 32g + 16 + j] = scale[n, g] * w[n, 32g + 2j + 1].
    For many rows (prefill), multiplying rows reordered the same way by this matrix costs less than the kernel above. */
-void int4_dequantize(const uint8_t* packed, const uint16_t* scales, float* out, int N, int K, int threads)
+static void dequantize_chunk(const void* args, int chunk)
 {
-  const int G = K / 32;
-  #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int n = 0; n < N; n++) {
-    const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  const struct quantized_job* j = args;
+  const int N = j->N, K = j->K, G = K / 32, first = chunk * j->rows_per_chunk;
+  const int last = first + j->rows_per_chunk < N ? first + j->rows_per_chunk : N;
+  const __m128i low4 = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+  for (int n = first; n < last; n++)
     for (int g = 0; g < G; g++) {
-      __m128i b = _mm_loadu_si128((const __m128i*)(packed + (size_t)n * (K / 2) + 16 * g));
-      __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[(size_t)n * G + g]));
-      float* o = out + (size_t)n * K + 32 * g;
+      __m128i b = _mm_loadu_si128((const __m128i*)((const uint8_t*)j->weight + (size_t)n * (K / 2) + 16 * g));
+      __m256 s = _mm256_set1_ps(_cvtsh_ss(((const uint16_t*)j->scales)[(size_t)n * G + g]));
+      float* o = j->y + (size_t)n * K + 32 * g;
       for (int half = 0; half < 2; half++) {
         __m128i w = _mm_and_si128(half ? _mm_srli_epi16(b, 4) : b, low4);
         w = _mm_sub_epi8(_mm_xor_si128(w, eight), eight); /* 16 values -8..7 */
@@ -314,5 +348,10 @@ void int4_dequantize(const uint8_t* packed, const uint16_t* scales, float* out, 
         _mm256_storeu_ps(o + 16 * half + 8, _mm256_mul_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(w, 8)))));
       }
     }
-  }
+}
+
+void int4_dequantize(const uint8_t* packed, const uint16_t* scales, float* out, int N, int K, int threads)
+{
+  struct quantized_job job = {packed, scales, NULL, NULL, NULL, NULL, NULL, out, 0, N, K, rows_per_chunk(N, K / 2, threads, 1)};
+  pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, dequantize_chunk, &job);
 }

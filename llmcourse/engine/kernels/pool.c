@@ -1,0 +1,126 @@
+/* The threads the CPU kernels share: a job is cut into chunks, and whichever thread is free takes the next one,
+   the caller too. The caller never waits for a helper that has not started: if the operating system has parked
+   every helper (another process wants the cores), the caller takes every chunk itself, and the product costs
+   what it costs on one thread. It waits only for a chunk a helper has already taken, a few microseconds of work.
+
+   OpenMP's `parallel for` (what these kernels used before) gives each thread its share up front and waits at the
+   end for all of them: on a 2-core machine with one other busy process, a decode step of a hundred products
+   waited a scheduler slice (milliseconds) again and again, and one thread was faster than two.
+
+   One job at a time: the chunks are numbered in one 64-bit word (the job's number, its chunk count, the next
+   chunk), taken by compare-and-swap, so a helper that wakes late can never take a chunk of a later job. Helpers
+   spin a little after a job (the next product of a decode step follows within microseconds), then sleep on a
+   futex until the next one. A second caller while a job runs (two Python threads decoding at once) computes its
+   own job alone. */
+
+#include <immintrin.h>
+#include <linux/futex.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "pool.h"
+
+#define MAX_HELPERS 255
+#define SPIN_NS 100000 /* how long an idle helper spins before it sleeps: 0.1 ms */
+
+static struct {
+  _Atomic uint64_t next;     /* job number << 32 | chunks << 16 | next chunk */
+  _Atomic int done;          /* chunks of the current job finished */
+  _Atomic uint32_t posted;   /* the last job's number: the word idle helpers sleep on */
+  _Atomic int sleeping;      /* helpers asleep on `posted` */
+  _Atomic int active;        /* helpers 0 .. active - 1 take part in the current job */
+  _Atomic int held;          /* tests: helpers take no chunk (as if the system had parked them) */
+  pool_task task;
+  const void* args;
+  uint32_t jobs;
+  int started;
+} pool;
+static pthread_mutex_t submit = PTHREAD_MUTEX_INITIALIZER;
+
+static uint64_t now_ns(void)
+{
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
+}
+
+/* The next chunk of job `job`, or -1 when it has none left (or is over). */
+static int claim(uint32_t job)
+{
+  uint64_t w = atomic_load_explicit(&pool.next, memory_order_acquire);
+  for (;;) {
+    const int chunk = (int)(w & 0xFFFF), chunks = (int)((w >> 16) & 0xFFFF);
+    if ((uint32_t)(w >> 32) != job || chunk >= chunks) return -1;
+    if (atomic_compare_exchange_weak_explicit(&pool.next, &w, w + 1, memory_order_acq_rel, memory_order_acquire))
+      return chunk;
+  }
+}
+
+/* Take chunks of job `job` until none is left. The task and its arguments are read after a chunk is taken: the
+   job cannot end before that chunk is done, so they are still the job's. */
+static void work(uint32_t job)
+{
+  for (int chunk; (chunk = claim(job)) >= 0;) {
+    pool.task(pool.args, chunk);
+    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
+  }
+}
+
+static void* helper(void* arg)
+{
+  const int id = (int)(intptr_t)arg;
+  uint32_t seen = atomic_load(&pool.posted);
+  for (;;) {
+    uint32_t job;
+    const uint64_t since = now_ns();
+    for (int spins = 0; (job = atomic_load_explicit(&pool.posted, memory_order_acquire)) == seen; spins++) {
+      _mm_pause();
+      if (spins % 64 || now_ns() - since < SPIN_NS) continue;
+      atomic_fetch_add(&pool.sleeping, 1);
+      if (atomic_load(&pool.posted) == seen) syscall(SYS_futex, &pool.posted, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0);
+      atomic_fetch_sub(&pool.sleeping, 1);
+    }
+    seen = job;
+    while (atomic_load_explicit(&pool.held, memory_order_relaxed)) _mm_pause();
+    if (id < atomic_load_explicit(&pool.active, memory_order_relaxed)) work(job);
+  }
+  return NULL;
+}
+
+/* In a child process made by fork the helpers do not exist: start new ones when they are wanted. */
+static void forget_helpers(void) { pool.started = 0; }
+
+void pool_run(int threads, int chunks, pool_task task, const void* args)
+{
+  if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
+  if (threads <= 1 || chunks <= 1 || chunks > 0xFFFF || pthread_mutex_trylock(&submit) != 0) {
+    for (int c = 0; c < chunks; c++) task(args, c);
+    return;
+  }
+  if (pool.started == 0) pthread_atfork(NULL, NULL, forget_helpers);
+  while (pool.started < threads - 1) {
+    pthread_t t;
+    if (pthread_create(&t, NULL, helper, (void*)(intptr_t)pool.started) != 0) break; /* fewer helpers: still right */
+    pthread_detach(t);
+    pool.started++;
+  }
+  pool.task = task, pool.args = args;
+  atomic_store(&pool.done, 0);
+  atomic_store(&pool.active, threads - 1);
+  const uint32_t job = ++pool.jobs;
+  atomic_store_explicit(&pool.next, (uint64_t)job << 32 | (uint64_t)chunks << 16, memory_order_release);
+  atomic_store(&pool.posted, job);
+  if (atomic_load(&pool.sleeping) > 0) syscall(SYS_futex, &pool.posted, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
+  work(job);
+  /* only chunks helpers are running are left: a few microseconds, unless one was parked mid-chunk */
+  for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++)
+    if (spins < 4096) _mm_pause();
+    else sched_yield();
+  pthread_mutex_unlock(&submit);
+}
+
+void pool_hold_helpers(int held) { atomic_store(&pool.held, held); }
