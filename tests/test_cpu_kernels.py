@@ -79,7 +79,8 @@ def test_every_kernel_gives_the_same_numbers_on_any_threads_and_with_its_helpers
     q8, s8 = torch.randint(-127, 128, (1000, 256), dtype=torch.int8, generator=g), torch.rand(1000, generator=g)
     packed = torch.randint(0, 256, (1000, 128), dtype=torch.uint8, generator=g)
     scales = torch.rand(1000, 8, generator=g).half()
-    q, k, v = torch.randn(3, 12, 1, 64, generator=g), torch.randn(3, 4, 300, 64, generator=g), torch.randn(3, 4, 300, 64, generator=g)
+    q = torch.randn(3, 12, 1, 64, generator=g)
+    k, v = torch.randn(3, 4, 300, 64, generator=g), torch.randn(3, 4, 300, 64, generator=g)
 
     def run():
         return [
