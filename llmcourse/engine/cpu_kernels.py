@@ -29,6 +29,7 @@ saying why).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -109,6 +110,43 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
+_kernel_threads: Optional[int] = None  # while `computing` runs: the engine's count, for the C kernels
+
+
+@contextlib.contextmanager
+def computing(rows: int):
+    """Threads for one forward pass over `rows` token rows at once. The C kernels split their work between the
+    engine's threads (torch's count when the pass starts; `threads.choose`). For a decode step (at most FLOAT_ROWS
+    rows: the C kernels take its products) torch's own operations run on one thread meanwhile: its parallel
+    regions would wait for threads the kernels' pool keeps busy (measured: GPT-2's step took 30 ms on 2 threads
+    that way, 21 ms with torch on one). For a prefill, torch's products get every thread.
+
+        >>> with computing(rows=1):
+        ...     torch.get_num_threads()
+        1
+    """
+    global _kernel_threads
+    # a pass inside a pass (a draft model's, say): the outer one decided; torch.compile: the kernels are not called
+    if _kernel_threads is not None or torch.compiler.is_compiling():
+        yield
+        return
+    count = torch.get_num_threads()
+    _kernel_threads = count
+    if rows <= FLOAT_ROWS and count > 1:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        _kernel_threads = None
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+
+
+def kernel_threads() -> int:
+    """The threads the C kernels split a product between: the engine's count (`computing`), else torch's."""
+    return _kernel_threads or torch.get_num_threads()
+
+
 def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
     """Whether the C kernels may take these tensors: float32 on the CPU (None: absent), no gradient wanted, and
     nothing watching torch's operations (torch.compile tracing, or a dispatch mode such as FlopCounterMode: they see
@@ -154,7 +192,7 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
         M,
         N,
         K,
-        torch.get_num_threads(),
+        kernel_threads(),
     )
     return y
 
@@ -199,7 +237,7 @@ def _linear(kernel, rows: Tensor, weight: Tensor, scales: Tensor, bias: Optional
         M,
         N,
         K,
-        torch.get_num_threads(),
+        kernel_threads(),
     )
     return y
 
@@ -208,7 +246,7 @@ def int4_dequantized(packed: Tensor, scales: Tensor) -> Tensor:
     """The int4 weights as float32 [N, K], each group of 32 in the kernel's order (even positions, then odd)."""
     N, K = packed.shape[0], 2 * packed.shape[1]
     out = torch.empty(N, K)
-    library().int4_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), N, K, torch.get_num_threads())
+    library().int4_dequantize(packed.data_ptr(), scales.data_ptr(), out.data_ptr(), N, K, kernel_threads())
     return out
 
 
@@ -247,7 +285,7 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor] = N
         n_rep = H // H_kv  # grouped: KV head g's n_rep queries as rows of its own, k and v not copied
         rows = None if mask is None else mask.expand(B, H, 1, T).reshape(B, H_kv, n_rep, T)
         return F.scaled_dot_product_attention(q.reshape(B, H_kv, n_rep, D), k, v, attn_mask=rows).reshape(B, H, 1, D)
-    lib, threads = library(), torch.get_num_threads()
+    lib, threads = library(), kernel_threads()
     scores = torch.empty(B, H, T)
     q = q * D**-0.5  # scaled before the products, as torch's fused kernel does: prefill and decode round alike
     lib.attention_scores(

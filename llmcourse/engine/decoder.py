@@ -13,6 +13,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
+from . import cpu_kernels
+
 
 class KVCache:
     """Keys and values of every layer, preallocated for `max_len` positions.
@@ -121,12 +123,13 @@ class Decoder(nn.Module):
                 k, v = cache.update(layer, k, v) if slots is None else cache.update(layer, k, v, slots)
             return self.attention(q, k, v, mask)
 
-        x = self.blocks(self.embed(input_ids, position_ids), position_ids, attend)
-        if cache is not None and slot is None:
-            cache.length += T
-        if last_only:
-            x = x[:, -1:]
-        return self.head(x)
+        with cpu_kernels.computing(rows=B * T):
+            x = self.blocks(self.embed(input_ids, position_ids), position_ids, attend)
+            if cache is not None and slot is None:
+                cache.length += T
+            if last_only:
+                x = x[:, -1:]
+            return self.head(x)
 
     def embed(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
         """Token ids [B, T] -> hidden states [B, T, C]."""

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from llmcourse.engine import cpu_kernels
 from llmcourse.engine.tiled_attention import merge_attention
 
 
@@ -267,10 +268,11 @@ def forward(
             out[:, :, o : o + n] = model.attention(q[:, :, o : o + n], keys[None], values[None], None)
         return out
 
-    x = model.blocks(model.embed(input_ids, positions[None]), positions[None], attention)  # [1, N, C]
-    logits_of = range(len(chunks)) if logits_of is None else logits_of
-    last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)
-    return model.head(x[0, last])  # [len(logits_of), V]
+    with cpu_kernels.computing(rows=len(positions)):
+        x = model.blocks(model.embed(input_ids, positions[None]), positions[None], attention)  # [1, N, C]
+        logits_of = range(len(chunks)) if logits_of is None else logits_of
+        last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)
+        return model.head(x[0, last])  # [len(logits_of), V]
 
 
 def offsets(lengths: list[int]) -> list[int]:

@@ -23,14 +23,6 @@ struct attention_job {
   float scale;
 };
 
-/* How many (sequence, head) pairs a chunk takes: about 64 KB of keys or values each, so that a short cache is not
-   cut into chunks that cost more to hand out than to compute. */
-static int heads_per_chunk(int BH, int T, int D)
-{
-  const int per = (int)(65536 / ((size_t)T * D * sizeof(float) + 1)) + 1;
-  return per < BH ? per : BH;
-}
-
 static void scores_chunk(const void* args, int chunk)
 {
   const struct attention_job* j = args;
@@ -68,7 +60,7 @@ static void scores_chunk(const void* args, int chunk)
 void attention_scores(const float* q, ptrdiff_t qb, ptrdiff_t qh, const float* k, ptrdiff_t kb, ptrdiff_t kh,
                       ptrdiff_t kt, float* scores, int B, int H, int Hkv, int T, int D, float scale, int threads)
 {
-  struct attention_job job = {q, k, NULL, scores, qb, qh, kb, kh, kt, B, H, H / Hkv, T, D, heads_per_chunk(B * H, T, D), scale};
+  struct attention_job job = {q, k, NULL, scores, qb, qh, kb, kh, kt, B, H, H / Hkv, T, D, pool_chunk_units(B * H, (size_t)T * D * sizeof(float), 1), scale};
   pool_run(threads, (B * H + job.heads_per_chunk - 1) / job.heads_per_chunk, scores_chunk, &job);
 }
 
@@ -100,6 +92,6 @@ static void values_chunk(const void* args, int chunk)
 void attention_values(const float* p, const float* v, ptrdiff_t vb, ptrdiff_t vh, ptrdiff_t vt, float* out, int B,
                       int H, int Hkv, int T, int D, int threads)
 {
-  struct attention_job job = {NULL, v, p, out, 0, 0, vb, vh, vt, B, H, H / Hkv, T, D, heads_per_chunk(B * H, T, D), 1.f};
+  struct attention_job job = {NULL, v, p, out, 0, 0, vb, vh, vt, B, H, H / Hkv, T, D, pool_chunk_units(B * H, (size_t)T * D * sizeof(float), 1), 1.f};
   pool_run(threads, (B * H + job.heads_per_chunk - 1) / job.heads_per_chunk, values_chunk, &job);
 }

@@ -21,17 +21,16 @@
 #include "simd.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#define CHUNKS_PER_THREAD 8
 
 /* `rows` rows x `cols` outputs (constants once inlined): sums of 8 lanes, lane i summing k = i, i + 8, ... */
 ALWAYS_INLINE void tile(const float* x, ptrdiff_t ldx, const float* w, ptrdiff_t ldw, int K, int rows, int cols,
-                           float* dots /* [rows][cols] */)
+                        float* dots /* [rows][cols] */)
 {
-  __m256 a[3][8];
+  __m256 a[3][16]; /* [rows][cols]: at most 1 x 16 or 3 x 4 */
   for (int m = 0; m < rows; m++)
     for (int c = 0; c < cols; c++) a[m][c] = _mm256_setzero_ps();
   for (int k = 0; k < K; k += 8) {
-    if (rows == 1) { /* one row: its weights loaded as they are used (8 outputs in flight) */
+    if (rows == 1) { /* one row: its weights loaded as they are used, 16 outputs in flight (8 read 1.1x slower) */
       __m256 v = _mm256_loadu_ps(x + k);
       for (int c = 0; c < cols; c++) a[0][c] = _mm256_fmadd_ps(v, _mm256_loadu_ps(w + c * ldw + k), a[0][c]);
       continue;
@@ -48,9 +47,9 @@ ALWAYS_INLINE void tile(const float* x, ptrdiff_t ldx, const float* w, ptrdiff_t
 }
 
 static void block(const float* x, ptrdiff_t ldx, const float* w, ptrdiff_t ldw, int K, int rows, int cols,
-                     float* dots)
+                  float* dots)
 {
-  if (rows == 1 && cols == 8) tile(x, ldx, w, ldw, K, 1, 8, dots);
+  if (rows == 1 && cols == 16) tile(x, ldx, w, ldw, K, 1, 16, dots);
   else if (rows == 3 && cols == 4) tile(x, ldx, w, ldw, K, 3, 4, dots);
   else if (rows == 2 && cols == 4) tile(x, ldx, w, ldw, K, 2, 4, dots);
   else if (rows == 1 && cols == 4) tile(x, ldx, w, ldw, K, 1, 4, dots);
@@ -74,7 +73,7 @@ static void linear_chunk(const void* args, int chunk)
   const int last = first + j->tiles_per_chunk * j->wide < j->N ? first + j->tiles_per_chunk * j->wide : j->N;
   for (int n0 = first; n0 < last; n0 += j->wide) {
     const int cols = last - n0 < j->wide ? last - n0 : j->wide;
-    float dots[3 * 8];
+    float dots[3 * 16];
     for (int m0 = 0; m0 < j->M; m0 += 3) {
       const int rows = j->M - m0 < 3 ? j->M - m0 : 3;
       block(j->x + m0 * j->ldx, j->ldx, j->w + n0 * j->ldw, j->ldw, j->K, rows, cols, dots);
@@ -87,11 +86,10 @@ static void linear_chunk(const void* args, int chunk)
 
 /* y [M, N] = x [M, K] @ w[N, K].T + bias [N] (or NULL); K a multiple of 8. */
 void float_linear(const float* x, ptrdiff_t ldx, const float* w, ptrdiff_t ldw, const float* bias, float* y,
-                     int M, int N, int K, int threads)
+                  int M, int N, int K, int threads)
 {
-  const int wide = M == 1 ? 8 : 4, tiles = (N + wide - 1) / wide;
-  int per_chunk = tiles / (threads * CHUNKS_PER_THREAD);
-  per_chunk = per_chunk < 1 ? 1 : per_chunk;
+  const int wide = M == 1 ? 16 : 4, tiles = (N + wide - 1) / wide;
+  const int per_chunk = pool_chunk_units(tiles, (size_t)wide * K * sizeof(float), 1);
   struct linear_job job = {x, w, bias, y, ldx, ldw, M, N, K, wide, per_chunk};
   pool_run(threads, (tiles + per_chunk - 1) / per_chunk, linear_chunk, &job);
 }

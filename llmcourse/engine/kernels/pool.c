@@ -7,11 +7,16 @@
    end for all of them: on a 2-core machine with one other busy process, a decode step of a hundred products
    waited a scheduler slice (milliseconds) again and again, and one thread was faster than two.
 
-   One job at a time: the chunks are numbered in one 64-bit word (the job's number, its chunk count, the next
-   chunk), taken by compare-and-swap, so a helper that wakes late can never take a chunk of a later job. Helpers
-   spin a little after a job (the next product of a decode step follows within microseconds), then sleep on a
-   futex until the next one. A second caller while a job runs (two Python threads decoding at once) computes its
-   own job alone. */
+   The chunks are dealt in as many runs as there are threads, each thread starting at the front of its own run:
+   a thread reads one stretch of memory front to back, as the hardware prefetcher likes it (chunks dealt one by
+   one to alternate threads cut every thread's reads into short pieces: two threads read int8 weights slower
+   than one). A thread done with its run takes chunks from the front of the others'.
+
+   One job at a time: each run's next chunk is one 64-bit word (the job's number, the run's end, its next chunk),
+   taken by compare-and-swap, so a helper that wakes late can never take a chunk of a later job. Helpers spin a
+   little after a job (the next product of a decode step follows within microseconds), then sleep on a futex
+   until the next one. A second caller while a job runs (two Python threads decoding at once) computes its own
+   job alone. */
 
 #include <immintrin.h>
 #include <linux/futex.h>
@@ -24,16 +29,22 @@
 
 #include "pool.h"
 
-#define MAX_HELPERS 255
+#define MAX_THREADS 64
 #define SPIN_NS 100000 /* how long an idle helper spins before it sleeps: 0.1 ms */
 
+/* Each word the threads write on a cache line of its own: a line written by one core and read by another moves
+   between them, and words sharing a line would move it for each other. */
+#define LINE __attribute__((aligned(64)))
+struct run {
+  LINE _Atomic uint64_t next; /* job number << 32 | end << 16 | next chunk */
+};
 static struct {
-  _Atomic uint64_t next;     /* job number << 32 | chunks << 16 | next chunk */
-  _Atomic int done;          /* chunks of the current job finished */
-  _Atomic uint32_t posted;   /* the last job's number: the word idle helpers sleep on */
-  _Atomic int sleeping;      /* helpers asleep on `posted` */
-  _Atomic int active;        /* helpers 0 .. active - 1 take part in the current job */
-  _Atomic int held;          /* tests: helpers take no chunk (as if the system had parked them) */
+  struct run runs[MAX_THREADS];
+  LINE _Atomic int done;        /* chunks of the current job finished */
+  LINE _Atomic uint32_t posted; /* the last job's number: the word idle helpers wait on */
+  _Atomic int sleeping;         /* helpers asleep on `posted` */
+  _Atomic int threads;          /* the current job's threads: runs 0 .. threads - 1 */
+  _Atomic int held;             /* tests: helpers take no chunk (as if the system had parked them) */
   pool_task task;
   const void* args;
   uint32_t jobs;
@@ -48,31 +59,33 @@ static uint64_t now_ns(void)
   return (uint64_t)t.tv_sec * 1000000000u + (uint64_t)t.tv_nsec;
 }
 
-/* The next chunk of job `job`, or -1 when it has none left (or is over). */
-static int claim(uint32_t job)
+/* The next chunk of run `r` of job `job`, or -1 when the run has none left (or the job is over). */
+static int claim(int r, uint32_t job)
 {
-  uint64_t w = atomic_load_explicit(&pool.next, memory_order_acquire);
+  _Atomic uint64_t* next = &pool.runs[r].next;
+  uint64_t w = atomic_load_explicit(next, memory_order_acquire);
   for (;;) {
-    const int chunk = (int)(w & 0xFFFF), chunks = (int)((w >> 16) & 0xFFFF);
-    if ((uint32_t)(w >> 32) != job || chunk >= chunks) return -1;
-    if (atomic_compare_exchange_weak_explicit(&pool.next, &w, w + 1, memory_order_acq_rel, memory_order_acquire))
+    const int chunk = (int)(w & 0xFFFF), end = (int)((w >> 16) & 0xFFFF);
+    if ((uint32_t)(w >> 32) != job || chunk >= end) return -1;
+    if (atomic_compare_exchange_weak_explicit(next, &w, w + 1, memory_order_acq_rel, memory_order_acquire))
       return chunk;
   }
 }
 
-/* Take chunks of job `job` until none is left. The task and its arguments are read after a chunk is taken: the
-   job cannot end before that chunk is done, so they are still the job's. */
-static void work(uint32_t job)
+/* Thread `me` takes chunks of job `job`, from its own run, then from the others', until none is left. The task
+   and its arguments are read after a chunk is taken: the job cannot end before that chunk is done, so they are
+   still the job's. */
+static void work(int me, uint32_t job, int threads)
 {
-  for (int chunk; (chunk = claim(job)) >= 0;) {
-    pool.task(pool.args, chunk);
-    atomic_fetch_add_explicit(&pool.done, 1, memory_order_release);
-  }
+  int done = 0;
+  for (int i = 0; i < threads; i++)
+    for (int r = (me + i) % threads, chunk; (chunk = claim(r, job)) >= 0; done++) pool.task(pool.args, chunk);
+  if (done) atomic_fetch_add_explicit(&pool.done, done, memory_order_release); /* once: the line moves once */
 }
 
 static void* helper(void* arg)
 {
-  const int id = (int)(intptr_t)arg;
+  const int me = (int)(intptr_t)arg; /* run `me`: the caller's is run 0 */
   uint32_t seen = atomic_load(&pool.posted);
   for (;;) {
     uint32_t job;
@@ -86,7 +99,8 @@ static void* helper(void* arg)
     }
     seen = job;
     while (atomic_load_explicit(&pool.held, memory_order_relaxed)) _mm_pause();
-    if (id < atomic_load_explicit(&pool.active, memory_order_relaxed)) work(job);
+    const int threads = atomic_load_explicit(&pool.threads, memory_order_relaxed);
+    if (me < threads) work(me, job, threads);
   }
   return NULL;
 }
@@ -96,26 +110,30 @@ static void forget_helpers(void) { pool.started = 0; }
 
 void pool_run(int threads, int chunks, pool_task task, const void* args)
 {
-  if (threads > MAX_HELPERS + 1) threads = MAX_HELPERS + 1;
-  if (threads <= 1 || chunks <= 1 || chunks > 0xFFFF || pthread_mutex_trylock(&submit) != 0) {
+  if (threads > chunks) threads = chunks;
+  if (threads > MAX_THREADS) threads = MAX_THREADS;
+  if (threads <= 1 || chunks > 0xFFFF || pthread_mutex_trylock(&submit) != 0) {
     for (int c = 0; c < chunks; c++) task(args, c);
     return;
   }
   if (pool.started == 0) pthread_atfork(NULL, NULL, forget_helpers);
   while (pool.started < threads - 1) {
     pthread_t t;
-    if (pthread_create(&t, NULL, helper, (void*)(intptr_t)pool.started) != 0) break; /* fewer helpers: still right */
+    if (pthread_create(&t, NULL, helper, (void*)(intptr_t)(pool.started + 1)) != 0) break; /* fewer: still right */
     pthread_detach(t);
     pool.started++;
   }
   pool.task = task, pool.args = args;
   atomic_store(&pool.done, 0);
-  atomic_store(&pool.active, threads - 1);
+  atomic_store(&pool.threads, threads);
   const uint32_t job = ++pool.jobs;
-  atomic_store_explicit(&pool.next, (uint64_t)job << 32 | (uint64_t)chunks << 16, memory_order_release);
+  for (int r = 0; r < threads; r++) { /* run r: chunks [r * chunks / threads, (r + 1) * chunks / threads) */
+    const uint64_t start = (uint64_t)r * chunks / threads, end = (uint64_t)(r + 1) * chunks / threads;
+    atomic_store_explicit(&pool.runs[r].next, (uint64_t)job << 32 | end << 16 | start, memory_order_release);
+  }
   atomic_store(&pool.posted, job);
-  if (atomic_load(&pool.sleeping) > 0) syscall(SYS_futex, &pool.posted, FUTEX_WAKE_PRIVATE, MAX_HELPERS, NULL, NULL, 0);
-  work(job);
+  if (atomic_load(&pool.sleeping) > 0) syscall(SYS_futex, &pool.posted, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
+  work(0, job, threads);
   /* only chunks helpers are running are left: a few microseconds, unless one was parked mid-chunk */
   for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++)
     if (spins < 4096) _mm_pause();

@@ -21,9 +21,6 @@
 #include "pool.h"
 #include "simd.h"
 
-#ifndef QUANTIZED_CHUNKS
-#define QUANTIZED_CHUNKS 8
-#endif
 
 /* xq[m] = round(x[m] / s[m]) with s[m] = max|x[m]| / 127 (the division, not a multiplication by 1 / s, to round
    exactly as torch does). With `group_sums` (the int4 kernel's input): each group in the order described above,
@@ -159,15 +156,6 @@ struct quantized_job {
   int M, N, K, rows_per_chunk;
 };
 
-/* Chunks of about 32 KB of weights each, at least QUANTIZED_CHUNKS per thread. */
-static int rows_per_chunk(int N, size_t row_bytes, int threads, int multiple)
-{
-  int rows = (int)(32768 / row_bytes), fair = N / (threads * QUANTIZED_CHUNKS);
-  rows = rows > fair ? fair : rows;
-  rows = (rows + multiple - 1) / multiple * multiple;
-  return rows < multiple ? multiple : rows;
-}
-
 /* y[m, n] = xs[m] * sum_g scale[n, g] * sum_i xq[m, 32g + i] w[n, 32g + i] + bias[n]. With several input rows,
    each row of weights is unpacked once into `w` (K bytes) and used for all of them. */
 static void int4_chunk(const void* args, int chunk)
@@ -301,7 +289,7 @@ void int4_linear(const float* x, const uint8_t* packed, const uint16_t* scales, 
   float* xs = malloc(sizeof(float) * M);
   int32_t* sums = malloc(sizeof(int32_t) * M * (K / 32));
   quantize_rows(x, M, K, xq, xs, sums);
-  struct quantized_job job = {packed, scales, xq, NULL, sums, xs, bias, y, M, N, K, rows_per_chunk(N, K / 2, threads, 1)};
+  struct quantized_job job = {packed, scales, xq, NULL, sums, xs, bias, y, M, N, K, pool_chunk_units(N, K / 2, 1)};
   pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int4_chunk, &job);
   free(xq), free(xs), free(sums);
 }
@@ -317,11 +305,11 @@ void int8_linear(const float* x, const int8_t* weight, const float* scales, cons
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl")) {
     uint8_t* xu = malloc((size_t)M * K); /* the activations made unsigned for vpdpbusd */
     for (size_t i = 0; i < (size_t)M * K; i++) xu[i] = (uint8_t)xq[i] ^ 0x80;
-    job.xu = xu, job.rows_per_chunk = rows_per_chunk(N, K, threads, 4);
+    job.xu = xu, job.rows_per_chunk = pool_chunk_units(N, K, 4);
     pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int8_chunk_vnni, &job);
     free(xu);
   } else {
-    job.rows_per_chunk = rows_per_chunk(N, K, threads, 1);
+    job.rows_per_chunk = pool_chunk_units(N, K, 1);
     pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, int8_chunk, &job);
   }
   free(xq), free(xs);
@@ -352,6 +340,6 @@ static void dequantize_chunk(const void* args, int chunk)
 
 void int4_dequantize(const uint8_t* packed, const uint16_t* scales, float* out, int N, int K, int threads)
 {
-  struct quantized_job job = {packed, scales, NULL, NULL, NULL, NULL, NULL, out, 0, N, K, rows_per_chunk(N, K / 2, threads, 1)};
+  struct quantized_job job = {packed, scales, NULL, NULL, NULL, NULL, NULL, out, 0, N, K, pool_chunk_units(N, K / 2, 1)};
   pool_run(threads, (N + job.rows_per_chunk - 1) / job.rows_per_chunk, dequantize_chunk, &job);
 }
