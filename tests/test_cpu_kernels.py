@@ -101,6 +101,23 @@ def test_every_kernel_gives_the_same_numbers_on_any_threads_and_with_its_helpers
     assert relative_error(one[0], reference(rows, weight, bias)) < 1e-5
 
 
+def test_a_prefills_products_go_in_column_chunks_on_the_engines_threads():
+    """More rows than the C kernels take: torch's product, cut by output columns between the engine's threads; the
+    same numbers as the whole product (the same library's sums: 1e-6), and a chunk's error reaches the caller."""
+    g = torch.Generator().manual_seed(5)
+    rows, weight, bias = torch.randn(100, 256, generator=g), torch.randn(1000, 256, generator=g).T, torch.randn(1000)
+    calls = []
+    with threads_held(2, held=False), cpu_kernels.computing():
+        assert torch.get_num_threads() == 1 and cpu_kernels.kernel_threads() == 2
+        got = cpu_kernels.linear(rows, weight, bias)
+        cpu_kernels.in_column_chunks(lambda c: calls.append(c) or torch.zeros(1, c.stop - c.start), 1000)
+        with pytest.raises(ZeroDivisionError):
+            cpu_kernels.in_column_chunks(lambda c: torch.zeros(1, c.stop - c.start) / (c.start != 128 or 0), 1000)
+    assert len(calls) > 2 and sorted(c.start for c in calls) == [c.start for c in calls]
+    assert relative_error(got, reference(rows, weight, bias)) < 1e-5
+    assert (got - torch.addmm(bias, rows, weight)).abs().max() < 1e-4
+
+
 def test_linear_falls_back_to_torch_where_the_kernel_does_not_apply():
     g = torch.Generator().manual_seed(2)
     weight, bias = torch.randn(48, 64, generator=g).T, torch.randn(48, generator=g)

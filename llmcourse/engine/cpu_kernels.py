@@ -33,19 +33,25 @@ import contextlib
 import ctypes
 import functools
 import hashlib
+import itertools
+import math
 import os
 import platform
+import queue
 import shutil
 import subprocess
 import tempfile
+import threading
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+from . import threads
 
 SOURCES = [
     Path(__file__).parent / "kernels" / name
@@ -110,18 +116,16 @@ def library() -> Optional[ctypes.CDLL]:
     return lib
 
 
-_kernel_threads: Optional[int] = None  # while `computing` runs: the engine's count, for the C kernels
+_kernel_threads: Optional[int] = None  # while `computing` runs: the engine's count
 
 
 @contextlib.contextmanager
-def computing(rows: int):
-    """Threads for one forward pass over `rows` token rows at once. The C kernels split their work between the
-    engine's threads (torch's count when the pass starts; `threads.choose`). For a decode step (at most FLOAT_ROWS
-    rows: the C kernels take its products) torch's own operations run on one thread meanwhile: its parallel
-    regions would wait for threads the kernels' pool keeps busy (measured: GPT-2's step took 30 ms on 2 threads
-    that way, 21 ms with torch on one). For a prefill, torch's products get every thread.
+def computing():
+    """One forward pass: the engine's threads (`threads.count()`) split its products (the C kernels' pool for a
+    decode step's few rows, `in_column_chunks` for a prefill's many), and torch's own operations run on one
+    thread meanwhile (`threads`: why).
 
-        >>> with computing(rows=1):
+        >>> with computing():
         ...     torch.get_num_threads()
         1
     """
@@ -130,21 +134,81 @@ def computing(rows: int):
     if _kernel_threads is not None or torch.compiler.is_compiling():
         yield
         return
-    count = torch.get_num_threads()
-    _kernel_threads = count
-    if rows <= FLOAT_ROWS and count > 1:
+    before = torch.get_num_threads()
+    _kernel_threads = threads.count()
+    if before != 1:
         torch.set_num_threads(1)
     try:
         yield
     finally:
         _kernel_threads = None
-        if torch.get_num_threads() != count:
-            torch.set_num_threads(count)
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
 
 
 def kernel_threads() -> int:
-    """The threads the C kernels split a product between: the engine's count (`computing`), else torch's."""
+    """The threads the engine splits a product between: `threads.count()` while `computing`, else torch's."""
     return _kernel_threads or torch.get_num_threads()
+
+
+_helpers: list[threading.Thread] = []
+_handed_out: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+
+
+def _helper() -> None:
+    while True:
+        _handed_out.get()()
+
+
+def in_column_chunks(product: Callable[[slice], Tensor], N: int) -> Tensor:
+    """torch.cat([product(columns) ...], dim=-1) over slices of range(N): a product of many rows (a prefill's) cut
+    by its output columns, each chunk computed by torch on one thread, the chunks taken by whichever of the
+    engine's threads (`kernel_threads`) is free, the caller too (Python threads: torch releases the GIL while it
+    multiplies). Each output column is computed as in the whole product, so the result is the same.
+
+        >>> w = torch.randn(8, 300)
+        >>> torch.equal(in_column_chunks(lambda c: w[:, c] * 2, 300), w * 2)
+        True
+    """
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:  # what watches sees torch's ops
+        return product(slice(0, N))
+    threads = kernel_threads()
+    width = max(64, math.ceil(N / (4 * threads) / 64) * 64)  # about 4 chunks a thread, whole 64s of columns
+    pieces = [slice(n0, min(n0 + width, N)) for n0 in range(0, N, width)]
+    if threads == 1 or len(pieces) == 1:
+        return product(slice(0, N))
+    results: list = [None] * len(pieces)
+    handed, finished = itertools.count(), threading.Condition()
+    done = [0]
+
+    grad = torch.is_grad_enabled()  # the caller's (a thread's own setting)
+
+    def take() -> None:  # chunks until none is left; a helper that comes late finds none
+        mine = 0
+        while (i := next(handed)) < len(pieces):
+            try:
+                with torch.set_grad_enabled(grad):
+                    results[i] = product(pieces[i])
+            except BaseException as err:  # raised again by the caller
+                results[i] = err
+            mine += 1
+        if mine:
+            with finished:
+                done[0] += mine
+                finished.notify()
+
+    while len(_helpers) < threads - 1:
+        _helpers.append(threading.Thread(target=_helper, daemon=True, name="llmcourse-product"))
+        _helpers[-1].start()
+    for _ in range(threads - 1):
+        _handed_out.put(take)
+    take()
+    with finished:
+        finished.wait_for(lambda: done[0] == len(pieces))
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return torch.cat(results, dim=-1)
 
 
 def plain_cpu_floats(*tensors: Optional[Tensor]) -> bool:
@@ -180,6 +244,11 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
         and (bias is None or bias.is_contiguous())
         and plain_cpu_floats(rows, weight, bias)
     ):
+        if M > FLOAT_ROWS and weight.stride(0) == 1 and plain_cpu_floats(rows, weight, bias):
+            # a prefill: chunks of output columns on the engine's threads (each chunk one stretch of the weights)
+            if bias is None:
+                return in_column_chunks(lambda c: torch.mm(rows, weight[:, c]), N)
+            return in_column_chunks(lambda c: torch.addmm(bias[c], rows, weight[:, c]), N)
         return torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
     y = torch.empty(M, N)
     library().float_linear(

@@ -123,7 +123,7 @@ class Decoder(nn.Module):
                 k, v = cache.update(layer, k, v) if slots is None else cache.update(layer, k, v, slots)
             return self.attention(q, k, v, mask)
 
-        with cpu_kernels.computing(rows=B * T):
+        with cpu_kernels.computing():
             x = self.blocks(self.embed(input_ids, position_ids), position_ids, attend)
             if cache is not None and slot is None:
                 cache.length += T

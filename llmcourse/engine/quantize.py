@@ -165,7 +165,9 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
     if use_kernel(rows, q, scale, bias) and rows.shape[1] % 32 == 0:
         return cpu_kernels.int8_linear(rows.contiguous(), q, scale, bias).view(*x.shape[:-1], q.shape[0])
     xq, xs = quantize_int8(rows)
-    y = torch._int_mm(xq, q.T).float() * (xs[:, None] * scale.float())  # [M, N]
+    y = cpu_kernels.in_column_chunks(
+        lambda c: torch._int_mm(xq, q[c].T).float() * (xs[:, None] * scale[c].float()), q.shape[0]
+    )  # [M, N]
     y = y.to(x.dtype).view(*x.shape[:-1], q.shape[0])
     return y if bias is None else y + bias
 
@@ -202,7 +204,8 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
             and scales.is_contiguous()
             and cpu_kernels.library() is not None
         ):
-            y = F.linear(cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales))
+            rows, weight = cpu_kernels.in_group_order(rows), cpu_kernels.int4_dequantized(packed, scales)
+            y = cpu_kernels.in_column_chunks(lambda c: F.linear(rows, weight[c]), packed.shape[0])
         else:
             y = F.linear(rows, dequantize_int4(packed, scales))
         y = y.to(x.dtype)

@@ -1,23 +1,25 @@
-"""How many CPU threads the engine computes with when nobody said.
+"""How many CPU threads the engine computes with when nobody said, and how it uses them.
 
-torch starts with one thread per physical core, and every operation that splits its work between them waits for
-the slowest one. When another process (or the server's own event loop) is running, the operating system parks
-one of those threads for a scheduler slice, milliseconds, and the whole operation waits; a decode step is about a
-hundred such operations. Measured on a 2-core AMD EPYC with one other busy process: GPT-2 decoded 28.8 tokens/s
-idle and 11.5 busy at torch's 2 threads, and continuous batching, 2.3x faster than static batching idle, fell to
-1.0x (benchmarks.md, "Threads").
+The engine computes with every physical core it may run on (within an affinity mask or a container's CPU quota),
+and splits its work itself: the C kernels' pool (`kernels/pool.c`: a decode step's products and attention) and
+`cpu_kernels.in_column_chunks` (a prefill's products) deal out chunks that any free thread takes, the caller too,
+so no thread waits for one that the operating system has parked while another process runs. torch's own parallel
+regions split their work up front and wait for every thread: measured on a 2-core AMD EPYC with one other busy
+process, GPT-2's 128-token prefill took 406 ms on torch's 2 threads against 106 on one, and a decode step of a
+hundred such regions waited a scheduler slice again and again (benchmarks.md, "Threads"). So the engine sets
+torch's own count to one thread, and its threads, after a parallel region, do not spin beside the pool's.
 
-So the engine keeps one core for everything else: it computes with the machine's cores minus one (at least one,
-and never more than a CPU quota or affinity mask allows). A choice someone made is honoured: OMP_NUM_THREADS or
-MKL_NUM_THREADS in the environment, or `torch.set_num_threads(n)` called before or after — the engine only
-changes torch's count while it is still the one torch started with (or the one the engine set).
+A choice someone made is honoured: OMP_NUM_THREADS or MKL_NUM_THREADS in the environment, or
+`torch.set_num_threads(n)` called before or after (n other than the one thread the engine set): the engine then
+splits its work between n threads, and torch keeps n for what runs outside the engine's forward passes.
 
     >>> engine_threads(cores=2), engine_threads(cores=16)
-    (1, 15)
+    (2, 16)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from pathlib import Path
@@ -35,13 +37,18 @@ def physical_cores(cpus: Optional[list[int]] = None) -> int:
     allowed = cpus
     if allowed is None:
         allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
+    return _physical_cores(tuple(allowed), cpus is None)
+
+
+@functools.cache
+def _physical_cores(allowed: tuple[int, ...], with_quota: bool) -> int:
     cores = set()
     for cpu in allowed:
         siblings = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
         cores.add(siblings.read_text().strip() if siblings.exists() else str(cpu))
     count = len(cores) or 1
     quota = Path("/sys/fs/cgroup/cpu.max")
-    if cpus is not None or not quota.exists():
+    if not with_quota or not quota.exists():
         return count
     limit, _, period = quota.read_text().partition(" ")
     if limit != "max" and period.strip():
@@ -51,6 +58,7 @@ def physical_cores(cpus: Optional[list[int]] = None) -> int:
 
 # what torch starts with: the machine's physical cores, counted as torch counts them (every core, no affinity or quota)
 TORCH_START = physical_cores(list(range(os.cpu_count() or 1)))
+TORCH_OWN = 1  # torch's own count while the engine chose: the engine splits its work itself
 
 
 def engine_threads(cores: Optional[int] = None) -> int:
@@ -67,16 +75,16 @@ def someone_chose() -> bool:
 
 
 def count() -> int:
-    """The threads the engine computes with: the count someone chose, else `engine_threads()`."""
+    """The threads the engine splits its work between: the count someone chose, else `engine_threads()`."""
     return torch.get_num_threads() if someone_chose() else engine_threads()
 
 
 def choose() -> int:
-    """Set torch's threads to `count()`; -> that count. The engine's entry points call it (`load_model`,
-    `decode_steps`, `beam_search`, `LLMEngine`), so nothing needs to."""
+    """Unless someone chose, set torch's own count to TORCH_OWN; -> `count()`. The engine's entry points call it
+    (`load_model`, `decode_steps`, `beam_search`, `LLMEngine`), so nothing needs to."""
     global _set_by_engine
     if not someone_chose():
-        _set_by_engine = engine_threads()
-        if torch.get_num_threads() != _set_by_engine:
-            torch.set_num_threads(_set_by_engine)
-    return torch.get_num_threads()
+        _set_by_engine = TORCH_OWN
+        if torch.get_num_threads() != TORCH_OWN:
+            torch.set_num_threads(TORCH_OWN)
+    return count()

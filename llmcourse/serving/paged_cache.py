@@ -268,7 +268,7 @@ def forward(
             out[:, :, o : o + n] = model.attention(q[:, :, o : o + n], keys[None], values[None], None)
         return out
 
-    with cpu_kernels.computing(rows=len(positions)):
+    with cpu_kernels.computing():
         x = model.blocks(model.embed(input_ids, positions[None]), positions[None], attention)  # [1, N, C]
         logits_of = range(len(chunks)) if logits_of is None else logits_of
         last = torch.tensor([starts[j] + lengths[j] - 1 for j in logits_of], dtype=torch.long, device=device)

@@ -31,6 +31,12 @@
 
 #define MAX_THREADS 64
 #define SPIN_NS 100000 /* how long an idle helper spins before it sleeps: 0.1 ms */
+#define LATE_NS 100000     /* 0.1 ms: a chunk is a few microseconds of work */
+#define ABSENT_NS 200000   /* 0.2 ms: more than an idle core takes to wake (a virtual machine's too) */
+#define ABSENT_JOBS 3
+#define FIRST_SOLO 32      /* jobs: about a decode step of GPT-2 124M at batch 1 */
+#define MAX_SOLO 4096
+#define CLEAN_JOBS 1024
 
 /* Each word the threads write on a cache line of its own: a line written by one core and read by another moves
    between them, and words sharing a line would move it for each other. */
@@ -49,6 +55,10 @@ static struct {
   const void* args;
   uint32_t jobs;
   int started;
+  int solo;     /* jobs left to run on the caller alone */
+  int solo_len; /* how many it was last time (0: no trouble lately) */
+  int absent;   /* jobs in a row the helpers missed */
+  int clean;    /* jobs run together without trouble since the last */
 } pool;
 static pthread_mutex_t submit = PTHREAD_MUTEX_INITIALIZER;
 
@@ -75,12 +85,13 @@ static int claim(int r, uint32_t job)
 /* Thread `me` takes chunks of job `job`, from its own run, then from the others', until none is left. The task
    and its arguments are read after a chunk is taken: the job cannot end before that chunk is done, so they are
    still the job's. */
-static void work(int me, uint32_t job, int threads)
+static int work(int me, uint32_t job, int threads)
 {
   int done = 0;
   for (int i = 0; i < threads; i++)
     for (int r = (me + i) % threads, chunk; (chunk = claim(r, job)) >= 0; done++) pool.task(pool.args, chunk);
   if (done) atomic_fetch_add_explicit(&pool.done, done, memory_order_release); /* once: the line moves once */
+  return done;
 }
 
 static void* helper(void* arg)
@@ -112,7 +123,9 @@ void pool_run(int threads, int chunks, pool_task task, const void* args)
 {
   if (threads > chunks) threads = chunks;
   if (threads > MAX_THREADS) threads = MAX_THREADS;
-  if (threads <= 1 || chunks > 0xFFFF || pthread_mutex_trylock(&submit) != 0) {
+  const int alone = threads <= 1 || chunks > 0xFFFF || pthread_mutex_trylock(&submit) != 0;
+  if (alone || pool.solo > 0) {
+    if (!alone) pool.solo--, pthread_mutex_unlock(&submit);
     for (int c = 0; c < chunks; c++) task(args, c);
     return;
   }
@@ -131,13 +144,29 @@ void pool_run(int threads, int chunks, pool_task task, const void* args)
     const uint64_t start = (uint64_t)r * chunks / threads, end = (uint64_t)(r + 1) * chunks / threads;
     atomic_store_explicit(&pool.runs[r].next, (uint64_t)job << 32 | end << 16 | start, memory_order_release);
   }
+  const uint64_t posted_at = now_ns();
   atomic_store(&pool.posted, job);
   if (atomic_load(&pool.sleeping) > 0) syscall(SYS_futex, &pool.posted, FUTEX_WAKE_PRIVATE, MAX_THREADS, NULL, NULL, 0);
-  work(0, job, threads);
+  const int mine = work(0, job, threads);
+  const uint64_t worked_until = now_ns();
   /* only chunks helpers are running are left: a few microseconds, unless one was parked mid-chunk */
   for (int spins = 0; atomic_load_explicit(&pool.done, memory_order_acquire) < chunks; spins++)
     if (spins < 4096) _mm_pause();
     else sched_yield();
+  /* A helper that kept the caller waiting LATE_NS for a chunk it had taken, or took no chunk in ABSENT_JOBS jobs
+     in a row while the caller worked ABSENT_NS, was not given a core: other work wants the cores (or, on a
+     virtual machine, the host took the helper's). The next jobs run on the caller alone, its helpers asleep and
+     not competing with it for a core: FIRST_SOLO jobs, twice as many each time the trouble comes back right
+     after (up to MAX_SOLO: a busy machine stays busy), FIRST_SOLO again after CLEAN_JOBS jobs without it (a
+     hiccup costs little). */
+  const int late = now_ns() - worked_until > LATE_NS;
+  pool.absent = mine == chunks && worked_until - posted_at > ABSENT_NS ? pool.absent + 1 : 0;
+  if (late || pool.absent >= ABSENT_JOBS) {
+    pool.solo_len = pool.solo_len == 0 ? FIRST_SOLO : pool.solo_len < MAX_SOLO ? 2 * pool.solo_len : MAX_SOLO;
+    pool.solo = pool.solo_len, pool.absent = 0, pool.clean = 0;
+  } else if (++pool.clean >= CLEAN_JOBS) {
+    pool.solo_len = 0, pool.clean = 0;
+  }
   pthread_mutex_unlock(&submit);
 }
 
