@@ -112,7 +112,7 @@ def test_a_prefills_products_go_in_column_chunks_on_the_engines_threads():
         got = cpu_kernels.linear(rows, weight, bias)
         cpu_kernels.in_column_chunks(lambda c: calls.append(c) or torch.zeros(1, c.stop - c.start), 1000)
         with pytest.raises(ZeroDivisionError):
-            cpu_kernels.in_column_chunks(lambda c: torch.zeros(1, c.stop - c.start) / (c.start != 128 or 0), 1000)
+            cpu_kernels.in_column_chunks(lambda c: torch.zeros(1, c.stop - c.start) if c.start != 128 else 1 / 0, 1000)
     assert len(calls) > 2 and sorted(c.start for c in calls) == [c.start for c in calls]
     assert relative_error(got, reference(rows, weight, bias)) < 1e-5
     assert (got - torch.addmm(bias, rows, weight)).abs().max() < 1e-4
