@@ -1,26 +1,29 @@
 """The quantization benchmark (`python -m llmcourse bench --quantize`): the engine in float32, int8 and int4 against
-transformers (float32) and CTranslate2 (float32, int8), the inference engine users pick for CPUs, in one run.
+transformers (float32), CTranslate2 (float32, int8) and llama.cpp (f32, q8_0; batch 1), the inference engines users
+pick for CPUs, in one run.
 
-Every engine runs the same random GPT-2 124M weights (CTranslate2 converts the engine's saved folder), greedy, with
-the same threads (torch's and CTranslate2's `intra_threads`: the engine's choice, `llmcourse.engine.threads`), in
-interleaved repeats (the order reversed every other repeat), medians. Where CTranslate2's own default uses more
-threads (`intra_threads` 4, at most the machine's cores), it runs a second time that way ("ctranslate2 int8, 2
-threads"), and the engine is measured against both.
+Every engine runs the same random GPT-2 124M weights (CTranslate2 converts the engine's saved folder; llama.cpp reads
+them written as GGUF, `bench.llama_cpp`), greedy, in interleaved repeats (the order reversed every other repeat, a
+pause before each call so that the threads of the call before are asleep), medians. **Threads**: the engine and
+transformers at the engine's choice (`llmcourse.engine.threads`: every core); CTranslate2 and llama.cpp at every
+thread count from 1 to the engine's, and at their own defaults (CTranslate2: 4, at most the machine's cores;
+llama-cpp-python: half the CPUs), so that the engine is set against each peer at its default and at its best.
 
 - **batch 1**: a 128-token prompt and 128 new tokens; tokens/s = new tokens / the whole call (prompt included, as
   the issue states its targets), and the decode steps alone;
 - **batch 16**: 16 prompts of 128 tokens, 32 new tokens each; tokens/s of the decode steps alone (a 2,048-token
   prefill would otherwise dominate). Each step's time is taken when its tokens reach Python (`decode_steps` for the
-  engine, a logits processor for transformers, CTranslate2's per-token callback).
+  engine, a logits processor for transformers, CTranslate2's per-token callback). llama-cpp-python decodes one
+  sequence at a time: batch 1 only.
 
 Each row is set against its own roofline (`decode_bound`: the engine's `predict`, chapter 10's count kernel by
 kernel, with the weights in the row's format, scales included, as `matrix_bytes` counts them; the tied head counted
-quantized, as the engine quantizes the token table; activations and each row's KV cache in float32) on the memory
-bandwidth measured in the same run (`common.measure_bandwidth`) and, for float32 rows, the float32 matmul rate
-(integer products run at other rates: the quantized rows are bounded by bandwidth alone). The greedy tokens of
-every row are compared with the engine's float32 ones (tokens until the first divergence). To say where the time
-goes, the engine's linear layers alone are timed per format (all 48 of the blocks, and the head), and its attention
-over a decode step's cache.
+quantized, as the engine quantizes the token table; activations and each row's KV cache in float32; llama.cpp's
+q8_0, 34 bytes per 32 weights, counted as the engine's int8) on the memory bandwidth measured in the same run
+(`common.measure_bandwidth`) and, for float32 rows, the float32 matmul rate (integer products run at other rates:
+the quantized rows are bounded by bandwidth alone). The greedy tokens of every row are compared with the engine's
+float32 ones (tokens until the first divergence). To say where the time goes, the engine's linear layers alone are
+timed per format (all 48 of the blocks, and the head), and its attention over a decode step's cache.
 
     >>> steps = [decode_bound(GPT2Config(), 192, fmt, 1, (188e9, 20.5e9)) for fmt in ENGINE_FORMATS]   # GPT-2 124M
     >>> [round(p.bytes / 1e6) for p in steps], [round(p.tokens_per_s) for p in steps]   # MB a step moves, tok/s
@@ -46,6 +49,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from llmcourse.engine import cpu_kernels
 from llmcourse.engine import roofline as engine_roofline
 from llmcourse.engine import threads as engine_threads
 from llmcourse.engine.config import GPT2Config
@@ -57,6 +61,7 @@ from llmcourse.engine.roofline import ModelShape, Prediction
 from llmcourse.engine.sampling import SamplingParams
 from llmcourse.engine.tokenizer import vocab_files
 
+from . import llama_cpp
 from .common import (
     CONFIGS,
     ROOF,
@@ -77,11 +82,8 @@ CT2_TYPES = ("float32", "int8")  # on a CPU, CTranslate2's int8 is int8_float32 
 REFERENCE = "engine float32"  # every row's tokens are compared with this one's
 # (faster row, slower row, the issue's target for faster / slower), at each batch size; the engine is also measured
 # against CTranslate2 at its own default threads where that differs (`targets`)
-TARGETS = [
-    ("engine float32", "ctranslate2 float32", 1.0),
-    ("engine int8", "ctranslate2 int8", 1.0),
-    ("engine int4", "engine int8", 1.3),
-]
+PEERS = {"ctranslate2": {"float32": "float32", "int8": "int8"}, "llama.cpp": dict(llama_cpp.GGUF_TYPES)}
+OWN_TARGET = ("engine int4", "engine int8", 1.3)  # the engine against itself: int4 reads 0.56x int8's bytes
 
 
 def ctranslate2_default_threads() -> int:
@@ -89,18 +91,21 @@ def ctranslate2_default_threads() -> int:
     return min(4, os.cpu_count() or 1)
 
 
-def targets(rows: dict) -> list[tuple[str, str, float]]:
-    """TARGETS, and the engine against each row of CTranslate2 at its own threads ("ctranslate2 int8, 2 threads")."""
-    own = [
-        (f"engine {fmt}", name, 1.0)
-        for name in rows
-        for fmt in CT2_TYPES
-        if name.startswith(f"ctranslate2 {fmt}, ") and name.endswith(" threads")
-    ]
-    return TARGETS[:2] + own + TARGETS[2:]
+def peer_thread_counts(engine: int, default: int) -> list[int]:
+    """The thread counts a peer runs at: 1, 2, 4, ... up to the engine's count, that count, and the peer's default.
+
+    >>> peer_thread_counts(2, 2), peer_thread_counts(2, 1), peer_thread_counts(16, 4), peer_thread_counts(6, 8)
+    ([1, 2], [1, 2], [1, 2, 4, 8, 16], [1, 2, 4, 6, 8])
+    """
+    return sorted({2**i for i in range(engine.bit_length()) if 2**i <= engine} | {engine, default})
 
 
-NOT_INSTALLED = "CTranslate2 is not installed (pip install ctranslate2): its rows are skipped"
+def peer_name(peer: str, fmt: str, threads: int) -> str:
+    """A peer's row: "ctranslate2 int8, 2 threads", "llama.cpp q8_0, 1 thread"."""
+    return f"{peer} {PEERS[peer][fmt]}, {threads} thread{'s' * (threads != 1)}"
+
+
+CT2_NOT_INSTALLED = "CTranslate2 is not installed (pip install ctranslate2): its rows are skipped"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +121,7 @@ class Sizes:
     layer_repeats: int = 7  # passes over the linear layers, per format and batch size (interleaved)
 
 
+SETTLE_S = 0.2  # the pause before each timed call
 QUICK = Sizes(model="tiny", prompt_len=16, new_tokens=8, batch=2, batch_new_tokens=4, repeats=1, layer_repeats=1)
 
 
@@ -147,14 +153,30 @@ def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int:
 
 
 def ratios(rows: dict, batch: int) -> dict:
-    """For each target of `TARGETS` and each batch size measured: faster / slower, the target, and whether it is
-    met. Batch 1: tokens/s of the whole call (prompt included); batch `batch`: of the decode steps."""
+    """At each batch size measured, the engine in float32 and int8 against each peer in the same format, at the
+    peer's default threads and at its best thread count there (the fastest of its rows at that batch size), and
+    OWN_TARGET: faster / slower, the target, whether it is met, and the peer's row. Batch 1: tokens/s of the whole
+    call (prompt included); batch `batch`: of the decode steps."""
     out = {}
     for key, label in (("batch_1", "1"), (f"batch_{batch}", str(batch))):
-        for fast, slow, target in targets(rows):
-            if fast in rows and slow in rows and key in rows[fast] and key in rows[slow]:
-                value = rows[fast][key]["tokens_per_s"] / rows[slow][key]["tokens_per_s"]
-                out[f"{fast} / {slow}, batch {label}"] = {"ratio": value, "target": target, "met": value >= target}
+        for fmt in ("float32", "int8"):
+            engine = rows.get(f"engine {fmt}", {}).get(key)
+            for peer, formats in PEERS.items():
+                theirs = {n: v for n, v in rows.items() if n.startswith(f"{peer} {formats[fmt]}, ") and key in v}
+                if engine is None or not theirs:
+                    continue
+                best = max(theirs, key=lambda n: theirs[n][key]["tokens_per_s"])
+                default = next((n for n, v in theirs.items() if v.get("default")), None)
+                for which, name in (("at its default", default), ("at its best", best)):
+                    if name is not None:
+                        value = engine["tokens_per_s"] / theirs[name][key]["tokens_per_s"]
+                        out[f"engine {fmt} / {peer} {formats[fmt]} {which}, batch {label}"] = {
+                            "ratio": value, "target": 1.0, "met": value >= 1.0, "against": name,
+                        }  # fmt: skip
+        fast, slow, target = OWN_TARGET
+        if key in rows.get(fast, {}) and key in rows.get(slow, {}):
+            value = rows[fast][key]["tokens_per_s"] / rows[slow][key]["tokens_per_s"]
+            out[f"{fast} / {slow}, batch {label}"] = {"ratio": value, "target": target, "met": value >= target}
     return out
 
 
@@ -163,10 +185,21 @@ def ratios(rows: dict, batch: int) -> dict:
 
 class Row:
     """One engine in one format: `decode(prompts, n)` -> (new tokens per prompt, seconds of the whole call,
-    seconds from the first token to the last)."""
+    seconds from the first token to the last). `threads`: the peer's (None: the engine's choice); `default`: the
+    peer's own default; `batch_1_only`: llama-cpp-python decodes one sequence at a time."""
 
-    def __init__(self, name: str, engine: str, fmt: str, decode: Callable[[list[list[int]], int], tuple]):
+    def __init__(
+        self,
+        name: str,
+        engine: str,
+        fmt: str,
+        decode: Callable[[list[list[int]], int], tuple],
+        threads: Optional[int] = None,
+        default: bool = False,
+        batch_1_only: bool = False,
+    ):
         self.name, self.engine, self.format, self.decode = name, engine, fmt, decode
+        self.threads, self.default, self.batch_1_only = threads, default, batch_1_only
 
 
 def engine_row(model, fmt: str) -> Row:
@@ -237,41 +270,55 @@ def ctranslate2_module():
     return ctranslate2
 
 
-def ctranslate2_rows(
-    ct2, folder: Path, out: Path, compute_types: Sequence[str], device: str, threads: int, suffix: str = ""
-) -> list[Row]:
+def ctranslate2_rows(ct2, folder: Path, out: Path, compute_types: Sequence[str], device: str, counts) -> list[Row]:
     """CTranslate2 generators converted from the saved model folder `folder` (converted once, in float32; each
-    compute type quantizes the weights when the model is loaded, as converting with `quantization=` would). Each
-    row's name is "ctranslate2 <type>" + `suffix`."""
+    compute type quantizes the weights when the model is loaded, as converting with `quantization=` would), one
+    per compute type and thread count of `counts`."""
     if not (out / "vocabulary.json").exists():
         ct2.converters.TransformersConverter(str(folder)).convert(str(out), force=True)
     vocabulary = json.loads((out / "vocabulary.json").read_text())  # token strings, in id order
     rows = []
     for compute_type in compute_types:
-        generator = ct2.Generator(
-            str(out), device=device, compute_type=compute_type, intra_threads=threads, inter_threads=1
-        )
-
-        def decode(prompts, n, generator=generator):
-            stamps = {}
-
-            def on_token(step):  # called for each row's token; the last call of a step stamps it
-                stamps[step.step] = time.perf_counter()
-
-            start = time.perf_counter()
-            results = generator.generate_batch(
-                [[vocabulary[i] for i in p] for p in prompts],
-                max_length=n,
-                min_length=n,
-                end_token=[],
-                sampling_topk=1,
-                include_prompt_in_result=False,
-                callback=on_token,
+        for threads in counts:
+            generator = ct2.Generator(
+                str(out), device=device, compute_type=compute_type, intra_threads=threads, inter_threads=1
             )
-            end = time.perf_counter()
-            return [r.sequences_ids[0] for r in results], end - start, stamps[max(stamps)] - stamps[min(stamps)]
 
-        rows.append(Row(f"ctranslate2 {compute_type}{suffix}", "ctranslate2", compute_type, decode))
+            def decode(prompts, n, generator=generator):
+                stamps = {}
+
+                def on_token(step):  # called for each row's token; the last call of a step stamps it
+                    stamps[step.step] = time.perf_counter()
+
+                start = time.perf_counter()
+                results = generator.generate_batch(
+                    [[vocabulary[i] for i in p] for p in prompts],
+                    max_length=n,
+                    min_length=n,
+                    end_token=[],
+                    sampling_topk=1,
+                    include_prompt_in_result=False,
+                    callback=on_token,
+                )
+                end = time.perf_counter()
+                return [r.sequences_ids[0] for r in results], end - start, stamps[max(stamps)] - stamps[min(stamps)]
+
+            name, default = peer_name("ctranslate2", compute_type, threads), threads == ctranslate2_default_threads()
+            rows.append(Row(name, "ctranslate2", compute_type, decode, threads, default))
+    return rows
+
+
+def llama_cpp_rows(modules, model, folder: Path, counts, context: int) -> list[Row]:
+    """llama.cpp (llama-cpp-python) on the engine's weights written as GGUF files, f32 and q8_0, one row per thread
+    count of `counts`, batch 1."""
+    llama, gguf = modules
+    rows = []
+    for fmt, file_type in llama_cpp.GGUF_TYPES.items():
+        path = llama_cpp.write_gguf(gguf, model, folder / f"model-{file_type}.gguf", file_type)
+        for threads in counts:
+            decode = llama_cpp.decoder(llama, path, threads, context)
+            default = threads == llama_cpp.default_threads()
+            rows.append(Row(peer_name("llama.cpp", fmt, threads), "llama.cpp", fmt, decode, threads, default, True))
     return rows
 
 
@@ -294,15 +341,18 @@ def measure(
     repeats: int,
     progress: Callable[[str], None],
     label: str,
-    threads: int,
+    threads: Callable[[Row], None],
 ) -> dict:
     """Each row on the same prompts, interleaved: -> per row the median seconds (whole call, decode steps) and
-    the first repeat's tokens. torch's threads are set to `threads` before each torch row: making a CTranslate2
-    generator sets the process's OpenMP thread count to its own."""
+    the first repeat's tokens. `threads(row)` sets torch's threads before each call (making a CTranslate2
+    generator sets the process's OpenMP thread count to its own). A row that decodes one sequence at a time is
+    left out of batches. Before each call, a pause: the threads of the call before (CTranslate2's OpenMP, llama.cpp's
+    pool) go to sleep instead of spinning beside it."""
+    rows = [row for row in rows if len(prompts) == 1 or not row.batch_1_only]
 
     def decode(row: Row, prompts, n):
-        if row.engine != "ctranslate2":
-            torch.set_num_threads(threads)
+        threads(row)
+        time.sleep(SETTLE_S)
         return row.decode(prompts, n)
 
     for row in rows:  # warm-up: the kernels, their libraries, and the shapes of this batch size
@@ -349,13 +399,14 @@ def linear_times(models: dict, rows: Sequence[int], repeats: int) -> dict:
             ]
             runs[fmt, m, "head"] = lambda model=model, x=xs[0]: model.head(x)
     times = {key: [] for key in runs}
-    for fn in runs.values():  # warm-up
-        fn()
-    for _ in range(repeats):
-        for key, fn in runs.items():
-            start = time.perf_counter()
+    with cpu_kernels.computing():  # the engine's threads, as in a forward pass
+        for fn in runs.values():  # warm-up
             fn()
-            times[key].append(1e3 * (time.perf_counter() - start))
+        for _ in range(repeats):
+            for key, fn in runs.items():
+                start = time.perf_counter()
+                fn()
+                times[key].append(1e3 * (time.perf_counter() - start))
     out = {}
     for fmt in models:
         bpw = BYTES_PER_WEIGHT[fmt]
@@ -389,12 +440,13 @@ def attention_times(model, contexts: dict[int, int], repeats: int) -> dict:
         def run(caches=caches, q=q, context=context):
             return [model.attention(q, kv[0, :, :, :context], kv[1, :, :, :context], None) for kv in caches]
 
-        run()
         times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
+        with cpu_kernels.computing():  # the engine's threads, as in a forward pass
             run()
-            times.append(1e3 * (time.perf_counter() - start))
+            for _ in range(repeats):
+                start = time.perf_counter()
+                run()
+                times.append(1e3 * (time.perf_counter() - start))
         ms = statistics.median(times)
         nbytes = 2 * L * batch * H * context * D * caches[0].element_size()
         out[batch] = {"ms": ms, "context": context, "GBps": nbytes / ms / 1e6}
@@ -418,60 +470,78 @@ def run(
     sizes: Sizes = Sizes(),
     progress: Callable[[str], None] = print,
 ) -> dict:
-    """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: torch's and CTranslate2's
-    (default: the engine's, `llmcourse.engine.threads.count()`)."""
+    """The whole benchmark; -> the figures (bench.json's "quantize" section). `threads`: the engine's and
+    transformers' (default: the engine's choice, `llmcourse.engine.threads`); the peers run at every count of
+    `peer_thread_counts`."""
     check_model(sizes.model)
     dev = resolve_device(device)
     before = torch.get_num_threads()
-    threads = threads or engine_threads.count()
-    torch.set_num_threads(threads)
+    if threads:
+        torch.set_num_threads(threads)
+    count = engine_threads.choose()  # the engine's threads (`threads` where given)
+    own = torch.get_num_threads()  # torch's own while the engine computes
+
+    def set_threads(row: Row) -> None:  # transformers computes with torch's threads: the engine's count
+        torch.set_num_threads(count if row.engine == "transformers" else own)
+
     try:
         started = time.perf_counter()
-        progress("quantize: the models (engine float32, int8, int4; transformers; CTranslate2)")
+        progress("quantize: the models (engine float32, int8, int4; transformers; CTranslate2; llama.cpp)")
         base = GPT2(CONFIGS[sizes.model]).init_weights(0).to(dev).eval().requires_grad_(False)
         cfg = base.config
         models = {fmt: base if fmt == "float32" else quantize_model(copy.deepcopy(base), fmt) for fmt in ENGINE_FORMATS}
         rows = [engine_row(model, fmt) for fmt, model in models.items()]
-        ct2 = ctranslate2_module()
+        ct2, llama = ctranslate2_module(), llama_cpp.modules() if dev.type == "cpu" else None
         r: dict = {
             "model": sizes.model,
             "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd},
             "device": str(dev),
-            "threads": threads,
+            "threads": count,
             "machine": machine(dev, resident_bytes(base)),
             "sizes": dataclasses.asdict(sizes),
             "resident_MB": {fmt: resident_bytes(m) / 1e6 for fmt, m in models.items()},
         }
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = saved_folder(base, Path(tmp) / "model")
-            rows.append(transformers_row(transformers_twin(base)))
-            if ct2 is None:
-                r["ctranslate2_skipped"] = NOT_INSTALLED
-                progress(NOT_INSTALLED)
-            else:
-                supported = sorted(ct2.get_supported_compute_types(dev.type))
-                own = ctranslate2_default_threads()
-                r["ctranslate2"] = {"version": ct2.__version__, "compute_types": supported, "default_threads": own}
-                types = [t for t in CT2_TYPES if t in supported]
-                rows += ctranslate2_rows(ct2, folder, Path(tmp) / "ct2", types, dev.type, threads)
-                if own != threads and dev.type == "cpu":
-                    rows += ctranslate2_rows(ct2, folder, Path(tmp) / "ct2", types, dev.type, own, f", {own} threads")
-
         g = torch.Generator().manual_seed(0)
         prompt_len = min(sizes.prompt_len, cfg.n_positions // 2)
         one = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=g).tolist()
         many = torch.randint(0, cfg.vocab_size, (sizes.batch, prompt_len), generator=g).tolist()
-        measured = {
-            1: measure(rows, one, sizes.new_tokens, sizes.repeats, progress, "batch 1", threads),
-            sizes.batch: measure(
-                rows, many, sizes.batch_new_tokens, sizes.repeats, progress, f"batch {sizes.batch}", threads
-            ),
-        }
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = saved_folder(base, Path(tmp) / "model")
+            rows.append(transformers_row(transformers_twin(base)))
+            if ct2 is None:
+                r["ctranslate2_skipped"] = CT2_NOT_INSTALLED
+                progress(CT2_NOT_INSTALLED)
+            else:
+                supported = sorted(ct2.get_supported_compute_types(dev.type))
+                default = ctranslate2_default_threads()
+                counts = peer_thread_counts(count, default) if dev.type == "cpu" else [default]
+                r["ctranslate2"] = {
+                    "version": ct2.__version__, "compute_types": supported, "default_threads": default,
+                    "thread_counts": counts,
+                }  # fmt: skip
+                types = [t for t in CT2_TYPES if t in supported]
+                rows += ctranslate2_rows(ct2, folder, Path(tmp) / "ct2", types, dev.type, counts)
+            if llama is None:
+                skipped = llama_cpp.NOT_INSTALLED if dev.type == "cpu" else "llama.cpp runs on the CPU here: skipped"
+                r["llama_cpp_skipped"] = skipped
+                progress(skipped)
+            else:
+                default = llama_cpp.default_threads()
+                counts = peer_thread_counts(count, default)
+                r["llama_cpp"] = {"version": llama[0].__version__, "default_threads": default, "thread_counts": counts}
+                rows += llama_cpp_rows(llama, base, Path(tmp), counts, prompt_len + sizes.new_tokens + 8)
+            measured = {
+                1: measure(rows, one, sizes.new_tokens, sizes.repeats, progress, "batch 1", set_threads),
+                sizes.batch: measure(
+                    rows, many, sizes.batch_new_tokens, sizes.repeats, progress, f"batch {sizes.batch}", set_threads
+                ),
+            }
 
         progress("quantize: roofline (bandwidth, matmul throughput) and the linear layers alone")
-        torch.set_num_threads(threads)
+        torch.set_num_threads(count)  # the roofline's bandwidth and matmul rate on all the engine's threads
         cache_MB = r["machine"]["llc_MB"] or 0
         bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, torch.float32)
+        torch.set_num_threads(own)
         r["roofline"] = {"bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
         r["linear_ms"] = linear_times(models, (1, sizes.batch), sizes.layer_repeats)
         middle = {b: prompt_len + n // 2 for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens))}
@@ -483,8 +553,12 @@ def run(
                 "engine": row.engine,
                 "format": row.format,
                 "bytes_per_weight": BYTES_PER_WEIGHT[row.format],
+                "threads": row.threads or count,
+                "default": row.default or row.threads is None,
             }
             for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens)):
+                if row.name not in measured[b]:
+                    continue
                 m, ref = measured[b][row.name], measured[b][REFERENCE]
                 context = prompt_len + n // 2  # the middle of the run
                 p = decode_bound(cfg, context, row.format, b, (flops, bandwidth))
@@ -529,24 +603,36 @@ def table(r: dict) -> str:
             f"  CTranslate2 {ct['version']}, compute types here: {', '.join(ct['compute_types'])}; its own default: "
             f"{ct['default_threads']} threads"
         )
+    if "llama_cpp_skipped" in r:
+        lines.append(f"  {r['llama_cpp_skipped']}")
+    else:
+        lc = r["llama_cpp"]
+        lines.append(
+            f"  llama-cpp-python {lc['version']} (batch 1 only); its own default: {lc['default_threads']} "
+            f"thread{'s' * (lc['default_threads'] != 1)}"
+        )
     lines.append(
         f"  batch 1: {r['sizes']['prompt_len']}-token prompt + {r['sizes']['new_tokens']} new tokens "
         f"(tok/s of the whole call; decode: the steps alone); batch {b}: {r['sizes']['batch_new_tokens']} "
         f"new tokens per row (decode steps)"
     )
     lines.append(
-        f"    {'':<31}{'B/weight':>9}{'tok/s':>8}{'decode':>8}{'roofline':>9}{'':>5}{'same':>9}"
+        f"    {'':<40}{'B/weight':>9}{'tok/s':>8}{'decode':>8}{'roofline':>9}{'':>5}{'same':>9}"
         f"{'tok/s':>9}{'roofline':>9}{'':>5}{'same':>8}"
     )
-    lines.append(f"    {'':<31}{'':>9}{'--- batch 1':>39}{'':>8}{f'--- batch {b}':>31}")
+    lines.append(f"    {'':<40}{'':>9}{'--- batch 1':>39}{'':>8}{f'--- batch {b}':>31}")
     for name, v in r["rows"].items():
-        one, many = v["batch_1"], v[f"batch_{b}"]
+        one, many = v["batch_1"], v.get(f"batch_{b}")
         lines.append(
-            f"    {name:<31}{v['bytes_per_weight']:>9.4g}{one['tokens_per_s']:>8.1f}"
-            f"{one['decode_tokens_per_s']:>8.1f}{one['bound_tokens_per_s']:>9.1f}{one['fraction']:>5.0%}"
-            f"{one['agreement']:>5.0f}/{one['agreement_of']:<3}{many['tokens_per_s']:>9.1f}"
-            f"{many['bound_tokens_per_s']:>9.1f}{many['fraction']:>5.0%}{many['agreement']:>5.1f}/"
-            f"{many['agreement_of']}"
+            f"    {name + ' (default)' * (v['engine'] in PEERS and v['default']):<40}{v['bytes_per_weight']:>9.4g}"
+            f"{one['tokens_per_s']:>8.1f}{one['decode_tokens_per_s']:>8.1f}{one['bound_tokens_per_s']:>9.1f}"
+            f"{one['fraction']:>5.0%}{one['agreement']:>5.0f}/{one['agreement_of']:<3}"
+            + (
+                f"{many['tokens_per_s']:>9.1f}{many['bound_tokens_per_s']:>9.1f}{many['fraction']:>5.0%}"
+                f"{many['agreement']:>5.1f}/{many['agreement_of']}"
+                if many
+                else f"{'-':>9}"
+            )
         )
     lines.append(
         "    (same: greedy tokens equal to the engine float32's before the first difference; at batch "
@@ -554,7 +640,8 @@ def table(r: dict) -> str:
     )
     lines.append("  ratios (target):")
     for name, v in r["ratios"].items():
-        lines.append(f"    {name:<58} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})")
+        shown = name.replace(", batch", f" ({v['against'].split(', ')[-1]}), batch") if "against" in v else name
+        lines.append(f"    {shown:<72} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})")
     lines.append("  the engine's linear layers alone (ms per decode step; GB/s of weights read):")
     for fmt, by_rows in r["linear_ms"].items():
         lines.append(
@@ -587,7 +674,7 @@ def table(r: dict) -> str:
     return "\n".join(lines)
 
 
-COLORS = {"engine": "C0", "transformers": "C1", "ctranslate2": "C3"}
+COLORS = {"engine": "C0", "transformers": "C1", "ctranslate2": "C3", "llama.cpp": "C2"}
 
 
 def plot(r: dict, out: Path) -> Path:
@@ -600,14 +687,22 @@ def plot(r: dict, out: Path) -> Path:
     from matplotlib.patches import Patch
 
     b = r["sizes"]["batch"]
-    names = list(r["rows"])[::-1]  # the first row on top
-    labels = [n.replace("ctranslate2", "CT2").replace("transformers", "HF").replace("float32", "fp32") for n in names]
+
+    def short(name: str) -> str:
+        for long, brief in (("ctranslate2", "CT2"), ("transformers", "HF"), ("float32", "fp32"), (" threads", "t")):
+            name = name.replace(long, brief)
+        return name.replace(" thread", "t")
+
+    panels = [("batch_1", "batch 1 (prompt included)"), (f"batch_{b}", f"batch {b} (decode steps)")]
+    shown = {key: [n for n in list(r["rows"])[::-1] if key in r["rows"][n]] for key, _ in panels}  # first on top
     with plt.rc_context(STYLE):
-        fig, axes = plt.subplots(2, 1, figsize=(5.6, 2.2 + 0.55 * len(names) * 2))
-        for ax, key, title in (
-            (axes[0], "batch_1", "batch 1 (prompt included)"),
-            (axes[1], f"batch_{b}", f"batch {b} (decode steps)"),
-        ):
+        fig, axes = plt.subplots(
+            2, 1, figsize=(5.6, 2.2 + 0.55 * sum(map(len, shown.values()))),
+            gridspec_kw={"height_ratios": [len(v) for v in shown.values()]},
+        )  # fmt: skip
+        for ax, (key, title) in zip(axes, panels):
+            names = shown[key]
+            labels = [short(n) for n in names]
             rows = [r["rows"][n][key] for n in names]
             colors = [COLORS[r["rows"][n]["engine"]] for n in names]
             bounds = [v["bound_tokens_per_s"] for v in rows]
