@@ -21,7 +21,20 @@ from llmcourse.engine.quantize import BYTES_PER_WEIGHT, quantize_model
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINE_ROWS = ["engine float32", "engine int8", "engine int4", "transformers float32"]
-CT2_ROWS = ["ctranslate2 float32", "ctranslate2 int8"]
+
+
+def peer_rows(r) -> list[str]:
+    """The peers' rows of a run: each format at each of its thread counts (CTranslate2, then llama.cpp)."""
+    return [
+        qb.peer_name(peer, fmt, n)
+        for peer, key, formats in (
+            ("ctranslate2", "ctranslate2", qb.CT2_TYPES),
+            ("llama.cpp", "llama_cpp", ("float32", "int8")),
+        )
+        if key in r
+        for fmt in formats
+        for n in r[key]["thread_counts"]
+    ]
 
 
 def png_size(path: Path) -> tuple[int, int]:
@@ -87,65 +100,61 @@ def test_first_divergence():
 
 
 def rows(**speeds) -> dict:
-    """Hand-made rows: name -> (batch 1 tok/s, batch 16 tok/s)."""
-    return {
-        name.replace("_", " "): {"batch_1": {"tokens_per_s": one}, "batch_16": {"tokens_per_s": many}}
-        for name, (one, many) in speeds.items()
-    }
+    """Hand-made rows: name -> (batch 1 tok/s, batch 16 tok/s or None); "*" after a peer's name: its default."""
+    out = {}
+    for name, (one, many) in speeds.items():
+        name = name.replace("_", " ")
+        out[name.rstrip("*")] = {"batch_1": {"tokens_per_s": one}, "default": name.endswith("*")}
+        if many is not None:
+            out[name.rstrip("*")]["batch_16"] = {"tokens_per_s": many}
+    return out
 
 
-def test_ratios_are_the_targets_of_the_issue_at_both_batch_sizes():
+def test_ratios_set_the_engine_against_each_peer_at_its_default_and_at_its_best():
     got = qb.ratios(
         rows(
             engine_float32=(30.0, 150.0),
             engine_int8=(40.0, 200.0),
             engine_int4=(56.0, 240.0),
-            ctranslate2_float32=(25.0, 160.0),
-            ctranslate2_int8=(32.0, 100.0),
             transformers_float32=(24.0, 90.0),
+            **{
+                "ctranslate2_float32,_1_thread": (25.0, 160.0),
+                "ctranslate2_float32,_2_threads*": (20.0, 100.0),
+                "ctranslate2_int8,_1_thread": (32.0, 100.0),
+                "ctranslate2_int8,_2_threads*": (50.0, 400.0),
+                "llama.cpp_f32,_1_thread*": (20.0, None),
+                "llama.cpp_f32,_2_threads": (40.0, None),
+                "llama.cpp_q8_0,_1_thread*": (80.0, None),
+                "llama.cpp_q8_0,_2_threads": (60.0, None),
+            },
         ),
         batch=16,
     )
-    assert list(got) == [
-        "engine float32 / ctranslate2 float32, batch 1",
-        "engine int8 / ctranslate2 int8, batch 1",
-        "engine int4 / engine int8, batch 1",
-        "engine float32 / ctranslate2 float32, batch 16",
-        "engine int8 / ctranslate2 int8, batch 16",
-        "engine int4 / engine int8, batch 16",
-    ]
-    values = [(v["ratio"], v["target"], v["met"]) for v in got.values()]
-    assert values == [
-        (pytest.approx(1.2), 1.0, True),
-        (pytest.approx(1.25), 1.0, True),
-        (pytest.approx(1.4), 1.3, True),
-        (pytest.approx(150 / 160), 1.0, False),
-        (pytest.approx(2.0), 1.0, True),
-        (pytest.approx(1.2), 1.3, False),
-    ]
-
-
-def test_ctranslate2_at_its_own_threads_is_a_target_too():
-    got = qb.ratios(
-        rows(
-            engine_float32=(30.0, 150.0),
-            engine_int8=(40.0, 200.0),
-            ctranslate2_float32=(25.0, 160.0),
-            ctranslate2_int8=(32.0, 100.0),
-            **{"ctranslate2_float32,_2_threads": (40.0, 200.0), "ctranslate2_int8,_2_threads": (20.0, 400.0)},
-        ),
-        batch=16,
-    )
-    assert got["engine float32 / ctranslate2 float32, 2 threads, batch 1"] == {
-        "ratio": pytest.approx(0.75),
-        "target": 1.0,
-        "met": False,
+    want = {
+        "engine float32 / ctranslate2 float32 at its default, batch 1": (30 / 20, "ctranslate2 float32, 2 threads"),
+        "engine float32 / ctranslate2 float32 at its best, batch 1": (30 / 25, "ctranslate2 float32, 1 thread"),
+        "engine float32 / llama.cpp f32 at its default, batch 1": (30 / 20, "llama.cpp f32, 1 thread"),
+        "engine float32 / llama.cpp f32 at its best, batch 1": (30 / 40, "llama.cpp f32, 2 threads"),
+        "engine int8 / ctranslate2 int8 at its default, batch 1": (40 / 50, "ctranslate2 int8, 2 threads"),
+        "engine int8 / ctranslate2 int8 at its best, batch 1": (40 / 50, "ctranslate2 int8, 2 threads"),
+        "engine int8 / llama.cpp q8_0 at its default, batch 1": (40 / 80, "llama.cpp q8_0, 1 thread"),
+        "engine int8 / llama.cpp q8_0 at its best, batch 1": (40 / 80, "llama.cpp q8_0, 1 thread"),
+        "engine int4 / engine int8, batch 1": (56 / 40, None),
+        # batch 16: llama.cpp decodes one sequence at a time, and the best thread count may differ from batch 1's
+        "engine float32 / ctranslate2 float32 at its default, batch 16": (150 / 100, "ctranslate2 float32, 2 threads"),
+        "engine float32 / ctranslate2 float32 at its best, batch 16": (150 / 160, "ctranslate2 float32, 1 thread"),
+        "engine int8 / ctranslate2 int8 at its default, batch 16": (200 / 400, "ctranslate2 int8, 2 threads"),
+        "engine int8 / ctranslate2 int8 at its best, batch 16": (200 / 400, "ctranslate2 int8, 2 threads"),
+        "engine int4 / engine int8, batch 16": (240 / 200, None),
     }
-    assert got["engine int8 / ctranslate2 int8, 2 threads, batch 16"]["ratio"] == pytest.approx(0.5)
-    assert len(got) == 8
+    assert list(got) == list(want)
+    for name, (ratio, against) in want.items():
+        target = 1.3 if "int4" in name else 1.0
+        assert got[name]["ratio"] == pytest.approx(ratio) and got[name]["target"] == target, name
+        assert got[name]["met"] == (ratio >= target) and got[name].get("against") == against, name
 
 
-def test_ratios_without_ctranslate2_keep_the_engines_own():
+def test_ratios_without_peers_keep_the_engines_own():
     got = qb.ratios(rows(engine_float32=(30.0, 150.0), engine_int8=(40.0, 200.0), engine_int4=(20.0, 300.0)), batch=16)
     assert {k: v["ratio"] for k, v in got.items()} == {
         "engine int4 / engine int8, batch 1": 0.5,
@@ -167,29 +176,27 @@ def quick():
     return r, lines
 
 
-def own_threads_rows(r) -> list[str]:
-    """CTranslate2 again at its own default threads, where they differ from the run's."""
-    own = r["ctranslate2"]["default_threads"]
-    return [] if own == r["threads"] else [f"{name}, {own} threads" for name in CT2_ROWS]
-
-
 def test_the_benchmark_measures_every_row(quick):
     r, lines = quick
     pytest.importorskip("ctranslate2")
-    assert list(r["rows"]) == ENGINE_ROWS + CT2_ROWS + own_threads_rows(r)
+    assert list(r["rows"]) == ENGINE_ROWS + peer_rows(r)
     assert r["ctranslate2"]["version"] and "int8" in r["ctranslate2"]["compute_types"]
     assert r["ctranslate2"]["default_threads"] == min(4, os.cpu_count())
+    assert r["ctranslate2"]["thread_counts"] == qb.peer_thread_counts(r["threads"], min(4, os.cpu_count()))
     assert r["model"] == "tiny" and r["machine"]["cpu"]
     b = qb.QUICK.batch
     for name, v in r["rows"].items():
         assert v["bytes_per_weight"] == BYTES_PER_WEIGHT[v["format"]]
         for key, n in (("batch_1", qb.QUICK.new_tokens), (f"batch_{b}", qb.QUICK.batch_new_tokens)):
+            if key not in v:
+                assert v["engine"] == "llama.cpp" and key != "batch_1"  # one sequence at a time
+                continue
             row = v[key]
             for figure in ("tokens_per_s", "decode_tokens_per_s", "bound_tokens_per_s", "fraction", "step_MB"):
                 assert isinstance(row[figure], float) and math.isfinite(row[figure]) and row[figure] > 0, (name, key)
             assert row["fraction"] == pytest.approx(row["decode_tokens_per_s"] / row["bound_tokens_per_s"])
             assert 0 <= row["agreement"] <= n and row["agreement_of"] == n
-        assert v[f"batch_{b}"]["tokens_per_s"] == v[f"batch_{b}"]["decode_tokens_per_s"]
+        assert v.get(f"batch_{b}", {}).get("tokens_per_s") == v.get(f"batch_{b}", {}).get("decode_tokens_per_s")
     # the same float32 weights: the engine agrees with itself and with transformers on every token
     for name in ("engine float32", "transformers float32"):
         assert r["rows"][name]["batch_1"]["agreement"] == qb.QUICK.new_tokens
@@ -197,9 +204,11 @@ def test_the_benchmark_measures_every_row(quick):
     # fewer bytes per weight, a higher roofline
     bounds = [r["rows"][f"engine {fmt}"]["batch_1"]["bound_tokens_per_s"] for fmt in ("float32", "int8", "int4")]
     assert bounds == sorted(bounds)
-    assert r["rows"]["ctranslate2 int8"]["batch_1"]["step_MB"] == r["rows"]["engine int8"]["batch_1"]["step_MB"]
+    ct2_int8 = qb.peer_name("ctranslate2", "int8", 1)
+    assert r["rows"][ct2_int8]["batch_1"]["step_MB"] == r["rows"]["engine int8"]["batch_1"]["step_MB"]
     assert r["resident_MB"]["int4"] < r["resident_MB"]["int8"] < r["resident_MB"]["float32"]
-    assert len(r["ratios"]) == 6 + 2 * len(own_threads_rows(r)) and all(v["ratio"] > 0 for v in r["ratios"].values())
+    peers = 1 + ("llama_cpp" in r)  # at batch 1; CTranslate2 alone at the larger batch
+    assert len(r["ratios"]) == (2 * 2 * peers + 1) + (2 * 2 + 1) and all(v["ratio"] > 0 for v in r["ratios"].values())
     assert set(r["attention_ms"]) == {1, b} and all(v["ms"] > 0 and v["GBps"] > 0 for v in r["attention_ms"].values())
     assert set(r["linear_ms"]) == {"float32", "int8", "int4"}
     assert all(
@@ -210,19 +219,22 @@ def test_the_benchmark_measures_every_row(quick):
     json.dumps(r)  # all of it goes into bench.json
 
 
-def test_without_ctranslate2_its_rows_are_skipped_with_one_line(monkeypatch):
+def test_without_ctranslate2_or_llama_cpp_their_rows_are_skipped_with_one_line(monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.setitem(sys.modules, "ctranslate2", None)  # `import ctranslate2` raises ImportError
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)
+    assert qb.llama_cpp.modules() is None
     assert qb.ctranslate2_module() is None
     assert "OMP_WAIT_POLICY" not in os.environ  # set for CTranslate2's runtime to read when it loads, then removed
     lines = []
     sizes = qb.Sizes(model="tiny", prompt_len=8, new_tokens=4, batch=2, batch_new_tokens=3, repeats=1, layer_repeats=1)
     r = qb.run(device="cpu", sizes=sizes, progress=lines.append)
     assert list(r["rows"]) == ENGINE_ROWS and "ctranslate2" not in r
-    assert r["ctranslate2_skipped"] == qb.NOT_INSTALLED and lines.count(qb.NOT_INSTALLED) == 1
+    assert r["ctranslate2_skipped"] == qb.CT2_NOT_INSTALLED and lines.count(qb.CT2_NOT_INSTALLED) == 1
+    assert r["llama_cpp_skipped"] == qb.llama_cpp.NOT_INSTALLED and lines.count(qb.llama_cpp.NOT_INSTALLED) == 1
     assert list(r["ratios"]) == ["engine int4 / engine int8, batch 1", "engine int4 / engine int8, batch 2"]
-    text = qb.table(r)
-    assert qb.NOT_INSTALLED in text and "ctranslate2" not in text.replace(qb.NOT_INSTALLED, "")
+    text = qb.table(r).replace(qb.CT2_NOT_INSTALLED, "").replace(qb.llama_cpp.NOT_INSTALLED, "")
+    assert "ctranslate2" not in text and "llama.cpp" not in text and "CTranslate2 is not installed" in qb.table(r)
 
 
 def test_table_and_figure(quick, tmp_path):
@@ -230,9 +242,13 @@ def test_table_and_figure(quick, tmp_path):
     text = qb.table(r)
     assert text.splitlines()[1].startswith("machine: ")
     for name, v in r["rows"].items():
-        assert re.search(rf"^ +{name} +[\d.]+ +{v['batch_1']['tokens_per_s']:.1f} ", text, re.M), name
+        assert re.search(
+            rf"^ +{re.escape(name)}( \(default\))? +[\d.]+ +{v['batch_1']['tokens_per_s']:.1f} ", text, re.M
+        )
     for name, v in r["ratios"].items():
-        assert f"{name:<58} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})" in text
+        if "against" in v:  # the peer's row, its thread count in the name
+            name = name.replace(", batch", f" ({v['against'].split(', ')[-1]}), batch")
+        assert f"{name:<72} {v['ratio']:5.2f}x (≥ {v['target']:g}: {'met' if v['met'] else 'MISSED'})" in text
     assert text.count("blocks") == 2 * len(r["linear_ms"])
     for fmt, by_rows in r["linear_ms"].items():  # each format's decode step, taken apart
         step = 1e3 / r["rows"][f"engine {fmt}"]["batch_1"]["decode_tokens_per_s"]
@@ -316,8 +332,33 @@ def test_the_benchmarks_page_shows_the_quantization_figures():
     assert f"](images/{qb.FIGURE})" in section and png_size(ROOT / "images" / qb.FIGURE)[0] >= 600
     r = json.loads((ROOT / "images" / "bench.json").read_text())["quantize"]
     assert "python -m llmcourse bench --quantize" in section
-    assert set(r["rows"]) == set(ENGINE_ROWS + CT2_ROWS + own_threads_rows(r)) and r["model"] == "gpt2"
+    assert set(r["rows"]) == set(ENGINE_ROWS + peer_rows(r)) and r["model"] == "gpt2" and "llama_cpp" in r
     for name in r["rows"]:
         assert f"{r['rows'][name]['batch_1']['tokens_per_s']:.1f}" in section, name
     for name, v in r["ratios"].items():
         assert f"{v['ratio']:.2f}×" in section, name
+
+
+def test_the_threads_under_load_table(monkeypatch, capsys):
+    """`python -m llmcourse.bench.under_load`: each way runs in a process of its own (here: hand-made speeds in
+    place of the processes), medians, and the two targets per configuration; a child measures one call."""
+    from llmcourse.bench import under_load
+
+    speeds = {"default": [40.0, 44.0, 42.0], "1 thread": [30.0, 31.0, 29.0], "default, busy": [20.0, 26.0, 27.0]}
+    calls = []
+
+    def one_run(way, args, fmt, batch):
+        calls.append((way, fmt, batch))
+        return speeds[way][sum(1 for c in calls if c == (way, fmt, batch)) - 1]
+
+    monkeypatch.setattr(under_load, "one_run", one_run)
+    assert under_load.main(["--model", "tiny", "--batches", "1"]) == 0
+    out = capsys.readouterr().out
+    assert len(calls) == 3 * 2 * 3 and calls[:3] == [
+        ("default", "float32", 1),
+        ("1 thread", "float32", 1),
+        ("default, busy", "float32", 1),
+    ]
+    assert "| float32, 1 | 42.0 (40.0, 44.0, 42.0) | 30.0 (30.0, 31.0, 29.0) | 26.0 (20.0, 26.0, 27.0) |" in out
+    assert "0.62 (≥ 0.6: met) | 0.87 (≥ 0.9: MISSED) |" in out
+    assert under_load.child("tiny", "int8", 2, 8, 3) > 0

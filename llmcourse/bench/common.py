@@ -116,7 +116,7 @@ def machine(device: torch.device, weight_bytes: int) -> dict:
     info: dict = {
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
-        "threads": torch.get_num_threads(),
+        "threads": threads.count(),  # the engine's (torch's own count is one while it computes)
         "weights_MB": weight_bytes / 1e6,
         # other work on the machine slows every row; on a shared machine, say how busy it was
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,

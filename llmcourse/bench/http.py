@@ -47,8 +47,7 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable, NamedTuple, Optional, Sequence
 
-import torch
-
+from llmcourse.engine import threads
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.loading import load_model, resolve_device, resolve_dtype
 from llmcourse.serving.async_engine import AsyncEngine
@@ -319,7 +318,7 @@ def run(
     results: dict = {
         "device": str(dev),
         "dtype": str(dt).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads.count(),  # the engine's (torch's own is one while it computes)
         "machine": machine(dev, weight_bytes),
         "model": model,
         "config": {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd, "n_positions": cfg.n_positions},

@@ -538,10 +538,9 @@ def run(
             }
 
         progress("quantize: roofline (bandwidth, matmul throughput) and the linear layers alone")
-        torch.set_num_threads(count)  # the roofline's bandwidth and matmul rate on all the engine's threads
         cache_MB = r["machine"]["llc_MB"] or 0
-        bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, torch.float32)
-        torch.set_num_threads(own)
+        with engine_threads.torch_computes():  # the machine's bandwidth and matmul rate on the engine's threads
+            bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, torch.float32)
         r["roofline"] = {"bandwidth_GBps": bandwidth / 1e9, "matmul_GFLOPs": flops / 1e9}
         r["linear_ms"] = linear_times(models, (1, sizes.batch), sizes.layer_repeats)
         middle = {b: prompt_len + n // 2 for b, n in ((1, sizes.new_tokens), (sizes.batch, sizes.batch_new_tokens))}

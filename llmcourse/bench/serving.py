@@ -34,6 +34,7 @@ from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
+from llmcourse.engine import threads
 from llmcourse.engine.generate import check_request, decode_steps
 from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.sampling import SamplingParams
@@ -409,7 +410,7 @@ def run(
     results = {
         "device": str(dev),
         "dtype": str(dt).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads.count(),  # the engine's (torch's own is one while it computes)
         "machine": machine(dev, weight_bytes),
         "models": {},
     }

@@ -46,6 +46,7 @@ import torch
 from tqdm import tqdm
 
 from llmcourse.engine import roofline as engine_roofline
+from llmcourse.engine import threads
 from llmcourse.engine.generate import CompileError, generate
 from llmcourse.engine.loading import resolve_device, resolve_dtype
 from llmcourse.engine.roofline import ModelShape, Prediction, card_of, gpu_roof
@@ -67,6 +68,17 @@ from .common import (
     save,
     transformers_twin,
 )
+
+
+def torch_threads(fn: Callable) -> Callable:
+    """`fn` run with torch's own threads at the engine's count: transformers computes with torch's threads, and the
+    engine set torch's own count to one (`llmcourse.engine.threads`)."""
+
+    def run(*args, **kwargs):
+        with threads.torch_computes():
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def interleaved(fns: dict[str, Callable[[], object]], repeats: int, device: torch.device) -> dict[str, float]:
@@ -113,7 +125,7 @@ def run(
         "shape": dataclasses.asdict(ModelShape.of(cfg)),  # what `predict_step` predicts from
         "device": str(dev),
         "dtype": str(dt).removeprefix("torch."),
-        "threads": torch.get_num_threads(),
+        "threads": threads.count(),
         "repeats": repeats,
         "machine": machine(dev, weight_bytes),
     }
@@ -138,7 +150,7 @@ def run(
     fns = {name: decode(ids, new_tokens, compiled) for name, compiled in modes.items()}
     if hf is not None:
         hf_ids = prompt[:, :prompt_len].to(dev)
-        fns["transformers"] = lambda: hf.generate(
+        fns["transformers"] = lambda: torch_threads(hf.generate)(
             hf_ids,
             attention_mask=torch.ones_like(hf_ids),
             do_sample=False,
@@ -157,14 +169,15 @@ def run(
         with torch.inference_mode():
             fns = {"engine": lambda: model(x, cache=model.new_cache(1, n), last_only=True)}
             if hf is not None:
-                fns["transformers"] = lambda: hf(x, use_cache=True, logits_to_keep=1)
+                fns["transformers"] = lambda: torch_threads(hf)(x, use_cache=True, logits_to_keep=1)
             seconds = interleaved(fns, repeats, dev)
         results["prefill"][n] = {name: n / s for name, s in seconds.items()}
 
     # roofline
     progress("roofline: bandwidth and matmul throughput")
     cache_MB = results["machine"]["llc_MB"] or 0
-    bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, dt)
+    with threads.torch_computes():  # the machine's bandwidth and matmul rate on the engine's threads
+        bandwidth, flops = measure_bandwidth(dev, max(1024, int(4 * cache_MB))), measure_matmul(dev, dt)
     context = prompt_len + new_tokens // 2  # the middle of the decode
     p = predict_step(results, (flops, bandwidth), context=context)
     results["roofline"] = {

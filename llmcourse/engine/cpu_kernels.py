@@ -10,6 +10,11 @@ sums every output in the same order whatever the number of rows, so a sequence d
 it gets decoded alone. Attention: at batch 16 a decode step reads more cached keys and values than weights, which
 torch's fused kernel read at 9 GB/s (`decode_attention`: 15-17).
 
+Threads: every kernel cuts its work into chunks of about 16 KB of weights (or a few heads' cache) that the threads of
+`kernels/pool.c` take, the caller too, each from its own stretch of memory first; no thread waits for a helper the
+system has parked (`computing`, `threads`). On two threads the float32 product read GPT-2's weights at 37-42 GB/s
+where one read 20 and a plain read on both cores runs at 43-45 (benchmarks.md, "Threads").
+
 Why C for the quantized routes: on an x86 CPU with AVX2 (no AVX-512), every PyTorch route to multiply by 4-bit
 weights was measured slower than float32 for decoding GPT-2 124M (`_weight_int4pack_mm_for_cpu` 5-10x,
 `_dyn_quant_matmul_4bit` 10x, dequantize-then-matmul 8x, torch.compile's generated loops 1.5-5x; see benchmarks.md),

@@ -444,8 +444,9 @@ def decode_steps(
             seen.scatter_(1, token[:, None], True)  # an indexed "= True" copies the scalar to the GPU: a sync
         if counts is not None:
             counts.scatter_add_(1, token[:, None], ones)
-        if compiled_step is not None:  # static shapes: the whole mask, the slot as a tensor
-            logits = compiled_step(model, token[:, None], next_pos, mask, cache, slot)
+        if compiled_step is not None:  # static shapes: the whole mask, the slot as a tensor; torch's threads
+            with threads.torch_computes():
+                logits = compiled_step(model, token[:, None], next_pos, mask, cache, slot)
             slot += 1
             cache.length += 1
         else:

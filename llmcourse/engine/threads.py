@@ -19,6 +19,7 @@ splits its work between n threads, and torch keeps n for what runs outside the e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -88,3 +89,22 @@ def choose() -> int:
         if torch.get_num_threads() != TORCH_OWN:
             torch.set_num_threads(TORCH_OWN)
     return count()
+
+
+@contextlib.contextmanager
+def torch_computes():
+    """torch's own count set to `count()` while torch does the work itself: a torch.compile'd decode step, another
+    library's model in a benchmark, a measurement of the machine's bandwidth.
+
+        >>> with torch_computes():
+        ...     torch.get_num_threads() == count()
+        True
+    """
+    before, n = torch.get_num_threads(), count()
+    if n != before:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != before:
+            torch.set_num_threads(before)
