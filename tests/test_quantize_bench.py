@@ -103,7 +103,7 @@ def rows(**speeds) -> dict:
     """Hand-made rows: name -> (batch 1 tok/s, batch 16 tok/s or None); "*" after a peer's name: its default."""
     out = {}
     for name, (one, many) in speeds.items():
-        name = name.replace("_", " ")
+        name = name.replace("_", " ").replace("q8 0", "q8_0")  # keyword names have no spaces
         out[name.rstrip("*")] = {"batch_1": {"tokens_per_s": one}, "default": name.endswith("*")}
         if many is not None:
             out[name.rstrip("*")]["batch_16"] = {"tokens_per_s": many}
