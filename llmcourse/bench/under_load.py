@@ -25,6 +25,14 @@ import subprocess
 import sys
 import time
 
+import torch
+
+from llmcourse.bench.common import CONFIGS
+from llmcourse.engine.generate import decode_steps
+from llmcourse.engine.model import GPT2
+from llmcourse.engine.quantize import quantize_model
+from llmcourse.engine.sampling import SamplingParams
+
 WAYS = ("default", "1 thread", "default, busy")
 TARGETS = {"busy / idle": ("default, busy", "default", 0.6), "busy / 1 thread idle": ("default, busy", "1 thread", 0.9)}
 BUSY = [sys.executable, "-c", "while True: pass"]
@@ -32,14 +40,6 @@ BUSY = [sys.executable, "-c", "while True: pass"]
 
 def child(model: str, fmt: str, batch: int, prompt_len: int, new_tokens: int) -> float:
     """In this process: tokens/s of one greedy call (after a short warm-up)."""
-    import torch
-
-    from llmcourse.bench.common import CONFIGS
-    from llmcourse.engine.generate import decode_steps
-    from llmcourse.engine.model import GPT2
-    from llmcourse.engine.quantize import quantize_model
-    from llmcourse.engine.sampling import SamplingParams
-
     model = GPT2(CONFIGS[model]).init_weights(0).eval()
     if fmt != "float32":
         model = quantize_model(model, fmt)

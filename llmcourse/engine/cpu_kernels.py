@@ -250,10 +250,7 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
         and plain_cpu_floats(rows, weight, bias)
     ):
         if M > FLOAT_ROWS and weight.stride(0) == 1 and plain_cpu_floats(rows, weight, bias):
-            # a prefill: chunks of output columns on the engine's threads (each chunk one stretch of the weights)
-            if bias is None:
-                return in_column_chunks(lambda c: torch.mm(rows, weight[:, c]), N)
-            return in_column_chunks(lambda c: torch.addmm(bias[c], rows, weight[:, c]), N)
+            return many_rows(rows, weight, bias)
         return torch.mm(rows, weight) if bias is None else torch.addmm(bias, rows, weight)
     y = torch.empty(M, N)
     library().float_linear(
@@ -269,6 +266,14 @@ def linear(rows: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tenso
         kernel_threads(),
     )
     return y
+
+
+def many_rows(rows: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """A prefill's product, rows [M, K] @ weight [K, N] + bias: torch's, in chunks of output columns on the engine's
+    threads (`in_column_chunks`; weight stored [N, K], so each chunk reads one stretch of it)."""
+    if bias is None:
+        return in_column_chunks(lambda c: torch.mm(rows, weight[:, c]), weight.shape[1])
+    return in_column_chunks(lambda c: torch.addmm(bias[c], rows, weight[:, c]), weight.shape[1])
 
 
 def quantize_rows(rows: Tensor) -> tuple[Tensor, Tensor]:
