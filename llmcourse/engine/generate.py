@@ -472,22 +472,44 @@ class CompileError(RuntimeError):
     """torch.compile failed on this machine (e.g. no C++ compiler for the CPU backend)."""
 
 
-_compiled: dict[str, object] = {}
+_compiled: dict[str, Callable] = {}
 _frozen: dict[int, tuple] = {}  # id(model) -> the weights the CPU graphs were frozen with
+RECOMPILE_LIMIT = 32  # graphs per compiled step (shapes: batch sizes, cache lengths); torch's default is 8
+
+
+def compile_step(fn: Callable, device: torch.device, *, freeze: bool = False) -> Callable:
+    """`fn` compiled for fixed shapes (torch recompiles it by itself for new shapes, up to RECOMPILE_LIMIT), on
+    CUDA also replayed as a CUDA graph: one launch per call instead of hundreds, over inputs copied into the
+    graph's own buffers. `freeze` (CPU): the weights are frozen into the graph, which lets inductor prepack them.
+    The backend is inductor unless LLMCOURSE_COMPILE_BACKEND says otherwise (`eager`: dynamo traces the same graph
+    and runs it without generating code, as the test suite does). A failure to compile raises `CompileError`."""
+    backend = os.environ.get("LLMCOURSE_COMPILE_BACKEND", "inductor")
+    mode = None if backend != "inductor" else "reduce-overhead" if device.type == "cuda" else "default"
+    compiled = torch.compile(fn, backend=backend, mode=mode, fullgraph=True, dynamic=False)
+
+    def step(*args) -> Tensor:
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                if device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()  # the last call's outputs may now be overwritten
+                    return compiled(*args)
+                with torch._inductor.config.patch(freezing=freeze):  # read when compiling, at a shape's first call
+                    return compiled(*args)
+        except torch._dynamo.exc.TorchDynamoException as err:
+            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise CompileError(
+                f"torch.compile could not compile the decode step ({reason}); run without compile=True (--compile)"
+            ) from err
+
+    return step
 
 
 def compiled_decode_step(model: Decoder):
-    """`decode_step` compiled for fixed shapes; on CUDA also replayed as a CUDA graph (one launch
-    per step instead of hundreds). On the CPU the weights are frozen into the graph, which lets
-    inductor prepack them for MKL: batched steps get faster (batch 1 is already memory-bound).
-    Compiled once per device type; torch recompiles by itself for a new model, batch size or
-    cache length. A failure to compile raises `CompileError`."""
+    """`decode_step` compiled (`compile_step`), once per device type; on the CPU with the weights frozen into
+    the graph, which makes batched steps faster (batch 1 is already memory-bound)."""
     device = model.device
     if device.type not in _compiled:
-        backend = os.environ.get("LLMCOURSE_COMPILE_BACKEND", "inductor")
-        mode = None if backend != "inductor" else "reduce-overhead" if device.type == "cuda" else "default"
-        _compiled[device.type] = torch.compile(decode_step, backend=backend, mode=mode, fullgraph=True, dynamic=False)
-    compiled = _compiled[device.type]
+        _compiled[device.type] = compile_step(decode_step, device, freeze=device.type == "cpu")
     if device.type == "cpu":
         # Frozen weights are copies: if this model's weights changed since (loaded, trained, moved),
         # its graphs are stale, and torch does not notice. Start over. (Tensors created under
@@ -497,21 +519,7 @@ def compiled_decode_step(model: Decoder):
             torch._dynamo.reset()
             _frozen.clear()
             _frozen[id(model)] = weights
-
-    def step(*args) -> Tensor:
-        try:
-            if device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs may now be overwritten
-                return compiled(*args)
-            with torch._inductor.config.patch(freezing=True):  # read when compiling, at the first call
-                return compiled(*args)
-        except torch._dynamo.exc.TorchDynamoException as err:
-            reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise CompileError(
-                f"torch.compile could not compile the decode step ({reason}); generate without compile=True (--compile)"
-            ) from err
-
-    return step
+    return _compiled[device.type]
 
 
 @torch.inference_mode()

@@ -151,6 +151,8 @@ def smooth_scales(act_absmax: Tensor, weight: Tensor, alpha: float = 0.5) -> Ten
 # -- fast routes: the same products as the reference, computed with fewer bytes read ---------------
 
 
+INT8_MM_ON_CUDA = torch._C._dispatch_has_kernel_for_dispatch_key("aten::_weight_int8pack_mm", "CUDA")
+TINYGEMM_TILES = 8  # int4 on CUDA: torch's tinygemm layout, K in tiles of 8 * 16 inputs (gpt-fast's choice)
 KERNEL_ROWS = 16  # up to this many rows (decode, batches) the C kernels; more (prefill): library routes
 
 
@@ -158,10 +160,13 @@ def int8_linear_fast(x: Tensor, q: Tensor, scale: Tensor, bias: Optional[Tensor]
     """`int8_linear` on CPU: input rows quantized per row (absmax) too, int8 x int8 -> exact int32 sums, times both
     scales: up to KERNEL_ROWS rows with `cpu_kernels.int8_linear`, more with torch._int_mm (oneDNN); the sums are
     exact integers either way, so both give the same numbers. On CUDA: the weight converted inside the matmul."""
-    if x.is_cuda:
-        y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
-        return y if bias is None else y + bias
     rows = x.reshape(-1, x.shape[-1])  # [M, K]
+    if x.is_cuda:
+        if x.dtype in (torch.bfloat16, torch.float16) and INT8_MM_ON_CUDA:  # int8 weights read once, in the kernel
+            y = torch._weight_int8pack_mm(rows, q, scale.to(x.dtype)).view(*x.shape[:-1], q.shape[0])
+        else:  # converted inside the matmul: torch.compile fuses the conversion into the product's kernel
+            y = F.linear(x, q.to(x.dtype)) * scale.to(x.dtype)
+        return y if bias is None else y + bias
     if use_kernel(rows, q, scale, bias) and rows.shape[1] % 32 == 0:
         return cpu_kernels.int8_linear(rows.contiguous(), q, scale, bias).view(*x.shape[:-1], q.shape[0])
     xq, xs = quantize_int8(rows)
@@ -213,6 +218,28 @@ def int4_linear_fast(x: Tensor, packed: Tensor, scales: Tensor, bias: Optional[T
     return y if bias is None else y + bias
 
 
+def tinygemm_layout(packed: Tensor, scales: Tensor) -> tuple[Tensor, Tensor]:
+    """Int4 weights in the layout of torch's tinygemm kernel (`torch._weight_int4pack_mm` on CUDA, bfloat16):
+    packed [N, K/2] (the course's: value 2i in the low nibble, signed) -> (bytes [N, K/2] uint8 with value 2i in
+    the high nibble, as unsigned q + 8; to be given to `torch._convert_weight_to_int4pack`, scales_and_zeros
+    [K/32, N, 2] bfloat16). tinygemm computes w = (u - 8) * scale + zero: the course's q * scale with zero 0.
+
+        >>> b, sz = tinygemm_layout(pack_int4(torch.tensor([[-8, 7]], dtype=torch.int8)), torch.ones(1, 1).half())
+        >>> b.tolist(), sz.shape
+        ([[15]], torch.Size([1, 1, 2]))
+    """
+    u = (unpack_int4(packed).to(torch.int32) + 8).to(torch.uint8)  # [N, K] in 0 … 15
+    high_first = (u[:, ::2] << 4) | u[:, 1::2]  # [N, K/2]
+    scale = scales.to(torch.bfloat16).T  # [K/32, N]
+    return high_first.contiguous(), torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous()
+
+
+def tinygemm_fits(layer: "QuantizedAffine") -> bool:
+    """Whether an int4 layer on CUDA can use tinygemm: N a multiple of 8, K of TINYGEMM_TILES * 16."""
+    n_out, n_in = layer.qweight.shape[0], layer.qweight.shape[1] * 2
+    return layer.format == "int4" and layer.qweight.is_cuda and n_out % 8 == 0 and n_in % (TINYGEMM_TILES * 16) == 0
+
+
 # -- the modules a quantized model is made of ---------------------------------------------------------
 
 
@@ -238,19 +265,47 @@ class QuantizedAffine(nn.Module):
         )
         self.register_buffer("bias", torch.zeros(n_out))
         self.register_buffer("smooth", None)
+        self.tinygemm = self.tinygemm_scales = None  # int4 on CUDA: the weights in tinygemm's layout (`prepare`)
 
     def forward(self, x: Tensor, linear: Optional[Callable] = None) -> Tensor:
         """x [..., C_in] -> [..., C_out]. (`linear`, the float layers' part, is not what a quantized layer runs.)"""
         if self.smooth is not None:
             x = x / self.smooth  # [..., C_in]: outlier channels brought down to the others' range
-        return self.quantization.linear(x, self, self.bias)
+        return self.product(x, self.bias)
+
+    def product(self, x: Tensor, bias: Optional[Tensor]) -> Tensor:
+        """x [..., C_in] times the weights (+ bias) -> [..., C_out]: tinygemm for bfloat16 on CUDA where the layer
+        holds its layout (and the engine's own int4 functions), else `quantization.linear`."""
+        if (
+            self.tinygemm is not None
+            and x.dtype == torch.bfloat16
+            and self.quantization.dequantize_int4 is dequantize_int4
+        ):
+            y = torch._weight_int4pack_mm(x.reshape(-1, x.shape[-1]), self.tinygemm, GROUP_SIZE, self.tinygemm_scales)
+            y = y.view(*x.shape[:-1], -1)  # [..., C_out]: the packed weights read once, in the kernel
+            return y if bias is None else y + bias
+        return self.quantization.linear(x, self, bias)
+
+    def prepare(self) -> None:
+        """On CUDA, int4 layers that fit also hold their weights in tinygemm's layout (`tinygemm_layout`; bfloat16
+        models use it), which `torch._convert_weight_to_int4pack` tiles for the tensor cores. Called when the
+        weights are set or moved."""
+        self.tinygemm = self.tinygemm_scales = None
+        if tinygemm_fits(self):
+            high_first, self.tinygemm_scales = tinygemm_layout(self.qweight, self.scales)
+            self.tinygemm = torch._convert_weight_to_int4pack(high_first, TINYGEMM_TILES)
 
     def _apply(self, fn, recurse=True):
         """`.to(dtype)` converts the float buffers, but int4 scales stay float16 (the format's)."""
         super()._apply(fn, recurse)
         if self.format == "int4" and self.scales.dtype != torch.float16:
             self.scales = self.scales.half()
+        self.prepare()
         return self
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        self.prepare()
 
 
 class QuantizedTable(QuantizedAffine):
@@ -266,7 +321,7 @@ class QuantizedTable(QuantizedAffine):
 
     def logits(self, x: Tensor) -> Tensor:
         """The tied head: x [..., C] -> [..., vocab_size]."""
-        return self.quantization.linear(x, self)
+        return self.product(x, None)
 
 
 def check_format(fmt) -> str:
@@ -401,6 +456,9 @@ def filled(module: QuantizedAffine, qweight: Tensor, scales: Tensor, bias: Optio
     module.scales = scales.to(torch.float16 if module.format == "int4" else dtype).contiguous()
     if bias is not None:
         module.bias = bias.detach().to(dtype).clone()
+    elif "bias" in module._buffers:  # a layer without one adds zeros, on the weights' device (the table has none)
+        module.bias = torch.zeros(module.qweight.shape[0], dtype=dtype, device=module.qweight.device)
+    module.prepare()
     return module
 
 

@@ -47,6 +47,7 @@ from llmcourse.engine.tokenizer import get_tokenizer
 from . import paged_cache
 from .batching import Batching
 from .block_manager import BlockManager, blocks_for
+from .decode_graphs import DecodeGraphs
 from .scheduler import Request, Scheduler
 
 # generation's settings without beam search, which the engine does not do
@@ -107,6 +108,9 @@ class LLMEngine:
     whole blocks; longer contexts are split and the partitions merged). tokenizer: decodes text for `stop`
     strings (default: GPT-2's, for a GPT-2 model; other models need theirs). sampler, batching: the functions
     that choose tokens (`Sampler`) and run the paged batches (`Batching`), the engine's own by default.
+    compile: run the steps that only decode as compiled graphs of fixed shapes, on a GPU one CUDA graph per
+    batch-size bucket (`decode_graphs`; each bucket compiles at its first step); the engine's own paged attention
+    and batching functions only.
     """
 
     def __init__(
@@ -123,6 +127,7 @@ class LLMEngine:
         tokenizer=None,
         sampler: Optional[Sampler] = None,
         batching: Optional[Batching] = None,
+        compile: bool = False,
     ):
         for name, value in (
             ("block_size", block_size),
@@ -160,7 +165,19 @@ class LLMEngine:
         self.model, self.tokenizer, self.partition_size = model, tokenizer, partition_size
         self.sampler = sampler or engines.get("sampler") or Sampler()
         self.batching = batching or engines.get("batching") or Batching()
-        self.cache = paged_cache.PagedKVCache(cfg, num_blocks, block_size, device=model.device, dtype=model.dtype)
+        if compile and self.batching.overridden():
+            raise ValueError(
+                "compile=True runs the engine's own paged attention and batching functions; a learner's "
+                f"({', '.join(self.batching.overridden())}) run uncompiled: leave out compile=True"
+            )
+        spare = 1 if compile else 0  # compiled decode steps pad the batch: its padding rows write to a spare block
+        self.cache = paged_cache.PagedKVCache(
+            cfg, num_blocks + spare, block_size, device=model.device, dtype=model.dtype
+        )
+        self.graphs = None
+        if compile:
+            width = blocks_for(min(cfg.n_positions, num_blocks * block_size), block_size)  # a table's most blocks
+            self.graphs = DecodeGraphs(model, self.cache, max_num_seqs, width)
         self.blocks = BlockManager(
             num_blocks,
             block_size,
@@ -321,15 +338,18 @@ class LLMEngine:
             for r, n in batch
         ]
         rows = [row for row, (r, n) in enumerate(batch) if r.num_computed + n == len(r.tokens)]  # not mid-prompt
-        logits = paged_cache.forward(
-            self.model,
-            self.cache,
-            chunks,
-            rows,
-            attend=self.batching.paged_attention,
-            merge=self.batching.merge_attention,
-            partition_size=self.partition_size,
-        )  # [len(rows), V]
+        if self.graphs is not None and all(len(c.tokens) == 1 for c in chunks):  # decodes only: fixed shapes
+            logits = self.graphs.run(chunks)  # [len(chunks), V]: every row ends its request's known tokens
+        else:
+            logits = paged_cache.forward(
+                self.model,
+                self.cache,
+                chunks,
+                rows,
+                attend=self.batching.paged_attention,
+                merge=self.batching.merge_attention,
+                partition_size=self.partition_size,
+            )  # [len(rows), V]
         self.num_steps += 1
         self.last_step = [(r.id, n) for r, n in batch]
         for request, n in batch:

@@ -30,9 +30,12 @@ from typing import Callable, NamedTuple, Optional
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from llmcourse.engine import cpu_kernels
 from llmcourse.engine.tiled_attention import merge_attention
+
+FLEX_QUERY_BLOCK = 128  # FlexAttention's query block: a decode row's one query fits in it
 
 
 def slot_mapping(block_table: Tensor, positions: Tensor, block_size: int) -> Tensor:
@@ -118,6 +121,55 @@ def paged_attention_fused(
     if bias is not None:
         scores = scores + bias
     return out.reshape(G, H, D), torch.logsumexp(scores, dim=-1).reshape(G, H).to(q.dtype)
+
+
+def flex_mask(block_table: Tensor, lengths: Tensor, block_size: int, num_blocks: int) -> BlockMask:
+    """FlexAttention's block mask for one query per sequence over the whole pool: row g reads only the blocks of
+    its table (the kernel skips every other block of the pool), all of a full block, and of its last block the
+    positions before its length. The pool is the key sequence, slot = block * block_size + offset.
+
+    block_table [G, W] long (entries past a row's length are never read), lengths [G] long -> a BlockMask of G
+    rows, 1 query, num_blocks * block_size keys. The mask function says what the blocks' list says (FlexAttention
+    requires it: its unfused route evaluates it everywhere), through `logical` [G, num_blocks + 1]: where each
+    physical block sits in row g's table, -1 where it does not (column num_blocks takes the unused entries).
+    """
+    G, W = block_table.shape
+    used = (lengths + block_size - 1) // block_size  # [G] blocks in each table
+    j = torch.arange(W, device=block_table.device)  # [W]
+    listed = torch.where(j < used[:, None], block_table, num_blocks)  # [G, W]: unused entries to the spare column
+    logical = torch.full((G, num_blocks + 1), -1, dtype=torch.long, device=block_table.device)
+    logical.scatter_(1, listed, j.expand(G, W))  # [G, num_blocks + 1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        position = logical[b, kv_idx // block_size] * block_size + kv_idx % block_size
+        return (logical[b, kv_idx // block_size] >= 0) & (position < lengths[b])
+
+    full = used - 1  # [G]: every block but the last is full
+    last = block_table.gather(1, full[:, None])  # [G, 1]: the last block, read through the mask function
+    padded = F.pad(block_table, (0, num_blocks - W)) if W < num_blocks else block_table[:, :num_blocks]
+    return BlockMask.from_kv_blocks(
+        torch.ones(G, 1, 1, dtype=torch.int32, device=block_table.device),
+        F.pad(last, (0, num_blocks - 1)).int()[:, None, None],  # [G, 1, 1, num_blocks]
+        full.int()[:, None, None],
+        padded.int()[:, None, None],
+        BLOCK_SIZE=(FLEX_QUERY_BLOCK, block_size),
+        mask_mod=mask_mod,
+        seq_lengths=(1, num_blocks * block_size),
+    )
+
+
+def paged_attention_flex(q: Tensor, k_pool: Tensor, v_pool: Tensor, mask: BlockMask) -> Tensor:
+    """One query per sequence attending to its blocks where they lie in the pool, q [G, H, D] -> out [G, H, D]:
+    FlexAttention with `flex_mask`'s block mask, compiled into one kernel that reads each listed block through the
+    table and no other (no gather, no second pass). Grouped-query attention: H query heads over the pool's H_kv.
+    Uncompiled (torch.compile absent), it materializes the scores against the whole pool: tests only."""
+    G, H, D = q.shape
+    num_blocks, block_size, H_kv = k_pool.shape[:3]
+    keys = k_pool.view(1, num_blocks * block_size, H_kv, D).transpose(1, 2)  # [1, H_kv, slots, D], no copy
+    values = v_pool.view(1, num_blocks * block_size, H_kv, D).transpose(1, 2)
+    keys, values = keys.expand(G, -1, -1, -1), values.expand(G, -1, -1, -1)  # a view per row, no copy
+    out = flex_attention(q[:, :, None], keys, values, block_mask=mask, enable_gqa=H != H_kv)  # [G, H, 1, D]
+    return out[:, :, 0]
 
 
 class Partitions(NamedTuple):
@@ -281,3 +333,30 @@ def offsets(lengths: list[int]) -> list[int]:
         out.append(total)
         total += n
     return out
+
+
+def decode_forward(
+    model,
+    cache: PagedKVCache,
+    input_ids: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    block_table: Tensor,
+    lengths: Tensor,
+) -> Tensor:
+    """One decode step of G requests in fixed shapes, what `DecodeGraphs` captures: input_ids, positions, slots
+    (where each token's keys and values go) and lengths (positions each attends to, its own included) [G] long,
+    block_table [G, W] long -> logits [G, vocab_size]. Shapes depend on G and W only, never on the contexts'
+    lengths: the attention reads the pool through `flex_mask`, built here from the tables as tensors."""
+    num_blocks, block_size = cache.k[0].shape[:2]
+    H_kv, D = model.config.n_kv_head, model.config.head_dim
+    mask = flex_mask(block_table, lengths, block_size, num_blocks)  # the same for every layer
+
+    def attention(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:  # q [G, H, 1, D], k and v [G, H_kv, 1, D]
+        k_pool, v_pool = cache.k[layer], cache.v[layer]
+        k_pool.view(-1, H_kv, D)[slots] = k[:, :, 0]  # [G, H_kv, D] into their slots
+        v_pool.view(-1, H_kv, D)[slots] = v[:, :, 0]
+        return paged_attention_flex(q[:, :, 0], k_pool, v_pool, mask)[:, :, None]  # [G, H, 1, D]
+
+    x = model.blocks(model.embed(input_ids[:, None], positions[:, None]), positions[:, None], attention)  # [G, 1, C]
+    return model.head(x[:, 0])  # [G, V]
