@@ -201,6 +201,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--device", default="auto", metavar="D", help="auto, cpu, cuda or cuda:N")
     serve.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     serve.add_argument("--quantize", choices=["int8", "int4"], default=None, help="quantize the weights")
+    serve.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the engine's decode-only steps as compiled graphs, one per batch-size bucket (CUDA graphs on a "
+        "GPU); each bucket compiles at its first step",
+    )
     prog = commands.add_parser(
         "progress",
         help="your dashboard: which exercises pass, with points",
@@ -274,6 +280,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="skip the compiled rows (torch.compile, + CUDA graphs on a GPU; compiling takes ~1 min)",
     )
     bench.add_argument(
+        "--tiny",
+        action="store_true",
+        help="with --gpu-suite: its logic on a tiny model, in seconds, on any device (the figures mean nothing)",
+    )
+    bench.add_argument(
         "--out", default="bench", metavar="DIR", help="where to write bench.json and the figures (bench_*.png)"
     )
     instead = bench.add_mutually_exclusive_group()
@@ -302,6 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
         "transformers and CTranslate2, batch 1 and 16, each against its roofline; uses --model "
         "(a configuration: random weights), --device, --repeats; float32 only); it writes the 'quantize' section "
         "of bench.json and bench_quantize.png",
+    )
+    instead.add_argument(
+        "--gpu-suite",
+        action="store_true",
+        help="instead, run the prepared GPU check (under 5 minutes with compilation: the CUDA tests, batch-1 "
+        "decode of Llama-3-8B- and Llama-3.2-1B-shaped random models in bfloat16, int8 and int4 with MBU, batches "
+        "of 16 and 64, LLMEngine at 64 requests with and without CUDA graphs, paged attention's routes, the "
+        "capstone's table; uses --device); it prints markdown tables and writes gpu_suite.md and the 'gpu_suite' "
+        "section of bench.json",
     )
     instead.add_argument(
         "--http",
@@ -692,7 +712,7 @@ def run_serve(args: argparse.Namespace) -> int:
         else:
             tokenizer = load_tokenizer(args.model)
             model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
-        engine = LLMEngine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer)
+        engine = LLMEngine(model, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer, compile=args.compile)
     except FileNotFoundError as err:  # --parts names no chapters
         return fail(f"--parts: {err}", 2)
     except ValueError as err:  # CheckpointError is a ValueError too

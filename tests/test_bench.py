@@ -219,6 +219,8 @@ def test_utilization_against_a_datasheet():
 def test_the_documentation_shows_the_commands_tested_here():
     assert documented_commands() == [
         "python -m llmcourse bench",
+        "python -m llmcourse bench --gpu-suite",
+        "python -m llmcourse bench --gpu-suite --tiny --device cpu",
         "python -m llmcourse bench --http",
         "python -m llmcourse bench --no-compile",
         "python -m llmcourse bench --quantize",
@@ -229,10 +231,14 @@ def test_the_documentation_shows_the_commands_tested_here():
 
 # `bench --serving`, `bench --speculative`, `bench --quantize` and `bench --http` run end to end in
 # tests/test_serving_bench.py, tests/test_speculative_bench.py, tests/test_quantize_bench.py and
-# tests/test_http_bench.py
+# tests/test_http_bench.py; `bench --gpu-suite` in tests/test_gpu_suite.py
 @pytest.mark.parametrize(
     "command",
-    [c for c in documented_commands() if not c.endswith(("--serving", "--speculative", "--quantize", "--http"))],
+    [
+        c
+        for c in documented_commands()
+        if not c.endswith(("--serving", "--speculative", "--quantize", "--http")) and "--gpu-suite" not in c
+    ],
 )
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):
     """Each command the pages show, exactly as written (plus the tiny sizes); the compiled one takes 30-60 s."""

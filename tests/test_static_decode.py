@@ -187,7 +187,9 @@ def test_a_failing_compiler_is_a_clear_error(model, monkeypatch):
     def broken_backend(graph, example_inputs):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setitem(generation._compiled, "cpu", torch.compile(decode_step, backend=broken_backend, fullgraph=True))
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **settings: compile(fn, backend=broken_backend, fullgraph=True))
+    monkeypatch.setattr(generation, "_compiled", {})
     with pytest.raises(CompileError, match="could not compile the decode step.*without compile=True"):
         generate(model, PROMPTS[0], max_new_tokens=4, compile=True)
 

@@ -12,7 +12,9 @@ positions, attended to side by side and combined with `merge_attention` (vLLM's 
 split-K of FlashDecoding). The engine's own, `paged_attention_fused`, the default on every device, copies
 each partition's blocks into one tile for torch's fused kernel instead: eager PyTorch cannot read blocks in
 place, and small operations per block cost more than that copy. On a CPU that kernel returns the
-log-sum-exp; elsewhere a second pass computes it (chapter 07 says what each costs).
+log-sum-exp; elsewhere a second pass computes it (chapter 07 says what each costs). Compiled decode steps
+(`decode_forward`, which `decode_graphs` captures per batch-size bucket) attend with FlexAttention instead
+(`paged_attention_flex`): its kernel reads each block through the table where it lies, no copy, no partitions.
 
     >>> pool = torch.arange(3 * 2 * 1 * 1.0).view(3, 2, 1, 1)   # 3 blocks of 2 positions, 1 head, dim 1
     >>> gather_kv(pool, torch.tensor([2, 0]), 3).flatten().tolist()   # positions 0-1 in block 2, 2 in block 0
