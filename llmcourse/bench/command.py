@@ -1,6 +1,7 @@
 """`python -m llmcourse bench`: the command's `main`, which runs one benchmark: the serving one (`--serving`),
 the speculative decoding one (`--speculative`), the quantization one (`--quantize`), the HTTP server against the
-engine in-process (`--http`), the prepared GPU check (`--gpu-suite`), or else the speed one (the engine against transformers and this machine's roofline)."""
+engine in-process (`--http`), the prepared GPU check (`--gpu-suite`), or else the speed one (the engine against
+transformers and this machine's roofline)."""
 
 from __future__ import annotations
 
