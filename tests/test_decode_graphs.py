@@ -129,19 +129,15 @@ def test_fused_low_bit_products_on_cuda(fmt):
 
 
 @pytest.mark.skipif(not CUDA, reason="no CUDA device")
-def test_compiled_engine_equals_eager_on_cuda():
+def test_compiled_engine_equals_eager_on_cuda(monkeypatch):
     """CUDA graphs per bucket (inductor, reduce-overhead) against the eager engine, float32: the same greedy tokens."""
-    import os
-
-    os.environ["LLMCOURSE_COMPILE_BACKEND"] = "inductor"
-    try:
-        model = Llama(GQA).init_weights(seed=5).to("cuda")
-        prompts = [[1, 2, 3], [7] * 20, list(range(40, 75))]
-        eager = LLMEngine(model, max_num_seqs=4).generate(prompts, max_new_tokens=16, eos_token_id=None)
-        compiled = LLMEngine(model, max_num_seqs=4, compile=True)
-        assert compiled.generate(prompts, max_new_tokens=16, eos_token_id=None) == eager
-    finally:
-        os.environ["LLMCOURSE_COMPILE_BACKEND"] = "eager"
+    monkeypatch.setenv("LLMCOURSE_COMPILE_BACKEND", "inductor")
+    model = Llama(GQA).init_weights(seed=5).to("cuda")
+    prompts = [[1, 2, 3], [7] * 20, list(range(40, 75))]
+    eager = LLMEngine(model, max_num_seqs=4).generate(prompts, max_new_tokens=16, eos_token_id=None)
+    compiled = LLMEngine(model, max_num_seqs=4, compile=True)
+    assert compiled.generate(prompts, max_new_tokens=16, eos_token_id=None) == eager
+    assert compiled.graphs.sizes_run == {4}  # three requests, one bucket
 
 
 def test_the_command_line_says_it_in_flags():

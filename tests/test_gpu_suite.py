@@ -21,7 +21,7 @@ def test_the_documented_tiny_check_runs_every_section(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     r = json.loads((tmp_path / "bench.json").read_text())["gpu_suite"]
     sections = r["sections"]
-    assert list(sections) == ["tests", "decode", "batches", "engine", "paged attention", "capstone"]
+    assert list(sections) == ["decode", "tests", "batches", "engine", "paged attention", "capstone"]
     assert all("rows" in s for s in sections.values()), sections
     tests = sections["tests"]["rows"][0]
     assert tests["returncode"] == 0 and "skipped" in tests["summary"]  # the CUDA tests, skipped on a CPU

@@ -236,6 +236,9 @@ class PagedKVCache:
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.block_size = block_size
+        if self.k[0].is_cuda:
+            for t in self.k + self.v:  # fixed addresses: a CUDA graph of a decode step writes into them in place
+                torch._dynamo.mark_static_address(t)
 
 
 class Chunk(NamedTuple):
