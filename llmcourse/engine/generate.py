@@ -48,6 +48,7 @@ from . import padding, threads
 from .decoder import Decoder
 from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams, eos_ids
 from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
+from .structured.constraint import Constraint, Guide, allowed_rows, masked
 from .tokenizer import EOT_ID, stream_decoder
 
 NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled draft model at k = 1 (benchmarks page)
@@ -93,6 +94,7 @@ def generate(
     kv_cache: Optional[Callable] = None,
     left_pad: Optional[Callable] = None,
     speculation: Optional[Speculation] = None,
+    constraint=None,
     **settings,
 ) -> Union[list[int], list[list[int]]]:
     """New token ids for one prompt (a list of ids) or for each prompt of a batch (a list of lists).
@@ -100,6 +102,9 @@ def generate(
     The settings: a `SamplingParams`, or its fields as keywords (over it, if both). A row ends with
     `eos_token_id` (included) or after `max_new_tokens` tokens. `sampler`, `kv_cache` (a class),
     `left_pad` and `speculation` replace the engine's own functions there (see the module's docstring).
+    `constraint`: a compiled `structured.Constraint` (`compile_constraint(tokenizer, regex=...)`) that every row
+    follows, or a list of one per row (None: free); a constrained row ends where its constraint says (see
+    `structured.constraint`), its EOS included.
 
         >>> generate(model, [15496, 995], max_new_tokens=3)   # doctest: +SKIP
         [13, 314, 1101]
@@ -115,6 +120,7 @@ def generate(
         raise ValueError("stop strings end a text: use stream or generate_text (generate returns token ids)")
     check_request(model, batch, params.max_new_tokens, params.eos_token_id)
     check_compile(params, compile)
+    guides = new_guides(constraint, len(batch), params, compile)
     if draft is not None:
         draft = checked_draft(model, draft, batch, num_draft_tokens, params, compile)
         generator = generator or new_generator(model, params.seed)
@@ -131,9 +137,10 @@ def generate(
                     speculation=fns.get("speculation"),
                     sampler=fns.get("sampler"),
                     kv_cache=fns.get("kv_cache"),
+                    guide=guides[i] if guides else None,
                 )
             )
-            for p in batch
+            for i, p in enumerate(batch)
         ]
     elif params.num_beams > 1:
         out = [
@@ -163,10 +170,29 @@ def generate(
             sampler=fns.get("sampler"),
             kv_cache=fns.get("kv_cache"),
             left_pad=fns.get("left_pad"),
+            guides=guides,
         )
         rows = torch.stack(list(steps), dim=1).tolist()  # one copy to the host, after the last step
-        out = [until_eos(row, eos_token_id) for row in rows]
+        out = [
+            row[: guides[i].length] if guides and guides[i] else until_eos(row, eos_token_id)
+            for i, row in enumerate(rows)
+        ]
     return out[0] if single else out
+
+
+def new_guides(constraint, rows: int, params: SamplingParams, compile: bool = False) -> Optional[list]:
+    """A `Guide` per row for `constraint` (one for all rows, or a list of one per row, None for a free row), or
+    None when no row is constrained."""
+    if constraint is None:
+        return None
+    constraints = list(constraint) if isinstance(constraint, (list, tuple)) else [constraint] * rows
+    if len(constraints) != rows:
+        raise ValueError(f"constraint: give one, or a list of one per prompt ({rows}), got {len(constraints)}")
+    if any(c is not None and not isinstance(c, Constraint) for c in constraints):
+        raise ValueError("constraint must be compiled: llmcourse.engine.structured.compile_constraint(tokenizer, ...)")
+    if params.num_beams > 1 or compile:
+        raise ValueError("a constraint applies to greedy decoding and sampling without compile=True and beam search")
+    return [Guide(c, eos_ids(params.eos_token_id)) if c is not None else None for c in constraints]
 
 
 def stream(
@@ -184,6 +210,7 @@ def stream(
     kv_cache: Optional[Callable] = None,
     left_pad: Optional[Callable] = None,
     speculation: Optional[Speculation] = None,
+    constraint=None,
     **settings,
 ) -> Iterator[str]:
     """Yield the continuation of `prompt` (a text, or its token ids: e.g. a chat template's, BOS included) as text
@@ -199,6 +226,7 @@ def stream(
     params = SamplingParams.of(params, **settings).for_model(model)
     check_request(model, [ids], params.max_new_tokens, params.eos_token_id)
     check_compile(params, compile)
+    guides = new_guides(constraint, 1, params, compile)
     if draft is not None:
         draft = checked_draft(model, draft, [ids], num_draft_tokens, params, compile)
         tokens = speculative_steps(
@@ -212,6 +240,7 @@ def stream(
             speculation=fns.get("speculation"),
             sampler=fns.get("sampler"),
             kv_cache=fns.get("kv_cache"),
+            guide=guides[0] if guides else None,
         )
     elif params.num_beams > 1:
         tokens = iter(generate(model, ids, dataclasses.replace(params, stop=()), **fns))
@@ -227,10 +256,24 @@ def stream(
             sampler=fns.get("sampler"),
             kv_cache=fns.get("kv_cache"),
             left_pad=fns.get("left_pad"),
+            guides=guides,
         )
         tokens = (int(t) for t in steps)
+    if guides:  # the guide says where the text ends (an EOS id may be text there), and what ends it is not text
+        tokens = guided_text(tokens, guides[0])
+        return stop_at(decoded(tokens, tokenizer, None), params.stop)
     # Checked above and returned (not yielded from here) so that bad input raises at the call.
     return stop_at(decoded(tokens, tokenizer, params.eos_token_id), params.stop)
+
+
+def guided_text(tokens: Iterator[int], guide) -> Iterator[int]:
+    """The tokens of a constrained stream that are text: up to where its guide ended, not the EOS that ended it."""
+    for i, token in enumerate(tokens):
+        if i >= guide.length or (guide.ended_by_eos and i == guide.length - 1):
+            return
+        yield token
+        if guide.ended and i == guide.length - 1:
+            return
 
 
 def generate_text(
@@ -387,9 +430,12 @@ def decode_steps(
     sampler: Optional[Sampler] = None,
     kv_cache: Optional[Callable] = None,
     left_pad: Optional[Callable] = None,
+    guides: Optional[list] = None,
 ) -> Iterator[Tensor]:
     """Yield the next token of every row [B], step by step (finished rows repeat `eos_token_id`), choosing
     with `sampler`, caching in a `kv_cache` (each the engine's own by default), padding with `left_pad`.
+    `guides` (a `structured.Guide` or None per row): each step the row's disallowed tokens are masked before the
+    sampler, and the guide decides where the row ends (each step then reads the tokens back: one sync per step).
 
     Prompts of different lengths are left-padded; the attention mask hides the padding and the
     position ids count only real tokens, so a row computes what it would alone. The tokens stay
@@ -431,14 +477,24 @@ def decode_steps(
     slot = torch.tensor([longest], device=device)  # the cache position the next token goes to
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
+        if guides:
+            logits = masked(logits, allowed_rows(guides, logits.shape[-1], device))  # [B, V]
         token = sampler.next_token(logits, settings, seen, generator, counts)  # [B]
         if len(stops):
             token = torch.where(finished, stops[0], token)  # a finished row repeats its first EOS id
+        if guides:  # a guided row ends where its guide ends (an EOS id may be text there)
+            for guide, t in zip(guides, token.tolist()):
+                if guide is not None:
+                    guide.advance(t)
+            ended = torch.tensor([g is not None and g.ended for g in guides], device=device)
+            free = torch.tensor([g is None for g in guides], device=device)
+            finished |= ended | (free & torch.isin(token, stops))
+        elif len(stops):
             finished |= torch.isin(token, stops)
         yield token
         if step == max_new_tokens - 1:
             return
-        if len(stops) and step % check_every == check_every - 1 and bool(finished.all()):
+        if (len(stops) or guides) and step % check_every == check_every - 1 and bool(finished.all()):
             return
         if seen is not None:
             seen.scatter_(1, token[:, None], True)  # an indexed "= True" copies the scalar to the GPU: a sync

@@ -242,10 +242,13 @@ class Distributions:
     """The processed next-token distributions generation samples from, [n, V] for logits [n, V]: the
     sampler's processors (the engine's own by default), then softmax, or one-hot on the argmax when greedy."""
 
-    def __init__(self, settings: SamplingParams, seen: Optional[Tensor] = None, sampler: Optional[Sampler] = None):
+    def __init__(
+        self, settings: SamplingParams, seen: Optional[Tensor] = None, sampler: Optional[Sampler] = None, guide=None
+    ):
         self.settings, self.sampler = settings, sampler or Sampler()
         self.seen = seen  # [V] bool, the tokens of the text so far (repetition penalty), or None
         self.generated: list[int] = []  # the tokens generated so far (presence and frequency penalties)
+        self.guide = guide  # a structured.Guide: its disallowed tokens are masked before the processors, or None
 
     def __call__(self, logits: Tensor, new_tokens: list[int], first: int = 0) -> Tensor:
         """logits [n, V], row i after the text and new_tokens[:first + i]."""
@@ -266,6 +269,9 @@ class Distributions:
             counts = token_counts([self.generated], logits.shape[-1], logits.device).expand(len(logits), -1).clone()
             for i, token in enumerate(new_tokens):
                 counts[max(i + 1 - first, 0) :, token] += 1
+        if self.guide is not None:  # row i: the tokens the constraint allows after new_tokens[:first + i]
+            allowed = self.guide.allowed_along(new_tokens, len(logits), first, logits.shape[-1], logits.device)
+            logits = logits.masked_fill(~allowed, float("-inf"))
         return self.sampler.process(logits.float(), self.settings, seen, counts)
 
     def pick(self, probs: Tensor, generator: Optional[torch.Generator]) -> int:
@@ -430,12 +436,14 @@ def speculative_steps(
     speculation: Optional["Speculation"] = None,
     sampler: Optional[Sampler] = None,
     kv_cache: Optional[Callable] = None,
+    guide=None,
 ) -> Iterator[int]:
     """The new tokens of one prompt, round by round (`draft`: a model from `resolve_draft`, or 'prompt-lookup'),
     with `speculation`'s functions, `sampler`'s processors and caches (target's and draft's) of class `kv_cache`
     (each the engine's own by default). Ends after `settings.eos_token_id` (included) or `settings.max_new_tokens`,
     exactly where plain decoding ends. `num_draft_tokens="auto"`: k chosen by `speculation.best_k` (the module's
-    docstring); greedy output is plain greedy decoding's whatever k is."""
+    docstring); greedy output is plain greedy decoding's whatever k is. `guide` (a `structured.Guide`): proposals
+    and the target's distributions masked by its constraint, which also says where the text ends."""
     stats = stats if stats is not None else SpeculationStats()
     started = time.perf_counter() - stats.seconds  # a batch's prompts add up
     spec, device = speculation or Speculation(), target.device
@@ -448,7 +456,7 @@ def speculative_steps(
     if settings.repetition_penalty != 1.0:
         seen = torch.zeros(target.config.vocab_size, dtype=torch.bool, device=device)
         seen[prompt] = True
-    dist = Distributions(settings, seen, sampler)
+    dist = Distributions(settings, seen, sampler, guide)
     if draft == PROMPT_LOOKUP:
         proposer = PromptLookup(spec.prompt_lookup_draft, target.config.vocab_size, device)
     else:
@@ -461,6 +469,7 @@ def speculative_steps(
         and seen is None
         and not settings.counts_generated
         and not settings.logit_bias
+        and guide is None
     )
 
     auto = num_draft_tokens == AUTO
@@ -489,6 +498,8 @@ def speculative_steps(
             made += 1
             stats.new_tokens += 1
             stats.seconds = time.perf_counter() - started
+            if guide is not None:
+                guide.advance(token)
             yield token
-            if token in stops:
+            if guide.ended if guide is not None else token in stops:
                 return

@@ -1,0 +1,203 @@
+"""Constraints on what a request generates, compiled for a tokenizer, and the guide that follows one request.
+
+`compile_constraint(tokenizer, regex=..., choice=[...], json_schema=..., json_object=True)` -> a `Constraint`: the
+pattern's byte automaton (`regex.compile_regex`) and its token index over the tokenizer's vocabulary
+(`index.TokenIndex`), cached per (tokenizer, constraint). Each request follows it with a `Guide`: the automaton's
+state after the tokens generated so far; before each step `allowed(...)` gives the tokens that may come next (the
+others' logits are set to -inf before the sampler), after it `advance(token)` moves on.
+
+End of text: the model's EOS ids end a request only where the text so far is complete (an accepting state), and a
+request whose text is complete with nothing allowed after it ends without one. A token that is an EOS id but also
+text (llama-shakespeare's EOS is the token "\\n\\n") is text where the constraint allows that text and the state is
+not accepting; in an accepting state it ends the request.
+
+    >>> from llmcourse.engine.tokenizer import get_tokenizer
+    >>> tok = get_tokenizer()
+    >>> guide = Guide(compile_constraint(tok, choice=["yes", "no"]), eos_ids=[50256])
+    >>> guide.advance(tok.encode("yes")[0]); guide.complete, guide.ended
+    (True, False)
+    >>> guide.advance(50256); guide.ended      # EOS in an accepting state ends it
+    True
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .index import TokenIndex, Vocabulary, vocabulary_of
+from .json_schema import schema_regex
+from .regex import compile_regex, escape
+
+CACHE_SIZE = 32  # compiled constraints kept (each holds its index: up to tens of MB for a large schema)
+
+
+class ConstraintError(ValueError):
+    """A constraint that cannot be used: several given, none, or one outside what the engine compiles."""
+
+
+class Constraint:
+    """A compiled constraint: `pattern` (its regex), `index` (its token index), `kind` and `spec` as given."""
+
+    def __init__(self, pattern: str, vocab: Vocabulary, kind: str, spec: Any):
+        self.pattern, self.kind, self.spec = pattern, kind, spec
+        self.dfa = compile_regex(pattern)
+        self.index = TokenIndex(self.dfa, vocab)
+        self._masks: dict[tuple, Tensor] = {}
+        self._lock = threading.Lock()
+
+    def mask(self, state: int, eos_ids: tuple[int, ...], vocab_size: int, device) -> Tensor:
+        """[vocab_size] bool: the tokens allowed in `state`, the EOS ids too where the text is complete."""
+        key = (state, eos_ids, vocab_size, str(device))
+        with self._lock:
+            if key not in self._masks:
+                allowed = torch.zeros(vocab_size, dtype=torch.bool)
+                allowed[torch.from_numpy(self.index.tokens[state])] = True
+                if self.index.accepting[state]:
+                    allowed[list(eos_ids)] = True
+                self._masks[key] = allowed.to(device)
+            return self._masks[key]
+
+    def __repr__(self) -> str:
+        return f"Constraint({self.kind}: {self.dfa.num_states} states)"
+
+
+class Guide:
+    """One request's walk through a constraint: its `state`, how many tokens it took (`length`, an ending EOS
+    included), whether its text is `complete` (accepting) and whether it has `ended` (`ended_by_eos`: an EOS id in
+    an accepting state; or complete with nothing allowed after and no EOS id to end with)."""
+
+    def __init__(self, constraint: Constraint, eos_ids: Sequence[int] = ()):
+        self.constraint, self.eos_ids = constraint, tuple(int(i) for i in eos_ids)
+        self.state, self.length, self.ended, self.ended_by_eos = 0, 0, False, False
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.constraint.index.accepting[self.state])
+
+    def allowed(self, vocab_size: int, device) -> Tensor:
+        """[vocab_size] bool: the tokens that may come next (all of them once it has ended: nothing is read)."""
+        if self.ended:
+            return torch.ones(vocab_size, dtype=torch.bool, device=device)
+        return self.constraint.mask(self.state, self.eos_ids, vocab_size, device)
+
+    def allowed_along(self, tokens: Sequence[int], rows: int, first: int, vocab_size: int, device) -> Tensor:
+        """[rows, vocab_size] bool: row i the tokens allowed after `tokens[:first + i]` taken from here, without
+        taking them (speculative decoding checks proposals this way). Rows past a token not allowed, or past the
+        end, allow everything: nothing after a rejected proposal is read."""
+        walker = Guide(self.constraint, self.eos_ids)
+        walker.state, walker.ended = self.state, self.ended
+        out, broken = [], False
+        for j in range(first + rows):
+            if j >= first:
+                every = torch.ones(vocab_size, dtype=torch.bool, device=device)
+                out.append(every if broken else walker.allowed(vocab_size, device))
+            if j < len(tokens) and not broken and not walker.ended:
+                try:
+                    walker.advance(tokens[j])
+                except ValueError:
+                    broken = True
+        return torch.stack(out)
+
+    def advance(self, token: int) -> None:
+        """Take `token`; raises ValueError for a token the constraint does not allow here."""
+        if self.ended:
+            return
+        index = self.constraint.index
+        if self.complete and token in self.eos_ids:
+            self.length += 1
+            self.ended = self.ended_by_eos = True
+            return
+        state = index.next_state(self.state, token)
+        if state < 0:
+            raise ValueError(f"token {token} is not allowed in state {self.state} of {self.constraint!r}")
+        self.state, self.length = state, self.length + 1
+        if self.complete and len(index.tokens[state]) == 0 and not self.eos_ids:
+            self.ended = True  # complete, nothing may follow, and no EOS to end it with
+
+
+_vocabularies: "OrderedDict[int, tuple[object, Vocabulary]]" = OrderedDict()
+_constraints: "OrderedDict[tuple, Constraint]" = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def vocabulary(tokenizer) -> Vocabulary:
+    """The tokenizer's `Vocabulary`, made once per tokenizer object."""
+    with _cache_lock:
+        if id(tokenizer) not in _vocabularies:  # the entry keeps the tokenizer alive: its id stays its own
+            _vocabularies[id(tokenizer)] = (tokenizer, vocabulary_of(tokenizer))
+            while len(_vocabularies) > 4:
+                _vocabularies.popitem(last=False)
+        return _vocabularies[id(tokenizer)][1]
+
+
+def constraint_pattern(
+    regex: Optional[str] = None,
+    choice: Optional[Sequence[str]] = None,
+    json_schema: Any = None,
+    json_object: bool = False,
+) -> tuple[str, str, Any]:
+    """(kind, regex, spec) of the one constraint given."""
+    given = [
+        name
+        for name, value in (
+            ("regex", regex),
+            ("choice", choice),
+            ("json_schema", json_schema),
+            ("json_object", json_object),
+        )
+        if value not in (None, False)
+    ]
+    if len(given) != 1:
+        raise ConstraintError(
+            f"give one constraint of regex, choice, json_schema and json_object, got {given or 'none'}"
+        )
+    if regex is not None:
+        if not isinstance(regex, str):
+            raise ConstraintError(f"regex must be a string, got {type(regex).__name__}")
+        return "regex", regex, regex
+    if choice is not None:
+        if isinstance(choice, str) or not choice or not all(isinstance(c, str) and c for c in choice):
+            raise ConstraintError("choice must be a non-empty list of non-empty strings")
+        return "choice", "(?:" + "|".join(escape(c) for c in choice) + ")", list(choice)
+    if json_schema is not None:
+        spec = json.loads(json_schema) if isinstance(json_schema, str) else json_schema
+        return "json_schema", schema_regex(spec), spec
+    return "json_object", schema_regex({"type": "object"}), True
+
+
+def compile_constraint(tokenizer, **constraint) -> Constraint:
+    """A `Constraint` for this tokenizer: exactly one of regex=, choice=, json_schema= (a dict or its JSON text) or
+    json_object=True. Compiled once per (tokenizer, constraint); a constraint the engine cannot compile raises
+    ValueError naming why (RegexError, SchemaError and ConstraintError are ValueErrors)."""
+    kind, pattern, spec = constraint_pattern(**constraint)
+    vocab = vocabulary(tokenizer)
+    key = (id(tokenizer), pattern)
+    with _cache_lock:
+        if key in _constraints:
+            _constraints.move_to_end(key)
+            return _constraints[key]
+    compiled = Constraint(pattern, vocab, kind, spec)
+    with _cache_lock:
+        _constraints[key] = compiled
+        while len(_constraints) > CACHE_SIZE:
+            _constraints.popitem(last=False)
+    return compiled
+
+
+def allowed_rows(guides: Sequence[Optional[Guide]], vocab_size: int, device) -> Optional[Tensor]:
+    """[B, vocab_size] bool of the rows' allowed tokens (rows without a guide: all), or None if no row has one."""
+    if all(g is None for g in guides):
+        return None
+    every = torch.ones(vocab_size, dtype=torch.bool, device=device)
+    return torch.stack([every if g is None else g.allowed(vocab_size, device) for g in guides])
+
+
+def masked(logits: Tensor, allowed: Optional[Tensor]) -> Tensor:
+    """logits [B, V] with the disallowed tokens at -inf (what the sampler then sees)."""
+    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
