@@ -70,8 +70,8 @@ def vocabulary_of(tokenizer) -> Vocabulary:
 
 
 class TokenIndex:
-    """`tokens[s]`: the ids of the tokens allowed in state s, ascending; `targets[s]`: the state each leads to (aligned);
-    `accepting[s]`: whether the text so far is complete."""
+    """`tokens[s]`: the ids of the tokens allowed in state s, ascending; `targets[s]`: the state each leads to
+    (aligned); `accepting[s]`: whether the text so far is complete."""
 
     def __init__(self, dfa: ByteDFA, vocab: Vocabulary):
         S = dfa.num_states
