@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import re
 import sys
+from pathlib import Path
 
 import torch
 
@@ -34,6 +36,7 @@ from .engine.quantize import resident_bytes
 from .engine.sampling import SamplingParams
 from .engine.slots import PartError
 from .engine.speculative import SpeculationStats
+from .engine.structured.constraint import compile_constraint
 from .engine.tokenizer import EOT_ID, TokenizerFileError
 from .serving.llm_engine import MAX_NUM_SEQS, LLMEngine
 
@@ -96,6 +99,18 @@ def build_parser() -> argparse.ArgumentParser:
         "model.safetensors, or a Hugging Face Hub name (e.g. gpt2) taken from the local cache",
     )
     add_settings(gen)
+    shape = gen.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema",
+        metavar="FILE",
+        default=None,
+        help="structured output: the text is JSON valid for the JSON schema in FILE (a subset: objects, arrays, "
+        "strings, numbers, enum, const, ...; another keyword is refused by name)",
+    )
+    shape.add_argument("--regex", metavar="PATTERN", default=None, help="structured output: the text matches PATTERN")
+    shape.add_argument(
+        "--choice", metavar="TEXT", nargs="+", default=None, help="structured output: the text is one of these"
+    )
     gen.add_argument(
         "--draft",
         metavar="MODEL",
@@ -545,6 +560,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         if yours is not None:
             model = yours.install(model, args.quantize)  # an Engine: generation runs the learner's functions
+        settings["constraint"] = constraint_of(args, tokenizer)
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters
@@ -570,6 +586,28 @@ def run_generate(args: argparse.Namespace) -> int:
     if stats is not None:
         print(stats.summary(), file=sys.stderr)
     return 0
+
+
+def constraint_of(args: argparse.Namespace, tokenizer):
+    """The compiled constraint of --json-schema / --regex / --choice, or None."""
+    if args.json_schema is not None:
+        try:
+            schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
+        except OSError as err:
+            raise ValueError(f"--json-schema: cannot read {args.json_schema}: {err.strerror}") from None
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {err}") from None
+        try:
+            return compile_constraint(tokenizer, json_schema=schema)
+        except ValueError as err:
+            raise ValueError(f"--json-schema: {err}") from None
+    for flag, name, value in (("--regex", "regex", args.regex), ("--choice", "choice", args.choice)):
+        if value is not None:
+            try:
+                return compile_constraint(tokenizer, **{name: value})
+            except ValueError as err:
+                raise ValueError(f"{flag}: {err}") from None
+    return None
 
 
 def model_type_of(source) -> str:

@@ -45,6 +45,7 @@ from starlette.routing import Route
 
 from llmcourse.engine.generate import StopStrings
 from llmcourse.engine.sampling import eos_ids
+from llmcourse.engine.structured.constraint import Constraint, compile_constraint
 from llmcourse.engine.tokenizer import stream_decoder
 
 from . import openai_api as api
@@ -212,15 +213,25 @@ class Server:
         self.authorize(request)
         raw = await read_body(request)
 
-        def prepare() -> api.Job:  # in a worker thread: a 1 MB prompt's tokens take a second or more
-            body = parse_json(raw)
+        def prepare() -> tuple[api.Job, Optional[Constraint]]:  # in a worker thread: a 1 MB prompt's tokens take a
+            body = parse_json(raw)  # second or more, a new schema's token index about one
             if isinstance(body, dict):
                 self.check_model(body.get("model"))
-            return make_job(body, self.tokenizer, self.n_positions)
+            job = make_job(body, self.tokenizer, self.n_positions)
+            if job.constraint is None:
+                return job, None
+            spec = dict(job.constraint)
+            field = spec.pop("field")
+            try:
+                return job, compile_constraint(self.tokenizer, **spec)
+            except ValueError as err:  # a schema outside the subset names its keyword; a regex, its feature
+                raise api.APIError(f"{field}: {err}", field) from None
 
-        job = await asyncio.get_running_loop().run_in_executor(self.cpu, prepare)
+        job, constraint = await asyncio.get_running_loop().run_in_executor(self.cpu, prepare)
         try:  # n choices: n requests, choice i seeded seed + i (`LLMEngine.new_choices`)
-            engine_requests = self.engine.new_choices(job.prompt, job.n, logprobs=job.logprobs, **job.settings)
+            engine_requests = self.engine.new_choices(
+                job.prompt, job.n, logprobs=job.logprobs, constraint=constraint, **job.settings
+            )
         except ValueError as err:
             raise api.engine_error(err) from None
         try:
@@ -297,17 +308,20 @@ class Server:
         tokens, logprobs = [], []
         counted = stream.counted
         try:
+            guide = request.guide  # structured output: it says what ends the text (an EOS id may be text there)
             async for out in stream:
                 counted.token(out.time)
                 piece = ""
-                if out.token not in eos:
+                ending_eos = out.token in eos if guide is None else out.finished and guide.ended_by_eos
+                if not ending_eos:
                     tokens.append(out.token)
                     logprobs += [out.logprobs] if out.logprobs is not None else []
                     piece = stops.push(decoder.push(out.token))
                 finish = None
                 if out.finished:
                     piece += stops.push(decoder.flush()) + stops.flush()
-                    finish = "stop" if out.token in eos or stops.stopped else "length"
+                    ended = out.token in eos if guide is None else guide.ended  # else: max_tokens came first
+                    finish = "stop" if ended or stops.stopped else "length"
                     counted.finish(finish)
                 if piece or finish:
                     yield piece, tokens, logprobs, finish

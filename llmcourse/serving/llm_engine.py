@@ -37,11 +37,12 @@ import torch
 
 from llmcourse.engine import threads
 from llmcourse.engine.decoder import Decoder
-from llmcourse.engine.generate import as_model, check_request, new_generator
+from llmcourse.engine.generate import as_model, check_request, new_generator, new_guides
 from llmcourse.engine.model import GPT2
 from llmcourse.engine.roofline import max_sequences
 from llmcourse.engine.sampling import Sampler, SamplingParams, eos_ids, token_counts
 from llmcourse.engine.slots import PartError
+from llmcourse.engine.structured.constraint import allowed_rows, masked
 from llmcourse.engine.tokenizer import get_tokenizer
 
 from . import paged_cache
@@ -200,14 +201,22 @@ class LLMEngine:
         self.num_computed_tokens = 0  # prompt and generated tokens run through the model (recomputation included)
 
     def add_request(
-        self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+        self,
+        prompt_ids: Sequence[int],
+        params: Optional[SamplingParams] = None,
+        *,
+        logprobs=None,
+        constraint=None,
+        **settings,
     ) -> int:
         """Queue a request; it joins the next step. -> its id. Takes `generate`'s settings, as a `SamplingParams`
         or keywords (`stop` strings end the request with the token that completes one; no beam search). A request
         that can never run is refused with a ValueError, and the engine goes on with the others.
         logprobs: None, or k >= 0 to record each new token's log-probability and the k likeliest tokens'
-        (`Request.logprobs`; of the model's own distribution, before temperature and the other settings)."""
-        return self.add(self.new_request(prompt_ids, params, logprobs=logprobs, **settings))
+        (`Request.logprobs`; of the model's own distribution, before temperature and the other settings).
+        constraint: a compiled `structured.Constraint` the request's text follows (`Request.guide` walks it; the
+        request ends where it says, `Request.guide.ended`; else at max_new_tokens)."""
+        return self.add(self.new_request(prompt_ids, params, logprobs=logprobs, constraint=constraint, **settings))
 
     def add(self, request: Request, after: Optional[Request] = None) -> int:
         """Queue a request made by `new_request` or `new_choices`. -> its id. after: the first choice of the same
@@ -245,14 +254,21 @@ class LLMEngine:
         return max(1, min(MAX_CHOICES, self.scheduler.max_num_seqs, (self.blocks.num_blocks - shared) // own))
 
     def new_choices(
-        self, prompt_ids: Sequence[int], n: int, params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+        self,
+        prompt_ids: Sequence[int],
+        n: int,
+        params: Optional[SamplingParams] = None,
+        *,
+        logprobs=None,
+        constraint=None,
+        **settings,
     ) -> list[Request]:
         """n checked requests for one prompt (OpenAI's n), not queued yet: choice i has seed `seed + i` (vLLM's
         rule), the other settings alike. Add the first, then the others with `after=` the first (`add`). Refuses
         n beyond `max_choices` with a ValueError."""
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n must be an integer >= 1 (the number of choices), got {n!r}")
-        first = self.new_request(prompt_ids, params, logprobs=logprobs, **settings)
+        first = self.new_request(prompt_ids, params, logprobs=logprobs, constraint=constraint, **settings)
         most = self.max_choices(len(first.prompt), first.max_new_tokens)
         if n > most:
             raise ValueError(
@@ -263,11 +279,18 @@ class LLMEngine:
             )
         seed = first.settings.seed
         return [first] + [
-            self.new_request(first.prompt, first.settings, logprobs=logprobs, seed=seed + i) for i in range(1, n)
+            self.new_request(first.prompt, first.settings, logprobs=logprobs, constraint=constraint, seed=seed + i)
+            for i in range(1, n)
         ]
 
     def new_request(
-        self, prompt_ids: Sequence[int], params: Optional[SamplingParams] = None, *, logprobs=None, **settings
+        self,
+        prompt_ids: Sequence[int],
+        params: Optional[SamplingParams] = None,
+        *,
+        logprobs=None,
+        constraint=None,
+        **settings,
     ) -> Request:
         """A checked request, not queued yet (`add` queues it and gives it its id); takes `add_request`'s
         arguments and raises its ValueErrors, and changes nothing in the engine."""
@@ -291,7 +314,18 @@ class LLMEngine:
                 raise ValueError("stop strings need the model's tokenizer: LLMEngine(model, tokenizer=...)")
             self.tokenizer = get_tokenizer()
         generator = None if settings.greedy else new_generator(self.model, settings.seed)
-        return Request(-1, prompt, settings, max_new_tokens, eos_token_id, stop, generator, num_logprobs=logprobs)
+        guides = new_guides(constraint, 1, settings)
+        return Request(
+            -1,
+            prompt,
+            settings,
+            max_new_tokens,
+            eos_token_id,
+            stop,
+            generator,
+            num_logprobs=logprobs,
+            guide=guides[0] if guides else None,
+        )
 
     def abort(self, request_id: int) -> None:
         """End a request now, wherever it is (waiting, mid-prompt, decoding): its blocks return to the pool at once
@@ -364,6 +398,8 @@ class LLMEngine:
         record_logprobs(requests, logits, tokens)
         for request, token in zip(requests, tokens):
             request.tokens.append(token)
+            if request.guide is not None:
+                request.guide.advance(token)
             done = self.is_done(request, token)
             if done:
                 self.scheduler.finish(request)
@@ -388,6 +424,8 @@ class LLMEngine:
         one call (an argmax per row, as alone); a sampling request draws from its own generator."""
         tokens: dict[int, int] = {}
         groups: dict[object, list[int]] = {}
+        allowed = allowed_rows([r.guide for r in requests], logits.shape[-1], logits.device)  # [R, V] or None
+        logits = masked(logits, allowed)  # a constrained request's disallowed tokens at -inf
         for i, r in enumerate(requests):
             groups.setdefault(r.settings.processors if r.settings.greedy else i, []).append(i)
         for rows in groups.values():
@@ -404,7 +442,8 @@ class LLMEngine:
         return [tokens[i] for i in range(len(requests))]
 
     def is_done(self, request: Request, token: int) -> bool:
-        if token in eos_ids(request.eos_token_id) or len(request.generated) == request.max_new_tokens:
+        ended = request.guide.ended if request.guide is not None else token in eos_ids(request.eos_token_id)
+        if ended or len(request.generated) == request.max_new_tokens:
             return True
         if request.stop:
             text = self.tokenizer.decode(request.generated)

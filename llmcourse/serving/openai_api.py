@@ -59,6 +59,12 @@ COMMON = {
     "min_p": NUMBER,
     "repetition_penalty": NUMBER,
     "ignore_eos": BOOLEAN,
+    # structured output: OpenAI's response_format, and vLLM's extra fields
+    "response_format": OBJECT,
+    "guided_regex": STRING,
+    "guided_choice": "a list of strings",
+    "guided_json": "a JSON schema (an object, or its text)",
+    "structured_outputs": OBJECT,
 }
 COMPLETION = {
     **COMMON,
@@ -122,6 +128,7 @@ class Job:
     logprobs: Optional[int] = None  # alternatives per token to show (None: no logprobs)
     chat: bool = False
     n: int = 1  # choices: the engine's `new_choices`
+    constraint: Optional[dict] = None  # structured output: `compile_constraint`'s keywords, and the field that asked
 
 
 def checked_fields(body, fields: dict) -> dict:
@@ -191,6 +198,58 @@ def sampling_settings(fields: dict, n_positions: int, prompt_len: int, default_m
     return settings
 
 
+def constraint_fields(fields: dict) -> Optional[dict]:
+    """Structured output asked for by `response_format` (OpenAI: {"type": "text" | "json_object" | "json_schema",
+    "json_schema": {"name", "schema", "strict", "description"}}), vLLM's `guided_regex`, `guided_choice`,
+    `guided_json`, or `structured_outputs` ({"regex" | "choice" | "json": ...}): `compile_constraint`'s keywords
+    with "field" (which field asked), or None. At most one of them."""
+    asked = [name for name in ("response_format", "guided_regex", "guided_choice", "guided_json", "structured_outputs")
+             if name in fields]  # fmt: skip
+    if len(asked) > 1:
+        raise APIError(f"give one of {' and '.join(asked)}, not both: each sets the output's structure", asked[1])
+    if not asked:
+        return None
+    name, value = asked[0], fields[asked[0]]
+    if name == "response_format":
+        kind = value.get("type")
+        if kind == "text" and set(value) == {"type"}:
+            return None
+        if kind == "json_object" and set(value) == {"type"}:
+            return {"json_object": True, "field": name}
+        if kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
+            spec = value["json_schema"]
+            unknown = set(spec) - {"name", "schema", "strict", "description"}
+            if unknown or not isinstance(spec.get("name"), str) or not isinstance(spec.get("schema", {}), dict):
+                raise APIError(
+                    'response_format.json_schema must be {"name": "...", "schema": {...}, "strict": true or false}'
+                    + (f"; unknown field {shown(sorted(unknown)[0])}" if unknown else ""),
+                    "response_format",
+                )
+            return {"json_schema": spec.get("schema", {}), "field": name}
+        raise APIError(
+            'response_format must be {"type": "text"}, {"type": "json_object"} or {"type": "json_schema", '
+            f'"json_schema": {{"name": ..., "schema": {{...}}}}}}, got {shown(value)}',
+            "response_format",
+        )
+    if name == "structured_outputs":
+        keys = {"regex": "regex", "choice": "choice", "json": "json_schema"}
+        if len(value) != 1 or next(iter(value)) not in keys:
+            raise APIError('structured_outputs must be {"regex": ...}, {"choice": [...]} or {"json": {...}}', name)
+        key = next(iter(value))
+        name, value = {"regex": "guided_regex", "choice": "guided_choice", "json": "guided_json"}[key], value[key]
+        if key == "regex" and not isinstance(value, str):
+            raise APIError(f"structured_outputs.regex must be a string, got {shown(value)}", "structured_outputs")
+    if name == "guided_choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise APIError(f"{name} must be a non-empty list of non-empty strings, got {shown(value)}", name)
+        return {"choice": value, "field": name}
+    if name == "guided_json":
+        if not isinstance(value, (dict, str)):
+            raise APIError(f"{name} must be a JSON schema (an object, or its text), got {shown(value)}", name)
+        return {"json_schema": value, "field": name}
+    return {"regex": value, "field": name}
+
+
 def logit_bias(bias: dict) -> dict:
     """OpenAI's logit_bias, {"token id": bias}, as the engine takes it: {token id: bias} (the engine checks the
     biases, at most 300 entries, and the ids against the vocabulary)."""
@@ -245,7 +304,7 @@ def completion_job(body, tokenizer, n_positions: int) -> Job:
     settings = sampling_settings(fields, n_positions, len(ids), COMPLETION_MAX_TOKENS)
     options = fields.get("stream_options", {})
     return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs,
-               n=fields.get("n", 1))  # fmt: skip
+               n=fields.get("n", 1), constraint=constraint_fields(fields))  # fmt: skip
 
 
 def chat_job(body, tokenizer, n_positions: int) -> Job:
@@ -271,7 +330,7 @@ def chat_job(body, tokenizer, n_positions: int) -> Job:
     settings = sampling_settings(fields, n_positions, len(ids), CHAT_MAX_TOKENS)
     options = fields.get("stream_options", {})
     return Job(ids, settings, fields.get("stream", False), options.get("include_usage", False), logprobs, chat=True,
-               n=fields.get("n", 1))  # fmt: skip
+               n=fields.get("n", 1), constraint=constraint_fields(fields))  # fmt: skip
 
 
 def chat_messages(messages) -> list[dict]:

@@ -115,6 +115,7 @@ class Request:
     finished: bool = False
     num_logprobs: Optional[int] = None  # record log-probabilities with this many alternatives (None: not at all)
     logprobs: list = dataclasses.field(default_factory=list)  # one `TokenLogprobs` per generated token
+    guide: Optional[object] = None  # a `structured.Guide`: the constraint it follows (None: free)
 
     def __post_init__(self):
         self.tokens = list(self.prompt)
