@@ -164,8 +164,9 @@ class Parser:
                     raise RegexError(f"the group '(?{self.p[self.i + 1 : self.i + 2]}' at {start} is not supported")
                 self.i += 2
             node = self.alternation()
-            if self.take() != ")":
+            if self.peek() != ")":
                 raise RegexError(f"the group opened at {start} is not closed")
+            self.i += 1
             return node
         if c == "[":
             return self.char_class(start).node()
