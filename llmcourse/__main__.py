@@ -330,6 +330,14 @@ def build_parser() -> argparse.ArgumentParser:
         "of bench.json and bench_quantize.png",
     )
     instead.add_argument(
+        "--structured",
+        action="store_true",
+        help="instead, run the structured output benchmark (both bundled models at batch 1 and 16: a decode step "
+        "free and constrained by a JSON string, the overhead; a 7-property schema's index build over GPT-2's "
+        "vocabulary beside outlines-core's; uses --device, --repeats); it writes the 'structured' section of "
+        "bench.json and bench_structured.png",
+    )
+    instead.add_argument(
         "--gpu-suite",
         action="store_true",
         help="instead, run the prepared GPU check (under 5 minutes with compilation: the CUDA tests, batch-1 "

@@ -226,18 +226,21 @@ def test_the_documentation_shows_the_commands_tested_here():
         "python -m llmcourse bench --quantize",
         "python -m llmcourse bench --serving",
         "python -m llmcourse bench --speculative",
+        "python -m llmcourse bench --structured",
     ]
 
 
 # `bench --serving`, `bench --speculative`, `bench --quantize` and `bench --http` run end to end in
 # tests/test_serving_bench.py, tests/test_speculative_bench.py, tests/test_quantize_bench.py and
-# tests/test_http_bench.py; `bench --gpu-suite` in tests/test_gpu_suite.py
+# tests/test_http_bench.py; `bench --gpu-suite` in tests/test_gpu_suite.py, `bench --structured` in
+# tests/test_structured_bench.py
 @pytest.mark.parametrize(
     "command",
     [
         c
         for c in documented_commands()
-        if not c.endswith(("--serving", "--speculative", "--quantize", "--http")) and "--gpu-suite" not in c
+        if not c.endswith(("--serving", "--speculative", "--quantize", "--http", "--structured"))
+        and "--gpu-suite" not in c
     ],
 )
 def test_documented_bench_command_runs_end_to_end(command, tmp_path):

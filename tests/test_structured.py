@@ -351,3 +351,16 @@ def test_a_constraint_needs_compiling_and_one_per_row():
         compile_constraint(tok, regex="a", choice=["b"])
     with pytest.raises(ValueError, match="without compile=True and beam search"):
         generate(model, [1, 2], constraint=compile_constraint(tok, choice=["b"]), num_beams=2)
+
+
+def test_the_readme_example_runs_as_written(capsys):
+    from pathlib import Path
+
+    import llmcourse
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    example = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "compile_constraint" in b)
+    namespace = {"llmcourse": llmcourse, "tok": llmcourse.get_tokenizer(), "model": llmcourse.load_model()}
+    exec(compile(example, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out.strip()
+    assert json.loads(printed) == {"mood": "sad"} and printed in example  # the comment shows what it prints

@@ -1,7 +1,7 @@
 """`python -m llmcourse bench`: the command's `main`, which runs one benchmark: the serving one (`--serving`),
 the speculative decoding one (`--speculative`), the quantization one (`--quantize`), the HTTP server against the
-engine in-process (`--http`), the prepared GPU check (`--gpu-suite`), or else the speed one (the engine against
-transformers and this machine's roofline)."""
+engine in-process (`--http`), structured output's cost (`--structured`), the prepared GPU check (`--gpu-suite`), or
+else the speed one (the engine against transformers and this machine's roofline)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import gpu_suite, http, quantize, serving, speculative, speed
+from . import gpu_suite, http, quantize, serving, speculative, speed, structured
 
 
 def main(args: argparse.Namespace) -> int:
@@ -23,6 +23,8 @@ def main(args: argparse.Namespace) -> int:
     if getattr(args, "tiny", False) and not getattr(args, "gpu_suite", False):
         print("python -m llmcourse bench: error: --tiny goes with --gpu-suite", file=sys.stderr)
         return 2
+    if getattr(args, "structured", False):
+        return structured.main(out, device=args.device, repeats=args.repeats)
     if getattr(args, "gpu_suite", False):
         return gpu_suite.main(out, device=args.device, tiny=args.tiny)
     if getattr(args, "quantize", False):

@@ -60,7 +60,7 @@ from . import threads
 
 SOURCES = [
     Path(__file__).parent / "kernels" / name
-    for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c", "pool.c")
+    for name in ("float_linear.c", "decode_attention.c", "quantized_linear.c", "pool.c", "token_index.c")
 ]
 HEADERS = [SOURCES[0].parent / name for name in ("simd.h", "pool.h")]
 FLOAT_ROWS = 32  # up to this many rows `linear` takes the C kernel; from about 32 rows on torch's GEMM is as fast
@@ -118,6 +118,7 @@ def library() -> Optional[ctypes.CDLL]:
     lib.attention_scores.argtypes += [ctypes.c_int] * 5 + [ctypes.c_float, ctypes.c_int]
     lib.attention_values.argtypes = [pointer, pointer, *[ctypes.c_ssize_t] * 3, pointer] + [ctypes.c_int] * 6
     lib.pool_hold_helpers.argtypes = [ctypes.c_int]
+    lib.token_walk.argtypes = [pointer, ctypes.c_int] + [pointer] * 5 + [ctypes.c_int, pointer, pointer]
     return lib
 
 

@@ -464,6 +464,9 @@ def decode_steps(
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     stops = torch.tensor(eos_ids(eos_token_id), dtype=torch.long, device=device)  # [n_eos]
     check_every = EOS_CHECK_EVERY.get(device.type, 8)
+    free = None  # [B] bool: the rows no guide ends, which EOS ends (None: every row has a guide)
+    if guides and any(g is None for g in guides):
+        free = torch.tensor([g is None for g in guides], device=device)
 
     cache = model.new_cache(B, total, cache_class=None if compile else kv_cache)  # a compiled step: the engine's
     logits = model(
@@ -487,8 +490,7 @@ def decode_steps(
                 if guide is not None:
                     guide.advance(t)
             ended = torch.tensor([g is not None and g.ended for g in guides], device=device)
-            free = torch.tensor([g is None for g in guides], device=device)
-            finished |= ended | (free & torch.isin(token, stops))
+            finished |= ended | (free & torch.isin(token, stops)) if free is not None else ended
         elif len(stops):
             finished |= torch.isin(token, stops)
         yield token

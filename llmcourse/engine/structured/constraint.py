@@ -22,6 +22,7 @@ not accepting; in an accepting state it ends the request.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 from collections import OrderedDict
@@ -83,7 +84,7 @@ class Guide:
     def allowed(self, vocab_size: int, device) -> Tensor:
         """[vocab_size] bool: the tokens that may come next (all of them once it has ended: nothing is read)."""
         if self.ended:
-            return torch.ones(vocab_size, dtype=torch.bool, device=device)
+            return everything(vocab_size, device)
         return self.constraint.mask(self.state, self.eos_ids, vocab_size, device)
 
     def allowed_along(self, tokens: Sequence[int], rows: int, first: int, vocab_size: int, device) -> Tensor:
@@ -190,12 +191,18 @@ def compile_constraint(tokenizer, **constraint) -> Constraint:
     return compiled
 
 
+@functools.lru_cache(maxsize=8)
+def everything(vocab_size: int, device) -> Tensor:
+    """[vocab_size] bool, all True: the mask of a free row, or of one whose guide has ended (made once)."""
+    return torch.ones(vocab_size, dtype=torch.bool, device=device)
+
+
 def allowed_rows(guides: Sequence[Optional[Guide]], vocab_size: int, device) -> Optional[Tensor]:
     """[B, vocab_size] bool of the rows' allowed tokens (rows without a guide: all), or None if no row has one."""
     if all(g is None for g in guides):
         return None
-    every = torch.ones(vocab_size, dtype=torch.bool, device=device)
-    return torch.stack([every if g is None else g.allowed(vocab_size, device) for g in guides])
+    rows = [everything(vocab_size, device) if g is None else g.allowed(vocab_size, device) for g in guides]
+    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
 
 
 def masked(logits: Tensor, allowed: Optional[Tensor]) -> Tensor:
