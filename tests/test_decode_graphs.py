@@ -71,8 +71,8 @@ def test_compiled_engine_gives_every_request_its_alone_tokens():
     """The LLMEngine property (arrivals, chunked prefill, preemption, prefix caching, sampling, EOS and stop strings)
     with decode-only steps run through the graphs."""
     tally = Tally()
-    run_workloads(range(3000, 3012), tiny_model, tally, compile=True)
-    assert tally.workloads == 12 and tally.preempted >= 1 and tally.cached >= 1, tally
+    run_workloads(range(3000, 3008), tiny_model, tally, compile=True)
+    assert tally.workloads == 8 and tally.preempted >= 1 and tally.cached >= 1, tally
 
 
 def test_compiled_engine_pads_to_buckets_and_equals_eager_with_grouped_query_attention():

@@ -23,7 +23,7 @@ from llmcourse import load_model
 from llmcourse.engine.generate import generate, generate_text
 from llmcourse.engine.hf_tokenizer import load_tokenizer
 from llmcourse.engine.sampling import ENGINE_SAMPLER, SamplingParams
-from llmcourse.engine.structured.constraint import Guide, allowed_rows, compile_constraint, masked, vocabulary
+from llmcourse.engine.structured.constraint import Guide, compile_constraint, mask_rows_, vocabulary
 from llmcourse.engine.structured.json_schema import SchemaError, schema_regex
 from llmcourse.engine.structured.regex import RegexError, compile_regex
 from llmcourse.serving.llm_engine import LLMEngine
@@ -261,23 +261,22 @@ def test_seeded_samples_of_a_batch_validate(bundled):
             jsonschema.validate(json.loads(text), schema)
 
 
-def test_constrained_sampling_draws_from_the_renormalized_distribution():
-    """The masked step as decode_steps runs it: a row's logits with the disallowed tokens at -inf, then the
-    sampler; the draws' frequencies against softmax over the allowed tokens (chi-square, 4,000 draws)."""
-    tok = load_tokenizer("gpt2-shakespeare")
-    guide = Guide(compile_constraint(tok, regex=r"[0-9]"), [50256])
-    logits = torch.randn(1, 50257, generator=torch.Generator().manual_seed(0)) * 3
-    allowed = allowed_rows([guide], 50257, "cpu")  # [1, V]
-    draws = ENGINE_SAMPLER.next_token(
-        masked(logits, allowed).expand(4000, -1),
-        SamplingParams(temperature=0.7),
-        None,
-        torch.Generator().manual_seed(1),
-    )
-    probs = torch.softmax(masked(logits, allowed)[0] / 0.7, dim=-1)
-    assert allowed.sum() == 10 and chi_square_p_value(draws.tolist(), probs) > 1e-4
-    uniform = torch.where(allowed[0], 1.0, 0.0)  # the same draws against a wrong distribution: rejected
-    assert chi_square_p_value(draws.tolist(), uniform) < 1e-6
+@pytest.mark.parametrize("pattern, keep", [(r"[0-9]", True), (r"[^0-9]*", False)], ids=["few allowed", "few refused"])
+def test_constrained_sampling_draws_from_the_renormalized_distribution(pattern, keep):
+    """The masked step as decode_steps runs it (`mask_rows_`, then the sampler), both ways a row is masked; the
+    draws' frequencies against softmax over the allowed tokens (chi-square, 4,000 draws of one row)."""
+    tok = load_tokenizer("llama-shakespeare")
+    V = tok.n_vocab
+    guide = Guide(compile_constraint(tok, regex=pattern), [V - 1])
+    allowed = guide.allowed(V, "cpu")  # [V]
+    assert guide.constraint.fill(0, guide.eos_ids, V, "cpu")[0] == keep  # both ways of masking a row
+    logits = torch.randn(V, generator=torch.Generator().manual_seed(0)) * 3
+    rows = mask_rows_(logits.expand(4000, -1).clone(), [guide] * 4000)
+    draws = ENGINE_SAMPLER.next_token(rows, SamplingParams(temperature=0.7), None, torch.Generator().manual_seed(1))
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / 0.7, dim=-1)
+    assert chi_square_p_value(draws.tolist(), probs) > 1e-4
+    wrong = torch.softmax(logits.masked_fill(~allowed, float("-inf")) / 1.0, dim=-1)  # another temperature
+    assert chi_square_p_value(draws.tolist(), wrong) < 1e-6
 
 
 def test_a_constraint_that_cannot_finish_in_time_is_not_presented_as_complete(bundled):

@@ -48,7 +48,7 @@ from . import padding, threads
 from .decoder import Decoder
 from .sampling import ENGINE_SAMPLER, Sampler, SamplingParams, eos_ids
 from .speculative import Speculation, SpeculationStats, check_speculation, resolve_draft, speculative_steps
-from .structured.constraint import Constraint, Guide, allowed_rows, masked
+from .structured.constraint import Constraint, Guide, mask_rows_
 from .tokenizer import EOT_ID, stream_decoder
 
 NUM_DRAFT_TOKENS = 4  # prompt lookup is fastest here at k = 3-8; the bundled draft model at k = 1 (benchmarks page)
@@ -481,7 +481,7 @@ def decode_steps(
     compiled_step = compiled_decode_step(model) if compile else None
     for step in range(max_new_tokens):
         if guides:
-            logits = masked(logits, allowed_rows(guides, logits.shape[-1], device))  # [B, V]
+            logits = mask_rows_(logits, guides)  # [B, V]: each row's disallowed tokens at -inf
         token = sampler.next_token(logits, settings, seen, generator, counts)  # [B]
         if len(stops):
             token = torch.where(finished, stops[0], token)  # a finished row repeats its first EOS id
@@ -489,8 +489,11 @@ def decode_steps(
             for guide, t in zip(guides, token.tolist()):
                 if guide is not None:
                     guide.advance(t)
-            ended = torch.tensor([g is not None and g.ended for g in guides], device=device)
-            finished |= ended | (free & torch.isin(token, stops)) if free is not None else ended
+            ended = [g is not None and g.ended for g in guides]
+            if any(ended):
+                finished |= torch.tensor(ended, device=device)
+            if free is not None:
+                finished |= free & torch.isin(token, stops)
         elif len(stops):
             finished |= torch.isin(token, stops)
         yield token

@@ -42,7 +42,7 @@ from llmcourse.engine.model import GPT2
 from llmcourse.engine.roofline import max_sequences
 from llmcourse.engine.sampling import Sampler, SamplingParams, eos_ids, token_counts
 from llmcourse.engine.slots import PartError
-from llmcourse.engine.structured.constraint import allowed_rows, masked
+from llmcourse.engine.structured.constraint import mask_rows_
 from llmcourse.engine.tokenizer import get_tokenizer
 
 from . import paged_cache
@@ -424,8 +424,10 @@ class LLMEngine:
         one call (an argmax per row, as alone); a sampling request draws from its own generator."""
         tokens: dict[int, int] = {}
         groups: dict[object, list[int]] = {}
-        allowed = allowed_rows([r.guide for r in requests], logits.shape[-1], logits.device)  # [R, V] or None
-        logits = masked(logits, allowed)  # a constrained request's disallowed tokens at -inf
+        guides = [r.guide for r in requests]
+        if any(g is not None for g in guides):  # a constrained request's disallowed tokens at -inf
+            logprobs = any(r.num_logprobs is not None for r in requests)  # they read the model's own logits after
+            logits = mask_rows_(logits.clone() if logprobs else logits, guides)
         for i, r in enumerate(requests):
             groups.setdefault(r.settings.processors if r.settings.greedy else i, []).append(i)
         for rows in groups.values():

@@ -50,7 +50,7 @@ class Constraint:
         self.dfa = compile_regex(pattern)
         self.index = TokenIndex(self.dfa, vocab)
         self._masks: dict[tuple, Tensor] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     def mask(self, state: int, eos_ids: tuple[int, ...], vocab_size: int, device) -> Tensor:
         """[vocab_size] bool: the tokens allowed in `state`, the EOS ids too where the text is complete."""
@@ -62,6 +62,20 @@ class Constraint:
                 if self.index.accepting[state]:
                     allowed[list(eos_ids)] = True
                 self._masks[key] = allowed.to(device)
+            return self._masks[key]
+
+    def fill(self, state: int, eos_ids: tuple[int, ...], vocab_size: int, device) -> tuple[bool, Tensor]:
+        """How `mask_rows_` masks a row in `state`: (True, the allowed ids) where they are fewer than half the
+        vocabulary (the row is rebuilt from them), else (False, the disallowed ids, set to -inf): either way the
+        work is the smaller set's (in a JSON string a few hundred tokens are refused, between values all but a
+        few)."""
+        key = ("fill", state, eos_ids, vocab_size, str(device))
+        with self._lock:
+            if key not in self._masks:
+                allowed = self.mask(state, eos_ids, vocab_size, "cpu")
+                keep = int(allowed.sum()) <= vocab_size // 2
+                ids = torch.nonzero(allowed if keep else ~allowed).flatten()
+                self._masks[key] = (keep, ids.to(device))
             return self._masks[key]
 
     def __repr__(self) -> str:
@@ -193,18 +207,22 @@ def compile_constraint(tokenizer, **constraint) -> Constraint:
 
 @functools.lru_cache(maxsize=8)
 def everything(vocab_size: int, device) -> Tensor:
-    """[vocab_size] bool, all True: the mask of a free row, or of one whose guide has ended (made once)."""
+    """[vocab_size] bool, all True: the mask of a guide that has ended (made once)."""
     return torch.ones(vocab_size, dtype=torch.bool, device=device)
 
 
-def allowed_rows(guides: Sequence[Optional[Guide]], vocab_size: int, device) -> Optional[Tensor]:
-    """[B, vocab_size] bool of the rows' allowed tokens (rows without a guide: all), or None if no row has one."""
-    if all(g is None for g in guides):
-        return None
-    rows = [everything(vocab_size, device) if g is None else g.allowed(vocab_size, device) for g in guides]
-    return rows[0][None] if len(rows) == 1 else torch.stack(rows)
-
-
-def masked(logits: Tensor, allowed: Optional[Tensor]) -> Tensor:
-    """logits [B, V] with the disallowed tokens at -inf (what the sampler then sees)."""
-    return logits if allowed is None else logits.masked_fill(~allowed, float("-inf"))
+def mask_rows_(logits: Tensor, guides: Sequence[Optional[Guide]]) -> Tensor:
+    """Set, in place, the logits [B, V] of the tokens each row's guide does not allow to -inf (rows without a guide,
+    or whose guide has ended, as they are): what the sampler then sees. -> logits."""
+    V, device = logits.shape[-1], logits.device
+    for row, guide in zip(logits, guides):
+        if guide is None or guide.ended:
+            continue
+        keep, ids = guide.constraint.fill(guide.state, guide.eos_ids, V, device)
+        if keep:  # a few allowed: the row rebuilt from them
+            kept = row[ids]
+            row.fill_(float("-inf"))
+            row[ids] = kept
+        else:  # a few refused
+            row.index_fill_(0, ids, float("-inf"))
+    return logits

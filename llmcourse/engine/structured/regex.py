@@ -363,43 +363,44 @@ def determinize(nfa: NFA, start: int, end: int) -> tuple[list[list[int]], list[b
     return table, [end in s for s in sets], classes
 
 
-def minimize(table: list[list[int]], accepting: list[bool]) -> tuple[list[list[int]], list[bool]]:
-    """Moore's refinement, after dropping the states that cannot reach acceptance; the start stays state 0."""
-    n = len(table)
-    alive = [bool(a) for a in accepting]
-    changed = True
-    while changed:  # co-reachability: alive if some move leads to an alive state
-        changed = False
-        for s in range(n):
-            if not alive[s] and any(t >= 0 and alive[t] for t in table[s]):
-                alive[s] = changed = True
+def minimize(table: list[list[int]], accepting: list[bool]) -> tuple[np.ndarray, np.ndarray]:
+    """Moore's refinement, after dropping the states that cannot reach acceptance; the start stays state 0.
+    -> (next state per class [S, C], -1 none; accepting [S])."""
+    moves, accept = np.array(table, dtype=np.int64), np.array(accepting, dtype=bool)  # [n, C], [n]
+    alive = accept.copy()  # co-reachability: alive once some move leads to an alive state
+    while True:
+        grown = alive | ((moves >= 0) & alive[np.maximum(moves, 0)]).any(axis=1)
+        if (grown == alive).all():
+            break
+        alive = grown
     if not alive[0]:
         raise RegexError("the pattern matches no text at all")
-    block = [int(accepting[s]) if alive[s] else -1 for s in range(n)]
-    while True:
-        keys = {}
-        new = [-1] * n
-        for s in range(n):
-            if alive[s]:
-                key = (block[s], tuple(block[t] if t >= 0 else -1 for t in table[s]))
-                new[s] = keys.setdefault(key, len(keys))
-        if len(keys) == len(set(b for b in block if b >= 0)):
+    moves = np.where((moves >= 0) & alive[np.maximum(moves, 0)], moves, -1)  # a move to a dead state: none
+    block = accept.astype(np.int64)  # states no string tells apart share a block: first split by acceptance
+    mix = np.random.default_rng(0).integers(1, 2**62, size=moves.shape[1] + 1)  # [C + 1]: rows to one number
+    while True:  # a state's signature: its block and the blocks its moves lead to, hashed (64 bits, wrapping)
+        signature = np.column_stack([block, np.where(moves >= 0, block[np.maximum(moves, 0)], -1)])  # [n, C + 1]
+        signature[~alive] = -1
+        _, first, refined = np.unique((signature * mix).sum(axis=1), return_index=True, return_inverse=True)
+        if not (signature == signature[first[refined]]).all():  # two signatures hashed alike (about 1e-11): exact
+            _, refined = np.unique(signature, axis=0, return_inverse=True)
+            refined = refined.reshape(-1)
+        if refined.max() == block.max():  # no block split: stable
             break
-        block = new
-    order = {}  # blocks renumbered in order of first appearance from the start: state 0 is the start's block
-    todo = [0]
-    while todo:
-        s = todo.pop(0)
+        block = refined
+    order, todo = {}, [0]  # blocks numbered as a breadth-first walk from the start meets them: the start is 0
+    member = {}
+    for s in todo:
         if block[s] in order:
             continue
         order[block[s]] = len(order)
-        todo += [t for t in table[s] if t >= 0 and alive[t]]
-    members = {}
-    for s in range(n):
-        if alive[s] and block[s] in order:
-            members.setdefault(order[block[s]], s)
-    out_table = [[order[block[t]] if t >= 0 and alive[t] else -1 for t in table[members[i]]] for i in range(len(order))]
-    return out_table, [accepting[members[i]] for i in range(len(order))]
+        member[order[block[s]]] = s
+        todo += [int(t) for t in moves[s] if t >= 0 and block[t] not in order]
+    renumber = np.full(block.max() + 2, -1)
+    for b, i in order.items():
+        renumber[b] = i
+    rows = moves[[member[i] for i in range(len(order))]]  # [S, C]
+    return np.where(rows >= 0, renumber[block[np.maximum(rows, 0)]], -1), accept[[member[i] for i in range(len(order))]]
 
 
 @functools.lru_cache(maxsize=256)
@@ -412,9 +413,8 @@ def compile_regex(pattern: str) -> ByteDFA:
     start = nfa.state()
     end = nfa.build(Parser(pattern).parse(), start)
     table, accepting, classes = determinize(nfa, start, end)
-    table, accepting = minimize(table, accepting)
-    by_class = np.array(table, dtype=np.int32).reshape(len(table), -1)  # [S, classes]
-    return ByteDFA(by_class[:, classes], np.array(accepting, dtype=bool), pattern)
+    by_class, accepting = minimize(table, accepting)  # [S, classes], [S]
+    return ByteDFA(by_class[:, classes].astype(np.int32), accepting, pattern)
 
 
 def escape(text: Union[str, bytes]) -> str:
