@@ -139,7 +139,9 @@ def test_the_token_index_is_isomorphic_to_outlines_cores(tokenizer, pattern):
     """A joint walk from both start states over every allowed token, pair of states by pair of states: the same
     tokens allowed and the same completeness in every pair reached. outlines-core does not minimize its automaton
     (one of the engine's states may pair with several of its equivalent ones), so the walk is a bisimulation, and
-    each of its states pairs with exactly one of the engine's: the engine's index is its minimal form."""
+    each of its states pairs with exactly one of the engine's: the engine's index is its minimal form (on the plain
+    regexes both have as many states, paired one to one; on the schemas' it has 45 and 29 where the engine has 31
+    and 26)."""
     ours = compile_constraint(tokenizer, regex=pattern).index
     theirs, eos = outlines_index(tokenizer, pattern)
     transitions = theirs.get_transitions()
@@ -158,6 +160,8 @@ def test_the_token_index_is_isomorphic_to_outlines_cores(tokenizer, pattern):
                 seen.add(pair)
                 todo.append(pair)
     assert set(mine_of.values()) == set(ours.reachable())  # every state the engine's tokens reach was compared
+    if pattern in ISOMORPHIC[:5]:  # plain regexes: outlines-core's automaton is minimal too, the pairing one to one
+        assert len(mine_of) == len(ours.reachable())
 
 
 def test_where_outlines_core_refuses_a_valid_continuation(tokenizer):

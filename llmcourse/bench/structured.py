@@ -118,8 +118,8 @@ def build_times() -> dict:
     ours = time.perf_counter() - started
     result = dict(vocabulary_s=vocab_s, engine_s=ours, states=compiled.dfa.num_states, outlines_core_s=None)
     try:
-        from outlines_core import Index, Vocabulary
-        from outlines_core.json_schema import build_regex_from_schema
+        from outlines_core import Index, Vocabulary  # the peer: optional, measured where it is installed
+        from outlines_core.json_schema import build_regex_from_schema  # (the same)
     except ImportError:
         return result
     by_bytes: dict[bytes, list[int]] = {}
@@ -153,8 +153,8 @@ def plot(r: dict, out: Path) -> Path:
     """Decode step time, free and constrained, per model and batch."""
     import matplotlib  # heavy and optional: only when plotting
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    matplotlib.use("Agg")  # no display: figures go to files (before pyplot is imported)
+    import matplotlib.pyplot as plt  # optional, as matplotlib above
 
     rows = r["overhead"]
     labels = [f"{row['model'].split('-')[0]}\nbatch {row['batch']}" for row in rows]

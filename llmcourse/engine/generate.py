@@ -18,6 +18,8 @@ replaces the seed's. `draft` (a model with the target's vocabulary, a bundled na
 proposals per round (or "auto": chosen from the acceptance rate as it goes): the same tokens as without it
 when greedy, the same distribution when sampling (see `llmcourse.engine.speculative`); pass
 `stats=SpeculationStats()` to see how many proposals were accepted.
+`constraint` (a compiled `structured.Constraint`, or one per row) masks each step's disallowed tokens so that the
+text matches a regex, a choice or a JSON schema (`llmcourse.engine.structured`).
 `compile=True` runs each decode step as one torch.compile'd graph of fixed shapes, replayed as a
 CUDA graph on a GPU (the first call compiles, which takes a while). The environment variable
 `LLMCOURSE_COMPILE_BACKEND=eager` traces the same graph without generating code (seconds instead of a
