@@ -3,8 +3,8 @@
 `compile_constraint(tokenizer, regex=..., choice=[...], json_schema=..., json_object=True)` -> a `Constraint`: the
 pattern's byte automaton (`regex.compile_regex`) and its token index over the tokenizer's vocabulary
 (`index.TokenIndex`), cached per (tokenizer, constraint). Each request follows it with a `Guide`: the automaton's
-state after the tokens generated so far; before each step `allowed(...)` gives the tokens that may come next (the
-others' logits are set to -inf before the sampler), after it `advance(token)` moves on.
+state after the tokens generated so far; before each step `mask_rows_` sets the logits of the tokens it does not
+allow to -inf (the sampler then draws from the rest, renormalized), after it `advance(token)` moves on.
 
 End of text: the model's EOS ids end a request only where the text so far is complete (an accepting state), and a
 request whose text is complete with nothing allowed after it ends without one. A token that is an EOS id but also
