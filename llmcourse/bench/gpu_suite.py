@@ -129,7 +129,8 @@ def step_bytes(model: Llama, batch: int, context: int) -> int:
 
 def decode_rate(model, batch: int, sizes: Sizes) -> float:
     """Decode steps per second of `batch` rows after a prompt of sizes.prompt tokens, each step a compiled graph
-    (a CUDA graph on a GPU): one run compiles, the next is timed from its first token to its last."""
+    (a CUDA graph on a GPU): one run compiles, then the best of `repeats` runs, each timed from its first token to
+    its last (the prefill left out)."""
     prompts = [[(7 * i + j) % model.config.vocab_size for j in range(sizes.prompt)] for i in range(batch)]
     settings = SamplingParams()
 
