@@ -325,13 +325,14 @@ def test_the_benchmarks_page_shows_the_figures_bench_writes():
     """benchmarks.md shows every figure of images/bench.json, which is what `bench` writes today."""
     page = (ROOT / "benchmarks.md").read_text()
     shown = re.findall(r"!\[[^\]]*\]\(images/([^)]+)\)", page)
-    # `--serving`, `--speculative`, `--quantize`, `--http`
+    # `--serving`, `--speculative`, `--quantize`, `--http`, `--structured`
     assert shown == [
         *FIGURES.values(),
         "bench_serving.png",
         "bench_speculative.png",
         "bench_quantize.png",
         "bench_http.png",
+        "bench_structured.png",
     ]
     r = json.loads((ROOT / "images" / "bench.json").read_text())
     for name in shown:

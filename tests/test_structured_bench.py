@@ -28,3 +28,20 @@ def test_the_documented_command_measures_every_row(tmp_path):
     assert build["states"] > 1000 and build["engine_s"] > 0 and build["outlines_core_s"] > 0
     assert "outlines-core" in done.stdout and "overhead" in done.stdout
     assert (tmp_path / structured.FIGURE).stat().st_size > 10_000
+
+
+def test_the_benchmarks_page_shows_the_committed_measurements():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    page = (root / "benchmarks.md").read_text()
+    section = page[page.index("## Structured output") : page.index("## On a GPU")]
+    assert f"](images/{structured.FIGURE})" in section and (root / "images" / structured.FIGURE).exists()
+    r = json.loads((root / "images" / "bench.json").read_text())["structured"]
+    for row in r["overhead"]:
+        line = f"| {row['model']} | {row['batch']} | {row['free_ms']:.2f} ms | {row['constrained_ms']:.2f} ms |"
+        assert line + f" {row['overhead']:+.1%} |" in section, line
+        assert row["overhead"] < 0.10  # the goal
+    build = r["build"]
+    assert f"{build['engine_s']:.2f} s" in section and f"{build['outlines_core_s']:.2f} s" in section
+    assert f"{build['states']:,}" in section and f"{build['engine_s'] / build['outlines_core_s']:.2f}×" in section

@@ -213,16 +213,21 @@ def everything(vocab_size: int, device) -> Tensor:
 
 def mask_rows_(logits: Tensor, guides: Sequence[Optional[Guide]]) -> Tensor:
     """Set, in place, the logits [B, V] of the tokens each row's guide does not allow to -inf (rows without a guide,
-    or whose guide has ended, as they are): what the sampler then sees. -> logits."""
+    or whose guide has ended, as they are): what the sampler then sees. Rows in the same state of the same
+    constraint are masked together, by one indexing. -> logits."""
     V, device = logits.shape[-1], logits.device
-    for row, guide in zip(logits, guides):
-        if guide is None or guide.ended:
-            continue
+    groups: dict[tuple, tuple[Guide, list[int]]] = {}
+    for i, guide in enumerate(guides):
+        if guide is not None and not guide.ended:
+            groups.setdefault((id(guide.constraint), guide.state, guide.eos_ids), (guide, []))[1].append(i)
+    for guide, rows in groups.values():
         keep, ids = guide.constraint.fill(guide.state, guide.eos_ids, V, device)
-        if keep:  # a few allowed: the row rebuilt from them
-            kept = row[ids]
-            row.fill_(float("-inf"))
-            row[ids] = kept
+        every_row = len(rows) == len(logits)
+        at = slice(None) if every_row else torch.tensor(rows, device=device)[:, None]  # [rows, 1]
+        if keep:  # a few allowed: the rows rebuilt from them
+            kept = logits[at, ids]  # [rows, allowed]
+            logits[slice(None) if every_row else at[:, 0]] = float("-inf")
+            logits[at, ids] = kept
         else:  # a few refused
-            row.index_fill_(0, ids, float("-inf"))
+            logits[at, ids] = float("-inf")
     return logits
