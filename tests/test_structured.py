@@ -97,6 +97,8 @@ def test_the_automaton_matches_what_python_re_matches(pattern):
         ("(ab", "not closed"),
         ("*a", "repeats nothing"),
         ("[^é]", "negated class with characters beyond ASCII"),
+        ("((a{0,1000}){0,1000}){0,1000}", "more than 200,000 automaton states"),  # a hostile client: no hang,
+        ("[ab]*a[ab]{14}", "32,768 automaton states, more than 10,000"),  # no gigabytes of index
     ],
 )
 def test_what_the_compiler_refuses_it_names(pattern, message):

@@ -126,6 +126,7 @@ def test_vllms_guided_fields_and_structured_outputs(served):
         ({"guided_choice": []}, "guided_choice", "non-empty list"),
         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice", "give one of guided_regex and guided_choice"),
         ({"structured_outputs": {"grammar": "x"}}, "structured_outputs", '{"regex": ...}'),
+        ({"guided_regex": "[ab]*a[ab]{14}"}, "guided_regex", "more than 10,000"),
     ],
 )
 def test_a_structure_the_server_cannot_follow_is_a_400_naming_it(served, extra, param, words):

@@ -35,7 +35,7 @@ from .index import TokenIndex, Vocabulary, vocabulary_of
 from .json_schema import schema_regex
 from .regex import compile_regex, escape
 
-CACHE_SIZE = 32  # compiled constraints kept (each holds its index: up to tens of MB for a large schema)
+CACHE_BYTES = 1 << 30  # compiled constraints kept while their indexes hold less (a 7-property schema's: 130 MB)
 
 
 class ConstraintError(ValueError):
@@ -200,8 +200,8 @@ def compile_constraint(tokenizer, **constraint) -> Constraint:
     compiled = Constraint(pattern, vocab, kind, spec)
     with _cache_lock:
         _constraints[key] = compiled
-        while len(_constraints) > CACHE_SIZE:
-            _constraints.popitem(last=False)
+        while len(_constraints) > 1 and sum(c.index.nbytes for c in _constraints.values()) > CACHE_BYTES:
+            _constraints.popitem(last=False)  # the least recently used
     return compiled
 
 

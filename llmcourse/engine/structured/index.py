@@ -52,7 +52,7 @@ class Vocabulary:
             self.matrix[row, : len(self.pieces[i])] = np.frombuffer(self.pieces[i], dtype=np.uint8)
         lengths = np.array([len(self.pieces[i]) for i in order], dtype=np.int64)
         self.walking = [int((lengths > d).sum()) for d in range(longest)]  # tokens still walking at each depth
-        self.sorted_ids = np.array([self.ids[i] for i in order], dtype=np.int64)  # [V]
+        self.sorted_ids = np.array([self.ids[i] for i in order], dtype=np.int32)  # [V]
 
     @functools.cached_property
     def trie(self) -> dict:
@@ -127,7 +127,7 @@ class TokenIndex:
             ids, targets = np.empty(most, dtype=np.int32), np.empty(most, dtype=np.int32)
             n = lib.token_walk(table.ctypes.data, state, *args, nodes, ids.ctypes.data, targets.ctypes.data)
             order = np.argsort(ids[:n])  # by token id: a token is then found by bisection
-            return ids[:n][order].astype(np.int64), targets[:n][order]
+            return ids[:n][order], targets[:n][order]  # (new arrays: the buffers are reused for the next state)
 
         with ThreadPoolExecutor(max(1, threads.engine_threads())) as pool:
             for ids, targets in pool.map(walk, range(dfa.num_states)):
@@ -155,6 +155,11 @@ class TokenIndex:
     @property
     def num_states(self) -> int:
         return len(self.accepting)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the index holds: 8 per allowed (state, token), its id and where it leads (int32 each)."""
+        return sum(t.nbytes + s.nbytes for t, s in zip(self.tokens, self.targets))
 
     def next_state(self, state: int, token: int) -> int:
         """Where `token` leads from `state`, -1 if it is not allowed there."""

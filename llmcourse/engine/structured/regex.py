@@ -30,6 +30,8 @@ import numpy as np
 
 ANY_BYTE = (1 << 256) - 1
 MAX_REPEAT = 1000  # {n,m} bounds above this are refused: the automaton grows with them
+MAX_NFA_STATES = 200_000  # a pattern whose repetitions nest deeper is refused before it takes the memory
+MAX_DFA_STATES = 10_000  # ... and one whose automaton has more states (its index would take gigabytes)
 
 
 class RegexError(ValueError):
@@ -249,6 +251,11 @@ class NFA:
         self.empty: list[list[int]] = []
 
     def state(self) -> int:
+        if len(self.moves) >= MAX_NFA_STATES:
+            raise RegexError(
+                f"the pattern needs more than {MAX_NFA_STATES:,} automaton states: its repetitions multiply "
+                "(e.g. a bounded repeat inside another); write it with fewer or smaller bounds"
+            )
         self.moves.append([])
         self.empty.append([])
         return len(self.moves) - 1
@@ -356,6 +363,11 @@ def determinize(nfa: NFA, start: int, end: int) -> tuple[list[list[int]], list[b
                 row.append(-1)
                 continue
             if target not in ids:
+                if len(sets) >= MAX_DFA_STATES * 4:  # minimizing rarely divides by more
+                    raise RegexError(
+                        f"the constraint needs more than {MAX_DFA_STATES:,} automaton states; make it smaller "
+                        "(shorter maxLength / maxItems, fewer optional properties, smaller {n,m} bounds)"
+                    )
                 ids[target] = len(sets)
                 sets.append(target)
             row.append(ids[target])
@@ -414,6 +426,11 @@ def compile_regex(pattern: str) -> ByteDFA:
     end = nfa.build(Parser(pattern).parse(), start)
     table, accepting, classes = determinize(nfa, start, end)
     by_class, accepting = minimize(table, accepting)  # [S, classes], [S]
+    if len(accepting) > MAX_DFA_STATES:
+        raise RegexError(
+            f"the constraint needs {len(accepting):,} automaton states, more than {MAX_DFA_STATES:,}; make it smaller "
+            "(shorter maxLength / maxItems, fewer optional properties, smaller {n,m} bounds)"
+        )
     return ByteDFA(by_class[:, classes].astype(np.int32), accepting, pattern)
 
 
