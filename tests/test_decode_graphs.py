@@ -147,3 +147,52 @@ def test_the_command_line_says_it_in_flags():
     assert in_flag_terms(message) == (
         "--compile runs the engine's own paged attention and batching functions; ...: leave out --compile"
     )
+
+
+def test_serve_compile_answers_as_the_eager_engine():
+    """`serve --compile` (traced by dynamo's eager backend here, as the whole suite compiles): greedy completions
+    of several concurrent requests equal `generate` alone."""
+    import os
+    import subprocess
+    import sys
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from llmcourse import load_model
+    from llmcourse.engine.generate import generate_text
+    from llmcourse.engine.hf_tokenizer import load_tokenizer
+
+    from .test_server import free_port, ping, wait_until
+
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "llmcourse",
+        "serve",
+        "--model",
+        "llama-shakespeare",
+        "--compile",
+        "--port",
+        str(port),
+    ]
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, text=True, env={**os.environ, "LLMCOURSE_COMPILE_BACKEND": "eager"}
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_until(lambda: ping(url), 60), process.stderr.read() if process.poll() is not None else "no start"
+        prompts = ["ROMEO:", "JULIET:", "Good morrow, cousin.", "To be, or not to be"]
+
+        def complete(prompt: str) -> str:
+            body = {"prompt": prompt, "max_tokens": 12, "temperature": 0}
+            return httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(complete, prompts))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    model, tok = load_model("llama-shakespeare"), load_tokenizer("llama-shakespeare")
+    assert got == [generate_text(model, tok, tok.encode(p), max_new_tokens=12) for p in prompts]
