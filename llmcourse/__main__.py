@@ -550,10 +550,11 @@ def run_generate(args: argparse.Namespace) -> int:
         tokenizer, yours = load_tokenizer(args.model), None
         settings["eos_token_id"] = eos_of(tokenizer)
         if hasattr(args, "parts"):
+            constrained = dict(json_schema=args.json_schema, regex=args.regex, choice=args.choice)
             yours = your_pieces(
                 args.parts,
                 notify=lambda line: print(line, file=sys.stderr, flush=True),
-                uses=slots_used({**settings, "quantize": args.quantize}, model_type_of(args.model)),
+                uses=slots_used({**settings, **constrained, "quantize": args.quantize}, model_type_of(args.model)),
             )
             if not isinstance(tokenizer, HFTokenizer):  # chapter 01's tokenizer is GPT-2's
                 tokenizer = yours.tokenizer
@@ -568,7 +569,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         if yours is not None:
             model = yours.install(model, args.quantize)  # an Engine: generation runs the learner's functions
-        settings["constraint"] = constraint_of(args, tokenizer)
+        settings["constraint"] = constraint_of(args, tokenizer, None if yours is None else yours.structuring)
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters
@@ -596,8 +597,9 @@ def run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def constraint_of(args: argparse.Namespace, tokenizer):
-    """The compiled constraint of --json-schema / --regex / --choice, or None."""
+def constraint_of(args: argparse.Namespace, tokenizer, structuring=None):
+    """The compiled constraint of --json-schema / --regex / --choice, or None (compiled and followed with
+    `structuring`'s functions: with --parts, chapter 13's)."""
     if args.json_schema is not None:
         try:
             schema = json.loads(Path(args.json_schema).read_text(encoding="utf-8"))
@@ -606,13 +608,13 @@ def constraint_of(args: argparse.Namespace, tokenizer):
         except json.JSONDecodeError as err:
             raise ValueError(f"--json-schema: {args.json_schema} is not JSON: {err}") from None
         try:
-            return compile_constraint(tokenizer, json_schema=schema)
+            return compile_constraint(tokenizer, json_schema=schema, structuring=structuring)
         except ValueError as err:
             raise ValueError(f"--json-schema: {err}") from None
     for flag, name, value in (("--regex", "regex", args.regex), ("--choice", "choice", args.choice)):
         if value is not None:
             try:
-                return compile_constraint(tokenizer, **{name: value})
+                return compile_constraint(tokenizer, **{name: value}, structuring=structuring)
             except ValueError as err:
                 raise ValueError(f"{flag}: {err}") from None
     return None

@@ -32,6 +32,7 @@ from llmcourse.engine.roofline import Cost, Roofline, RooflineTime, StepTime
 from llmcourse.engine.sampling import PROCESSORS, Sampler
 from llmcourse.engine.slots import PartError, Slots, raised
 from llmcourse.engine.speculative import Speculation, verify
+from llmcourse.engine.structured.regex import compile_regex
 
 # -- shared: reporting a failure, checking a result's shape ------------------------------------------------
 
@@ -849,6 +850,90 @@ def guard_quantization(name: str, fn: Callable) -> Callable:
 # -- the one way in: a table of a learner's functions, each guarded once ------------------------------------
 
 
+# -- chapter 13: structured output ----------------------------------------------------------------------------
+
+
+def _fail13(name: str, fn: Callable, problem: str) -> None:
+    part_failed(name, fn, problem, "13")
+
+
+def _is_state(x, num_states: int, dead: bool) -> bool:
+    """An automaton state of any integer type (not a bool): 0..num_states-1, or -1 where `dead` is allowed."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and (-1 if dead else 0) <= x < num_states
+
+
+def guarded_walk_token(fn: Callable) -> Callable:
+    """A learner's `walk_token`: a state of the automaton, or -1."""
+
+    @functools.wraps(fn)
+    def call(transitions, state, token):
+        out = raising_part(fn, "walk_token", "13")(transitions, state, token)
+        if not _is_state(out, len(transitions), dead=True):
+            _fail13("walk_token", fn, f"returned {out!r:.80} for token {token!r:.40} from state {state}; expected a "
+                    f"state of the automaton (0..{len(transitions) - 1}) or -1")  # fmt: skip
+        return int(out)
+
+    return call
+
+
+def guarded_token_index(fn: Callable) -> Callable:
+    """A learner's `token_index`: a dict {token id of the vocabulary: a state of the automaton}."""
+
+    @functools.wraps(fn)
+    def call(transitions, state, vocab, walk_token):
+        out = raising_part(fn, "token_index", "13")(transitions, state, vocab, walk_token)
+        if not isinstance(out, dict):
+            _fail13("token_index", fn, f"returned {type(out).__name__}; expected a dict {{token id: next state}}")
+        for token, target in out.items():
+            if token not in vocab or not _is_state(target, len(transitions), dead=False):
+                _fail13("token_index", fn, f"returned {{{token!r:.30}: {target!r:.30}, ...}} for state {state}; "
+                        "expected token ids of the vocabulary, each with the state it leads to")  # fmt: skip
+        return out
+
+    return call
+
+
+def guarded_mask_logits(fn: Callable) -> Callable:
+    """A learner's `mask_logits`: logits' shape and dtype; the allowed tokens (the EOS ids too where accepting) as
+    they were, every other token at -inf."""
+
+    @functools.wraps(fn)
+    def call(logits, allowed, accepting, eos_ids):
+        out = raising_part(fn, "mask_logits", "13")(logits, allowed, accepting, eos_ids)
+        if not isinstance(out, Tensor) or out.shape != logits.shape or out.dtype != logits.dtype:
+            got = f"shape {tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+            _fail13("mask_logits", fn, f"returned {got}; expected logits' shape {tuple(logits.shape)} and dtype "
+                    f"{logits.dtype}")  # fmt: skip
+        keep = torch.zeros(logits.shape[-1], dtype=torch.bool, device=logits.device)
+        keep[list(allowed)] = True
+        if accepting:
+            keep[list(eos_ids)] = True
+        if not (torch.equal(out[..., keep], logits[..., keep]) and bool(torch.isneginf(out[..., ~keep]).all())):
+            what = f"{len(allowed)} tokens allowed, accepting={accepting}, eos_ids={tuple(eos_ids)}"
+            _fail13("mask_logits", fn, f"returned logits that are not the input's where a token is allowed and -inf "
+                    f"elsewhere ({what})")  # fmt: skip
+        return out
+
+    return call
+
+
+def guarded_schema_regex(fn: Callable) -> Callable:
+    """A learner's `schema_regex`: a string the engine's regex compiler takes (its RegexError says why not)."""
+
+    @functools.wraps(fn)
+    def call(schema):
+        out = raising_part(fn, "schema_regex", "13")(schema)
+        if not isinstance(out, str):
+            _fail13("schema_regex", fn, f"returned {type(out).__name__}; expected the regex as a str")
+        try:
+            compile_regex(out)
+        except ValueError as err:
+            _fail13("schema_regex", fn, f"returned {out!r:.120}, which the engine cannot compile: {err}")
+        return out
+
+    return call
+
+
 def _result(
     expect: Callable[[str, tuple], tuple] = _expected_output,
     validate: Optional[Callable[[str, tuple, Tensor], Optional[str]]] = None,
@@ -879,6 +964,10 @@ GUARDS: dict[str, Callable[[str, Callable], Callable]] = {
     "best_k": lambda name, fn: guarded_best_k(fn),
     "speculative_round": lambda name, fn: guarded_round(fn),
     **{name: guard_quantization for name in Quantization.slot_names()},
+    "walk_token": lambda name, fn: guarded_walk_token(fn),
+    "token_index": lambda name, fn: guarded_token_index(fn),
+    "mask_logits": lambda name, fn: guarded_mask_logits(fn),
+    "schema_regex": lambda name, fn: guarded_schema_regex(fn),
 }
 
 
@@ -911,7 +1000,8 @@ def composed(table: type, functions: dict) -> dict:
 
 
 def guarded(table: type, **functions: Callable) -> Slots:
-    """The engine's `table` (Parts, Sampler, Batching, Speculation, Quantization) with a learner's functions in it,
+    """The engine's `table` (Parts, Sampler, Batching, Speculation, Quantization, Structuring) with a learner's
+    functions in it,
     each guarded: what the table's driver takes (`model.parts = guarded(Parts, gelu=my_gelu)`,
     `generate(..., sampler=guarded(Sampler, top_p=my_top_p))`)."""
     table.check_functions(functions)

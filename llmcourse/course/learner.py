@@ -24,6 +24,7 @@ from llmcourse.engine.quantize import Quantization, quantize_model
 from llmcourse.engine.roofline import Roofline
 from llmcourse.engine.sampling import Sampler
 from llmcourse.engine.speculative import Speculation
+from llmcourse.engine.structured.structuring import Structuring
 from llmcourse.engine.tokenizer import StreamDecoder, get_tokenizer
 from llmcourse.serving.batching import Batching
 
@@ -49,6 +50,7 @@ BATCHING_SLOTS = ("left_pad", *Batching.slot_names())  # chapter 07: left_pad is
 SPECULATION_SLOTS = Speculation.slot_names()
 QUANTIZATION_SLOTS = Quantization.slot_names()
 TOKENIZER_SLOTS = ("encode", "decode", "StreamDecoder")
+STRUCTURING_SLOTS = Structuring.slot_names()  # chapter 13: a constraint's compilation and masked steps
 # what the engine can take from a learner
 ENGINE_SLOTS = (
     PART_SLOTS
@@ -59,6 +61,7 @@ ENGINE_SLOTS = (
     + SPECULATION_SLOTS
     + QUANTIZATION_SLOTS
     + TOKENIZER_SLOTS
+    + STRUCTURING_SLOTS
 )
 
 CHAPTER_OF = {  # which chapter's exercise each slot the engine runs is (the roofline's run in no engine)
@@ -89,6 +92,7 @@ CHAPTER_OF = {  # which chapter's exercise each slot the engine runs is (the roo
         ),
         "11_modern",
     ),
+    **dict.fromkeys(STRUCTURING_SLOTS, "13_structured"),
 }
 Notify = Callable[[str], None]
 
@@ -288,6 +292,7 @@ class Pieces(NamedTuple):
     tokenizer: "LearnerTokenizer"
     mine: dict = {}
     origins: dict = {}
+    structuring: Structuring = Structuring()
 
     def install(self, model: Decoder, quantize: Optional[str] = None) -> "Engine":
         """`model` with these parts in its forward pass (quantized with these functions if `quantize`), as an
@@ -348,7 +353,8 @@ def pieces_of(
     yours = [n for n in ENGINE_SLOTS if n in functions and n not in TOKENIZER_SLOTS] + sorted(tokenizer.mine)
     notify(your_engine_notice(yours, uses))
     parts, quantization = table(Parts, PART_SLOTS), table(Quantization, QUANTIZATION_SLOTS)
-    return Pieces(parts, drivers, quantization, tokenizer, dict(functions), dict(origins or {}))
+    structuring = table(Structuring, STRUCTURING_SLOTS)
+    return Pieces(parts, drivers, quantization, tokenizer, dict(functions), dict(origins or {}), structuring)
 
 
 # The parts only one family's forward pass runs (chapter 04's GPT-2, chapter 11's Llama family); the rest both.
@@ -376,6 +382,7 @@ WHERE_USED = (
     ("quantizing", tuple(n for n in QUANTIZATION_SLOTS if n != "smooth_scales")),
     ("quantizing with a calibration (quantize_model(..., calibration=ids))", ("smooth_scales",)),
     ("the roofline's formulas: `predict` and chapter 06's decode bound run them, no generation does", ROOFLINE_SLOTS),
+    ("structured output: --json-schema, --regex, --choice", STRUCTURING_SLOTS),
 )
 
 
@@ -384,7 +391,8 @@ def slots_used(settings: dict, model_type: str = "gpt2") -> set[str]:
     it) runs on a model of `model_type` (config.json's): the forward pass (GPT-2's parts, or the Llama family's,
     QK-norm for Qwen3 only), the cache and left_pad always, chapter 01's tokenizer for GPT-2 (a Llama-family
     model brings its own); greedy (and the repetition penalty) or the enabled processors and sample; the
-    speculative functions with a draft; the quantization functions with quantize."""
+    speculative functions with a draft; the quantization functions with quantize; chapter 13's with a constraint
+    (json_schema, regex or choice: `generate --json-schema` and the others)."""
     used = set(WHERE_USED[0][1])
     if model_type == "gpt2":
         used |= set(GPT2_PARTS)
@@ -408,6 +416,10 @@ def slots_used(settings: dict, model_type: str = "gpt2") -> set[str]:
             used.add("best_k")
     if settings.get("quantize"):  # 'int8' or 'int4': that format's functions
         used |= {n for n in QUANTIZATION_SLOTS if settings["quantize"] in n}
+    if settings.get("json_schema") is not None:  # a schema is compiled to a regex first
+        used |= set(STRUCTURING_SLOTS)
+    elif settings.get("regex") is not None or settings.get("choice") is not None:
+        used |= set(STRUCTURING_SLOTS) - {"schema_regex"}
     return used
 
 

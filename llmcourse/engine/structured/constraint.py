@@ -32,8 +32,8 @@ import torch
 from torch import Tensor
 
 from .index import TokenIndex, Vocabulary, vocabulary_of
-from .json_schema import schema_regex
 from .regex import compile_regex, escape
+from .structuring import LazyIndex, Structuring, allowed_dict, mask_logits, structuring_of
 
 CACHE_BYTES = 1 << 30  # compiled constraints kept while their indexes hold less (a 7-property schema's: 130 MB)
 
@@ -43,12 +43,18 @@ class ConstraintError(ValueError):
 
 
 class Constraint:
-    """A compiled constraint: `pattern` (its regex), `index` (its token index), `kind` and `spec` as given."""
+    """A compiled constraint: `pattern` (its regex), `index` (its token index), `kind` and `spec` as given, and the
+    `structuring` functions it is followed with (the engine's own: the whole index built at once by the C kernel;
+    a learner's: each state indexed by their `token_index` when a request first reaches it)."""
 
-    def __init__(self, pattern: str, vocab: Vocabulary, kind: str, spec: Any):
+    def __init__(self, pattern: str, vocab: Vocabulary, kind: str, spec: Any, structuring: Optional[Structuring]):
         self.pattern, self.kind, self.spec = pattern, kind, spec
+        self.structuring = structuring_of(structuring)
         self.dfa = compile_regex(pattern)
-        self.index = TokenIndex(self.dfa, vocab)
+        if self.structuring.indexes_by_kernel:
+            self.index = TokenIndex(self.dfa, vocab)
+        else:
+            self.index = LazyIndex(self.dfa, vocab, self.structuring)
         self._masks: dict[tuple, Tensor] = {}
         self._lock = threading.RLock()
 
@@ -156,8 +162,9 @@ def constraint_pattern(
     choice: Optional[Sequence[str]] = None,
     json_schema: Any = None,
     json_object: bool = False,
+    structuring: Optional[Structuring] = None,
 ) -> tuple[str, str, Any]:
-    """(kind, regex, spec) of the one constraint given."""
+    """(kind, regex, spec) of the one constraint given (a JSON schema compiled by `structuring`'s schema_regex)."""
     given = [
         name
         for name, value in (
@@ -182,22 +189,24 @@ def constraint_pattern(
         return "choice", "(?:" + "|".join(escape(c) for c in choice) + ")", list(choice)
     if json_schema is not None:
         spec = json.loads(json_schema) if isinstance(json_schema, str) else json_schema
-        return "json_schema", schema_regex(spec), spec
-    return "json_object", schema_regex({"type": "object"}), True
+        return "json_schema", structuring_of(structuring).schema_regex(spec), spec
+    return "json_object", Structuring().schema_regex({"type": "object"}), True
 
 
-def compile_constraint(tokenizer, **constraint) -> Constraint:
+def compile_constraint(tokenizer, *, structuring: Optional[Structuring] = None, **constraint) -> Constraint:
     """A `Constraint` for this tokenizer: exactly one of regex=, choice=, json_schema= (a dict or its JSON text) or
-    json_object=True. Compiled once per (tokenizer, constraint); a constraint the engine cannot compile raises
-    ValueError naming why (RegexError, SchemaError and ConstraintError are ValueErrors)."""
-    kind, pattern, spec = constraint_pattern(**constraint)
+    json_object=True; `structuring`: the functions it is compiled and followed with (the engine's own by default;
+    chapter 13's). Compiled once per (tokenizer, constraint, structuring); a constraint the engine cannot compile
+    raises ValueError naming why (RegexError, SchemaError and ConstraintError are ValueErrors)."""
+    structuring = structuring_of(structuring)
+    kind, pattern, spec = constraint_pattern(**constraint, structuring=structuring)
     vocab = vocabulary(tokenizer)
-    key = (id(tokenizer), pattern)
+    key = (id(tokenizer), pattern, structuring)  # (a Structuring is equal to one holding the same functions)
     with _cache_lock:
         if key in _constraints:
             _constraints.move_to_end(key)
             return _constraints[key]
-    compiled = Constraint(pattern, vocab, kind, spec)
+    compiled = Constraint(pattern, vocab, kind, spec, structuring)
     with _cache_lock:
         _constraints[key] = compiled
         while len(_constraints) > 1 and sum(c.index.nbytes for c in _constraints.values()) > CACHE_BYTES:
@@ -221,7 +230,13 @@ def mask_rows_(logits: Tensor, guides: Sequence[Optional[Guide]]) -> Tensor:
         if guide is not None and not guide.ended:
             groups.setdefault((id(guide.constraint), guide.state, guide.eos_ids), (guide, []))[1].append(i)
     for guide, rows in groups.values():
-        keep, ids = guide.constraint.fill(guide.state, guide.eos_ids, V, device)
+        constraint = guide.constraint
+        if constraint.structuring.mask_logits is not mask_logits:  # a learner's: the group's rows through it
+            at = torch.tensor(rows, device=device)
+            allowed = allowed_dict(constraint.index, guide.state)
+            logits[at] = constraint.structuring.mask_logits(logits[at], allowed, guide.complete, guide.eos_ids)
+            continue
+        keep, ids = constraint.fill(guide.state, guide.eos_ids, V, device)
         every_row = len(rows) == len(logits)
         at = slice(None) if every_row else torch.tensor(rows, device=device)[:, None]  # [rows, 1]
         if keep:  # a few allowed: the rows rebuilt from them
