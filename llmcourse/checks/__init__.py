@@ -105,6 +105,7 @@ from .speculative import (
     check_speculative_round,
     check_verify,
 )
+from .structured import check_mask_logits, check_schema_regex, check_token_index, check_walk_token
 from .tokenization import (
     check_bpe_encode_chunk,
     check_bytes_to_unicode,
@@ -202,6 +203,10 @@ __all__ = [
     "check_rope_frequencies",
     "check_llama_block",
     "check_load_llama_checkpoint",
+    "check_walk_token",
+    "check_token_index",
+    "check_mask_logits",
+    "check_schema_regex",
 ]
 
 
