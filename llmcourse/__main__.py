@@ -548,6 +548,7 @@ def run_generate(args: argparse.Namespace) -> int:
         settings |= dict(draft=args.draft, num_draft_tokens=args.num_draft_tokens, stats=stats)
     try:
         tokenizer, yours = load_tokenizer(args.model), None
+        vocabulary = tokenizer  # what a constraint's index is built over (chapter 01's tokenizer has the same tokens)
         settings["eos_token_id"] = eos_of(tokenizer)
         if hasattr(args, "parts"):
             constrained = dict(json_schema=args.json_schema, regex=args.regex, choice=args.choice)
@@ -569,7 +570,7 @@ def run_generate(args: argparse.Namespace) -> int:
         )
         if yours is not None:
             model = yours.install(model, args.quantize)  # an Engine: generation runs the learner's functions
-        settings["constraint"] = constraint_of(args, tokenizer, None if yours is None else yours.structuring)
+        settings["constraint"] = constraint_of(args, vocabulary, None if yours is None else yours.structuring)
         pieces = stream(model, tokenizer, args.prompt, **settings)
         first = next(pieces, "")  # bad settings raise here, before anything is printed
     except FileNotFoundError as err:  # --parts names no chapters

@@ -665,6 +665,45 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
         assert torch.equal(tensor, expected), name
 
 
+def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions(tmp_path, capsys):
+    """Chapter 13 solved as its solution solves it: all four structured-output functions are the learner's; under a
+    regex the learner's walk, index and mask give the engine's own tokens (greedy and sampled); under a schema of the
+    chapter's subset the learner's regex makes JSON that validates; `generate --parts --choice` prints what the
+    engine alone prints and says the learner's functions ran."""
+    import jsonschema
+
+    import llmcourse
+    from llmcourse.__main__ import main
+    from llmcourse.course.learner import STRUCTURING_SLOTS, your_pieces
+    from llmcourse.engine.structured.constraint import compile_constraint
+
+    solved_copy("13_structured", tmp_path)
+    notices = []
+    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert sorted(pieces.structuring.overridden()) == sorted(STRUCTURING_SLOTS), notices
+    model, tok = llmcourse.load_model(device="cpu"), llmcourse.get_tokenizer()
+    prompt = tok.encode("ROMEO:")
+    for settings in (dict(), dict(temperature=0.9, seed=3)):
+        mine, theirs = (
+            llmcourse.generate(model, prompt, max_new_tokens=12, eos_token_id=50256, **settings,
+                               constraint=compile_constraint(tok, regex=r"[a-z]+(?:, [a-z]+){0,3}\\.", structuring=s))
+            for s in (pieces.structuring, None)
+        )  # fmt: skip
+        assert mine == theirs, settings
+    schema = {"type": "object", "properties": {"who": {"type": "string", "maxLength": 10}, "n": {"type": "integer"},
+              "ok": {"type": "boolean"}}, "required": ["who", "n", "ok"], "additionalProperties": False}  # fmt: skip
+    constraint = compile_constraint(tok, json_schema=schema, structuring=pieces.structuring)
+    out = llmcourse.generate(model, prompt, max_new_tokens=60, eos_token_id=50256, constraint=constraint)
+    jsonschema.validate(json.loads(tok.decode(out[: out.index(50256)])), schema)
+    args = ["generate", "--choice", "yes", "no", "--max-new-tokens", "4", "Is Juliet a Capulet?"]
+    assert main(args) == 0
+    alone = capsys.readouterr().out
+    assert main([*args[:1], "--parts", str(tmp_path), *args[1:]]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == alone and captured.out.strip() in ("yes", "no")
+    assert "your walk_token, token_index, mask_logits" in captured.err, captured.err
+
+
 def test_the_chapters_folder_is_found_from_a_notebook_in_the_folder_or_under_autograde(tmp_path, monkeypatch):
     """From chapters/NN/ the folder above; from the course root ./chapters; and where `nbgrader autograde` runs a
     notebook (autograded/STUDENT/CHAPTER/), the student's collected chapters in submitted/STUDENT/ — autograded/
