@@ -613,8 +613,9 @@ def check_mask_logits(fn, *, seed: int = 0, n_random: int = 4) -> None:
         seconds=10,
         total_seconds=120,
         shrink=False,
-        error_hints={"out of bounds for dimension 0": "logits may be [V] or [rows, V]: index the last dim, "
-                     "logits[..., ids]"},  # fmt: skip
+        error_hints={
+            "out of bounds for dimension 0": "logits may be [V] or [rows, V]: index the last dim, logits[..., ids]"
+        },  # fmt: skip
     )
 
 
