@@ -26,6 +26,7 @@ from llmcourse.engine.parts import Parts, rms_norm
 from llmcourse.engine.quantize import Quantization
 from llmcourse.engine.sampling import Sampler
 from llmcourse.engine.speculative import Speculation
+from llmcourse.engine.structured.structuring import Structuring
 from llmcourse.serving.batching import Batching
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -48,7 +49,9 @@ class StreamDecoder:
 def all_yours(**instead) -> dict:
     """Every slot filled with the engine's own function, as a learner who finished every chapter has them."""
     fns = {
-        f.name: f.default for t in (Parts, Sampler, Speculation, Quantization, Batching) for f in dataclasses.fields(t)
+        f.name: f.default
+        for t in (Parts, Sampler, Speculation, Quantization, Batching, Structuring)
+        for f in dataclasses.fields(t)
     }
     fns |= dict(KVCache=KVCache, left_pad=left_pad, decode=bpe.decode, StreamDecoder=StreamDecoder)
     fns["encode"] = lambda text, ranks: bpe.encode(text, ranks=ranks)
@@ -167,7 +170,7 @@ def test_the_engine_report_says_chapter_by_chapter_what_is_yours_and_why_the_res
     del fns["top_k"], fns["rope"]
     origins = {"top_k": ("05_sampling", "top_k", "does not pass its check (keeps k + 1 tokens)")}
     lines = engine_report(pieces_of(fns, notify=quiet, origins=origins)).splitlines()
-    assert len(lines) == len(set(capstone.CHAPTER_OF.values())) == 10
+    assert len(lines) == len(set(capstone.CHAPTER_OF.values())) == 11  # chapters 01-11 and 13 (no slots: 00, 10, 12)
     assert lines[0] == "01_tokenization  yours: encode, decode, StreamDecoder"
     assert "02_embeddings    yours: embedding; the engine's: rope (its notebook was not found)" in lines
     sampling = next(line for line in lines if line.startswith("05_sampling"))
