@@ -556,6 +556,7 @@ def run_generate(args: argparse.Namespace) -> int:
                 args.parts,
                 notify=lambda line: print(line, file=sys.stderr, flush=True),
                 uses=slots_used({**settings, **constrained, "quantize": args.quantize}, model_type_of(args.model)),
+                beyond=any(v is not None for v in constrained.values()),  # chapter 13's functions for a constraint
             )
             if not isinstance(tokenizer, HFTokenizer):  # chapter 01's tokenizer is GPT-2's
                 tokenizer = yours.tokenizer

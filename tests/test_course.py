@@ -679,7 +679,8 @@ def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions
 
     solved_copy("13_structured", tmp_path)
     notices = []
-    pieces = your_pieces(tmp_path, notify=notices.append)
+    assert your_pieces(tmp_path, notify=notices.append).structuring.overridden() == []  # the core path's alone
+    pieces = your_pieces(tmp_path, notify=notices.append, beyond=True)
     assert sorted(pieces.structuring.overridden()) == sorted(STRUCTURING_SLOTS), notices
     model, tok = llmcourse.load_model(device="cpu"), llmcourse.get_tokenizer()
     prompt = tok.encode("ROMEO:")

@@ -63,6 +63,9 @@ ENGINE_SLOTS = (
     + TOKENIZER_SLOTS
     + STRUCTURING_SLOTS
 )
+# the slots of the core path, chapters 01-11, that the capstone assembles (your_pieces' default); the chapters after
+# it ("Beyond the pipeline") are read where a run asks for them (`generate --parts` with a constraint)
+CORE_SLOTS = tuple(n for n in ENGINE_SLOTS if n not in STRUCTURING_SLOTS)
 
 CHAPTER_OF = {  # which chapter's exercise each slot the engine runs is (the roofline's run in no engine)
     **dict.fromkeys(("encode", "decode", "StreamDecoder"), "01_tokenization"),
@@ -293,6 +296,7 @@ class Pieces(NamedTuple):
     mine: dict = {}
     origins: dict = {}
     structuring: Structuring = Structuring()
+    read: tuple = ENGINE_SLOTS  # the slots whose chapters were read
 
     def install(self, model: Decoder, quantize: Optional[str] = None) -> "Engine":
         """`model` with these parts in its forward pass (quantized with these functions if `quantize`), as an
@@ -321,22 +325,30 @@ class Pieces(NamedTuple):
 
 
 def your_pieces(
-    folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None
+    folder: Optional[PathLike] = None, *, notify: Notify = print, uses: Optional[set[str]] = None, beyond=False
 ) -> Pieces:
     """What `my_engine` (and `generate --parts`) runs: your parts, sampler, KV cache, batching, speculative decoding
     and quantization functions and tokenizer, with one notice for each exercise with a slot that is not used, and
     one line saying what is yours (`uses`: the slots the run will use, see `slots_used`; None: grouped by where the
-    engine uses them)."""
+    engine uses them). The chapters of the core path (01-11, what the capstone assembles); with `beyond`, those after
+    the capstone too (13: structured output's functions)."""
     origins: dict = {}
-    functions = learner_functions(folder, slots=ENGINE_SLOTS, notify=notify, origins=origins)
-    return pieces_of(functions, notify=notify, uses=uses, origins=origins)
+    slots = ENGINE_SLOTS if beyond else CORE_SLOTS
+    functions = learner_functions(folder, slots=slots, notify=notify, origins=origins)
+    return pieces_of(functions, notify=notify, uses=uses, origins=origins, read=slots)
 
 
 def pieces_of(
-    functions: dict[str, Callable], *, notify: Notify = print, uses: Optional[set[str]] = None, origins=None
+    functions: dict[str, Callable],
+    *,
+    notify: Notify = print,
+    uses: Optional[set[str]] = None,
+    origins=None,
+    read: tuple = ENGINE_SLOTS,
 ) -> Pieces:
     """`Pieces` made of these functions by slot name (a learner's, as `learner_functions` finds them), the
-    engine's own in every other slot; the notice of what is yours goes to `notify`."""
+    engine's own in every other slot; the notice of what is yours goes to `notify`. `read`: the slots whose
+    chapters were looked for (`engine_report` reports their chapters)."""
 
     def table(cls, slots):
         return guarded(cls, **{n: f for n, f in functions.items() if n in slots})
@@ -354,7 +366,7 @@ def pieces_of(
     notify(your_engine_notice(yours, uses))
     parts, quantization = table(Parts, PART_SLOTS), table(Quantization, QUANTIZATION_SLOTS)
     structuring = table(Structuring, STRUCTURING_SLOTS)
-    return Pieces(parts, drivers, quantization, tokenizer, dict(functions), dict(origins or {}), structuring)
+    return Pieces(parts, drivers, quantization, tokenizer, dict(functions), dict(origins or {}), structuring, read)
 
 
 # The parts only one family's forward pass runs (chapter 04's GPT-2, chapter 11's Llama family); the rest both.
@@ -449,7 +461,7 @@ def engine_report(pieces: Pieces) -> str:
         ...
     """
     lines = []
-    for chapter in sorted(set(CHAPTER_OF.values())):
+    for chapter in sorted({CHAPTER_OF[s] for s in pieces.read if s in CHAPTER_OF}):
         slots = [s for s, c in CHAPTER_OF.items() if c == chapter]
         yours = [s for s in slots if s in pieces.mine]
         theirs = [s for s in slots if s not in pieces.mine]
