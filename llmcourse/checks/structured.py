@@ -910,6 +910,9 @@ class SchemaCase:
     def __deepcopy__(self, memo):
         return self
 
+    def __repr__(self) -> str:
+        return "a regex matching exactly the JSON texts this schema validates (compact or spaced)"
+
 
 def schema_verdict(case: SchemaCase, regex: Any) -> Verdict:
     """What is wrong with `regex` for the case's schema, or None."""
