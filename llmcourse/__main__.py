@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from .bench.command import main as bench
-from .course.learner import my_engine, slots_used, your_pieces
+from .course.learner import slots_used, your_pieces
 from .course.progress import default_folder, progress_lines
 from .engine.checkpoints import read_config
 from .engine.config import CheckpointError
@@ -749,16 +749,12 @@ def run_serve(args: argparse.Namespace) -> int:
     except ValueError as err:
         return fail(f"--allowed-origins: {err}", 2)
     try:
+        structuring = None
         if hasattr(args, "parts"):  # an Engine: LLMEngine runs the learner's parts, sampler and batching functions
-            model = my_engine(
-                args.parts,
-                model=args.model,
-                device=args.device,
-                dtype=args.dtype,
-                quantize=args.quantize,
-                notify=lambda line: print(line, file=sys.stderr, flush=True),
-            )
-            tokenizer = model.tokenizer  # chapter 01's for GPT-2; a Llama-family model's own
+            notify = lambda line: print(line, file=sys.stderr, flush=True)  # noqa: E731
+            pieces = your_pieces(args.parts, notify=notify, beyond=True)  # chapter 13's for requests' constraints
+            model = pieces.engine(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
+            tokenizer, structuring = model.tokenizer, pieces.structuring  # chapter 01's for GPT-2 (a Llama's own)
         else:
             tokenizer = load_tokenizer(args.model)
             model = load_model(args.model, device=args.device, dtype=args.dtype, quantize=args.quantize)
@@ -771,7 +767,13 @@ def run_serve(args: argparse.Namespace) -> int:
         return fail(str(err), 1)
     name = str(args.model)
     app = build_app(
-        engine, tokenizer, name, api_key=args.api_key, max_pending=args.max_pending, allowed_origins=origins
+        engine,
+        tokenizer,
+        name,
+        api_key=args.api_key,
+        max_pending=args.max_pending,
+        allowed_origins=origins,
+        structuring=structuring,
     )
     url = f"http://{args.host}:{args.port}"
     print(f"serving {name} at {url}/v1 (OpenAI API); chat page: {url}/ ; Ctrl+C stops", file=sys.stderr, flush=True)

@@ -696,6 +696,28 @@ def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions
     constraint = compile_constraint(tok, json_schema=schema, structuring=pieces.structuring)
     out = llmcourse.generate(model, prompt, max_new_tokens=60, eos_token_id=50256, constraint=constraint)
     jsonschema.validate(json.loads(tok.decode(out[: out.index(50256)])), schema)
+    # the server with the learner's engine (`serve --parts`): a guided regex compiled with their four functions
+    import openai
+
+    from llmcourse.serving.api_server import ServerThread, build_app
+    from llmcourse.serving.llm_engine import LLMEngine
+
+    engine = pieces.engine(model)
+    regex = r"[a-z]+(?:, [a-z]+){0,3}\\."
+    alone = tok.decode(
+        llmcourse.generate(
+            model, prompt, max_new_tokens=12, eos_token_id=50256, constraint=compile_constraint(tok, regex=regex)
+        )  # fmt: skip
+    )
+    llm = LLMEngine(engine, max_num_seqs=4, tokenizer=engine.tokenizer)
+    app = build_app(llm, engine.tokenizer, "mine", structuring=pieces.structuring)
+    with ServerThread(app) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        reply = client.completions.create(
+            model="mine", prompt="ROMEO:", max_tokens=12, temperature=0, extra_body={"guided_regex": regex}
+        )
+    assert reply.choices[0].text == alone.removesuffix("<|endoftext|>"), (reply.choices[0].text, alone)
+    assert app.state.server.structuring is pieces.structuring
     args = ["generate", "--choice", "yes", "no", "--max-new-tokens", "4", "Is Juliet a Capulet?"]
     assert main(args) == 0
     alone = capsys.readouterr().out

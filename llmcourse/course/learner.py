@@ -227,6 +227,14 @@ class LearnerTokenizer:
     def decode_single_token_bytes(self, token: int) -> bytes:
         return self.vocab[token]
 
+    @property
+    def n_vocab(self) -> int:
+        return self.engine.n_vocab
+
+    @property
+    def special_tokens_set(self) -> set:  # (with the two above: what a constraint's vocabulary is read from)
+        return self.engine.special_tokens_set
+
     def stream_decoder(self):
         return GuardedStreamDecoder(self)
 

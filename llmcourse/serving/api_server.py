@@ -46,6 +46,7 @@ from starlette.routing import Route
 from llmcourse.engine.generate import StopStrings
 from llmcourse.engine.sampling import eos_ids
 from llmcourse.engine.structured.constraint import Constraint, compile_constraint
+from llmcourse.engine.structured.structuring import Structuring
 from llmcourse.engine.tokenizer import stream_decoder
 
 from . import openai_api as api
@@ -68,14 +69,16 @@ def build_app(
     api_key: Optional[str] = None,
     max_pending: int = 256,
     allowed_origins: Iterable[str] = (),
+    structuring: Optional[Structuring] = None,
 ) -> Starlette:
     """The ASGI app serving `engine`'s model as `model_name`. api_key: required as `Authorization: Bearer KEY` on
     the /v1 routes, /tokenize, /detokenize and /metrics (None: open). max_pending: requests held at once before
     new ones get 429. allowed_origins: the web origins (`https://example.org`, or `*`) whose pages may call the
-    server from a browser; any other cross-origin request gets 403 (the chat page is same-origin)."""
+    server from a browser; any other cross-origin request gets 403 (the chat page is same-origin). structuring: the
+    functions a request's constraint is compiled and followed with (`serve --parts`: chapter 13's)."""
     if engine.tokenizer is None:  # stop strings are matched in the text
         engine.tokenizer = tokenizer
-    server = Server(engine, tokenizer, model_name, api_key, max_pending)
+    server = Server(engine, tokenizer, model_name, api_key, max_pending, structuring)
     routes = [
         Route("/", server.chat_page),
         Route("/favicon.ico", server.favicon),
@@ -99,8 +102,10 @@ class Server:
     """The routes' state: the model's name and tokenizer, the `AsyncEngine` (made when the app starts) and the
     metrics."""
 
-    def __init__(self, engine: LLMEngine, tokenizer, name: str, api_key: Optional[str], max_pending: int):
+    def __init__(self, engine: LLMEngine, tokenizer, name: str, api_key: Optional[str], max_pending: int,
+                 structuring: Optional[Structuring] = None):  # fmt: skip
         self.engine, self.tokenizer, self.name, self.api_key = engine, tokenizer, name, api_key
+        self.structuring = structuring
         self.max_pending = max_pending
         self.n_positions = engine.model.config.n_positions
         self.vocab_size = getattr(tokenizer, "n_vocab", None) or engine.model.config.vocab_size
@@ -223,7 +228,7 @@ class Server:
             spec = dict(job.constraint)
             field = spec.pop("field")
             try:
-                return job, compile_constraint(self.tokenizer, **spec)
+                return job, compile_constraint(self.tokenizer, **spec, structuring=self.structuring)
             except ValueError as err:  # a schema outside the subset names its keyword; a regex, its feature
                 raise api.APIError(f"{field}: {err}", field) from None
 
