@@ -9,6 +9,7 @@ import re
 import jsonschema
 import pytest
 import torch
+from outlines_core.json_schema import build_regex_from_schema as outlines_regex  # loaded before a check runs
 
 from llmcourse.checks import CheckFailed
 from llmcourse.checks.structured import (
@@ -144,10 +145,8 @@ def engine_schema(schema):
     return engines(schema)
 
 
-def outlines_schema(schema):
-    from outlines_core.json_schema import build_regex_from_schema
-
-    return build_regex_from_schema(json.dumps(schema))
+def outlines_schema(schema):  # (outlines-core is loaded already: see the top of this module)
+    return outlines_regex(json.dumps(schema))
 
 
 def dfa_index(transitions, state, vocab, walk_token):  # the engine's automaton class, walked

@@ -665,7 +665,7 @@ def test_the_solved_chapter_09_quantizes_the_engines_model_with_the_learners_fun
         assert torch.equal(tensor, expected), name
 
 
-def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions(tmp_path, capsys):
+def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions(tmp_path, capsys, monkeypatch):
     """Chapter 13 solved as its solution solves it: all four structured-output functions are the learner's; under a
     regex the learner's walk, index and mask give the engine's own tokens (greedy and sampled); under a schema of the
     chapter's subset the learner's regex makes JSON that validates; `generate --parts --choice` prints what the
@@ -674,7 +674,7 @@ def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions
 
     import llmcourse
     from llmcourse.__main__ import main
-    from llmcourse.course.learner import STRUCTURING_SLOTS, your_pieces
+    from llmcourse.course.learner import ENGINE_SLOTS, STRUCTURING_SLOTS, pieces_of, your_pieces
     from llmcourse.engine.structured.constraint import compile_constraint
 
     solved_copy("13_structured", tmp_path)
@@ -684,7 +684,7 @@ def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions
     assert sorted(pieces.structuring.overridden()) == sorted(STRUCTURING_SLOTS), notices
     model, tok = llmcourse.load_model(device="cpu"), llmcourse.get_tokenizer()
     prompt = tok.encode("ROMEO:")
-    for settings in (dict(), dict(temperature=0.9, seed=3)):
+    for settings in (dict(), dict(temperature=0.9, seed=3)):  # greedy and sampled
         mine, theirs = (
             llmcourse.generate(model, prompt, max_new_tokens=12, eos_token_id=50256, **settings,
                                constraint=compile_constraint(tok, regex=r"[a-z]+(?:, [a-z]+){0,3}\\.", structuring=s))
@@ -721,7 +721,14 @@ def test_the_solved_chapter_13_constrains_generation_with_the_learners_functions
     args = ["generate", "--choice", "yes", "no", "--max-new-tokens", "4", "Is Juliet a Capulet?"]
     assert main(args) == 0
     alone = capsys.readouterr().out
-    assert main([*args[:1], "--parts", str(tmp_path), *args[1:]]) == 0
+    asked = []  # (the chapter has run once above: the command gets those pieces, and must ask for chapter 13)
+
+    def read_once(folder, **settings):
+        asked.append(settings.get("beyond"))
+        return pieces_of(pieces.mine, notify=settings["notify"], uses=settings["uses"], read=ENGINE_SLOTS)
+
+    monkeypatch.setattr("llmcourse.__main__.your_pieces", read_once)
+    assert main([*args[:1], "--parts", str(tmp_path), *args[1:]]) == 0 and asked == [True]
     captured = capsys.readouterr()
     assert captured.out == alone and captured.out.strip() in ("yes", "no")
     assert "your walk_token, token_index, mask_logits" in captured.err, captured.err

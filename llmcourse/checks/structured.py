@@ -52,9 +52,16 @@ from .harness.forbid import Forbidden
 from .harness.show import short
 
 ENGINE_IS_THE_ANSWER = "the engine's structured output, what yours is compared with: write your own"
+LIBRARY = "a structured-output library: write your own"
 NO_LIBRARIES = [
-    Forbidden("outlines_core", "outlines-core is a structured-output library: write your own"),
-    Forbidden("outlines", "outlines is a structured-output library: write your own"),
+    Forbidden("outlines_core", f"outlines-core is {LIBRARY}"),
+    Forbidden("outlines", f"outlines is {LIBRARY}"),
+    # outlines-core's Rust functions say they live in a module 'json_schema' that the package rule cannot recognize
+    # once outlines-core is loaded: named one by one
+    *[
+        Forbidden(f"outlines_core.{name}", f"outlines-core is {LIBRARY}")
+        for name in ("json_schema.build_regex_from_schema", "Index", "Guide", "Vocabulary")
+    ],
 ]
 NO_ENGINE = [Forbidden("llmcourse.engine.structured", ENGINE_IS_THE_ANSWER, direct=True), *NO_LIBRARIES]
 # token_index is given the engine's walk_token to call (the check does not judge a walk twice): the rest is refused
